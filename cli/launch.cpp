@@ -1,0 +1,102 @@
+#include "commands.h"
+#include "difftrain/core/error.h"
+#include "difftrain/launch/config.h"
+#include "difftrain/launch/launcher.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <iostream>
+
+namespace difftrain::cli {
+
+namespace {
+
+launch::LaunchOptions g_options;
+std::string g_config_file;
+CLI::App* g_cmd = nullptr;
+std::map<std::string, CLI::Option*> g_flags;
+
+// Flag names as Accelerate spells them; the dashed spelling works too.
+template <typename T>
+CLI::Option* flag(const std::string& name, T& target, const std::string& help) {
+  std::string dashed = name;
+  std::replace(dashed.begin(), dashed.end(), '_', '-');
+  auto* option = g_cmd->add_option("--" + name + (dashed != name ? ",--" + dashed : ""), target, help);
+  g_flags[name] = option;
+  return option;
+}
+
+bool given(const std::string& name) { return g_flags.at(name)->count() > 0; }
+
+}  // namespace
+
+CLI::App* add_launch_command(CLI::App& app) {
+  g_cmd = app.add_subcommand(
+      "launch",
+      "Run PROGRAM once per rank, like `accelerate launch` / torchrun: difftrain launch [options] "
+      "PROGRAM [ARGS...]");
+  g_cmd->prefix_command();  // everything from PROGRAM on belongs to the program
+  flag("num_processes", g_options.num_processes, "Ranks in total, over all machines (default 1)");
+  flag("num_machines", g_options.num_machines, "Machines in the job (default 1)");
+  flag("machine_rank", g_options.machine_rank, "This machine's index, 0 = main (default 0)");
+  flag("main_process_ip", g_options.main_process_ip, "Address of machine 0 (multi-machine)");
+  flag("main_process_port", g_options.main_process_port,
+       "Rendezvous port on machine 0 (0 = any free port; one machine needs no port at all)");
+  flag("num_cpu_threads_per_process", g_options.num_cpu_threads_per_process,
+       "Intra-op threads per rank (0 = cores / local ranks); sets OMP_NUM_THREADS");
+  flag("mixed_precision", g_options.mixed_precision, "no | fp16 | bf16 (DIFFTRAIN_MIXED_PRECISION)")
+      ->check(CLI::IsMember({"no", "fp16", "bf16"}));
+  flag("gradient_accumulation_steps", g_options.gradient_accumulation_steps,
+       "Passed on as DIFFTRAIN_GRADIENT_ACCUMULATION_STEPS (default 1)");
+  flag("max_restarts", g_options.max_restarts,
+       "Restart the whole group up to K times after a failure (default 0)");
+  flag("log_dir", g_options.log_dir, "Also write each rank's output to DIR/rank<r>.log");
+  flag("term_timeout", g_options.term_timeout_s,
+       "Seconds between SIGTERM and SIGKILL when stopping ranks (default 5)");
+  flag("join_timeout", g_options.join_timeout_s,
+       "Seconds machines and ranks wait for each other to join (default 60)");
+  auto* config = g_cmd->add_option("--config_file,--config-file", g_config_file,
+                                   "Launch config YAML (difftrain's or Accelerate's); default: "
+                                   "the one `difftrain config` wrote, if any");
+  (void)config;
+  g_cmd->footer(
+      "Environment of each rank: RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK NODE_RANK "
+      "MASTER_ADDR MASTER_PORT OMP_NUM_THREADS DIFFTRAIN_NUM_THREADS DIFFTRAIN_MIXED_PRECISION "
+      "DIFFTRAIN_GRADIENT_ACCUMULATION_STEPS DIFFTRAIN_RESTART_COUNT DIFFTRAIN_LAUNCHED=1.\n"
+      "Precedence: flags > config file > defaults.");
+  return g_cmd;
+}
+
+int run_launch() {
+  g_options.command = g_cmd->remaining();
+  if (!g_options.command.empty() && g_options.command.front() == "--") {
+    g_options.command.erase(g_options.command.begin());
+  }
+  // Fill what the flags left unset from the config file.
+  std::string path = g_config_file;
+  if (path.empty() && std::filesystem::exists(launch::default_config_path())) {
+    path = launch::default_config_path();
+  }
+  if (!path.empty()) {
+    const launch::LaunchConfig c = launch::load_config(path);
+    for (const auto& note : c.notes) std::cerr << "difftrain launch: config " << path << ": " << note << "\n";
+    auto take = [&](const std::string& name, auto& target, const auto& value) {
+      if (value && !given(name)) target = *value;
+    };
+    take("num_processes", g_options.num_processes, c.num_processes);
+    take("num_machines", g_options.num_machines, c.num_machines);
+    take("machine_rank", g_options.machine_rank, c.machine_rank);
+    take("main_process_ip", g_options.main_process_ip, c.main_process_ip);
+    take("main_process_port", g_options.main_process_port, c.main_process_port);
+    take("num_cpu_threads_per_process", g_options.num_cpu_threads_per_process,
+         c.num_cpu_threads_per_process);
+    take("mixed_precision", g_options.mixed_precision, c.mixed_precision);
+    take("gradient_accumulation_steps", g_options.gradient_accumulation_steps,
+         c.gradient_accumulation_steps);
+    take("max_restarts", g_options.max_restarts, c.max_restarts);
+    take("log_dir", g_options.log_dir, c.log_dir);
+  }
+  return launch::run(g_options);
+}
+
+}  // namespace difftrain::cli

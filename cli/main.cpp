@@ -1,0 +1,42 @@
+// difftrain: distributed training of diffusion models. This file only registers the commands and
+// turns exceptions into exit codes.
+
+#include "commands.h"
+#include "difftrain/core/error.h"
+#include "difftrain/core/log.h"
+
+#include <c10/util/Exception.h>
+
+#include <iostream>
+
+int main(int argc, char** argv) {
+  difftrain::log::init();
+  CLI::App app{"difftrain: distributed training of diffusion models on LibTorch", "difftrain"};
+  app.set_version_flag("--version", std::string("difftrain ") + DIFFTRAIN_VERSION);
+  app.require_subcommand(1);
+  auto* launch = difftrain::cli::add_launch_command(app);
+  auto* config = difftrain::cli::add_config_command(app);
+  auto* env = difftrain::cli::add_env_command(app);
+  auto* test = difftrain::cli::add_test_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    if (launch->parsed()) return difftrain::cli::run_launch();
+    if (config->parsed()) return difftrain::cli::run_config();
+    if (env->parsed()) return difftrain::cli::run_env();
+    if (test->parsed()) return difftrain::cli::run_test();
+  } catch (const difftrain::Error& e) {
+    std::cerr << "difftrain: error: " << e.what() << std::endl;
+    return 1;
+  } catch (const c10::Error& e) {
+    std::cerr << "difftrain: error: " << e.what_without_backtrace() << std::endl;
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "difftrain: error: " << e.what() << std::endl;
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,44 @@
+#pragma once
+
+#include "difftrain/dist/process_group.h"
+
+#include <torch/types.h>
+
+#include <vector>
+
+namespace difftrain::dist {
+
+/// Reduction of a collective. kMean is a sum divided by the world size (floating tensors only).
+enum class ReduceOp { kSum, kMean, kMax, kMin };
+
+/// In-place all-reduce of `tensor` (any shape; identical shape and dtype on every rank).
+/// torch: `dist.all_reduce(t, op)`; Accelerate: `accelerator.reduce(t, "sum" | "mean")`.
+void all_reduce(torch::Tensor& tensor, ReduceOp op = ReduceOp::kSum,
+                ProcessGroup& group = default_group());
+
+/// In-place broadcast of `tensor` from rank `root` to every rank.
+/// torch: `dist.broadcast(t, src=root)`.
+void broadcast(torch::Tensor& tensor, int root = 0, ProcessGroup& group = default_group());
+
+/// Gathers `tensor` from every rank: result[r] is rank r's tensor (same shape on every rank).
+/// torch: `dist.all_gather(list, t)`.
+std::vector<torch::Tensor> all_gather(const torch::Tensor& tensor,
+                                      ProcessGroup& group = default_group());
+
+/// Every rank's `tensor` concatenated along dim 0: [W * N, ...] from [N, ...] per rank.
+/// Accelerate: `accelerator.gather(t)`.
+torch::Tensor gather_cat(const torch::Tensor& tensor, ProcessGroup& group = default_group());
+
+/// Reduce-scatter along dim 0: `input` is [W * N, ...] on every rank; rank r receives the
+/// reduction over ranks of rows [r * N, (r + 1) * N), shape [N, ...].
+/// torch: `dist.reduce_scatter_tensor`. Gloo (LibTorch 1.13) has none, so on Gloo it is an
+/// alltoall followed by a local reduction; on NCCL the native collective.
+torch::Tensor reduce_scatter(const torch::Tensor& input, ReduceOp op = ReduceOp::kSum,
+                             ProcessGroup& group = default_group());
+
+/// Blocks until every rank has reached it. Accelerate: `accelerator.wait_for_everyone()`.
+void barrier(ProcessGroup& group = default_group());
+
+const char* to_string(ReduceOp op);
+
+}  // namespace difftrain::dist

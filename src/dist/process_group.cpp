@@ -1,0 +1,343 @@
+#include "difftrain/dist/process_group.h"
+
+#include "difftrain/core/error.h"
+#include "difftrain/core/log.h"
+#include "difftrain/dist/net.h"
+
+#include <ATen/Parallel.h>
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef DIFFTRAIN_WITH_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#include <torch/cuda.h>
+#endif
+
+#include <fmt/format.h>
+
+#include <cstdlib>
+#include <future>
+#include <thread>
+
+namespace difftrain::dist {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string first_line(const std::exception& e) {
+  std::string text;
+  if (auto c10_error = dynamic_cast<const c10::Error*>(&e)) {
+    text = c10_error->what_without_backtrace();
+  } else {
+    text = e.what();
+  }
+  const auto newline = text.find('\n');
+  if (newline != std::string::npos) text.resize(newline);
+  return text;
+}
+
+double seconds(std::chrono::milliseconds ms) { return ms.count() / 1000.0; }
+
+std::vector<uint8_t> bytes(const std::string& text) { return {text.begin(), text.end()}; }
+
+std::string join_ranks(const std::vector<int>& ranks) {
+  std::string out;
+  for (size_t i = 0; i < ranks.size(); ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  return out;
+}
+
+std::optional<long> env_seconds(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return std::nullopt;
+  char* end = nullptr;
+  const double parsed = std::strtod(value, &end);
+  if (end == value || *end != '\0' || parsed <= 0) {
+    throw Error(std::string(name) + "='" + value + "' is not a positive number of seconds");
+  }
+  return static_cast<long>(parsed * 1000);
+}
+
+}  // namespace
+
+ProcessGroupOptions ProcessGroupOptions::with_env_overrides() const {
+  ProcessGroupOptions out = *this;
+  if (auto ms = env_seconds("DIFFTRAIN_JOIN_TIMEOUT")) out.join_timeout = std::chrono::milliseconds(*ms);
+  if (auto ms = env_seconds("DIFFTRAIN_COLLECTIVE_TIMEOUT")) {
+    out.collective_timeout = std::chrono::milliseconds(*ms);
+  }
+  if (const char* backend = std::getenv("DIFFTRAIN_BACKEND")) {
+    if (*backend) out.backend = backend;
+  }
+  return out;
+}
+
+ProcessGroup::ProcessGroup(RendezvousInfo info, ProcessGroupOptions options)
+    : info_(std::move(info)), options_(std::move(options)) {
+  if (options_.backend != "auto" && options_.backend != "gloo" && options_.backend != "nccl") {
+    throw Error("unknown backend '" + options_.backend + "': use gloo, nccl or auto");
+  }
+  if (info_.world_size == 1) {
+    bind_address_ = "";
+    peer_hosts_ = {"local"};
+    return;
+  }
+  if (!info_.store_file.empty() || is_loopback_host(info_.master_addr)) {
+    // One machine: every socket stays on loopback.
+    bind_address_ = "127.0.0.1";
+  } else if (const char* iface = std::getenv("GLOO_SOCKET_IFNAME"); iface && *iface) {
+    bind_address_ = std::string("interface ") + iface;
+  } else {
+    bind_address_ = local_address_towards(info_.master_addr, info_.master_port);
+  }
+  open_store();
+  join();
+  connect_backend();
+}
+
+ProcessGroup::~ProcessGroup() = default;
+
+std::string ProcessGroup::describe() const {
+  return fmt::format("rank {}/{}", info_.rank, info_.world_size);
+}
+
+std::string ProcessGroup::backend_name() const {
+  if (!backend_) return "local";
+  return backend_->getBackendName();
+}
+
+c10d::ProcessGroup& ProcessGroup::backend() {
+  if (!backend_) throw Error("a world of one rank has no c10d process group");
+  return *backend_;
+}
+
+c10d::Store& ProcessGroup::store() {
+  if (!store_) throw Error("a world of one rank has no rendezvous store");
+  return *store_;
+}
+
+void ProcessGroup::open_store() {
+  c10::intrusive_ptr<c10d::Store> base;
+  const std::string where = info_.store_description();
+  if (!info_.store_file.empty()) {
+    try {
+      base = c10::make_intrusive<c10d::FileStore>(info_.store_file, info_.world_size);
+    } catch (const std::exception& e) {
+      throw Error(fmt::format("{} could not open the rendezvous file {}: {}: is the launcher's "
+                              "directory still there?",
+                              describe(), info_.store_file, first_line(e)));
+    }
+  } else {
+    c10d::TCPStoreOptions opts;
+    opts.port = static_cast<std::uint16_t>(info_.master_port);
+    opts.isServer = info_.rank == 0 && !info_.store_hosted;
+    opts.waitWorkers = false;
+    opts.timeout = options_.join_timeout;
+    try {
+      base = c10::make_intrusive<c10d::TCPStore>(info_.master_addr, opts);
+    } catch (const std::exception& e) {
+      if (opts.isServer) {
+        throw Error(fmt::format("{} could not host the rendezvous store on port {}: {}: is the "
+                                "port in use? pick another MASTER_PORT / --main_process_port",
+                                describe(), info_.master_port, first_line(e)));
+      }
+      throw Error(fmt::format("{} could not reach the rendezvous at {} within {:g} s: is rank 0 "
+                              "(or the main machine's launcher) started, is the port open? ({})",
+                              describe(), where, seconds(options_.join_timeout), first_line(e)));
+    }
+  }
+  base->setTimeout(options_.join_timeout);
+  store_ = c10::make_intrusive<c10d::PrefixStore>(
+      "difftrain/gen" + std::to_string(info_.restart_count), base);
+}
+
+void ProcessGroup::join() {
+  const std::string my_host = bind_address_ + " (" + host_name() + ")";
+  const auto deadline = Clock::now() + options_.join_timeout;
+  try {
+    store_->set("joined/" + std::to_string(info_.rank), bytes(my_host));
+    std::vector<int> missing;
+    while (true) {
+      missing.clear();
+      for (int r = 0; r < info_.world_size; ++r) {
+        if (!store_->check({"joined/" + std::to_string(r)})) missing.push_back(r);
+      }
+      if (missing.empty()) break;
+      if (Clock::now() > deadline) {
+        throw Error(fmt::format(
+            "{}: timed out after {:g} s waiting for rank(s) {} to join the rendezvous at {}: are "
+            "they started, with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE={}?",
+            describe(), seconds(options_.join_timeout), join_ranks(missing),
+            info_.store_description(), info_.world_size));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    peer_hosts_.clear();
+    for (int r = 0; r < info_.world_size; ++r) {
+      const auto value = store_->get("joined/" + std::to_string(r));
+      peer_hosts_.emplace_back(value.begin(), value.end());
+    }
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("{} lost the rendezvous at {} while joining: {}", describe(),
+                            info_.store_description(), first_line(e)));
+  }
+}
+
+void ProcessGroup::connect_backend() {
+  std::string backend = options_.backend;
+#ifdef DIFFTRAIN_WITH_NCCL
+  if (backend == "auto") backend = torch::cuda::is_available() ? "nccl" : "gloo";
+  if (backend == "nccl") {
+    auto opts = c10d::ProcessGroupNCCL::Options::create();
+    opts->timeout = options_.collective_timeout;
+    auto pg_store = c10::make_intrusive<c10d::PrefixStore>("nccl", store_);
+    backend_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(pg_store, info_.rank, info_.world_size, opts);
+    return;
+  }
+#else
+  if (backend == "auto") backend = "gloo";
+  if (backend == "nccl") {
+    throw Error("backend nccl needs a difftrain built with -DDIFFTRAIN_CUDA=ON against a CUDA "
+                "LibTorch; use gloo (the default) on this build");
+  }
+#endif
+  auto opts = c10d::ProcessGroupGloo::Options::create(options_.collective_timeout);
+  try {
+    if (bind_address_.rfind("interface ", 0) == 0) {
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(
+          bind_address_.substr(std::string("interface ").size())));
+    } else {
+      opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(bind_address_));
+    }
+    opts->threads = 2;
+    auto pg_store = c10::make_intrusive<c10d::PrefixStore>("gloo", store_);
+    backend_ = c10::make_intrusive<c10d::ProcessGroupGloo>(pg_store, info_.rank, info_.world_size, opts);
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("{} could not connect the gloo group (bound to {}, rendezvous {}): {}: "
+                            "check that every machine can reach the others' addresses",
+                            describe(), bind_address_, info_.store_description(), first_line(e)));
+  }
+}
+
+std::string ProcessGroup::probe_lost_ranks() {
+  // Every rank that sees a collective fail checks in under the same key; whoever does not check
+  // in within a few seconds is the one that is gone. The store may itself be behind the lost link,
+  // so the probe runs on a thread with a deadline and is abandoned if the store does not answer.
+  const int index = failures_++;
+  const auto budget =
+      std::min<std::chrono::milliseconds>(options_.join_timeout, std::chrono::seconds(10));
+  auto store = store_;
+  const int rank = info_.rank;
+  const int world = info_.world_size;
+  auto result = std::make_shared<std::promise<std::string>>();
+  auto future = result->get_future();
+  std::thread([store, rank, world, index, budget, result]() {
+    try {
+      const std::string prefix = "alive/" + std::to_string(index) + "/";
+      store->set(prefix + std::to_string(rank), bytes("1"));
+      const auto deadline = Clock::now() + budget;
+      std::vector<int> missing;
+      do {
+        missing.clear();
+        for (int r = 0; r < world; ++r) {
+          if (!store->check({prefix + std::to_string(r)})) missing.push_back(r);
+        }
+        if (missing.empty()) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      } while (Clock::now() < deadline);
+      result->set_value(missing.empty() ? "" : "missing:" + join_ranks(missing));
+    } catch (const std::exception& e) {
+      result->set_value("store:" + first_line(e));
+    }
+  }).detach();
+  std::string outcome = "store:no answer";
+  if (future.wait_for(budget + std::chrono::seconds(2)) == std::future_status::ready) {
+    outcome = future.get();
+  }
+  if (outcome.empty()) return "every rank still answers the store: a peer may be slow or stuck";
+  if (outcome.rfind("missing:", 0) == 0) {
+    const std::string ranks = outcome.substr(8);
+    std::string hosts;
+    // Name the hosts of the missing ranks when we know them.
+    for (size_t pos = 0; pos < ranks.size();) {
+      const auto comma = ranks.find(',', pos);
+      const int r = std::stoi(ranks.substr(pos, comma - pos));
+      if (r < static_cast<int>(peer_hosts_.size())) {
+        hosts += (hosts.empty() ? "" : ", ") + std::to_string(r) + " on " + peer_hosts_[r];
+      }
+      pos = comma == std::string::npos ? ranks.size() : comma + 2;
+    }
+    return "lost rank(s) " + ranks + " — no answer from " + hosts +
+           ": that process died or its machine or link is down (see its log)";
+  }
+  // The store itself is unreachable: the machine that hosts it (rank 0's) is the lost one.
+  std::vector<int> main_ranks;
+  for (int r = 0; r < std::min(info_.local_world_size, info_.world_size); ++r) main_ranks.push_back(r);
+  return "lost rank(s) " + join_ranks(main_ranks) + " — the rendezvous store at " +
+         info_.store_description() + " no longer answers (" + outcome.substr(6) +
+         "): the main machine or the link to it is down";
+}
+
+void ProcessGroup::wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op) {
+  const auto start = Clock::now();
+  try {
+    work->wait();
+  } catch (const std::exception& e) {
+    const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+    const std::string cause = first_line(e);
+    const std::string lost = probe_lost_ranks();
+    throw Error(fmt::format("{}: {} failed after {:.1f} s ({}): {}", describe(), op, waited, cause,
+                            lost));
+  }
+}
+
+// ------------------------------------------------------------------ default group
+
+namespace {
+ProcessGroup* g_default = nullptr;
+std::mutex g_default_mutex;
+}  // namespace
+
+int configure_threads() {
+  const char* value = std::getenv("DIFFTRAIN_NUM_THREADS");
+  if (value == nullptr || *value == '\0') value = std::getenv("OMP_NUM_THREADS");
+  if (value != nullptr && *value != '\0') {
+    char* end = nullptr;
+    const long threads = std::strtol(value, &end, 10);
+    if (end == value || *end != '\0' || threads < 1) {
+      throw Error(std::string("DIFFTRAIN_NUM_THREADS/OMP_NUM_THREADS='") + value +
+                  "' is not a positive thread count");
+    }
+    at::set_num_threads(static_cast<int>(threads));
+  }
+  return at::get_num_threads();
+}
+
+ProcessGroup& init_process_group(const ProcessGroupOptions& options) {
+  std::lock_guard<std::mutex> lock(g_default_mutex);
+  if (g_default) return *g_default;
+  const auto info = detect_rendezvous();
+  log::init(info.rank, info.world_size);
+  configure_threads();
+  // Deliberately never deleted: see the header.
+  g_default = new ProcessGroup(info, options.with_env_overrides());
+  return *g_default;
+}
+
+ProcessGroup& default_group() {
+  std::lock_guard<std::mutex> lock(g_default_mutex);
+  if (!g_default) {
+    throw Error("no process group yet: call difftrain::dist::init_process_group() first");
+  }
+  return *g_default;
+}
+
+bool is_initialized() {
+  std::lock_guard<std::mutex> lock(g_default_mutex);
+  return g_default != nullptr;
+}
+
+}  // namespace difftrain::dist

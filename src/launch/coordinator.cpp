@@ -1,0 +1,205 @@
+#include "coordinator.h"
+
+#include "difftrain/core/error.h"
+#include "difftrain/dist/net.h"
+
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <fmt/format.h>
+
+#include <future>
+#include <iostream>
+
+namespace difftrain::launch {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
+std::string text(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
+
+std::string first_line(const std::exception& e) {
+  std::string what = e.what();
+  if (auto c10_error = dynamic_cast<const c10::Error*>(&e)) what = c10_error->what_without_backtrace();
+  return what.substr(0, what.find('\n'));
+}
+
+// Runs `fn` on its own thread and waits at most `limit`: a store behind a dead link must not
+// freeze the launcher. Returns false on timeout or error.
+bool bounded(std::function<void()> fn, std::chrono::milliseconds limit) {
+  auto done = std::make_shared<std::promise<bool>>();
+  auto future = done->get_future();
+  std::thread([fn = std::move(fn), done]() {
+    try {
+      fn();
+      done->set_value(true);
+    } catch (...) {
+      done->set_value(false);
+    }
+  }).detach();
+  return future.wait_for(limit) == std::future_status::ready && future.get();
+}
+
+std::string encode(const RemoteAbort& a) {
+  return std::string(a.restart ? "restart" : "final") + ":" + std::to_string(a.exit_code) + ":" + a.message;
+}
+
+RemoteAbort decode(const std::string& s) {
+  RemoteAbort a;
+  const auto first = s.find(':');
+  const auto second = s.find(':', first + 1);
+  a.restart = s.substr(0, first) == "restart";
+  try {
+    a.exit_code = std::stoi(s.substr(first + 1, second - first - 1));
+  } catch (...) {
+    a.exit_code = 1;
+  }
+  a.message = second == std::string::npos ? s : s.substr(second + 1);
+  return a;
+}
+
+c10::intrusive_ptr<c10d::Store> connect(const std::string& host, int port, bool server,
+                                        std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<std::uint16_t>(port);
+  opts.isServer = server;
+  opts.waitWorkers = false;
+  opts.timeout = timeout;
+  return c10::make_intrusive<c10d::TCPStore>(host, opts);
+}
+
+}  // namespace
+
+Coordinator::Coordinator(const std::string& host, int port, int num_machines, int machine_rank,
+                         std::chrono::milliseconds join_timeout)
+    : num_machines_(num_machines), machine_rank_(machine_rank) {
+  if (machine_rank == 0) {
+    try {
+      server_ = connect(host, port, true, join_timeout);
+    } catch (const std::exception& e) {
+      throw Error(fmt::format("machine 0 could not host the rendezvous on port {}: {}: is the port "
+                              "in use? choose another --main_process_port",
+                              port, first_line(e)));
+    }
+  }
+  try {
+    main_ = machine_rank == 0 ? server_ : connect(host, port, false, join_timeout);
+    watcher_ = connect(host, port, false, join_timeout);
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("machine {} could not reach the rendezvous at {}:{} within {:g} s: is "
+                            "the launcher of machine 0 started, is the port open? ({})",
+                            machine_rank, host, port, join_timeout.count() / 1000.0, first_line(e)));
+  }
+  main_->set("launch/machine/" + std::to_string(machine_rank), bytes(dist::host_name()));
+  const auto deadline = Clock::now() + join_timeout;
+  while (true) {
+    std::string missing;
+    for (int m = 0; m < num_machines; ++m) {
+      if (!main_->check({"launch/machine/" + std::to_string(m)})) {
+        missing += (missing.empty() ? "" : ", ") + std::to_string(m);
+      }
+    }
+    if (missing.empty()) break;
+    if (Clock::now() > deadline) {
+      throw Error(fmt::format("machine {}: timed out after {:g} s waiting for machine(s) {} to join "
+                              "the rendezvous at {}:{}: start their launchers with the same "
+                              "--main_process_ip, --main_process_port and --num_machines {}",
+                              machine_rank, join_timeout.count() / 1000.0, missing, host, port,
+                              num_machines));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  // Later store calls are polls: keep their waits short so a lost link is noticed.
+  watcher_->setTimeout(std::chrono::seconds(5));
+  thread_ = std::thread([this]() { watch_loop(); });
+}
+
+Coordinator::~Coordinator() {
+  stop_ = true;
+  if (thread_.joinable()) {
+    // The watcher may be stuck on a dead link; it only touches members we keep alive by leaking
+    // them in that case.
+    thread_.detach();
+    server_.release();
+    main_.release();
+    watcher_.release();
+  }
+}
+
+void Coordinator::watch(int generation) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  abort_.reset();
+  generation_ = generation;
+}
+
+std::optional<RemoteAbort> Coordinator::remote_abort() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return abort_;
+}
+
+void Coordinator::watch_loop() {
+  while (!stop_) {
+    const int generation = generation_;
+    if (generation >= 0 && !store_lost_) {
+      try {
+        const std::string key = "launch/gen" + std::to_string(generation) + "/abort";
+        if (watcher_->check({key})) {
+          auto value = decode(text(watcher_->get(key)));
+          std::lock_guard<std::mutex> lock(mutex_);
+          if (generation_ == generation && !abort_) abort_ = value;
+        }
+      } catch (const std::exception& e) {
+        store_lost_ = true;
+        std::cerr << "difftrain launch: machine " << machine_rank_
+                  << " lost contact with the rendezvous store (" << first_line(e)
+                  << "); the ranks will notice on their next collective\n";
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+}
+
+void Coordinator::post_abort(int generation, const RemoteAbort& abort) {
+  auto store = main_;
+  const std::string key = "launch/gen" + std::to_string(generation) + "/abort";
+  const std::string value = encode(abort);
+  bounded([store, key, value]() { store->compareSet(key, {}, bytes(value)); },
+          std::chrono::seconds(3));
+}
+
+std::optional<RemoteAbort> Coordinator::finish(int generation, const std::function<bool()>& interrupted) {
+  auto store = main_;
+  const std::string prefix = "launch/gen" + std::to_string(generation) + "/";
+  // Reads a counter without blocking for long; nullopt when the store does not answer.
+  auto count = [store, prefix](const std::string& name, int64_t increment) -> std::optional<int64_t> {
+    auto value = std::make_shared<std::atomic<int64_t>>(0);
+    if (!bounded([store, prefix, name, increment, value]() { *value = store->add(prefix + name, increment); },
+                 std::chrono::seconds(5))) {
+      return std::nullopt;
+    }
+    return value->load();
+  };
+  if (!count("done", 1)) return std::nullopt;
+  while (!interrupted()) {
+    if (auto abort = remote_abort()) return abort;
+    const auto done = count("done", 0);
+    if (!done || store_lost_) return std::nullopt;  // machine 0 has gone: it saw everyone finish
+    if (*done >= num_machines_) {
+      count("seen", 1);
+      if (machine_rank_ != 0) return std::nullopt;
+      // Machine 0 hosts the store: stay up until every launcher has seen the count.
+      const auto deadline = Clock::now() + std::chrono::seconds(10);
+      while (Clock::now() < deadline) {
+        const auto seen = count("seen", 0);
+        if (!seen || *seen >= num_machines_) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+      return std::nullopt;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return std::nullopt;
+}
+
+}  // namespace difftrain::launch

@@ -1,0 +1,58 @@
+#pragma once
+
+// Internal to the launcher: how the launchers of a multi-machine job meet and tell each other
+// about failures, through a c10d TCPStore that machine 0's launcher hosts.
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+namespace difftrain::launch {
+
+/// What one launcher learned from another: the group must stop, and either restart or end.
+struct RemoteAbort {
+  bool restart = false;  ///< true: restart the group; false: the job is over
+  int exit_code = 1;     ///< the failing rank's code, for a final abort
+  std::string message;   ///< "rank 3 on machine 1 exited with status 7"
+};
+
+class Coordinator {
+ public:
+  /// Machine 0 hosts the store on `port` (all interfaces, as c10d's TCPStore does); every machine
+  /// then registers and waits up to `join_timeout` for all others, naming the missing ones.
+  Coordinator(const std::string& host, int port, int num_machines, int machine_rank,
+              std::chrono::milliseconds join_timeout);
+  ~Coordinator();
+
+  /// Starts watching generation `generation` for aborts from other machines.
+  void watch(int generation);
+  /// An abort posted by another machine for the watched generation, if any.
+  std::optional<RemoteAbort> remote_abort();
+  /// Tells the other machines to stop generation `generation` (bounded: never blocks for long).
+  void post_abort(int generation, const RemoteAbort& abort);
+  /// Marks this machine's ranks of `generation` as finished; then waits until every machine's are,
+  /// or an abort arrives (returned), or the store is gone (the job is then over for us).
+  std::optional<RemoteAbort> finish(int generation, const std::function<bool()>& interrupted);
+
+ private:
+  void watch_loop();
+
+  int num_machines_;
+  int machine_rank_;
+  c10::intrusive_ptr<c10d::Store> server_;   // machine 0 only
+  c10::intrusive_ptr<c10d::Store> main_;     // this launcher's client
+  c10::intrusive_ptr<c10d::Store> watcher_;  // the watcher thread's own client
+  std::atomic<int> generation_{-1};
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> store_lost_{false};
+  std::mutex mutex_;
+  std::optional<RemoteAbort> abort_;
+  std::thread thread_;
+};
+
+}  // namespace difftrain::launch

@@ -1,0 +1,109 @@
+// A program the dist tests run under `difftrain launch`. Its first argument picks what it does:
+//   collectives            the self-test (exact values of every collective); exit 1 on a failure
+//   exit CODE RANK         rank RANK exits with CODE after the group has formed; the others wait
+//   sigkill RANK           rank RANK kills itself with SIGKILL; the others wait
+//   sleep SECONDS          every rank sleeps (to be interrupted)
+//   fail_once DIR          first run: rank 0 exits 3; after a restart: the self-test
+//   loop SECONDS           all_reduce in a loop for up to SECONDS, printing progress
+//   env                    prints its rendezvous variables
+// Every rank writes its pid to $DT_PID_DIR/<rank>.pid when DT_PID_DIR is set.
+
+#include "difftrain/core/error.h"
+#include "difftrain/dist/collectives.h"
+#include "difftrain/launch/self_test.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <string>
+#include <thread>
+
+namespace {
+
+std::string env(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? v : "";
+}
+
+void write_pid() {
+  const std::string dir = env("DT_PID_DIR");
+  if (dir.empty()) return;
+  std::ofstream(dir + "/" + env("RANK") + ".pid") << getpid() << "\n";
+}
+
+void sleep_s(double s) { std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<long>(s * 1000))); }
+
+int run(int argc, char** argv) {
+  write_pid();
+  const std::string mode = argc > 1 ? argv[1] : "collectives";
+  auto arg = [&](int i) { return argc > i ? std::string(argv[i]) : std::string(); };
+  if (mode == "env") {
+    for (const char* k : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
+                          "MASTER_PORT", "OMP_NUM_THREADS", "DIFFTRAIN_NUM_THREADS", "DIFFTRAIN_MIXED_PRECISION",
+                          "DIFFTRAIN_GRADIENT_ACCUMULATION_STEPS", "DIFFTRAIN_RESTART_COUNT"}) {
+      std::cout << k << "=" << env(k) << "\n";
+    }
+    return 0;
+  }
+  if (mode == "sleep") {
+    sleep_s(std::stod(arg(2)));
+    return 0;
+  }
+  if (mode == "collectives") return difftrain::launch::run_self_test(std::cout) == 0 ? 0 : 1;
+  if (mode == "fail_once") {
+    const std::string marker = arg(2) + "/failed_once";
+    if (env("RANK") == "0" && !std::filesystem::exists(marker)) {
+      std::ofstream(marker) << "1\n";
+      std::cerr << "failing on purpose (restart count " << env("DIFFTRAIN_RESTART_COUNT") << ")\n";
+      return 3;
+    }
+    return difftrain::launch::run_self_test(std::cout) == 0 ? 0 : 1;
+  }
+  auto& group = difftrain::dist::init_process_group();
+  if (mode == "exit" || mode == "sigkill") {
+    difftrain::dist::barrier(group);
+    const int victim = std::stoi(arg(mode == "exit" ? 3 : 2));
+    if (group.rank() == victim) {
+      std::cout << "rank " << victim << " leaving now" << std::endl;
+      if (mode == "sigkill") kill(getpid(), SIGKILL);
+      return std::stoi(arg(2));
+    }
+    sleep_s(120);
+    return 0;
+  }
+  if (mode == "loop") {
+    const double limit = std::stod(arg(2));
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0;; ++i) {
+      auto t = torch::ones({1024});
+      difftrain::dist::all_reduce(t, difftrain::dist::ReduceOp::kSum, group);
+      if (t[0].item<float>() != static_cast<float>(group.size())) {
+        std::cerr << "wrong all_reduce value " << t[0].item<float>() << "\n";
+        return 1;
+      }
+      if (i % 20 == 0) std::cout << "iteration " << i << std::endl;
+      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > limit) break;
+      sleep_s(0.05);
+    }
+    std::cout << "loop done" << std::endl;
+    return 0;
+  }
+  std::cerr << "dist_worker: unknown mode " << mode << "\n";
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "dist_worker: error: " << e.what() << std::endl;
+    return 1;
+  }
+}
