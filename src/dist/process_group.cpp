@@ -16,6 +16,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <future>
 #include <thread>
@@ -96,6 +97,19 @@ ProcessGroup::ProcessGroup(RendezvousInfo info, ProcessGroupOptions options)
   connect_backend();
 }
 
+ProcessGroup::ProcessGroup(RendezvousInfo info, ProcessGroupOptions options,
+                           c10::intrusive_ptr<c10d::Store> store)
+    : info_(std::move(info)), options_(std::move(options)) {
+  if (info_.world_size == 1) {
+    peer_hosts_ = {"local"};
+    return;
+  }
+  bind_address_ = "127.0.0.1";
+  wrap_store(std::move(store));
+  join();
+  connect_backend();
+}
+
 ProcessGroup::~ProcessGroup() = default;
 
 std::string ProcessGroup::describe() const {
@@ -147,7 +161,12 @@ void ProcessGroup::open_store() {
                               describe(), where, seconds(options_.join_timeout), first_line(e)));
     }
   }
+  wrap_store(std::move(base));
+}
+
+void ProcessGroup::wrap_store(c10::intrusive_ptr<c10d::Store> base) {
   base->setTimeout(options_.join_timeout);
+  // Keys of each restart live apart, so a restarted group never reads its predecessor's.
   store_ = c10::make_intrusive<c10d::PrefixStore>(
       "difftrain/gen" + std::to_string(info_.restart_count), base);
 }
@@ -301,10 +320,15 @@ ProcessGroup* g_default = nullptr;
 std::mutex g_default_mutex;
 }  // namespace
 
-int configure_threads() {
+int configure_threads(int local_processes) {
   const char* value = std::getenv("DIFFTRAIN_NUM_THREADS");
   if (value == nullptr || *value == '\0') value = std::getenv("OMP_NUM_THREADS");
-  if (value != nullptr && *value != '\0') {
+  if (value == nullptr || *value == '\0') {
+    // Nothing said: share this machine's cores among its ranks (LibTorch would otherwise keep
+    // whatever its OpenMP runtime guessed, often a single thread).
+    const unsigned cores = std::thread::hardware_concurrency();
+    at::set_num_threads(std::max(1, static_cast<int>(cores == 0 ? 1 : cores) / std::max(1, local_processes)));
+  } else {
     char* end = nullptr;
     const long threads = std::strtol(value, &end, 10);
     if (end == value || *end != '\0' || threads < 1) {
@@ -321,7 +345,7 @@ ProcessGroup& init_process_group(const ProcessGroupOptions& options) {
   if (g_default) return *g_default;
   const auto info = detect_rendezvous();
   log::init(info.rank, info.world_size);
-  configure_threads();
+  configure_threads(info.local_world_size);
   // Deliberately never deleted: see the header.
   g_default = new ProcessGroup(info, options.with_env_overrides());
   return *g_default;

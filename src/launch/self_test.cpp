@@ -41,15 +41,21 @@ std::string check_all_reduce(dist::ProcessGroup& g, dist::ReduceOp op, torch::Dt
   return expect_close(t, want, 0.0);
 }
 
+// Deterministic values that differ per `seed`, with no global RNG (ranks may be threads).
+torch::Tensor pattern(std::vector<int64_t> shape, double seed) {
+  int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return torch::sin(torch::arange(n, torch::kDouble) * 0.7 + seed).view(shape).to(torch::kFloat);
+}
+
 std::string check_broadcast_model(dist::ProcessGroup& g) {
-  torch::manual_seed(1000 + g.rank());  // a different model on every rank
-  torch::nn::Linear model(torch::nn::LinearOptions(5, 3));
+  torch::nn::Linear model(torch::nn::LinearOptions(5, 3));  // a different model on every rank
   torch::NoGradGuard no_grad;
+  model->weight.copy_(pattern({3, 5}, 10.0 * g.rank()));
+  model->bias.copy_(pattern({3}, 10.0 * g.rank() + 1));
   for (auto& p : model->parameters()) dist::broadcast(p, 0, g);
-  torch::manual_seed(1000);  // what rank 0 built
-  torch::nn::Linear reference(torch::nn::LinearOptions(5, 3));
   auto mine = torch::cat({model->weight.flatten(), model->bias.flatten()});
-  auto want = torch::cat({reference->weight.flatten(), reference->bias.flatten()});
+  auto want = torch::cat({pattern({3, 5}, 0.0).flatten(), pattern({3}, 1.0)});
   return expect_close(mine, want, 0.0);
 }
 
@@ -78,12 +84,15 @@ std::string check_reduce_scatter(dist::ProcessGroup& g, dist::ReduceOp op) {
 
 std::string check_gradient_all_reduce(dist::ProcessGroup& g) {
   const int w = g.size(), per_rank = 4;
-  // The same data on every rank; each rank trains on its own shard of rows.
-  torch::manual_seed(42);
-  const auto x = torch::randn({per_rank * w, 6});
-  const auto y = torch::randn({per_rank * w, 2});
-  torch::manual_seed(7);
+  // The same data and model on every rank; each rank trains on its own shard of rows.
+  const auto x = pattern({per_rank * w, 6}, 0.3);
+  const auto y = pattern({per_rank * w, 2}, 0.9);
   torch::nn::Linear model(torch::nn::LinearOptions(6, 2));
+  {
+    torch::NoGradGuard no_grad;
+    model->weight.copy_(pattern({2, 6}, 2.0));
+    model->bias.copy_(pattern({2}, 3.0));
+  }
   const auto shard_x = x.slice(0, g.rank() * per_rank, (g.rank() + 1) * per_rank);
   const auto shard_y = y.slice(0, g.rank() * per_rank, (g.rank() + 1) * per_rank);
   torch::mse_loss(model->forward(shard_x), shard_y).backward();
@@ -100,8 +109,9 @@ std::string check_gradient_all_reduce(dist::ProcessGroup& g) {
 
 }  // namespace
 
-int run_self_test(std::ostream& out) {
-  dist::ProcessGroup& g = dist::init_process_group();
+int run_self_test(std::ostream& out) { return run_checks(dist::init_process_group(), out); }
+
+int run_checks(dist::ProcessGroup& g, std::ostream& out) {
   const bool main = g.rank() == 0;
   if (main) {
     out << fmt::format("difftrain test: {} rank(s), backend {}, rendezvous {}\n", g.size(),

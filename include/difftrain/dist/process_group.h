@@ -38,6 +38,9 @@ class ProcessGroup {
   /// waits for every rank (naming the missing ones on timeout) and connects the backend.
   /// Throws difftrain::Error with rank, world size, address and what to check.
   ProcessGroup(RendezvousInfo info, ProcessGroupOptions options = {});
+  /// Joins through a store the caller made (e.g. a c10d HashStore shared by ranks that are
+  /// threads of one process, in tests). Backend sockets bind to 127.0.0.1.
+  ProcessGroup(RendezvousInfo info, ProcessGroupOptions options, c10::intrusive_ptr<c10d::Store> store);
   ~ProcessGroup();
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;
@@ -67,6 +70,7 @@ class ProcessGroup {
 
  private:
   void open_store();
+  void wrap_store(c10::intrusive_ptr<c10d::Store> base);
   void join();
   void connect_backend();
   std::string probe_lost_ranks();
@@ -93,8 +97,8 @@ ProcessGroup& default_group();
 /// True once init_process_group() succeeded.
 bool is_initialized();
 
-/// Applies DIFFTRAIN_NUM_THREADS (or OMP_NUM_THREADS) to LibTorch's intra-op pool; returns the
-/// thread count in force.
-int configure_threads();
+/// Sets LibTorch's intra-op thread count: DIFFTRAIN_NUM_THREADS (set by `difftrain launch`), else
+/// OMP_NUM_THREADS, else cores / `local_processes`. Returns the thread count in force.
+int configure_threads(int local_processes = 1);
 
 }  // namespace difftrain::dist

@@ -1,5 +1,7 @@
 #pragma once
 
+#include "difftrain/dist/process_group.h"
+
 #include <iosfwd>
 
 namespace difftrain::launch {
@@ -10,5 +12,9 @@ namespace difftrain::launch {
 /// single-process recomputation of the same maths. Prints one `[PASS]`/`[FAIL]` line per check on
 /// `out` (main rank only; every rank prints its failures) and returns the number of failed checks.
 int run_self_test(std::ostream& out);
+
+/// The same checks on an existing group (ranks may be threads of one process: no global RNG is
+/// used). Returns the number of failed checks.
+int run_checks(dist::ProcessGroup& group, std::ostream& out);
 
 }  // namespace difftrain::launch
