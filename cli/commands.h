@@ -8,6 +8,9 @@ namespace difftrain::cli {
 
 CLI::App* add_launch_command(CLI::App& app);
 int run_launch();
+/// Takes `PROGRAM ARGS...` after a `--` of `difftrain launch` out of `args` (CLI11 would read them
+/// as its own positionals) and keeps them for run_launch().
+void take_launch_program_after_dashes(std::vector<std::string>& args);
 
 CLI::App* add_config_command(CLI::App& app);
 int run_config();

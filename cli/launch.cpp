@@ -15,6 +15,7 @@ launch::LaunchOptions g_options;
 std::string g_config_file;
 CLI::App* g_cmd = nullptr;
 std::map<std::string, CLI::Option*> g_flags;
+std::vector<std::string> g_after_dashes;
 
 // Flag names as Accelerate spells them; the dashed spelling works too.
 template <typename T>
@@ -67,11 +68,26 @@ CLI::App* add_launch_command(CLI::App& app) {
   return g_cmd;
 }
 
+void take_launch_program_after_dashes(std::vector<std::string>& args) {
+  if (args.size() < 2 || args[1] != "launch") return;
+  for (size_t i = 2; i < args.size(); ++i) {
+    if (args[i] == "--") {
+      g_after_dashes.assign(args.begin() + static_cast<long>(i) + 1, args.end());
+      args.resize(i);
+      return;
+    }
+    if (!args[i].empty() && args[i][0] != '-') {
+      // A value of an option or the PROGRAM itself: only a `--` before PROGRAM matters, and
+      // prefix_command() handles everything after PROGRAM.
+      if (i > 2 && args[i - 1].rfind("--", 0) == 0 && args[i - 1].find('=') == std::string::npos) continue;
+      return;
+    }
+  }
+}
+
 int run_launch() {
   g_options.command = g_cmd->remaining();
-  if (!g_options.command.empty() && g_options.command.front() == "--") {
-    g_options.command.erase(g_options.command.begin());
-  }
+  if (g_options.command.empty()) g_options.command = g_after_dashes;
   // Fill what the flags left unset from the config file.
   std::string path = g_config_file;
   if (path.empty() && std::filesystem::exists(launch::default_config_path())) {

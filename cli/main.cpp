@@ -18,8 +18,11 @@ int main(int argc, char** argv) {
   auto* config = difftrain::cli::add_config_command(app);
   auto* env = difftrain::cli::add_env_command(app);
   auto* test = difftrain::cli::add_test_command(app);
+  std::vector<std::string> args(argv, argv + argc);
+  difftrain::cli::take_launch_program_after_dashes(args);
   try {
-    app.parse(argc, argv);
+    std::vector<std::string> reversed(args.rbegin(), args.rend() - 1);  // CLI11 wants them reversed
+    app.parse(reversed);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }

@@ -6,6 +6,7 @@
 //   fail_once DIR          first run: rank 0 exits 3; after a restart: the self-test
 //   loop SECONDS           all_reduce in a loop for up to SECONDS, printing progress
 //   env                    prints its rendezvous variables
+//   spam LINES             writes long lines in pieces (whole-line relay)
 // Every rank writes its pid to $DT_PID_DIR/<rank>.pid when DT_PID_DIR is set.
 
 #include "difftrain/core/error.h"
@@ -52,6 +53,19 @@ int run(int argc, char** argv) {
   }
   if (mode == "sleep") {
     sleep_s(std::stod(arg(2)));
+    return 0;
+  }
+  if (mode == "spam") {
+    // Long lines written in pieces, from every rank at once: the launcher must keep them whole.
+    const std::string r = env("RANK");
+    const int lines = std::stoi(arg(2));
+    for (int i = 0; i < lines; ++i) {
+      std::cout << "<" << r << ":" << std::string(150, 'a');
+      std::cout.flush();
+      std::cout << std::string(150, 'b') << ":" << r << ">\n";
+      if (i % 7 == 0) std::cout.flush();
+    }
+    std::cout << "partial line without newline from " << r;
     return 0;
   }
   if (mode == "collectives") return difftrain::launch::run_self_test(std::cout) == 0 ? 0 : 1;
