@@ -56,6 +56,8 @@ CLI::App* add_launch_command(CLI::App& app) {
        "Seconds between SIGTERM and SIGKILL when stopping ranks (default 5)");
   flag("join_timeout", g_options.join_timeout_s,
        "Seconds machines and ranks wait for each other to join (default 60)");
+  flag("collective_timeout", g_options.collective_timeout_s,
+       "Seconds one collective may wait for its peers before failing (default 1800)");
   auto* config = g_cmd->add_option("--config_file,--config-file", g_config_file,
                                    "Launch config YAML (difftrain's or Accelerate's); default: "
                                    "the one `difftrain config` wrote, if any");

@@ -357,6 +357,7 @@ class Supervisor {
       vars.erase("DIFFTRAIN_STORE_FILE");
     }
     if (!vars.count("DIFFTRAIN_JOIN_TIMEOUT")) set("DIFFTRAIN_JOIN_TIMEOUT", fmt::format("{:g}", o_.join_timeout_s));
+    if (o_.collective_timeout_s > 0) set("DIFFTRAIN_COLLECTIVE_TIMEOUT", fmt::format("{:g}", o_.collective_timeout_s));
     for (const auto& [k, v] : o_.extra_env) set(k, v);
     std::vector<std::string> out;
     out.reserve(vars.size());
@@ -600,6 +601,7 @@ void validate(const LaunchOptions& o) {
   if (o.max_restarts < 0) fail("--max_restarts must be 0 or more");
   if (o.term_timeout_s < 0) fail("--term_timeout must be 0 or more seconds");
   if (o.join_timeout_s <= 0) fail("--join_timeout must be more than 0 seconds");
+  if (o.collective_timeout_s < 0) fail("--collective_timeout must be 0 (the default, 30 min) or more seconds");
 }
 
 int run(const LaunchOptions& options) {

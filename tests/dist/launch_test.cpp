@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <regex>
@@ -81,7 +82,8 @@ INSTANTIATE_TEST_SUITE_P(Ranks, CollectivesUnderLaunch, ::testing::Values(1, 2, 
 
 TEST(Launch, RanksGetTheTorchrunAndDifftrainEnvironment) {
   const auto r = run(launch({"--num_processes", "2", "--num_cpu_threads_per_process", "3", "--mixed_precision",
-                             "bf16", "--gradient_accumulation_steps", "4"},
+                             "bf16", "--gradient_accumulation_steps", "4", "--join_timeout", "12",
+                             "--collective_timeout", "90"},
                             {"env"}),
                      test_env(), 60);
   ASSERT_EQ(r.exit_code, 0) << r.log();
@@ -89,7 +91,8 @@ TEST(Launch, RanksGetTheTorchrunAndDifftrainEnvironment) {
                            "[rank 1] LOCAL_WORLD_SIZE=2", "[rank 0] NODE_RANK=0", "[rank 0] MASTER_ADDR=127.0.0.1",
                            "[rank 1] OMP_NUM_THREADS=3", "[rank 1] DIFFTRAIN_NUM_THREADS=3",
                            "[rank 0] DIFFTRAIN_MIXED_PRECISION=bf16",
-                           "[rank 0] DIFFTRAIN_GRADIENT_ACCUMULATION_STEPS=4", "[rank 0] DIFFTRAIN_RESTART_COUNT=0"}) {
+                           "[rank 0] DIFFTRAIN_GRADIENT_ACCUMULATION_STEPS=4", "[rank 0] DIFFTRAIN_RESTART_COUNT=0",
+                           "[rank 1] DIFFTRAIN_JOIN_TIMEOUT=12", "[rank 1] DIFFTRAIN_COLLECTIVE_TIMEOUT=90"}) {
     EXPECT_NE(r.out.find(line), std::string::npos) << line << "\n" << r.log();
   }
   // Default threads: cores / local ranks.
@@ -163,6 +166,30 @@ TEST(Launch, SigintToTheLauncherEndsEveryRank) {
   expect_all_gone(pids);
 }
 
+TEST(Launch, KilledLauncherLeavesNoRankBehind) {
+  const auto pid_dir = make_temp_dir("pids");
+  Process launcher(launch({"--num_processes", "2"}, {"sleep", "60"}), test_env({{"DT_PID_DIR", pid_dir}}));
+  for (int i = 0; i < 200 && read_pids(pid_dir).size() < 2; ++i) usleep(50 * 1000);
+  const auto pids = read_pids(pid_dir);
+  ASSERT_EQ(pids.size(), 2u);
+  kill(launcher.pid(), SIGKILL);  // no chance to clean up: the ranks' parent-death signal must act
+  const auto r = launcher.wait(20);
+  EXPECT_EQ(r.term_signal, SIGKILL);
+  for (int i = 0; i < 100 && std::any_of(pids.begin(), pids.end(), alive); ++i) usleep(50 * 1000);
+  expect_all_gone(pids);
+}
+
+TEST(Launch, SigtermToTheLauncherIsForwarded) {
+  const auto pid_dir = make_temp_dir("pids");
+  Process launcher(launch({"--num_processes", "2"}, {"sleep", "60"}), test_env({{"DT_PID_DIR", pid_dir}}));
+  for (int i = 0; i < 200 && read_pids(pid_dir).size() < 2; ++i) usleep(50 * 1000);
+  ASSERT_EQ(read_pids(pid_dir).size(), 2u);
+  launcher.signal(SIGTERM);
+  const auto r = launcher.wait(20);
+  EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.log();
+  expect_all_gone(read_pids(pid_dir));
+}
+
 TEST(Launch, MaxRestartsRunsTheGroupAgain) {
   const auto marker_dir = make_temp_dir("restart");
   const auto r = run(launch({"--num_processes", "2", "--max_restarts", "1"}, {"fail_once", marker_dir}), test_env(), 120);
@@ -216,6 +243,26 @@ TEST(Launch, ARankFailingOnOneMachineStopsTheOther) {
   EXPECT_NE(r0.err.find("stopped this machine's ranks: rank 3 (pid"), std::string::npos) << r0.log();
   EXPECT_NE(r0.err.find("on machine 1"), std::string::npos) << r0.log();
   EXPECT_LT(r0.seconds, 20.0);
+}
+
+TEST(Launch, RestartsSpanMachines) {
+  // Rank 0 on machine 0 fails once; both machines restart together and then pass.
+  const std::string port = std::to_string(dist::find_free_port());
+  const auto marker_dir = make_temp_dir("restart");
+  auto machine = [&](int rank) {
+    return launch({"--num_processes", "4", "--num_machines", "2", "--machine_rank", std::to_string(rank),
+                   "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--max_restarts", "1"},
+                  {"fail_once", marker_dir});
+  };
+  Process m0(machine(0), test_env());
+  Process m1(machine(1), test_env());
+  const auto r1 = m1.wait(120);
+  const auto r0 = m0.wait(120);
+  EXPECT_EQ(r0.exit_code, 0) << r0.log() << r1.log();
+  EXPECT_EQ(r1.exit_code, 0) << r0.log() << r1.log();
+  EXPECT_NE(r0.err.find("restarting the group (1/1)"), std::string::npos) << r0.log();
+  EXPECT_NE(r1.err.find("another machine failed (rank 0 (pid"), std::string::npos) << r1.log();
+  EXPECT_NE(r0.out.find("[rank 0] difftrain test: 11 passed, 0 failed on 4 rank(s)"), std::string::npos) << r0.log();
 }
 
 TEST(Launch, MachineThatNeverArrivesIsNamed) {

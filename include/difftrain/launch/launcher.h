@@ -22,6 +22,7 @@ struct LaunchOptions {
   std::string log_dir;                    ///< also write rank<r>.log per rank here
   double term_timeout_s = 5.0;            ///< SIGTERM -> SIGKILL grace period
   double join_timeout_s = 60.0;           ///< how long machines wait for each other
+  double collective_timeout_s = 0;        ///< > 0: DIFFTRAIN_COLLECTIVE_TIMEOUT for the ranks
   std::map<std::string, std::string> extra_env;  ///< more variables for every rank
 };
 

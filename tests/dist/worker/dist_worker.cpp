@@ -44,7 +44,7 @@ int run(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "collectives";
   auto arg = [&](int i) { return argc > i ? std::string(argv[i]) : std::string(); };
   if (mode == "env") {
-    for (const char* k : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
+    for (const char* k : {"DIFFTRAIN_COLLECTIVE_TIMEOUT", "DIFFTRAIN_JOIN_TIMEOUT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
                           "MASTER_PORT", "OMP_NUM_THREADS", "DIFFTRAIN_NUM_THREADS", "DIFFTRAIN_MIXED_PRECISION",
                           "DIFFTRAIN_GRADIENT_ACCUMULATION_STEPS", "DIFFTRAIN_RESTART_COUNT"}) {
       std::cout << k << "=" << env(k) << "\n";
