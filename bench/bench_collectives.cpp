@@ -37,7 +37,8 @@ void BM_AllReduce(benchmark::State& state) {
 void BM_ReduceScatterAlltoall(benchmark::State& state) {
   auto& g = difftrain::dist::default_group();
   auto t = torch::ones({state.range(0)});
-  for (auto _ : state) benchmark::DoNotOptimize(difftrain::dist::reduce_scatter(t, ReduceOp::kSum, g));
+  for (auto _ : state)
+    benchmark::DoNotOptimize(difftrain::dist::reduce_scatter(t, ReduceOp::kSum, g));
   set_bytes(state, state.range(0));
 }
 
@@ -98,12 +99,16 @@ int main(int argc, char** argv) {
   Recorder recorder(g.rank() == 0);
   benchmark::RunSpecifiedBenchmarks(&recorder);
   if (g.rank() == 0) {
-    std::cout << fmt::format("\n{} ranks, {} thread(s) each, backend {}\n", g.size(), at::get_num_threads(),
-                             g.backend_name());
-    std::cout << "elements   reduce_scatter naive / alltoall (time ratio; >1 = difftrain's is faster)\n";
+    std::cout << fmt::format("\n{} ranks, {} thread(s) each, backend {}\n", g.size(),
+                             at::get_num_threads(), g.backend_name());
+    std::cout
+        << "elements   reduce_scatter naive / alltoall (time ratio; >1 = difftrain's is faster)\n";
     for (int64_t n : kSizes) {
-      const double fast = recorder.times["reduce_scatter/alltoall/" + std::to_string(n) + "/iterations:30/real_time"];
-      const double slow = recorder.times["reduce_scatter/naive/" + std::to_string(n) + "/iterations:30/real_time"];
+      const double fast =
+          recorder
+              .times["reduce_scatter/alltoall/" + std::to_string(n) + "/iterations:30/real_time"];
+      const double slow =
+          recorder.times["reduce_scatter/naive/" + std::to_string(n) + "/iterations:30/real_time"];
       if (fast > 0) std::cout << fmt::format("{:>9}  {:.2f}x\n", n, slow / fast);
     }
   }

@@ -1,6 +1,6 @@
+#include "difftrain/launch/config.h"
 #include "commands.h"
 #include "difftrain/core/error.h"
-#include "difftrain/launch/config.h"
 
 #include <unistd.h>
 
@@ -54,7 +54,8 @@ CLI::App* add_config_command(CLI::App& app) {
   flag("machine_rank", g_values.machine_rank, "This machine's index");
   flag("main_process_ip", g_values.main_process_ip, "Address of machine 0");
   flag("main_process_port", g_values.main_process_port, "Rendezvous port of machine 0");
-  flag("num_cpu_threads_per_process", g_values.num_cpu_threads_per_process, "Threads per rank (0 = auto)");
+  flag("num_cpu_threads_per_process", g_values.num_cpu_threads_per_process,
+       "Threads per rank (0 = auto)");
   flag("mixed_precision", g_values.mixed_precision, "no | fp16 | bf16")
       ->check(CLI::IsMember({"no", "fp16", "bf16"}));
   flag("gradient_accumulation_steps", g_values.gradient_accumulation_steps, "Accumulation steps");

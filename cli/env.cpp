@@ -12,8 +12,9 @@ double g_probe_seconds = 1.0;
 
 CLI::App* add_env_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
-      "env", "Print versions, BLAS and its measured speed, threads, CPU, CUDA/NCCL and the default "
-             "config, for bug reports (like `accelerate env`)");
+      "env",
+      "Print versions, BLAS and its measured speed, threads, CPU, CUDA/NCCL and the default "
+      "config, for bug reports (like `accelerate env`)");
   cmd->add_option("--probe_seconds,--probe-seconds", g_probe_seconds,
                   "How long the matmul GFLOP/s probe runs (0 skips it)")
       ->check(CLI::Range(0.0, 60.0));

@@ -22,7 +22,8 @@ template <typename T>
 CLI::Option* flag(const std::string& name, T& target, const std::string& help) {
   std::string dashed = name;
   std::replace(dashed.begin(), dashed.end(), '_', '-');
-  auto* option = g_cmd->add_option("--" + name + (dashed != name ? ",--" + dashed : ""), target, help);
+  auto* option =
+      g_cmd->add_option("--" + name + (dashed != name ? ",--" + dashed : ""), target, help);
   g_flags[name] = option;
   return option;
 }
@@ -81,7 +82,8 @@ void take_launch_program_after_dashes(std::vector<std::string>& args) {
     if (!args[i].empty() && args[i][0] != '-') {
       // A value of an option or the PROGRAM itself: only a `--` before PROGRAM matters, and
       // prefix_command() handles everything after PROGRAM.
-      if (i > 2 && args[i - 1].rfind("--", 0) == 0 && args[i - 1].find('=') == std::string::npos) continue;
+      if (i > 2 && args[i - 1].rfind("--", 0) == 0 && args[i - 1].find('=') == std::string::npos)
+        continue;
       return;
     }
   }
@@ -97,7 +99,8 @@ int run_launch() {
   }
   if (!path.empty()) {
     const launch::LaunchConfig c = launch::load_config(path);
-    for (const auto& note : c.notes) std::cerr << "difftrain launch: config " << path << ": " << note << "\n";
+    for (const auto& note : c.notes)
+      std::cerr << "difftrain launch: config " << path << ": " << note << "\n";
     auto take = [&](const std::string& name, auto& target, const auto& value) {
       if (value && !given(name)) target = *value;
     };

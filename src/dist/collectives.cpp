@@ -27,7 +27,8 @@ void check_tensor(const torch::Tensor& tensor, const ProcessGroup& group, const 
   }
 }
 
-void check_mean(const torch::Tensor& tensor, ReduceOp op, const ProcessGroup& group, const char* name) {
+void check_mean(const torch::Tensor& tensor, ReduceOp op, const ProcessGroup& group,
+                const char* name) {
   if (op == ReduceOp::kMean && !tensor.is_floating_point()) {
     throw Error(fmt::format("{}: {} with mean needs a floating tensor, got {}: use sum",
                             group.describe(), name, c10::toString(tensor.scalar_type())));
@@ -55,7 +56,8 @@ void all_reduce(torch::Tensor& tensor, ReduceOp op, ProcessGroup& group) {
   std::vector<torch::Tensor> tensors{buffer};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);
-  group.wait(group.backend().allreduce(tensors, opts), std::string("all_reduce(") + to_string(op) + ")");
+  group.wait(group.backend().allreduce(tensors, opts),
+             std::string("all_reduce(") + to_string(op) + ")");
   if (op == ReduceOp::kMean) buffer.div_(group.size());
   if (!buffer.is_same(tensor)) tensor.copy_(buffer);
 }
@@ -63,15 +65,16 @@ void all_reduce(torch::Tensor& tensor, ReduceOp op, ProcessGroup& group) {
 void broadcast(torch::Tensor& tensor, int root, ProcessGroup& group) {
   check_tensor(tensor, group, "broadcast");
   if (root < 0 || root >= group.size()) {
-    throw Error(fmt::format("{}: broadcast root {} is not a rank of a world of {}", group.describe(),
-                            root, group.size()));
+    throw Error(fmt::format("{}: broadcast root {} is not a rank of a world of {}",
+                            group.describe(), root, group.size()));
   }
   if (group.size() == 1) return;
   torch::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
   std::vector<torch::Tensor> tensors{buffer};
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
-  group.wait(group.backend().broadcast(tensors, opts), "broadcast(root " + std::to_string(root) + ")");
+  group.wait(group.backend().broadcast(tensors, opts),
+             "broadcast(root " + std::to_string(root) + ")");
   if (!buffer.is_same(tensor)) tensor.copy_(buffer);
 }
 
@@ -95,9 +98,10 @@ torch::Tensor reduce_scatter(const torch::Tensor& input, ReduceOp op, ProcessGro
   check_mean(input, op, group, "reduce_scatter");
   const int world = group.size();
   if (input.dim() == 0 || input.size(0) % world != 0) {
-    throw Error(fmt::format("{}: reduce_scatter needs dim 0 divisible by the world size {}, got "
-                            "shape {}: pad the input",
-                            group.describe(), world, c10::str(input.sizes())));
+    throw Error(
+        fmt::format("{}: reduce_scatter needs dim 0 divisible by the world size {}, got "
+                    "shape {}: pad the input",
+                    group.describe(), world, c10::str(input.sizes())));
   }
   if (world == 1) return input.clone();
   const int64_t rows = input.size(0) / world;

@@ -10,8 +10,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef DIFFTRAIN_WITH_NCCL
-#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #include <torch/cuda.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
 #include <fmt/format.h>
@@ -64,7 +64,8 @@ std::optional<long> env_seconds(const char* name) {
 
 ProcessGroupOptions ProcessGroupOptions::with_env_overrides() const {
   ProcessGroupOptions out = *this;
-  if (auto ms = env_seconds("DIFFTRAIN_JOIN_TIMEOUT")) out.join_timeout = std::chrono::milliseconds(*ms);
+  if (auto ms = env_seconds("DIFFTRAIN_JOIN_TIMEOUT"))
+    out.join_timeout = std::chrono::milliseconds(*ms);
   if (auto ms = env_seconds("DIFFTRAIN_COLLECTIVE_TIMEOUT")) {
     out.collective_timeout = std::chrono::milliseconds(*ms);
   }
@@ -138,9 +139,10 @@ void ProcessGroup::open_store() {
     try {
       base = c10::make_intrusive<c10d::FileStore>(info_.store_file, info_.world_size);
     } catch (const std::exception& e) {
-      throw Error(fmt::format("{} could not open the rendezvous file {}: {}: is the launcher's "
-                              "directory still there?",
-                              describe(), info_.store_file, first_line(e)));
+      throw Error(
+          fmt::format("{} could not open the rendezvous file {}: {}: is the launcher's "
+                      "directory still there?",
+                      describe(), info_.store_file, first_line(e)));
     }
   } else {
     c10d::TCPStoreOptions opts;
@@ -152,13 +154,15 @@ void ProcessGroup::open_store() {
       base = c10::make_intrusive<c10d::TCPStore>(info_.master_addr, opts);
     } catch (const std::exception& e) {
       if (opts.isServer) {
-        throw Error(fmt::format("{} could not host the rendezvous store on port {}: {}: is the "
-                                "port in use? pick another MASTER_PORT / --main_process_port",
-                                describe(), info_.master_port, first_line(e)));
+        throw Error(
+            fmt::format("{} could not host the rendezvous store on port {}: {}: is the "
+                        "port in use? pick another MASTER_PORT / --main_process_port",
+                        describe(), info_.master_port, first_line(e)));
       }
-      throw Error(fmt::format("{} could not reach the rendezvous at {} within {:g} s: is rank 0 "
-                              "(or the main machine's launcher) started, is the port open? ({})",
-                              describe(), where, seconds(options_.join_timeout), first_line(e)));
+      throw Error(
+          fmt::format("{} could not reach the rendezvous at {} within {:g} s: is rank 0 "
+                      "(or the main machine's launcher) started, is the port open? ({})",
+                      describe(), where, seconds(options_.join_timeout), first_line(e)));
     }
   }
   wrap_store(std::move(base));
@@ -213,14 +217,16 @@ void ProcessGroup::connect_backend() {
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = options_.collective_timeout;
     auto pg_store = c10::make_intrusive<c10d::PrefixStore>("nccl", store_);
-    backend_ = c10::make_intrusive<c10d::ProcessGroupNCCL>(pg_store, info_.rank, info_.world_size, opts);
+    backend_ =
+        c10::make_intrusive<c10d::ProcessGroupNCCL>(pg_store, info_.rank, info_.world_size, opts);
     return;
   }
 #else
   if (backend == "auto") backend = "gloo";
   if (backend == "nccl") {
-    throw Error("backend nccl needs a difftrain built with -DDIFFTRAIN_CUDA=ON against a CUDA "
-                "LibTorch; use gloo (the default) on this build");
+    throw Error(
+        "backend nccl needs a difftrain built with -DDIFFTRAIN_CUDA=ON against a CUDA "
+        "LibTorch; use gloo (the default) on this build");
   }
 #endif
   auto opts = c10d::ProcessGroupGloo::Options::create(options_.collective_timeout);
@@ -233,11 +239,13 @@ void ProcessGroup::connect_backend() {
     }
     opts->threads = 2;
     auto pg_store = c10::make_intrusive<c10d::PrefixStore>("gloo", store_);
-    backend_ = c10::make_intrusive<c10d::ProcessGroupGloo>(pg_store, info_.rank, info_.world_size, opts);
+    backend_ =
+        c10::make_intrusive<c10d::ProcessGroupGloo>(pg_store, info_.rank, info_.world_size, opts);
   } catch (const std::exception& e) {
-    throw Error(fmt::format("{} could not connect the gloo group (bound to {}, rendezvous {}): {}: "
-                            "check that every machine can reach the others' addresses",
-                            describe(), bind_address_, info_.store_description(), first_line(e)));
+    throw Error(
+        fmt::format("{} could not connect the gloo group (bound to {}, rendezvous {}): {}: "
+                    "check that every machine can reach the others' addresses",
+                    describe(), bind_address_, info_.store_description(), first_line(e)));
   }
 }
 
@@ -294,7 +302,8 @@ std::string ProcessGroup::probe_lost_ranks() {
   }
   // The store itself is unreachable: the machine that hosts it (rank 0's) is the lost one.
   std::vector<int> main_ranks;
-  for (int r = 0; r < std::min(info_.local_world_size, info_.world_size); ++r) main_ranks.push_back(r);
+  for (int r = 0; r < std::min(info_.local_world_size, info_.world_size); ++r)
+    main_ranks.push_back(r);
   return "lost rank(s) " + join_ranks(main_ranks) + " — the rendezvous store at " +
          info_.store_description() + " no longer answers (" + outcome.substr(6) +
          "): the main machine or the link to it is down";
@@ -308,8 +317,8 @@ void ProcessGroup::wait(const c10::intrusive_ptr<c10d::Work>& work, const std::s
     const double waited = std::chrono::duration<double>(Clock::now() - start).count();
     const std::string cause = first_line(e);
     const std::string lost = probe_lost_ranks();
-    throw Error(fmt::format("{}: {} failed after {:.1f} s ({}): {}", describe(), op, waited, cause,
-                            lost));
+    throw Error(
+        fmt::format("{}: {} failed after {:.1f} s ({}): {}", describe(), op, waited, cause, lost));
   }
 }
 
@@ -327,7 +336,8 @@ int configure_threads(int local_processes) {
     // Nothing said: share this machine's cores among its ranks (LibTorch would otherwise keep
     // whatever its OpenMP runtime guessed, often a single thread).
     const unsigned cores = std::thread::hardware_concurrency();
-    at::set_num_threads(std::max(1, static_cast<int>(cores == 0 ? 1 : cores) / std::max(1, local_processes)));
+    at::set_num_threads(
+        std::max(1, static_cast<int>(cores == 0 ? 1 : cores) / std::max(1, local_processes)));
   } else {
     char* end = nullptr;
     const long threads = std::strtol(value, &end, 10);

@@ -103,7 +103,8 @@ RendezvousInfo detect_rendezvous(const EnvLookup& env) {
     }
     info.node_rank = parse_int(env, "SLURM_NODEID", 0);
     if (!env("MASTER_ADDR")) {
-      if (auto nodes = env("SLURM_JOB_NODELIST") ? env("SLURM_JOB_NODELIST") : env("SLURM_NODELIST")) {
+      if (auto nodes =
+              env("SLURM_JOB_NODELIST") ? env("SLURM_JOB_NODELIST") : env("SLURM_NODELIST")) {
         info.master_addr = first_slurm_host(*nodes);
       }
     }
@@ -122,15 +123,17 @@ RendezvousInfo detect_rendezvous(const EnvLookup& env) {
                 std::to_string(info.world_size) + where + ": check RANK and WORLD_SIZE");
   }
   if (info.local_world_size < 1 || info.local_rank >= info.local_world_size) {
-    throw Error("local rank " + std::to_string(info.local_rank) + " is not below the local world size " +
-                std::to_string(info.local_world_size) + where + ": check LOCAL_RANK and LOCAL_WORLD_SIZE");
+    throw Error("local rank " + std::to_string(info.local_rank) +
+                " is not below the local world size " + std::to_string(info.local_world_size) +
+                where + ": check LOCAL_RANK and LOCAL_WORLD_SIZE");
   }
   if (info.master_port > 65535) {
     throw Error("MASTER_PORT=" + std::to_string(info.master_port) + " is not a TCP port (0-65535)");
   }
   if (info.world_size > 1 && info.store_file.empty() && info.master_addr.empty()) {
-    throw Error("a world of " + std::to_string(info.world_size) + " ranks" + where +
-                " needs MASTER_ADDR: set it to the host of rank 0 (and MASTER_PORT, default 29500)");
+    throw Error(
+        "a world of " + std::to_string(info.world_size) + " ranks" + where +
+        " needs MASTER_ADDR: set it to the host of rank 0 (and MASTER_PORT, default 29500)");
   }
   return info;
 }

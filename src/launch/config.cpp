@@ -45,11 +45,13 @@ const std::map<std::string, IgnoredKey>& ignored_keys() {
       {"command_file", {"", "TPU pod option"}},
       {"num_gpus", {"", "difftrain counts processes, not GPUs"}},
       {"dynamo_config", {"", "torch.compile does not exist in LibTorch"}},
-      {"fsdp_config", {"", "FSDP is not available yet (ZeRO sharding lands with the sharding work)"}},
+      {"fsdp_config",
+       {"", "FSDP is not available yet (ZeRO sharding lands with the sharding work)"}},
       {"deepspeed_config", {"", "DeepSpeed is not supported; difftrain has its own ZeRO sharding"}},
       {"megatron_lm_config", {"", "Megatron-LM is not supported"}},
       {"ipex_config", {"", "IPEX is not supported"}},
-      {"mpirun_config", {"", "run `mpirun difftrain ...` directly; difftrain reads OMPI variables"}},
+      {"mpirun_config",
+       {"", "run `mpirun difftrain ...` directly; difftrain reads OMPI variables"}},
       {"fp8_config", {"", "fp8 is not supported"}},
   };
   return keys;
@@ -66,7 +68,8 @@ std::string scalar_text(const YAML::Node& node) {
 }
 
 template <typename T>
-std::optional<T> read_value(const YAML::Node& node, const std::string& key, const std::string& origin);
+std::optional<T> read_value(const YAML::Node& node, const std::string& key,
+                            const std::string& origin);
 
 template <>
 std::optional<int> read_value<int>(const YAML::Node& node, const std::string& key,
@@ -163,7 +166,8 @@ LaunchConfig parse_config(const std::string& yaml_text, const std::string& origi
         config.notes.push_back("ignored " + key + ": " + text + " (" + it->second.reason + ")");
       }
     } else {
-      config.notes.push_back("ignored unknown key " + key + " (not an Accelerate or difftrain "
+      config.notes.push_back("ignored unknown key " + key +
+                             " (not an Accelerate or difftrain "
                              "launch setting: check its spelling)");
     }
   }
@@ -216,8 +220,8 @@ void validate_config(const LaunchConfig& c, const std::string& origin) {
 LaunchConfig load_config(const std::string& path) {
   std::ifstream in(path);
   if (!in) {
-    throw Error("config file " + path + " cannot be read: " +
-                (fs::exists(path) ? "permission denied" : "no such file") +
+    throw Error("config file " + path +
+                " cannot be read: " + (fs::exists(path) ? "permission denied" : "no such file") +
                 ": check the path or create it with `difftrain config`");
   }
   std::stringstream text;
@@ -255,7 +259,8 @@ void save_config(const std::string& path, const LaunchConfig& config) {
   const fs::path target(path);
   std::error_code ec;
   if (target.has_parent_path()) fs::create_directories(target.parent_path(), ec);
-  if (ec) throw Error("cannot create folder " + target.parent_path().string() + ": " + ec.message());
+  if (ec)
+    throw Error("cannot create folder " + target.parent_path().string() + ": " + ec.message());
   const std::string temp = path + ".tmp." + std::to_string(::getpid());
   {
     std::ofstream out(temp, std::ios::trunc);
@@ -264,7 +269,8 @@ void save_config(const std::string& path, const LaunchConfig& config) {
     out.flush();
     if (!out) {
       std::remove(temp.c_str());
-      throw Error("cannot write config file " + temp + ": check the folder's permissions and space");
+      throw Error("cannot write config file " + temp +
+                  ": check the folder's permissions and space");
     }
   }
   fs::rename(temp, target, ec);
@@ -315,21 +321,25 @@ LaunchConfig ask_config(std::istream& in, std::ostream& out, const LaunchConfig&
   };
   LaunchConfig c;
   c.compute_environment = "LOCAL_MACHINE";
-  c.num_machines = ask<int>(in, out, "How many machines will you use?", d.num_machines.value_or(1),
-                            at_least(1));
+  c.num_machines =
+      ask<int>(in, out, "How many machines will you use?", d.num_machines.value_or(1), at_least(1));
   if (*c.num_machines > 1) {
-    c.machine_rank = ask<int>(in, out, "What is the rank of this machine (0 = main)?",
-                              d.machine_rank.value_or(0), [&](const int& v) -> std::optional<std::string> {
-                                if (v < 0 || v >= *c.num_machines) return "please answer 0 to " + std::to_string(*c.num_machines - 1);
-                                return std::nullopt;
-                              });
+    c.machine_rank =
+        ask<int>(in, out, "What is the rank of this machine (0 = main)?",
+                 d.machine_rank.value_or(0), [&](const int& v) -> std::optional<std::string> {
+                   if (v < 0 || v >= *c.num_machines)
+                     return "please answer 0 to " + std::to_string(*c.num_machines - 1);
+                   return std::nullopt;
+                 });
     c.main_process_ip = ask<std::string>(
-        in, out, "What is the IP address of the main machine?", d.main_process_ip.value_or("127.0.0.1"),
+        in, out, "What is the IP address of the main machine?",
+        d.main_process_ip.value_or("127.0.0.1"),
         [](const std::string&) -> std::optional<std::string> { return std::nullopt; });
     c.main_process_port = ask<int>(in, out, "What port should the main machine listen on?",
                                    d.main_process_port.value_or(29500),
                                    [](const int& v) -> std::optional<std::string> {
-                                     if (v < 1 || v > 65535) return "please answer a port from 1 to 65535";
+                                     if (v < 1 || v > 65535)
+                                       return "please answer a port from 1 to 65535";
                                      return std::nullopt;
                                    });
   }
@@ -339,12 +349,12 @@ LaunchConfig ask_config(std::istream& in, std::ostream& out, const LaunchConfig&
   c.num_cpu_threads_per_process =
       ask<int>(in, out, "CPU threads per process (0 = cores / processes per machine)?",
                d.num_cpu_threads_per_process.value_or(0), at_least(0));
-  c.mixed_precision = ask<std::string>(in, out, "Mixed precision (no/fp16/bf16)?",
-                                       d.mixed_precision.value_or("no"),
-                                       [](const std::string& v) -> std::optional<std::string> {
-                                         if (v == "no" || v == "fp16" || v == "bf16") return std::nullopt;
-                                         return "please answer no, fp16 or bf16";
-                                       });
+  c.mixed_precision =
+      ask<std::string>(in, out, "Mixed precision (no/fp16/bf16)?", d.mixed_precision.value_or("no"),
+                       [](const std::string& v) -> std::optional<std::string> {
+                         if (v == "no" || v == "fp16" || v == "bf16") return std::nullopt;
+                         return "please answer no, fp16 or bf16";
+                       });
   c.gradient_accumulation_steps = ask<int>(in, out, "Gradient accumulation steps?",
                                            d.gradient_accumulation_steps.value_or(1), at_least(1));
   c.max_restarts = ask<int>(in, out, "How often may a failed group be restarted?",

@@ -21,7 +21,8 @@ std::string text(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
 
 std::string first_line(const std::exception& e) {
   std::string what = e.what();
-  if (auto c10_error = dynamic_cast<const c10::Error*>(&e)) what = c10_error->what_without_backtrace();
+  if (auto c10_error = dynamic_cast<const c10::Error*>(&e))
+    what = c10_error->what_without_backtrace();
   return what.substr(0, what.find('\n'));
 }
 
@@ -42,7 +43,8 @@ bool bounded(std::function<void()> fn, std::chrono::milliseconds limit) {
 }
 
 std::string encode(const RemoteAbort& a) {
-  return std::string(a.restart ? "restart" : "final") + ":" + std::to_string(a.exit_code) + ":" + a.message;
+  return std::string(a.restart ? "restart" : "final") + ":" + std::to_string(a.exit_code) + ":" +
+         a.message;
 }
 
 RemoteAbort decode(const std::string& s) {
@@ -78,18 +80,20 @@ Coordinator::Coordinator(const std::string& host, int port, int num_machines, in
     try {
       server_ = connect(host, port, true, join_timeout);
     } catch (const std::exception& e) {
-      throw Error(fmt::format("machine 0 could not host the rendezvous on port {}: {}: is the port "
-                              "in use? choose another --main_process_port",
-                              port, first_line(e)));
+      throw Error(
+          fmt::format("machine 0 could not host the rendezvous on port {}: {}: is the port "
+                      "in use? choose another --main_process_port",
+                      port, first_line(e)));
     }
   }
   try {
     main_ = machine_rank == 0 ? server_ : connect(host, port, false, join_timeout);
     watcher_ = connect(host, port, false, join_timeout);
   } catch (const std::exception& e) {
-    throw Error(fmt::format("machine {} could not reach the rendezvous at {}:{} within {:g} s: is "
-                            "the launcher of machine 0 started, is the port open? ({})",
-                            machine_rank, host, port, join_timeout.count() / 1000.0, first_line(e)));
+    throw Error(
+        fmt::format("machine {} could not reach the rendezvous at {}:{} within {:g} s: is "
+                    "the launcher of machine 0 started, is the port open? ({})",
+                    machine_rank, host, port, join_timeout.count() / 1000.0, first_line(e)));
   }
   main_->set("launch/machine/" + std::to_string(machine_rank), bytes(dist::host_name()));
   const auto deadline = Clock::now() + join_timeout;
@@ -102,11 +106,11 @@ Coordinator::Coordinator(const std::string& host, int port, int num_machines, in
     }
     if (missing.empty()) break;
     if (Clock::now() > deadline) {
-      throw Error(fmt::format("machine {}: timed out after {:g} s waiting for machine(s) {} to join "
-                              "the rendezvous at {}:{}: start their launchers with the same "
-                              "--main_process_ip, --main_process_port and --num_machines {}",
-                              machine_rank, join_timeout.count() / 1000.0, missing, host, port,
-                              num_machines));
+      throw Error(fmt::format(
+          "machine {}: timed out after {:g} s waiting for machine(s) {} to join "
+          "the rendezvous at {}:{}: start their launchers with the same "
+          "--main_process_ip, --main_process_port and --num_machines {}",
+          machine_rank, join_timeout.count() / 1000.0, missing, host, port, num_machines));
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
@@ -168,13 +172,16 @@ void Coordinator::post_abort(int generation, const RemoteAbort& abort) {
           std::chrono::seconds(3));
 }
 
-std::optional<RemoteAbort> Coordinator::finish(int generation, const std::function<bool()>& interrupted) {
+std::optional<RemoteAbort> Coordinator::finish(int generation,
+                                               const std::function<bool()>& interrupted) {
   auto store = main_;
   const std::string prefix = "launch/gen" + std::to_string(generation) + "/";
   // Reads a counter without blocking for long; nullopt when the store does not answer.
-  auto count = [store, prefix](const std::string& name, int64_t increment) -> std::optional<int64_t> {
+  auto count = [store, prefix](const std::string& name,
+                               int64_t increment) -> std::optional<int64_t> {
     auto value = std::make_shared<std::atomic<int64_t>>(0);
-    if (!bounded([store, prefix, name, increment, value]() { *value = store->add(prefix + name, increment); },
+    if (!bounded([store, prefix, name, increment,
+                  value]() { *value = store->add(prefix + name, increment); },
                  std::chrono::seconds(5))) {
       return std::nullopt;
     }

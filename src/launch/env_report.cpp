@@ -45,15 +45,16 @@ std::string cpu_summary() {
   std::ifstream in("/proc/cpuinfo");
   std::string line, model = "unknown", flags;
   while (std::getline(in, line)) {
-    if (model == "unknown" && line.rfind("model name", 0) == 0) model = line.substr(line.find(':') + 2);
+    if (model == "unknown" && line.rfind("model name", 0) == 0)
+      model = line.substr(line.find(':') + 2);
     if (flags.empty() && line.rfind("flags", 0) == 0) flags = line.substr(line.find(':') + 2);
   }
   std::set<std::string> present;
   std::istringstream words(flags);
   for (std::string w; words >> w;) present.insert(w);
   std::string features;
-  for (const char* f : {"sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16",
-                        "avx512_vnni", "amx_bf16"}) {
+  for (const char* f : {"sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw",
+                        "avx512_bf16", "avx512_vnni", "amx_bf16"}) {
     if (present.count(f)) features += (features.empty() ? "" : " ") + std::string(f);
   }
   return model + "; features: " + (features.empty() ? "none of note" : features);
@@ -128,12 +129,13 @@ std::string environment_report(double probe_seconds) {
     }
   }
   const unsigned cores = std::thread::hardware_concurrency();
-  out << fmt::format("- threads: intra-op {} (at::get_num_threads), inter-op {}; "
-                     "OMP_NUM_THREADS={}, DIFFTRAIN_NUM_THREADS={}; cores {}; `difftrain launch` "
-                     "gives each of N local ranks cores/N threads (here: 1 rank -> {}, 2 -> {})\n",
-                     at::get_num_threads(), at::get_num_interop_threads(),
-                     getenv_or("OMP_NUM_THREADS", "unset"), getenv_or("DIFFTRAIN_NUM_THREADS", "unset"),
-                     cores, default_threads_per_process(1), default_threads_per_process(2));
+  out << fmt::format(
+      "- threads: intra-op {} (at::get_num_threads), inter-op {}; "
+      "OMP_NUM_THREADS={}, DIFFTRAIN_NUM_THREADS={}; cores {}; `difftrain launch` "
+      "gives each of N local ranks cores/N threads (here: 1 rank -> {}, 2 -> {})\n",
+      at::get_num_threads(), at::get_num_interop_threads(), getenv_or("OMP_NUM_THREADS", "unset"),
+      getenv_or("DIFFTRAIN_NUM_THREADS", "unset"), cores, default_threads_per_process(1),
+      default_threads_per_process(2));
   out << "- CPU: " << cpu_summary() << "\n";
 #ifdef DIFFTRAIN_WITH_NCCL
   const bool nccl_built = true;

@@ -61,7 +61,8 @@ class SignalScope {
     sigaction(SIGPIPE, &ignore, &saved_[SIGPIPE]);
   }
   ~SignalScope() {
-    for (int signo : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGPIPE}) sigaction(signo, &saved_[signo], nullptr);
+    for (int signo : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGPIPE})
+      sigaction(signo, &saved_[signo], nullptr);
     close(g_signal_pipe[0]);
     close(g_signal_pipe[1]);
     g_signal_pipe[0] = g_signal_pipe[1] = -1;
@@ -158,8 +159,8 @@ std::string resolve_program(const std::string& name) {
   };
   if (name.find('/') != std::string::npos) {
     if (executable(name)) return name;
-    throw Error("difftrain launch: cannot run '" + name + "': " +
-                (fs::exists(name) ? "it is not an executable file" : "no such file") +
+    throw Error("difftrain launch: cannot run '" + name +
+                "': " + (fs::exists(name) ? "it is not an executable file" : "no such file") +
                 ": check the path");
   }
   const char* path = std::getenv("PATH");
@@ -167,7 +168,8 @@ std::string resolve_program(const std::string& name) {
   size_t start = 0;
   while (start <= dirs.size()) {
     const auto colon = dirs.find(':', start);
-    std::string dir = dirs.substr(start, colon == std::string::npos ? std::string::npos : colon - start);
+    std::string dir =
+        dirs.substr(start, colon == std::string::npos ? std::string::npos : colon - start);
     if (dir.empty()) dir = ".";
     if (executable(dir + "/" + name)) return dir + "/" + name;
     if (colon == std::string::npos) break;
@@ -175,8 +177,8 @@ std::string resolve_program(const std::string& name) {
   }
   // `difftrain launch difftrain test` works even when difftrain is not installed on PATH.
   if (name == "difftrain") return fs::read_symlink("/proc/self/exe").string();
-  throw Error("difftrain launch: program '" + name +
-              "' was not found on PATH: give its path (./" + name + ") or install it");
+  throw Error("difftrain launch: program '" + name + "' was not found on PATH: give its path (./" +
+              name + ") or install it");
 }
 
 // ------------------------------------------------------------------ the group
@@ -196,7 +198,8 @@ class Supervisor {
                                                   : default_threads_per_process(local_processes_);
     if (o_.num_machines == 1) {
       const char* tmp = std::getenv("TMPDIR");
-      const std::string pattern = std::string(tmp && *tmp ? tmp : "/tmp") + "/difftrain-rdzv-XXXXXX";
+      const std::string pattern =
+          std::string(tmp && *tmp ? tmp : "/tmp") + "/difftrain-rdzv-XXXXXX";
       std::vector<char> buffer(pattern.begin(), pattern.end());
       buffer.push_back('\0');
       // mkdtemp creates the folder with mode 0700: only this user can reach the store.
@@ -214,7 +217,9 @@ class Supervisor {
     if (!o_.log_dir.empty()) {
       std::error_code ec;
       fs::create_directories(o_.log_dir, ec);
-      if (ec) throw Error("difftrain launch: cannot create --log_dir " + o_.log_dir + ": " + ec.message());
+      if (ec)
+        throw Error("difftrain launch: cannot create --log_dir " + o_.log_dir + ": " +
+                    ec.message());
     }
     ranks_.resize(static_cast<size_t>(local_processes_));
     for (int i = 0; i < local_processes_; ++i) {
@@ -226,7 +231,8 @@ class Supervisor {
         const std::string path = log_path(r.global_rank);
         r.log_fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_APPEND, 0644);
         if (r.log_fd < 0) {
-          throw Error("difftrain launch: cannot write log file " + path + ": " + std::strerror(errno));
+          throw Error("difftrain launch: cannot write log file " + path + ": " +
+                      std::strerror(errno));
         }
       }
     }
@@ -271,9 +277,10 @@ class Supervisor {
         say(fmt::format("interrupted by {}: stopped {} rank(s)", signal_name(interrupted_),
                         local_processes_));
         if (coordinator_) {
-          coordinator_->post_abort(generation, RemoteAbort{false, 128 + interrupted_,
-                                                           fmt::format("machine {} was interrupted by {}",
-                                                                       o_.machine_rank, signal_name(interrupted_))});
+          coordinator_->post_abort(
+              generation, RemoteAbort{false, 128 + interrupted_,
+                                      fmt::format("machine {} was interrupted by {}",
+                                                  o_.machine_rank, signal_name(interrupted_))});
         }
         return 128 + interrupted_;
       }
@@ -297,8 +304,8 @@ class Supervisor {
       const bool restart_allowed = generation < o_.max_restarts;
       if (remote && failure.global_rank < 0) {
         if (remote->restart && restart_allowed) {
-          say(fmt::format("another machine failed ({}): restarting the group ({}/{})", remote->message,
-                          generation + 1, o_.max_restarts));
+          say(fmt::format("another machine failed ({}): restarting the group ({}/{})",
+                          remote->message, generation + 1, o_.max_restarts));
           continue;
         }
         say("stopped this machine's ranks: " + remote->message);
@@ -356,8 +363,10 @@ class Supervisor {
       set("DIFFTRAIN_STORE_HOSTED", "1");
       vars.erase("DIFFTRAIN_STORE_FILE");
     }
-    if (!vars.count("DIFFTRAIN_JOIN_TIMEOUT")) set("DIFFTRAIN_JOIN_TIMEOUT", fmt::format("{:g}", o_.join_timeout_s));
-    if (o_.collective_timeout_s > 0) set("DIFFTRAIN_COLLECTIVE_TIMEOUT", fmt::format("{:g}", o_.collective_timeout_s));
+    if (!vars.count("DIFFTRAIN_JOIN_TIMEOUT"))
+      set("DIFFTRAIN_JOIN_TIMEOUT", fmt::format("{:g}", o_.join_timeout_s));
+    if (o_.collective_timeout_s > 0)
+      set("DIFFTRAIN_COLLECTIVE_TIMEOUT", fmt::format("{:g}", o_.collective_timeout_s));
     for (const auto& [k, v] : o_.extra_env) set(k, v);
     std::vector<std::string> out;
     out.reserve(vars.size());
@@ -377,13 +386,15 @@ class Supervisor {
     envp.push_back(nullptr);
     std::vector<char*> argv;
     argv.push_back(const_cast<char*>(program_.c_str()));
-    for (size_t i = 1; i < o_.command.size(); ++i) argv.push_back(const_cast<char*>(o_.command[i].c_str()));
+    for (size_t i = 1; i < o_.command.size(); ++i)
+      argv.push_back(const_cast<char*>(o_.command[i].c_str()));
     argv.push_back(nullptr);
     const pid_t parent = getpid();
     const pid_t pid = fork();
     if (pid < 0) throw Error(std::string("difftrain launch: fork failed: ") + std::strerror(errno));
     if (pid == 0) {
-      setpgid(0, 0);  // its own process group: the whole rank (and its children) is signalled at once
+      setpgid(0,
+              0);  // its own process group: the whole rank (and its children) is signalled at once
       prctl(PR_SET_PDEATHSIG, SIGKILL);  // a killed launcher leaves no rank behind
       if (getppid() != parent) _exit(125);
       sigset_t none;
@@ -469,13 +480,15 @@ class Supervisor {
         if (ok || failure.global_rank >= 0 || interrupted_ != 0 || stopping_) continue;
         failure.global_rank = r.global_rank;
         failure.exit_code = WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status);
-        const int others = static_cast<int>(std::count_if(ranks_.begin(), ranks_.end(),
-                                                          [](const Rank& x) { return x.running; }));
-        failure.message = describe_exit(r) +
-                          (o_.num_machines > 1 ? fmt::format(" on machine {}", o_.machine_rank) : "") +
-                          fmt::format("; stopped {} other local rank(s); ", others) +
-                          (o_.log_dir.empty() ? fmt::format("its output is above, prefixed [rank {}]", r.global_rank)
-                                              : "log: " + log_path(r.global_rank));
+        const int others = static_cast<int>(
+            std::count_if(ranks_.begin(), ranks_.end(), [](const Rank& x) { return x.running; }));
+        failure.message =
+            describe_exit(r) +
+            (o_.num_machines > 1 ? fmt::format(" on machine {}", o_.machine_rank) : "") +
+            fmt::format("; stopped {} other local rank(s); ", others) +
+            (o_.log_dir.empty()
+                 ? fmt::format("its output is above, prefixed [rank {}]", r.global_rank)
+                 : "log: " + log_path(r.global_rank));
         begin_stop();
         if (coordinator_) {
           RemoteAbort abort;
@@ -511,7 +524,8 @@ class Supervisor {
           owners.emplace_back(&r, s);
         }
       }
-      const bool any_running = std::any_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.running; });
+      const bool any_running =
+          std::any_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.running; });
       if (!any_running && fds.size() == 1) break;
       if (!any_running) {
         // Ranks are gone but a pipe is still open (a grandchild escaped its group): give it a
@@ -532,7 +546,8 @@ class Supervisor {
       }
       poll(fds.data(), fds.size(), 100);
       for (size_t i = 1; i < fds.size(); ++i) {
-        if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) pump(*owners[i].first, *owners[i].second);
+        if (fds[i].revents & (POLLIN | POLLHUP | POLLERR))
+          pump(*owners[i].first, *owners[i].second);
       }
       drain_signals();
       reap(failure, generation);
@@ -584,16 +599,21 @@ void validate(const LaunchOptions& o) {
                      o.num_machines - 1, o.num_machines));
   }
   if (o.num_processes % o.num_machines != 0) {
-    fail(fmt::format("--num_processes {} is not a multiple of --num_machines {}: every machine runs "
-                     "the same number of ranks",
-                     o.num_processes, o.num_machines));
+    fail(
+        fmt::format("--num_processes {} is not a multiple of --num_machines {}: every machine runs "
+                    "the same number of ranks",
+                    o.num_processes, o.num_machines));
   }
-  if (o.main_process_port < 0 || o.main_process_port > 65535) fail("--main_process_port must be 0-65535");
+  if (o.main_process_port < 0 || o.main_process_port > 65535)
+    fail("--main_process_port must be 0-65535");
   if (o.num_machines > 1) {
-    if (o.main_process_ip.empty()) fail("--main_process_ip is required with --num_machines > 1: the address of machine 0");
-    if (o.main_process_port == 0) fail("--main_process_port must be a fixed port with --num_machines > 1");
+    if (o.main_process_ip.empty())
+      fail("--main_process_ip is required with --num_machines > 1: the address of machine 0");
+    if (o.main_process_port == 0)
+      fail("--main_process_port must be a fixed port with --num_machines > 1");
   }
-  if (o.num_cpu_threads_per_process < 0) fail("--num_cpu_threads_per_process must be 0 (auto) or more");
+  if (o.num_cpu_threads_per_process < 0)
+    fail("--num_cpu_threads_per_process must be 0 (auto) or more");
   if (o.mixed_precision != "no" && o.mixed_precision != "fp16" && o.mixed_precision != "bf16") {
     fail("--mixed_precision must be no, fp16 or bf16, got '" + o.mixed_precision + "'");
   }
@@ -601,7 +621,8 @@ void validate(const LaunchOptions& o) {
   if (o.max_restarts < 0) fail("--max_restarts must be 0 or more");
   if (o.term_timeout_s < 0) fail("--term_timeout must be 0 or more seconds");
   if (o.join_timeout_s <= 0) fail("--join_timeout must be more than 0 seconds");
-  if (o.collective_timeout_s < 0) fail("--collective_timeout must be 0 (the default, 30 min) or more seconds");
+  if (o.collective_timeout_s < 0)
+    fail("--collective_timeout must be 0 (the default, 30 min) or more seconds");
 }
 
 int run(const LaunchOptions& options) {
@@ -610,7 +631,8 @@ int run(const LaunchOptions& options) {
   std::unique_ptr<Coordinator> coordinator;
   if (options.num_machines > 1) {
     coordinator = std::make_unique<Coordinator>(
-        options.main_process_ip, options.main_process_port, options.num_machines, options.machine_rank,
+        options.main_process_ip, options.main_process_port, options.num_machines,
+        options.machine_rank,
         std::chrono::milliseconds(static_cast<long>(options.join_timeout_s * 1000)));
   }
   Supervisor supervisor(options, program, coordinator.get());

@@ -22,7 +22,8 @@ std::string expect_close(const torch::Tensor& got, const torch::Tensor& want, do
     return fmt::format("shape {} != expected {}", c10::str(got.sizes()), c10::str(want.sizes()));
   }
   const double diff = (got.to(torch::kDouble) - want.to(torch::kDouble)).abs().max().item<double>();
-  if (diff > tolerance) return fmt::format("max abs difference {:g} > tolerance {:g}", diff, tolerance);
+  if (diff > tolerance)
+    return fmt::format("max abs difference {:g} > tolerance {:g}", diff, tolerance);
   return "";
 }
 
@@ -118,16 +119,25 @@ int run_checks(dist::ProcessGroup& g, std::ostream& out) {
                        g.backend_name(), g.size() > 1 ? g.info().store_description() : "none");
   }
   const std::vector<std::pair<std::string, Check>> checks = {
-      {"all_reduce sum (float32)", [](auto& g) { return check_all_reduce(g, dist::ReduceOp::kSum, torch::kFloat); }},
-      {"all_reduce sum (int64)", [](auto& g) { return check_all_reduce(g, dist::ReduceOp::kSum, torch::kLong); }},
-      {"all_reduce mean (float64)", [](auto& g) { return check_all_reduce(g, dist::ReduceOp::kMean, torch::kDouble); }},
-      {"all_reduce max", [](auto& g) { return check_all_reduce(g, dist::ReduceOp::kMax, torch::kFloat); }},
-      {"all_reduce min", [](auto& g) { return check_all_reduce(g, dist::ReduceOp::kMin, torch::kFloat); }},
+      {"all_reduce sum (float32)",
+       [](auto& g) { return check_all_reduce(g, dist::ReduceOp::kSum, torch::kFloat); }},
+      {"all_reduce sum (int64)",
+       [](auto& g) { return check_all_reduce(g, dist::ReduceOp::kSum, torch::kLong); }},
+      {"all_reduce mean (float64)",
+       [](auto& g) { return check_all_reduce(g, dist::ReduceOp::kMean, torch::kDouble); }},
+      {"all_reduce max",
+       [](auto& g) { return check_all_reduce(g, dist::ReduceOp::kMax, torch::kFloat); }},
+      {"all_reduce min",
+       [](auto& g) { return check_all_reduce(g, dist::ReduceOp::kMin, torch::kFloat); }},
       {"broadcast of a model from rank 0", check_broadcast_model},
       {"all_gather", check_all_gather},
       {"reduce_scatter sum", [](auto& g) { return check_reduce_scatter(g, dist::ReduceOp::kSum); }},
       {"reduce_scatter max", [](auto& g) { return check_reduce_scatter(g, dist::ReduceOp::kMax); }},
-      {"barrier", [](auto& g) { dist::barrier(g); return std::string(); }},
+      {"barrier",
+       [](auto& g) {
+         dist::barrier(g);
+         return std::string();
+       }},
       {"gradient all-reduce vs. one-process float64 reference", check_gradient_all_reduce},
   };
   int failed = 0;

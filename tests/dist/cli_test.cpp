@@ -23,13 +23,16 @@ TEST(ConfigCommand, WrittenConfigIsWhatLaunchUses) {
                       "--num_cpu_threads_per_process", "1"},
                      env, 30);
   ASSERT_EQ(w.exit_code, 0) << w.log();
-  EXPECT_NE(w.out.find("wrote " + cache + "/difftrain/default_config.yaml"), std::string::npos) << w.log();
+  EXPECT_NE(w.out.find("wrote " + cache + "/difftrain/default_config.yaml"), std::string::npos)
+      << w.log();
   const auto r = run({kDifftrain, "launch", kWorker, "env"}, env, 60);
   ASSERT_EQ(r.exit_code, 0) << r.log();
   EXPECT_NE(r.out.find("[rank 2] WORLD_SIZE=3"), std::string::npos) << r.log();
   EXPECT_NE(r.out.find("[rank 0] DIFFTRAIN_MIXED_PRECISION=fp16"), std::string::npos) << r.log();
   // A flag beats the config file.
-  const auto f = run({kDifftrain, "launch", "--num_processes", "2", "--mixed_precision", "bf16", kWorker, "env"}, env, 60);
+  const auto f = run(
+      {kDifftrain, "launch", "--num_processes", "2", "--mixed_precision", "bf16", kWorker, "env"},
+      env, 60);
   EXPECT_NE(f.out.find("[rank 1] WORLD_SIZE=2"), std::string::npos) << f.log();
   EXPECT_EQ(f.out.find("[rank 2]"), std::string::npos) << f.log();
   EXPECT_NE(f.out.find("DIFFTRAIN_MIXED_PRECISION=bf16"), std::string::npos) << f.log();
@@ -41,10 +44,13 @@ TEST(ConfigCommand, WrittenConfigIsWhatLaunchUses) {
 TEST(ConfigCommand, AccelerateConfigDrivesLaunchAndUnhonouredKeysAreReported) {
   const auto dir = make_temp_dir("acc");
   const std::string path = dir + "/accelerate.yaml";
-  std::ofstream(path) << "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\n"
-                         "mixed_precision: bf16\nnum_machines: 1\nmachine_rank: 0\nuse_cpu: true\n"
-                         "fsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\ndynamo_config:\n  dynamo_backend: INDUCTOR\n";
-  const auto r = run({kDifftrain, "launch", "--config_file", path, kWorker, "env"}, {{"XDG_CACHE_HOME", dir}}, 60);
+  std::ofstream(path)
+      << "compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\nnum_processes: 2\n"
+         "mixed_precision: bf16\nnum_machines: 1\nmachine_rank: 0\nuse_cpu: true\n"
+         "fsdp_config:\n  fsdp_sharding_strategy: FULL_SHARD\ndynamo_config:\n  dynamo_backend: "
+         "INDUCTOR\n";
+  const auto r = run({kDifftrain, "launch", "--config_file", path, kWorker, "env"},
+                     {{"XDG_CACHE_HOME", dir}}, 60);
   ASSERT_EQ(r.exit_code, 0) << r.log();
   EXPECT_NE(r.out.find("[rank 1] WORLD_SIZE=2"), std::string::npos) << r.log();
   EXPECT_NE(r.out.find("DIFFTRAIN_MIXED_PRECISION=bf16"), std::string::npos) << r.log();
@@ -56,14 +62,18 @@ TEST(ConfigCommand, BadYamlIsAOneLineErrorWithThePath) {
   const auto dir = make_temp_dir("bad");
   const std::string path = dir + "/broken.yaml";
   std::ofstream(path) << "num_processes: 2\n  mixed_precision: : [\n";
-  const auto r = run({kDifftrain, "launch", "--config_file", path, kWorker, "env"}, {{"XDG_CACHE_HOME", dir}}, 30);
+  const auto r = run({kDifftrain, "launch", "--config_file", path, kWorker, "env"},
+                     {{"XDG_CACHE_HOME", dir}}, 30);
   EXPECT_EQ(r.exit_code, 1) << r.log();
   EXPECT_EQ(r.out, "");
-  EXPECT_NE(r.err.find("difftrain: error: config file " + path + ": line "), std::string::npos) << r.log();
+  EXPECT_NE(r.err.find("difftrain: error: config file " + path + ": line "), std::string::npos)
+      << r.log();
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.log();
-  const auto missing = run({kDifftrain, "launch", "--config_file", dir + "/nope.yaml", kWorker, "env"}, isolated(), 30);
+  const auto missing = run(
+      {kDifftrain, "launch", "--config_file", dir + "/nope.yaml", kWorker, "env"}, isolated(), 30);
   EXPECT_EQ(missing.exit_code, 1);
-  EXPECT_NE(missing.err.find(dir + "/nope.yaml cannot be read: no such file"), std::string::npos) << missing.log();
+  EXPECT_NE(missing.err.find(dir + "/nope.yaml cannot be read: no such file"), std::string::npos)
+      << missing.log();
 }
 
 TEST(LaunchCommand, BadOptionsAndProgramsAreClearErrors) {
@@ -75,34 +85,42 @@ TEST(LaunchCommand, BadOptionsAndProgramsAreClearErrors) {
     EXPECT_NE(r.exit_code, 0) << r.log();
     return r.err;
   };
-  EXPECT_NE(err_of({"no-such-program-xyz"}).find("program 'no-such-program-xyz' was not found on PATH"),
+  EXPECT_NE(
+      err_of({"no-such-program-xyz"}).find("program 'no-such-program-xyz' was not found on PATH"),
+      std::string::npos);
+  EXPECT_NE(err_of({"/nonexistent/prog"}).find("cannot run '/nonexistent/prog': no such file"),
             std::string::npos);
-  EXPECT_NE(err_of({"/nonexistent/prog"}).find("cannot run '/nonexistent/prog': no such file"), std::string::npos);
   EXPECT_NE(err_of({"--num_processes", "3", "--num_machines", "2", "--main_process_ip", "127.0.0.1",
                     "--main_process_port", "1234", kWorker})
                 .find("--num_processes 3 is not a multiple of --num_machines 2"),
             std::string::npos);
-  EXPECT_NE(err_of({"--num_processes", "2", "--num_machines", "2", kWorker}).find("--main_process_ip is required"),
+  EXPECT_NE(err_of({"--num_processes", "2", "--num_machines", "2", kWorker})
+                .find("--main_process_ip is required"),
             std::string::npos);
-  EXPECT_NE(err_of({"--num_processes", "0", kWorker}).find("--num_processes must be at least 1"), std::string::npos);
+  EXPECT_NE(err_of({"--num_processes", "0", kWorker}).find("--num_processes must be at least 1"),
+            std::string::npos);
   EXPECT_NE(err_of({}).find("no program given"), std::string::npos);
 }
 
 TEST(LaunchCommand, ProgramArgumentsAndDoubleDashPassThrough) {
-  const auto r = run({kDifftrain, "launch", "--num_processes", "1", "--", kWorker, "sleep", "0"}, isolated(), 30);
+  const auto r = run({kDifftrain, "launch", "--num_processes", "1", "--", kWorker, "sleep", "0"},
+                     isolated(), 30);
   EXPECT_EQ(r.exit_code, 0) << r.log();
   // Options after PROGRAM belong to the program, not to the launcher.
-  const auto s = run({kDifftrain, "launch", kWorker, "exit-mode-unknown", "--num_processes", "5"}, isolated(), 30);
+  const auto s = run({kDifftrain, "launch", kWorker, "exit-mode-unknown", "--num_processes", "5"},
+                     isolated(), 30);
   EXPECT_EQ(s.exit_code, 2) << s.log();
-  EXPECT_NE(s.err.find("[rank 0] dist_worker: unknown mode exit-mode-unknown"), std::string::npos) << s.log();
+  EXPECT_NE(s.err.find("[rank 0] dist_worker: unknown mode exit-mode-unknown"), std::string::npos)
+      << s.log();
 }
 
 TEST(EnvCommand, ReportsVersionsBlasThreadsAndConfig) {
   const auto dir = make_temp_dir("env");
   const auto r = run({kDifftrain, "env", "--probe_seconds", "0.2"}, {{"XDG_CACHE_HOME", dir}}, 60);
   ASSERT_EQ(r.exit_code, 0) << r.log();
-  for (const char* field : {"- difftrain version:", "- LibTorch version: 1.13", "- BLAS:", "- matmul probe:",
-                            "GFLOP/s", "- threads: intra-op", "- CPU:", "- CUDA:", "- default config ("}) {
+  for (const char* field :
+       {"- difftrain version:", "- LibTorch version: 1.13", "- BLAS:", "- matmul probe:", "GFLOP/s",
+        "- threads: intra-op", "- CPU:", "- CUDA:", "- default config ("}) {
     EXPECT_NE(r.out.find(field), std::string::npos) << field << "\n" << r.log();
   }
   // scripts/setup installs OpenBLAS: a reference BLAS here would be a setup bug.
@@ -111,10 +129,12 @@ TEST(EnvCommand, ReportsVersionsBlasThreadsAndConfig) {
 }
 
 TEST(TestCommand, SelfTestRunsUnderTheLauncher) {
-  const auto r = run({kDifftrain, "launch", "--num_processes", "2", kDifftrain, "test"}, isolated(), 60);
+  const auto r =
+      run({kDifftrain, "launch", "--num_processes", "2", kDifftrain, "test"}, isolated(), 60);
   ASSERT_EQ(r.exit_code, 0) << r.log();
   EXPECT_EQ(r.out.find("[FAIL]"), std::string::npos);
-  EXPECT_NE(r.out.find("[rank 0] [PASS] gradient all-reduce vs. one-process float64 reference"), std::string::npos)
+  EXPECT_NE(r.out.find("[rank 0] [PASS] gradient all-reduce vs. one-process float64 reference"),
+            std::string::npos)
       << r.log();
 }
 

@@ -56,7 +56,8 @@ void expect_all_gone(const std::vector<pid_t>& pids) {
 
 size_t count(const std::string& text, const std::string& needle) {
   size_t n = 0;
-  for (size_t pos = text.find(needle); pos != std::string::npos; pos = text.find(needle, pos + 1)) ++n;
+  for (size_t pos = text.find(needle); pos != std::string::npos; pos = text.find(needle, pos + 1))
+    ++n;
   return n;
 }
 
@@ -64,10 +65,12 @@ class CollectivesUnderLaunch : public ::testing::TestWithParam<int> {};
 
 TEST_P(CollectivesUnderLaunch, EveryCheckPassesWithExactValues) {
   const int n = GetParam();
-  const auto r = run(launch({"--num_processes", std::to_string(n)}, {"collectives"}), test_env(), 120);
+  const auto r =
+      run(launch({"--num_processes", std::to_string(n)}, {"collectives"}), test_env(), 120);
   ASSERT_FALSE(r.timed_out) << r.log();
   ASSERT_EQ(r.exit_code, 0) << r.log();
-  EXPECT_NE(r.out.find("[rank 0] difftrain test: 11 passed, 0 failed on " + std::to_string(n) + " rank(s)"),
+  EXPECT_NE(r.out.find("[rank 0] difftrain test: 11 passed, 0 failed on " + std::to_string(n) +
+                       " rank(s)"),
             std::string::npos)
       << r.log();
   EXPECT_EQ(r.out.find("[FAIL]"), std::string::npos) << r.log();
@@ -81,24 +84,27 @@ TEST_P(CollectivesUnderLaunch, EveryCheckPassesWithExactValues) {
 INSTANTIATE_TEST_SUITE_P(Ranks, CollectivesUnderLaunch, ::testing::Values(1, 2, 3, 4));
 
 TEST(Launch, RanksGetTheTorchrunAndDifftrainEnvironment) {
-  const auto r = run(launch({"--num_processes", "2", "--num_cpu_threads_per_process", "3", "--mixed_precision",
-                             "bf16", "--gradient_accumulation_steps", "4", "--join_timeout", "12",
-                             "--collective_timeout", "90"},
+  const auto r = run(launch({"--num_processes", "2", "--num_cpu_threads_per_process", "3",
+                             "--mixed_precision", "bf16", "--gradient_accumulation_steps", "4",
+                             "--join_timeout", "12", "--collective_timeout", "90"},
                             {"env"}),
                      test_env(), 60);
   ASSERT_EQ(r.exit_code, 0) << r.log();
-  for (const char* line : {"[rank 1] RANK=1", "[rank 0] RANK=0", "[rank 1] WORLD_SIZE=2", "[rank 1] LOCAL_RANK=1",
-                           "[rank 1] LOCAL_WORLD_SIZE=2", "[rank 0] NODE_RANK=0", "[rank 0] MASTER_ADDR=127.0.0.1",
-                           "[rank 1] OMP_NUM_THREADS=3", "[rank 1] DIFFTRAIN_NUM_THREADS=3",
-                           "[rank 0] DIFFTRAIN_MIXED_PRECISION=bf16",
-                           "[rank 0] DIFFTRAIN_GRADIENT_ACCUMULATION_STEPS=4", "[rank 0] DIFFTRAIN_RESTART_COUNT=0",
-                           "[rank 1] DIFFTRAIN_JOIN_TIMEOUT=12", "[rank 1] DIFFTRAIN_COLLECTIVE_TIMEOUT=90"}) {
+  for (const char* line :
+       {"[rank 1] RANK=1", "[rank 0] RANK=0", "[rank 1] WORLD_SIZE=2", "[rank 1] LOCAL_RANK=1",
+        "[rank 1] LOCAL_WORLD_SIZE=2", "[rank 0] NODE_RANK=0", "[rank 0] MASTER_ADDR=127.0.0.1",
+        "[rank 1] OMP_NUM_THREADS=3", "[rank 1] DIFFTRAIN_NUM_THREADS=3",
+        "[rank 0] DIFFTRAIN_MIXED_PRECISION=bf16",
+        "[rank 0] DIFFTRAIN_GRADIENT_ACCUMULATION_STEPS=4", "[rank 0] DIFFTRAIN_RESTART_COUNT=0",
+        "[rank 1] DIFFTRAIN_JOIN_TIMEOUT=12", "[rank 1] DIFFTRAIN_COLLECTIVE_TIMEOUT=90"}) {
     EXPECT_NE(r.out.find(line), std::string::npos) << line << "\n" << r.log();
   }
   // Default threads: cores / local ranks.
   const auto d = run(launch({"--num_processes", "2"}, {"env"}), test_env(), 60);
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-  EXPECT_NE(d.out.find("OMP_NUM_THREADS=" + std::to_string(std::max(1, cores / 2))), std::string::npos) << d.log();
+  EXPECT_NE(d.out.find("OMP_NUM_THREADS=" + std::to_string(std::max(1, cores / 2))),
+            std::string::npos)
+      << d.log();
 }
 
 TEST(Launch, LinesFromManyRanksNeverInterleave) {
@@ -114,7 +120,8 @@ TEST(Launch, LinesFromManyRanksNeverInterleave) {
       EXPECT_EQ(m[2], m[3]);
       ++whole;
     } else {
-      EXPECT_TRUE(std::regex_match(line, std::regex("^\\[rank [0-3]\\] partial line without newline from [0-3]$")))
+      EXPECT_TRUE(std::regex_match(
+          line, std::regex("^\\[rank [0-3]\\] partial line without newline from [0-3]$")))
           << "mangled line: " << line.substr(0, 120);
     }
   }
@@ -123,13 +130,15 @@ TEST(Launch, LinesFromManyRanksNeverInterleave) {
 
 TEST(Launch, FailingRankStopsTheOthersAndItsCodeIsReturned) {
   const auto pid_dir = make_temp_dir("pids");
-  const auto r = run(launch({"--num_processes", "3"}, {"exit", "7", "1"}), test_env({{"DT_PID_DIR", pid_dir}}), 60);
+  const auto r = run(launch({"--num_processes", "3"}, {"exit", "7", "1"}),
+                     test_env({{"DT_PID_DIR", pid_dir}}), 60);
   ASSERT_FALSE(r.timed_out) << r.log();
   EXPECT_EQ(r.exit_code, 7) << r.log();
   EXPECT_LT(r.seconds, 10.0) << r.log();
-  EXPECT_TRUE(std::regex_search(r.err, std::regex("difftrain launch: rank 1 \\(pid [0-9]+\\) exited with status 7; "
-                                                  "stopped 2 other local rank\\(s\\); its output is above, "
-                                                  "prefixed \\[rank 1\\]")))
+  EXPECT_TRUE(std::regex_search(
+      r.err, std::regex("difftrain launch: rank 1 \\(pid [0-9]+\\) exited with status 7; "
+                        "stopped 2 other local rank\\(s\\); its output is above, "
+                        "prefixed \\[rank 1\\]")))
       << r.log();
   const auto pids = read_pids(pid_dir);
   EXPECT_EQ(pids.size(), 3u);
@@ -153,7 +162,8 @@ TEST(Launch, KilledRankIsReportedWithItsSignal) {
 
 TEST(Launch, SigintToTheLauncherEndsEveryRank) {
   const auto pid_dir = make_temp_dir("pids");
-  Process launcher(launch({"--num_processes", "3"}, {"sleep", "60"}), test_env({{"DT_PID_DIR", pid_dir}}));
+  Process launcher(launch({"--num_processes", "3"}, {"sleep", "60"}),
+                   test_env({{"DT_PID_DIR", pid_dir}}));
   for (int i = 0; i < 200 && read_pids(pid_dir).size() < 3; ++i) usleep(50 * 1000);
   const auto pids = read_pids(pid_dir);
   ASSERT_EQ(pids.size(), 3u);
@@ -168,7 +178,8 @@ TEST(Launch, SigintToTheLauncherEndsEveryRank) {
 
 TEST(Launch, KilledLauncherLeavesNoRankBehind) {
   const auto pid_dir = make_temp_dir("pids");
-  Process launcher(launch({"--num_processes", "2"}, {"sleep", "60"}), test_env({{"DT_PID_DIR", pid_dir}}));
+  Process launcher(launch({"--num_processes", "2"}, {"sleep", "60"}),
+                   test_env({{"DT_PID_DIR", pid_dir}}));
   for (int i = 0; i < 200 && read_pids(pid_dir).size() < 2; ++i) usleep(50 * 1000);
   const auto pids = read_pids(pid_dir);
   ASSERT_EQ(pids.size(), 2u);
@@ -181,7 +192,8 @@ TEST(Launch, KilledLauncherLeavesNoRankBehind) {
 
 TEST(Launch, SigtermToTheLauncherIsForwarded) {
   const auto pid_dir = make_temp_dir("pids");
-  Process launcher(launch({"--num_processes", "2"}, {"sleep", "60"}), test_env({{"DT_PID_DIR", pid_dir}}));
+  Process launcher(launch({"--num_processes", "2"}, {"sleep", "60"}),
+                   test_env({{"DT_PID_DIR", pid_dir}}));
   for (int i = 0; i < 200 && read_pids(pid_dir).size() < 2; ++i) usleep(50 * 1000);
   ASSERT_EQ(read_pids(pid_dir).size(), 2u);
   launcher.signal(SIGTERM);
@@ -192,7 +204,9 @@ TEST(Launch, SigtermToTheLauncherIsForwarded) {
 
 TEST(Launch, MaxRestartsRunsTheGroupAgain) {
   const auto marker_dir = make_temp_dir("restart");
-  const auto r = run(launch({"--num_processes", "2", "--max_restarts", "1"}, {"fail_once", marker_dir}), test_env(), 120);
+  const auto r =
+      run(launch({"--num_processes", "2", "--max_restarts", "1"}, {"fail_once", marker_dir}),
+          test_env(), 120);
   ASSERT_FALSE(r.timed_out) << r.log();
   EXPECT_EQ(r.exit_code, 0) << r.log();
   EXPECT_NE(r.err.find("exited with status 3"), std::string::npos) << r.log();
@@ -207,9 +221,10 @@ TEST(Launch, MaxRestartsRunsTheGroupAgain) {
 TEST(Launch, TwoLaunchersFormOneFourRankGroup) {
   const std::string port = std::to_string(dist::find_free_port());
   auto machine = [&](int rank) {
-    return launch({"--num_processes", "4", "--num_machines", "2", "--machine_rank", std::to_string(rank),
-                   "--main_process_ip", "127.0.0.1", "--main_process_port", port},
-                  {"collectives"});
+    return launch(
+        {"--num_processes", "4", "--num_machines", "2", "--machine_rank", std::to_string(rank),
+         "--main_process_ip", "127.0.0.1", "--main_process_port", port},
+        {"collectives"});
   };
   Process m0(machine(0), test_env());
   Process m1(machine(1), test_env());
@@ -217,9 +232,12 @@ TEST(Launch, TwoLaunchersFormOneFourRankGroup) {
   const auto r0 = m0.wait(120);
   ASSERT_EQ(r0.exit_code, 0) << r0.log() << r1.log();
   ASSERT_EQ(r1.exit_code, 0) << r0.log() << r1.log();
-  EXPECT_NE(r0.out.find("[rank 0] difftrain test: 11 passed, 0 failed on 4 rank(s)"), std::string::npos) << r0.log();
-  EXPECT_NE(r0.out.find("[rank 0] difftrain test: 4 rank(s), backend gloo, rendezvous 127.0.0.1:" + port),
+  EXPECT_NE(r0.out.find("[rank 0] difftrain test: 11 passed, 0 failed on 4 rank(s)"),
             std::string::npos)
+      << r0.log();
+  EXPECT_NE(
+      r0.out.find("[rank 0] difftrain test: 4 rank(s), backend gloo, rendezvous 127.0.0.1:" + port),
+      std::string::npos)
       << r0.log();
   // Machine 1 runs global ranks 2 and 3.
   EXPECT_EQ(count(r1.out, "[rank 0]"), 0u) << r1.log();
@@ -229,9 +247,10 @@ TEST(Launch, TwoLaunchersFormOneFourRankGroup) {
 TEST(Launch, ARankFailingOnOneMachineStopsTheOther) {
   const std::string port = std::to_string(dist::find_free_port());
   auto machine = [&](int rank) {
-    return launch({"--num_processes", "4", "--num_machines", "2", "--machine_rank", std::to_string(rank),
-                   "--main_process_ip", "127.0.0.1", "--main_process_port", port},
-                  {"exit", "5", "3"});
+    return launch(
+        {"--num_processes", "4", "--num_machines", "2", "--machine_rank", std::to_string(rank),
+         "--main_process_ip", "127.0.0.1", "--main_process_port", port},
+        {"exit", "5", "3"});
   };
   Process m0(machine(0), test_env());
   Process m1(machine(1), test_env());
@@ -240,7 +259,8 @@ TEST(Launch, ARankFailingOnOneMachineStopsTheOther) {
   ASSERT_FALSE(r0.timed_out || r1.timed_out) << r0.log() << r1.log();
   EXPECT_EQ(r1.exit_code, 5) << r1.log();
   EXPECT_EQ(r0.exit_code, 5) << r0.log();
-  EXPECT_NE(r0.err.find("stopped this machine's ranks: rank 3 (pid"), std::string::npos) << r0.log();
+  EXPECT_NE(r0.err.find("stopped this machine's ranks: rank 3 (pid"), std::string::npos)
+      << r0.log();
   EXPECT_NE(r0.err.find("on machine 1"), std::string::npos) << r0.log();
   EXPECT_LT(r0.seconds, 20.0);
 }
@@ -250,9 +270,10 @@ TEST(Launch, RestartsSpanMachines) {
   const std::string port = std::to_string(dist::find_free_port());
   const auto marker_dir = make_temp_dir("restart");
   auto machine = [&](int rank) {
-    return launch({"--num_processes", "4", "--num_machines", "2", "--machine_rank", std::to_string(rank),
-                   "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--max_restarts", "1"},
-                  {"fail_once", marker_dir});
+    return launch(
+        {"--num_processes", "4", "--num_machines", "2", "--machine_rank", std::to_string(rank),
+         "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--max_restarts", "1"},
+        {"fail_once", marker_dir});
   };
   Process m0(machine(0), test_env());
   Process m1(machine(1), test_env());
@@ -262,39 +283,51 @@ TEST(Launch, RestartsSpanMachines) {
   EXPECT_EQ(r1.exit_code, 0) << r0.log() << r1.log();
   EXPECT_NE(r0.err.find("restarting the group (1/1)"), std::string::npos) << r0.log();
   EXPECT_NE(r1.err.find("another machine failed (rank 0 (pid"), std::string::npos) << r1.log();
-  EXPECT_NE(r0.out.find("[rank 0] difftrain test: 11 passed, 0 failed on 4 rank(s)"), std::string::npos) << r0.log();
+  EXPECT_NE(r0.out.find("[rank 0] difftrain test: 11 passed, 0 failed on 4 rank(s)"),
+            std::string::npos)
+      << r0.log();
 }
 
 TEST(Launch, MachineThatNeverArrivesIsNamed) {
   const std::string port = std::to_string(dist::find_free_port());
-  const auto r = run({kDifftrain, "launch", "--num_processes", "2", "--num_machines", "2", "--machine_rank", "0",
-                      "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--join_timeout", "2",
-                      kWorker, "collectives"},
+  const auto r = run({kDifftrain, "launch", "--num_processes", "2", "--num_machines", "2",
+                      "--machine_rank", "0", "--main_process_ip", "127.0.0.1",
+                      "--main_process_port", port, "--join_timeout", "2", kWorker, "collectives"},
                      test_env(), 30);
   EXPECT_EQ(r.exit_code, 1) << r.log();
-  EXPECT_NE(r.err.find("timed out after 2 s waiting for machine(s) 1 to join the rendezvous at 127.0.0.1:" + port),
-            std::string::npos)
+  EXPECT_NE(
+      r.err.find(
+          "timed out after 2 s waiting for machine(s) 1 to join the rendezvous at 127.0.0.1:" +
+          port),
+      std::string::npos)
       << r.log();
 }
 
 TEST(Rendezvous, WrongPortIsAClearErrorWithinTheJoinTimeout) {
   const std::string port = std::to_string(dist::find_free_port());  // nobody listens there
   const auto r = run({kWorker, "collectives"},
-                     test_env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
-                               {"MASTER_PORT", port}, {"DIFFTRAIN_JOIN_TIMEOUT", "3"}}),
+                     test_env({{"RANK", "1"},
+                               {"WORLD_SIZE", "2"},
+                               {"MASTER_ADDR", "127.0.0.1"},
+                               {"MASTER_PORT", port},
+                               {"DIFFTRAIN_JOIN_TIMEOUT", "3"}}),
                      30);
   ASSERT_FALSE(r.timed_out) << r.log();
   EXPECT_EQ(r.exit_code, 1) << r.log();
   EXPECT_LT(r.seconds, 15.0);
-  EXPECT_NE(r.err.find("rank 1/2 could not reach the rendezvous at 127.0.0.1:" + port + " within 3 s: is rank 0"),
+  EXPECT_NE(r.err.find("rank 1/2 could not reach the rendezvous at 127.0.0.1:" + port +
+                       " within 3 s: is rank 0"),
             std::string::npos)
       << r.log();
 }
 
 TEST(Rendezvous, UnresolvableAddressIsAClearError) {
   const auto r = run({kWorker, "collectives"},
-                     test_env({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "no-such-host.invalid"},
-                               {"MASTER_PORT", "29500"}, {"DIFFTRAIN_JOIN_TIMEOUT", "3"}}),
+                     test_env({{"RANK", "1"},
+                               {"WORLD_SIZE", "2"},
+                               {"MASTER_ADDR", "no-such-host.invalid"},
+                               {"MASTER_PORT", "29500"},
+                               {"DIFFTRAIN_JOIN_TIMEOUT", "3"}}),
                      30);
   ASSERT_FALSE(r.timed_out) << r.log();
   EXPECT_EQ(r.exit_code, 1) << r.log();
@@ -304,11 +337,16 @@ TEST(Rendezvous, UnresolvableAddressIsAClearError) {
 TEST(Rendezvous, AbsentRankIsNamedByRankZero) {
   const std::string port = std::to_string(dist::find_free_port());
   const auto r = run({kWorker, "collectives"},
-                     test_env({{"RANK", "0"}, {"WORLD_SIZE", "3"}, {"MASTER_ADDR", "127.0.0.1"},
-                               {"MASTER_PORT", port}, {"DIFFTRAIN_JOIN_TIMEOUT", "2"}}),
+                     test_env({{"RANK", "0"},
+                               {"WORLD_SIZE", "3"},
+                               {"MASTER_ADDR", "127.0.0.1"},
+                               {"MASTER_PORT", port},
+                               {"DIFFTRAIN_JOIN_TIMEOUT", "2"}}),
                      30);
   EXPECT_EQ(r.exit_code, 1) << r.log();
-  EXPECT_NE(r.err.find("rank 0/3: timed out after 2 s waiting for rank(s) 1, 2 to join the rendezvous at 127.0.0.1:" + port),
+  EXPECT_NE(r.err.find("rank 0/3: timed out after 2 s waiting for rank(s) 1, 2 to join the "
+                       "rendezvous at 127.0.0.1:" +
+                       port),
             std::string::npos)
       << r.log();
 }
@@ -317,8 +355,12 @@ TEST(Rendezvous, TorchrunStyleEnvWithoutTheLauncherWorks) {
   // Two ranks started by hand, as torchrun would: rank 0 hosts the TCP store.
   const std::string port = std::to_string(dist::find_free_port());
   auto env_for = [&](int rank) {
-    return test_env({{"RANK", std::to_string(rank)}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", std::to_string(rank)},
-                     {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}});
+    return test_env({{"RANK", std::to_string(rank)},
+                     {"WORLD_SIZE", "2"},
+                     {"LOCAL_RANK", std::to_string(rank)},
+                     {"LOCAL_WORLD_SIZE", "2"},
+                     {"MASTER_ADDR", "127.0.0.1"},
+                     {"MASTER_PORT", port}});
   };
   Process r0({kWorker, "collectives"}, env_for(0));
   Process r1({kWorker, "collectives"}, env_for(1));
@@ -332,9 +374,12 @@ TEST(Rendezvous, TorchrunStyleEnvWithoutTheLauncherWorks) {
 TEST(Rendezvous, OpenMpiStyleEnvWorks) {
   const std::string port = std::to_string(dist::find_free_port());
   auto env_for = [&](int rank) {
-    return test_env({{"OMPI_COMM_WORLD_RANK", std::to_string(rank)}, {"OMPI_COMM_WORLD_SIZE", "2"},
-                     {"OMPI_COMM_WORLD_LOCAL_RANK", std::to_string(rank)}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
-                     {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}});
+    return test_env({{"OMPI_COMM_WORLD_RANK", std::to_string(rank)},
+                     {"OMPI_COMM_WORLD_SIZE", "2"},
+                     {"OMPI_COMM_WORLD_LOCAL_RANK", std::to_string(rank)},
+                     {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+                     {"MASTER_ADDR", "127.0.0.1"},
+                     {"MASTER_PORT", port}});
   };
   Process r0({kWorker, "collectives"}, env_for(0));
   Process r1({kWorker, "collectives"}, env_for(1));

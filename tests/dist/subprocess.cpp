@@ -21,7 +21,8 @@ double now() {
 }
 }  // namespace
 
-Process::Process(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env) {
+Process::Process(const std::vector<std::string>& argv,
+                 const std::map<std::string, std::string>& env) {
   int out[2], err[2];
   if (pipe2(out, O_CLOEXEC) != 0 || pipe2(err, O_CLOEXEC) != 0) throw std::runtime_error("pipe");
   std::map<std::string, std::string> vars;
@@ -31,7 +32,10 @@ Process::Process(const std::vector<std::string>& argv, const std::map<std::strin
     if (eq != std::string::npos) vars[s.substr(0, eq)] = s.substr(eq + 1);
   }
   for (const auto& [k, v] : env) {
-    if (v.empty()) vars.erase(k); else vars[k] = v;
+    if (v.empty())
+      vars.erase(k);
+    else
+      vars[k] = v;
   }
   std::vector<std::string> env_strings;
   for (const auto& [k, v] : vars) env_strings.push_back(k + "=" + v);
@@ -108,8 +112,8 @@ ProcessResult Process::wait(double timeout_s) {
   return result;
 }
 
-ProcessResult run(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env,
-                  double timeout_s) {
+ProcessResult run(const std::vector<std::string>& argv,
+                  const std::map<std::string, std::string>& env, double timeout_s) {
   Process p(argv, env);
   return p.wait(timeout_s);
 }

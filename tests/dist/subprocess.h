@@ -12,8 +12,8 @@
 namespace difftrain::testing {
 
 struct ProcessResult {
-  int exit_code = -1;    ///< exit status, or 128 + signal
-  int term_signal = 0;   ///< signal that ended it, if any
+  int exit_code = -1;   ///< exit status, or 128 + signal
+  int term_signal = 0;  ///< signal that ended it, if any
   bool timed_out = false;
   double seconds = 0;
   std::string out, err;
@@ -38,8 +38,8 @@ class Process {
   bool done_ = false;
 };
 
-ProcessResult run(const std::vector<std::string>& argv, const std::map<std::string, std::string>& env = {},
-                  double timeout_s = 120);
+ProcessResult run(const std::vector<std::string>& argv,
+                  const std::map<std::string, std::string>& env = {}, double timeout_s = 120);
 
 /// True while `pid` exists and is not a zombie.
 bool alive(pid_t pid);

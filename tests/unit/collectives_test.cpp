@@ -1,8 +1,8 @@
 // Collectives with ranks as threads of this process, joined through a c10d HashStore over a real
 // Gloo group on loopback. Values are checked exactly against closed forms.
 
-#include "difftrain/core/error.h"
 #include "difftrain/dist/collectives.h"
+#include "difftrain/core/error.h"
 #include "difftrain/launch/self_test.h"
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -54,7 +54,8 @@ TEST_P(CollectivesOnThreads, SelfTestPassesEveryCheck) {
     failed[static_cast<size_t>(g.rank())] = launch::run_checks(g, out);
     output[static_cast<size_t>(g.rank())] = out.str();
   });
-  for (int r = 0; r < world; ++r) EXPECT_EQ(failed[static_cast<size_t>(r)], 0) << output[static_cast<size_t>(r)];
+  for (int r = 0; r < world; ++r)
+    EXPECT_EQ(failed[static_cast<size_t>(r)], 0) << output[static_cast<size_t>(r)];
   EXPECT_NE(output[0].find("11 passed, 0 failed"), std::string::npos) << output[0];
 }
 
@@ -79,7 +80,8 @@ TEST_P(CollectivesOnThreads, ReduceScatterMeanAndMinOnTwoDims) {
     const auto mean = reduce_scatter(input, ReduceOp::kMean, g);
     const auto mine = rows.slice(0, 3 * g.rank(), 3 * g.rank() + 3);
     const double expect_factor = (world + 1) / 2.0;
-    if ((mean - mine * expect_factor).abs().max().item<double>() > 1e-12) throw std::runtime_error("mean");
+    if ((mean - mine * expect_factor).abs().max().item<double>() > 1e-12)
+      throw std::runtime_error("mean");
     const auto minimum = reduce_scatter(input, ReduceOp::kMin, g);
     if (!torch::equal(minimum, mine)) throw std::runtime_error("min");
   });

@@ -1,5 +1,5 @@
-#include "difftrain/core/error.h"
 #include "difftrain/launch/config.h"
+#include "difftrain/core/error.h"
 
 #include <gtest/gtest.h>
 
@@ -14,7 +14,8 @@ namespace {
 namespace fs = std::filesystem;
 
 fs::path temp_dir() {
-  const auto dir = fs::temp_directory_path() / ("difftrain-config-test-" + std::to_string(::getpid()));
+  const auto dir =
+      fs::temp_directory_path() / ("difftrain-config-test-" + std::to_string(::getpid()));
   fs::create_directories(dir);
   return dir;
 }
@@ -102,8 +103,8 @@ TEST(Config, UnhonouredKeysAreReportedNeverDropped) {
       "x.yaml");
   std::string all;
   for (const auto& n : c.notes) all += n + "\n";
-  for (const char* key : {"distributed_type: FSDP", "fsdp_config", "unknown key num_procesess", "gpu_ids",
-                          "debug", "rdzv_backend", "AMAZON_SAGEMAKER", "fp8"}) {
+  for (const char* key : {"distributed_type: FSDP", "fsdp_config", "unknown key num_procesess",
+                          "gpu_ids", "debug", "rdzv_backend", "AMAZON_SAGEMAKER", "fp8"}) {
     EXPECT_NE(all.find(key), std::string::npos) << key << " not reported in:\n" << all;
   }
   EXPECT_FALSE(c.distributed_type.has_value());
@@ -133,11 +134,14 @@ TEST(Config, BadValuesNameTheKey) {
     }
     return std::string("accepted");
   };
-  EXPECT_NE(message("num_processes: two\n").find("num_processes must be a whole number"), std::string::npos);
-  EXPECT_NE(message("num_processes: 0\n").find("num_processes must be at least 1"), std::string::npos);
+  EXPECT_NE(message("num_processes: two\n").find("num_processes must be a whole number"),
+            std::string::npos);
+  EXPECT_NE(message("num_processes: 0\n").find("num_processes must be at least 1"),
+            std::string::npos);
   EXPECT_NE(message("mixed_precision: fp32\n").find("mixed_precision must be no, fp16 or bf16"),
             std::string::npos);
-  EXPECT_NE(message("num_machines: 2\nmachine_rank: 2\n").find("machine_rank 2"), std::string::npos);
+  EXPECT_NE(message("num_machines: 2\nmachine_rank: 2\n").find("machine_rank 2"),
+            std::string::npos);
   EXPECT_NE(message("- a\n- b\n").find("expected a mapping"), std::string::npos);
   EXPECT_NE(message("main_process_port: 70000\n").find("main_process_port"), std::string::npos);
 }
@@ -147,8 +151,9 @@ TEST(Config, MissingFileSaysSo) {
     load_config("/nonexistent/dir/config.yaml");
     FAIL();
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("/nonexistent/dir/config.yaml cannot be read: no such file"),
-              std::string::npos)
+    EXPECT_NE(
+        std::string(e.what()).find("/nonexistent/dir/config.yaml cannot be read: no such file"),
+        std::string::npos)
         << e.what();
   }
 }
@@ -158,7 +163,10 @@ TEST(Config, DefaultPathFollowsXdgCacheHome) {
   const std::string keep = saved ? saved : "";
   setenv("XDG_CACHE_HOME", "/some/cache", 1);
   EXPECT_EQ(default_config_path(), "/some/cache/difftrain/default_config.yaml");
-  if (saved) setenv("XDG_CACHE_HOME", keep.c_str(), 1); else unsetenv("XDG_CACHE_HOME");
+  if (saved)
+    setenv("XDG_CACHE_HOME", keep.c_str(), 1);
+  else
+    unsetenv("XDG_CACHE_HOME");
 }
 
 TEST(Config, InteractiveQuestionsTakeDefaultsAndReaskOnBadAnswers) {

@@ -1,6 +1,6 @@
+#include "difftrain/dist/rendezvous.h"
 #include "difftrain/core/error.h"
 #include "difftrain/dist/net.h"
-#include "difftrain/dist/rendezvous.h"
 
 #include <gtest/gtest.h>
 
@@ -27,9 +27,13 @@ TEST(Rendezvous, NoVariablesIsAWorldOfOne) {
 }
 
 TEST(Rendezvous, TorchrunContract) {
-  const auto info = detect_rendezvous(fake({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"},
-                                            {"LOCAL_WORLD_SIZE", "4"}, {"GROUP_RANK", "1"},
-                                            {"MASTER_ADDR", "10.1.2.3"}, {"MASTER_PORT", "1234"},
+  const auto info = detect_rendezvous(fake({{"RANK", "5"},
+                                            {"WORLD_SIZE", "8"},
+                                            {"LOCAL_RANK", "1"},
+                                            {"LOCAL_WORLD_SIZE", "4"},
+                                            {"GROUP_RANK", "1"},
+                                            {"MASTER_ADDR", "10.1.2.3"},
+                                            {"MASTER_PORT", "1234"},
                                             {"TORCHELASTIC_RESTART_COUNT", "2"}}));
   EXPECT_EQ(info.source, RendezvousSource::kTorchrun);
   EXPECT_EQ(info.rank, 5);
@@ -45,29 +49,32 @@ TEST(Rendezvous, TorchrunContract) {
 }
 
 TEST(Rendezvous, NodeRankAndDefaults) {
-  const auto info = detect_rendezvous(fake({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"NODE_RANK", "3"},
-                                            {"MASTER_ADDR", "h"}}));
+  const auto info = detect_rendezvous(
+      fake({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"NODE_RANK", "3"}, {"MASTER_ADDR", "h"}}));
   EXPECT_EQ(info.node_rank, 3);
   EXPECT_EQ(info.master_port, 29500);
   EXPECT_EQ(info.local_rank, 1);  // LOCAL_RANK defaults to RANK
 }
 
 TEST(Rendezvous, DifftrainLauncherVariables) {
-  const auto info = detect_rendezvous(fake({{"RANK", "0"}, {"WORLD_SIZE", "2"},
+  const auto info = detect_rendezvous(fake({{"RANK", "0"},
+                                            {"WORLD_SIZE", "2"},
                                             {"DIFFTRAIN_STORE_FILE", "/tmp/x/store.gen1"},
                                             {"DIFFTRAIN_RESTART_COUNT", "1"}}));
   EXPECT_EQ(info.store_file, "/tmp/x/store.gen1");
   EXPECT_EQ(info.restart_count, 1);
   EXPECT_EQ(info.store_description(), "file /tmp/x/store.gen1");
-  const auto hosted = detect_rendezvous(fake({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"},
-                                              {"DIFFTRAIN_STORE_HOSTED", "1"}}));
+  const auto hosted = detect_rendezvous(fake(
+      {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"DIFFTRAIN_STORE_HOSTED", "1"}}));
   EXPECT_TRUE(hosted.store_hosted);
 }
 
 TEST(Rendezvous, OpenMpi) {
-  const auto info = detect_rendezvous(fake({{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+  const auto info = detect_rendezvous(fake({{"OMPI_COMM_WORLD_RANK", "3"},
+                                            {"OMPI_COMM_WORLD_SIZE", "4"},
                                             {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
-                                            {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}, {"MASTER_ADDR", "m"}}));
+                                            {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+                                            {"MASTER_ADDR", "m"}}));
   EXPECT_EQ(info.source, RendezvousSource::kOpenMpi);
   EXPECT_EQ(info.rank, 3);
   EXPECT_EQ(info.world_size, 4);
@@ -87,9 +94,12 @@ TEST(Rendezvous, OpenMpiWithoutMasterAddrSaysWhatToSet) {
 }
 
 TEST(Rendezvous, SlurmTakesFirstHostOfNodelist) {
-  const auto info = detect_rendezvous(fake({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "6"},
-                                            {"SLURM_LOCALID", "2"}, {"SLURM_NTASKS_PER_NODE", "3"},
-                                            {"SLURM_NODEID", "1"}, {"SLURM_NODELIST", "gpu[07-09,12]"}}));
+  const auto info = detect_rendezvous(fake({{"SLURM_PROCID", "5"},
+                                            {"SLURM_NTASKS", "6"},
+                                            {"SLURM_LOCALID", "2"},
+                                            {"SLURM_NTASKS_PER_NODE", "3"},
+                                            {"SLURM_NODEID", "1"},
+                                            {"SLURM_NODELIST", "gpu[07-09,12]"}}));
   EXPECT_EQ(info.source, RendezvousSource::kSlurm);
   EXPECT_EQ(info.rank, 5);
   EXPECT_EQ(info.world_size, 6);
@@ -98,8 +108,10 @@ TEST(Rendezvous, SlurmTakesFirstHostOfNodelist) {
   EXPECT_EQ(info.node_rank, 1);
   EXPECT_EQ(info.master_addr, "gpu07");
   // MASTER_ADDR, when set, wins.
-  const auto set = detect_rendezvous(fake({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"},
-                                           {"SLURM_TASKS_PER_NODE", "2(x1)"}, {"SLURM_NODELIST", "a[1-2]"},
+  const auto set = detect_rendezvous(fake({{"SLURM_PROCID", "0"},
+                                           {"SLURM_NTASKS", "2"},
+                                           {"SLURM_TASKS_PER_NODE", "2(x1)"},
+                                           {"SLURM_NODELIST", "a[1-2]"},
                                            {"MASTER_ADDR", "head"}}));
   EXPECT_EQ(set.master_addr, "head");
   EXPECT_EQ(set.local_world_size, 2);
@@ -113,8 +125,11 @@ TEST(Rendezvous, SlurmNodelistForms) {
 }
 
 TEST(Rendezvous, TorchrunWinsOverSlurm) {
-  const auto info = detect_rendezvous(fake({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "x"},
-                                            {"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"}}));
+  const auto info = detect_rendezvous(fake({{"RANK", "1"},
+                                            {"WORLD_SIZE", "2"},
+                                            {"MASTER_ADDR", "x"},
+                                            {"SLURM_PROCID", "0"},
+                                            {"SLURM_NTASKS", "1"}}));
   EXPECT_EQ(info.source, RendezvousSource::kTorchrun);
   EXPECT_EQ(info.rank, 1);
 }
@@ -129,13 +144,17 @@ TEST(Rendezvous, BadValuesNameTheVariable) {
     return std::string("no error");
   };
   EXPECT_NE(message({{"RANK", "x"}, {"WORLD_SIZE", "2"}}).find("RANK='x'"), std::string::npos);
-  EXPECT_NE(message({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}}).find("not below the world size"),
+  EXPECT_NE(message({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}})
+                .find("not below the world size"),
             std::string::npos);
-  EXPECT_NE(message({{"RANK", "0"}, {"WORLD_SIZE", "2"}}).find("needs MASTER_ADDR"), std::string::npos);
-  EXPECT_NE(message({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "70000"}})
-                .find("MASTER_PORT=70000"),
+  EXPECT_NE(message({{"RANK", "0"}, {"WORLD_SIZE", "2"}}).find("needs MASTER_ADDR"),
             std::string::npos);
-  EXPECT_NE(message({{"RANK", "0"}, {"WORLD_SIZE", "-1"}}).find("WORLD_SIZE='-1'"), std::string::npos);
+  EXPECT_NE(
+      message({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "70000"}})
+          .find("MASTER_PORT=70000"),
+      std::string::npos);
+  EXPECT_NE(message({{"RANK", "0"}, {"WORLD_SIZE", "-1"}}).find("WORLD_SIZE='-1'"),
+            std::string::npos);
 }
 
 TEST(Net, LoopbackAndRoutes) {

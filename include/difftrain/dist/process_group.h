@@ -40,7 +40,8 @@ class ProcessGroup {
   ProcessGroup(RendezvousInfo info, ProcessGroupOptions options = {});
   /// Joins through a store the caller made (e.g. a c10d HashStore shared by ranks that are
   /// threads of one process, in tests). Backend sockets bind to 127.0.0.1.
-  ProcessGroup(RendezvousInfo info, ProcessGroupOptions options, c10::intrusive_ptr<c10d::Store> store);
+  ProcessGroup(RendezvousInfo info, ProcessGroupOptions options,
+               c10::intrusive_ptr<c10d::Store> store);
   ~ProcessGroup();
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;

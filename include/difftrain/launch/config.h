@@ -49,7 +49,8 @@ void save_config(const std::string& path, const LaunchConfig& config);
 /// the default shown in brackets (taken from `defaults`). Re-asks on an invalid answer.
 LaunchConfig ask_config(std::istream& in, std::ostream& out, const LaunchConfig& defaults);
 
-/// Checks values (ranges, names, consistency) and throws difftrain::Error naming `origin` and the key.
+/// Checks values (ranges, names, consistency) and throws difftrain::Error naming `origin` and the
+/// key.
 void validate_config(const LaunchConfig& config, const std::string& origin);
 
 }  // namespace difftrain::launch

@@ -6,9 +6,11 @@ namespace difftrain::launch {
 
 /// The BLAS library LibTorch's matmul ends up in.
 struct BlasInfo {
-  std::string library;    ///< resolved path of the loaded libblas, e.g. .../openblas-openmp/libblas.so.3
-  std::string kind;       ///< "openblas", "blis", "mkl", "atlas", "reference" or "unknown"
-  bool is_reference = false;  ///< true for Netlib's reference BLAS (~2 GFLOP/s: install libopenblas0-openmp)
+  std::string
+      library;       ///< resolved path of the loaded libblas, e.g. .../openblas-openmp/libblas.so.3
+  std::string kind;  ///< "openblas", "blis", "mkl", "atlas", "reference" or "unknown"
+  bool is_reference =
+      false;  ///< true for Netlib's reference BLAS (~2 GFLOP/s: install libopenblas0-openmp)
 };
 
 /// Finds the BLAS loaded in this process (after forcing one matmul so it is loaded).

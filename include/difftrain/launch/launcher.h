@@ -9,20 +9,20 @@ namespace difftrain::launch {
 /// Settings of `difftrain launch` (Accelerate: `accelerate launch`; torchrun's
 /// --nproc_per_node/--nnodes/--node_rank/--master_addr/--master_port/--max_restarts).
 struct LaunchOptions {
-  std::vector<std::string> command;       ///< program and its arguments
-  int num_processes = 1;                  ///< ranks over all machines
+  std::vector<std::string> command;  ///< program and its arguments
+  int num_processes = 1;             ///< ranks over all machines
   int num_machines = 1;
   int machine_rank = 0;
-  std::string main_process_ip;            ///< machine 0's address; required when num_machines > 1
-  int main_process_port = 0;              ///< 0 = pick a free port (one machine only)
-  int num_cpu_threads_per_process = 0;    ///< 0 = cores / local ranks
-  std::string mixed_precision = "no";     ///< passed on as DIFFTRAIN_MIXED_PRECISION
-  int gradient_accumulation_steps = 1;    ///< passed on as DIFFTRAIN_GRADIENT_ACCUMULATION_STEPS
-  int max_restarts = 0;                   ///< restart the whole group up to this often
-  std::string log_dir;                    ///< also write rank<r>.log per rank here
-  double term_timeout_s = 5.0;            ///< SIGTERM -> SIGKILL grace period
-  double join_timeout_s = 60.0;           ///< how long machines wait for each other
-  double collective_timeout_s = 0;        ///< > 0: DIFFTRAIN_COLLECTIVE_TIMEOUT for the ranks
+  std::string main_process_ip;          ///< machine 0's address; required when num_machines > 1
+  int main_process_port = 0;            ///< 0 = pick a free port (one machine only)
+  int num_cpu_threads_per_process = 0;  ///< 0 = cores / local ranks
+  std::string mixed_precision = "no";   ///< passed on as DIFFTRAIN_MIXED_PRECISION
+  int gradient_accumulation_steps = 1;  ///< passed on as DIFFTRAIN_GRADIENT_ACCUMULATION_STEPS
+  int max_restarts = 0;                 ///< restart the whole group up to this often
+  std::string log_dir;                  ///< also write rank<r>.log per rank here
+  double term_timeout_s = 5.0;          ///< SIGTERM -> SIGKILL grace period
+  double join_timeout_s = 60.0;         ///< how long machines wait for each other
+  double collective_timeout_s = 0;      ///< > 0: DIFFTRAIN_COLLECTIVE_TIMEOUT for the ranks
   std::map<std::string, std::string> extra_env;  ///< more variables for every rank
 };
 

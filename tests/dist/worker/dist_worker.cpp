@@ -37,16 +37,20 @@ void write_pid() {
   std::ofstream(dir + "/" + env("RANK") + ".pid") << getpid() << "\n";
 }
 
-void sleep_s(double s) { std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<long>(s * 1000))); }
+void sleep_s(double s) {
+  std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<long>(s * 1000)));
+}
 
 int run(int argc, char** argv) {
   write_pid();
   const std::string mode = argc > 1 ? argv[1] : "collectives";
   auto arg = [&](int i) { return argc > i ? std::string(argv[i]) : std::string(); };
   if (mode == "env") {
-    for (const char* k : {"DIFFTRAIN_COLLECTIVE_TIMEOUT", "DIFFTRAIN_JOIN_TIMEOUT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
-                          "MASTER_PORT", "OMP_NUM_THREADS", "DIFFTRAIN_NUM_THREADS", "DIFFTRAIN_MIXED_PRECISION",
-                          "DIFFTRAIN_GRADIENT_ACCUMULATION_STEPS", "DIFFTRAIN_RESTART_COUNT"}) {
+    for (const char* k :
+         {"DIFFTRAIN_COLLECTIVE_TIMEOUT", "DIFFTRAIN_JOIN_TIMEOUT", "RANK", "WORLD_SIZE",
+          "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+          "OMP_NUM_THREADS", "DIFFTRAIN_NUM_THREADS", "DIFFTRAIN_MIXED_PRECISION",
+          "DIFFTRAIN_GRADIENT_ACCUMULATION_STEPS", "DIFFTRAIN_RESTART_COUNT"}) {
       std::cout << k << "=" << env(k) << "\n";
     }
     return 0;
@@ -101,7 +105,8 @@ int run(int argc, char** argv) {
         return 1;
       }
       if (i % 20 == 0) std::cout << "iteration " << i << std::endl;
-      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > limit) break;
+      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > limit)
+        break;
       sleep_s(0.05);
     }
     std::cout << "loop done" << std::endl;
