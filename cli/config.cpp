@@ -71,7 +71,10 @@ int run_config() {
   if (g_show->parsed()) {
     const std::string path = g_show_file.empty() ? launch::default_config_path() : g_show_file;
     const launch::LaunchConfig c = launch::load_config(path);
-    std::cout << "# " << path << " as difftrain reads it\n" << launch::config_to_yaml(c);
+    const std::string yaml = launch::config_to_yaml(c);
+    std::cout << "# " << path << " as difftrain reads it\n"
+              << (yaml.rfind("{}", 0) == 0 ? "# (no settings: every flag keeps its default)\n"
+                                           : yaml);
     for (const auto& note : c.notes) std::cout << "# note: " << note << "\n";
     return 0;
   }

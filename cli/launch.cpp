@@ -59,6 +59,9 @@ CLI::App* add_launch_command(CLI::App& app) {
        "Seconds machines and ranks wait for each other to join (default 60)");
   flag("collective_timeout", g_options.collective_timeout_s,
        "Seconds one collective may wait for its peers before failing (default 1800)");
+  g_cmd->add_flag_callback(
+      "--cpu", []() { g_options.extra_env["DIFFTRAIN_BACKEND"] = "gloo"; },
+      "Run on the CPU with Gloo even in a CUDA build (Accelerate's --cpu)");
   auto* config = g_cmd->add_option("--config_file,--config-file", g_config_file,
                                    "Launch config YAML (difftrain's or Accelerate's); default: "
                                    "the one `difftrain config` wrote, if any");
@@ -82,8 +85,12 @@ void take_launch_program_after_dashes(std::vector<std::string>& args) {
     if (!args[i].empty() && args[i][0] != '-') {
       // A value of an option or the PROGRAM itself: only a `--` before PROGRAM matters, and
       // prefix_command() handles everything after PROGRAM.
-      if (i > 2 && args[i - 1].rfind("--", 0) == 0 && args[i - 1].find('=') == std::string::npos)
+      const std::string& previous = args[i - 1];
+      const bool takes_value = previous != "--cpu" && previous != "--help" && previous != "-h";
+      if (i > 2 && takes_value && previous.rfind("--", 0) == 0 &&
+          previous.find('=') == std::string::npos) {
         continue;
+      }
       return;
     }
   }

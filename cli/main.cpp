@@ -32,7 +32,10 @@ int main(int argc, char** argv) {
     if (env->parsed()) return difftrain::cli::run_env();
     if (test->parsed()) return difftrain::cli::run_test();
   } catch (const difftrain::Error& e) {
-    std::cerr << "difftrain: error: " << e.what() << std::endl;
+    std::string message = e.what();
+    const std::string own_prefix = "difftrain launch: ";  // the launcher names itself already
+    if (message.rfind(own_prefix, 0) == 0) message = message.substr(own_prefix.size());
+    std::cerr << "difftrain: error: " << message << std::endl;
     return 1;
   } catch (const c10::Error& e) {
     std::cerr << "difftrain: error: " << e.what_without_backtrace() << std::endl;

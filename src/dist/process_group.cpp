@@ -80,6 +80,13 @@ ProcessGroup::ProcessGroup(RendezvousInfo info, ProcessGroupOptions options)
   if (options_.backend != "auto" && options_.backend != "gloo" && options_.backend != "nccl") {
     throw Error("unknown backend '" + options_.backend + "': use gloo, nccl or auto");
   }
+#ifndef DIFFTRAIN_WITH_NCCL
+  if (options_.backend == "nccl") {
+    throw Error(
+        "backend nccl needs a difftrain built with -DDIFFTRAIN_CUDA=ON against a CUDA "
+        "LibTorch; use gloo (the default) on this build");
+  }
+#endif
   if (info_.world_size == 1) {
     bind_address_ = "";
     peer_hosts_ = {"local"};
@@ -177,28 +184,28 @@ void ProcessGroup::wrap_store(c10::intrusive_ptr<c10d::Store> base) {
 
 void ProcessGroup::join() {
   const std::string my_host = bind_address_ + " (" + host_name() + ")";
-  const auto deadline = Clock::now() + options_.join_timeout;
+  std::vector<std::string> keys;
+  for (int r = 0; r < info_.world_size; ++r) keys.push_back("joined/" + std::to_string(r));
   try {
-    store_->set("joined/" + std::to_string(info_.rank), bytes(my_host));
-    std::vector<int> missing;
-    while (true) {
-      missing.clear();
+    store_->set(keys[static_cast<size_t>(info_.rank)], bytes(my_host));
+    try {
+      store_->wait(keys, options_.join_timeout);
+    } catch (const std::exception&) {
+      // Timed out (or the store failed, which the checks below rethrow): name who is missing.
+      std::vector<int> missing;
       for (int r = 0; r < info_.world_size; ++r) {
-        if (!store_->check({"joined/" + std::to_string(r)})) missing.push_back(r);
+        if (!store_->check({keys[static_cast<size_t>(r)]})) missing.push_back(r);
       }
-      if (missing.empty()) break;
-      if (Clock::now() > deadline) {
-        throw Error(fmt::format(
-            "{}: timed out after {:g} s waiting for rank(s) {} to join the rendezvous at {}: are "
-            "they started, with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE={}?",
-            describe(), seconds(options_.join_timeout), join_ranks(missing),
-            info_.store_description(), info_.world_size));
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      if (missing.empty()) throw;
+      throw Error(fmt::format(
+          "{}: timed out after {:g} s waiting for rank(s) {} to join the rendezvous at {}: are "
+          "they started, with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE={}?",
+          describe(), seconds(options_.join_timeout), join_ranks(missing),
+          info_.store_description(), info_.world_size));
     }
     peer_hosts_.clear();
-    for (int r = 0; r < info_.world_size; ++r) {
-      const auto value = store_->get("joined/" + std::to_string(r));
+    for (const auto& key : keys) {
+      const auto value = store_->get(key);
       peer_hosts_.emplace_back(value.begin(), value.end());
     }
   } catch (const Error&) {
@@ -223,11 +230,6 @@ void ProcessGroup::connect_backend() {
   }
 #else
   if (backend == "auto") backend = "gloo";
-  if (backend == "nccl") {
-    throw Error(
-        "backend nccl needs a difftrain built with -DDIFFTRAIN_CUDA=ON against a CUDA "
-        "LibTorch; use gloo (the default) on this build");
-  }
 #endif
   auto opts = c10d::ProcessGroupGloo::Options::create(options_.collective_timeout);
   try {
@@ -356,6 +358,13 @@ ProcessGroup& init_process_group(const ProcessGroupOptions& options) {
   const auto info = detect_rendezvous();
   log::init(info.rank, info.world_size);
   configure_threads(info.local_world_size);
+#ifdef DIFFTRAIN_WITH_NCCL
+  // One GPU per local rank, as torchrun users expect (cuda:LOCAL_RANK).
+  if (torch::cuda::is_available()) {
+    c10::cuda::set_device(
+        static_cast<c10::DeviceIndex>(info.local_rank % torch::cuda::device_count()));
+  }
+#endif
   // Deliberately never deleted: see the header.
   g_default = new ProcessGroup(info, options.with_env_overrides());
   return *g_default;

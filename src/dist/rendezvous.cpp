@@ -112,7 +112,10 @@ RendezvousInfo detect_rendezvous(const EnvLookup& env) {
   if (auto addr = env("MASTER_ADDR")) info.master_addr = *addr;
   info.master_port = parse_int(env, "MASTER_PORT", default_port);
   if (auto file = env("DIFFTRAIN_STORE_FILE")) info.store_file = *file;
-  info.store_hosted = env("DIFFTRAIN_STORE_HOSTED").value_or("0") == "1";
+  // Under torchrun (static rendezvous) its agent already serves the store on MASTER_PORT.
+  const std::string agent_store = env("TORCHELASTIC_USE_AGENT_STORE").value_or("");
+  info.store_hosted = env("DIFFTRAIN_STORE_HOSTED").value_or("0") == "1" || agent_store == "True" ||
+                      agent_store == "true" || agent_store == "1";
   info.restart_count =
       parse_int(env, "DIFFTRAIN_RESTART_COUNT", parse_int(env, "TORCHELASTIC_RESTART_COUNT", 0));
 

@@ -183,6 +183,13 @@ LaunchConfig parse_config(const std::string& yaml_text, const std::string& origi
                            " (difftrain runs data-parallel ranks: NO, MULTI_CPU or MULTI_GPU)");
     config.distributed_type.reset();
   }
+#ifndef DIFFTRAIN_WITH_NCCL
+  if (config.distributed_type && *config.distributed_type == "MULTI_GPU") {
+    config.notes.push_back(
+        "distributed_type: MULTI_GPU runs on the CPU with Gloo (this difftrain "
+        "is built without CUDA)");
+  }
+#endif
   if (config.mixed_precision && *config.mixed_precision == "fp8") {
     config.notes.push_back("ignored mixed_precision: fp8 (not supported; using no)");
     config.mixed_precision = "no";

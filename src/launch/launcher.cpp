@@ -363,7 +363,7 @@ class Supervisor {
       set("DIFFTRAIN_STORE_HOSTED", "1");
       vars.erase("DIFFTRAIN_STORE_FILE");
     }
-    if (!vars.count("DIFFTRAIN_JOIN_TIMEOUT"))
+    if (o_.join_timeout_s > 0)
       set("DIFFTRAIN_JOIN_TIMEOUT", fmt::format("{:g}", o_.join_timeout_s));
     if (o_.collective_timeout_s > 0)
       set("DIFFTRAIN_COLLECTIVE_TIMEOUT", fmt::format("{:g}", o_.collective_timeout_s));
@@ -390,17 +390,27 @@ class Supervisor {
       argv.push_back(const_cast<char*>(o_.command[i].c_str()));
     argv.push_back(nullptr);
     const pid_t parent = getpid();
+    // Until the child has dropped the launcher's handlers, a signal sent to it (e.g. the SIGTERM
+    // of a group being stopped) would run our handler there and land in the launcher's
+    // self-pipe, looking like a signal to the launcher. Signals stay blocked across fork().
+    sigset_t all, saved;
+    sigfillset(&all);
+    sigprocmask(SIG_SETMASK, &all, &saved);
     const pid_t pid = fork();
-    if (pid < 0) throw Error(std::string("difftrain launch: fork failed: ") + std::strerror(errno));
+    if (pid < 0) {
+      const int error = errno;
+      sigprocmask(SIG_SETMASK, &saved, nullptr);
+      throw Error(std::string("difftrain launch: fork failed: ") + std::strerror(error));
+    }
     if (pid == 0) {
-      setpgid(0,
-              0);  // its own process group: the whole rank (and its children) is signalled at once
-      prctl(PR_SET_PDEATHSIG, SIGKILL);  // a killed launcher leaves no rank behind
-      if (getppid() != parent) _exit(125);
+      for (int signo : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGPIPE}) signal(signo, SIG_DFL);
       sigset_t none;
       sigemptyset(&none);
       sigprocmask(SIG_SETMASK, &none, nullptr);
-      for (int signo : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGPIPE}) signal(signo, SIG_DFL);
+      // Its own process group: the whole rank (and its children) is signalled at once.
+      setpgid(0, 0);
+      prctl(PR_SET_PDEATHSIG, SIGKILL);  // a killed launcher leaves no rank behind
+      if (getppid() != parent) _exit(125);
       dup2(out_pipe[1], STDOUT_FILENO);
       dup2(err_pipe[1], STDERR_FILENO);
       execve(argv[0], argv.data(), envp.data());
@@ -412,6 +422,7 @@ class Supervisor {
       _exit(127);
     }
     setpgid(pid, pid);  // also from the parent, so a signal sent right away reaches the group
+    sigprocmask(SIG_SETMASK, &saved, nullptr);
     close(out_pipe[1]);
     close(err_pipe[1]);
     fcntl(out_pipe[0], F_SETFL, O_NONBLOCK);
@@ -583,6 +594,18 @@ class Supervisor {
 
 }  // namespace
 
+double join_timeout_seconds(const LaunchOptions& options) {
+  if (options.join_timeout_s > 0) return options.join_timeout_s;
+  if (const char* env = std::getenv("DIFFTRAIN_JOIN_TIMEOUT"); env && *env) {
+    char* end = nullptr;
+    const double value = std::strtod(env, &end);
+    if (end != env && *end == '\0' && value > 0) return value;
+    throw Error(std::string("difftrain launch: DIFFTRAIN_JOIN_TIMEOUT='") + env +
+                "' is not a positive number of seconds");
+  }
+  return 60.0;
+}
+
 int default_threads_per_process(int local_processes) {
   const unsigned cores = std::thread::hardware_concurrency();
   const int available = cores == 0 ? 1 : static_cast<int>(cores);
@@ -620,7 +643,7 @@ void validate(const LaunchOptions& o) {
   if (o.gradient_accumulation_steps < 1) fail("--gradient_accumulation_steps must be at least 1");
   if (o.max_restarts < 0) fail("--max_restarts must be 0 or more");
   if (o.term_timeout_s < 0) fail("--term_timeout must be 0 or more seconds");
-  if (o.join_timeout_s <= 0) fail("--join_timeout must be more than 0 seconds");
+  if (o.join_timeout_s < 0) fail("--join_timeout must be 0 (the default, 60 s) or more seconds");
   if (o.collective_timeout_s < 0)
     fail("--collective_timeout must be 0 (the default, 30 min) or more seconds");
 }
@@ -633,7 +656,7 @@ int run(const LaunchOptions& options) {
     coordinator = std::make_unique<Coordinator>(
         options.main_process_ip, options.main_process_port, options.num_machines,
         options.machine_rank,
-        std::chrono::milliseconds(static_cast<long>(options.join_timeout_s * 1000)));
+        std::chrono::milliseconds(static_cast<long>(join_timeout_seconds(options) * 1000)));
   }
   Supervisor supervisor(options, program, coordinator.get());
   return supervisor.run();

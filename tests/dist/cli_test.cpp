@@ -106,6 +106,10 @@ TEST(LaunchCommand, ProgramArgumentsAndDoubleDashPassThrough) {
   const auto r = run({kDifftrain, "launch", "--num_processes", "1", "--", kWorker, "sleep", "0"},
                      isolated(), 30);
   EXPECT_EQ(r.exit_code, 0) << r.log();
+  // A `--` among the program's own arguments stays the program's.
+  const auto d =
+      run({kDifftrain, "launch", "--cpu", kWorker, "sleep", "0", "--", "x"}, isolated(), 30);
+  EXPECT_EQ(d.exit_code, 0) << d.log();
   // Options after PROGRAM belong to the program, not to the launcher.
   const auto s = run({kDifftrain, "launch", kWorker, "exit-mode-unknown", "--num_processes", "5"},
                      isolated(), 30);

@@ -145,6 +145,17 @@ TEST(Launch, FailingRankStopsTheOthersAndItsCodeIsReturned) {
   expect_all_gone(pids);
 }
 
+TEST(Launch, RanksFailingAtOnceAreReportedAsFailuresNotAsSignalsToTheLauncher) {
+  // The launcher's SIGTERM to ranks that are still starting must never look like a signal to
+  // the launcher itself (that would also skip --max_restarts).
+  for (int i = 0; i < 10; ++i) {
+    const auto r =
+        run({kDifftrain, "launch", "--num_processes", "4", "/bin/false"}, test_env(), 30);
+    ASSERT_EQ(r.exit_code, 1) << "run " << i << "\n" << r.log();
+    EXPECT_EQ(r.err.find("interrupted"), std::string::npos) << r.log();
+  }
+}
+
 TEST(Launch, KilledRankIsReportedWithItsSignal) {
   const auto pid_dir = make_temp_dir("pids");
   const auto log_dir = make_temp_dir("logs");

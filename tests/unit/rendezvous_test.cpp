@@ -67,6 +67,12 @@ TEST(Rendezvous, DifftrainLauncherVariables) {
   const auto hosted = detect_rendezvous(fake(
       {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"DIFFTRAIN_STORE_HOSTED", "1"}}));
   EXPECT_TRUE(hosted.store_hosted);
+  // torchrun's elastic agent serves the store itself.
+  const auto agent = detect_rendezvous(fake({{"RANK", "0"},
+                                             {"WORLD_SIZE", "2"},
+                                             {"MASTER_ADDR", "h"},
+                                             {"TORCHELASTIC_USE_AGENT_STORE", "True"}}));
+  EXPECT_TRUE(agent.store_hosted);
 }
 
 TEST(Rendezvous, OpenMpi) {

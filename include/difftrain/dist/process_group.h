@@ -66,7 +66,7 @@ class ProcessGroup {
   /// the operation, how long it waited and which peers no longer answer.
   void wait(const c10::intrusive_ptr<c10d::Work>& work, const std::string& op);
 
-  /// "rank 1/4 (host 127.0.0.1)".
+  /// "rank 1/4".
   std::string describe() const;
 
  private:

@@ -28,8 +28,9 @@ struct RendezvousInfo {
   /// Path of a c10d FileStore set by `difftrain launch` for single-machine jobs
   /// (DIFFTRAIN_STORE_FILE): no rendezvous port at all.
   std::string store_file;
-  /// True when `difftrain launch` hosts the TCP store itself (DIFFTRAIN_STORE_HOSTED=1), so rank 0
-  /// connects as a client instead of serving it.
+  /// True when the launcher hosts the TCP store itself (`difftrain launch`:
+  /// DIFFTRAIN_STORE_HOSTED=1; torchrun: TORCHELASTIC_USE_AGENT_STORE=True), so rank 0 connects as
+  /// a client instead of serving it.
   bool store_hosted = false;
   /// How often the launcher has restarted the group (DIFFTRAIN_RESTART_COUNT /
   /// TORCHELASTIC_RESTART_COUNT); part of every store key so restarts never see stale keys.

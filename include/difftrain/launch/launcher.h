@@ -21,8 +21,9 @@ struct LaunchOptions {
   int max_restarts = 0;                 ///< restart the whole group up to this often
   std::string log_dir;                  ///< also write rank<r>.log per rank here
   double term_timeout_s = 5.0;          ///< SIGTERM -> SIGKILL grace period
-  double join_timeout_s = 60.0;         ///< how long machines wait for each other
-  double collective_timeout_s = 0;      ///< > 0: DIFFTRAIN_COLLECTIVE_TIMEOUT for the ranks
+  double join_timeout_s =
+      0;  ///< > 0: how long machines and ranks wait to join; else DIFFTRAIN_JOIN_TIMEOUT or 60 s
+  double collective_timeout_s = 0;  ///< > 0: DIFFTRAIN_COLLECTIVE_TIMEOUT for the ranks
   std::map<std::string, std::string> extra_env;  ///< more variables for every rank
 };
 
@@ -38,6 +39,9 @@ void validate(const LaunchOptions& options);
 /// Returns the exit code for the launcher's process; throws difftrain::Error for bad options or
 /// when machines cannot meet.
 int run(const LaunchOptions& options);
+
+/// The join timeout in force: --join_timeout, else DIFFTRAIN_JOIN_TIMEOUT, else 60 s.
+double join_timeout_seconds(const LaunchOptions& options);
 
 /// Default thread count per rank: available cores divided by local ranks, at least 1.
 int default_threads_per_process(int local_processes);
