@@ -66,7 +66,7 @@ void register_all() {
 // Keeps each run's real time so the ratios can be printed after the table.
 class Recorder : public benchmark::ConsoleReporter {
  public:
-  explicit Recorder(bool print) : print_(print) {}
+  explicit Recorder(bool print) : ConsoleReporter(OO_Tabular), print_(print) {}
   bool ReportContext(const Context& context) override {
     return print_ ? ConsoleReporter::ReportContext(context) : true;
   }
