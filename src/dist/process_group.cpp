@@ -98,7 +98,11 @@ ProcessGroup::ProcessGroup(RendezvousInfo info, ProcessGroupOptions options)
   } else if (const char* iface = std::getenv("GLOO_SOCKET_IFNAME"); iface && *iface) {
     bind_address_ = std::string("interface ") + iface;
   } else {
-    bind_address_ = local_address_towards(info_.master_addr, info_.master_port);
+    try {
+      bind_address_ = local_address_towards(info_.master_addr, info_.master_port);
+    } catch (const Error& e) {
+      throw Error(describe() + " (rendezvous " + info_.store_description() + "): " + e.what());
+    }
   }
   open_store();
   join();

@@ -3,7 +3,9 @@
 # address, one `difftrain launch` in each.
 #   1. the two launchers form one 4-rank group and every collective check passes;
 #   2. the link goes down in the middle of a job: both sides must end with an error that names
-#      the lost rank, within the collective timeout plus a few seconds, never hang.
+#      the lost rank, within the collective timeout plus a few seconds, never hang;
+#   3. a rank given an address where nobody answers ends with a clear error within its join
+#      timeout. (All traffic stays on the veth pair between the two namespaces.)
 # Needs root and `ip netns` (CI runs as root); exits 77 (ctest: skipped) where they are missing.
 set -u
 difftrain=$1
@@ -92,4 +94,17 @@ grep -q "lost rank(s) 1" "$work/cut0.err" || fail "machine 0 did not name the lo
 grep -q "lost rank(s) 0" "$work/cut1.err" || fail "machine 1 did not name the lost rank 0"
 grep -h "lost rank" "$work/cut0.err" "$work/cut1.err"
 echo "ok"
-echo "netns two-machine test: 2 passed, 0 failed"
+echo "--- 3. a rendezvous address nobody answers on (inside the namespaces' own subnet)"
+unset DIFFTRAIN_COLLECTIVE_TIMEOUT
+ip -n "$ns1" link set "$veth1" up
+start=$(date +%s)
+ip netns exec "$ns1" env RANK=1 WORLD_SIZE=2 MASTER_ADDR=10.213.7.99 MASTER_PORT=29612 \
+  DIFFTRAIN_JOIN_TIMEOUT=3 timeout 60 "$worker" collectives >"$work/none.out" 2>"$work/none.err"
+s=$?
+took=$(( $(date +%s) - start ))
+[ $s -eq 1 ] || fail "exit $s for an unreachable rendezvous address"
+[ $took -le 15 ] || fail "took ${took}s to give up on an unreachable address (join timeout 3 s)"
+grep -q "rank 1/2 could not reach the rendezvous at 10.213.7.99:29612 within 3 s" "$work/none.err" ||
+  fail "no clear error for an unreachable address"
+echo "ok (${took}s)"
+echo "netns two-machine test: 3 passed, 0 failed"
