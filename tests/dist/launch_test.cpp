@@ -107,6 +107,14 @@ TEST(Launch, RanksGetTheTorchrunAndDifftrainEnvironment) {
       << d.log();
 }
 
+TEST(Launch, OneMachineJobsUseLoopbackOnly) {
+  const auto r = run(launch({"--num_processes", "3"}, {"sockets"}), test_env(), 60);
+  ASSERT_EQ(r.exit_code, 0) << r.log();  // the worker exits 1 if any socket is off loopback
+  // Gloo's full mesh: every rank holds a connection to each of the 2 others, all on 127.0.0.1.
+  EXPECT_GE(count(r.out, "socket on 127.0.0.1:"), 6u) << r.log();
+  EXPECT_EQ(count(r.out, "socket on "), count(r.out, "socket on 127.0.0.1:")) << r.log();
+}
+
 TEST(Launch, LinesFromManyRanksNeverInterleave) {
   const auto r = run(launch({"--num_processes", "4"}, {"spam", "300"}), test_env(), 60);
   ASSERT_EQ(r.exit_code, 0) << r.log();

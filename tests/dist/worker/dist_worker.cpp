@@ -6,6 +6,8 @@
 //   fail_once DIR          first run: rank 0 exits 3; after a restart: the self-test
 //   loop SECONDS           all_reduce in a loop for up to SECONDS, printing progress
 //   env                    prints its rendezvous variables
+//   sockets                joins, then lists its TCP sockets (any state) by local address; exit 1
+//                          unless every one is on loopback
 //   spam LINES             writes long lines in pieces (whole-line relay)
 // Every rank writes its pid to $DT_PID_DIR/<rank>.pid when DT_PID_DIR is set.
 
@@ -21,8 +23,11 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <set>
+#include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace {
 
@@ -35,6 +40,42 @@ void write_pid() {
   const std::string dir = env("DT_PID_DIR");
   if (dir.empty()) return;
   std::ofstream(dir + "/" + env("RANK") + ".pid") << getpid() << "\n";
+}
+
+// TCP sockets of this process, by local "address:port" (an IPv6 one is reported as such and
+// counts as not loopback).
+std::vector<std::string> tcp_sockets() {
+  std::set<std::string> inodes;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
+    std::error_code ec;
+    const auto target = std::filesystem::read_symlink(entry.path(), ec).string();
+    if (!ec && target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
+  }
+  std::vector<std::string> out;
+  for (const char* table : {"/proc/self/net/tcp", "/proc/self/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // header
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
+      fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >>
+          timeout >> inode;
+      if (!inodes.count(inode)) continue;
+      const auto colon = local.find(':');
+      const std::string hex = local.substr(0, colon);
+      const int port = std::stoi(local.substr(colon + 1), nullptr, 16);
+      if (hex.size() != 8) {
+        out.push_back("ipv6:" + std::to_string(port));
+        continue;
+      }
+      const unsigned long address = std::stoul(hex, nullptr, 16);  // little-endian on x86
+      out.push_back(std::to_string(address & 0xff) + "." + std::to_string((address >> 8) & 0xff) +
+                    "." + std::to_string((address >> 16) & 0xff) + "." +
+                    std::to_string(address >> 24) + ":" + std::to_string(port));
+    }
+  }
+  return out;
 }
 
 void sleep_s(double s) {
@@ -93,6 +134,16 @@ int run(int argc, char** argv) {
     }
     sleep_s(120);
     return 0;
+  }
+  if (mode == "sockets") {
+    difftrain::dist::barrier(group);
+    int outside = 0;
+    for (const auto& s : tcp_sockets()) {
+      std::cout << "socket on " << s << std::endl;
+      if (s.rfind("127.", 0) != 0) ++outside;
+    }
+    difftrain::dist::barrier(group);  // keep every socket open until every rank has looked
+    return outside == 0 ? 0 : 1;
   }
   if (mode == "loop") {
     const double limit = std::stod(arg(2));
