@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <regex>
 #include <sstream>
 #include <thread>
@@ -59,6 +60,29 @@ size_t count(const std::string& text, const std::string& needle) {
   for (size_t pos = text.find(needle); pos != std::string::npos; pos = text.find(needle, pos + 1))
     ++n;
   return n;
+}
+
+// Runs two processes side by side (two machines' launchers, or two hand-started ranks).
+std::pair<ProcessResult, ProcessResult> run_pair(const std::vector<std::string>& argv0,
+                                                 const std::map<std::string, std::string>& env0,
+                                                 const std::vector<std::string>& argv1,
+                                                 const std::map<std::string, std::string>& env1,
+                                                 double timeout_s) {
+  Process first(argv0, env0);
+  Process second(argv1, env1);
+  auto b = second.wait(timeout_s);
+  auto a = first.wait(timeout_s);
+  return {std::move(a), std::move(b)};
+}
+
+// Ranks 0 and 1 of a 2-rank job started by hand with the variables `env_for(rank)`.
+void expect_hand_started_pair_passes(
+    const std::function<std::map<std::string, std::string>(int)>& env_for) {
+  const auto [a, b] =
+      run_pair({kWorker, "collectives"}, env_for(0), {kWorker, "collectives"}, env_for(1), 60);
+  EXPECT_EQ(a.exit_code, 0) << a.log();
+  EXPECT_EQ(b.exit_code, 0) << b.log();
+  EXPECT_NE(a.out.find("11 passed, 0 failed on 2 rank(s)"), std::string::npos) << a.log();
 }
 
 class CollectivesUnderLaunch : public ::testing::TestWithParam<int> {};
@@ -245,10 +269,7 @@ TEST(Launch, TwoLaunchersFormOneFourRankGroup) {
          "--main_process_ip", "127.0.0.1", "--main_process_port", port},
         {"collectives"});
   };
-  Process m0(machine(0), test_env());
-  Process m1(machine(1), test_env());
-  const auto r1 = m1.wait(120);
-  const auto r0 = m0.wait(120);
+  const auto [r0, r1] = run_pair(machine(0), test_env(), machine(1), test_env(), 120);
   ASSERT_EQ(r0.exit_code, 0) << r0.log() << r1.log();
   ASSERT_EQ(r1.exit_code, 0) << r0.log() << r1.log();
   EXPECT_NE(r0.out.find("[rank 0] difftrain test: 11 passed, 0 failed on 4 rank(s)"),
@@ -271,10 +292,7 @@ TEST(Launch, ARankFailingOnOneMachineStopsTheOther) {
          "--main_process_ip", "127.0.0.1", "--main_process_port", port},
         {"exit", "5", "3"});
   };
-  Process m0(machine(0), test_env());
-  Process m1(machine(1), test_env());
-  const auto r1 = m1.wait(60);
-  const auto r0 = m0.wait(60);
+  const auto [r0, r1] = run_pair(machine(0), test_env(), machine(1), test_env(), 60);
   ASSERT_FALSE(r0.timed_out || r1.timed_out) << r0.log() << r1.log();
   EXPECT_EQ(r1.exit_code, 5) << r1.log();
   EXPECT_EQ(r0.exit_code, 5) << r0.log();
@@ -294,10 +312,7 @@ TEST(Launch, RestartsSpanMachines) {
          "--main_process_ip", "127.0.0.1", "--main_process_port", port, "--max_restarts", "1"},
         {"fail_once", marker_dir});
   };
-  Process m0(machine(0), test_env());
-  Process m1(machine(1), test_env());
-  const auto r1 = m1.wait(120);
-  const auto r0 = m0.wait(120);
+  const auto [r0, r1] = run_pair(machine(0), test_env(), machine(1), test_env(), 120);
   EXPECT_EQ(r0.exit_code, 0) << r0.log() << r1.log();
   EXPECT_EQ(r1.exit_code, 0) << r0.log() << r1.log();
   EXPECT_NE(r0.err.find("restarting the group (1/1)"), std::string::npos) << r0.log();
@@ -381,13 +396,7 @@ TEST(Rendezvous, TorchrunStyleEnvWithoutTheLauncherWorks) {
                      {"MASTER_ADDR", "127.0.0.1"},
                      {"MASTER_PORT", port}});
   };
-  Process r0({kWorker, "collectives"}, env_for(0));
-  Process r1({kWorker, "collectives"}, env_for(1));
-  const auto a = r0.wait(60);
-  const auto b = r1.wait(60);
-  EXPECT_EQ(a.exit_code, 0) << a.log();
-  EXPECT_EQ(b.exit_code, 0) << b.log();
-  EXPECT_NE(a.out.find("11 passed, 0 failed on 2 rank(s)"), std::string::npos) << a.log();
+  expect_hand_started_pair_passes(env_for);
 }
 
 TEST(Rendezvous, OpenMpiStyleEnvWorks) {
@@ -400,12 +409,7 @@ TEST(Rendezvous, OpenMpiStyleEnvWorks) {
                      {"MASTER_ADDR", "127.0.0.1"},
                      {"MASTER_PORT", port}});
   };
-  Process r0({kWorker, "collectives"}, env_for(0));
-  Process r1({kWorker, "collectives"}, env_for(1));
-  const auto a = r0.wait(60);
-  const auto b = r1.wait(60);
-  EXPECT_EQ(a.exit_code, 0) << a.log();
-  EXPECT_EQ(b.exit_code, 0) << b.log();
+  expect_hand_started_pair_passes(env_for);
 }
 
 }  // namespace
