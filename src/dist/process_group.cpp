@@ -3,6 +3,7 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/dist/net.h"
+#include "difftrain/dist/store_util.h"
 
 #include <ATen/Parallel.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -27,21 +28,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string first_line(const std::exception& e) {
-  std::string text;
-  if (auto c10_error = dynamic_cast<const c10::Error*>(&e)) {
-    text = c10_error->what_without_backtrace();
-  } else {
-    text = e.what();
-  }
-  const auto newline = text.find('\n');
-  if (newline != std::string::npos) text.resize(newline);
-  return text;
-}
-
 double seconds(std::chrono::milliseconds ms) { return ms.count() / 1000.0; }
-
-std::vector<uint8_t> bytes(const std::string& text) { return {text.begin(), text.end()}; }
 
 std::string join_ranks(const std::vector<int>& ranks) {
   std::string out;
@@ -191,7 +178,7 @@ void ProcessGroup::join() {
   std::vector<std::string> keys;
   for (int r = 0; r < info_.world_size; ++r) keys.push_back("joined/" + std::to_string(r));
   try {
-    store_->set(keys[static_cast<size_t>(info_.rank)], bytes(my_host));
+    store_->set(keys[static_cast<size_t>(info_.rank)], to_bytes(my_host));
     try {
       store_->wait(keys, options_.join_timeout);
     } catch (const std::exception&) {
@@ -270,7 +257,7 @@ std::string ProcessGroup::probe_lost_ranks() {
   std::thread([store, rank, world, index, budget, result]() {
     try {
       const std::string prefix = "alive/" + std::to_string(index) + "/";
-      store->set(prefix + std::to_string(rank), bytes("1"));
+      store->set(prefix + std::to_string(rank), to_bytes("1"));
       const auto deadline = Clock::now() + budget;
       std::vector<int> missing;
       do {

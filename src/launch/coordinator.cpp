@@ -2,6 +2,7 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/dist/net.h"
+#include "difftrain/dist/store_util.h"
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -16,15 +17,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
-std::string text(const std::vector<uint8_t>& b) { return {b.begin(), b.end()}; }
-
-std::string first_line(const std::exception& e) {
-  std::string what = e.what();
-  if (auto c10_error = dynamic_cast<const c10::Error*>(&e))
-    what = c10_error->what_without_backtrace();
-  return what.substr(0, what.find('\n'));
-}
+using dist::first_line;
 
 // Runs `fn` on its own thread and waits at most `limit`: a store behind a dead link must not
 // freeze the launcher. Returns false on timeout or error.
@@ -95,7 +88,7 @@ Coordinator::Coordinator(const std::string& host, int port, int num_machines, in
                     "the launcher of machine 0 started, is the port open? ({})",
                     machine_rank, host, port, join_timeout.count() / 1000.0, first_line(e)));
   }
-  main_->set("launch/machine/" + std::to_string(machine_rank), bytes(dist::host_name()));
+  main_->set("launch/machine/" + std::to_string(machine_rank), dist::to_bytes(dist::host_name()));
   const auto deadline = Clock::now() + join_timeout;
   while (true) {
     std::string missing;
@@ -149,7 +142,7 @@ void Coordinator::watch_loop() {
       try {
         const std::string key = "launch/gen" + std::to_string(generation) + "/abort";
         if (watcher_->check({key})) {
-          auto value = decode(text(watcher_->get(key)));
+          auto value = decode(dist::from_bytes(watcher_->get(key)));
           std::lock_guard<std::mutex> lock(mutex_);
           if (generation_ == generation && !abort_) abort_ = value;
         }
@@ -168,7 +161,7 @@ void Coordinator::post_abort(int generation, const RemoteAbort& abort) {
   auto store = main_;
   const std::string key = "launch/gen" + std::to_string(generation) + "/abort";
   const std::string value = encode(abort);
-  bounded([store, key, value]() { store->compareSet(key, {}, bytes(value)); },
+  bounded([store, key, value]() { store->compareSet(key, {}, dist::to_bytes(value)); },
           std::chrono::seconds(3));
 }
 
