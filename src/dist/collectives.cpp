@@ -62,6 +62,35 @@ void all_reduce(torch::Tensor& tensor, ReduceOp op, ProcessGroup& group) {
   if (!buffer.is_same(tensor)) tensor.copy_(buffer);
 }
 
+PendingAllReduce::PendingAllReduce(c10::intrusive_ptr<c10d::Work> work, ProcessGroup* group,
+                                   torch::Tensor tensor, ReduceOp op)
+    : work_(std::move(work)), group_(group), tensor_(std::move(tensor)), op_(op) {}
+
+bool PendingAllReduce::completed() const { return !work_ || work_->isCompleted(); }
+
+void PendingAllReduce::wait() {
+  if (!work_) return;
+  auto work = std::move(work_);
+  work_.reset();
+  group_->wait(work, std::string("all_reduce(") + to_string(op_) + ") of " +
+                         std::to_string(tensor_.numel()) + " elements");
+  if (op_ == ReduceOp::kMean) tensor_.div_(group_->size());
+}
+
+PendingAllReduce all_reduce_async(torch::Tensor tensor, ReduceOp op, ProcessGroup& group) {
+  check_tensor(tensor, group, "all_reduce_async");
+  check_mean(tensor, op, group, "all_reduce_async");
+  if (!tensor.is_contiguous()) {
+    throw Error(fmt::format("{}: all_reduce_async needs a contiguous tensor (a flat bucket)",
+                            group.describe()));
+  }
+  if (group.size() == 1) return {};
+  std::vector<torch::Tensor> tensors{tensor};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = to_c10d(op);
+  return PendingAllReduce(group.backend().allreduce(tensors, opts), &group, tensor, op);
+}
+
 void broadcast(torch::Tensor& tensor, int root, ProcessGroup& group) {
   check_tensor(tensor, group, "broadcast");
   if (root < 0 || root >= group.size()) {

@@ -16,6 +16,34 @@ enum class ReduceOp { kSum, kMean, kMax, kMin };
 void all_reduce(torch::Tensor& tensor, ReduceOp op = ReduceOp::kSum,
                 ProcessGroup& group = default_group());
 
+/// An all-reduce in flight (torch: the Work returned by `dist.all_reduce(t, async_op=True)`).
+/// wait() blocks until it is done and raises the same named errors as the synchronous calls.
+/// Destroying a PendingAllReduce without wait() leaves the collective running in the backend.
+class PendingAllReduce {
+ public:
+  PendingAllReduce() = default;
+  PendingAllReduce(c10::intrusive_ptr<c10d::Work> work, ProcessGroup* group, torch::Tensor tensor,
+                   ReduceOp op);
+  /// True while a collective was launched and not yet waited for.
+  bool pending() const { return static_cast<bool>(work_); }
+  /// True when the backend reports completion (never blocks).
+  bool completed() const;
+  /// Blocks until done; for kMean divides by the world size. A no-op when nothing is pending.
+  void wait();
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  ProcessGroup* group_ = nullptr;
+  torch::Tensor tensor_;
+  ReduceOp op_ = ReduceOp::kSum;
+};
+
+/// Starts an in-place all-reduce of the contiguous `tensor` and returns at once; the tensor must
+/// not be read or written until wait(). Collectives start in the order they are launched on every
+/// rank, so every rank must launch the same sequence. In a world of one, it is already done.
+PendingAllReduce all_reduce_async(torch::Tensor tensor, ReduceOp op = ReduceOp::kSum,
+                                  ProcessGroup& group = default_group());
+
 /// In-place broadcast of `tensor` from rank `root` to every rank.
 /// torch: `dist.broadcast(t, src=root)`.
 void broadcast(torch::Tensor& tensor, int root = 0, ProcessGroup& group = default_group());
