@@ -228,8 +228,8 @@ void Reducer::on_backward_end() {
   if (!missing.empty()) {
     const std::string message = fmt::format(
         "{}: {} trainable parameter(s) got no gradient in this backward pass: {}; if the model "
-        "skips them in some steps set find_unused_parameters (AcceleratorOptions.ddp / "
-        "--ddp_find_unused_parameters), if they never train call requires_grad_(false) on them",
+        "skips them in some steps set AcceleratorOptions.ddp.find_unused_parameters, if they never "
+        "train call requires_grad_(false) on them",
         group_.describe(), missing.size(), list_names(missing));
     reset_pass();
     throw Error(message);

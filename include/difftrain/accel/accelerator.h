@@ -1,0 +1,306 @@
+#pragma once
+
+#include "difftrain/accel/accelerated_optimizer.h"
+#include "difftrain/accel/gradient_state.h"
+#include "difftrain/accel/precision.h"
+#include "difftrain/core/log.h"
+#include "difftrain/data/data_loader.h"
+#include "difftrain/dist/collectives.h"
+
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/optim/optimizer.h>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace difftrain::accel {
+
+/// DDP options (Accelerate's `DistributedDataParallelKwargs`).
+struct DdpOptions {
+  /// Upper size of a gradient bucket in MiB (torch default 25).
+  double bucket_cap_mb = 25.0;
+  /// Parameters may go unused in some steps (torch `find_unused_parameters`).
+  bool find_unused_parameters = false;
+  /// After each synchronising backward, copy rank 0's buffers (e.g. BatchNorm running stats)
+  /// to every rank, so the next forward uses them (torch broadcasts before each forward).
+  bool broadcast_buffers = true;
+  /// Launch bucket all-reduces during backward (true) or after it (false; benchmarks only).
+  bool overlap = true;
+};
+
+/// Options of an Accelerator (Accelerate's `Accelerator(...)` arguments).
+struct AcceleratorOptions {
+  /// "no" | "bf16" | "fp16". Unset: DIFFTRAIN_MIXED_PRECISION (set by `difftrain launch
+  /// --mixed_precision`), then ACCELERATE_MIXED_PRECISION, then "no".
+  std::optional<std::string> mixed_precision;
+  /// Micro-steps per optimizer update. Unset: DIFFTRAIN_GRADIENT_ACCUMULATION_STEPS, then 1.
+  std::optional<int64_t> gradient_accumulation_steps;
+  /// The loader's batch size is the global batch, split across ranks (Accelerate
+  /// `split_batches`); otherwise it is the per-rank batch.
+  bool split_batches = false;
+  /// Pad the last global batch by wrapping around so every rank gets as many batches
+  /// (Accelerate `even_batches`).
+  bool even_batches = true;
+  /// Seeds every rank the same way at construction (Accelerate `set_seed`); unset: no seeding.
+  std::optional<uint64_t> seed;
+  DdpOptions ddp;
+  /// Time one collective may wait for its peers. Unset: DIFFTRAIN_COLLECTIVE_TIMEOUT, then 30 min.
+  std::optional<std::chrono::milliseconds> collective_timeout;
+  /// fp16 loss scaling (used when mixed_precision is fp16).
+  GradScalerOptions scaler;
+  /// Stay on the CPU even when CUDA is available (Accelerate `cpu=True`).
+  bool cpu = false;
+};
+
+class Accelerator;
+
+/// RAII guard of one micro-step (Accelerate's `with accelerator.accumulate(model):`).
+/// Decides whether this micro-step synchronises gradients: every gradient_accumulation_steps-th
+/// micro-step, and at the last batch of the loader's epoch. Until then backward() accumulates
+/// locally with no communication, and the prepared optimizer's step()/zero_grad() do nothing.
+class [[nodiscard]] AccumulateGuard {
+ public:
+  explicit AccumulateGuard(Accelerator& accelerator);
+  ~AccumulateGuard();
+  AccumulateGuard(const AccumulateGuard&) = delete;
+  AccumulateGuard& operator=(const AccumulateGuard&) = delete;
+
+ private:
+  Accelerator& accelerator_;
+};
+
+/// RAII: the main process runs the scope first, the others after it
+/// (Accelerate's `with accelerator.main_process_first():`).
+class [[nodiscard]] MainProcessFirst {
+ public:
+  explicit MainProcessFirst(Accelerator& accelerator);
+  ~MainProcessFirst() noexcept(false);
+  MainProcessFirst(const MainProcessFirst&) = delete;
+  MainProcessFirst& operator=(const MainProcessFirst&) = delete;
+
+ private:
+  Accelerator& accelerator_;
+};
+
+/// Runs one single-process training loop on any number of processes (Hugging Face Accelerate's
+/// `Accelerator`). Joins the job's process group (see dist::init_process_group), picks this
+/// rank's device, and prepares models, optimizers, loaders and schedulers:
+///
+///     accel::Accelerator acc;                                // reads `difftrain launch`'s env
+///     auto [model, opt, loader] = acc.prepare(model, opt, loader);
+///     for (const auto& batch : *loader) {
+///       auto step = acc.accumulate();
+///       torch::Tensor loss;
+///       { auto autocast = acc.autocast(); loss = compute_loss(model, batch); }
+///       acc.backward(loss);
+///       if (acc.sync_gradients()) acc.clip_grad_norm_(model->parameters(), 1.0);
+///       opt->step(); opt->zero_grad();
+///     }
+///
+/// A prepared model is the same object (no wrapper): DDP is attached to its parameters, so
+/// unwrap_model() is the identity and its forward keeps its C++ signature.
+class Accelerator {
+ public:
+  explicit Accelerator(AcceleratorOptions options = {});
+  /// On an existing process group (e.g. ranks as threads in tests) instead of the job's.
+  Accelerator(AcceleratorOptions options, dist::ProcessGroup& group);
+  ~Accelerator();
+  Accelerator(const Accelerator&) = delete;
+  Accelerator& operator=(const Accelerator&) = delete;
+
+  // ------------------------------------------------------------------ prepare
+  /// Prepares each argument by kind and returns them in the same order (a tuple for several):
+  /// a module (TORCH_MODULE holder or shared_ptr<Module>) is moved to device(), gets rank 0's
+  /// parameters and buffers, and DDP on its trainable parameters; a shared_ptr to a
+  /// torch::optim::Optimizer becomes a shared_ptr<AcceleratedOptimizer>; a
+  /// shared_ptr<data::DataLoader> is sharded across ranks (same pointer); any other shared_ptr
+  /// with a step() method is an LR scheduler and becomes a shared_ptr<AcceleratedScheduler>.
+  /// Prepare a model before the optimizer that holds its parameters (its device move may
+  /// replace them on CUDA, as in torch).
+  template <typename... Ts>
+  auto prepare(Ts... objects) {
+    if constexpr (sizeof...(Ts) == 1) {
+      return prepare_one(std::move(objects)...);
+    } else {
+      // Braced initialisation evaluates left to right: objects are prepared in argument order.
+      return std::tuple<decltype(prepare_one(std::move(objects)))...>{
+          prepare_one(std::move(objects))...};
+    }
+  }
+
+  /// Model preparation (see prepare()); `module` is changed in place.
+  void prepare_module(torch::nn::Module& module);
+  std::shared_ptr<AcceleratedOptimizer> prepare_optimizer(
+      std::shared_ptr<torch::optim::Optimizer> optimizer);
+  std::shared_ptr<data::DataLoader> prepare_data_loader(std::shared_ptr<data::DataLoader> loader);
+  /// `step` advances the wrapped scheduler by one.
+  std::shared_ptr<AcceleratedScheduler> prepare_scheduler(std::function<void()> step);
+
+  /// The model itself: prepare() attaches DDP instead of wrapping (Accelerate's unwrap_model).
+  template <typename M>
+  M unwrap_model(M model) const {
+    return model;
+  }
+
+  // ------------------------------------------------------------------ training step
+  /// `loss.backward()` for the current micro-step: divides by the accumulation window (usually
+  /// gradient_accumulation_steps; fewer when the epoch ends first), multiplies by the fp16 loss
+  /// scale, and on a synchronising step lets DDP all-reduce gradients during backward.
+  /// Throws when this rank is in an uneven loader tail that the other ranks do not have.
+  void backward(const torch::Tensor& loss);
+  /// Starts a micro-step (see AccumulateGuard).
+  AccumulateGuard accumulate() { return AccumulateGuard(*this); }
+  /// Accelerate-style spelling; the models are not needed (every prepared model is covered).
+  template <typename... Ms>
+  AccumulateGuard accumulate(const Ms&...) {
+    return AccumulateGuard(*this);
+  }
+  /// True when this micro-step's backward synchronises and the optimizer will step.
+  bool sync_gradients() const { return state_->sync_gradients; }
+  /// Autocast for the forward pass in the configured precision (no-op for "no").
+  AutocastGuard autocast() const { return AutocastGuard(state_->mixed_precision, device_); }
+  /// Waits for gradient all-reduces in flight, unscales fp16 gradients, clips the gradients of
+  /// `params` to `max_norm` (total `norm_type` norm) and returns the norm before clipping. Under
+  /// DDP the gradients are identical on every rank after the all-reduce, so the norm is global.
+  double clip_grad_norm_(const std::vector<torch::Tensor>& params, double max_norm,
+                         double norm_type = 2.0);
+  /// Clamps every gradient of `params` to [-clip_value, clip_value] (after the same waiting).
+  void clip_grad_value_(const std::vector<torch::Tensor>& params, double clip_value);
+  /// Waits for every gradient all-reduce in flight (step() and clip_grad_norm_ do it for you).
+  void wait_for_gradients() { state_->finish_reduction(); }
+  /// Whether the last synchronising optimizer step was skipped (fp16 inf/NaN).
+  bool optimizer_step_was_skipped() const { return state_->step_skipped; }
+  /// Current fp16 loss scale (1 when not fp16).
+  double loss_scale() const;
+
+  // ------------------------------------------------------------------ processes and devices
+  torch::Device device() const { return device_; }
+  int process_index() const { return group_->rank(); }
+  int local_process_index() const { return group_->info().local_rank; }
+  int num_processes() const { return group_->size(); }
+  bool is_main_process() const { return process_index() == 0; }
+  bool is_local_main_process() const { return local_process_index() == 0; }
+  MixedPrecision mixed_precision() const { return state_->mixed_precision; }
+  int64_t gradient_accumulation_steps() const { return accumulation_steps_; }
+  const AcceleratorOptions& options() const { return options_; }
+  dist::ProcessGroup& group() { return *group_; }
+
+  /// Blocks until every rank reaches it (Accelerate's wait_for_everyone).
+  void wait_for_everyone();
+  /// RAII guard: main process first (see MainProcessFirst).
+  MainProcessFirst main_process_first() { return MainProcessFirst(*this); }
+  /// Info-level line on the main process only (Accelerate's accelerator.print).
+  template <typename... Args>
+  void print(fmt::format_string<Args...> format, Args&&... args) const {
+    if (is_main_process()) spdlog::info(format, std::forward<Args>(args)...);
+  }
+  /// Seeds LibTorch's generators with `seed` (+ rank when device_specific).
+  void set_seed(uint64_t seed, bool device_specific = false);
+
+  // ------------------------------------------------------------------ collectives
+  /// Every rank's `tensor` concatenated along dim 0 (Accelerate's gather).
+  torch::Tensor gather(const torch::Tensor& tensor);
+  /// Sum or mean over ranks of a copy of `tensor` ("sum" | "mean"; Accelerate's reduce).
+  torch::Tensor reduce(const torch::Tensor& tensor, const std::string& reduction = "sum");
+  /// Rank `from`'s `tensor`, in place on every rank (Accelerate's broadcast).
+  torch::Tensor broadcast(torch::Tensor tensor, int from = 0);
+  /// Pads `tensor` along `dim` to the largest size over ranks with `pad_index`, at the end or
+  /// at the start (Accelerate's pad_across_processes).
+  torch::Tensor pad_across_processes(const torch::Tensor& tensor, int64_t dim = 0,
+                                     double pad_index = 0, bool pad_first = false);
+  /// This rank's contiguous part of `items` (the first ranks take one more when it does not
+  /// divide); with `apply_padding` every rank gets the same count, repeating the last item
+  /// (Accelerate's split_between_processes).
+  template <typename T>
+  std::vector<T> split_between_processes(const std::vector<T>& items,
+                                         bool apply_padding = false) const {
+    const auto [begin, end] = split_range(static_cast<int64_t>(items.size()));
+    std::vector<T> out(items.begin() + begin, items.begin() + end);
+    const int64_t longest =
+        (static_cast<int64_t>(items.size()) + num_processes() - 1) / num_processes();
+    if (apply_padding && !items.empty()) {
+      while (static_cast<int64_t>(out.size()) < longest) out.push_back(items.back());
+    }
+    return out;
+  }
+  /// [begin, end) of this rank's share of `count` items.
+  std::pair<int64_t, int64_t> split_range(int64_t count) const;
+
+  // ------------------------------------------------------------------ checkpointable state
+  /// The Accelerator's own resumable state: loss scaler, accumulation position, optimizer
+  /// update counts, scheduler step counts and every prepared loader's position.
+  nlohmann::json state_dict() const;
+  /// Restores state_dict(); throws difftrain::Error naming a missing or mismatched field.
+  void load_state_dict(const nlohmann::json& state);
+
+  /// For tests and benchmarks: the reducers of the prepared models.
+  const std::vector<std::unique_ptr<Reducer>>& reducers() const { return state_->reducers; }
+
+ private:
+  friend class AccumulateGuard;
+  void init();
+  void begin_micro_step();
+  void end_micro_step();
+  data::DataLoader* active_loader();
+
+  template <typename T>
+  auto prepare_one(T object) {
+    if constexpr (std::is_base_of_v<torch::nn::Module, T>) {
+      static_assert(!sizeof(T*), "prepare a module through its holder or a shared_ptr");
+    } else if constexpr (is_module_holder<T>::value) {
+      prepare_module(*object.ptr());
+      return object;
+    } else if constexpr (is_shared_ptr<T>::value) {
+      using E = typename T::element_type;
+      if constexpr (std::is_base_of_v<torch::nn::Module, E>) {
+        prepare_module(*object);
+        return object;
+      } else if constexpr (std::is_base_of_v<torch::optim::Optimizer, E>) {
+        return prepare_optimizer(std::static_pointer_cast<torch::optim::Optimizer>(object));
+      } else if constexpr (std::is_same_v<data::DataLoader, E>) {
+        return prepare_data_loader(object);
+      } else {
+        return prepare_scheduler([object]() { object->step(); });
+      }
+    } else {
+      static_assert(!sizeof(T*), "prepare() takes modules, optimizers, loaders and schedulers");
+    }
+  }
+
+  template <typename T, typename = void>
+  struct is_module_holder : std::false_type {};
+  template <typename T>
+  struct is_module_holder<T, std::void_t<typename T::ContainedType>>
+      : std::is_base_of<torch::nn::ModuleHolder<typename T::ContainedType>, T> {};
+  template <typename T>
+  struct is_shared_ptr : std::false_type {};
+  template <typename T>
+  struct is_shared_ptr<std::shared_ptr<T>> : std::true_type {};
+
+  AcceleratorOptions options_;
+  dist::ProcessGroup* group_ = nullptr;
+  torch::Device device_ = torch::kCPU;
+  int64_t accumulation_steps_ = 1;
+  std::shared_ptr<GradientState> state_;
+  std::vector<std::weak_ptr<AcceleratedOptimizer>> optimizers_;
+  std::vector<std::weak_ptr<AcceleratedScheduler>> schedulers_;
+  struct LoaderSeen {
+    std::weak_ptr<data::DataLoader> loader;
+    int64_t epoch = -1;
+    int64_t position = -1;
+  };
+  std::vector<LoaderSeen> loaders_;
+  data::DataLoader* active_ = nullptr;
+  std::vector<torch::Tensor> buffers_;
+  std::vector<const torch::nn::Module*>
+      prepared_modules_;  // of prepared models, broadcast from rank 0 after sync
+};
+
+}  // namespace difftrain::accel

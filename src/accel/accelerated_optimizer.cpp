@@ -1,0 +1,64 @@
+#include "difftrain/accel/accelerated_optimizer.h"
+
+#include <torch/torch.h>
+
+namespace difftrain::accel {
+
+AcceleratedOptimizer::AcceleratedOptimizer(std::shared_ptr<torch::optim::Optimizer> optimizer,
+                                           std::shared_ptr<GradientState> state)
+    : optimizer_(std::move(optimizer)), state_(std::move(state)) {}
+
+std::vector<torch::Tensor> AcceleratedOptimizer::parameters() const {
+  std::vector<torch::Tensor> out;
+  for (const auto& group : optimizer_->param_groups()) {
+    out.insert(out.end(), group.params().begin(), group.params().end());
+  }
+  return out;
+}
+
+void AcceleratedOptimizer::step() {
+  if (!state_->sync_gradients) return;  // accumulation micro-step
+  state_->finish_reduction();
+  skipped_ = false;
+  if (state_->scaler) {
+    // Unscales every prepared optimizer's gradients once (a no-op after clip_grad_norm_) and
+    // learns whether any rank saw inf/NaN.
+    state_->scaler->unscale_(state_->optimizer_params);
+    state_->scaler_updated = false;
+    skipped_ = state_->scaler->found_inf();
+  }
+  if (!skipped_) {
+    optimizer_->step();
+    ++updates_;
+    ++state_->optimizer_updates;
+  }
+  state_->step_skipped = skipped_;
+}
+
+void AcceleratedOptimizer::zero_grad() {
+  if (!state_->sync_gradients) return;
+  state_->finish_reduction();
+  torch::NoGradGuard no_grad;
+  for (auto& p : parameters()) {
+    if (p.grad().defined()) p.mutable_grad().zero_();
+  }
+}
+
+AcceleratedScheduler::AcceleratedScheduler(std::function<void()> step,
+                                           std::shared_ptr<GradientState> state)
+    : step_(std::move(step)), state_(std::move(state)) {}
+
+void AcceleratedScheduler::step() {
+  if (state_->num_optimizers == 0) {
+    // Nothing to follow: behave like the bare scheduler.
+    step_();
+    ++steps_;
+    return;
+  }
+  if (state_->optimizer_updates == seen_updates_) return;  // no real update since last call
+  seen_updates_ = state_->optimizer_updates;
+  step_();
+  ++steps_;
+}
+
+}  // namespace difftrain::accel

@@ -1,0 +1,457 @@
+#include "difftrain/accel/accelerator.h"
+
+#include "difftrain/core/error.h"
+
+#include <torch/cuda.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/torch.h>
+
+#include <fmt/format.h>
+
+#include <cstdlib>
+#include <exception>
+#include <map>
+
+namespace difftrain::accel {
+
+namespace {
+
+std::optional<std::string> env_value(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr || *value == '\0') return std::nullopt;
+  return std::string(value);
+}
+
+int64_t parse_accumulation(const std::string& text, const char* source) {
+  char* end = nullptr;
+  const long long value = std::strtoll(text.c_str(), &end, 10);
+  if (end == text.c_str() || *end != '\0' || value < 1) {
+    throw Error(fmt::format("{}='{}' is not a positive number of gradient accumulation steps",
+                            source, text));
+  }
+  return value;
+}
+
+// Rank 0's values of `tensors`, in place on every rank: one broadcast per dtype and device.
+void broadcast_coalesced(const std::vector<torch::Tensor>& tensors, dist::ProcessGroup& group) {
+  if (group.size() == 1 || tensors.empty()) return;
+  torch::NoGradGuard no_grad;
+  std::map<std::string, std::vector<torch::Tensor>> by_kind;
+  for (const auto& t : tensors) {
+    by_kind[std::string(c10::toString(t.scalar_type())) + "@" + t.device().str()].push_back(t);
+  }
+  for (auto& [kind, list] : by_kind) {
+    std::vector<torch::Tensor> flat_parts;
+    for (const auto& t : list) flat_parts.push_back(t.detach().reshape({-1}));
+    auto flat = torch::cat(flat_parts);
+    dist::broadcast(flat, 0, group);
+    int64_t offset = 0;
+    for (auto& t : list) {
+      t.detach().copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  }
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ guards
+
+AccumulateGuard::AccumulateGuard(Accelerator& accelerator) : accelerator_(accelerator) {
+  accelerator_.begin_micro_step();
+}
+
+AccumulateGuard::~AccumulateGuard() { accelerator_.end_micro_step(); }
+
+MainProcessFirst::MainProcessFirst(Accelerator& accelerator) : accelerator_(accelerator) {
+  if (!accelerator_.is_main_process()) accelerator_.wait_for_everyone();
+}
+
+MainProcessFirst::~MainProcessFirst() noexcept(false) {
+  // While unwinding an exception, do not block the other ranks' release or throw again.
+  if (std::uncaught_exceptions() > 0) return;
+  if (accelerator_.is_main_process()) accelerator_.wait_for_everyone();
+}
+
+// ------------------------------------------------------------------ construction
+
+Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(options)) {
+  dist::ProcessGroupOptions pg;
+  if (options_.collective_timeout) pg.collective_timeout = *options_.collective_timeout;
+  group_ = &dist::init_process_group(pg);
+  init();
+}
+
+Accelerator::Accelerator(AcceleratorOptions options, dist::ProcessGroup& group)
+    : options_(std::move(options)), group_(&group) {
+  init();
+}
+
+Accelerator::~Accelerator() = default;
+
+void Accelerator::init() {
+  std::string precision = "no";
+  if (options_.mixed_precision) {
+    precision = *options_.mixed_precision;
+  } else if (auto v = env_value("DIFFTRAIN_MIXED_PRECISION")) {
+    precision = *v;
+  } else if (auto a = env_value("ACCELERATE_MIXED_PRECISION")) {
+    precision = *a;
+  }
+  state_ = std::make_shared<GradientState>();
+  state_->mixed_precision = parse_mixed_precision(precision);
+
+  if (options_.gradient_accumulation_steps) {
+    accumulation_steps_ = *options_.gradient_accumulation_steps;
+    if (accumulation_steps_ < 1) {
+      throw Error(
+          fmt::format("gradient_accumulation_steps must be >= 1, got {}", accumulation_steps_));
+    }
+  } else if (auto v = env_value("DIFFTRAIN_GRADIENT_ACCUMULATION_STEPS")) {
+    accumulation_steps_ = parse_accumulation(*v, "DIFFTRAIN_GRADIENT_ACCUMULATION_STEPS");
+  }
+  state_->window = accumulation_steps_;
+
+  if (!options_.cpu && torch::cuda::is_available()) {
+    const int local = group_->info().local_rank;
+    device_ = torch::Device(torch::kCUDA,
+                            static_cast<c10::DeviceIndex>(local % torch::cuda::device_count()));
+  }
+  install_autocast_fixes();
+  if (state_->mixed_precision == MixedPrecision::kFp16) {
+    state_->scaler = std::make_unique<GradScaler>(options_.scaler, group_);
+    if (device_.is_cpu()) {
+      log::warn(
+          "mixed_precision fp16: LibTorch has no fp16 autocast on CPU, so compute stays fp32; "
+          "the dynamic loss scaler still runs. Use bf16 on CPU");
+    }
+  }
+  if (options_.seed) set_seed(*options_.seed);
+  log::info(
+      "accelerator: {} process(es), device {}, mixed_precision {}, gradient_accumulation_steps "
+      "{}, split_batches {}, even_batches {}, bucket_cap_mb {}, find_unused_parameters {}, "
+      "{} intra-op thread(s) per process",
+      num_processes(), device_.str(), to_string(state_->mixed_precision), accumulation_steps_,
+      options_.split_batches, options_.even_batches, options_.ddp.bucket_cap_mb,
+      options_.ddp.find_unused_parameters, at::get_num_threads());
+}
+
+// ------------------------------------------------------------------ prepare
+
+void Accelerator::prepare_module(torch::nn::Module& module) {
+  for (const auto& reducer_module : prepared_modules_) {
+    if (reducer_module == &module) {
+      throw Error(
+          fmt::format("module '{}' was already prepared; prepare each model once", module.name()));
+    }
+  }
+  prepared_modules_.push_back(&module);
+  module.to(device_);
+  std::vector<torch::Tensor> tensors = module.parameters();
+  const auto buffers = module.buffers();
+  tensors.insert(tensors.end(), buffers.begin(), buffers.end());
+  broadcast_coalesced(tensors, *group_);
+  buffers_.insert(buffers_.end(), buffers.begin(), buffers.end());
+
+  if (num_processes() == 1) return;
+  std::vector<std::pair<std::string, torch::Tensor>> named;
+  bool trainable = false;
+  for (const auto& item : module.named_parameters()) {
+    named.emplace_back(item.key(), item.value());
+    trainable = trainable || item.value().requires_grad();
+  }
+  if (!trainable) return;  // a frozen model: nothing to reduce
+  ReducerOptions ropts;
+  ropts.bucket_cap_mb = options_.ddp.bucket_cap_mb;
+  ropts.find_unused_parameters = options_.ddp.find_unused_parameters;
+  ropts.overlap = options_.ddp.overlap;
+  state_->reducers.push_back(std::make_unique<Reducer>(std::move(named), *group_, ropts));
+  state_->reducers.back()->set_sync(state_->sync_gradients);
+}
+
+std::shared_ptr<AcceleratedOptimizer> Accelerator::prepare_optimizer(
+    std::shared_ptr<torch::optim::Optimizer> optimizer) {
+  if (!optimizer) throw Error("prepare() got a null optimizer");
+  auto prepared = std::make_shared<AcceleratedOptimizer>(std::move(optimizer), state_);
+  const auto params = prepared->parameters();
+  state_->optimizer_params.insert(state_->optimizer_params.end(), params.begin(), params.end());
+  ++state_->num_optimizers;
+  optimizers_.push_back(prepared);
+  return prepared;
+}
+
+std::shared_ptr<data::DataLoader> Accelerator::prepare_data_loader(
+    std::shared_ptr<data::DataLoader> loader) {
+  if (!loader) throw Error("prepare() got a null data loader");
+  data::ShardOptions shard;
+  shard.rank = process_index();
+  shard.world_size = num_processes();
+  shard.even_batches = options_.even_batches;
+  shard.split_batches = options_.split_batches;
+  shard.device = device_;
+  loader->shard(shard);
+  loaders_.push_back(LoaderSeen{loader});
+  return loader;
+}
+
+std::shared_ptr<AcceleratedScheduler> Accelerator::prepare_scheduler(std::function<void()> step) {
+  auto prepared = std::make_shared<AcceleratedScheduler>(std::move(step), state_);
+  schedulers_.push_back(prepared);
+  return prepared;
+}
+
+// ------------------------------------------------------------------ training step
+
+data::DataLoader* Accelerator::active_loader() {
+  // The loader that yielded a batch since the last micro-step is the one being trained on.
+  for (auto& seen : loaders_) {
+    auto loader = seen.loader.lock();
+    if (!loader) continue;
+    const int64_t epoch = loader->state().epoch;
+    const int64_t position = loader->position();
+    if (epoch != seen.epoch || position != seen.position) {
+      seen.epoch = epoch;
+      seen.position = position;
+      if (position > 0) active_ = loader.get();
+    }
+  }
+  // A loader that was destroyed is never active.
+  bool alive = false;
+  for (auto& seen : loaders_) alive = alive || seen.loader.lock().get() == active_;
+  if (!alive) active_ = nullptr;
+  return active_;
+}
+
+void Accelerator::begin_micro_step() {
+  auto* loader = active_loader();
+  if (state_->sync_gradients && state_->micro_step > 0) state_->micro_step = 0;
+  ++state_->micro_step;
+  // Ranks agree on the window: it is computed from the batch count every rank has.
+  const int64_t common = loader ? loader->common_size() : 0;
+  const int64_t position = loader ? loader->position() : 0;
+  if (state_->micro_step == 1) {
+    state_->window = accumulation_steps_;
+    if (loader && position <= common) {
+      state_->window = std::min(accumulation_steps_, std::max<int64_t>(1, common - position + 1));
+    }
+  }
+  const bool end_of_data = loader && position >= common;
+  state_->sync_gradients = state_->micro_step >= state_->window || end_of_data;
+  for (auto& r : state_->reducers) r->set_sync(state_->sync_gradients);
+}
+
+void Accelerator::end_micro_step() {}
+
+void Accelerator::backward(const torch::Tensor& loss) {
+  if (!loss.defined()) throw Error("backward() got an undefined loss tensor");
+  active_loader();
+  if (active_ && active_->in_uneven_tail()) {
+    throw Error(fmt::format(
+        "{}: this rank has batch {} of its loader but other ranks have only {} (even_batches is "
+        "false and the data does not divide evenly); DDP needs the same number of backward "
+        "passes on every rank: set even_batches=true (the default) or drop_last=true",
+        group_->describe(), active_->position(), active_->common_size()));
+  }
+  state_->update_scaler();
+  torch::Tensor scaled = loss;
+  if (state_->window > 1) scaled = scaled / static_cast<double>(state_->window);
+  if (state_->scaler) scaled = state_->scaler->scale(scaled);
+  for (auto& r : state_->reducers) r->prepare_for_backward(scaled);
+  {
+    AutocastDisabledGuard no_autocast;
+    scaled.backward();
+  }
+  if (state_->sync_gradients && options_.ddp.broadcast_buffers && num_processes() > 1 &&
+      !buffers_.empty()) {
+    broadcast_coalesced(buffers_, *group_);
+  }
+}
+
+double Accelerator::clip_grad_norm_(const std::vector<torch::Tensor>& params, double max_norm,
+                                    double norm_type) {
+  state_->finish_reduction();
+  if (state_->scaler && state_->sync_gradients) {
+    state_->update_scaler();
+    state_->scaler->unscale_(state_->optimizer_params.empty() ? params : state_->optimizer_params);
+  }
+  return torch::nn::utils::clip_grad_norm_(params, max_norm, norm_type);
+}
+
+void Accelerator::clip_grad_value_(const std::vector<torch::Tensor>& params, double clip_value) {
+  state_->finish_reduction();
+  if (state_->scaler && state_->sync_gradients) {
+    state_->update_scaler();
+    state_->scaler->unscale_(state_->optimizer_params.empty() ? params : state_->optimizer_params);
+  }
+  torch::nn::utils::clip_grad_value_(params, clip_value);
+}
+
+double Accelerator::loss_scale() const {
+  if (!state_->scaler) return 1.0;
+  state_->update_scaler();
+  return state_->scaler->get_scale();
+}
+
+// ------------------------------------------------------------------ processes
+
+void Accelerator::wait_for_everyone() { dist::barrier(*group_); }
+
+void Accelerator::set_seed(uint64_t seed, bool device_specific) {
+  const uint64_t value = seed + (device_specific ? static_cast<uint64_t>(process_index()) : 0);
+  torch::manual_seed(value);
+  std::srand(static_cast<unsigned>(value));
+}
+
+std::pair<int64_t, int64_t> Accelerator::split_range(int64_t count) const {
+  const int64_t world = num_processes();
+  const int64_t rank = process_index();
+  const int64_t base = count / world;
+  const int64_t extra = count % world;
+  const int64_t begin = rank * base + std::min(rank, extra);
+  return {begin, begin + base + (rank < extra ? 1 : 0)};
+}
+
+// ------------------------------------------------------------------ collectives
+
+torch::Tensor Accelerator::gather(const torch::Tensor& tensor) {
+  const torch::Tensor rows = tensor.dim() == 0 ? tensor.reshape({1}) : tensor.contiguous();
+  if (num_processes() == 1) return rows;
+  return dist::gather_cat(rows, *group_);
+}
+
+torch::Tensor Accelerator::reduce(const torch::Tensor& tensor, const std::string& reduction) {
+  dist::ReduceOp op;
+  if (reduction == "sum") {
+    op = dist::ReduceOp::kSum;
+  } else if (reduction == "mean") {
+    op = dist::ReduceOp::kMean;
+  } else {
+    throw Error(fmt::format("reduce(): reduction '{}' is not one of sum, mean", reduction));
+  }
+  torch::Tensor out = tensor.clone();
+  dist::all_reduce(out, op, *group_);
+  return out;
+}
+
+torch::Tensor Accelerator::broadcast(torch::Tensor tensor, int from) {
+  dist::broadcast(tensor, from, *group_);
+  return tensor;
+}
+
+torch::Tensor Accelerator::pad_across_processes(const torch::Tensor& tensor, int64_t dim,
+                                                double pad_index, bool pad_first) {
+  if (tensor.dim() == 0) return tensor;
+  const int64_t d = dim < 0 ? dim + tensor.dim() : dim;
+  if (d < 0 || d >= tensor.dim()) {
+    throw Error(fmt::format("pad_across_processes: dim {} is out of range for a {}-d tensor", dim,
+                            tensor.dim()));
+  }
+  auto size = torch::tensor({tensor.size(d)}, torch::kInt64);
+  dist::all_reduce(size, dist::ReduceOp::kMax, *group_);
+  const int64_t longest = size.item<int64_t>();
+  if (longest == tensor.size(d)) return tensor;
+  auto shape = tensor.sizes().vec();
+  shape[static_cast<size_t>(d)] = longest;
+  auto out = torch::full(shape, pad_index, tensor.options());
+  const int64_t start = pad_first ? longest - tensor.size(d) : 0;
+  out.narrow(d, start, tensor.size(d)).copy_(tensor);
+  return out;
+}
+
+// ------------------------------------------------------------------ state
+
+nlohmann::json Accelerator::state_dict() const {
+  nlohmann::json j;
+  j["version"] = 1;
+  j["micro_step"] = state_->micro_step;
+  j["window"] = state_->window;
+  j["sync_gradients"] = state_->sync_gradients;
+  j["optimizer_updates"] = state_->optimizer_updates;
+  j["step_skipped"] = state_->step_skipped;
+  if (state_->scaler) {
+    state_->update_scaler();
+    const auto s = state_->scaler->state();
+    j["scaler"] = {{"scale", s.scale}, {"growth_tracker", s.growth_tracker}};
+  } else {
+    j["scaler"] = nullptr;
+  }
+  j["optimizers"] = nlohmann::json::array();
+  for (const auto& w : optimizers_) {
+    auto o = w.lock();
+    j["optimizers"].push_back(o ? o->num_updates() : 0);
+  }
+  j["schedulers"] = nlohmann::json::array();
+  for (const auto& w : schedulers_) {
+    auto s = w.lock();
+    j["schedulers"].push_back(s ? s->steps() : 0);
+  }
+  j["loaders"] = nlohmann::json::array();
+  for (const auto& seen : loaders_) {
+    auto l = seen.loader.lock();
+    const auto st = l ? l->state() : data::LoaderState{};
+    j["loaders"].push_back({{"epoch", st.epoch}, {"batches_consumed", st.batches_consumed}});
+  }
+  return j;
+}
+
+void Accelerator::load_state_dict(const nlohmann::json& j) {
+  auto need = [&](const char* key) -> const nlohmann::json& {
+    if (!j.contains(key)) {
+      throw Error(
+          fmt::format("accelerator state has no '{}': was it written by state_dict()?", key));
+    }
+    return j.at(key);
+  };
+  auto count_check = [&](const char* key, size_t have) {
+    if (need(key).size() != have) {
+      throw Error(fmt::format(
+          "accelerator state has {} {} but this run prepared {}; prepare the same objects in "
+          "the same order before loading",
+          need(key).size(), key, have));
+    }
+  };
+  try {
+    count_check("optimizers", optimizers_.size());
+    count_check("schedulers", schedulers_.size());
+    count_check("loaders", loaders_.size());
+    state_->micro_step = need("micro_step").get<int64_t>();
+    state_->window = need("window").get<int64_t>();
+    state_->sync_gradients = need("sync_gradients").get<bool>();
+    state_->optimizer_updates = need("optimizer_updates").get<int64_t>();
+    state_->step_skipped = need("step_skipped").get<bool>();
+    const auto& scaler = need("scaler");
+    if (state_->scaler) {
+      if (scaler.is_null()) {
+        throw Error("accelerator state has no loss scaler but this run uses fp16");
+      }
+      GradScalerState s;
+      s.scale = scaler.at("scale").get<double>();
+      s.growth_tracker = scaler.at("growth_tracker").get<int64_t>();
+      state_->scaler->load_state(s);
+      state_->scaler_updated = true;
+    }
+    for (size_t i = 0; i < optimizers_.size(); ++i) {
+      if (auto o = optimizers_[i].lock()) o->set_num_updates(j["optimizers"][i].get<int64_t>());
+    }
+    for (size_t i = 0; i < schedulers_.size(); ++i) {
+      if (auto s = schedulers_[i].lock()) {
+        s->restore(j["schedulers"][i].get<int64_t>(), state_->optimizer_updates);
+      }
+    }
+    for (size_t i = 0; i < loaders_.size(); ++i) {
+      if (auto l = loaders_[i].loader.lock()) {
+        data::LoaderState st;
+        st.epoch = j["loaders"][i].at("epoch").get<int64_t>();
+        st.batches_consumed = j["loaders"][i].at("batches_consumed").get<int64_t>();
+        l->load_state(st);
+        loaders_[i].epoch = -1;
+        loaders_[i].position = -1;
+      }
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(fmt::format("accelerator state is malformed: {}", e.what()));
+  }
+  for (auto& r : state_->reducers) r->set_sync(state_->sync_gradients);
+}
+
+}  // namespace difftrain::accel

@@ -1,0 +1,206 @@
+// The Accelerator with ranks as threads over a real Gloo group: options from the environment,
+// the accumulation schedule, scheduler stepping, collectives helpers and resumable state.
+
+#include "difftrain/accel/accelerator.h"
+#include "difftrain/core/error.h"
+#include "thread_ranks.h"
+
+#include <torch/torch.h>
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdlib>
+
+namespace difftrain::accel {
+namespace {
+
+struct LinearNetImpl : torch::nn::Module {
+  LinearNetImpl() { fc = register_module("fc", torch::nn::Linear(3, 2)); }
+  torch::Tensor forward(const torch::Tensor& x) { return fc->forward(x); }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(LinearNet);
+
+std::shared_ptr<data::DataLoader> make_loader(int64_t samples, int64_t batch) {
+  // A private generator: ranks are threads, and the global one would race.
+  auto gen = at::detail::createCPUGenerator(3);
+  auto ds = std::make_shared<data::TensorDataset>(data::Example{
+      {"x", torch::randn({samples, 3}, gen)}, {"y", torch::randn({samples, 2}, gen)}});
+  data::DataLoaderOptions o;
+  o.batch_size = batch;
+  return std::make_shared<data::DataLoader>(ds, o);
+}
+
+struct CountingScheduler {
+  int64_t steps = 0;
+  void step() { ++steps; }
+};
+
+AcceleratorOptions quiet_options() {
+  AcceleratorOptions o;
+  o.mixed_precision = "no";
+  o.gradient_accumulation_steps = 1;
+  return o;
+}
+
+TEST(AccelAccelerator, OptionsComeFromTheLauncherEnvironment) {
+  setenv("DIFFTRAIN_MIXED_PRECISION", "bf16", 1);
+  setenv("DIFFTRAIN_GRADIENT_ACCUMULATION_STEPS", "4", 1);
+  dist::on_ranks(1, [&](dist::ProcessGroup& g) {
+    Accelerator acc(AcceleratorOptions{}, g);
+    EXPECT_EQ(acc.mixed_precision(), MixedPrecision::kBf16);
+    EXPECT_EQ(acc.gradient_accumulation_steps(), 4);
+    AcceleratorOptions explicit_options;
+    explicit_options.mixed_precision = "no";
+    explicit_options.gradient_accumulation_steps = 2;
+    Accelerator acc2(explicit_options, g);  // explicit arguments win, as in Accelerate
+    EXPECT_EQ(acc2.mixed_precision(), MixedPrecision::kNo);
+    EXPECT_EQ(acc2.gradient_accumulation_steps(), 2);
+    setenv("DIFFTRAIN_GRADIENT_ACCUMULATION_STEPS", "zero", 1);
+    try {
+      Accelerator bad(AcceleratorOptions{}, g);
+      ADD_FAILURE() << "bad accumulation steps accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("DIFFTRAIN_GRADIENT_ACCUMULATION_STEPS='zero'"),
+                std::string::npos)
+          << e.what();
+    }
+  });
+  unsetenv("DIFFTRAIN_MIXED_PRECISION");
+  unsetenv("DIFFTRAIN_GRADIENT_ACCUMULATION_STEPS");
+}
+
+TEST(AccelAccelerator, AccumulationSyncsEveryKAndAtTheEndOfTheEpoch) {
+  dist::on_ranks(2, [&](dist::ProcessGroup& g) {
+    auto options = quiet_options();
+    options.gradient_accumulation_steps = 3;
+    Accelerator acc(options, g);
+    LinearNet net;
+    auto opt = std::make_shared<torch::optim::SGD>(net->parameters(), 0.1);
+    auto sched = std::make_shared<CountingScheduler>();
+    // 28 samples, 2 ranks x batch 2: 7 batches per rank per epoch.
+    auto [m, o, dl, s] = acc.prepare(net, opt, make_loader(28, 2), sched);
+    ASSERT_EQ(dl->size(), 7);
+    std::vector<int> syncs;
+    int micro = 0;
+    for (const auto& b : *dl) {
+      auto step = acc.accumulate(m);
+      ++micro;
+      acc.backward(torch::mse_loss(m->forward(b.at("x")), b.at("y")));
+      if (acc.sync_gradients()) syncs.push_back(micro);
+      o->step();
+      s->step();
+      o->zero_grad();
+    }
+    EXPECT_EQ(syncs, (std::vector<int>{3, 6, 7}));
+    EXPECT_EQ(o->num_updates(), 3);
+    // Once per real update, not once per micro-step nor num_processes times per update.
+    EXPECT_EQ(sched->steps, 3);
+    // The last window had one micro-step, so its loss was divided by 1, not 3.
+    EXPECT_EQ(acc.state_dict()["window"].get<int64_t>(), 1);
+  });
+}
+
+TEST(AccelAccelerator, StateDictRoundTripsAndResumesTheLoader) {
+  dist::on_ranks(2, [&](dist::ProcessGroup& g) {
+    nlohmann::json saved;
+    std::vector<torch::Tensor> rest_first;
+    {
+      Accelerator acc(quiet_options(), g);
+      LinearNet net;
+      auto opt = std::make_shared<torch::optim::SGD>(net->parameters(), 0.1);
+      auto [m, o, dl] = acc.prepare(net, opt, make_loader(40, 2));
+      int seen = 0;
+      for (const auto& b : *dl) {
+        auto step = acc.accumulate(m);
+        acc.backward(torch::mse_loss(m->forward(b.at("x")), b.at("y")));
+        o->step();
+        o->zero_grad();
+        if (++seen == 4) {
+          saved = acc.state_dict();
+          break;
+        }
+      }
+      // What the loader would have yielded next.
+      dl->load_state(data::LoaderState{saved["loaders"][0]["epoch"].get<int64_t>(),
+                                       saved["loaders"][0]["batches_consumed"].get<int64_t>()});
+      for (const auto& b : *dl) rest_first.push_back(b.at("x"));
+    }
+    Accelerator acc(quiet_options(), g);
+    LinearNet net;
+    auto opt = std::make_shared<torch::optim::SGD>(net->parameters(), 0.1);
+    auto [m, o, dl] = acc.prepare(net, opt, make_loader(40, 2));
+    acc.load_state_dict(saved);
+    EXPECT_EQ(o->num_updates(), 4);
+    std::vector<torch::Tensor> rest;
+    for (const auto& b : *dl) rest.push_back(b.at("x"));
+    ASSERT_EQ(rest.size(), 6u);  // 10 batches per rank, 4 consumed
+    ASSERT_EQ(rest.size(), rest_first.size());
+    for (size_t i = 0; i < rest.size(); ++i) {
+      EXPECT_TRUE(torch::equal(rest[i], rest_first[i])) << i << "\n"
+                                                        << rest[i] << "\n"
+                                                        << rest_first[i] << saved.dump();
+    }
+
+    auto broken = saved;
+    broken.erase("loaders");
+    EXPECT_THROW(acc.load_state_dict(broken), Error);
+  });
+}
+
+TEST(AccelAccelerator, CollectiveHelpers) {
+  dist::on_ranks(3, [&](dist::ProcessGroup& g) {
+    Accelerator acc(quiet_options(), g);
+    const int r = acc.process_index();
+    auto gathered = acc.gather(torch::full({2}, static_cast<float>(r)));
+    EXPECT_TRUE(torch::equal(gathered, torch::tensor({0.f, 0.f, 1.f, 1.f, 2.f, 2.f})));
+    EXPECT_EQ(acc.reduce(torch::tensor({1.0 + r}), "sum").item<double>(), 6.0);
+    EXPECT_EQ(acc.reduce(torch::tensor({1.0 + r}), "mean").item<double>(), 2.0);
+    EXPECT_THROW(acc.reduce(torch::tensor({1.0}), "max"), Error);
+    EXPECT_EQ(acc.broadcast(torch::tensor({10.0 * r}), 2).item<double>(), 20.0);
+    // Rank r has r + 1 rows; padded to 3 rows of -1 at the end (or the start).
+    auto padded = acc.pad_across_processes(torch::ones({r + 1, 2}), 0, -1);
+    EXPECT_EQ(padded.size(0), 3);
+    EXPECT_EQ(padded[2].sum().item<double>(), r == 2 ? 2.0 : -2.0);
+    auto first = acc.pad_across_processes(torch::ones({r + 1}), 0, 0, /*pad_first=*/true);
+    EXPECT_EQ(first[2].item<double>(), 1.0);
+    // 7 items over 3 ranks: 3, 2, 2 (Accelerate's split_between_processes).
+    const std::vector<int> items{0, 1, 2, 3, 4, 5, 6};
+    const auto mine = acc.split_between_processes(items);
+    const std::vector<std::vector<int>> want{{0, 1, 2}, {3, 4}, {5, 6}};
+    EXPECT_EQ(mine, want[static_cast<size_t>(r)]);
+    EXPECT_EQ(acc.split_between_processes(items, true).size(), 3u);
+  });
+}
+
+TEST(AccelAccelerator, MainProcessFirstRunsRankZeroFirst) {
+  std::atomic<int> order{0};
+  std::vector<int> when(2, -1);
+  dist::on_ranks(2, [&](dist::ProcessGroup& g) {
+    Accelerator acc(quiet_options(), g);
+    if (acc.process_index() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    {
+      auto first = acc.main_process_first();
+      when[static_cast<size_t>(acc.process_index())] = order++;
+    }
+  });
+  EXPECT_EQ(when[0], 0);
+  EXPECT_EQ(when[1], 1);
+}
+
+TEST(AccelAccelerator, PrepareBroadcastsRankZeroAndRefusesASecondPrepare) {
+  dist::on_ranks(2, [&](dist::ProcessGroup& g) {
+    Accelerator acc(quiet_options(), g);
+    torch::manual_seed(100 + g.rank());  // different initial weights per rank
+    LinearNet net;
+    auto m = acc.prepare(net);
+    auto all = acc.gather(m->fc->weight.detach().reshape({1, -1}));
+    EXPECT_TRUE(torch::equal(all[0], all[1]));
+    EXPECT_EQ(acc.unwrap_model(m).get(), net.get());
+    EXPECT_THROW(acc.prepare(net), Error);
+  });
+}
+
+}  // namespace
+}  // namespace difftrain::accel
