@@ -19,11 +19,13 @@ std::vector<std::string> g_after_dashes;
 
 // Flag names as Accelerate spells them; the dashed spelling works too.
 template <typename T>
-CLI::Option* flag(const std::string& name, T& target, const std::string& help) {
+CLI::Option* flag(const std::string& name, T& target, const std::string& help,
+                  const std::string& short_name = "") {
   std::string dashed = name;
   std::replace(dashed.begin(), dashed.end(), '_', '-');
-  auto* option =
-      g_cmd->add_option("--" + name + (dashed != name ? ",--" + dashed : ""), target, help);
+  auto* option = g_cmd->add_option((short_name.empty() ? "" : "-" + short_name + ",") + "--" +
+                                       name + (dashed != name ? ",--" + dashed : ""),
+                                   target, help);
   g_flags[name] = option;
   return option;
 }
@@ -38,7 +40,8 @@ CLI::App* add_launch_command(CLI::App& app) {
       "Run PROGRAM once per rank, like `accelerate launch` / torchrun: difftrain launch [options] "
       "PROGRAM [ARGS...]");
   g_cmd->prefix_command();  // everything from PROGRAM on belongs to the program
-  flag("num_processes", g_options.num_processes, "Ranks in total, over all machines (default 1)");
+  flag("num_processes", g_options.num_processes, "Ranks in total, over all machines (default 1)",
+       "n");
   flag("num_machines", g_options.num_machines, "Machines in the job (default 1)");
   flag("machine_rank", g_options.machine_rank, "This machine's index, 0 = main (default 0)");
   flag("main_process_ip", g_options.main_process_ip, "Address of machine 0 (multi-machine)");
@@ -87,8 +90,8 @@ void take_launch_program_after_dashes(std::vector<std::string>& args) {
       // prefix_command() handles everything after PROGRAM.
       const std::string& previous = args[i - 1];
       const bool takes_value = previous != "--cpu" && previous != "--help" && previous != "-h";
-      if (i > 2 && takes_value && previous.rfind("--", 0) == 0 &&
-          previous.find('=') == std::string::npos) {
+      const bool is_flag = previous.rfind("--", 0) == 0 || previous == "-n";
+      if (i > 2 && takes_value && is_flag && previous.find('=') == std::string::npos) {
         continue;
       }
       return;
