@@ -35,9 +35,14 @@ struct TinyNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(TinyNet);
 
+// Ranks are threads here, so weights and inputs come from private generators (the global one
+// would race between ranks).
 TinyNet make_net() {
-  torch::manual_seed(7);
-  return TinyNet();
+  TinyNet net;
+  auto gen = at::detail::createCPUGenerator(7);
+  torch::NoGradGuard no_grad;
+  for (auto& p : net->parameters()) p.copy_(torch::randn(p.sizes(), gen) * 0.3);
+  return net;
 }
 
 std::vector<std::pair<std::string, torch::Tensor>> named(TinyNet& net) {
@@ -47,8 +52,8 @@ std::vector<std::pair<std::string, torch::Tensor>> named(TinyNet& net) {
 }
 
 torch::Tensor input_for(int rank) {
-  torch::manual_seed(100 + rank);
-  return torch::randn({2, 3, 4, 4});
+  auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(100 + rank));
+  return torch::randn({2, 3, 4, 4}, gen);
 }
 
 // Reference: mean over ranks of each rank's local gradient, computed in one thread.
