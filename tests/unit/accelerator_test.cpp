@@ -149,6 +149,46 @@ TEST(AccelAccelerator, StateDictRoundTripsAndResumesTheLoader) {
   });
 }
 
+TEST(AccelAccelerator, ClipGradNormUnscalesAndReturnsTheNormOfTheAveragedGradients) {
+  // Reference in float64: the mean over ranks of each rank's gradient of mean((x_r W^T)^2) for
+  // a bias-free linear layer, by autograd on float64 copies.
+  auto x_of = [](int rank) {
+    auto gen = at::detail::createCPUGenerator(static_cast<uint64_t>(50 + rank));
+    return torch::randn({4, 3}, gen);
+  };
+  auto weight0 = torch::full({2, 3}, 0.5);
+  torch::Tensor mean_grad = torch::zeros({2, 3}, torch::kDouble);
+  for (int r = 0; r < 2; ++r) {
+    auto w = weight0.to(torch::kDouble).requires_grad_();
+    torch::mm(x_of(r).to(torch::kDouble), w.t()).pow(2).mean().backward();
+    mean_grad += w.grad() / 2;
+  }
+  const double want = mean_grad.norm().item<double>();
+  std::vector<double> got(2, 0), after(2, 0);
+  dist::on_ranks(2, [&](dist::ProcessGroup& g) {
+    auto options = quiet_options();
+    options.mixed_precision = "fp16";  // gradients are scaled by 65536 until clip unscales them
+    Accelerator acc(options, g);
+    auto fc = torch::nn::Linear(torch::nn::LinearOptions(3, 2).bias(false));
+    {
+      torch::NoGradGuard no_grad;
+      fc->weight.copy_(weight0);
+    }
+    auto opt = std::make_shared<torch::optim::SGD>(fc->parameters(), 0.1);
+    auto [m, o] = acc.prepare(fc, opt);
+    acc.backward(m->forward(x_of(g.rank())).pow(2).mean());
+    got[static_cast<size_t>(g.rank())] = acc.clip_grad_norm_(m->parameters(), 0.01);
+    after[static_cast<size_t>(g.rank())] = m->weight.grad().norm().item<double>();
+  });
+  for (int r = 0; r < 2; ++r) {
+    const double diff = std::abs(got[static_cast<size_t>(r)] - want);
+    std::printf("rank %d: clip norm %.7f, float64 reference %.7f, diff %.3g (tolerance 1e-5)\n", r,
+                got[static_cast<size_t>(r)], want, diff);
+    EXPECT_LT(diff, 1e-5 * std::max(1.0, want));
+    EXPECT_NEAR(after[static_cast<size_t>(r)], 0.01, 1e-4);  // clipped to max_norm
+  }
+}
+
 TEST(AccelAccelerator, CollectiveHelpers) {
   dist::on_ranks(3, [&](dist::ProcessGroup& g) {
     Accelerator acc(quiet_options(), g);
