@@ -84,13 +84,30 @@ int run(int argc, char** argv) {
 
   auto x = torch::randn({batch, 3, 32, 32});
   auto y = torch::randint(0, 10, {batch}, torch::kLong);
+  // Time split of the measured steps: forward, backward (with the all-reduces launched in it),
+  // waiting for the all-reduces still in flight, optimizer step.
+  using Clock = std::chrono::steady_clock;
+  double t_forward = 0, t_backward = 0, t_wait = 0, t_update = 0;
+  auto seconds_since = [](Clock::time_point t) {
+    return std::chrono::duration<double>(Clock::now() - t).count();
+  };
   auto step = [&]() {
+    auto t = Clock::now();
     auto loss = torch::cross_entropy_loss(model->forward(x), y);
+    t_forward += seconds_since(t);
+    t = Clock::now();
     acc.backward(loss);
+    t_backward += seconds_since(t);
+    t = Clock::now();
+    acc.wait_for_gradients();
+    t_wait += seconds_since(t);
+    t = Clock::now();
     opt->step();
     opt->zero_grad();
+    t_update += seconds_since(t);
   };
   for (int i = 0; i < warmup; ++i) step();
+  t_forward = t_backward = t_wait = t_update = 0;
   acc.wait_for_everyone();
   const auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < iters; ++i) step();
@@ -105,11 +122,14 @@ int run(int argc, char** argv) {
         "{\"model\": \"%s\", \"ranks\": %d, \"threads_per_rank\": %d, \"batch_per_rank\": %lld, "
         "\"params\": %lld, \"buckets\": %lld, \"ddp\": %s, \"overlap\": %s, \"iters\": %d, "
         "\"step_ms\": %.2f, "
-        "\"samples_per_s\": %.2f}\n",
+        "\"samples_per_s\": %.2f, \"forward_ms\": %.2f, \"backward_ms\": %.2f, \"wait_ms\": %.2f, "
+        "\"update_ms\": %.2f}\n",
         model_kind.c_str(), acc.num_processes(), at::get_num_threads(),
         static_cast<long long>(batch), static_cast<long long>(params),
         static_cast<long long>(buckets), ddp ? "true" : "false",
-        options.ddp.overlap ? "true" : "false", iters, 1000.0 * seconds / iters, samples_per_s);
+        options.ddp.overlap ? "true" : "false", iters, 1000.0 * seconds / iters, samples_per_s,
+        1000.0 * t_forward / iters, 1000.0 * t_backward / iters, 1000.0 * t_wait / iters,
+        1000.0 * t_update / iters);
   }
   return 0;
 }

@@ -46,6 +46,13 @@ for model in sorted({r["model"] for r in rows}):
     # Same per-rank batch: 2-rank throughput / (2 x 1-rank throughput) = t1 / t2.
     print(f"  scaling efficiency (2 ranks vs 2 x 1 rank): no-comm {one / free:.1%}, "
           f"overlap {one / on:.1%}, after-backward {one / off:.1%}")
+    def med_field(field, overlap):
+        return statistics.median(r[field] for r in rows if r["model"] == model
+                                 and r["ranks"] == 2 and r["ddp"] and r["overlap"] == overlap)
+    print(f"  rank 0 time split with overlap: forward {med_field('forward_ms', True):.1f} ms, "
+          f"backward {med_field('backward_ms', True):.1f} ms, waiting for all-reduces after "
+          f"backward {med_field('wait_ms', True):.1f} ms (after-backward mode: "
+          f"{med_field('wait_ms', False):.1f} ms)")
     comm_on, comm_off = on - free, off - free
     print(f"  DDP vs the no-comm ceiling: overlap {free / on:.1%}, after-backward {free / off:.1%}; "
           f"communication cost per step: overlap {comm_on:.1f} ms, after-backward {comm_off:.1f} ms")
