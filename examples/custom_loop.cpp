@@ -34,15 +34,21 @@ struct ClassifierImpl : torch::nn::Module {
 };
 TORCH_MODULE(Classifier);
 
-// Three classes of 12x12 images: a bright square in one of three places.
+// Three classes of noisy 12x12 images with a 4x4 patch in the middle: bright (class 0), dark
+// (class 1) or a checkerboard (class 2).
 std::shared_ptr<difftrain::data::TensorDataset> make_data() {
   torch::manual_seed(0);
   const int64_t n = 384;
   auto labels = torch::randint(0, 3, {n}, torch::kLong);
   auto images = torch::randn({n, 1, 12, 12}) * 0.3;
+  const auto checker =
+      (torch::arange(4).view({4, 1}) + torch::arange(4).view({1, 4})).remainder(2) * 2 - 1;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t c = labels[i].item<int64_t>();
-    images[i].slice(1, 4 * c, 4 * c + 4).slice(2, 4, 8) += 1.0;
+    auto patch = images[i][0].slice(0, 4, 8).slice(1, 4, 8);
+    patch += c == 0   ? torch::ones({4, 4})
+             : c == 1 ? -torch::ones({4, 4})
+                      : checker.to(torch::kFloat);
   }
   return std::make_shared<difftrain::data::TensorDataset>(
       difftrain::data::Example{{"image", images}, {"label", labels}});
@@ -60,10 +66,10 @@ int plain_loop() {
   torch::manual_seed(42);
   Classifier model;
   auto optimizer =
-      std::make_shared<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(3e-3));
+      std::make_shared<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(2e-2));
   auto loader = std::make_shared<difftrain::data::DataLoader>(make_data(), loader_options());
   double loss_value = 0;
-  for (int epoch = 0; epoch < 3; ++epoch) {
+  for (int epoch = 0; epoch < 5; ++epoch) {
     for (const auto& batch : *loader) {
       auto loss = torch::cross_entropy_loss(model->forward(batch.at("image")), batch.at("label"));
       loss.backward();
@@ -83,11 +89,11 @@ int accelerated_loop() {
   torch::manual_seed(42);
   Classifier model;
   auto optimizer =
-      std::make_shared<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(3e-3));
+      std::make_shared<torch::optim::AdamW>(model->parameters(), torch::optim::AdamWOptions(2e-2));
   auto loader = std::make_shared<difftrain::data::DataLoader>(make_data(), loader_options());
   auto [m, opt, dl] = accelerator.prepare(model, optimizer, loader);  // +difftrain
   double loss_value = 0;
-  for (int epoch = 0; epoch < 3; ++epoch) {
+  for (int epoch = 0; epoch < 5; ++epoch) {
     for (const auto& batch : *dl) {
       auto step = accelerator.accumulate(m);  // +difftrain
       torch::Tensor loss;
