@@ -76,6 +76,16 @@ std::vector<torch::Tensor> reference_grads(int world, bool use_spare = true) {
   return sum;
 }
 
+// Largest difference between the parameters' gradients and `want`.
+double max_grad_diff(TinyNet& net, const std::vector<torch::Tensor>& want) {
+  auto params = net->parameters();
+  double max_diff = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    max_diff = std::max(max_diff, (params[i].grad() - want[i]).abs().max().item<double>());
+  }
+  return max_diff;
+}
+
 TEST(AccelReducer, BucketsFollowReverseRegistrationOrderAndCap) {
   dist::on_ranks(2, [&](dist::ProcessGroup& g) {
     auto net = make_net();
@@ -110,11 +120,7 @@ TEST_P(AccelReducerWorld, AveragesGradientsLikeOneProcess) {
       reducer.prepare_for_backward(loss);
       loss.backward();
       reducer.finish();
-      auto params = net->parameters();
-      double max_diff = 0;
-      for (size_t i = 0; i < params.size(); ++i) {
-        max_diff = std::max(max_diff, (params[i].grad() - want[i]).abs().max().item<double>());
-      }
+      const double max_diff = max_grad_diff(net, want);
       // fp32 sums of 2-3 terms in another order: a few ulps of gradients of size ~1.
       EXPECT_LT(max_diff, 1e-6) << "cap " << cap << " rank " << g.rank();
       if (g.rank() == 0) std::printf("world %d cap %g: max abs diff %.3g\n", world, cap, max_diff);
@@ -193,11 +199,7 @@ TEST(AccelReducer, FindUnusedParametersReducesTheRest) {
     reducer.prepare_for_backward(loss);
     loss.backward();
     reducer.finish();
-    auto params = net->parameters();
-    double max_diff = 0;
-    for (size_t i = 0; i < params.size(); ++i) {
-      max_diff = std::max(max_diff, (params[i].grad() - want[i]).abs().max().item<double>());
-    }
+    const double max_diff = max_grad_diff(net, want);
     EXPECT_LT(max_diff, 1e-6);
     EXPECT_EQ(net->spare->weight.grad().abs().sum().item<double>(), 0.0);
     // The unused parameters' buckets (first in order) started before backward even ran.
