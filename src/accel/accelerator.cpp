@@ -57,7 +57,11 @@ void broadcast_coalesced(const std::vector<torch::Tensor>& tensors, dist::Proces
 
 // ------------------------------------------------------------------ guards
 
-AccumulateGuard::AccumulateGuard(Accelerator& accelerator) { accelerator.begin_micro_step(); }
+AccumulateGuard::AccumulateGuard(Accelerator& accelerator) : accelerator_(accelerator) {
+  accelerator_.begin_micro_step();
+}
+
+AccumulateGuard::~AccumulateGuard() { accelerator_.end_micro_step(); }
 
 MainProcessFirst::MainProcessFirst(Accelerator& accelerator) : accelerator_(accelerator) {
   if (!accelerator_.is_main_process()) accelerator_.wait_for_everyone();
@@ -235,6 +239,8 @@ void Accelerator::begin_micro_step() {
   state_->sync_gradients = state_->micro_step >= state_->window || end_of_data;
   for (auto& r : state_->reducers) r->set_sync(state_->sync_gradients);
 }
+
+void Accelerator::end_micro_step() {}
 
 void Accelerator::backward(const torch::Tensor& loss) {
   if (!loss.defined()) throw Error("backward() got an undefined loss tensor");

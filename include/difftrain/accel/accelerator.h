@@ -65,13 +65,15 @@ class Accelerator;
 /// Decides whether this micro-step synchronises gradients: every gradient_accumulation_steps-th
 /// micro-step, and at the last batch of the loader's epoch. Until then backward() accumulates
 /// locally with no communication, and the prepared optimizer's step()/zero_grad() do nothing.
-/// All of it is decided when the guard is made; leaving the scope changes nothing
-/// (sync_gradients() keeps its value until the next micro-step, as in Accelerate).
 class [[nodiscard]] AccumulateGuard {
  public:
   explicit AccumulateGuard(Accelerator& accelerator);
+  ~AccumulateGuard();
   AccumulateGuard(const AccumulateGuard&) = delete;
   AccumulateGuard& operator=(const AccumulateGuard&) = delete;
+
+ private:
+  Accelerator& accelerator_;
 };
 
 /// RAII: the main process runs the scope first, the others after it
@@ -245,6 +247,7 @@ class Accelerator {
   friend class AccumulateGuard;
   void init();
   void begin_micro_step();
+  void end_micro_step();
   data::DataLoader* active_loader();
 
   template <typename T>
