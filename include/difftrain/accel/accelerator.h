@@ -68,6 +68,8 @@ class Accelerator;
 class [[nodiscard]] AccumulateGuard {
  public:
   explicit AccumulateGuard(Accelerator& accelerator);
+  /// Ends the micro-step. Non-trivial, which also keeps `auto step = acc.accumulate();` from
+  /// being an unused variable.
   ~AccumulateGuard();
   AccumulateGuard(const AccumulateGuard&) = delete;
   AccumulateGuard& operator=(const AccumulateGuard&) = delete;
