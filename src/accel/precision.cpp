@@ -5,15 +5,18 @@
 #include "difftrain/dist/collectives.h"
 
 #include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 #include <torch/torch.h>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <atomic>
 #include <cctype>
 #include <cmath>
+#include <limits>
 #include <mutex>
 
 namespace difftrain::accel {
@@ -40,8 +43,6 @@ const char* to_string(MixedPrecision mp) {
 // ------------------------------------------------------------------ autocast
 
 namespace {
-// Autocast nesting depth of this thread: the cast cache is cleared when the outermost exits.
-thread_local int t_depth = 0;
 std::once_flag g_fp16_cpu_warning;
 }  // namespace
 
@@ -50,24 +51,30 @@ AutocastGuard::AutocastGuard(MixedPrecision mp, torch::Device device) {
   cuda_ = device.is_cuda();
   if (!cuda_ && mp == MixedPrecision::kFp16) {
     std::call_once(g_fp16_cpu_warning, []() {
-      log::warn("fp16 autocast does not exist on CPU in LibTorch 1.13: computing in fp32");
+      log::warn(
+          "fp16 autocast does not exist on CPU in LibTorch 1.13: the forward pass computes in "
+          "fp32 (the loss scaler still runs); use bf16 on CPU");
     });
     return;
   }
   const at::ScalarType dtype = mp == MixedPrecision::kBf16 ? at::kBFloat16 : at::kHalf;
-  active_ = true;
   if (cuda_) {
     previous_enabled_ = at::autocast::is_enabled();
     previous_dtype_ = at::autocast::get_autocast_gpu_dtype();
     at::autocast::set_autocast_gpu_dtype(dtype);
     at::autocast::set_enabled(true);
   } else {
+    // A bf16 CPU scope without the norm fixes fails on the first GroupNorm / LayerNorm.
+    install_autocast_fixes();
     previous_enabled_ = at::autocast::is_cpu_enabled();
     previous_dtype_ = at::autocast::get_autocast_cpu_dtype();
     at::autocast::set_autocast_cpu_dtype(dtype);
     at::autocast::set_cpu_enabled(true);
   }
-  ++t_depth;
+  // The same per-thread nesting counter torch.autocast uses, so mixed C++/Python scopes agree on
+  // which one is outermost.
+  at::autocast::increment_nesting();
+  active_ = true;
 }
 
 AutocastGuard::AutocastGuard(AutocastGuard&& other) noexcept
@@ -87,7 +94,9 @@ AutocastGuard::~AutocastGuard() {
     at::autocast::set_cpu_enabled(previous_enabled_);
     at::autocast::set_autocast_cpu_dtype(previous_dtype_);
   }
-  if (--t_depth == 0) at::autocast::clear_cache();
+  // The cache holds bf16/fp16 copies of fp32 leaf weights keyed by tensor, not by version: it
+  // must not outlive the scope, or the next forward would use weights from before the step.
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
 }
 
 AutocastDisabledGuard::AutocastDisabledGuard()
@@ -103,19 +112,37 @@ AutocastDisabledGuard::~AutocastDisabledGuard() {
 
 namespace {
 
-c10::optional<at::Tensor> to_float(const c10::optional<at::Tensor>& t) {
-  if (t && t->defined() && t->is_floating_point()) return t->to(at::kFloat);
-  return t;
+// Autocast's fp32 policy for one argument: floating CPU tensors other than fp64 become fp32;
+// everything else passes through (at::autocast::cached_cast never caches casts to fp32).
+at::Tensor fp32(const at::Tensor& t) {
+  return at::autocast::cached_cast(at::kFloat, t, c10::DeviceType::CPU);
+}
+c10::optional<at::Tensor> fp32(const c10::optional<at::Tensor>& t) {
+  return at::autocast::cached_cast(at::kFloat, t, c10::DeviceType::CPU);
 }
 
 // aten::group_norm under CPU autocast: run in fp32 whatever the input dtype (CUDA autocast's
-// fp32 policy for group_norm), so a bf16 conv output meets its fp32 weight in one dtype.
+// policy), so a bf16 conv output meets its fp32 weight in one dtype. The autocast key is excluded
+// while redispatching, so the call below reaches the autograd and CPU kernels; the casts are
+// differentiable, so the input's gradient comes back in its own dtype.
 at::Tensor group_norm_fp32(const at::Tensor& input, int64_t groups,
                            const c10::optional<at::Tensor>& weight,
                            const c10::optional<at::Tensor>& bias, double eps, bool cudnn) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
-  const at::Tensor x = input.is_floating_point() ? input.to(at::kFloat) : input;
-  return at::group_norm(x, groups, to_float(weight), to_float(bias), eps, cudnn);
+  return at::group_norm(fp32(input), groups, fp32(weight), fp32(bias), eps, cudnn);
+}
+
+// aten::layer_norm, same policy (transformer blocks: a bf16 linear output into an fp32 LayerNorm).
+at::Tensor layer_norm_fp32(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                           const c10::optional<at::Tensor>& weight,
+                           const c10::optional<at::Tensor>& bias, double eps, bool cudnn) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
+  return at::layer_norm(fp32(input), normalized_shape, fp32(weight), fp32(bias), eps, cudnn);
+}
+
+bool has_autocast_cpu_kernel(const char* op) {
+  auto handle = c10::Dispatcher::singleton().findSchema({op, ""});
+  return handle && handle->hasKernelForDispatchKey(c10::DispatchKey::AutocastCPU);
 }
 
 }  // namespace
@@ -123,18 +150,52 @@ at::Tensor group_norm_fp32(const at::Tensor& input, int64_t groups,
 void install_autocast_fixes() {
   static std::once_flag once;
   std::call_once(once, []() {
-    // A library fragment that lives as long as the process.
+    // Registered at runtime rather than by a static TORCH_LIBRARY_IMPL: in a static library an
+    // object file that nothing references is never linked, and its registration would silently
+    // vanish. The fragment lives as long as the process.
     static torch::Library fixes(torch::Library::IMPL, "aten", c10::DispatchKey::AutocastCPU,
                                 __FILE__, __LINE__);
-    fixes.impl("group_norm", TORCH_FN(group_norm_fp32));
+    if (!has_autocast_cpu_kernel("aten::group_norm")) {
+      fixes.impl("group_norm", TORCH_FN(group_norm_fp32));
+    }
+    if (!has_autocast_cpu_kernel("aten::layer_norm")) {
+      fixes.impl("layer_norm", TORCH_FN(layer_norm_fp32));
+    }
   });
 }
 
 // ------------------------------------------------------------------ loss scaling
 
+void to_json(nlohmann::json& json, const GradScalerState& state) {
+  json = nlohmann::json{{"scale", state.scale}, {"growth_tracker", state.growth_tracker}};
+}
+
+void from_json(const nlohmann::json& json, GradScalerState& state) {
+  const bool has_scale = json.is_object() && json.contains("scale") && json.at("scale").is_number();
+  const bool has_tracker = json.is_object() && json.contains("growth_tracker") &&
+                           json.at("growth_tracker").is_number_integer();
+  if (!has_scale || !has_tracker) {
+    throw Error(fmt::format(
+        "loss scaler state {} has no numeric '{}': expected {{\"scale\": s, \"growth_tracker\": "
+        "n}} as GradScalerState saves it",
+        json.dump(), has_scale ? "growth_tracker" : "scale"));
+  }
+  GradScalerState s;
+  s.scale = json.at("scale").get<double>();
+  s.growth_tracker = json.at("growth_tracker").get<int64_t>();
+  if (!(s.scale > 0) || !std::isfinite(s.scale) || s.growth_tracker < 0) {
+    throw Error(fmt::format(
+        "loss scaler state: scale {} / growth_tracker {} is not valid: the scale must be finite "
+        "and > 0 and the tracker >= 0",
+        s.scale, s.growth_tracker));
+  }
+  state = s;
+}
+
 GradScaler::GradScaler(GradScalerOptions options, dist::ProcessGroup* group)
     : options_(options), group_(group) {
-  if (!(options_.init_scale > 0) || !(options_.growth_factor > 1) ||
+  if (!(options_.init_scale > 0) || !std::isfinite(options_.init_scale) ||
+      !(options_.growth_factor > 1) ||
       !(options_.backoff_factor > 0 && options_.backoff_factor < 1) ||
       options_.growth_interval < 1) {
     throw Error(fmt::format(
@@ -146,28 +207,57 @@ GradScaler::GradScaler(GradScalerOptions options, dist::ProcessGroup* group)
   state_.scale = options_.init_scale;
 }
 
-torch::Tensor GradScaler::scale(const torch::Tensor& loss) const { return loss * state_.scale; }
+torch::Tensor GradScaler::scale(const torch::Tensor& loss) const {
+  // 65536 * a half loss overflows fp16; torch promotes through its fp32 scale tensor, so do we.
+  if (loss.scalar_type() == at::kHalf || loss.scalar_type() == at::kBFloat16) {
+    return loss.to(at::kFloat) * state_.scale;
+  }
+  return loss * state_.scale;
+}
 
 void GradScaler::unscale_(const std::vector<torch::Tensor>& params) {
   if (unscaled_) return;
   unscaled_ = true;
   torch::NoGradGuard no_grad;
-  const double inverse = 1.0 / state_.scale;
-  bool local_inf = false;
-  for (const auto& p : params) {
-    if (!p.grad().defined()) continue;
-    auto g = p.grad();
-    g.mul_(inverse);
-    // One reduction per tensor: a sum is inf/NaN whenever any element is (or overflows, which
-    // also means the step is unusable).
-    if (!local_inf && !std::isfinite(g.sum().item<double>())) local_inf = true;
+  // One sum per gradient, all summed on the device and read back once: a sum is inf/NaN whenever
+  // an element is. Only a gradient whose finite sum overflows fp32 (elements ~1e30, an unusable
+  // step anyway) would be counted as inf by this test but not by torch's elementwise check.
+  std::vector<torch::Tensor> sums;
+  c10::optional<torch::Device> device;
+  for (size_t i = 0; i < params.size(); ++i) {
+    torch::Tensor g = params[i].grad();
+    if (!g.defined()) continue;
+    if (g.is_sparse()) {
+      throw Error(fmt::format(
+          "loss scaling: parameter {} has a sparse gradient; fp16 loss scaling needs dense "
+          "gradients (build the embedding with sparse=false)",
+          i));
+    }
+    if (!device) device = g.device();
+    if (g.scalar_type() == at::kHalf || g.scalar_type() == at::kBFloat16) {
+      // In fp32 (1/65536 or a large scale are not representable in fp16), rounded once; check the
+      // rounded values, since a quotient above 65504 becomes inf in fp16.
+      g.copy_(g.to(at::kFloat).div_(state_.scale));
+      sums.push_back(g.sum(at::kFloat));
+    } else {
+      // A division, not a multiplication by 1/scale: the result is exactly the float64 quotient
+      // rounded to the gradient's dtype for any scale representable in it.
+      g.div_(state_.scale);
+      sums.push_back(g.sum());
+    }
   }
-  found_inf_ = local_inf;
-  if (group_ != nullptr && group_->size() > 1) {
-    auto flag = torch::tensor({local_inf ? 1.0f : 0.0f});
-    dist::all_reduce(flag, dist::ReduceOp::kMax, *group_);
-    found_inf_ = flag.item<float>() > 0;
+  const bool grouped = group_ != nullptr && group_->size() > 1;
+  if (!device) {
+    device = grouped && group_->backend_name() == "nccl" ? torch::Device(torch::kCUDA)
+                                                         : torch::Device(torch::kCPU);
   }
+  torch::Tensor flag = torch::zeros({1}, torch::TensorOptions().dtype(at::kFloat).device(*device));
+  if (!sums.empty()) {
+    for (auto& s : sums) s = s.to(*device, at::kDouble);
+    flag = torch::isfinite(torch::stack(sums).sum()).logical_not().to(at::kFloat).reshape({1});
+  }
+  if (grouped) dist::all_reduce(flag, dist::ReduceOp::kMax, *group_);
+  found_inf_ = flag.item<float>() > 0;
 }
 
 bool GradScaler::step(const std::vector<torch::Tensor>& params,
@@ -183,7 +273,9 @@ void GradScaler::update() {
     state_.scale *= options_.backoff_factor;
     state_.growth_tracker = 0;
   } else if (++state_.growth_tracker >= options_.growth_interval) {
-    state_.scale *= options_.growth_factor;
+    // As torch's update kernel: never grow to a scale the fp32 loss cannot hold.
+    const double grown = state_.scale * options_.growth_factor;
+    if (grown <= std::numeric_limits<float>::max()) state_.scale = grown;
     state_.growth_tracker = 0;
   }
   unscaled_ = false;
@@ -192,8 +284,10 @@ void GradScaler::update() {
 
 void GradScaler::load_state(const GradScalerState& state) {
   if (!(state.scale > 0) || !std::isfinite(state.scale) || state.growth_tracker < 0) {
-    throw Error(fmt::format("loss scaler state: scale {} / growth_tracker {} is not valid",
-                            state.scale, state.growth_tracker));
+    throw Error(fmt::format(
+        "loss scaler state: scale {} / growth_tracker {} is not valid: the scale must be finite "
+        "and > 0 and the tracker >= 0",
+        state.scale, state.growth_tracker));
   }
   state_ = state;
   unscaled_ = false;
