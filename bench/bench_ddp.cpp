@@ -5,9 +5,9 @@
 //   bench_ddp [--model conv|wide] [--batch B] [--iters N] [--warmup W] [--overlap 0|1]
 //             [--bucket_cap_mb X] [--ddp 0|1]
 //
-// conv: a UNet-like stack of 3x3 convolutions + GroupNorm at 32x32 (compute-heavy, 0.3 M
+// conv: a UNet-like stack of 3x3 convolutions + GroupNorm at 32x32 (compute-heavy, 0.15 M
 // parameters). wide: the same trunk plus a 2-layer MLP head of 4 M parameters, so that the
-// gradient all-reduce (16 MB) is comparable to the backward time and overlap matters.
+// gradient all-reduce (17 MB) is comparable to the backward time and overlap matters.
 // Prints one JSON line from rank 0.
 
 #include "difftrain/accel/accelerator.h"

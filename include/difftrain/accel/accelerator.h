@@ -51,7 +51,8 @@ struct AcceleratorOptions {
   /// Seeds every rank the same way at construction (Accelerate `set_seed`); unset: no seeding.
   std::optional<uint64_t> seed;
   DdpOptions ddp;
-  /// Time one collective may wait for its peers. Unset: DIFFTRAIN_COLLECTIVE_TIMEOUT, then 30 min.
+  /// Time one collective may wait for its peers (default 30 min). DIFFTRAIN_COLLECTIVE_TIMEOUT
+  /// (`difftrain launch --collective_timeout`) overrides it when set.
   std::optional<std::chrono::milliseconds> collective_timeout;
   /// fp16 loss scaling (used when mixed_precision is fp16).
   GradScalerOptions scaler;
@@ -124,8 +125,8 @@ class Accelerator {
   /// torch::optim::Optimizer becomes a shared_ptr<AcceleratedOptimizer>; a
   /// shared_ptr<data::DataLoader> is sharded across ranks (same pointer); any other shared_ptr
   /// with a step() method is an LR scheduler and becomes a shared_ptr<AcceleratedScheduler>.
-  /// Prepare a model before the optimizer that holds its parameters (its device move may
-  /// replace them on CUDA, as in torch).
+  /// Objects are prepared left to right. The device move (Module::to) keeps parameter identity,
+  /// so an optimizer made before prepare() stays valid.
   template <typename... Ts>
   auto prepare(Ts... objects) {
     if constexpr (sizeof...(Ts) == 1) {

@@ -34,7 +34,7 @@ const char* to_string(MixedPrecision mp);
 /// low-precision copies of fp32 weights) is cleared when the outermost scope of the thread exits,
 /// as torch.autocast does, so an optimizer step between two scopes is always seen.
 /// Autocast state is per thread.
-class AutocastGuard {
+class [[nodiscard]] AutocastGuard {
  public:
   AutocastGuard(MixedPrecision mp, torch::Device device);
   ~AutocastGuard();
