@@ -1,0 +1,95 @@
+#pragma once
+// The flat parameter layout shared by difftrain's optimizers (AdamW, AdamW8bit): each parameter
+// group's parameters of one dtype and device live in one contiguous buffer, their gradients in
+// another, and optimizer state is laid out the same way, so one vectorised pass updates a whole
+// bucket and a sharded optimizer can cut a bucket into per-rank ranges.
+
+#include "difftrain/io/safetensors.h"
+
+#include <torch/optim/optimizer.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace difftrain::optim {
+
+/// The parameters of one param group that share a dtype and device, as one flat buffer.
+/// Parameter i of the bucket is `params.narrow(0, offsets[i], numel_i).view(shape_i)`, and the
+/// model's parameter tensor IS that view (its storage is the bucket's).
+struct FlatBucket {
+  size_t group = 0;  ///< index into param_groups()
+  torch::Dtype dtype = torch::kFloat32;
+  torch::Device device = torch::kCPU;
+  std::vector<size_t> members;   ///< indices into the group's params(), in order
+  std::vector<int64_t> offsets;  ///< element offset of each member; back() == numel
+  torch::Tensor params;          ///< [numel] the parameters
+  torch::Tensor grads;           ///< [numel] gradient storage given to members without a grad
+  int64_t numel() const { return offsets.empty() ? 0 : offsets.back(); }
+};
+
+/// Optimizer state in its on-disk form: tensors (saved as safetensors) and everything else
+/// (hyperparameters, step counts, names; saved as JSON).
+struct OptimizerState {
+  nlohmann::json meta;
+  io::TensorMap tensors;
+};
+
+/// Writes `<path_prefix>.safetensors` and `<path_prefix>.json`, each atomically.
+void save_optimizer_state(const OptimizerState& state, const std::string& path_prefix);
+/// Reads what save_optimizer_state() wrote; errors name the missing or malformed file.
+OptimizerState load_optimizer_state(const std::string& path_prefix);
+
+/// Base of the flat optimizers: a torch::optim::Optimizer (so it plugs into
+/// Accelerator::prepare, LR schedulers and clip_grad_norm_ like any LibTorch optimizer) whose
+/// parameters are flattened at construction. Every parameter group must carry
+/// torch::optim::AdamWOptions (groups without options get the defaults).
+class FlatOptimizer : public torch::optim::Optimizer {
+ public:
+  /// Names used in saved state and in errors, one per parameter in group order (e.g. from
+  /// Module::named_parameters()). Default: "<group>.<index>".
+  void set_parameter_names(const std::vector<std::string>& names);
+  /// The name of parameter `index` of group `group`.
+  const std::string& parameter_name(size_t group, size_t index) const;
+  /// The flat buckets (read-only view, for sharding and tests).
+  const std::vector<FlatBucket>& buckets() const { return buckets_; }
+  /// Updates made to parameter `index` of group `group` (torch: `state[p]["step"]`).
+  int64_t step_count(size_t group, size_t index) const { return steps_.at(group).at(index); }
+  /// Bytes of optimizer state held (moments, quantisation scales; not parameters or grads).
+  virtual int64_t state_bytes() const = 0;
+  /// The complete state (resume is bit for bit).
+  virtual OptimizerState state_dict() const = 0;
+  /// Restores state_dict() output. Refuses, naming the parameter, state whose names or shapes
+  /// do not match this optimizer's parameters, or that another optimizer type wrote.
+  virtual void load_state_dict(const OptimizerState& state) = 0;
+  /// LibTorch archives cannot hold the flat state: these throw; use state_dict() and
+  /// save_optimizer_state().
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
+ protected:
+  FlatOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups,
+                torch::optim::AdamWOptions defaults, const char* type_name);
+  /// Checks the groups still match the layout built at construction and re-points any
+  /// parameter whose storage was replaced (e.g. load_state_dict of the model) at its bucket.
+  void refresh_layout();
+  /// The AdamW hyperparameters of group `g`.
+  torch::optim::AdamWOptions& group_options(size_t g);
+  const torch::optim::AdamWOptions& group_options(size_t g) const;
+  /// Shared JSON: type, param_groups (hyperparameters and parameter names), per-parameter steps.
+  nlohmann::json meta_json() const;
+  /// Restores what meta_json() wrote after checking type and names; returns nothing but throws
+  /// difftrain::Error naming the first mismatch.
+  void load_meta_json(const nlohmann::json& meta);
+  /// Throws unless `t` exists in `state` with `shape` (and `dtype`), naming parameter and key.
+  const torch::Tensor& expect_tensor(const OptimizerState& state, const std::string& key,
+                                     torch::IntArrayRef shape, torch::Dtype dtype) const;
+
+  std::vector<FlatBucket> buckets_;
+  std::vector<std::vector<int64_t>> steps_;      ///< [group][param]
+  std::vector<std::vector<std::string>> names_;  ///< [group][param]
+  std::string type_name_;
+};
+
+}  // namespace difftrain::optim

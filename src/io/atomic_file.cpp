@@ -1,0 +1,93 @@
+#include "difftrain/io/atomic_file.h"
+
+#include "difftrain/core/error.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace difftrain::io {
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string errno_text() { return std::strerror(errno); }
+
+// Writes everything or throws; short writes are retried.
+void write_all(int fd, std::string_view bytes, const std::string& path) {
+  const char* p = bytes.data();
+  size_t left = bytes.size();
+  while (left > 0) {
+    ssize_t n = ::write(fd, p, left);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw Error("cannot write '" + path + "': " + errno_text());
+    p += n;
+    left -= static_cast<size_t>(n);
+  }
+}
+
+}  // namespace
+
+void write_file_atomic(const std::string& path, std::string_view bytes) {
+  fs::path target(path);
+  fs::path parent = target.parent_path();
+  if (!parent.empty()) {
+    std::error_code ec;
+    fs::create_directories(parent, ec);
+    if (ec) {
+      throw Error("cannot create folder '" + parent.string() + "' for '" + path +
+                  "': " + ec.message() + "; check the output path and its permissions");
+    }
+  }
+  std::string temp = path + ".tmp." + std::to_string(::getpid());
+  int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
+    throw Error("cannot create '" + temp + "': " + errno_text() +
+                "; check that the folder is writable");
+  }
+  try {
+    write_all(fd, bytes, path);
+    if (::fsync(fd) != 0) throw Error("cannot flush '" + path + "' to disk: " + errno_text());
+  } catch (...) {
+    ::close(fd);
+    ::unlink(temp.c_str());
+    throw;
+  }
+  if (::close(fd) != 0) {
+    std::string why = errno_text();
+    ::unlink(temp.c_str());
+    throw Error("cannot write '" + path + "': " + why);
+  }
+  if (::rename(temp.c_str(), path.c_str()) != 0) {
+    std::string why = errno_text();
+    ::unlink(temp.c_str());
+    throw Error("cannot move '" + temp + "' to '" + path + "': " + why);
+  }
+  // The rename is durable only once the folder entry is on disk.
+  std::string dir = parent.empty() ? "." : parent.string();
+  int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    throw Error("cannot open '" + path +
+                "': " + (fs::exists(path) ? "permission denied or not a file" : "no such file"));
+  }
+  std::ostringstream buffer;
+  buffer << in.rdbuf();
+  if (in.bad()) throw Error("cannot read '" + path + "'");
+  return buffer.str();
+}
+
+}  // namespace difftrain::io

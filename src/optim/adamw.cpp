@@ -1,0 +1,202 @@
+#include "difftrain/optim/adamw.h"
+
+#include "difftrain/core/error.h"
+#include "kernels.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+
+namespace difftrain::optim {
+namespace {
+
+torch::Dtype math_dtype(torch::Dtype param) {
+  return param == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
+}
+
+}  // namespace
+
+AdamW::AdamW(std::vector<torch::optim::OptimizerParamGroup> groups,
+             torch::optim::AdamWOptions defaults)
+    : FlatOptimizer(std::move(groups), defaults, "AdamW") {
+  state_.resize(buckets_.size());
+}
+
+AdamW::AdamW(std::vector<torch::Tensor> params, torch::optim::AdamWOptions defaults)
+    : AdamW(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(
+                std::move(params))},
+            defaults) {}
+
+void AdamW::allocate_state(size_t b) {
+  const auto& bucket = buckets_[b];
+  auto options = torch::TensorOptions().dtype(math_dtype(bucket.dtype)).device(bucket.device);
+  auto& st = state_[b];
+  if (!st.exp_avg.defined()) {
+    st.exp_avg = torch::zeros({bucket.numel()}, options);
+    st.exp_avg_sq = torch::zeros({bucket.numel()}, options);
+  }
+  if (group_options(bucket.group).amsgrad() && !st.max_exp_avg_sq.defined()) {
+    st.max_exp_avg_sq = torch::zeros({bucket.numel()}, options);
+  }
+}
+
+torch::Tensor AdamW::step(LossClosure closure) {
+  torch::Tensor loss;
+  if (closure) {
+    torch::AutoGradMode grad_mode(true);
+    loss = closure();
+  }
+  refresh_layout();
+  torch::NoGradGuard no_grad;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const auto& bucket = buckets_[b];
+    const auto& opts = group_options(bucket.group);
+    const double beta1 = std::get<0>(opts.betas()), beta2 = std::get<1>(opts.betas());
+    auto& params = param_groups_[bucket.group].params();
+    std::vector<detail::Segment> segments;
+    std::vector<torch::Tensor> keep;  // contiguous copies of strided grads, alive for the step
+    for (size_t j = 0; j < bucket.members.size(); ++j) {
+      const size_t i = bucket.members[j];
+      const auto& p = params[i];
+      if (!p.grad().defined()) continue;
+      auto g = p.grad();
+      if (g.is_sparse())
+        throw Error("AdamW does not support sparse gradients (parameter '" +
+                    names_[bucket.group][i] + "')");
+      if (g.scalar_type() != bucket.dtype || g.sizes() != p.sizes()) {
+        throw Error("AdamW: gradient of parameter '" + names_[bucket.group][i] +
+                    "' has another dtype or shape than the parameter");
+      }
+      if (!g.is_contiguous()) {
+        g = g.contiguous();
+        keep.push_back(g);
+      }
+      const int64_t t = ++steps_[bucket.group][i];
+      detail::Segment s;
+      s.begin = bucket.offsets[j];
+      s.end = bucket.offsets[j + 1];
+      s.state_begin = s.begin;
+      s.grad = g.data_ptr();
+      s.lr = opts.lr();
+      s.weight_decay = opts.weight_decay();
+      s.bias_correction1 = 1.0 - std::pow(beta1, static_cast<double>(t));
+      s.bias_correction2_sqrt = std::sqrt(1.0 - std::pow(beta2, static_cast<double>(t)));
+      segments.push_back(s);
+    }
+    if (segments.empty()) continue;
+    allocate_state(b);
+    const auto& st = state_[b];
+    const detail::Betas betas{beta1, beta2, opts.eps()};
+    const torch::Tensor vmax = opts.amsgrad() ? st.max_exp_avg_sq : torch::Tensor();
+    if (bucket.device.is_cpu() && !reference_path_) {
+      detail::adamw_cpu(bucket.params, st.exp_avg, st.exp_avg_sq, vmax, segments, betas);
+    } else {
+      detail::adamw_reference(bucket.params, st.exp_avg, st.exp_avg_sq, vmax, segments, betas);
+    }
+  }
+  return loss;
+}
+
+int64_t AdamW::state_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& st : state_) {
+    for (const auto* t : {&st.exp_avg, &st.exp_avg_sq, &st.max_exp_avg_sq}) {
+      if (t->defined()) bytes += static_cast<int64_t>(t->nbytes());
+    }
+  }
+  return bytes;
+}
+
+torch::Tensor AdamW::state_view(size_t group, size_t index, int which) const {
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const auto& bucket = buckets_[b];
+    if (bucket.group != group) continue;
+    for (size_t j = 0; j < bucket.members.size(); ++j) {
+      if (bucket.members[j] != index) continue;
+      const auto& st = state_[b];
+      const torch::Tensor& buf = which == 0   ? st.exp_avg
+                                 : which == 1 ? st.exp_avg_sq
+                                              : st.max_exp_avg_sq;
+      if (!buf.defined() || steps_[group][index] == 0) return {};
+      return buf.narrow(0, bucket.offsets[j], bucket.offsets[j + 1] - bucket.offsets[j])
+          .view(param_groups_[group].params()[index].sizes());
+    }
+  }
+  return {};
+}
+
+torch::Tensor AdamW::exp_avg(size_t group, size_t index) const {
+  return state_view(group, index, 0);
+}
+torch::Tensor AdamW::exp_avg_sq(size_t group, size_t index) const {
+  return state_view(group, index, 1);
+}
+
+OptimizerState AdamW::state_dict() const {
+  OptimizerState out;
+  out.meta = meta_json();
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    for (size_t i = 0; i < param_groups_[g].params().size(); ++i) {
+      if (steps_[g][i] == 0) continue;  // no state yet, as torch
+      const auto& name = names_[g][i];
+      out.tensors[name + ".exp_avg"] = state_view(g, i, 0).clone();
+      out.tensors[name + ".exp_avg_sq"] = state_view(g, i, 1).clone();
+      auto vmax = state_view(g, i, 2);
+      if (vmax.defined()) out.tensors[name + ".max_exp_avg_sq"] = vmax.clone();
+    }
+  }
+  return out;
+}
+
+void AdamW::load_state_dict(const OptimizerState& state) {
+  refresh_layout();
+  // Check everything before changing anything: a refused state leaves the optimizer as it was.
+  auto saved_steps = steps_;
+  std::vector<torch::optim::AdamWOptions> saved_options;
+  for (size_t g = 0; g < param_groups_.size(); ++g) saved_options.push_back(group_options(g));
+  try {
+    load_meta_json(state.meta);
+    for (size_t b = 0; b < buckets_.size(); ++b) {
+      const auto& bucket = buckets_[b];
+      const auto dtype = math_dtype(bucket.dtype);
+      for (size_t j = 0; j < bucket.members.size(); ++j) {
+        const size_t i = bucket.members[j];
+        if (steps_[bucket.group][i] == 0) continue;
+        const auto& name = names_[bucket.group][i];
+        const auto shape = param_groups_[bucket.group].params()[i].sizes();
+        expect_tensor(state, name + ".exp_avg", shape, dtype);
+        expect_tensor(state, name + ".exp_avg_sq", shape, dtype);
+        if (group_options(bucket.group).amsgrad())
+          expect_tensor(state, name + ".max_exp_avg_sq", shape, dtype);
+      }
+    }
+  } catch (...) {
+    steps_ = saved_steps;
+    for (size_t g = 0; g < param_groups_.size(); ++g) group_options(g) = saved_options[g];
+    throw;
+  }
+  torch::NoGradGuard no_grad;
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    state_[b] = BucketState{};
+    const auto& bucket = buckets_[b];
+    bool any = false;
+    for (size_t i : bucket.members) any = any || steps_[bucket.group][i] > 0;
+    if (!any) continue;
+    allocate_state(b);
+    for (size_t j = 0; j < bucket.members.size(); ++j) {
+      const size_t i = bucket.members[j];
+      if (steps_[bucket.group][i] == 0) continue;
+      const auto& name = names_[bucket.group][i];
+      const int64_t off = bucket.offsets[j], n = bucket.offsets[j + 1] - off;
+      state_[b].exp_avg.narrow(0, off, n).copy_(state.tensors.at(name + ".exp_avg").reshape({n}));
+      state_[b].exp_avg_sq.narrow(0, off, n).copy_(
+          state.tensors.at(name + ".exp_avg_sq").reshape({n}));
+      if (state_[b].max_exp_avg_sq.defined()) {
+        state_[b].max_exp_avg_sq.narrow(0, off, n).copy_(
+            state.tensors.at(name + ".max_exp_avg_sq").reshape({n}));
+      }
+    }
+  }
+}
+
+}  // namespace difftrain::optim
