@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace difftrain::optim {
@@ -69,13 +70,50 @@ const std::array<float, 256>& dynamic_code_map(bool is_signed) {
   return is_signed ? kSigned : kUnsigned;
 }
 
+namespace {
+
+// Count of midpoints below x: branch-free binary search over the 255 sorted midpoints.
+int count_below(const std::array<float, 255>& mid, float x) {
+  int idx = 0;
+  for (int step = 128; step >= 1; step >>= 1) idx += (mid[idx + step - 1] < x) ? step : 0;
+  return idx;
+}
+
+// A lookup table on the top 17 bits of x's float encoding (sign, exponent, 8 mantissa bits):
+// for every bucket of floats sharing them, the nearest-code index of the bucket's smallest
+// value. The buckets are narrower (0.4% relative) than the code spacing wherever codes are
+// dense, so the exact answer is at most a step or two above the table's.
+struct Lut {
+  std::vector<uint8_t> start;
+  explicit Lut(const std::array<float, 255>& mid) : start(1u << 17) {
+    for (uint32_t key = 0; key < (1u << 17); ++key) {
+      const bool negative = key >> 16;
+      // The smallest value of the bucket: its lowest magnitude when positive, highest when
+      // negative.
+      uint32_t bits = key << 15;
+      if (negative) bits |= 0x7fffu;
+      float x;
+      std::memcpy(&x, &bits, sizeof x);
+      if (std::isnan(x)) x = negative ? -INFINITY : INFINITY;
+      start[key] = static_cast<uint8_t>(count_below(mid, x));
+    }
+  }
+};
+
+const Lut& lut(bool is_signed) {
+  static const Lut kSigned(midpoints(true));
+  static const Lut kUnsigned(midpoints(false));
+  return is_signed ? kSigned : kUnsigned;
+}
+
+}  // namespace
+
 uint8_t quantize_nearest(float x, bool is_signed) {
   const auto& mid = midpoints(is_signed);
-  // Count the midpoints below x: branch-free binary search over 255 sorted values.
-  int idx = 0;
-  for (int step = 128; step >= 1; step >>= 1) {
-    idx += (mid[idx + step - 1] < x) ? step : 0;
-  }
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  int idx = lut(is_signed).start[bits >> 15];
+  while (idx < 255 && mid[idx] < x) ++idx;
   return static_cast<uint8_t>(idx);
 }
 
