@@ -45,8 +45,21 @@ void AcceleratedOptimizer::zero_grad() {
 }
 
 AcceleratedScheduler::AcceleratedScheduler(std::function<void()> step,
-                                           std::shared_ptr<GradientState> state)
-    : step_(std::move(step)), state_(std::move(state)) {}
+                                           std::shared_ptr<GradientState> state,
+                                           std::function<nlohmann::json()> save,
+                                           std::function<void(const nlohmann::json&)> load)
+    : step_(std::move(step)),
+      state_(std::move(state)),
+      save_(std::move(save)),
+      load_(std::move(load)) {}
+
+nlohmann::json AcceleratedScheduler::state_dict() const {
+  return save_ ? save_() : nlohmann::json();
+}
+
+void AcceleratedScheduler::load_state_dict(const nlohmann::json& state) {
+  if (load_) load_(state);
+}
 
 void AcceleratedScheduler::step() {
   if (state_->num_optimizers == 0) {

@@ -146,6 +146,11 @@ void Accelerator::prepare_module(torch::nn::Module& module) {
     }
   }
   prepared_modules_.push_back(&module);
+  try {
+    models_.push_back(module.shared_from_this());
+  } catch (const std::bad_weak_ptr&) {
+    models_.emplace_back();  // prepared by reference: save_state() will say so
+  }
   module.to(device_);
   std::vector<torch::Tensor> tensors = module.parameters();
   const auto buffers = module.buffers();
@@ -194,8 +199,11 @@ std::shared_ptr<data::DataLoader> Accelerator::prepare_data_loader(
   return loader;
 }
 
-std::shared_ptr<AcceleratedScheduler> Accelerator::prepare_scheduler(std::function<void()> step) {
-  auto prepared = std::make_shared<AcceleratedScheduler>(std::move(step), state_);
+std::shared_ptr<AcceleratedScheduler> Accelerator::prepare_scheduler(
+    std::function<void()> step, std::function<nlohmann::json()> state,
+    std::function<void(const nlohmann::json&)> load) {
+  auto prepared = std::make_shared<AcceleratedScheduler>(std::move(step), state_, std::move(state),
+                                                         std::move(load));
   schedulers_.push_back(prepared);
   return prepared;
 }

@@ -3,6 +3,7 @@
 #include "difftrain/accel/gradient_state.h"
 
 #include <torch/optim/optimizer.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdint>
 #include <functional>
@@ -53,7 +54,15 @@ class AcceleratedOptimizer {
 /// updates, whatever the world size.
 class AcceleratedScheduler {
  public:
-  AcceleratedScheduler(std::function<void()> step, std::shared_ptr<GradientState> state);
+  AcceleratedScheduler(std::function<void()> step, std::shared_ptr<GradientState> state,
+                       std::function<nlohmann::json()> save = nullptr,
+                       std::function<void(const nlohmann::json&)> load = nullptr);
+  /// Whether the wrapped scheduler has state to save (it has state_dict()/load_state_dict()).
+  bool has_state() const { return static_cast<bool>(save_); }
+  /// The wrapped scheduler's state_dict(); null when it has none.
+  nlohmann::json state_dict() const;
+  /// Passes `state` to the wrapped scheduler's load_state_dict().
+  void load_state_dict(const nlohmann::json& state);
   /// Steps the wrapped scheduler when a prepared optimizer made an update since the last call.
   void step();
   /// How many times the wrapped scheduler was stepped.
@@ -67,6 +76,8 @@ class AcceleratedScheduler {
  private:
   std::function<void()> step_;
   std::shared_ptr<GradientState> state_;
+  std::function<nlohmann::json()> save_;
+  std::function<void(const nlohmann::json&)> load_;
   int64_t seen_updates_ = 0;
   int64_t steps_ = 0;
 };

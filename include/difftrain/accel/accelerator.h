@@ -144,7 +144,9 @@ class Accelerator {
       std::shared_ptr<torch::optim::Optimizer> optimizer);
   std::shared_ptr<data::DataLoader> prepare_data_loader(std::shared_ptr<data::DataLoader> loader);
   /// `step` advances the wrapped scheduler by one.
-  std::shared_ptr<AcceleratedScheduler> prepare_scheduler(std::function<void()> step);
+  std::shared_ptr<AcceleratedScheduler> prepare_scheduler(
+      std::function<void()> step, std::function<nlohmann::json()> state = nullptr,
+      std::function<void(const nlohmann::json&)> load = nullptr);
 
   /// The model itself: prepare() attaches DDP instead of wrapping (Accelerate's unwrap_model).
   template <typename M>
@@ -243,6 +245,25 @@ class Accelerator {
   /// Restores state_dict(); throws difftrain::Error naming a missing or mismatched field.
   void load_state_dict(const nlohmann::json& state);
 
+  /// Accelerate's `save_state(output_dir)`: everything needed to resume exactly, into folder
+  /// `dir` (replaced atomically: written to `<dir>.tmp`, then renamed; a crash mid-save leaves
+  /// the previous `dir` intact). Collective: every rank must call it.
+  ///   accelerator.json                 state_dict() (scaler, counters, loader positions)
+  ///   model.safetensors, model_1...    parameters and buffers of each prepared model, by name
+  ///   optimizer.safetensors/.json, optimizer_1...   each prepared difftrain optimizer
+  ///   scheduler.json, scheduler_1...   each prepared scheduler that has state_dict()
+  ///   random_states_<rank>.safetensors this rank's CPU generator
+  /// Rank 0 writes the shared files (DDP keeps them identical on every rank); each rank writes
+  /// its random state. `dir` must be on a filesystem every rank sees. Optimizers must be
+  /// difftrain's (optim::AdamW, optim::AdamW8bit); models must be prepared through a holder or
+  /// shared_ptr.
+  void save_state(const std::string& dir);
+  /// Accelerate's `load_state(input_dir)`: restores what save_state() wrote into the prepared
+  /// objects (prepare the same objects in the same order first). Names, shapes and counts are
+  /// checked; a mismatch throws difftrain::Error naming the file and the tensor. A missing
+  /// random state (saved with fewer ranks) is a warning.
+  void load_state(const std::string& dir);
+
   /// For tests and benchmarks: the reducers of the prepared models.
   const std::vector<std::unique_ptr<Reducer>>& reducers() const { return state_->reducers; }
 
@@ -269,6 +290,10 @@ class Accelerator {
         return prepare_optimizer(std::static_pointer_cast<torch::optim::Optimizer>(object));
       } else if constexpr (std::is_same_v<data::DataLoader, E>) {
         return prepare_data_loader(object);
+      } else if constexpr (has_json_state<E>::value) {
+        return prepare_scheduler([object]() { object->step(); },
+                                 [object]() { return object->state_dict(); },
+                                 [object](const nlohmann::json& j) { object->load_state_dict(j); });
       } else {
         return prepare_scheduler([object]() { object->step(); });
       }
@@ -282,6 +307,13 @@ class Accelerator {
   template <typename T>
   struct is_module_holder<T, std::void_t<typename T::ContainedType>>
       : std::is_base_of<torch::nn::ModuleHolder<typename T::ContainedType>, T> {};
+  template <typename T, typename = void>
+  struct has_json_state : std::false_type {};
+  template <typename T>
+  struct has_json_state<T, std::void_t<decltype(std::declval<const T&>().state_dict().dump()),
+                                       decltype(std::declval<T&>().load_state_dict(
+                                           std::declval<const nlohmann::json&>()))>>
+      : std::true_type {};
   template <typename T>
   struct is_shared_ptr : std::false_type {};
   template <typename T>
@@ -304,6 +336,7 @@ class Accelerator {
   std::vector<torch::Tensor> buffers_;
   std::vector<const torch::nn::Module*>
       prepared_modules_;  // of prepared models, broadcast from rank 0 after sync
+  std::vector<std::weak_ptr<torch::nn::Module>> models_;  // for save_state; empty if by reference
 };
 
 }  // namespace difftrain::accel

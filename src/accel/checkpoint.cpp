@@ -1,0 +1,209 @@
+// Accelerator::save_state / load_state: the resumable state of a prepared training run in one
+// folder (Accelerate's `save_state` / `load_state`), with safetensors for tensors and JSON for
+// the rest.
+
+#include "difftrain/accel/accelerator.h"
+
+#include "difftrain/core/error.h"
+#include "difftrain/io/atomic_file.h"
+#include "difftrain/io/safetensors.h"
+#include "difftrain/optim/flat_optimizer.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <mutex>
+
+namespace difftrain::accel {
+namespace fs = std::filesystem;
+namespace {
+
+std::string indexed(const std::string& stem, size_t i) {
+  return i == 0 ? stem : stem + "_" + std::to_string(i);
+}
+
+io::TensorMap module_tensors(const torch::nn::Module& module) {
+  io::TensorMap out;
+  for (const auto& item : module.named_parameters(true)) out[item.key()] = item.value().detach();
+  for (const auto& item : module.named_buffers(true)) out[item.key()] = item.value().detach();
+  return out;
+}
+
+void load_module(torch::nn::Module& module, const std::string& path) {
+  auto file = io::load_safetensors(path).tensors;
+  auto ours = module_tensors(module);
+  torch::NoGradGuard no_grad;
+  for (auto& [name, tensor] : ours) {
+    auto it = file.find(name);
+    if (it == file.end()) {
+      throw Error("checkpoint '" + path + "' has no tensor '" + name +
+                  "'; it was saved from another model");
+    }
+    if (it->second.sizes() != tensor.sizes()) {
+      throw Error("checkpoint '" + path + "' has '" + name + "' shaped " +
+                  c10::str(it->second.sizes()) + " but the model's is " + c10::str(tensor.sizes()) +
+                  "; it was saved from another model configuration");
+    }
+  }
+  for (const auto& [name, tensor] : file) {
+    if (!ours.count(name)) {
+      throw Error("checkpoint '" + path + "' has tensor '" + name +
+                  "' that the model does not have; it was saved from another model");
+    }
+  }
+  for (auto& [name, tensor] : ours) tensor.copy_(file.at(name));
+}
+
+// Every rank learns whether every rank succeeded; a failing rank rethrows its own error, the
+// others name it. Keeps ranks from waiting at a barrier for a rank that gave up.
+void agree(dist::ProcessGroup& group, const std::exception_ptr& error, const std::string& what) {
+  auto flag = torch::tensor({error ? group.rank() + 1 : 0}, torch::kInt64);
+  dist::all_reduce(flag, dist::ReduceOp::kMax, group);
+  if (error) std::rethrow_exception(error);
+  const int64_t bad = flag.item<int64_t>();
+  if (bad > 0) {
+    throw Error(what + " failed on rank " + std::to_string(bad - 1) + "; see that rank's error");
+  }
+}
+
+}  // namespace
+
+void Accelerator::save_state(const std::string& dir) {
+  const fs::path target = fs::path(dir);
+  const fs::path temp = fs::path(dir + ".tmp");
+  auto& group = *group_;
+  std::exception_ptr error;
+  if (is_main_process()) {
+    try {
+      std::error_code ec;
+      fs::remove_all(temp, ec);
+      fs::create_directories(temp);
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  agree(group, error, "save_state (creating " + temp.string() + ")");
+  state_->finish_reduction();
+  try {
+    if (is_main_process()) {
+      for (size_t i = 0; i < models_.size(); ++i) {
+        auto model = models_[i].lock();
+        if (!model) {
+          throw Error("save_state: prepared model " + std::to_string(i) +
+                      " was prepared by reference or no longer exists; prepare it through its "
+                      "module holder or a shared_ptr");
+        }
+        io::save_safetensors((temp / (indexed("model", i) + ".safetensors")).string(),
+                             module_tensors(*model), {{"format", "pt"}});
+      }
+      for (size_t i = 0; i < optimizers_.size(); ++i) {
+        auto opt = optimizers_[i].lock();
+        if (!opt) continue;
+        auto* flat = dynamic_cast<optim::FlatOptimizer*>(&opt->optimizer());
+        if (!flat) {
+          throw Error("save_state: prepared optimizer " + std::to_string(i) +
+                      " is not a difftrain optimizer; use difftrain::optim::AdamW or AdamW8bit "
+                      "(LibTorch optimizers have no safetensors state)");
+        }
+        optim::save_optimizer_state(flat->state_dict(), (temp / indexed("optimizer", i)).string());
+      }
+      for (size_t i = 0; i < schedulers_.size(); ++i) {
+        auto sched = schedulers_[i].lock();
+        if (!sched || !sched->has_state()) continue;
+        io::write_file_atomic((temp / (indexed("scheduler", i) + ".json")).string(),
+                              sched->state_dict().dump(2) + "\n");
+      }
+      nlohmann::json meta = state_dict();
+      meta["num_processes"] = num_processes();
+      io::write_file_atomic((temp / "accelerator.json").string(), meta.dump(2) + "\n");
+    }
+    auto gen = at::detail::getDefaultCPUGenerator();
+    torch::Tensor rng;
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      rng = gen.get_state();
+    }
+    io::save_safetensors(
+        (temp / ("random_states_" + std::to_string(process_index()) + ".safetensors")).string(),
+        {{"cpu", rng}});
+  } catch (...) {
+    error = std::current_exception();
+  }
+  agree(group, error, "save_state (writing " + temp.string() + ")");
+  if (is_main_process()) {
+    try {
+      // Swap the finished folder in; the old one survives until the new one is in place.
+      const fs::path old = fs::path(dir + ".old");
+      std::error_code ec;
+      fs::remove_all(old, ec);
+      if (fs::exists(target)) fs::rename(target, old);
+      fs::rename(temp, target);
+      fs::remove_all(old, ec);
+    } catch (const std::exception& e) {
+      error = std::make_exception_ptr(Error("save_state: cannot move '" + temp.string() + "' to '" +
+                                            target.string() + "': " + e.what()));
+    }
+  }
+  agree(group, error, "save_state (renaming to " + target.string() + ")");
+}
+
+void Accelerator::load_state(const std::string& dir) {
+  const fs::path root(dir);
+  if (!fs::is_directory(root)) {
+    throw Error("load_state: '" + dir +
+                "' is not a folder written by save_state(); check the path");
+  }
+  const std::string meta_path = (root / "accelerator.json").string();
+  nlohmann::json meta;
+  try {
+    meta = nlohmann::json::parse(io::read_file(meta_path));
+  } catch (const nlohmann::json::exception& e) {
+    throw Error("load_state: '" + meta_path + "' is not valid JSON (" + e.what() + ")");
+  }
+  state_->finish_reduction();
+  for (size_t i = 0; i < models_.size(); ++i) {
+    auto model = models_[i].lock();
+    if (!model) {
+      throw Error("load_state: prepared model " + std::to_string(i) +
+                  " was prepared by reference or no longer exists; prepare it through its module "
+                  "holder or a shared_ptr");
+    }
+    load_module(*model, (root / (indexed("model", i) + ".safetensors")).string());
+  }
+  for (size_t i = 0; i < optimizers_.size(); ++i) {
+    auto opt = optimizers_[i].lock();
+    if (!opt) continue;
+    auto* flat = dynamic_cast<optim::FlatOptimizer*>(&opt->optimizer());
+    if (!flat)
+      throw Error("load_state: prepared optimizer " + std::to_string(i) +
+                  " is not a difftrain optimizer");
+    flat->load_state_dict(optim::load_optimizer_state((root / indexed("optimizer", i)).string()));
+  }
+  for (size_t i = 0; i < schedulers_.size(); ++i) {
+    auto sched = schedulers_[i].lock();
+    if (!sched || !sched->has_state()) continue;
+    const std::string path = (root / (indexed("scheduler", i) + ".json")).string();
+    try {
+      sched->load_state_dict(nlohmann::json::parse(io::read_file(path)));
+    } catch (const nlohmann::json::exception& e) {
+      throw Error("load_state: '" + path + "' is not valid JSON (" + e.what() + ")");
+    }
+  }
+  load_state_dict(meta);
+  const fs::path rng_path =
+      root / ("random_states_" + std::to_string(process_index()) + ".safetensors");
+  if (fs::exists(rng_path)) {
+    auto rng = io::load_safetensors(rng_path.string()).tensors.at("cpu");
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(rng);
+  } else {
+    log::warn(
+        "load_state: no random state for rank {} in '{}' (saved with {} processes); this "
+        "rank's random numbers will not continue the saved run",
+        process_index(), dir, meta.value("num_processes", -1));
+  }
+}
+
+}  // namespace difftrain::accel
