@@ -28,8 +28,16 @@ namespace {
 using Shape = std::vector<int64_t>;
 
 void resnet(std::vector<Shape>& s, int64_t in, int64_t out, int64_t temb) {
-  s.insert(s.end(), {{in}, {in}, {out, in, 3, 3}, {out}, {out, temb}, {out}, {out}, {out},
-                     {out, out, 3, 3}, {out}});
+  s.insert(s.end(), {{in},
+                     {in},
+                     {out, in, 3, 3},
+                     {out},
+                     {out, temb},
+                     {out},
+                     {out},
+                     {out},
+                     {out, out, 3, 3},
+                     {out}});
   if (in != out) s.insert(s.end(), {{out, in, 1, 1}, {out}});
 }
 
@@ -103,9 +111,12 @@ int main(int argc, char** argv) {
   std::vector<int> threads = {1, 2};
   int rounds = 7, steps = 5;
   for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--threads")) threads = parse_list(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--rounds")) rounds = std::stoi(argv[i + 1]);
-    else if (!std::strcmp(argv[i], "--steps")) steps = std::stoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--threads"))
+      threads = parse_list(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--rounds"))
+      rounds = std::stoi(argv[i + 1]);
+    else if (!std::strcmp(argv[i], "--steps"))
+      steps = std::stoi(argv[i + 1]);
   }
   torch::manual_seed(0);
   const auto shapes = unet_shapes();
@@ -119,10 +130,14 @@ int main(int argc, char** argv) {
   difftrain::optim::AdamW fused(p_fused, torch::optim::AdamWOptions(1e-4));
   difftrain::optim::AdamW8bit eight(p_8bit, torch::optim::AdamWOptions(1e-4));
   std::vector<std::pair<const char*, torch::optim::Optimizer*>> opts = {
-      {"torch::optim::AdamW", &torch_adamw}, {"difftrain AdamW", &fused}, {"difftrain AdamW8bit", &eight}};
+      {"torch::optim::AdamW", &torch_adamw},
+      {"difftrain AdamW", &fused},
+      {"difftrain AdamW8bit", &eight}};
 
-  std::printf("\n| threads | optimizer | ms / step (median of %d rounds x %d steps) | vs torch::optim::AdamW |\n",
-              rounds, steps);
+  std::printf(
+      "\n| threads | optimizer | ms / step (median of %d rounds x %d steps) | vs "
+      "torch::optim::AdamW |\n",
+      rounds, steps);
   std::printf("|---|---|---|---|\n");
   for (int t : threads) {
     at::set_num_threads(t);
@@ -132,7 +147,10 @@ int main(int argc, char** argv) {
       for (size_t k = 0; k < opts.size(); ++k) {
         auto start = std::chrono::steady_clock::now();
         for (int s = 0; s < steps; ++s) opts[k].second->step();
-        ms[k].push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count() / steps);
+        ms[k].push_back(
+            std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+                .count() /
+            steps);
       }
     }
     const double base = median(ms[0]);
@@ -143,6 +161,7 @@ int main(int argc, char** argv) {
   }
   const int64_t fp32_state = fused.state_bytes(), q8_state = eight.state_bytes();
   std::printf("\noptimizer state: AdamW %lld bytes, AdamW8bit %lld bytes (%.2f%% of fp32)\n",
-              static_cast<long long>(fp32_state), static_cast<long long>(q8_state), 100.0 * q8_state / fp32_state);
+              static_cast<long long>(fp32_state), static_cast<long long>(q8_state),
+              100.0 * q8_state / fp32_state);
   return 0;
 }
