@@ -41,47 +41,18 @@ void AdamW::allocate_state(size_t b) {
 }
 
 torch::Tensor AdamW::step(LossClosure closure) {
-  torch::Tensor loss;
-  if (closure) {
-    torch::AutoGradMode grad_mode(true);
-    loss = closure();
-  }
-  refresh_layout();
+  torch::Tensor loss = begin_step(closure);
   torch::NoGradGuard no_grad;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const auto& bucket = buckets_[b];
     const auto& opts = group_options(bucket.group);
     const double beta1 = std::get<0>(opts.betas()), beta2 = std::get<1>(opts.betas());
-    auto& params = param_groups_[bucket.group].params();
+    const auto slots = take_gradients(b);  // holds the gradients alive for the kernel
     std::vector<detail::Segment> segments;
-    std::vector<torch::Tensor> keep;  // contiguous copies of strided grads, alive for the step
-    for (size_t j = 0; j < bucket.members.size(); ++j) {
-      const size_t i = bucket.members[j];
-      const auto& p = params[i];
-      if (!p.grad().defined()) continue;
-      auto g = p.grad();
-      if (g.is_sparse())
-        throw Error("AdamW does not support sparse gradients (parameter '" +
-                    names_[bucket.group][i] + "')");
-      if (g.scalar_type() != bucket.dtype || g.sizes() != p.sizes()) {
-        throw Error("AdamW: gradient of parameter '" + names_[bucket.group][i] +
-                    "' has another dtype or shape than the parameter");
-      }
-      if (!g.is_contiguous()) {
-        g = g.contiguous();
-        keep.push_back(g);
-      }
-      const int64_t t = ++steps_[bucket.group][i];
-      detail::Segment s;
-      s.begin = bucket.offsets[j];
-      s.end = bucket.offsets[j + 1];
-      s.state_begin = s.begin;
-      s.grad = g.data_ptr();
-      s.lr = opts.lr();
-      s.weight_decay = opts.weight_decay();
-      s.bias_correction1 = 1.0 - std::pow(beta1, static_cast<double>(t));
-      s.bias_correction2_sqrt = std::sqrt(1.0 - std::pow(beta2, static_cast<double>(t)));
-      segments.push_back(s);
+    for (const auto& slot : slots) {
+      segments.push_back(detail::make_segment(bucket.offsets, slot.member, slot.grad.data_ptr(),
+                                              opts.lr(), opts.weight_decay(), beta1, beta2,
+                                              slot.step));
     }
     if (segments.empty()) continue;
     allocate_state(b);

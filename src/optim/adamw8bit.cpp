@@ -69,47 +69,22 @@ void AdamW8bit::allocate_state(size_t b) {
 }
 
 torch::Tensor AdamW8bit::step(LossClosure closure) {
-  torch::Tensor loss;
-  if (closure) {
-    torch::AutoGradMode grad_mode(true);
-    loss = closure();
-  }
-  refresh_layout();
+  torch::Tensor loss = begin_step(closure);
   torch::NoGradGuard no_grad;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     const auto& bucket = buckets_[b];
     const auto& opts = group_options(bucket.group);
     if (opts.amsgrad()) throw Error("AdamW8bit does not support amsgrad; turn it off");
     const double beta1 = std::get<0>(opts.betas()), beta2 = std::get<1>(opts.betas());
-    auto& params = param_groups_[bucket.group].params();
     auto& st = state_[b];
+    const auto slots = take_gradients(b);  // holds the gradients alive for the kernels
     std::vector<detail::Segment> quantized, small;
-    std::vector<torch::Tensor> keep;
-    for (size_t j = 0; j < bucket.members.size(); ++j) {
-      const size_t i = bucket.members[j];
-      const auto& p = params[i];
-      if (!p.grad().defined()) continue;
-      auto g = p.grad();
-      if (g.is_sparse() || g.scalar_type() != bucket.dtype || g.sizes() != p.sizes()) {
-        throw Error("AdamW8bit: gradient of parameter '" + names_[bucket.group][i] +
-                    "' is sparse or has another dtype or shape than the parameter");
-      }
-      if (!g.is_contiguous()) {
-        g = g.contiguous();
-        keep.push_back(g);
-      }
-      const int64_t t = ++steps_[bucket.group][i];
-      detail::Segment s;
-      s.begin = bucket.offsets[j];
-      s.end = bucket.offsets[j + 1];
-      s.state_begin = st.state_begin[j];
-      s.block_begin = st.block_begin[j];
-      s.grad = g.data_ptr();
-      s.lr = opts.lr();
-      s.weight_decay = opts.weight_decay();
-      s.bias_correction1 = 1.0 - std::pow(beta1, static_cast<double>(t));
-      s.bias_correction2_sqrt = std::sqrt(1.0 - std::pow(beta2, static_cast<double>(t)));
-      (st.quantized[j] ? quantized : small).push_back(s);
+    for (const auto& slot : slots) {
+      auto s = detail::make_segment(bucket.offsets, slot.member, slot.grad.data_ptr(), opts.lr(),
+                                    opts.weight_decay(), beta1, beta2, slot.step);
+      s.state_begin = st.state_begin[slot.member];
+      s.block_begin = st.block_begin[slot.member];
+      (st.quantized[slot.member] ? quantized : small).push_back(s);
     }
     if (quantized.empty() && small.empty()) continue;
     allocate_state(b);

@@ -211,6 +211,34 @@ void FlatOptimizer::refresh_layout() {
   }
 }
 
+torch::Tensor FlatOptimizer::begin_step(const LossClosure& closure) {
+  torch::Tensor loss;
+  if (closure) {
+    torch::AutoGradMode grad_mode(true);
+    loss = closure();
+  }
+  refresh_layout();
+  return loss;
+}
+
+std::vector<FlatOptimizer::GradSlot> FlatOptimizer::take_gradients(size_t b) {
+  const auto& bucket = buckets_[b];
+  auto& params = param_groups_[bucket.group].params();
+  std::vector<GradSlot> out;
+  for (size_t j = 0; j < bucket.members.size(); ++j) {
+    const size_t i = bucket.members[j];
+    const auto& p = params[i];
+    if (!p.grad().defined()) continue;
+    auto g = p.grad();
+    if (g.is_sparse() || g.scalar_type() != bucket.dtype || g.sizes() != p.sizes()) {
+      throw Error(type_name_ + ": gradient of parameter '" + names_[bucket.group][i] +
+                  "' is sparse or has another dtype or shape than the parameter");
+    }
+    out.push_back({j, g.contiguous(), ++steps_[bucket.group][i]});
+  }
+  return out;
+}
+
 nlohmann::json FlatOptimizer::meta_json() const {
   nlohmann::json groups = nlohmann::json::array();
   nlohmann::json steps = nlohmann::json::object();

@@ -3,6 +3,7 @@
 
 #include <torch/types.h>
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -20,6 +21,23 @@ struct Segment {
   double bias_correction1 = 1;       ///< 1 − β1^t
   double bias_correction2_sqrt = 1;  ///< √(1 − β2^t)
 };
+
+/// The segment of bucket member `member` (offsets from `offsets`) updated with `grad` at step
+/// count `step`: torch's bias corrections 1 − β^t computed in double.
+inline Segment make_segment(const std::vector<int64_t>& offsets, size_t member, const void* grad,
+                            double lr, double weight_decay, double beta1, double beta2,
+                            int64_t step) {
+  Segment s;
+  s.begin = offsets[member];
+  s.end = offsets[member + 1];
+  s.state_begin = s.begin;
+  s.grad = grad;
+  s.lr = lr;
+  s.weight_decay = weight_decay;
+  s.bias_correction1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  s.bias_correction2_sqrt = std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step)));
+  return s;
+}
 
 struct Betas {
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;

@@ -71,6 +71,19 @@ class FlatOptimizer : public torch::optim::Optimizer {
  protected:
   FlatOptimizer(std::vector<torch::optim::OptimizerParamGroup> groups,
                 torch::optim::AdamWOptions defaults, const char* type_name);
+  /// A member of a bucket that has a gradient this step.
+  struct GradSlot {
+    size_t member;       ///< index into the bucket's members
+    torch::Tensor grad;  ///< contiguous (a copy when the gradient was strided)
+    int64_t step;        ///< the parameter's step count, this update included
+  };
+  /// The start of every step(): runs `closure` with grad mode on (torch's step(closure)) and
+  /// refresh_layout(); returns the closure's loss (undefined without one).
+  torch::Tensor begin_step(const LossClosure& closure);
+  /// The members of bucket `b` whose gradient is defined, checked (dense, the parameter's dtype
+  /// and shape), with their step counts advanced. Members without a gradient are skipped and
+  /// keep their count, as in torch.
+  std::vector<GradSlot> take_gradients(size_t b);
   /// Checks the groups still match the layout built at construction and re-points any
   /// parameter whose storage was replaced (e.g. load_state_dict of the model) at its bucket.
   void refresh_layout();
