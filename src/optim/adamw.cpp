@@ -122,11 +122,7 @@ OptimizerState AdamW::state_dict() const {
 void AdamW::load_state_dict(const OptimizerState& state) {
   refresh_layout();
   // Check everything before changing anything: a refused state leaves the optimizer as it was.
-  auto saved_steps = steps_;
-  std::vector<torch::optim::AdamWOptions> saved_options;
-  for (size_t g = 0; g < param_groups_.size(); ++g) saved_options.push_back(group_options(g));
-  try {
-    load_meta_json(state.meta);
+  load_meta_checked(state.meta, [&] {
     for (size_t b = 0; b < buckets_.size(); ++b) {
       const auto& bucket = buckets_[b];
       const auto dtype = math_dtype(bucket.dtype);
@@ -141,18 +137,12 @@ void AdamW::load_state_dict(const OptimizerState& state) {
           expect_tensor(state, name + ".max_exp_avg_sq", shape, dtype);
       }
     }
-  } catch (...) {
-    steps_ = saved_steps;
-    for (size_t g = 0; g < param_groups_.size(); ++g) group_options(g) = saved_options[g];
-    throw;
-  }
+  });
   torch::NoGradGuard no_grad;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     state_[b] = BucketState{};
     const auto& bucket = buckets_[b];
-    bool any = false;
-    for (size_t i : bucket.members) any = any || steps_[bucket.group][i] > 0;
-    if (!any) continue;
+    if (!bucket_has_state(b)) continue;
     allocate_state(b);
     for (size_t j = 0; j < bucket.members.size(); ++j) {
       const size_t i = bucket.members[j];

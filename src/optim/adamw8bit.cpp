@@ -192,11 +192,8 @@ void AdamW8bit::load_state_dict(const OptimizerState& state) {
                 std::to_string(kQuantBlockSize) + " and " + std::to_string(min_8bit_size_) +
                 "; resume with the same settings");
   }
-  auto saved_steps = steps_;
-  std::vector<torch::optim::AdamWOptions> saved_options;
-  for (size_t g = 0; g < param_groups_.size(); ++g) saved_options.push_back(group_options(g));
-  try {
-    load_meta_json(state.meta);
+  // Check everything before changing any state.
+  load_meta_checked(state.meta, [&] {
     for (size_t b = 0; b < buckets_.size(); ++b) {
       const auto& bucket = buckets_[b];
       for (size_t j = 0; j < bucket.members.size(); ++j) {
@@ -217,19 +214,13 @@ void AdamW8bit::load_state_dict(const OptimizerState& state) {
         }
       }
     }
-  } catch (...) {
-    steps_ = saved_steps;
-    for (size_t g = 0; g < param_groups_.size(); ++g) group_options(g) = saved_options[g];
-    throw;
-  }
+  });
   torch::NoGradGuard no_grad;
   for (size_t b = 0; b < buckets_.size(); ++b) {
     auto& st = state_[b];
     st.state1 = st.state2 = st.absmax1 = st.absmax2 = st.exp_avg = st.exp_avg_sq = torch::Tensor();
     const auto& bucket = buckets_[b];
-    bool any = false;
-    for (size_t i : bucket.members) any = any || steps_[bucket.group][i] > 0;
-    if (!any) continue;
+    if (!bucket_has_state(b)) continue;
     allocate_state(b);
     for (size_t j = 0; j < bucket.members.size(); ++j) {
       const size_t i = bucket.members[j];

@@ -299,6 +299,29 @@ void FlatOptimizer::load_meta_json(const nlohmann::json& meta) {
   }
 }
 
+void FlatOptimizer::load_meta_checked(const nlohmann::json& meta,
+                                      const std::function<void()>& verify) {
+  auto saved_steps = steps_;
+  std::vector<torch::optim::AdamWOptions> saved_options;
+  for (size_t g = 0; g < param_groups_.size(); ++g) saved_options.push_back(group_options(g));
+  try {
+    load_meta_json(meta);
+    verify();
+  } catch (...) {
+    steps_ = saved_steps;
+    for (size_t g = 0; g < param_groups_.size(); ++g) group_options(g) = saved_options[g];
+    throw;
+  }
+}
+
+bool FlatOptimizer::bucket_has_state(size_t b) const {
+  const auto& bucket = buckets_[b];
+  for (size_t i : bucket.members) {
+    if (steps_[bucket.group][i] > 0) return true;
+  }
+  return false;
+}
+
 const torch::Tensor& FlatOptimizer::expect_tensor(const OptimizerState& state,
                                                   const std::string& key, torch::IntArrayRef shape,
                                                   torch::Dtype dtype) const {

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -95,6 +96,12 @@ class FlatOptimizer : public torch::optim::Optimizer {
   /// Restores what meta_json() wrote after checking type and names; returns nothing but throws
   /// difftrain::Error naming the first mismatch.
   void load_meta_json(const nlohmann::json& meta);
+  /// load_meta_json(), then `verify` (which checks the tensors against the loaded steps and
+  /// options); if either throws, steps and options are put back as they were and it rethrows,
+  /// so a refused state leaves the optimizer unchanged.
+  void load_meta_checked(const nlohmann::json& meta, const std::function<void()>& verify);
+  /// Whether any member of bucket `b` has been updated (so has state to hold).
+  bool bucket_has_state(size_t b) const;
   /// Throws unless `t` exists in `state` with `shape` (and `dtype`), naming parameter and key.
   const torch::Tensor& expect_tensor(const OptimizerState& state, const std::string& key,
                                      torch::IntArrayRef shape, torch::Dtype dtype) const;
