@@ -1,0 +1,203 @@
+#include "difftrain/models/layers.h"
+
+#include "difftrain/core/error.h"
+
+#include <torch/nn/functional/activation.h>
+#include <torch/nn/functional/padding.h>
+#include <torch/nn/functional/pooling.h>
+#include <torch/nn/functional/upsampling.h>
+
+#include <cmath>
+
+namespace difftrain::models {
+
+namespace F = torch::nn::functional;
+
+torch::Tensor activation(const std::string& name, const torch::Tensor& x) {
+  if (name == "silu" || name == "swish") return torch::silu(x);
+  if (name == "gelu") return torch::gelu(x);
+  if (name == "relu") return torch::relu(x);
+  if (name == "mish") return torch::mish(x);
+  throw Error("unknown activation \"" + name + "\"; supported: silu, swish, mish, gelu, relu");
+}
+
+torch::Tensor timestep_embedding(const torch::Tensor& timesteps, int64_t dim, bool flip_sin_to_cos,
+                                 double downscale_freq_shift, double scale, double max_period) {
+  TORCH_CHECK(timesteps.dim() == 1, "timesteps must be 1-D [B], got ", timesteps.sizes());
+  const int64_t half = dim / 2;
+  auto f32 = torch::TensorOptions().dtype(torch::kFloat32).device(timesteps.device());
+  // Same operation order as Diffusers, all in float32, so the features agree bit for bit.
+  torch::Tensor exponent = -std::log(max_period) * torch::arange(0, half, f32);
+  exponent = exponent / (static_cast<double>(half) - downscale_freq_shift);
+  torch::Tensor emb = torch::exp(exponent);
+  emb = timesteps.unsqueeze(1).to(torch::kFloat32) * emb.unsqueeze(0);
+  emb = scale * emb;
+  emb = torch::cat({torch::sin(emb), torch::cos(emb)}, -1);
+  if (flip_sin_to_cos) {
+    emb = torch::cat({emb.narrow(1, half, half), emb.narrow(1, 0, half)}, -1);
+  }
+  if (dim % 2 == 1) emb = F::pad(emb, F::PadFuncOptions({0, 1, 0, 0}));
+  return emb;
+}
+
+// ------------------------------------------------------------------ TimestepEmbedding
+
+TimestepEmbeddingImpl::TimestepEmbeddingImpl(int64_t in_channels, int64_t time_embed_dim,
+                                             std::string act_fn,
+                                             std::optional<std::string> post_act_fn,
+                                             std::optional<int64_t> cond_proj_dim)
+    : act_fn_(std::move(act_fn)), post_act_fn_(std::move(post_act_fn)) {
+  linear_1_ = register_module("linear_1", torch::nn::Linear(in_channels, time_embed_dim));
+  if (cond_proj_dim) {
+    cond_proj_ = register_module(
+        "cond_proj",
+        torch::nn::Linear(torch::nn::LinearOptions(*cond_proj_dim, in_channels).bias(false)));
+  }
+  linear_2_ = register_module("linear_2", torch::nn::Linear(time_embed_dim, time_embed_dim));
+}
+
+torch::Tensor TimestepEmbeddingImpl::forward(torch::Tensor sample, const torch::Tensor& condition) {
+  if (condition.defined()) {
+    TORCH_CHECK(!cond_proj_.is_empty(),
+                "a timestep condition was given but the model has no "
+                "time_cond_proj_dim");
+    sample = sample + cond_proj_(condition);
+  }
+  sample = activation(act_fn_, linear_1_(sample));
+  sample = linear_2_(sample);
+  if (post_act_fn_) sample = activation(*post_act_fn_, sample);
+  return sample;
+}
+
+// ------------------------------------------------------------------ GaussianFourierProjection
+
+GaussianFourierProjectionImpl::GaussianFourierProjectionImpl(int64_t embedding_size, double scale,
+                                                             bool log, bool flip_sin_to_cos)
+    : log_(log), flip_sin_to_cos_(flip_sin_to_cos) {
+  weight_ = register_parameter("weight", torch::randn({embedding_size}) * scale,
+                               /*requires_grad=*/false);
+}
+
+torch::Tensor GaussianFourierProjectionImpl::forward(const torch::Tensor& timesteps) {
+  torch::Tensor x = timesteps.to(weight_.dtype());
+  if (log_) x = torch::log(x);
+  torch::Tensor proj = x.unsqueeze(1) * weight_.unsqueeze(0) * 2 * M_PI;
+  if (flip_sin_to_cos_) return torch::cat({torch::cos(proj), torch::sin(proj)}, -1);
+  return torch::cat({torch::sin(proj), torch::cos(proj)}, -1);
+}
+
+// ------------------------------------------------------------------ Downsample2D / Upsample2D
+
+Downsample2DImpl::Downsample2DImpl(int64_t channels, bool use_conv, int64_t out_channels,
+                                   int64_t padding)
+    : padding_(padding) {
+  if (use_conv) {
+    conv_ = register_module(
+        "conv",
+        torch::nn::Conv2d(
+            torch::nn::Conv2dOptions(channels, out_channels, 3).stride(2).padding(padding)));
+  } else {
+    TORCH_CHECK(channels == out_channels, "Downsample2D without a conv keeps the channel count");
+  }
+}
+
+torch::Tensor Downsample2DImpl::forward(torch::Tensor x) {
+  if (conv_.is_empty()) {
+    return F::avg_pool2d(x, F::AvgPool2dFuncOptions(2).stride(2));
+  }
+  if (padding_ == 0) {
+    x = F::pad(x, F::PadFuncOptions({0, 1, 0, 1}).mode(torch::kConstant).value(0));
+  }
+  return conv_(x);
+}
+
+Upsample2DImpl::Upsample2DImpl(int64_t channels, bool use_conv, int64_t out_channels) {
+  if (use_conv) {
+    conv_ = register_module(
+        "conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(channels, out_channels, 3).padding(1)));
+  }
+}
+
+torch::Tensor Upsample2DImpl::forward(torch::Tensor x, const std::vector<int64_t>& output_size) {
+  const auto dtype = x.scalar_type();
+  // Nearest upsampling has no bfloat16 kernel in older LibTorch; Diffusers upcasts the same way.
+  if (dtype == torch::kBFloat16) x = x.to(torch::kFloat32);
+  if (x.size(0) >= 64) x = x.contiguous();
+  auto opts = F::InterpolateFuncOptions().mode(torch::kNearest);
+  if (output_size.empty()) {
+    opts.scale_factor(std::vector<double>{2.0, 2.0});
+  } else {
+    opts.size(output_size);
+  }
+  x = F::interpolate(x, opts);
+  if (dtype == torch::kBFloat16) x = x.to(dtype);
+  if (!conv_.is_empty()) x = conv_(x);
+  return x;
+}
+
+// ------------------------------------------------------------------ ResnetBlock2D
+
+ResnetBlock2DImpl::ResnetBlock2DImpl(const ResnetBlock2DOptions& o) : options(o) {
+  const int64_t in = o.in_channels(), out = o.out_channels();
+  norm1_ = register_module(
+      "norm1", torch::nn::GroupNorm(torch::nn::GroupNormOptions(o.groups(), in).eps(o.eps())));
+  conv1_ =
+      register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).padding(1)));
+  if (o.temb_channels() > 0) {
+    const int64_t proj = o.time_embedding_norm() == "scale_shift" ? 2 * out : out;
+    time_emb_proj_ = register_module("time_emb_proj", torch::nn::Linear(o.temb_channels(), proj));
+  }
+  norm2_ = register_module(
+      "norm2", torch::nn::GroupNorm(torch::nn::GroupNormOptions(o.groups(), out).eps(o.eps())));
+  conv2_ =
+      register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(out, out, 3).padding(1)));
+  if (in != out) {
+    conv_shortcut_ =
+        register_module("conv_shortcut", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 1)));
+  }
+}
+
+torch::Tensor ResnetBlock2DImpl::forward(const torch::Tensor& x, const torch::Tensor& temb) {
+  const std::string& act = options.non_linearity();
+  torch::Tensor input = x;
+  torch::Tensor h = activation(act, norm1_(x));
+  if (options.up()) {
+    if (h.size(0) >= 64) {
+      input = input.contiguous();
+      h = h.contiguous();
+    }
+    auto opts = F::InterpolateFuncOptions()
+                    .mode(torch::kNearest)
+                    .scale_factor(std::vector<double>{2.0, 2.0});
+    input = F::interpolate(input, opts);
+    h = F::interpolate(h, opts);
+  } else if (options.down()) {
+    input = F::avg_pool2d(input, F::AvgPool2dFuncOptions(2).stride(2));
+    h = F::avg_pool2d(h, F::AvgPool2dFuncOptions(2).stride(2));
+  }
+  h = conv1_(h);
+  torch::Tensor t;
+  if (!time_emb_proj_.is_empty() && temb.defined()) {
+    t = options.skip_time_act() ? temb : activation(act, temb);
+    t = time_emb_proj_(t).unsqueeze(-1).unsqueeze(-1);
+  }
+  if (options.time_embedding_norm() == "scale_shift") {
+    TORCH_CHECK(t.defined(), "ResnetBlock2D with scale_shift needs a time embedding");
+    auto chunks = t.chunk(2, 1);
+    h = norm2_(h);
+    h = h * (1 + chunks[0]) + chunks[1];
+  } else {
+    if (t.defined()) h = h + t;
+    h = norm2_(h);
+  }
+  h = activation(act, h);
+  if (options.dropout() > 0)
+    h = F::dropout(h, F::DropoutFuncOptions().p(options.dropout()).training(is_training()));
+  h = conv2_(h);
+  if (!conv_shortcut_.is_empty()) input = conv_shortcut_(input);
+  torch::Tensor out = input + h;
+  if (options.output_scale_factor() != 1.0) out = out / options.output_scale_factor();
+  return out;
+}
+
+}  // namespace difftrain::models
