@@ -1,0 +1,50 @@
+#pragma once
+// Images: PNG writing, image reading (stb_image / stb_image_write), the float → uint8 conversion
+// of Diffusers' pipelines, and a labelled grid of samples (captions drawn with stb_easy_font).
+// Pixels are uint8 tensors [H, W, C] (HWC, as PIL and numpy hold them), C = 1 (grey), 3 (RGB)
+// or 4 (RGBA).
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace difftrain::io {
+
+/// PNG bytes of `image`, uint8 [H, W, C] with C in 1..4 (grey, grey+alpha, RGB, RGBA), any device
+/// and layout. Throws difftrain::Error for another dtype or shape.
+std::string encode_png(const torch::Tensor& image);
+
+/// Writes `image` (as encode_png) to `path` atomically (io::write_file_atomic): a reader sees the
+/// old file or the whole new one. PIL: `Image.fromarray(image).save(path)`.
+void save_png(const std::string& path, const torch::Tensor& image);
+
+/// Reads a PNG, JPEG, BMP, GIF (first frame), TGA, PSD, HDR, PIC or PNM file as uint8 [H, W, C].
+/// `channels` 1..4 converts (1 = grey, 3 = RGB like PIL's `.convert("RGB")`, 4 = RGBA); 0 keeps
+/// the file's own count. 16-bit and HDR images are reduced to 8 bits. A missing, unreadable,
+/// corrupt or unsupported file (e.g. WebP) throws a one-line difftrain::Error naming the path.
+torch::Tensor load_image(const std::string& path, int channels = 3);
+
+/// Decodes image bytes already in memory (as load_image); `name` is used in errors.
+torch::Tensor decode_image(const std::string& bytes, const std::string& name, int channels = 3);
+
+/// float images [N, C, H, W] in [0, 1] → uint8 [N, H, W, C] on the CPU, as Diffusers'
+/// `VaeImageProcessor.pt_to_numpy` + `numpy_to_pil` do: float32, (x * 255).round() (half to
+/// even). Values are clamped to [0, 1] first (NaN → 0). Any floating dtype and device.
+torch::Tensor to_uint8_images(const torch::Tensor& images);
+
+/// Tiles uint8 images [N, H, W, C] (C 1, 3 or 4; grey is shown as grey, alpha is dropped) into
+/// one uint8 RGB image [H', W', 3] on a white background, `columns` per row (0: ceil(sqrt(N)),
+/// more than N: N) with `padding` pixels between cells and around the edge (torchvision's
+/// make_grid layout). With `labels` (one per image, or empty for none), each cell gets a caption
+/// strip under its image with the label in black (stb_easy_font; 2x for images 256 px wide or
+/// more). A cell is as wide as its image or, for short captions on small images, as wide as the
+/// caption up to 160 px (x font scale); the image is centred in it. Longer labels wrap at
+/// spaces onto at most 3 lines, the last one ending in "..." if cut; characters outside
+/// printable ASCII are drawn as '?'. So
+///   H' = rows * (H + caption) + (rows + 1) * padding,  W' = cols * cell + (cols + 1) * padding.
+torch::Tensor make_grid(const torch::Tensor& images, const std::vector<std::string>& labels = {},
+                        int64_t columns = 0, int64_t padding = 2);
+
+}  // namespace difftrain::io

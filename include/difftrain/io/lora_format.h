@@ -1,0 +1,106 @@
+#pragma once
+// LoRA files: the three safetensors key layouts in use for Stable Diffusion LoRAs, read into one
+// canonical form (a list of low-rank updates W += scale * up @ down per module). Applying them to
+// a model is models/lora.h; this file only reads and checks. See docs/LORA.md.
+//
+//   Diffusers  unet.<module>.lora.down.weight / .lora.up.weight   (save_lora_weights; no alpha)
+//              unet.<attn>.processor.to_q_lora.down.weight        (older attention processors)
+//   PEFT       unet.<module>.lora_A.weight / .lora_B.weight       (also lora_A.<adapter>.weight,
+//              base_model.model.<module>.lora_A.weight)            and no alpha in the file)
+//   kohya      lora_unet_<module_with_underscores>.lora_down.weight / .lora_up.weight / .alpha
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace difftrain::io {
+
+/// The key layout of a LoRA file.
+enum class LoraFormat {
+  kDiffusers,  ///< `<component>.<module>.lora.down.weight` (and the older `processor.to_q_lora`)
+  kPeft,       ///< `<component>.<module>.lora_A.weight` / `lora_B.weight`
+  kKohya,      ///< `lora_unet_<module_underscored>.lora_down.weight` / `lora_up.weight` / `alpha`
+};
+
+/// "diffusers", "peft" or "kohya".
+std::string to_string(LoraFormat format);
+
+/// One low-rank update of one module's weight: W += scale() * up @ down (see models::lora_delta).
+struct LoraTarget {
+  /// The module's path inside its component, in Diffusers' dotted form
+  /// ("down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_out.0"). For a kohya file before
+  /// resolve_kohya_names(), the raw underscore name ("down_blocks_0_..._to_out_0") instead.
+  std::string module;
+  /// False only for kohya names not yet resolved against a model's module names.
+  bool resolved = true;
+  /// The file's key stem this target came from (e.g. "lora_unet_..._to_q" or
+  /// "unet.down_blocks....to_q.lora"), for error messages.
+  std::string key;
+  /// [r, in] for a Linear, [r, in, kh, kw] for a Conv2d; floating point, as stored in the file.
+  torch::Tensor down;
+  /// [out, r] for a Linear, [out, r, 1, 1] for a Conv2d; floating point, as stored in the file.
+  torch::Tensor up;
+  /// The file's alpha (kohya), or the caller's (LoraReadOptions::alpha); none: scale 1.
+  std::optional<double> alpha;
+
+  /// r, the number of rows of `down`.
+  int64_t rank() const { return down.size(0); }
+  /// alpha / r; 1 without an alpha, or when alpha is 0 (kohya's rule: alpha 0 means alpha = r).
+  double scale() const;
+};
+
+/// A parsed LoRA file.
+struct LoraWeights {
+  /// The file it was read from (used in error messages).
+  std::string path;
+  LoraFormat format = LoraFormat::kDiffusers;
+  /// Targets by pipeline component: "unet", "text_encoder", "text_encoder_2", ... (kohya
+  /// lora_unet_ → "unet", lora_te_ / lora_te1_ → "text_encoder", lora_te2_ → "text_encoder_2").
+  /// Targets of one component are sorted by module name. Keys with no component prefix are the
+  /// UNet's, as Diffusers' load_attn_procs assumes (except PEFT `text_model.` ones).
+  std::map<std::string, std::vector<LoraTarget>> components;
+
+  /// The targets of `component`; empty if the file has none for it.
+  const std::vector<LoraTarget>& targets(const std::string& component) const;
+  /// Number of targets of `component`.
+  size_t count(const std::string& component) const { return targets(component).size(); }
+};
+
+/// Options of read_lora() / parse_lora().
+struct LoraReadOptions {
+  /// Alpha for targets whose file stores none (Diffusers and PEFT files never do; PEFT keeps it in
+  /// adapter_config.json as `lora_alpha`): scale = alpha / r. Must be finite and > 0. A kohya
+  /// `.alpha` in the file wins. Default: none, scale 1 (Diffusers' behaviour for these files).
+  std::optional<double> alpha;
+};
+
+/// Reads a LoRA safetensors file (io::load_safetensors) and parses it (parse_lora). Errors name
+/// the file and the offending key; see docs/errors.md, "LoRA files".
+LoraWeights read_lora(const std::string& path, const LoraReadOptions& options = {});
+
+/// Parses the tensors of a LoRA file already in memory; `path` is used in errors. Detects the
+/// format from the keys and throws difftrain::Error when: a key fits no known format (LyCORIS
+/// LoHa/LoKr, DoRA, bias LoRA), keys of two formats are mixed, the file holds no LoRA, a down has
+/// no up (or the reverse, or an alpha has neither), a module appears twice, down/up are not both
+/// 2-D or both 4-D with a 1x1 up, their ranks differ, a weight is not floating point, or an alpha
+/// is not a finite number of one element.
+LoraWeights parse_lora(const std::map<std::string, torch::Tensor>& tensors, const std::string& path,
+                       const LoraReadOptions& options = {});
+
+/// The kohya form of a dotted module path: "a.b_c.0" → "a_b_c_0".
+std::string kohya_name(const std::string& module);
+
+/// Resolves the kohya underscore names of `component`'s targets against `module_names` (the
+/// target model's module paths in dotted form, e.g. every `<path>` of a `<path>.weight` parameter):
+/// each unresolved target gets the one module whose kohya_name() equals its name. Resolved targets
+/// are left alone, so this is a no-op for Diffusers and PEFT files. Throws difftrain::Error naming
+/// the key when no module matches ("is this LoRA for a different model?") or when two modules
+/// share the underscore form.
+void resolve_kohya_names(LoraWeights& lora, const std::string& component,
+                         const std::vector<std::string>& module_names);
+
+}  // namespace difftrain::io

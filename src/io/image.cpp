@@ -1,0 +1,293 @@
+#include "difftrain/io/image.h"
+
+#include "difftrain/core/error.h"
+#include "difftrain/io/atomic_file.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <filesystem>
+#include <memory>
+#include <sstream>
+
+// The stb single-file libraries (Debian's libstb-dev headers), compiled here and only here.
+// Their code is not ours: its warnings are silenced for these includes only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function"
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#pragma GCC diagnostic ignored "-Wunused-but-set-variable"
+#pragma GCC diagnostic ignored "-Wsign-compare"
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
+#pragma GCC diagnostic ignored "-Wimplicit-fallthrough"
+#pragma GCC diagnostic ignored "-Wtype-limits"
+#pragma GCC diagnostic ignored "-Wdouble-promotion"
+#define STB_IMAGE_STATIC
+#define STB_IMAGE_IMPLEMENTATION
+#define STBI_NO_STDIO
+#include <stb/stb_image.h>
+#define STB_IMAGE_WRITE_IMPLEMENTATION
+#define STBI_WRITE_NO_STDIO
+#include <stb/stb_easy_font.h>
+#include <stb/stb_image_write.h>
+#pragma GCC diagnostic pop
+
+namespace difftrain::io {
+namespace {
+
+std::string shape_str(const torch::Tensor& t) {
+  std::ostringstream out;
+  out << t.sizes() << " " << c10::toString(t.scalar_type());
+  return out.str();
+}
+
+void append_bytes(void* context, void* data, int size) {
+  static_cast<std::string*>(context)->append(static_cast<const char*>(data),
+                                             static_cast<size_t>(size));
+}
+
+// ---------------------------------------------------------------- captions
+// stb_easy_font draws ASCII 32..126 as quads in a 12-pixel line; we fill the quads ourselves.
+constexpr int kLineHeight = 12;
+constexpr int kMargin = 2;             // pixels above a caption and beside it (unscaled)
+constexpr int kMaxCaptionWidth = 160;  // a caption widens a cell up to this (unscaled)
+constexpr int kMaxLines = 3;
+
+// Printable ASCII only: whitespace becomes ' ', anything else '?' (one per UTF-8 character).
+// Capped in length, as at most kMaxLines lines of it can show.
+std::string printable(const std::string& label) {
+  std::string out;
+  for (const char c : label) {
+    if (out.size() >= 512) break;
+    const auto byte = static_cast<unsigned char>(c);
+    if ((byte & 0xC0) == 0x80) continue;  // a UTF-8 continuation byte
+    out += c == '\t' || c == '\n' || c == '\r' ? ' ' : byte < 32 || byte > 126 ? '?' : c;
+  }
+  return out;
+}
+
+int text_width(const std::string& text) {
+  std::string copy = text;  // stb_easy_font takes char*
+  return stb_easy_font_width(copy.data());
+}
+
+// The longest prefix of `text` (at least one character) no wider than `max_width`.
+size_t fitting_prefix(const std::string& text, int max_width) {
+  size_t n = text.size();
+  while (n > 1 && text_width(text.substr(0, n)) > max_width) --n;
+  return n;
+}
+
+// Greedy word wrap into lines of at most `max_width` pixels; at most kMaxLines, the last one
+// ending in "..." when text was cut.
+std::vector<std::string> wrap(const std::string& text, int max_width) {
+  std::vector<std::string> lines;
+  std::string line;
+  std::istringstream words(text);
+  std::string word;
+  while (words >> word) {
+    const std::string candidate = line.empty() ? word : line + " " + word;
+    if (text_width(candidate) <= max_width) {
+      line = candidate;
+      continue;
+    }
+    if (!line.empty()) lines.push_back(line);
+    line = word;
+    while (line.size() > 1 && text_width(line) > max_width) {  // a word wider than the cell
+      const size_t n = fitting_prefix(line, max_width);
+      lines.push_back(line.substr(0, n));
+      line = line.substr(n);
+    }
+  }
+  if (!line.empty() || lines.empty()) lines.push_back(line);
+  if (lines.size() > static_cast<size_t>(kMaxLines)) {
+    lines.resize(kMaxLines);
+    std::string& last = lines.back();
+    while (!last.empty() && text_width(last + "...") > max_width) last.pop_back();
+    last += "...";
+  }
+  return lines;
+}
+
+// A rectangle of an RGB uint8 image [H, W, 3] (contiguous), for clipping.
+struct Rect {
+  int64_t x0, y0, x1, y1;
+};
+
+// Draws `text` in black with its top-left corner at (x, y), each font pixel as scale x scale,
+// clipped to `clip`.
+void draw_text(uint8_t* rgb, int64_t width, const std::string& text, int64_t x, int64_t y,
+               int scale, const Rect& clip) {
+  std::string copy = text;
+  std::vector<char> quads(copy.size() * 1024 + 64);  // 64 bytes a quad, ~270 bytes a character
+  const int n =
+      stb_easy_font_print(0, 0, copy.data(), nullptr, quads.data(), static_cast<int>(quads.size()));
+  for (int q = 0; q < n; ++q) {
+    float qx0 = 1e9f, qy0 = 1e9f, qx1 = -1e9f, qy1 = -1e9f;
+    for (int v = 0; v < 4; ++v) {
+      const float* p = reinterpret_cast<const float*>(quads.data() + q * 64 + v * 16);
+      qx0 = std::min(qx0, p[0]);
+      qx1 = std::max(qx1, p[0]);
+      qy0 = std::min(qy0, p[1]);
+      qy1 = std::max(qy1, p[1]);
+    }
+    const int64_t px0 = std::max(clip.x0, x + scale * static_cast<int64_t>(std::lround(qx0)));
+    const int64_t px1 = std::min(clip.x1, x + scale * static_cast<int64_t>(std::lround(qx1)));
+    const int64_t py0 = std::max(clip.y0, y + scale * static_cast<int64_t>(std::lround(qy0)));
+    const int64_t py1 = std::min(clip.y1, y + scale * static_cast<int64_t>(std::lround(qy1)));
+    for (int64_t py = py0; py < py1; ++py) {
+      std::fill(rgb + (py * width + px0) * 3, rgb + (py * width + std::max(px0, px1)) * 3, 0);
+    }
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- PNG and loading
+
+std::string encode_png(const torch::Tensor& image) {
+  if (!image.defined() || image.dim() != 3 || image.scalar_type() != torch::kUInt8 ||
+      image.size(2) < 1 || image.size(2) > 4 || image.size(0) < 1 || image.size(1) < 1 ||
+      image.size(0) > INT_MAX / 4 || image.size(1) > INT_MAX / 4) {
+    throw Error("encode_png: the image is " + (image.defined() ? shape_str(image) : "undefined") +
+                ": expected uint8 [H, W, C] with H, W >= 1 and C 1..4 (to_uint8_images "
+                "converts float [N, C, H, W] images)");
+  }
+  const auto pixels = image.to(torch::kCPU).contiguous();
+  const int h = static_cast<int>(pixels.size(0)), w = static_cast<int>(pixels.size(1)),
+            c = static_cast<int>(pixels.size(2));
+  std::string png;
+  if (stbi_write_png_to_func(append_bytes, &png, w, h, c, pixels.data_ptr<uint8_t>(), w * c) == 0) {
+    throw Error("encode_png: stb_image_write could not encode the " + shape_str(image) +
+                " image (out of memory?)");
+  }
+  return png;
+}
+
+void save_png(const std::string& path, const torch::Tensor& image) {
+  write_file_atomic(path, encode_png(image));
+}
+
+torch::Tensor decode_image(const std::string& bytes, const std::string& name, int channels) {
+  if (channels < 0 || channels > 4) {
+    throw Error("cannot load image '" + name + "': channels is " + std::to_string(channels) +
+                ": use 1 (grey), 3 (RGB), 4 (RGBA), 2 (grey+alpha) or 0 (as stored)");
+  }
+  if (bytes.size() > static_cast<size_t>(INT_MAX)) {
+    throw Error("cannot load image '" + name + "': the file is larger than 2 GiB");
+  }
+  int w = 0, h = 0, stored = 0;
+  std::unique_ptr<stbi_uc, void (*)(void*)> data(
+      stbi_load_from_memory(reinterpret_cast<const stbi_uc*>(bytes.data()),
+                            static_cast<int>(bytes.size()), &w, &h, &stored, channels),
+      stbi_image_free);
+  if (!data) {
+    const char* reason = stbi_failure_reason();
+    throw Error("cannot load image '" + name + "': " + (reason ? reason : "unknown error") + " (" +
+                std::to_string(bytes.size()) +
+                " bytes); the file is corrupt, truncated or not a PNG, JPEG, BMP, GIF, TGA, PSD, "
+                "HDR, PIC or PNM image — re-create it or convert it to PNG");
+  }
+  const int c = channels != 0 ? channels : stored;
+  return torch::from_blob(data.get(), {h, w, c}, torch::kUInt8).clone();
+}
+
+torch::Tensor load_image(const std::string& path, int channels) {
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (!std::filesystem::exists(status)) {
+    throw Error("cannot load image '" + path + "': no such file; check the path");
+  }
+  if (std::filesystem::is_directory(status)) {
+    throw Error("cannot load image '" + path + "': it is a folder, not an image file");
+  }
+  return decode_image(read_file(path), path, channels);
+}
+
+torch::Tensor to_uint8_images(const torch::Tensor& images) {
+  if (!images.defined() || images.dim() != 4 || !torch::isFloatingType(images.scalar_type())) {
+    throw Error("to_uint8_images: images are " +
+                (images.defined() ? shape_str(images) : std::string("undefined")) +
+                ": expected floating point [N, C, H, W] in [0, 1] (decode latents and map "
+                "(x / 2 + 0.5).clamp(0, 1) first)");
+  }
+  // Diffusers: images.cpu().permute(0, 2, 3, 1).float().numpy(); (images * 255).round().
+  auto x = images.detach().to(torch::kCPU, torch::kFloat32).permute({0, 2, 3, 1});
+  x = torch::nan_to_num(x, 0.0).clamp(0.0, 1.0);
+  return x.mul(255.0f).round().to(torch::kUInt8).contiguous();
+}
+
+// ---------------------------------------------------------------- grid
+
+torch::Tensor make_grid(const torch::Tensor& images, const std::vector<std::string>& labels,
+                        int64_t columns, int64_t padding) {
+  if (!images.defined() || images.dim() != 4 || images.scalar_type() != torch::kUInt8 ||
+      images.size(0) < 1 || images.size(1) < 1 || images.size(2) < 1 ||
+      (images.size(3) != 1 && images.size(3) != 3 && images.size(3) != 4)) {
+    throw Error("make_grid: images are " +
+                (images.defined() ? shape_str(images) : std::string("undefined")) +
+                ": expected uint8 [N, H, W, C] with N, H, W >= 1 and C 1, 3 or 4 "
+                "(to_uint8_images converts float [N, C, H, W] images)");
+  }
+  const int64_t n = images.size(0), h = images.size(1), w = images.size(2);
+  if (!labels.empty() && static_cast<int64_t>(labels.size()) != n) {
+    throw Error("make_grid: got " + std::to_string(labels.size()) + " labels for " +
+                std::to_string(n) + " images: give one label per image, or none");
+  }
+  if (columns < 0 || padding < 0) {
+    throw Error("make_grid: columns is " + std::to_string(columns) + " and padding " +
+                std::to_string(padding) + ": both must be >= 0 (columns 0: a near-square grid)");
+  }
+  const int64_t cols = columns == 0
+                           ? static_cast<int64_t>(std::ceil(std::sqrt(static_cast<double>(n))))
+                           : std::min(columns, n);
+  const int64_t rows = (n + cols - 1) / cols;
+
+  // Cell size: the image, widened for short captions on small images, plus the caption strip.
+  const int scale = w >= 256 ? 2 : 1;
+  std::vector<std::string> text(labels.size());
+  int widest = 0;
+  for (size_t i = 0; i < labels.size(); ++i) {
+    text[i] = printable(labels[i]);
+    widest = std::max(widest, text_width(text[i]));
+  }
+  int64_t cell_w = w;
+  std::vector<std::vector<std::string>> lines(labels.size());
+  int64_t caption_h = 0;
+  if (!labels.empty()) {
+    cell_w = std::max<int64_t>(w, scale * std::min(widest + 2 * kMargin, kMaxCaptionWidth));
+    const int max_text = static_cast<int>(cell_w / scale) - 2 * kMargin;
+    size_t most_lines = 1;
+    for (size_t i = 0; i < text.size(); ++i) {
+      lines[i] = wrap(text[i], std::max(max_text, 1));
+      most_lines = std::max(most_lines, lines[i].size());
+    }
+    caption_h = scale * (kMargin + static_cast<int64_t>(most_lines) * kLineHeight);
+  }
+  const int64_t cell_h = h + caption_h;
+  const int64_t out_h = rows * cell_h + (rows + 1) * padding;
+  const int64_t out_w = cols * cell_w + (cols + 1) * padding;
+
+  auto rgb = images.to(torch::kCPU);
+  if (rgb.size(3) == 1) rgb = rgb.expand({n, h, w, 3});
+  if (rgb.size(3) == 4) rgb = rgb.narrow(3, 0, 3);
+  auto grid = torch::full({out_h, out_w, 3}, 255, torch::kUInt8);
+  uint8_t* pixels = grid.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t x0 = padding + (i % cols) * (cell_w + padding);
+    const int64_t y0 = padding + (i / cols) * (cell_h + padding);
+    grid.narrow(0, y0, h).narrow(1, x0 + (cell_w - w) / 2, w).copy_(rgb[i]);
+    if (labels.empty()) continue;
+    const Rect strip{x0, y0 + h, x0 + cell_w, y0 + cell_h};
+    for (size_t l = 0; l < lines[i].size(); ++l) {
+      const int64_t line_w = scale * static_cast<int64_t>(text_width(lines[i][l]));
+      const int64_t x = x0 + std::max<int64_t>(0, (cell_w - line_w) / 2);
+      const int64_t y = y0 + h + scale * (kMargin + static_cast<int64_t>(l) * kLineHeight);
+      draw_text(pixels, out_w, lines[i][l], x, y, scale, strip);
+    }
+  }
+  return grid;
+}
+
+}  // namespace difftrain::io

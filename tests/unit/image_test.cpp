@@ -1,0 +1,237 @@
+// Images: PNG round trips, one-line load errors naming the path, Diffusers' float → uint8
+// rounding, and the grid layout with captions drawn only in the caption strips.
+
+#include "difftrain/io/image.h"
+#include "difftrain/core/error.h"
+#include "difftrain/io/atomic_file.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <filesystem>
+#include <limits>
+
+namespace {
+
+namespace fs = std::filesystem;
+using difftrain::io::load_image;
+using difftrain::io::make_grid;
+using difftrain::io::save_png;
+
+std::string temp_dir(const std::string& stem) {
+  auto dir = fs::temp_directory_path() / ("difftrain_" + stem + "_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir.string();
+}
+
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const difftrain::Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected a difftrain::Error";
+  return "";
+}
+
+#define EXPECT_HAS(text, part)                               \
+  EXPECT_NE(std::string(text).find(part), std::string::npos) \
+      << "'" << (text) << "' lacks '" << (part) << "'"
+
+torch::Tensor random_image(int64_t h, int64_t w, int64_t c, uint64_t seed) {
+  auto gen = at::detail::createCPUGenerator(seed);
+  return at::randint(0, 256, {h, w, c}, gen, torch::kInt64).to(torch::kUInt8);
+}
+
+TEST(ImagePng, RoundTripIsExact) {
+  const auto dir = temp_dir("png");
+  for (int64_t c : {1, 3, 4}) {
+    SCOPED_TRACE(c);
+    const auto image = random_image(17, 23, c, 100 + c);
+    const std::string path = dir + "/img" + std::to_string(c) + ".png";
+    save_png(path, image);
+    const auto back = load_image(path, 0);  // as stored
+    EXPECT_EQ(back.sizes(), image.sizes());
+    EXPECT_TRUE(torch::equal(back, image));
+    EXPECT_TRUE(torch::equal(load_image(path, static_cast<int>(c)), image));
+  }
+  // Grey read as RGB repeats the grey value (PIL's convert("RGB")); a non-contiguous view saves.
+  const auto grey = random_image(5, 7, 1, 7);
+  save_png(dir + "/grey.png", grey);
+  EXPECT_TRUE(torch::equal(load_image(dir + "/grey.png"), grey.expand({5, 7, 3})));
+  const auto rgb = random_image(9, 6, 3, 8).transpose(0, 1);
+  save_png(dir + "/t.png", rgb);
+  EXPECT_TRUE(torch::equal(load_image(dir + "/t.png"), rgb));
+  // Written atomically: no temporary file is left beside the images.
+  int files = 0;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    EXPECT_EQ(entry.path().extension(), ".png") << entry.path();
+    ++files;
+  }
+  EXPECT_EQ(files, 5);
+  EXPECT_HAS(error_of([&] { save_png(dir + "/f.png", torch::zeros({4, 4, 3})); }), "uint8");
+  EXPECT_HAS(error_of([&] {
+               save_png(dir + "/f.png", torch::zeros({4, 4, 5}, torch::kUInt8));
+             }),
+             "[4, 4, 5]");
+  fs::remove_all(dir);
+}
+
+TEST(ImageLoad, ErrorsNameThePath) {
+  const auto dir = temp_dir("load");
+  std::vector<std::string> messages;
+  const std::string missing = dir + "/missing.png";
+  auto msg = messages.emplace_back(error_of([&] { load_image(missing); }));
+  std::printf("missing: %s\n", msg.c_str());
+  EXPECT_HAS(msg, missing);
+  EXPECT_HAS(msg, "no such file");
+
+  const std::string corrupt = dir + "/corrupt.png";
+  difftrain::io::write_file_atomic(corrupt, "this is not an image at all");
+  msg = messages.emplace_back(error_of([&] { load_image(corrupt); }));
+  std::printf("corrupt: %s\n", msg.c_str());
+  EXPECT_HAS(msg, corrupt);
+  EXPECT_HAS(msg, "corrupt");
+
+  // A PNG cut in half: the signature is right, the data is not.
+  const auto png = difftrain::io::encode_png(random_image(32, 32, 3, 1));
+  const std::string truncated = dir + "/truncated.png";
+  difftrain::io::write_file_atomic(truncated, png.substr(0, png.size() / 2));
+  msg = messages.emplace_back(error_of([&] { load_image(truncated); }));
+  std::printf("truncated: %s\n", msg.c_str());
+  EXPECT_HAS(msg, truncated);
+
+  const std::string webp = dir + "/image.webp";  // a format stb_image does not read
+  difftrain::io::write_file_atomic(
+      webp, std::string("RIFF\x24\0\0\0WEBPVP8 ", 16) + std::string(40, '\0'));
+  msg = messages.emplace_back(error_of([&] { load_image(webp); }));
+  std::printf("webp: %s\n", msg.c_str());
+  EXPECT_HAS(msg, webp);
+
+  EXPECT_HAS(error_of([&] { load_image(dir); }), "folder");
+  EXPECT_HAS(error_of([&] { load_image(truncated, 5); }), "channels");
+  for (const auto& m : messages) EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  fs::remove_all(dir);
+}
+
+TEST(ImageConvert, ToUint8RoundsLikeDiffusers) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // [1, 1, 1, 8]: (x * 255).round() with clamping; 0.25 → 63.75 → 64, 0.75 → 191.25 → 191.
+  const auto x =
+      torch::tensor({0.0f, 1.0f, 0.5f, 0.25f, 0.75f, -0.2f, 1.3f, nan}).view({1, 1, 1, 8});
+  const auto got = difftrain::io::to_uint8_images(x);
+  const auto expected = torch::tensor({0, 255, 128, 64, 191, 0, 255, 0}, torch::kUInt8);
+  EXPECT_TRUE(torch::equal(got.flatten(), expected)) << got;
+
+  // NCHW → NHWC, and any float dtype.
+  auto gen = at::detail::createCPUGenerator(3);
+  const auto images = at::rand({2, 3, 4, 5}, gen, torch::kFloat64);
+  const auto u8 = difftrain::io::to_uint8_images(images.to(torch::kFloat16));
+  EXPECT_EQ(u8.sizes(), (std::vector<int64_t>{2, 4, 5, 3}));
+  const auto ref =
+      images.to(torch::kFloat16).to(torch::kFloat32).permute({0, 2, 3, 1}).mul(255.0f).round();
+  EXPECT_TRUE(torch::equal(u8, ref.to(torch::kUInt8)));
+  EXPECT_HAS(error_of([&] {
+               difftrain::io::to_uint8_images(torch::zeros({3, 4, 4}, torch::kUInt8));
+             }),
+             "[N, C, H, W]");
+}
+
+TEST(ImageGrid, SizeArithmeticAndPlacement) {
+  const int64_t n = 5, h = 16, w = 16, pad = 2;
+  auto gen = at::detail::createCPUGenerator(4);
+  const auto images = at::randint(0, 256, {n, h, w, 3}, gen, torch::kInt64).to(torch::kUInt8);
+  struct Case {
+    int64_t columns, cols, rows;
+  };
+  for (const Case& c :
+       {Case{0, 3, 2}, Case{2, 2, 3}, Case{1, 1, 5}, Case{5, 5, 1}, Case{9, 5, 1}}) {
+    SCOPED_TRACE(c.columns);
+    const auto grid = make_grid(images, {}, c.columns, pad);
+    EXPECT_EQ(grid.sizes(), (std::vector<int64_t>{c.rows * h + (c.rows + 1) * pad,
+                                                  c.cols * w + (c.cols + 1) * pad, 3}));
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t y = pad + (i / c.cols) * (h + pad), x = pad + (i % c.cols) * (w + pad);
+      EXPECT_TRUE(torch::equal(grid.narrow(0, y, h).narrow(1, x, w), images[i])) << i;
+    }
+    // Padding and empty cells are background (white): the image pixels are all there is.
+    EXPECT_EQ(grid.ne(255).any(-1).sum().item<int64_t>(),
+              images.ne(255).any(-1).sum().item<int64_t>());
+  }
+  EXPECT_EQ(make_grid(images, {}, 0, 0).sizes(), (std::vector<int64_t>{32, 48, 3}));
+  // Grey shows as grey; alpha is dropped.
+  const auto grey = images.narrow(3, 0, 1);
+  EXPECT_TRUE(
+      torch::equal(make_grid(grey, {}, 5, 0), torch::cat(grey.unbind(0), 1).expand({h, n * w, 3})));
+  const auto rgba = torch::cat({images, torch::zeros({n, h, w, 1}, torch::kUInt8)}, 3);
+  EXPECT_TRUE(torch::equal(make_grid(rgba, {}, 2, pad), make_grid(images, {}, 2, pad)));
+
+  EXPECT_HAS(error_of([&] { make_grid(images, {"a", "b"}); }), "2 labels for 5 images");
+  EXPECT_HAS(error_of([&] { make_grid(images.to(torch::kFloat32)); }), "uint8 [N, H, W, C]");
+  EXPECT_HAS(error_of([&] { make_grid(images, {}, -1); }), "columns");
+}
+
+TEST(ImageGrid, LabelsDrawOnlyInTheCaptionStrip) {
+  const int64_t n = 3, h = 16, w = 16, pad = 2, cols = 3;
+  // Constant-coloured images: any change inside an image area would show.
+  auto images = torch::empty({n, h, w, 3}, torch::kUInt8);
+  images.select(3, 0).fill_(40);
+  images.select(3, 1).fill_(160);
+  images.select(3, 2).fill_(90);
+  const std::vector<std::string> labels = {"seed 0", "step 10", ""};
+  const auto grid = make_grid(images, labels, cols, pad);
+  const auto plain = make_grid(images, {}, cols, pad);
+  // One line of caption: 2 + 12 pixels under each image; captions widen the cells.
+  const int64_t caption = grid.size(0) - plain.size(0);
+  EXPECT_EQ(caption, 14);
+  const int64_t cell_w = (grid.size(1) - (cols + 1) * pad) / cols;
+  EXPECT_EQ(grid.size(1), cols * cell_w + (cols + 1) * pad);
+  EXPECT_GT(cell_w, w);
+  EXPECT_LE(cell_w, 160);
+  for (int64_t i = 0; i < n; ++i) {
+    SCOPED_TRACE(i);
+    const int64_t x0 = pad + i * (cell_w + pad);
+    const auto cell = grid.narrow(0, pad, h + caption).narrow(1, x0, cell_w);
+    const int64_t xi = (cell_w - w) / 2;
+    EXPECT_TRUE(torch::equal(cell.narrow(0, 0, h).narrow(1, xi, w), images[i]));
+    // Beside the image, inside the cell: background.
+    EXPECT_TRUE(cell.narrow(0, 0, h).narrow(1, 0, xi).eq(255).all().item<bool>());
+    const auto strip = cell.narrow(0, h, caption);
+    const int64_t inked = strip.ne(255).any(-1).sum().item<int64_t>();
+    std::printf("label '%s': %lld inked pixels in its %lldx%lld caption strip\n", labels[i].c_str(),
+                static_cast<long long>(inked), static_cast<long long>(caption),
+                static_cast<long long>(cell_w));
+    if (labels[i].empty()) {
+      EXPECT_EQ(inked, 0);
+    } else {
+      EXPECT_GT(inked, 20);
+      EXPECT_TRUE(strip.eq(0).all(-1).logical_or(strip.eq(255).all(-1)).all().item<bool>());
+    }
+  }
+  // All ink is inside the strips: with them blanked, only the images' pixels are not white.
+  auto blanked = grid.clone();
+  for (int64_t i = 0; i < n; ++i) {
+    blanked.narrow(0, pad + h, caption).narrow(1, pad + i * (cell_w + pad), cell_w).fill_(255);
+  }
+  EXPECT_EQ(blanked.ne(255).any(-1).sum().item<int64_t>(), n * h * w);
+
+  // A long label wraps onto at most 3 lines; a large image gets the 2x font.
+  const std::string prompt =
+      "a photograph of an astronaut riding a horse on the moon, highly "
+      "detailed, 8k, trending on artstation, by greg rutkowski";
+  const auto wrapped = make_grid(images.narrow(0, 0, 1), {prompt}, 1, 0);
+  EXPECT_EQ(wrapped.size(0) - h, 2 + 3 * 12);
+  EXPECT_EQ(wrapped.size(1), 160);
+  const auto big = torch::full({1, 256, 256, 3}, 128, torch::kUInt8);
+  const auto big_grid = make_grid(big, {"seed 0 \xC3\xA9t\xC3\xA9"}, 1, 0);
+  EXPECT_EQ(big_grid.size(0), 256 + 2 * 14);
+  EXPECT_EQ(big_grid.size(1), 256);
+  EXPECT_TRUE(big_grid.narrow(0, 256, 28).ne(255).any().item<bool>());
+  // One '?' per UTF-8 character, not per byte.
+  EXPECT_TRUE(torch::equal(big_grid, make_grid(big, {"seed 0 ?t?"}, 1, 0)));
+}
+
+}  // namespace
