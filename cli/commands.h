@@ -21,4 +21,10 @@ int run_env();
 CLI::App* add_test_command(CLI::App& app);
 int run_test();
 
+CLI::App* add_sample_command(CLI::App& app);
+int run_sample();
+
+CLI::App* add_forward_command(CLI::App& app);
+int run_forward();
+
 }  // namespace difftrain::cli

@@ -18,6 +18,8 @@ int main(int argc, char** argv) {
   auto* config = difftrain::cli::add_config_command(app);
   auto* env = difftrain::cli::add_env_command(app);
   auto* test = difftrain::cli::add_test_command(app);
+  auto* sample = difftrain::cli::add_sample_command(app);
+  auto* forward = difftrain::cli::add_forward_command(app);
   std::vector<std::string> args(argv, argv + argc);
   difftrain::cli::take_launch_program_after_dashes(args);
   try {
@@ -31,6 +33,8 @@ int main(int argc, char** argv) {
     if (config->parsed()) return difftrain::cli::run_config();
     if (env->parsed()) return difftrain::cli::run_env();
     if (test->parsed()) return difftrain::cli::run_test();
+    if (sample->parsed()) return difftrain::cli::run_sample();
+    if (forward->parsed()) return difftrain::cli::run_forward();
   } catch (const difftrain::Error& e) {
     std::string message = e.what();
     const std::string own_prefix = "difftrain launch: ";  // the launcher names itself already

@@ -1,0 +1,61 @@
+#pragma once
+// Unconditional and class-conditional image sampling, as Diffusers' DDPMPipeline / DDIMPipeline
+// run on the CPU: the same initial noise and later draws from a seeded CPU generator, so the same
+// seed gives the same images. Also finds the parts of a pipeline folder.
+
+#include "difftrain/diffusion/noise_scheduler.h"
+#include "difftrain/models/unet.h"
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace difftrain::diffusion {
+
+/// Where a model folder keeps its parts.
+struct PipelineFolder {
+  std::string unet_dir;          ///< holds config.json + diffusion_pytorch_model.safetensors
+  std::string scheduler_config;  ///< a scheduler_config.json
+  std::string pipeline_class;    ///< model_index.json's _class_name ("" without one)
+};
+
+/// Resolves `dir`: a pipeline folder (model_index.json + unet/ + scheduler/, as
+/// DDPMPipeline.save_pretrained writes) or a UNet folder with scheduler_config.json beside
+/// config.json. Anything else throws difftrain::Error naming what is missing.
+PipelineFolder resolve_pipeline_folder(const std::string& dir);
+
+/// Loads the UNet in `unet_dir` (float32, CPU) and, when `lora_path` is non-empty, merges that
+/// LoRA file (Diffusers, PEFT or kohya format) into it with `lora_scale` (Diffusers:
+/// `load_lora_weights` + `fuse_lora(lora_scale)`). Logs what was merged; warns about targets
+/// for other components (text encoders).
+models::UNet load_unet_with_lora(const std::string& unet_dir, const std::string& lora_path = "",
+                                 double lora_scale = 1.0);
+
+/// Settings of one sampling run (DDPMPipeline / DDIMPipeline `__call__` arguments).
+struct SampleOptions {
+  int64_t num_images = 1;  ///< batch_size
+  /// Denoising steps; 0 = the pipeline's default (DDPM 1000, DDIM 50).
+  int64_t num_inference_steps = 0;
+  double eta = 0.0;  ///< DDIM only
+  /// One class id per image for class-conditional UNets (num_class_embeds); empty otherwise.
+  std::vector<int64_t> class_labels;
+  /// > 1: classifier-free guidance against the null class (the last class id,
+  /// num_class_embeds - 1, which difftrain's trainer reserves for label dropout).
+  double guidance_scale = 1.0;
+  uint64_t seed = 0;
+  /// Side of the square image; 0 = the UNet's sample_size.
+  int64_t height = 0, width = 0;
+  /// Called after each step with (step index from 1, number of steps).
+  std::function<void(int64_t, int64_t)> on_step;
+};
+
+/// Runs the reverse process: noise x_T = randn([K, C, H, W], generator(seed)), then for each of
+/// the scheduler's timesteps x = scheduler.step(unet(x, t), t, x, generator) (DDIM with `eta`).
+/// Returns images [K, H, W, C] float32 in [0, 1] = (x / 2 + 0.5).clamp(0, 1), Diffusers'
+/// output_type="np". The UNet runs in eval mode under no-grad.
+torch::Tensor sample_images(models::UNetImpl& unet, NoiseScheduler& scheduler,
+                            const SampleOptions& options);
+
+}  // namespace difftrain::diffusion

@@ -1,0 +1,169 @@
+#include "difftrain/diffusion/pipeline.h"
+
+#include "difftrain/core/error.h"
+#include "difftrain/core/log.h"
+#include "difftrain/io/atomic_file.h"
+#include "difftrain/io/lora_format.h"
+#include "difftrain/models/lora.h"
+#include "difftrain/models/pretrained.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+
+namespace difftrain::diffusion {
+
+namespace fs = std::filesystem;
+
+PipelineFolder resolve_pipeline_folder(const std::string& dir) {
+  if (!fs::is_directory(dir)) {
+    throw Error(dir +
+                ": no such folder; expected a Diffusers pipeline folder (model_index.json, "
+                "unet/, scheduler/) or a UNet folder with scheduler_config.json");
+  }
+  PipelineFolder out;
+  const fs::path root(dir);
+  if (fs::exists(root / "model_index.json")) {
+    nlohmann::json index;
+    try {
+      index = nlohmann::json::parse(io::read_file((root / "model_index.json").string()));
+    } catch (const nlohmann::json::exception& e) {
+      throw Error((root / "model_index.json").string() + ": not valid JSON (" + e.what() + ")");
+    }
+    if (index.is_object() && index.contains("_class_name") && index["_class_name"].is_string()) {
+      out.pipeline_class = index["_class_name"].get<std::string>();
+    }
+    out.unet_dir = (root / "unet").string();
+    out.scheduler_config = (root / "scheduler" / "scheduler_config.json").string();
+    if (!fs::is_directory(out.unet_dir)) {
+      throw Error(dir +
+                  ": pipeline folder without unet/; expected unet/config.json and "
+                  "unet/diffusion_pytorch_model.safetensors");
+    }
+    if (!fs::exists(out.scheduler_config)) {
+      throw Error(out.scheduler_config +
+                  ": no such file; a pipeline folder needs "
+                  "scheduler/scheduler_config.json");
+    }
+    return out;
+  }
+  if (fs::exists(root / "config.json")) {
+    out.unet_dir = dir;
+    out.scheduler_config = (root / "scheduler_config.json").string();
+    if (!fs::exists(out.scheduler_config)) {
+      throw Error(out.scheduler_config +
+                  ": no such file; put the noise scheduler's scheduler_config.json beside the "
+                  "UNet's config.json, or pass a pipeline folder with model_index.json");
+    }
+    return out;
+  }
+  throw Error(dir +
+              ": neither model_index.json (pipeline folder) nor config.json (UNet folder) "
+              "found");
+}
+
+models::UNet load_unet_with_lora(const std::string& unet_dir, const std::string& lora_path,
+                                 double lora_scale) {
+  models::UNet unet = models::load_unet(unet_dir);
+  if (!lora_path.empty()) {
+    io::LoraWeights lora = io::read_lora(lora_path);
+    auto summary = models::merge_lora(*unet, lora, lora_scale, "unet");
+    log::info("LoRA {} ({} format): merged into {} UNet modules with lora_scale {}", lora_path,
+              io::to_string(lora.format), summary.modules_merged, lora_scale);
+    if (summary.other_component_targets > 0) {
+      log::warn("LoRA {}: {} targets for other components (text encoders) were not applied",
+                lora_path, summary.other_component_targets);
+    }
+  }
+  return unet;
+}
+
+torch::Tensor sample_images(models::UNetImpl& unet, NoiseScheduler& scheduler,
+                            const SampleOptions& o) {
+  const auto& cfg = unet.config();
+  if (unet.needs_encoder_hidden_states()) {
+    throw Error(cfg.class_name() +
+                " with cross-attention needs text embeddings; sampling it "
+                "needs the text encoder, which `difftrain sample` does not "
+                "load for this folder (use `difftrain forward` with "
+                "encoder_hidden_states)");
+  }
+  if (o.num_images < 1)
+    throw Error("--num_images must be >= 1, got " + std::to_string(o.num_images));
+  const bool class_conditional = cfg.num_class_embeds.has_value() && !cfg.class_embed_type;
+  std::vector<int64_t> labels = o.class_labels;
+  if (class_conditional) {
+    if (labels.empty()) {
+      throw Error(cfg.class_name() + " is class-conditional (num_class_embeds " +
+                  std::to_string(*cfg.num_class_embeds) + "); pass --class_labels");
+    }
+    if (static_cast<int64_t>(labels.size()) != o.num_images) {
+      throw Error("--class_labels has " + std::to_string(labels.size()) + " entries for " +
+                  std::to_string(o.num_images) + " images; give one label per image");
+    }
+    for (int64_t l : labels) {
+      if (l < 0 || l >= *cfg.num_class_embeds) {
+        throw Error("class label " + std::to_string(l) + " is outside [0, " +
+                    std::to_string(*cfg.num_class_embeds) + ") (the model's num_class_embeds)");
+      }
+    }
+  } else if (!labels.empty()) {
+    throw Error(
+        "--class_labels given, but the model is not class-conditional (num_class_embeds "
+        "is null)");
+  } else if (cfg.class_embed_type) {
+    throw Error(cfg.class_name() + " with class_embed_type \"" + *cfg.class_embed_type +
+                "\" cannot be sampled without its conditioning input");
+  }
+  const bool guided = o.guidance_scale > 1.0;
+  if (guided && !class_conditional) {
+    throw Error("--guidance_scale > 1 needs a class-conditional model (num_class_embeds)");
+  }
+  const int64_t h = o.height > 0 ? o.height : (cfg.sample_size.empty() ? 0 : cfg.sample_size[0]);
+  const int64_t w = o.width > 0 ? o.width : (cfg.sample_size.empty() ? 0 : cfg.sample_size[1]);
+  if (h <= 0 || w <= 0) {
+    throw Error("the UNet's config has no sample_size; give the image size explicitly");
+  }
+
+  const bool ddim = dynamic_cast<DDIMScheduler*>(&scheduler) != nullptr;
+  const int64_t steps = o.num_inference_steps > 0 ? o.num_inference_steps : (ddim ? 50 : 1000);
+  scheduler.set_timesteps(steps);
+
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(o.seed);
+  // DDPMPipeline / DDIMPipeline: randn_tensor((batch, in_channels, H, W), generator) in float32.
+  torch::Tensor x = at::randn({o.num_images, cfg.in_channels, h, w}, gen, torch::kFloat32);
+  models::UNetConditioning cond;
+  torch::Tensor null_labels;
+  if (class_conditional) {
+    cond.class_labels = torch::tensor(labels, torch::kLong);
+    if (guided) {
+      null_labels = torch::full({o.num_images}, *cfg.num_class_embeds - 1, torch::kLong);
+      cond.class_labels = torch::cat({cond.class_labels, null_labels});
+    }
+  }
+  unet.eval();
+  torch::NoGradGuard no_grad;
+  const torch::Tensor timesteps = scheduler.timesteps();
+  const int64_t n = timesteps.size(0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = timesteps[i].item<int64_t>();
+    torch::Tensor eps;
+    if (guided) {
+      torch::Tensor both = unet.forward(torch::cat({x, x}), timesteps[i], cond);
+      auto parts = both.chunk(2, 0);
+      eps = parts[1] + o.guidance_scale * (parts[0] - parts[1]);
+    } else {
+      eps = unet.forward(x, timesteps[i], cond);
+    }
+    if (ddim) {
+      x = static_cast<DDIMScheduler&>(scheduler).step(eps, t, x, o.eta, false, gen).prev_sample;
+    } else {
+      x = scheduler.step(eps, t, x, gen).prev_sample;
+    }
+    if (o.on_step) o.on_step(i + 1, n);
+  }
+  return (x / 2 + 0.5).clamp(0, 1).permute({0, 2, 3, 1}).contiguous();
+}
+
+}  // namespace difftrain::diffusion

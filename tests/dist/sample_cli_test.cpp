@@ -1,0 +1,138 @@
+// `difftrain sample` and `difftrain forward` end to end: the written tensors equal Diffusers'
+// pipeline output for the same seed, the PNG grid exists, LoRA flags apply, bad input exits 1
+// with a one-line message.
+
+#include "subprocess.h"
+
+#include "difftrain/io/image.h"
+#include "difftrain/io/safetensors.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+
+namespace difftrain::testing {
+namespace {
+
+namespace fs = std::filesystem;
+const std::string kDifftrain = DIFFTRAIN_BIN;
+const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/";
+
+double max_abs(const torch::Tensor& a, const torch::Tensor& b) {
+  return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
+}
+
+TEST(SampleCommand, DdimFromAPipelineFolderEqualsDiffusers) {
+  // A pipeline folder as DDIMPipeline.save_pretrained writes it.
+  const auto dir = make_temp_dir("pipe");
+  fs::create_directories(dir + "/unet");
+  fs::create_directories(dir + "/scheduler");
+  for (const char* f : {"config.json", "diffusion_pytorch_model.safetensors"}) {
+    fs::copy_file(kGolden + "unet2d_uncond/" + f, dir + "/unet/" + f);
+  }
+  fs::copy_file(kGolden + "unet2d_uncond/scheduler_config.json",
+                dir + "/scheduler/scheduler_config.json");
+  std::ofstream(dir + "/model_index.json")
+      << R"({"_class_name": "DDIMPipeline", "_diffusers_version": "0.31.0",)"
+      << R"( "scheduler": ["diffusers", "DDIMScheduler"], "unet": ["diffusers", "UNet2DModel"]})";
+  const auto r = run({kDifftrain, "sample", "--model", dir, "--num_inference_steps", "10",
+                      "--num_images", "2", "--seed", "1234", "--output", dir + "/grid.png",
+                      "--save_tensors", dir + "/images.safetensors"},
+                     {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  EXPECT_NE((r.out + r.err).find("DDIMScheduler, 10 steps"), std::string::npos) << r.log();
+  EXPECT_NE((r.out + r.err).find("step 10/10"), std::string::npos) << r.log();
+  auto images = io::load_safetensors(dir + "/images.safetensors").tensors.at("images");
+  auto ref = io::load_safetensors(kGolden + "unet2d_uncond/ddim_seed1234_steps10.safetensors")
+                 .tensors.at("images");
+  const double diff = max_abs(images, ref);
+  // The DDIM chain amplifies float32 rounding to 2.5e-4..3.5e-4 depending on the thread count
+  // (see Pipeline.DdimTenStepsSeed1234MatchesDiffusers, which calibrates it against float64).
+  std::printf("difftrain sample (DDIM, seed 1234): max |images - diffusers| = %.3g (tol 1e-3)\n",
+              diff);
+  EXPECT_LT(diff, 1e-3);
+  auto grid = io::load_image(dir + "/grid.png", 3);
+  EXPECT_GT(grid.size(0), 16);
+  EXPECT_GT(grid.size(1), 2 * 16);
+}
+
+TEST(SampleCommand, DdpmFromAUNetFolderEqualsDiffusers) {
+  const auto dir = make_temp_dir("ddpm");
+  const auto r = run({kDifftrain, "sample", "--model", kGolden + "unet2d_uncond", "--scheduler",
+                      "ddpm", "--num_inference_steps", "20", "--seed", "99", "--output",
+                      dir + "/grid.png", "--save_tensors", dir + "/images.safetensors"},
+                     {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  auto images = io::load_safetensors(dir + "/images.safetensors").tensors.at("images");
+  auto ref = io::load_safetensors(kGolden + "unet2d_uncond/ddpm_seed99_steps20.safetensors")
+                 .tensors.at("images");
+  const double diff = max_abs(images, ref);
+  std::printf("difftrain sample (DDPM, seed 99): max |images - diffusers| = %.3g (tol 1e-4)\n",
+              diff);
+  EXPECT_LT(diff, 1e-4);
+}
+
+TEST(ForwardCommand, OutputsEqualDiffusersWithAndWithoutLora) {
+  const auto dir = make_temp_dir("fwd");
+  auto r = run({kDifftrain, "forward", "--model", kGolden + "unet2d", "--inputs",
+                kGolden + "unet2d/io.safetensors", "--output", dir + "/out.safetensors"},
+               {}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  auto out = io::load_safetensors(dir + "/out.safetensors").tensors.at("out");
+  auto ref = io::load_safetensors(kGolden + "unet2d/io.safetensors").tensors.at("out");
+  EXPECT_LT(max_abs(out, ref), 1e-4);
+  r = run({kDifftrain, "forward", "--model", kGolden + "unet_cond", "--lora",
+           kGolden + "lora/kohya_format.safetensors", "--inputs", kGolden + "lora/io.safetensors",
+           "--output", dir + "/lora.safetensors"},
+          {}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  out = io::load_safetensors(dir + "/lora.safetensors").tensors.at("out");
+  ref = io::load_safetensors(kGolden + "lora/io.safetensors").tensors.at("out");
+  const double diff = max_abs(out, ref);
+  std::printf("difftrain forward --lora (kohya): max |out - diffusers| = %.3g (tol 1e-4)\n", diff);
+  EXPECT_LT(diff, 1e-4);
+  // --lora_scale 0 gives the base model's output.
+  r = run({kDifftrain, "forward", "--model", kGolden + "unet_cond", "--lora",
+           kGolden + "lora/peft_format.safetensors", "--lora_scale", "0", "--inputs",
+           kGolden + "unet_cond/io.safetensors", "--output", dir + "/zero.safetensors"},
+          {}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  out = io::load_safetensors(dir + "/zero.safetensors").tensors.at("out");
+  ref = io::load_safetensors(kGolden + "unet_cond/io.safetensors").tensors.at("out");
+  EXPECT_LT(max_abs(out, ref), 1e-4);
+}
+
+TEST(SampleCommand, BadInputExitsWithOneLineErrors) {
+  const auto dir = make_temp_dir("bad");
+  struct Case {
+    std::vector<std::string> args;
+    std::string expect;
+  };
+  const std::vector<Case> cases = {
+      {{"sample", "--model", dir + "/missing"}, "no such folder"},
+      {{"sample", "--model", kGolden + "unet2d"}, "scheduler_config.json: no such file"},
+      {{"sample", "--model", kGolden + "unet2d_uncond", "--class_labels", "1,x"},
+       "\"x\" is not an integer"},
+      {{"sample", "--model", kGolden + "unet2d_uncond", "--lora", dir + "/none.safetensors"},
+       "none.safetensors"},
+      {{"forward", "--model", kGolden + "unet_cond", "--inputs", kGolden + "unet2d/io.safetensors",
+        "--output", dir + "/o.safetensors"},
+       "sample must be [B, 4, H, W]"},
+      {{"forward", "--model", kGolden + "unet2d", "--inputs", kGolden + "schedulers.safetensors",
+        "--output", dir + "/o.safetensors"},
+       "no tensor named \"sample\""},
+  };
+  for (const auto& c : cases) {
+    std::vector<std::string> argv{kDifftrain};
+    argv.insert(argv.end(), c.args.begin(), c.args.end());
+    const auto r = run(argv, {}, 60);
+    EXPECT_EQ(r.exit_code, 1) << r.log();
+    EXPECT_NE(r.err.find(c.expect), std::string::npos) << c.expect << "\n" << r.log();
+    EXPECT_EQ(r.err.find("terminate"), std::string::npos) << r.log();
+  }
+}
+
+}  // namespace
+}  // namespace difftrain::testing
