@@ -14,6 +14,20 @@ std::vector<T> reversed(std::vector<T> v) {
   return v;
 }
 
+// What every block of the model shares: resnet settings and the cross-attention switches.
+BlockOptions shared_block_options(const UNetConfig& c, int64_t groups, int64_t temb_channels) {
+  BlockOptions o;
+  o.temb_channels = temb_channels;
+  o.eps = c.norm_eps;
+  o.act_fn = c.act_fn;
+  o.groups = groups;
+  o.dropout = c.dropout;
+  o.time_scale_shift = c.resnet_time_scale_shift;
+  o.use_linear_projection = c.use_linear_projection;
+  o.upcast_attention = c.upcast_attention;
+  return o;
+}
+
 }  // namespace
 
 UNetImpl::UNetImpl(const UNetConfig& c) : config_(c) {
@@ -83,29 +97,21 @@ UNetImpl::UNetImpl(const UNetConfig& c) : config_(c) {
   auto down_list = register_module("down_blocks", torch::nn::ModuleList());
   int64_t output_channel = boc[0];
   for (size_t i = 0; i < n; ++i) {
-    BlockOptions o;
+    BlockOptions o = shared_block_options(c, groups, block_temb);
     o.type = c.down_block_types[i];
     o.num_layers = c.layers_per_block[i];
     o.in_channels = output_channel;
     output_channel = boc[i];
     o.out_channels = output_channel;
-    o.temb_channels = block_temb;
     o.add_resample = i + 1 < n;
-    o.eps = c.norm_eps;
-    o.act_fn = c.act_fn;
-    o.groups = groups;
     o.downsample_padding = c.downsample_padding;
     o.resample_type = c.downsample_type;
-    o.dropout = c.dropout;
-    o.time_scale_shift = c.resnet_time_scale_shift;
     o.attention_head_dim = c.attention_head_dim[i].value_or(output_channel);
     if (cond) {
       o.num_attention_heads = c.num_attention_heads[i];
       o.cross_attention_dim = c.cross_attention_dim[i];
       o.transformer_layers = c.transformer_layers_per_block[i];
-      o.use_linear_projection = c.use_linear_projection;
       o.only_cross_attention = c.only_cross_attention[i];
-      o.upcast_attention = c.upcast_attention;
     }
     down_blocks_.push_back(DownBlock(o));
     down_list->push_back(down_blocks_.back());
@@ -113,24 +119,16 @@ UNetImpl::UNetImpl(const UNetConfig& c) : config_(c) {
 
   // ---- mid
   if (!c.mid_block_type.empty()) {
-    BlockOptions o;
+    BlockOptions o = shared_block_options(c, groups, block_temb);
     o.type = c.mid_block_type;
     o.in_channels = boc.back();
     o.out_channels = boc.back();
-    o.temb_channels = block_temb;
-    o.eps = c.norm_eps;
-    o.act_fn = c.act_fn;
-    o.groups = groups;
     o.output_scale_factor = c.mid_block_scale_factor;
-    o.dropout = c.dropout;
-    o.time_scale_shift = c.resnet_time_scale_shift;
     if (c.mid_block_type == "UNetMidBlock2DCrossAttn") {
       o.num_layers = 1;
       o.num_attention_heads = c.num_attention_heads.back();
       o.cross_attention_dim = c.cross_attention_dim.back();
       o.transformer_layers = c.transformer_layers_per_block.back();
-      o.use_linear_projection = c.use_linear_projection;
-      o.upcast_attention = c.upcast_attention;
     } else if (cond) {
       o.num_layers = 0;  // UNet2DConditionModel's UNetMidBlock2D: one resnet, no attention
       o.add_attention = false;
@@ -156,31 +154,23 @@ UNetImpl::UNetImpl(const UNetConfig& c) : config_(c) {
                          : c.reverse_transformer_layers_per_block;
   output_channel = rboc[0];
   for (size_t i = 0; i < n; ++i) {
-    BlockOptions o;
+    BlockOptions o = shared_block_options(c, groups, block_temb);
     o.type = c.up_block_types[i];
     o.num_layers = rlayers[i] + 1;
     o.prev_output_channel = output_channel;
     output_channel = rboc[i];
     o.out_channels = output_channel;
     o.in_channels = rboc[std::min(i + 1, n - 1)];
-    o.temb_channels = block_temb;
     o.add_resample = i + 1 < n;
     if (o.add_resample) ++num_upsamplers_;
-    o.eps = c.norm_eps;
-    o.act_fn = c.act_fn;
-    o.groups = groups;
     o.resample_type = c.upsample_type;
-    o.dropout = c.dropout;
-    o.time_scale_shift = c.resnet_time_scale_shift;
     // Not reversed: Diffusers indexes attention_head_dim by the up block's position.
     o.attention_head_dim = c.attention_head_dim[i].value_or(output_channel);
     if (cond) {
       o.num_attention_heads = rheads[i];
       o.cross_attention_dim = rcross[i];
       o.transformer_layers = rtlpb[i];
-      o.use_linear_projection = c.use_linear_projection;
       o.only_cross_attention = ronly[i];
-      o.upcast_attention = c.upcast_attention;
     }
     up_blocks_.push_back(UpBlock(o));
     up_list->push_back(up_blocks_.back());

@@ -9,15 +9,19 @@ namespace {
 bool is_cross_attn(const std::string& type) { return type.find("CrossAttn") != std::string::npos; }
 bool is_attn(const std::string& type) { return type.rfind("Attn", 0) == 0; }
 
+ResnetBlock2DOptions resnet_options(const BlockOptions& o, int64_t in, int64_t out) {
+  return ResnetBlock2DOptions(in, out)
+      .temb_channels(o.temb_channels)
+      .groups(o.groups)
+      .eps(o.eps)
+      .dropout(o.dropout)
+      .time_embedding_norm(o.time_scale_shift)
+      .non_linearity(o.act_fn)
+      .output_scale_factor(o.output_scale_factor);
+}
+
 ResnetBlock2D make_resnet(const BlockOptions& o, int64_t in, int64_t out) {
-  return ResnetBlock2D(ResnetBlock2DOptions(in, out)
-                           .temb_channels(o.temb_channels)
-                           .groups(o.groups)
-                           .eps(o.eps)
-                           .dropout(o.dropout)
-                           .time_embedding_norm(o.time_scale_shift)
-                           .non_linearity(o.act_fn)
-                           .output_scale_factor(o.output_scale_factor));
+  return ResnetBlock2D(resnet_options(o, in, out));
 }
 
 int64_t layers_at(const std::vector<int64_t>& per_layer, size_t i) {
@@ -84,15 +88,7 @@ DownBlockImpl::DownBlockImpl(const BlockOptions& o) {
   if (o.add_resample) {
     auto downsamplers = register_module("downsamplers", torch::nn::ModuleList());
     if (o.resample_type == "resnet") {
-      resnet_down_ = ResnetBlock2D(ResnetBlock2DOptions(o.out_channels, o.out_channels)
-                                       .temb_channels(o.temb_channels)
-                                       .groups(o.groups)
-                                       .eps(o.eps)
-                                       .dropout(o.dropout)
-                                       .time_embedding_norm(o.time_scale_shift)
-                                       .non_linearity(o.act_fn)
-                                       .output_scale_factor(o.output_scale_factor)
-                                       .down(true));
+      resnet_down_ = ResnetBlock2D(resnet_options(o, o.out_channels, o.out_channels).down(true));
       downsamplers->push_back(resnet_down_);
     } else {
       downsample_ = Downsample2D(o.out_channels, true, o.out_channels, o.downsample_padding);
@@ -172,15 +168,7 @@ UpBlockImpl::UpBlockImpl(const BlockOptions& o) {
   if (o.add_resample) {
     auto upsamplers = register_module("upsamplers", torch::nn::ModuleList());
     if (o.resample_type == "resnet") {
-      resnet_up_ = ResnetBlock2D(ResnetBlock2DOptions(o.out_channels, o.out_channels)
-                                     .temb_channels(o.temb_channels)
-                                     .groups(o.groups)
-                                     .eps(o.eps)
-                                     .dropout(o.dropout)
-                                     .time_embedding_norm(o.time_scale_shift)
-                                     .non_linearity(o.act_fn)
-                                     .output_scale_factor(o.output_scale_factor)
-                                     .up(true));
+      resnet_up_ = ResnetBlock2D(resnet_options(o, o.out_channels, o.out_channels).up(true));
       upsamplers->push_back(resnet_up_);
     } else {
       upsample_ = Upsample2D(o.out_channels, true, o.out_channels);
