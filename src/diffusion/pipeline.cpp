@@ -132,13 +132,19 @@ torch::Tensor sample_images(models::UNetImpl& unet, NoiseScheduler& scheduler,
 
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(o.seed);
   // DDPMPipeline / DDIMPipeline: randn_tensor((batch, in_channels, H, W), generator) in float32.
-  torch::Tensor x = at::randn({o.num_images, cfg.in_channels, h, w}, gen, torch::kFloat32);
+  // The draws come from the CPU generator (as randn_tensor does for a CPU generator) and then move
+  // to the UNet's device and dtype, so a seed gives the same images on any device.
+  const auto params = unet.parameters();
+  const torch::Device device = params.empty() ? torch::Device(torch::kCPU) : params[0].device();
+  const auto dtype = params.empty() ? torch::kFloat32 : params[0].scalar_type();
+  torch::Tensor x =
+      at::randn({o.num_images, cfg.in_channels, h, w}, gen, torch::kFloat32).to(device, dtype);
   models::UNetConditioning cond;
   torch::Tensor null_labels;
   if (class_conditional) {
-    cond.class_labels = torch::tensor(labels, torch::kLong);
+    cond.class_labels = torch::tensor(labels, torch::kLong).to(device);
     if (guided) {
-      null_labels = torch::full({o.num_images}, *cfg.num_class_embeds - 1, torch::kLong);
+      null_labels = torch::full({o.num_images}, *cfg.num_class_embeds - 1, torch::kLong).to(device);
       cond.class_labels = torch::cat({cond.class_labels, null_labels});
     }
   }
@@ -163,7 +169,10 @@ torch::Tensor sample_images(models::UNetImpl& unet, NoiseScheduler& scheduler,
     }
     if (o.on_step) o.on_step(i + 1, n);
   }
-  return (x / 2 + 0.5).clamp(0, 1).permute({0, 2, 3, 1}).contiguous();
+  return (x.to(torch::kCPU, torch::kFloat32) / 2 + 0.5)
+      .clamp(0, 1)
+      .permute({0, 2, 3, 1})
+      .contiguous();
 }
 
 }  // namespace difftrain::diffusion
