@@ -7,6 +7,7 @@
 //                            [--threads 1,2]
 
 #include "difftrain/diffusion/pipeline.h"
+#include "difftrain/dist/process_group.h"
 #include "difftrain/models/pretrained.h"
 
 #include <fmt/format.h>
@@ -43,36 +44,45 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--batches")) batches = parse_list(argv[i + 1]);
     if (!std::strcmp(argv[i], "--threads")) threads = parse_list(argv[i + 1]);
   }
+  // Side by side: glibc's allocator defaults first (what a plain LibTorch program gets), then
+  // the tuning configure_threads() applies (dist::configure_allocator).
   auto folder = difftrain::diffusion::resolve_pipeline_folder(model);
   auto unet = difftrain::models::load_unet(folder.unet_dir);
   auto config = difftrain::diffusion::SchedulerConfig::load(folder.scheduler_config);
   auto scheduler = difftrain::diffusion::make_scheduler(config, "ddim");
   std::printf("model %s, DDIM %lld steps, median of %lld rounds\n", model.c_str(),
               static_cast<long long>(steps), static_cast<long long>(rounds));
-  std::printf("| threads | images per batch | s / batch | images/s | vs 1 thread, batch 1 |\n");
-  std::printf("|---|---|---|---|---|\n");
+  std::printf(
+      "| allocator | threads | images per batch | s / batch | images/s | vs glibc default, 1 "
+      "thread, batch 1 |\n");
+  std::printf("|---|---|---|---|---|---|\n");
   double base = 0;
-  for (int64_t t : threads) {
-    torch::set_num_threads(static_cast<int>(t));
-    for (int64_t b : batches) {
-      difftrain::diffusion::SampleOptions o;
-      o.num_images = b;
-      o.num_inference_steps = steps;
-      difftrain::diffusion::sample_images(*unet, *scheduler, o);  // warm-up
-      std::vector<double> secs;
-      for (int64_t r = 0; r < rounds; ++r) {
-        o.seed = static_cast<uint64_t>(r);
-        auto start = std::chrono::steady_clock::now();
-        difftrain::diffusion::sample_images(*unet, *scheduler, o);
-        secs.push_back(
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  for (const char* tuning : {"0", "1"}) {
+    setenv("DIFFTRAIN_MALLOC_TUNING", tuning, 1);
+    for (int64_t t : threads) {
+      setenv("DIFFTRAIN_NUM_THREADS", std::to_string(t).c_str(), 1);
+      difftrain::dist::configure_threads();
+      for (int64_t b : batches) {
+        difftrain::diffusion::SampleOptions o;
+        o.num_images = b;
+        o.num_inference_steps = steps;
+        difftrain::diffusion::sample_images(*unet, *scheduler, o);  // warm-up
+        std::vector<double> secs;
+        for (int64_t r = 0; r < rounds; ++r) {
+          o.seed = static_cast<uint64_t>(r);
+          auto start = std::chrono::steady_clock::now();
+          difftrain::diffusion::sample_images(*unet, *scheduler, o);
+          secs.push_back(
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+        }
+        std::sort(secs.begin(), secs.end());
+        const double s = secs[secs.size() / 2];
+        const double ips = b / s;
+        if (base == 0) base = ips;
+        std::printf("| %s | %lld | %lld | %.3f | %.1f | %.2fx |\n",
+                    *tuning == '1' ? "tuned" : "glibc default", static_cast<long long>(t),
+                    static_cast<long long>(b), s, ips, ips / base);
       }
-      std::sort(secs.begin(), secs.end());
-      const double s = secs[secs.size() / 2];
-      const double ips = b / s;
-      if (base == 0) base = ips;
-      std::printf("| %lld | %lld | %.3f | %.1f | %.2fx |\n", static_cast<long long>(t),
-                  static_cast<long long>(b), s, ips, ips / base);
     }
   }
   return 0;

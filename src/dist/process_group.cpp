@@ -17,6 +17,8 @@
 
 #include <fmt/format.h>
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <cstdlib>
 #include <future>
@@ -340,7 +342,21 @@ int configure_threads(int local_processes) {
     }
     at::set_num_threads(static_cast<int>(threads));
   }
+  configure_allocator();
   return at::get_num_threads();
+}
+
+bool configure_allocator() {
+  const char* value = std::getenv("DIFFTRAIN_MALLOC_TUNING");
+  if (value != nullptr && std::string(value) == "0") return false;
+  // glibc serves blocks above its mmap threshold (128 KiB at start) with a fresh mmap each time,
+  // and every page of it faults and is zeroed on first touch. A training or sampling step
+  // allocates the same activation sizes again and again, so keep them in the heap instead: blocks
+  // up to 32 MiB (glibc's maximum) come from the heap, and up to 1 GiB of freed heap stays mapped
+  // for the next step.
+  const bool ok =
+      mallopt(M_MMAP_THRESHOLD, 32 << 20) == 1 && mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1;
+  return ok;
 }
 
 ProcessGroup& init_process_group(const ProcessGroupOptions& options) {

@@ -136,6 +136,12 @@ std::string environment_report(double probe_seconds) {
       at::get_num_threads(), at::get_num_interop_threads(), getenv_or("OMP_NUM_THREADS", "unset"),
       getenv_or("DIFFTRAIN_NUM_THREADS", "unset"), cores, default_threads_per_process(1),
       default_threads_per_process(2));
+  out << fmt::format(
+      "- allocator: glibc malloc, {} (DIFFTRAIN_MALLOC_TUNING={}; 0 keeps glibc's defaults)\n",
+      std::string(getenv_or("DIFFTRAIN_MALLOC_TUNING", "")) == "0"
+          ? "glibc's default mmap threshold"
+          : "heap up to 32 MiB blocks, 1 GiB kept after free",
+      getenv_or("DIFFTRAIN_MALLOC_TUNING", "unset"));
   out << "- CPU: " << cpu_summary() << "\n";
 #ifdef DIFFTRAIN_WITH_NCCL
   const bool nccl_built = true;
