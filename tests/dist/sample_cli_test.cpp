@@ -74,6 +74,50 @@ TEST(SampleCommand, DdpmFromAUNetFolderEqualsDiffusers) {
   EXPECT_LT(diff, 1e-4);
 }
 
+TEST(SampleCommand, ClassConditionalWithGuidanceWritesALabelledGrid) {
+  // A DDPMPipeline-style folder around the class-conditional UNet.
+  const auto dir = make_temp_dir("cls");
+  fs::create_directories(dir + "/unet");
+  fs::create_directories(dir + "/scheduler");
+  for (const char* f : {"config.json", "diffusion_pytorch_model.safetensors"}) {
+    fs::copy_file(kGolden + "unet2d/" + f, dir + "/unet/" + f);
+  }
+  fs::copy_file(kGolden + "unet2d_uncond/scheduler_config.json",
+                dir + "/scheduler/scheduler_config.json");
+  std::ofstream(dir + "/model_index.json") << R"({"_class_name": "DDPMPipeline"})";
+  const auto r = run({kDifftrain,
+                      "sample",
+                      "--model",
+                      dir,
+                      "--scheduler",
+                      "ddpm",
+                      "--num_inference_steps",
+                      "5",
+                      "--class_labels",
+                      "1,2,3",
+                      "--guidance_scale",
+                      "2",
+                      "--seed",
+                      "7",
+                      "--columns",
+                      "3",
+                      "--output",
+                      dir + "/grid.png",
+                      "--save_tensors",
+                      dir + "/images.safetensors"},
+                     {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  EXPECT_NE((r.out + r.err).find("3 images, seed 7, guidance 2"), std::string::npos) << r.log();
+  auto images = io::load_safetensors(dir + "/images.safetensors").tensors.at("images");
+  EXPECT_EQ(images.sizes(), (std::vector<int64_t>{3, 16, 16, 3}));
+  EXPECT_GE(images.min().item<float>(), 0.0f);
+  EXPECT_LE(images.max().item<float>(), 1.0f);
+  // Three cells in one row, each with a caption strip under its image.
+  auto grid = io::load_image(dir + "/grid.png", 3);
+  EXPECT_GT(grid.size(1), 3 * 16);
+  EXPECT_GT(grid.size(0), 16 + 4);
+}
+
 TEST(ForwardCommand, OutputsEqualDiffusersWithAndWithoutLora) {
   const auto dir = make_temp_dir("fwd");
   auto r = run({kDifftrain, "forward", "--model", kGolden + "unet2d", "--inputs",

@@ -119,6 +119,31 @@ TEST(UNet, SaveThenLoadRoundTripsAndDiffusersConfigStays) {
   fs::remove_all(dir);
 }
 
+// Diffusers' `variant="fp16"` files: half-precision weights load into the float32 model.
+TEST(UNet, Fp16VariantWeightsLoad) {
+  const std::string dir = temp_dir("unet_fp16");
+  fs::copy_file(kGolden + "unet2d/config.json", dir + "/config.json");
+  auto w = difftrain::io::load_safetensors(kGolden + "unet2d/diffusion_pytorch_model.safetensors")
+               .tensors;
+  for (auto& [k, v] : w) v = v.to(torch::kFloat16);
+  difftrain::io::save_safetensors(dir + "/diffusion_pytorch_model.fp16.safetensors", w);
+  std::string msg = error_of([&] { difftrain::models::load_unet(dir); });
+  EXPECT_NE(msg.find("diffusion_pytorch_model.safetensors: no such file"), std::string::npos)
+      << msg;
+  UNet unet = difftrain::models::load_unet(dir, "fp16");
+  for (const auto& p : unet->parameters()) EXPECT_EQ(p.scalar_type(), torch::kFloat32);
+  unet->eval();
+  auto io = difftrain::io::load_safetensors(kGolden + "unet2d/io.safetensors").tensors;
+  torch::NoGradGuard no_grad;
+  UNetConditioning cond;
+  cond.class_labels = io.at("class_labels");
+  const double diff =
+      max_abs(unet->forward(io.at("sample"), io.at("timestep"), cond), io.at("out"));
+  std::printf("fp16-rounded weights: max |out - diffusers fp32| = %.3g (tol 2e-2)\n", diff);
+  EXPECT_LT(diff, 2e-2);
+  fs::remove_all(dir);
+}
+
 TEST(UNet, LoadReportsMissingUnexpectedAndMisshapenKeysByName) {
   const std::string dir = temp_dir("unet_bad");
   fs::copy_file(kGolden + "unet_cond/config.json", dir + "/config.json");
