@@ -5,6 +5,8 @@
 #include "difftrain/core/error.h"
 #include "difftrain/io/safetensors.h"
 
+#include "test_util.h"
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
@@ -14,22 +16,14 @@
 
 namespace {
 
+using difftrain::test::max_abs;
+using difftrain::test::temp_dir;
+
 namespace fs = std::filesystem;
 using difftrain::optim::AdamW;
 using torch::optim::AdamWOptions;
 
 const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/";
-
-double max_abs(const torch::Tensor& a, const torch::Tensor& b) {
-  return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
-}
-
-std::string temp_dir(const std::string& stem) {
-  auto dir = fs::temp_directory_path() / ("difftrain_" + stem + "_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir.string();
-}
 
 // torch.optim.AdamW over p0 with six recorded gradients (the reference run's README).
 void run_fixture(bool reference_path) {

@@ -5,6 +5,8 @@
 #include "difftrain/core/error.h"
 #include "difftrain/io/safetensors.h"
 
+#include "test_util.h"
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -13,14 +15,12 @@
 
 namespace {
 
+using difftrain::test::max_abs;
+
 using difftrain::diffusion::EMAModel;
 using difftrain::diffusion::EMAOptions;
 
 const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/";
-
-double max_abs(const torch::Tensor& a, const torch::Tensor& b) {
-  return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
-}
 
 // ema.json's EMAModel over one parameter whose value before each step is values[i]; the file
 // holds the shadow after each step.

@@ -5,6 +5,8 @@
 #include "difftrain/core/error.h"
 #include "difftrain/io/atomic_file.h"
 
+#include "test_util.h"
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -14,28 +16,13 @@
 
 namespace {
 
+using difftrain::test::error_of;
+using difftrain::test::temp_dir;
+
 namespace fs = std::filesystem;
 using difftrain::io::load_image;
 using difftrain::io::make_grid;
 using difftrain::io::save_png;
-
-std::string temp_dir(const std::string& stem) {
-  auto dir = fs::temp_directory_path() / ("difftrain_" + stem + "_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir.string();
-}
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const difftrain::Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a difftrain::Error";
-  return "";
-}
 
 #define EXPECT_HAS(text, part)                               \
   EXPECT_NE(std::string(text).find(part), std::string::npos) \

@@ -7,6 +7,8 @@
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"
 
+#include "test_util.h"
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -16,6 +18,10 @@
 
 namespace {
 
+using difftrain::test::error_of;
+using difftrain::test::max_abs;
+using difftrain::test::temp_dir;
+
 namespace fs = std::filesystem;
 using difftrain::io::LoraFormat;
 using difftrain::io::LoraTarget;
@@ -23,29 +29,6 @@ using difftrain::io::LoraWeights;
 using difftrain::io::TensorMap;
 
 const std::string kLora = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/lora/";
-
-double max_abs(const torch::Tensor& a, const torch::Tensor& b) {
-  return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
-}
-
-std::string temp_dir(const std::string& stem) {
-  auto dir = fs::temp_directory_path() / ("difftrain_" + stem + "_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir.string();
-}
-
-// The message of the difftrain::Error `f` throws ("" and a test failure if it throws none).
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const difftrain::Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected a difftrain::Error";
-  return "";
-}
 
 #define EXPECT_HAS(text, part)                               \
   EXPECT_NE(std::string(text).find(part), std::string::npos) \

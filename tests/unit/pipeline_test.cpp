@@ -7,6 +7,8 @@
 #include "difftrain/models/pretrained.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include "test_util.h"
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -15,23 +17,13 @@
 
 namespace {
 
+using difftrain::test::error_of;
+using difftrain::test::max_abs;
+
 namespace fs = std::filesystem;
 using namespace difftrain;
 
 const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/";
-
-double max_abs(const torch::Tensor& a, const torch::Tensor& b) {
-  return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const difftrain::Error& e) {
-    return e.what();
-  }
-  return "";
-}
 
 torch::Tensor run(const std::string& kind, int64_t images, int64_t steps, uint64_t seed) {
   auto folder = diffusion::resolve_pipeline_folder(kGolden + "unet2d_uncond");

@@ -9,6 +9,8 @@
 #include "difftrain/models/lora.h"
 #include "difftrain/models/pretrained.h"
 
+#include "test_util.h"
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
@@ -18,6 +20,10 @@
 
 namespace {
 
+using difftrain::test::error_of;
+using difftrain::test::max_abs;
+using difftrain::test::temp_dir;
+
 namespace fs = std::filesystem;
 using difftrain::models::UNet;
 using difftrain::models::UNetConditioning;
@@ -26,29 +32,9 @@ using nlohmann::json;
 
 const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/";
 
-double max_abs(const torch::Tensor& a, const torch::Tensor& b) {
-  return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
-}
-
-std::string temp_dir(const std::string& stem) {
-  auto dir = fs::temp_directory_path() / ("difftrain_" + stem + "_" + std::to_string(::getpid()));
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  return dir.string();
-}
-
 json read_json(const std::string& path) {
   std::ifstream in(path);
   return json::parse(in);
-}
-
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const difftrain::Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 TEST(UNet, ClassConditionalUNet2DMatchesDiffusers) {

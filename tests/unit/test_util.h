@@ -1,0 +1,42 @@
+#pragma once
+// Helpers the unit tests share: tensor differences, scratch folders, expected errors.
+
+#include "difftrain/core/error.h"
+
+#include <gtest/gtest.h>
+#include <torch/types.h>
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <string>
+
+namespace difftrain::test {
+
+/// max |a - b|, computed in float64.
+inline double max_abs(const torch::Tensor& a, const torch::Tensor& b) {
+  return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
+}
+
+/// A fresh, empty folder under the system temp dir, unique to `stem` and this process.
+inline std::string temp_dir(const std::string& stem) {
+  auto dir = std::filesystem::temp_directory_path() /
+             ("difftrain_" + stem + "_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir.string();
+}
+
+/// The message of the difftrain::Error `f` throws ("" and a test failure if it throws none).
+template <typename F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const difftrain::Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected a difftrain::Error";
+  return "";
+}
+
+}  // namespace difftrain::test
