@@ -72,15 +72,12 @@ AttentionImpl::AttentionImpl(const AttentionOptions& o) : options(o) {
                                  .eps(o.eps())
                                  .affine(true)));
   }
-  to_q_ = register_module(
-      "to_q", torch::nn::Linear(torch::nn::LinearOptions(o.query_dim(), inner).bias(o.bias())));
-  to_k_ = register_module(
-      "to_k", torch::nn::Linear(torch::nn::LinearOptions(kv_dim, inner).bias(o.bias())));
-  to_v_ = register_module(
-      "to_v", torch::nn::Linear(torch::nn::LinearOptions(kv_dim, inner).bias(o.bias())));
+  to_q_ = register_module("to_q",
+                          Linear(torch::nn::LinearOptions(o.query_dim(), inner).bias(o.bias())));
+  to_k_ = register_module("to_k", Linear(torch::nn::LinearOptions(kv_dim, inner).bias(o.bias())));
+  to_v_ = register_module("to_v", Linear(torch::nn::LinearOptions(kv_dim, inner).bias(o.bias())));
   to_out_ = register_module("to_out", torch::nn::ModuleList());
-  to_out_->push_back(
-      torch::nn::Linear(torch::nn::LinearOptions(inner, o.query_dim()).bias(o.out_bias())));
+  to_out_->push_back(Linear(torch::nn::LinearOptions(inner, o.query_dim()).bias(o.out_bias())));
   to_out_->push_back(torch::nn::Dropout(o.dropout()));
 }
 
@@ -106,7 +103,7 @@ torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor
   const torch::Tensor& kv_in = options.cross_attention_dim() > 0 ? context : h;
   torch::Tensor out = multi_head_attention(to_q_(h), to_k_(kv_in), to_v_(kv_in), options.heads(),
                                            options.upcast_attention(), options.upcast_softmax());
-  out = to_out_->ptr<torch::nn::LinearImpl>(0)->forward(out);
+  out = to_out_->ptr<LinearImpl>(0)->forward(out);
   out = maybe_dropout(out, options.dropout(), is_training());
   if (spatial) out = out.transpose(-1, -2).reshape({B, C, H, W});
   if (options.residual_connection()) out = out + residual;
@@ -131,10 +128,10 @@ FeedForwardImpl::FeedForwardImpl(int64_t dim, std::string activation_fn, int64_t
   // net.0 is the activation module holding `proj`, net.1 dropout, net.2 the output Linear.
   auto net = register_module("net", torch::nn::ModuleList());
   auto act = std::make_shared<torch::nn::Module>("GEGLU");
-  proj_ = act->register_module("proj", torch::nn::Linear(dim, proj_out));
+  proj_ = act->register_module("proj", Linear(dim, proj_out));
   net->push_back(act);
   net->push_back(torch::nn::Dropout(dropout));
-  out_ = torch::nn::Linear(inner, dim);
+  out_ = Linear(inner, dim);
   net->push_back(out_);
 }
 
@@ -202,10 +199,10 @@ Transformer2DModelImpl::Transformer2DModelImpl(int64_t heads, int64_t dim_head, 
       torch::nn::GroupNorm(
           torch::nn::GroupNormOptions(norm_num_groups, in_channels).eps(1e-6).affine(true)));
   if (use_linear_projection) {
-    proj_in_linear_ = register_module("proj_in", torch::nn::Linear(in_channels, inner));
+    proj_in_linear_ = register_module("proj_in", Linear(in_channels, inner));
   } else {
-    proj_in_conv_ = register_module(
-        "proj_in", torch::nn::Conv2d(torch::nn::Conv2dOptions(in_channels, inner, 1)));
+    proj_in_conv_ =
+        register_module("proj_in", Conv2d(torch::nn::Conv2dOptions(in_channels, inner, 1)));
   }
   transformer_blocks_ = register_module("transformer_blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < num_layers; ++i) {
@@ -214,10 +211,10 @@ Transformer2DModelImpl::Transformer2DModelImpl(int64_t heads, int64_t dim_head, 
                                                          upcast_attention, false, dropout));
   }
   if (use_linear_projection) {
-    proj_out_linear_ = register_module("proj_out", torch::nn::Linear(inner, in_channels));
+    proj_out_linear_ = register_module("proj_out", Linear(inner, in_channels));
   } else {
-    proj_out_conv_ = register_module(
-        "proj_out", torch::nn::Conv2d(torch::nn::Conv2dOptions(inner, in_channels, 1)));
+    proj_out_conv_ =
+        register_module("proj_out", Conv2d(torch::nn::Conv2dOptions(inner, in_channels, 1)));
   }
 }
 

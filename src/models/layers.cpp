@@ -47,13 +47,12 @@ TimestepEmbeddingImpl::TimestepEmbeddingImpl(int64_t in_channels, int64_t time_e
                                              std::optional<std::string> post_act_fn,
                                              std::optional<int64_t> cond_proj_dim)
     : act_fn_(std::move(act_fn)), post_act_fn_(std::move(post_act_fn)) {
-  linear_1_ = register_module("linear_1", torch::nn::Linear(in_channels, time_embed_dim));
+  linear_1_ = register_module("linear_1", Linear(in_channels, time_embed_dim));
   if (cond_proj_dim) {
     cond_proj_ = register_module(
-        "cond_proj",
-        torch::nn::Linear(torch::nn::LinearOptions(*cond_proj_dim, in_channels).bias(false)));
+        "cond_proj", Linear(torch::nn::LinearOptions(*cond_proj_dim, in_channels).bias(false)));
   }
-  linear_2_ = register_module("linear_2", torch::nn::Linear(time_embed_dim, time_embed_dim));
+  linear_2_ = register_module("linear_2", Linear(time_embed_dim, time_embed_dim));
 }
 
 torch::Tensor TimestepEmbeddingImpl::forward(torch::Tensor sample, const torch::Tensor& condition) {
@@ -94,8 +93,7 @@ Downsample2DImpl::Downsample2DImpl(int64_t channels, bool use_conv, int64_t out_
   if (use_conv) {
     conv_ = register_module(
         "conv",
-        torch::nn::Conv2d(
-            torch::nn::Conv2dOptions(channels, out_channels, 3).stride(2).padding(padding)));
+        Conv2d(torch::nn::Conv2dOptions(channels, out_channels, 3).stride(2).padding(padding)));
   } else {
     TORCH_CHECK(channels == out_channels, "Downsample2D without a conv keeps the channel count");
   }
@@ -113,8 +111,8 @@ torch::Tensor Downsample2DImpl::forward(torch::Tensor x) {
 
 Upsample2DImpl::Upsample2DImpl(int64_t channels, bool use_conv, int64_t out_channels) {
   if (use_conv) {
-    conv_ = register_module(
-        "conv", torch::nn::Conv2d(torch::nn::Conv2dOptions(channels, out_channels, 3).padding(1)));
+    conv_ = register_module("conv",
+                            Conv2d(torch::nn::Conv2dOptions(channels, out_channels, 3).padding(1)));
   }
 }
 
@@ -141,19 +139,16 @@ ResnetBlock2DImpl::ResnetBlock2DImpl(const ResnetBlock2DOptions& o) : options(o)
   const int64_t in = o.in_channels(), out = o.out_channels();
   norm1_ = register_module(
       "norm1", torch::nn::GroupNorm(torch::nn::GroupNormOptions(o.groups(), in).eps(o.eps())));
-  conv1_ =
-      register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).padding(1)));
+  conv1_ = register_module("conv1", Conv2d(torch::nn::Conv2dOptions(in, out, 3).padding(1)));
   if (o.temb_channels() > 0) {
     const int64_t proj = o.time_embedding_norm() == "scale_shift" ? 2 * out : out;
-    time_emb_proj_ = register_module("time_emb_proj", torch::nn::Linear(o.temb_channels(), proj));
+    time_emb_proj_ = register_module("time_emb_proj", Linear(o.temb_channels(), proj));
   }
   norm2_ = register_module(
       "norm2", torch::nn::GroupNorm(torch::nn::GroupNormOptions(o.groups(), out).eps(o.eps())));
-  conv2_ =
-      register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(out, out, 3).padding(1)));
+  conv2_ = register_module("conv2", Conv2d(torch::nn::Conv2dOptions(out, out, 3).padding(1)));
   if (in != out) {
-    conv_shortcut_ =
-        register_module("conv_shortcut", torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 1)));
+    conv_shortcut_ = register_module("conv_shortcut", Conv2d(torch::nn::Conv2dOptions(in, out, 1)));
   }
 }
 

@@ -45,8 +45,7 @@ UNetImpl::UNetImpl(const UNetConfig& c) : config_(c) {
   const int64_t k_in = cond ? c.conv_in_kernel : 3;
   conv_in_ = register_module(
       "conv_in",
-      torch::nn::Conv2d(
-          torch::nn::Conv2dOptions(c.in_channels, boc[0], k_in).padding((k_in - 1) / 2)));
+      Conv2d(torch::nn::Conv2dOptions(c.in_channels, boc[0], k_in).padding((k_in - 1) / 2)));
   int64_t time_embed_dim = boc[0] * 4;
   int64_t timestep_input_dim = boc[0];
   if (c.time_embedding_type == "fourier") {
@@ -88,8 +87,7 @@ UNetImpl::UNetImpl(const UNetConfig& c) : config_(c) {
         TimestepEmbedding(*c.projection_class_embeddings_input_dim, time_embed_dim, c.act_fn));
   } else if (c.class_embed_type == "simple_projection") {
     class_embedding_linear_ = register_module(
-        "class_embedding",
-        torch::nn::Linear(*c.projection_class_embeddings_input_dim, time_embed_dim));
+        "class_embedding", Linear(*c.projection_class_embeddings_input_dim, time_embed_dim));
   }
   const int64_t block_temb = c.class_embeddings_concat ? 2 * time_embed_dim : time_embed_dim;
 
@@ -183,8 +181,7 @@ UNetImpl::UNetImpl(const UNetConfig& c) : config_(c) {
   const int64_t k_out = cond ? c.conv_out_kernel : 3;
   conv_out_ = register_module(
       "conv_out",
-      torch::nn::Conv2d(
-          torch::nn::Conv2dOptions(boc[0], c.out_channels, k_out).padding((k_out - 1) / 2)));
+      Conv2d(torch::nn::Conv2dOptions(boc[0], c.out_channels, k_out).padding((k_out - 1) / 2)));
 }
 
 bool UNetImpl::needs_encoder_hidden_states() const {

@@ -3,6 +3,8 @@
 // AttnProcessor, attention.py `BasicTransformerBlock` / `FeedForward` / `GEGLU`, and
 // transformers/transformer_2d.py `Transformer2DModel` on continuous inputs).
 
+#include "difftrain/models/linear.h"
+
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/conv.h>
@@ -57,7 +59,7 @@ class AttentionImpl : public SpatialLayer {
 
  private:
   torch::nn::GroupNorm group_norm_{nullptr};
-  torch::nn::Linear to_q_{nullptr}, to_k_{nullptr}, to_v_{nullptr};
+  Linear to_q_{nullptr}, to_k_{nullptr}, to_v_{nullptr};
   torch::nn::ModuleList to_out_;
 };
 TORCH_MODULE(Attention);
@@ -79,7 +81,7 @@ class FeedForwardImpl : public torch::nn::Module {
  private:
   std::string activation_fn_;
   double dropout_;
-  torch::nn::Linear proj_{nullptr}, out_{nullptr};
+  Linear proj_{nullptr}, out_{nullptr};
 };
 TORCH_MODULE(FeedForward);
 
@@ -116,8 +118,8 @@ class Transformer2DModelImpl : public SpatialLayer {
  private:
   bool use_linear_projection_;
   torch::nn::GroupNorm norm_{nullptr};
-  torch::nn::Conv2d proj_in_conv_{nullptr}, proj_out_conv_{nullptr};
-  torch::nn::Linear proj_in_linear_{nullptr}, proj_out_linear_{nullptr};
+  Conv2d proj_in_conv_{nullptr}, proj_out_conv_{nullptr};
+  Linear proj_in_linear_{nullptr}, proj_out_linear_{nullptr};
   torch::nn::ModuleList transformer_blocks_;
 };
 TORCH_MODULE(Transformer2DModel);

@@ -3,6 +3,8 @@
 // Downsample2D, Upsample2D (Diffusers' embeddings.py, resnet.py, downsampling.py, upsampling.py).
 // Registered names are Diffusers' state-dict keys.
 
+#include "difftrain/models/linear.h"
+
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/conv.h>
@@ -35,7 +37,7 @@ class TimestepEmbeddingImpl : public torch::nn::Module {
   torch::Tensor forward(torch::Tensor sample, const torch::Tensor& condition = {});
 
  private:
-  torch::nn::Linear linear_1_{nullptr}, linear_2_{nullptr}, cond_proj_{nullptr};
+  Linear linear_1_{nullptr}, linear_2_{nullptr}, cond_proj_{nullptr};
   std::string act_fn_;
   std::optional<std::string> post_act_fn_;
 };
@@ -64,7 +66,7 @@ class Downsample2DImpl : public torch::nn::Module {
   torch::Tensor forward(torch::Tensor x);
 
  private:
-  torch::nn::Conv2d conv_{nullptr};
+  Conv2d conv_{nullptr};
   int64_t padding_;
 };
 TORCH_MODULE(Downsample2D);
@@ -77,7 +79,7 @@ class Upsample2DImpl : public torch::nn::Module {
   torch::Tensor forward(torch::Tensor x, const std::vector<int64_t>& output_size = {});
 
  private:
-  torch::nn::Conv2d conv_{nullptr};
+  Conv2d conv_{nullptr};
 };
 TORCH_MODULE(Upsample2D);
 
@@ -114,8 +116,8 @@ class ResnetBlock2DImpl : public torch::nn::Module {
 
  private:
   torch::nn::GroupNorm norm1_{nullptr}, norm2_{nullptr};
-  torch::nn::Conv2d conv1_{nullptr}, conv2_{nullptr}, conv_shortcut_{nullptr};
-  torch::nn::Linear time_emb_proj_{nullptr};
+  Conv2d conv1_{nullptr}, conv2_{nullptr}, conv_shortcut_{nullptr};
+  Linear time_emb_proj_{nullptr};
 };
 TORCH_MODULE(ResnetBlock2D);
 

@@ -51,13 +51,13 @@ class UNetImpl : public torch::nn::Module {
   UNetConfig config_;
   bool gradient_checkpointing_ = false;
   int64_t num_upsamplers_ = 0;
-  torch::nn::Conv2d conv_in_{nullptr}, conv_out_{nullptr};
+  Conv2d conv_in_{nullptr}, conv_out_{nullptr};
   GaussianFourierProjection fourier_{nullptr};
   torch::nn::Embedding learned_time_{nullptr};
   TimestepEmbedding time_embedding_{nullptr};
   torch::nn::Embedding class_embedding_table_{nullptr};
   TimestepEmbedding class_embedding_mlp_{nullptr};
-  torch::nn::Linear class_embedding_linear_{nullptr};
+  Linear class_embedding_linear_{nullptr};
   std::vector<DownBlock> down_blocks_;
   MidBlock mid_block_{nullptr};
   std::vector<UpBlock> up_blocks_;

@@ -1,0 +1,90 @@
+#pragma once
+// The UNet's Linear and Conv2d layers: LibTorch's, plus a slot for a trainable LoRA adapter whose
+// output is added to the layer's (PEFT's `lora.Linear` / `lora.Conv2d` wrapping a base layer).
+// Parameters keep LibTorch's names (weight, bias), so Diffusers keys are unchanged; the adapter
+// is not a registered child, so state dicts, strict loading and saving never see it — it belongs
+// to a models::LoraLayers container (models/lora_training.h).
+#include <torch/nn/modules/container/any.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/dropout.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+
+namespace difftrain::models {
+
+/// Options of one LoRA adapter (PEFT's `LoraConfig` for one layer).
+struct LoraAdapterOptions {
+  /// r, the adapter's rank (> 0).
+  TORCH_ARG(int64_t, rank) = 4;
+  /// The update is scaled by alpha / rank (PEFT `lora_alpha`; Diffusers' scripts use alpha = r).
+  TORCH_ARG(double, alpha) = 4.0;
+  /// Dropout on the adapter's input during training (PEFT `lora_dropout`), in [0, 1).
+  TORCH_ARG(double, dropout) = 0.0;
+};
+
+/// A low-rank update of one layer: y = up(down(dropout(x))) * alpha / rank, with `lora_A` (down:
+/// Linear in→r, or Conv2d with the base's kernel, stride and padding) and `lora_B` (up: Linear
+/// r→out or 1x1 Conv2d) as PEFT names them. Initialised as PEFT's default: A Kaiming-uniform (a =
+/// sqrt(5)), B zero, so a fresh adapter changes nothing.
+class LoraAdapterImpl : public torch::nn::Module {
+ public:
+  /// For a Linear [out, in].
+  LoraAdapterImpl(const torch::nn::LinearOptions& base, const LoraAdapterOptions& options);
+  /// For a Conv2d [out, in, kh, kw] (groups = 1, dilation 1).
+  LoraAdapterImpl(const torch::nn::detail::ConvNdOptions<2>& base,
+                  const LoraAdapterOptions& options);
+
+  /// x: the base layer's input ([..., in] or [B, in, H, W]) → the update, the base's output shape.
+  torch::Tensor forward(const torch::Tensor& x);
+
+  /// alpha / rank.
+  double scale() const { return options_.alpha() / static_cast<double>(options_.rank()); }
+  const LoraAdapterOptions& options() const { return options_; }
+  /// down's weight: [r, in] or [r, in, kh, kw].
+  const torch::Tensor& down_weight() const { return down_weight_; }
+  /// up's weight: [out, r] or [out, r, 1, 1].
+  const torch::Tensor& up_weight() const { return up_weight_; }
+  /// Whether the adapter is for a Conv2d.
+  bool is_conv() const { return conv_; }
+
+ private:
+  LoraAdapterOptions options_;
+  bool conv_ = false;
+  torch::nn::detail::ConvNdOptions<2> conv_options_{1, 1, 1};
+  torch::Tensor down_weight_, up_weight_;
+};
+TORCH_MODULE(LoraAdapter);
+
+/// torch::nn::Linear with an optional LoRA adapter: forward(x) = linear(x) + adapter(x).
+class LinearImpl : public torch::nn::LinearImpl {
+ public:
+  using torch::nn::LinearImpl::LinearImpl;
+  /// x: [..., in] → [..., out].
+  torch::Tensor forward(const torch::Tensor& x);
+  /// Attaches (or with nullptr detaches) an adapter; it must have been made for this layer.
+  void set_lora(LoraAdapter adapter);
+  const LoraAdapter& lora() const { return lora_; }
+
+ private:
+  LoraAdapter lora_{nullptr};
+};
+TORCH_MODULE(Linear);
+
+/// torch::nn::Conv2d with an optional LoRA adapter: forward(x) = conv(x) + adapter(x).
+class Conv2dImpl : public torch::nn::Conv2dImpl {
+ public:
+  using torch::nn::Conv2dImpl::Conv2dImpl;
+  /// x: [B, in, H, W] → [B, out, H', W'].
+  torch::Tensor forward(const torch::Tensor& x);
+  /// Attaches (or with nullptr detaches) an adapter; it must have been made for this layer.
+  void set_lora(LoraAdapter adapter);
+  const LoraAdapter& lora() const { return lora_; }
+
+ private:
+  LoraAdapter lora_{nullptr};
+};
+TORCH_MODULE(Conv2d);
+
+}  // namespace difftrain::models

@@ -1,0 +1,109 @@
+#include "difftrain/models/linear.h"
+
+#include "difftrain/core/error.h"
+
+#include <torch/nn/functional/conv.h>
+#include <torch/nn/functional/dropout.h>
+#include <torch/nn/functional/linear.h>
+#include <torch/nn/init.h>
+
+#include <cmath>
+#include <string>
+
+namespace difftrain::models {
+namespace {
+
+void check_options(const LoraAdapterOptions& o) {
+  if (o.rank() < 1) {
+    throw Error("LoRA rank is " + std::to_string(o.rank()) + ": it must be at least 1");
+  }
+  if (!(o.alpha() > 0) || !std::isfinite(o.alpha())) {
+    throw Error("LoRA alpha is " + std::to_string(o.alpha()) + ": it must be a positive number");
+  }
+  if (!(o.dropout() >= 0 && o.dropout() < 1)) {
+    throw Error("LoRA dropout is " + std::to_string(o.dropout()) + ": it must be in [0, 1)");
+  }
+}
+
+}  // namespace
+
+LoraAdapterImpl::LoraAdapterImpl(const torch::nn::LinearOptions& base,
+                                 const LoraAdapterOptions& options)
+    : options_(options) {
+  check_options(options);
+  const int64_t r = options.rank();
+  // Submodule-like names (lora_A.weight) without the submodules: two parameters in two children.
+  auto a = register_module("lora_A", std::make_shared<torch::nn::Module>());
+  auto b = register_module("lora_B", std::make_shared<torch::nn::Module>());
+  down_weight_ = a->register_parameter("weight", torch::empty({r, base.in_features()}));
+  up_weight_ = b->register_parameter("weight", torch::zeros({base.out_features(), r}));
+  torch::NoGradGuard no_grad;
+  torch::nn::init::kaiming_uniform_(down_weight_, std::sqrt(5.0));
+}
+
+LoraAdapterImpl::LoraAdapterImpl(const torch::nn::detail::ConvNdOptions<2>& base,
+                                 const LoraAdapterOptions& options)
+    : options_(options), conv_(true), conv_options_(base) {
+  check_options(options);
+  if (base.groups() != 1) throw Error("LoRA on a grouped convolution is not supported");
+  const int64_t r = options.rank();
+  const auto k = base.kernel_size();
+  auto a = register_module("lora_A", std::make_shared<torch::nn::Module>());
+  auto b = register_module("lora_B", std::make_shared<torch::nn::Module>());
+  down_weight_ =
+      a->register_parameter("weight", torch::empty({r, base.in_channels(), (*k)[0], (*k)[1]}));
+  up_weight_ = b->register_parameter("weight", torch::zeros({base.out_channels(), r, 1, 1}));
+  torch::NoGradGuard no_grad;
+  torch::nn::init::kaiming_uniform_(down_weight_, std::sqrt(5.0));
+}
+
+torch::Tensor LoraAdapterImpl::forward(const torch::Tensor& x) {
+  torch::Tensor h = x;
+  if (options_.dropout() > 0 && is_training()) {
+    h = torch::dropout(h, options_.dropout(), /*train=*/true);
+  }
+  if (!conv_) {
+    return torch::linear(torch::linear(h, down_weight_), up_weight_).mul(scale());
+  }
+  const auto& o = conv_options_;
+  const auto* padding = c10::get_if<torch::ExpandingArray<2>>(&o.padding());
+  if (padding == nullptr) throw Error("LoRA on a convolution with string padding is not supported");
+  h = torch::conv2d(h, down_weight_, {}, *o.stride(), **padding, *o.dilation());
+  return torch::conv2d(h, up_weight_).mul(scale());
+}
+
+torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
+  torch::Tensor y = torch::nn::LinearImpl::forward(x);
+  if (lora_.is_empty()) return y;
+  return y + lora_->forward(x);
+}
+
+void LinearImpl::set_lora(LoraAdapter adapter) {
+  if (!adapter.is_empty()) {
+    if (adapter->is_conv() || adapter->down_weight().size(1) != options.in_features() ||
+        adapter->up_weight().size(0) != options.out_features()) {
+      throw Error("LoRA adapter does not fit a Linear(" + std::to_string(options.in_features()) +
+                  ", " + std::to_string(options.out_features()) + ")");
+    }
+  }
+  lora_ = std::move(adapter);
+}
+
+torch::Tensor Conv2dImpl::forward(const torch::Tensor& x) {
+  torch::Tensor y = torch::nn::Conv2dImpl::forward(x);
+  if (lora_.is_empty()) return y;
+  return y + lora_->forward(x);
+}
+
+void Conv2dImpl::set_lora(LoraAdapter adapter) {
+  if (!adapter.is_empty()) {
+    if (!adapter->is_conv() || adapter->down_weight().size(1) != options.in_channels() ||
+        adapter->up_weight().size(0) != options.out_channels()) {
+      throw Error("LoRA adapter does not fit a Conv2d(" + std::to_string(options.in_channels()) +
+                  ", " + std::to_string(options.out_channels()) + ")");
+    }
+  }
+  lora_ = std::move(adapter);
+}
+
+}  // namespace difftrain::models
