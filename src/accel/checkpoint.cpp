@@ -69,7 +69,8 @@ void agree(dist::ProcessGroup& group, const std::exception_ptr& error, const std
 
 }  // namespace
 
-void Accelerator::save_state(const std::string& dir) {
+void Accelerator::save_state(const std::string& dir,
+                             const std::function<void(const std::string&)>& extra) {
   const fs::path target = fs::path(dir);
   const fs::path temp = fs::path(dir + ".tmp");
   auto& group = *group_;
@@ -127,6 +128,7 @@ void Accelerator::save_state(const std::string& dir) {
     io::save_safetensors(
         (temp / ("random_states_" + std::to_string(process_index()) + ".safetensors")).string(),
         {{"cpu", rng}});
+    if (extra) extra(temp.string());
   } catch (...) {
     error = std::current_exception();
   }

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -257,7 +258,11 @@ class Accelerator {
   /// its random state. `dir` must be on a filesystem every rank sees. Optimizers must be
   /// difftrain's (optim::AdamW, optim::AdamW8bit); models must be prepared through a holder or
   /// shared_ptr.
-  void save_state(const std::string& dir);
+  /// `extra`, when given, runs on every rank after these files are written and before the
+  /// rename, with the temporary folder: what it writes there is part of the same atomic
+  /// checkpoint (the trainer's EMA and step). An exception from it on any rank fails the save.
+  void save_state(const std::string& dir,
+                  const std::function<void(const std::string& temp_dir)>& extra = nullptr);
   /// Accelerate's `load_state(input_dir)`: restores what save_state() wrote into the prepared
   /// objects (prepare the same objects in the same order first). Names, shapes and counts are
   /// checked; a mismatch throws difftrain::Error naming the file and the tensor. A missing
