@@ -1,0 +1,202 @@
+#include "difftrain/data/idx.h"
+
+#include "difftrain/core/error.h"
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+#include <zlib.h>
+
+#include <array>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <vector>
+
+namespace difftrain::data {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string dims_str(const std::vector<int64_t>& dims) {
+  return fmt::format("[{}]", fmt::join(dims, ", "));
+}
+
+// One IDX file through zlib's gz* API, which reads gzip streams and raw files alike.
+class IdxReader {
+ public:
+  explicit IdxReader(const std::string& path) : path_(path) {
+    file_ = gzopen(path.c_str(), "rb");
+    if (file_ == nullptr) {
+      throw Error(path + ": cannot open the file (" + std::strerror(errno) +
+                  "); check permissions");
+    }
+  }
+  ~IdxReader() { gzclose(file_); }
+  IdxReader(const IdxReader&) = delete;
+  IdxReader& operator=(const IdxReader&) = delete;
+
+  // Reads up to n bytes into dst and returns how many it got (fewer only at the end of the data,
+  // including the end of a truncated gzip stream). Throws for corrupt gzip data.
+  int64_t read(void* dst, int64_t n) {
+    int64_t got = 0;
+    auto* out = static_cast<char*>(dst);
+    while (got < n) {
+      const auto chunk = static_cast<unsigned>(std::min<int64_t>(n - got, int64_t{1} << 30));
+      const int r = gzread(file_, out + got, chunk);
+      if (r < 0) {
+        int code = Z_OK;
+        const char* message = gzerror(file_, &code);
+        // Z_BUF_ERROR is zlib's "unexpected end of file": a cut-off gzip stream.
+        if (code == Z_BUF_ERROR) break;
+        throw Error(path_ + ": corrupt gzip data (zlib: " + (message ? message : "unknown") +
+                    "); re-download the file");
+      }
+      if (r == 0) break;
+      got += r;
+    }
+    return got;
+  }
+
+  // The bytes that remain, counted without keeping them, up to `limit`.
+  int64_t count_remaining(int64_t limit) {
+    std::array<char, 1 << 16> scratch;
+    int64_t total = 0;
+    while (total < limit) {
+      const int64_t r = read(scratch.data(), std::min<int64_t>(scratch.size(), limit - total));
+      if (r == 0) break;
+      total += r;
+    }
+    return total;
+  }
+
+  bool is_raw() { return gzdirect(file_) != 0; }
+  void rewind() { gzrewind(file_); }
+
+ private:
+  std::string path_;
+  gzFile file_ = nullptr;
+};
+
+// The uncompressed size modulo 2^32 that a single-member gzip file stores in its last 4 bytes.
+uint32_t gzip_isize(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in || in.tellg() < 4) return 0;
+  in.seekg(-4, std::ios::end);
+  std::array<unsigned char, 4> b{};
+  in.read(reinterpret_cast<char*>(b.data()), 4);
+  return uint32_t{b[0]} | uint32_t{b[1]} << 8 | uint32_t{b[2]} << 16 | uint32_t{b[3]} << 24;
+}
+
+const char* idx_type_name(int code) {
+  switch (code) {
+    case 0x08: return "unsigned byte";
+    case 0x09: return "signed byte";
+    case 0x0B: return "int16";
+    case 0x0C: return "int32";
+    case 0x0D: return "float32";
+    case 0x0E: return "float64";
+    default: return "unknown";
+  }
+}
+
+constexpr int kMaxIdxDims = 8;
+// How many bytes past the declared data are counted for an error message.
+constexpr int64_t kExtraCounted = int64_t{1} << 20;
+
+}  // namespace
+
+torch::Tensor read_idx(const std::string& path) {
+  std::error_code ec;
+  const auto status = fs::status(path, ec);
+  if (!fs::exists(status)) {
+    throw Error(path +
+                ": no such IDX file; check the path (MNIST-style files are named e.g. "
+                "train-images-idx3-ubyte.gz)");
+  }
+  if (fs::is_directory(status)) {
+    throw Error(path + ": is a folder; expected an IDX file such as train-images-idx3-ubyte.gz");
+  }
+  IdxReader reader(path);
+
+  std::array<unsigned char, 4> magic{};
+  const int64_t got = reader.read(magic.data(), 4);
+  if (got < 4 || magic[0] != 0 || magic[1] != 0 || magic[3] == 0 || magic[3] > kMaxIdxDims ||
+      std::string(idx_type_name(magic[2])) == "unknown") {
+    const std::string seen =
+        got == 0
+            ? "it is empty"
+            : fmt::format("first bytes {:02x}", fmt::join(magic.begin(), magic.begin() + got, " "));
+    throw Error(fmt::format(
+        "{}: not an IDX file ({}; IDX files start with 00 00 08 <ndim>); expected an MNIST-style "
+        "file such as train-images-idx3-ubyte(.gz)",
+        path, seen));
+  }
+  if (magic[2] != 0x08) {
+    throw Error(fmt::format(
+        "{}: IDX dtype code 0x{:02x} ({}) is not supported; only 0x08 (unsigned byte, as in "
+        "MNIST) is",
+        path, magic[2], idx_type_name(magic[2])));
+  }
+  const int ndim = magic[3];
+  std::vector<unsigned char> header(4 * static_cast<size_t>(ndim));
+  if (reader.read(header.data(), static_cast<int64_t>(header.size())) !=
+      static_cast<int64_t>(header.size())) {
+    throw Error(
+        fmt::format("{}: truncated inside the IDX header ({} dimensions declared); "
+                    "re-download the file",
+                    path, ndim));
+  }
+  std::vector<int64_t> dims(ndim);
+  int64_t numel = 1;
+  for (int d = 0; d < ndim; ++d) {
+    const unsigned char* b = header.data() + 4 * d;
+    dims[d] = int64_t{b[0]} << 24 | int64_t{b[1]} << 16 | int64_t{b[2]} << 8 | int64_t{b[3]};
+    // Sizes are < 2^32 each, so the product only overflows after passing the limit.
+    numel *= dims[d];
+    if (numel > kMaxIdxBytes) {
+      throw Error(
+          fmt::format("{}: IDX header declares sizes {} — more than the 2 GiB read_idx "
+                      "accepts; the file is corrupt or not a dataset difftrain can load",
+                      path, dims_str(std::vector<int64_t>(dims.begin(), dims.begin() + d + 1))));
+    }
+  }
+  const int64_t header_bytes = 4 + 4 * int64_t{ndim};
+  auto size_error = [&](int64_t present) {
+    if (present < numel) {
+      return Error(
+          fmt::format("{}: truncated: the IDX header declares {} ({} bytes of data) but "
+                      "only {} bytes follow; re-download the file",
+                      path, dims_str(dims), numel, present));
+    }
+    return Error(
+        fmt::format("{}: {} bytes follow the {} values its IDX header declares ({}); "
+                    "the file is corrupt or not a single IDX array",
+                    path, present - numel, numel, dims_str(dims)));
+  };
+
+  // Check the payload size against what the file holds before allocating it.
+  if (reader.is_raw()) {
+    const auto file_bytes = static_cast<int64_t>(fs::file_size(path, ec));
+    if (!ec && file_bytes - header_bytes != numel) throw size_error(file_bytes - header_bytes);
+  } else if (gzip_isize(path) != static_cast<uint32_t>(header_bytes + numel)) {
+    // The gzip trailer disagrees (a cut-off or multi-member stream): count the real bytes.
+    const int64_t present = reader.count_remaining(numel + kExtraCounted);
+    if (present != numel) throw size_error(present);
+    reader.rewind();
+    std::vector<unsigned char> skip(static_cast<size_t>(header_bytes));
+    reader.read(skip.data(), header_bytes);
+  }
+
+  auto data = torch::empty(dims, torch::kUInt8);
+  const int64_t read = reader.read(data.data_ptr<uint8_t>(), numel);
+  if (read != numel) throw size_error(read);
+  unsigned char extra = 0;
+  if (reader.read(&extra, 1) != 0) {
+    throw size_error(numel + 1 + reader.count_remaining(kExtraCounted - 1));
+  }
+  return data;
+}
+
+}  // namespace difftrain::data

@@ -1,0 +1,362 @@
+#include "difftrain/data/image_folder.h"
+
+#include "difftrain/core/error.h"
+#include "difftrain/core/log.h"
+#include "difftrain/data/sample_rng.h"
+#include "difftrain/io/image.h"
+
+#include <ATen/Parallel.h>
+#include <fmt/format.h>
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <utility>
+
+namespace difftrain::data {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kMetadataName = "metadata.jsonl";
+
+// One image as listed: its path relative to the folder, and what metadata.jsonl says of it.
+struct Entry {
+  std::string file;
+  std::optional<int64_t> label;
+  std::optional<std::string> caption;
+  int64_t line = 0;  // in metadata.jsonl; 0 when found by scanning
+};
+
+bool has_image_extension(const fs::path& path) {
+  std::string ext = path.extension().string();
+  std::transform(ext.begin(), ext.end(), ext.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return ext == ".png" || ext == ".jpg" || ext == ".jpeg" || ext == ".bmp";
+}
+
+// Hidden files and folders (".git", ".ipynb_checkpoints") and "__MACOSX"-style folders are not
+// data, as in HF's data-file patterns.
+bool is_hidden(const fs::path& path) {
+  const std::string name = path.filename().string();
+  return name.rfind('.', 0) == 0 || name.rfind("__", 0) == 0;
+}
+
+// Whether `path` (canonical) is `root` (canonical) or lies below it, compared by components so
+// that /data/set2 is not "inside" /data/set.
+bool is_inside(const fs::path& root, const fs::path& path) {
+  auto p = path.begin();
+  for (auto r = root.begin(); r != root.end(); ++r, ++p) {
+    if (p == path.end() || *r != *p) return false;
+  }
+  return true;
+}
+
+// Round half to even, as Python's round() in torchvision's center_crop.
+int64_t round_half_even(double x) { return static_cast<int64_t>(std::nearbyint(x)); }
+
+// Checks one metadata.jsonl file_name and returns it normalised ('/'-separated, no "./").
+std::string checked_file_name(const std::string& name, const fs::path& dir, const fs::path& root,
+                              const std::string& where) {
+  const fs::path relative(name);
+  if (name.empty()) throw Error(where + ": file_name is empty; give the image's relative path");
+  if (relative.has_root_path()) {
+    throw Error(fmt::format("{}: file_name \"{}\" is absolute; give a path relative to {}", where,
+                            name, dir.string()));
+  }
+  for (const auto& part : relative) {
+    if (part == "..") {
+      throw Error(fmt::format(
+          "{}: file_name \"{}\" contains '..'; images must lie inside {} (no '..' components)",
+          where, name, dir.string()));
+    }
+  }
+  const fs::path full = dir / relative;
+  std::error_code ec;
+  if (!fs::exists(full, ec)) {
+    throw Error(fmt::format("{}: file_name \"{}\" is listed but {} does not exist", where, name,
+                            full.string()));
+  }
+  const fs::path resolved = fs::weakly_canonical(full, ec);
+  if (ec || !is_inside(root, resolved)) {
+    throw Error(fmt::format(
+        "{}: file_name \"{}\" resolves to {}, outside {} (a symbolic link out of the folder); "
+        "copy the image into the folder instead",
+        where, name, ec ? "an unresolvable path" : resolved.string(), dir.string()));
+  }
+  if (!fs::is_regular_file(resolved, ec)) {
+    throw Error(fmt::format("{}: file_name \"{}\" is not a file", where, name));
+  }
+  return relative.lexically_normal().generic_string();
+}
+
+std::vector<Entry> read_metadata(const fs::path& metadata, const fs::path& dir,
+                                 const fs::path& root, const ImageFolderOptions& options) {
+  std::ifstream in(metadata);
+  if (!in) throw Error(metadata.string() + ": cannot be read; check its permissions");
+  std::vector<Entry> entries;
+  std::string text;
+  for (int64_t line = 1; std::getline(in, text); ++line) {
+    if (!text.empty() && text.back() == '\r') text.pop_back();
+    if (std::all_of(text.begin(), text.end(), [](unsigned char c) { return std::isspace(c); })) {
+      continue;
+    }
+    const std::string where = fmt::format("{} line {}", metadata.string(), line);
+    nlohmann::json json;
+    try {
+      json = nlohmann::json::parse(text);
+    } catch (const nlohmann::json::parse_error& e) {
+      throw Error(
+          fmt::format("{}: not valid JSON ({}); each line must be one object such as "
+                      "{{\"file_name\": \"a.png\", \"label\": 0}}",
+                      where, e.what()));
+    }
+    if (!json.is_object() || !json.contains("file_name") || !json["file_name"].is_string()) {
+      throw Error(where +
+                  ": no \"file_name\" string; each line must be one object such as "
+                  "{\"file_name\": \"a.png\", \"label\": 0}");
+    }
+    Entry entry;
+    entry.line = line;
+    entry.file = checked_file_name(json["file_name"].get<std::string>(), dir, root, where);
+    if (auto it = json.find(options.label_column); it != json.end() && !it->is_null()) {
+      if (!it->is_number_integer() || it->get<int64_t>() < 0) {
+        throw Error(fmt::format("{}: \"{}\" is {}; a label must be an integer >= 0", where,
+                                options.label_column, it->dump()));
+      }
+      entry.label = it->get<int64_t>();
+    }
+    if (auto it = json.find(options.caption_column); it != json.end() && !it->is_null()) {
+      if (!it->is_string()) {
+        throw Error(fmt::format("{}: \"{}\" is {}; a caption must be a string", where,
+                                options.caption_column, it->dump()));
+      }
+      entry.caption = it->get<std::string>();
+    }
+    entries.push_back(std::move(entry));
+  }
+  const auto labelled = std::count_if(entries.begin(), entries.end(),
+                                      [](const Entry& e) { return e.label.has_value(); });
+  if (labelled > 0 && labelled < static_cast<int64_t>(entries.size())) {
+    const auto& first = *std::find_if(entries.begin(), entries.end(),
+                                      [](const Entry& e) { return !e.label.has_value(); });
+    throw Error(fmt::format(
+        "{} line {}: no \"{}\", but other lines have one; give every line a label or none",
+        metadata.string(), first.line, options.label_column));
+  }
+  return entries;
+}
+
+// Every image below `dir`, sorted by relative path; symbolic links must stay inside.
+std::vector<Entry> scan_folder(const fs::path& dir, const fs::path& root) {
+  std::vector<Entry> entries;
+  std::error_code ec;
+  fs::recursive_directory_iterator it(dir, fs::directory_options::skip_permission_denied, ec);
+  for (; !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+    const fs::path& path = it->path();
+    if (is_hidden(path)) {
+      if (it->is_directory(ec)) it.disable_recursion_pending();
+      continue;
+    }
+    if (!has_image_extension(path) || !it->is_regular_file(ec)) continue;
+    const std::string relative = path.lexically_relative(dir).generic_string();
+    if (it->is_symlink(ec)) {
+      const fs::path resolved = fs::weakly_canonical(path, ec);
+      if (ec || !is_inside(root, resolved)) {
+        throw Error(fmt::format(
+            "{}: a symbolic link to {}, outside {}; copy the image into the folder instead",
+            path.string(), ec ? "an unresolvable path" : resolved.string(), dir.string()));
+      }
+    }
+    entries.push_back({relative, std::nullopt, std::nullopt, 0});
+  }
+  if (ec) throw Error(fmt::format("{}: cannot list the folder ({})", dir.string(), ec.message()));
+  std::sort(entries.begin(), entries.end(),
+            [](const Entry& a, const Entry& b) { return a.file < b.file; });
+  return entries;
+}
+
+// HF imagefolder's inferred labels: every image directly in a first-level sub-folder, and at
+// least two sub-folders. Returns the sorted sub-folder names (empty: no labels).
+std::vector<std::string> infer_labels(std::vector<Entry>& entries) {
+  std::vector<std::string> names;
+  for (const Entry& e : entries) {
+    const auto slash = e.file.find('/');
+    if (slash == std::string::npos || e.file.find('/', slash + 1) != std::string::npos) return {};
+    names.push_back(e.file.substr(0, slash));
+  }
+  std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
+  if (names.size() < 2) return {};
+  for (Entry& e : entries) {
+    const auto folder = e.file.substr(0, e.file.find('/'));
+    e.label = std::lower_bound(names.begin(), names.end(), folder) - names.begin();
+  }
+  return names;
+}
+
+}  // namespace
+
+ImageFolderDataset::ImageFolderDataset(ImageFolderOptions options) : options_(std::move(options)) {
+  if (options_.resolution < 1) {
+    throw Error(fmt::format("ImageFolderDataset: resolution is {}; it must be >= 1 (e.g. 64)",
+                            options_.resolution));
+  }
+  if (options_.channels != 1 && options_.channels != 3) {
+    throw Error(fmt::format("ImageFolderDataset: channels is {}; use 3 (RGB) or 1 (grayscale)",
+                            options_.channels));
+  }
+  const fs::path dir(options_.dir);
+  std::error_code ec;
+  if (options_.dir.empty() || !fs::exists(dir, ec)) {
+    throw Error(
+        fmt::format("{}: no such folder; pass --train_data_dir pointing to a folder of "
+                    "PNG, JPEG or BMP images",
+                    options_.dir.empty() ? "\"\"" : options_.dir));
+  }
+  if (!fs::is_directory(dir, ec)) {
+    throw Error(options_.dir + ": is a file, not a folder; pass the folder that holds the images");
+  }
+  const fs::path root = fs::canonical(dir, ec);
+  if (ec)
+    throw Error(fmt::format("{}: cannot resolve the folder ({})", options_.dir, ec.message()));
+
+  const fs::path metadata = dir / kMetadataName;
+  std::vector<Entry> entries;
+  if (fs::exists(metadata, ec)) {
+    entries = read_metadata(metadata, dir, root, options_);
+    if (!entries.empty() && entries.front().label) {
+      int64_t max_label = 0;
+      for (const Entry& e : entries) max_label = std::max(max_label, *e.label);
+      for (int64_t k = 0; k <= max_label; ++k) class_names_.push_back(std::to_string(k));
+    }
+  } else {
+    entries = scan_folder(dir, root);
+    class_names_ = infer_labels(entries);
+  }
+  if (entries.empty()) {
+    throw Error(fmt::format(
+        "{}: no images found ({}); put PNG, JPEG or BMP files (.png .jpg .jpeg .bmp) in it",
+        options_.dir,
+        fs::exists(metadata, ec) ? "metadata.jsonl lists none" : "searched recursively"));
+  }
+
+  if (options_.skip_bad_images) {
+    std::vector<std::string> errors(entries.size());
+    at::parallel_for(0, static_cast<int64_t>(entries.size()), 1, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) {
+        try {
+          io::load_image((dir / entries[i].file).string(), options_.channels);
+        } catch (const std::exception& e) {
+          errors[i] = e.what();
+          if (errors[i].empty()) errors[i] = "unknown error";
+        }
+      }
+    });
+    std::vector<Entry> good;
+    std::string first_error;
+    for (size_t i = 0; i < entries.size(); ++i) {
+      if (errors[i].empty()) {
+        good.push_back(std::move(entries[i]));
+      } else {
+        skipped_files_.push_back((dir / entries[i].file).string());
+        if (first_error.empty()) first_error = errors[i];
+      }
+    }
+    if (good.empty()) {
+      throw Error(fmt::format("{}: none of its {} images could be decoded (first: {})",
+                              options_.dir, entries.size(), first_error));
+    }
+    if (!skipped_files_.empty() && log::rank() == 0) {
+      log::warn("{}: skipped {} of {} images that could not be decoded (first: {})", options_.dir,
+                skipped_files_.size(), entries.size(), first_error);
+    }
+    entries = std::move(good);
+  }
+
+  for (Entry& e : entries) {
+    files_.push_back(std::move(e.file));
+    if (e.label) labels_.push_back(*e.label);
+    captions_.push_back(std::move(e.caption));
+  }
+}
+
+void ImageFolderDataset::check_index(int64_t index) const {
+  if (index < 0 || index >= size()) {
+    throw Error(fmt::format("ImageFolderDataset index {} is out of range: expected 0 <= index < {}",
+                            index, size()));
+  }
+}
+
+std::string ImageFolderDataset::file(int64_t index) const {
+  check_index(index);
+  return (fs::path(options_.dir) / files_[index]).string();
+}
+
+const std::string& ImageFolderDataset::relative_file(int64_t index) const {
+  check_index(index);
+  return files_[index];
+}
+
+std::optional<int64_t> ImageFolderDataset::label(int64_t index) const {
+  check_index(index);
+  if (labels_.empty()) return std::nullopt;
+  return labels_[index];
+}
+
+std::optional<std::string> ImageFolderDataset::caption(int64_t index) const {
+  check_index(index);
+  return captions_[index];
+}
+
+Example ImageFolderDataset::get(int64_t index) const {
+  const std::string path = file(index);
+  torch::Tensor image;  // uint8 [H, W, C]
+  try {
+    image = io::load_image(path, options_.channels);
+  } catch (const Error& e) {
+    throw Error(std::string(e.what()) +
+                " (or set skip_bad_images to drop the files that cannot be decoded)");
+  }
+  // [H, W, C] uint8 → [1, C, H, W] float in [0, 255]
+  auto x = image.permute({2, 0, 1}).to(torch::kFloat).unsqueeze(0);
+  const int64_t r = options_.resolution;
+  const int64_t h = x.size(2), w = x.size(3);
+  // torchvision Resize(r): the shorter side becomes r, the longer int(r * long / short).
+  const int64_t new_h = w <= h ? r * h / w : r;
+  const int64_t new_w = w <= h ? r : r * w / h;
+  if (new_h != h || new_w != w) {
+    namespace F = torch::nn::functional;
+    x = F::interpolate(x, F::InterpolateFuncOptions()
+                              .size(std::vector<int64_t>{new_h, new_w})
+                              .mode(torch::kBilinear)
+                              .align_corners(false)
+                              .antialias(true));
+  }
+  std::optional<at::Generator> gen;
+  if (!options_.center_crop || options_.random_flip) {
+    gen = sample_generator(options_.seed, epoch_, index, SampleStream::kAugmentation);
+  }
+  int64_t top = 0, left = 0;
+  if (options_.center_crop) {
+    top = round_half_even(static_cast<double>(new_h - r) / 2.0);
+    left = round_half_even(static_cast<double>(new_w - r) / 2.0);
+  } else {
+    // torchvision RandomCrop.get_params: top, then left.
+    top = torch::randint(0, new_h - r + 1, {1}, *gen, torch::kLong).item<int64_t>();
+    left = torch::randint(0, new_w - r + 1, {1}, *gen, torch::kLong).item<int64_t>();
+  }
+  x = x.squeeze(0).narrow(1, top, r).narrow(2, left, r);
+  if (options_.random_flip && torch::rand({1}, *gen).item<float>() < 0.5f) x = x.flip({2});
+  Example example{{"pixel_values", x.div(255.0).mul(2.0).sub(1.0).contiguous()},
+                  {"index", torch::tensor(index, torch::kLong)}};
+  if (!labels_.empty())
+    example.emplace("class_labels", torch::tensor(labels_[index], torch::kLong));
+  return example;
+}
+
+}  // namespace difftrain::data
