@@ -97,13 +97,14 @@ UNet load_unet(const std::string& dir, const std::string& variant) {
   return unet;
 }
 
-void save_unet(UNetImpl& unet, const std::string& dir) {
+void save_unet(UNetImpl& unet, const std::string& dir, const std::string& variant) {
   io::write_file_atomic((fs::path(dir) / "config.json").string(),
                         unet.config().to_json().dump(2) + "\n");
   io::TensorMap tensors;
   for (const auto& [name, t] : named_tensors(unet)) tensors[name] = t.detach();
-  io::save_safetensors((fs::path(dir) / "diffusion_pytorch_model.safetensors").string(), tensors,
-                       {{"format", "pt"}});
+  const std::string file = variant.empty() ? "diffusion_pytorch_model.safetensors"
+                                           : "diffusion_pytorch_model." + variant + ".safetensors";
+  io::save_safetensors((fs::path(dir) / file).string(), tensors, {{"format", "pt"}});
 }
 
 }  // namespace difftrain::models

@@ -1,7 +1,7 @@
 #pragma once
 // LoRA files: the three safetensors key layouts in use for Stable Diffusion LoRAs, read into one
-// canonical form (a list of low-rank updates W += scale * up @ down per module). Applying them to
-// a model is models/lora.h; this file only reads and checks. See docs/LORA.md.
+// canonical form (a list of low-rank updates W += scale * up @ down per module), and written back
+// in any of them. Applying them to a model is models/lora.h. See docs/LORA.md.
 //
 //   Diffusers  unet.<module>.lora.down.weight / .lora.up.weight   (save_lora_weights; no alpha)
 //              unet.<attn>.processor.to_q_lora.down.weight        (older attention processors)
@@ -102,5 +102,38 @@ std::string kohya_name(const std::string& module);
 /// share the underscore form.
 void resolve_kohya_names(LoraWeights& lora, const std::string& component,
                          const std::vector<std::string>& module_names);
+
+/// The tensors of a LoRA file in `format` holding `lora`, keyed as the tools of that format write
+/// them; read back with parse_lora(), every target gives the same models::lora_delta() (up to one
+/// rounding to the weights' dtype). Components are "unet", "text_encoder", "text_encoder_2",
+/// "text_encoder_3" and "transformer".
+///   kDiffusers  `<component>.<module>.lora.down.weight` / `.lora.up.weight` (Diffusers'
+///               save_lora_weights; text encoders `.lora_linear_layer.down.weight`, as Diffusers).
+///   kPeft       `<component>.<module>.lora_A.weight` / `.lora_B.weight`.
+///   kKohya      `lora_unet_<kohya_name(module)>.lora_down.weight` / `.lora_up.weight` / `.alpha`
+///               (a float32 scalar: the target's alpha, or r when it has none or 0, so
+///               alpha / r is its scale()); text encoders `lora_te_`, or `lora_te1_` / `lora_te2_`
+///               / `lora_te3_` when the LoRA has a second text encoder; transformer
+///               `lora_transformer_`.
+/// Diffusers and PEFT files store no alpha (PEFT keeps `lora_alpha` in adapter_config.json), so a
+/// target whose scale() is not 1 is written with its scale folded into up: up * scale(), formed
+/// in float64 and rounded once to up's dtype; it reads back with no alpha and scale 1.
+/// Tensors keep their dtype and device and are made contiguous; unscaled ones share memory with
+/// `lora`. Throws difftrain::Error naming the target when: `lora` has no targets, a component is
+/// not one of the above, a target is an unresolved kohya name and `format` is not kKohya (resolve
+/// it first with resolve_kohya_names), its module is empty, its down/up are not a LoRA pair that
+/// parse_lora() accepts, its alpha is not finite (or, for kKohya, does not fit a float32), or two
+/// targets would get the same key.
+std::map<std::string, torch::Tensor> lora_to_tensors(const LoraWeights& lora, LoraFormat format);
+
+/// Writes `lora` in `format` (see lora_to_tensors) to the safetensors file `path`, atomically
+/// (io::save_safetensors), with `metadata` plus {"format": "pt"} (safetensors' PyTorch tag, as
+/// Diffusers' save_lora_weights writes; a "format" entry in `metadata` wins) as its
+/// `__metadata__`. Diffusers: `StableDiffusionPipeline.save_lora_weights(dir,
+/// unet_lora_layers=...)` (kDiffusers), PEFT `get_peft_model_state_dict` + `save_file` (kPeft),
+/// kohya sd-scripts' `network.save_weights` (kKohya). Errors as lora_to_tensors, or the path's I/O
+/// error.
+void write_lora(const std::string& path, const LoraWeights& lora, LoraFormat format,
+                const std::map<std::string, std::string>& metadata = {});
 
 }  // namespace difftrain::io

@@ -34,7 +34,9 @@ std::string weights_path(const std::string& dir, const std::string& variant = ""
 UNet load_unet(const std::string& dir, const std::string& variant = "");
 
 /// Writes `dir`/config.json and `dir`/diffusion_pytorch_model.safetensors (float32 or the
-/// model's dtype), each atomically, so Diffusers' from_pretrained(dir) loads it.
-void save_unet(UNetImpl& unet, const std::string& dir);
+/// model's dtype), each atomically, so Diffusers' from_pretrained(dir) loads it. With `variant`
+/// ("fp16"...) the weights go to diffusion_pytorch_model.<variant>.safetensors, as
+/// `save_pretrained(dir, variant=...)` names them (see weights_path).
+void save_unet(UNetImpl& unet, const std::string& dir, const std::string& variant = "");
 
 }  // namespace difftrain::models

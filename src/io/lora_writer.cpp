@@ -1,0 +1,169 @@
+// Writing LoRA files: the inverse of parse_lora() in lora_format.cpp, one key layout per format.
+// The reader and the writer share only the key grammar documented in lora_format.h; a round trip
+// through both is what tests/unit/lora_writer_test.cpp checks.
+
+#include "difftrain/core/error.h"
+#include "difftrain/io/lora_format.h"
+#include "difftrain/io/safetensors.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <sstream>
+
+namespace difftrain::io {
+namespace {
+
+std::string shape_of(const torch::Tensor& t) {
+  std::ostringstream out;
+  out << t.sizes() << " " << c10::toString(t.scalar_type());
+  return out.str();
+}
+
+// `where` starts every message: "lora_to_tensors" or "cannot write LoRA file '<path>'".
+[[noreturn]] void fail(const std::string& where, const std::string& what) {
+  throw Error(where + ": " + what);
+}
+
+// Shortest readable form of a number: 1e-60, 0.5, 3 (std::to_string gives 0.000000 for 1e-60).
+std::string num(double v) {
+  std::ostringstream out;
+  out << v;
+  return out.str();
+}
+
+std::string describe(const std::string& component, const LoraTarget& t) {
+  std::string s = component + " target '" + t.module + "'";
+  if (!t.key.empty() && t.key != t.module) s += " (key '" + t.key + "')";
+  return s;
+}
+
+// The same pair rules parse_lora() enforces, so a written file always reads back.
+void check_pair(const std::string& where, const std::string& component, const LoraTarget& t) {
+  if (!t.down.defined() || !t.up.defined()) {
+    fail(where, describe(component, t) + " has no down or no up tensor; set both");
+  }
+  if (!torch::isFloatingType(t.down.scalar_type()) || !torch::isFloatingType(t.up.scalar_type())) {
+    fail(where, describe(component, t) + " has down " + shape_of(t.down) + " and up " +
+                    shape_of(t.up) + ": LoRA weights must be floating point; convert them first");
+  }
+  const bool linear = t.down.dim() == 2 && t.up.dim() == 2;
+  const bool conv = t.down.dim() == 4 && t.up.dim() == 4 && t.up.size(2) == 1 && t.up.size(3) == 1;
+  if ((!linear && !conv) || t.down.size(0) != t.up.size(1) || t.down.size(0) < 1) {
+    fail(where, describe(component, t) + " has down " + shape_of(t.down) + " and up " +
+                    shape_of(t.up) +
+                    ": a LoRA pair is [r, in] and [out, r] (Linear) or [r, in, kh, kw] and "
+                    "[out, r, 1, 1] (Conv2d) with the same r >= 1");
+  }
+  if (t.alpha && !std::isfinite(*t.alpha)) {
+    fail(where, describe(component, t) + " has alpha " + num(*t.alpha) +
+                    ": alpha must be a finite number (or unset for scale 1)");
+  }
+}
+
+bool known_component(const std::string& c) {
+  return c == "unet" || c == "text_encoder" || c == "text_encoder_2" || c == "text_encoder_3" ||
+         c == "transformer";
+}
+
+// kohya's prefix of `component`; a lone text encoder is lora_te_, SDXL's pair lora_te1_/lora_te2_.
+std::string kohya_prefix(const std::string& component, bool several_text_encoders) {
+  if (component == "unet") return "lora_unet_";
+  if (component == "transformer") return "lora_transformer_";
+  if (component == "text_encoder") return several_text_encoders ? "lora_te1_" : "lora_te_";
+  return "lora_te" + component.substr(std::string("text_encoder_").size()) + "_";
+}
+
+// up * scale, formed in float64 and rounded once to up's dtype; up itself when scale is 1.
+torch::Tensor folded_up(const LoraTarget& t) {
+  const double scale = t.scale();
+  if (scale == 1.0) return t.up.contiguous();
+  return (t.up.to(torch::kFloat64) * scale).to(t.up.scalar_type()).contiguous();
+}
+
+std::map<std::string, torch::Tensor> to_tensors(const LoraWeights& lora, LoraFormat format,
+                                                const std::string& where) {
+  std::map<std::string, torch::Tensor> out;
+  auto put = [&](const std::string& key, const torch::Tensor& tensor, const std::string& component,
+                 const LoraTarget& t) {
+    if (!out.emplace(key, tensor).second) {
+      fail(where, describe(component, t) + " and another target both become key '" + key + "' in " +
+                      to_string(format) + " format; remove one of them" +
+                      (format == LoraFormat::kKohya ? " or write a Diffusers or PEFT file" : ""));
+    }
+  };
+  const bool several_te =
+      lora.components.count("text_encoder_2") > 0 || lora.components.count("text_encoder_3") > 0;
+  size_t targets = 0;
+  for (const auto& [component, list] : lora.components) {
+    if (list.empty()) continue;
+    if (!known_component(component)) {
+      fail(where, "component '" + component +
+                      "' has no key prefix in LoRA files; use unet, text_encoder, "
+                      "text_encoder_2, text_encoder_3 or transformer");
+    }
+    for (const auto& t : list) {
+      ++targets;
+      if (t.module.empty())
+        fail(where, component + " target with key '" + t.key + "' has no module");
+      check_pair(where, component, t);
+      if (!t.resolved && format != LoraFormat::kKohya) {
+        fail(where, describe(component, t) +
+                        " is an unresolved kohya name; call io::resolve_kohya_names(lora, \"" +
+                        component +
+                        "\", models::lora_module_names(model)) first, or write kohya format");
+      }
+      const torch::Tensor down = t.down.contiguous();
+      switch (format) {
+        case LoraFormat::kDiffusers: {
+          const std::string layer =
+              component == "unet" || component == "transformer" ? ".lora." : ".lora_linear_layer.";
+          const std::string stem = component + "." + t.module + layer;
+          put(stem + "down.weight", down, component, t);
+          put(stem + "up.weight", folded_up(t), component, t);
+          break;
+        }
+        case LoraFormat::kPeft: {
+          const std::string stem = component + "." + t.module + ".";
+          put(stem + "lora_A.weight", down, component, t);
+          put(stem + "lora_B.weight", folded_up(t), component, t);
+          break;
+        }
+        case LoraFormat::kKohya: {
+          const std::string stem = kohya_prefix(component, several_te) + kohya_name(t.module);
+          // kohya's rule reads alpha 0 as alpha = r, so an unset or zero alpha is written as r.
+          const double alpha =
+              t.alpha && *t.alpha != 0.0 ? *t.alpha : static_cast<double>(t.rank());
+          const float alpha32 = static_cast<float>(alpha);
+          if (!std::isfinite(alpha32) || alpha32 == 0.0f) {
+            fail(where, describe(component, t) + " has alpha " + num(alpha) +
+                            ", which a float32 kohya alpha cannot hold; write a Diffusers or PEFT "
+                            "file (the scale is folded into up there)");
+          }
+          put(stem + ".lora_down.weight", down, component, t);
+          put(stem + ".lora_up.weight", t.up.contiguous(), component, t);
+          put(stem + ".alpha", torch::tensor(alpha32, torch::kFloat32), component, t);
+          break;
+        }
+      }
+    }
+  }
+  if (targets == 0) fail(where, "the LoRA has no targets; there is nothing to write");
+  return out;
+}
+
+}  // namespace
+
+std::map<std::string, torch::Tensor> lora_to_tensors(const LoraWeights& lora, LoraFormat format) {
+  return to_tensors(lora, format, "lora_to_tensors");
+}
+
+void write_lora(const std::string& path, const LoraWeights& lora, LoraFormat format,
+                const std::map<std::string, std::string>& metadata) {
+  const auto tensors = to_tensors(lora, format, "cannot write LoRA file '" + path + "'");
+  Metadata meta = metadata;
+  meta.emplace("format", "pt");
+  save_safetensors(path, tensors, meta);
+}
+
+}  // namespace difftrain::io
