@@ -27,4 +27,16 @@ int run_sample();
 CLI::App* add_forward_command(CLI::App& app);
 int run_forward();
 
+CLI::App* add_eval_command(CLI::App& app);
+int run_eval();
+
+CLI::App* add_train_command(CLI::App& app);
+int run_train();
+/// Takes everything after `difftrain train` out of `args` (the trainer parses its own options,
+/// which may also come from YAML) and keeps it for run_train().
+void take_train_args(std::vector<std::string>& args);
+/// `difftrain lora merge ...` (cli/lora.cpp).
+CLI::App* add_lora_command(CLI::App& app);
+int run_lora();
+
 }  // namespace difftrain::cli

@@ -20,8 +20,12 @@ int main(int argc, char** argv) {
   auto* test = difftrain::cli::add_test_command(app);
   auto* sample = difftrain::cli::add_sample_command(app);
   auto* forward = difftrain::cli::add_forward_command(app);
+  auto* train = difftrain::cli::add_train_command(app);
+  auto* eval = difftrain::cli::add_eval_command(app);
+  auto* lora = difftrain::cli::add_lora_command(app);
   std::vector<std::string> args(argv, argv + argc);
   difftrain::cli::take_launch_program_after_dashes(args);
+  difftrain::cli::take_train_args(args);
   try {
     std::vector<std::string> reversed(args.rbegin(), args.rend() - 1);  // CLI11 wants them reversed
     app.parse(reversed);
@@ -35,6 +39,9 @@ int main(int argc, char** argv) {
     if (test->parsed()) return difftrain::cli::run_test();
     if (sample->parsed()) return difftrain::cli::run_sample();
     if (forward->parsed()) return difftrain::cli::run_forward();
+    if (train->parsed()) return difftrain::cli::run_train();
+    if (eval->parsed()) return difftrain::cli::run_eval();
+    if (lora->parsed()) return difftrain::cli::run_lora();
   } catch (const difftrain::Error& e) {
     std::string message = e.what();
     const std::string own_prefix = "difftrain launch: ";  // the launcher names itself already

@@ -1,0 +1,104 @@
+#pragma once
+// The configuration of `difftrain train`: every option under the name Diffusers' training scripts
+// give it (train_unconditional.py, train_text_to_image_lora.py), read from a YAML file and then
+// from command-line flags that override it. See docs/TRAINING.md for the table.
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace difftrain::train {
+
+/// Every option of the trainer, with its default. Optional fields are "not given".
+struct TrainConfig {
+  // -- model
+  std::string model_config_name_or_path;      ///< config.json of a fresh UNet ("" = built-in)
+  std::string pretrained_model_name_or_path;  ///< a local Diffusers folder to start from
+  std::string variant;                        ///< weights variant, e.g. fp16
+  // -- data
+  std::string dataset = "fashion_mnist";  ///< fashion_mnist | mnist | imagefolder
+  std::string train_data_dir;             ///< dataset folder ("" = the dataset's default)
+  int64_t resolution = 32;
+  bool center_crop = false;
+  bool random_flip = false;
+  /// Condition on class labels; unset: yes for a fresh UNet on a labelled dataset.
+  std::optional<bool> class_conditional;
+  double class_dropout_prob = 0.0;    ///< labels replaced by the null class (enables CFG sampling)
+  std::optional<int64_t> only_class;  ///< train on one class only (e.g. a LoRA subset)
+  int64_t max_train_samples = 0;      ///< 0 = all
+  bool skip_bad_images = false;
+  int64_t dataloader_num_workers = 0;
+  // -- schedule of the run
+  int64_t train_batch_size = 16;  ///< per process
+  int64_t num_train_epochs = 1;
+  int64_t max_train_steps = 1200;  ///< optimizer updates; 0 = num_train_epochs decides
+  int64_t gradient_accumulation_steps = 1;
+  bool gradient_checkpointing = false;
+  // -- optimizer
+  double learning_rate = 1e-3;
+  bool scale_lr = false;
+  std::string lr_scheduler = "cosine";
+  int64_t lr_warmup_steps = 100;
+  double lr_num_cycles = 1.0;
+  double lr_power = 1.0;
+  bool use_8bit_adam = false;
+  double adam_beta1 = 0.95;
+  double adam_beta2 = 0.999;
+  double adam_weight_decay = 1e-6;
+  double adam_epsilon = 1e-8;
+  double max_grad_norm = 1.0;
+  /// no | bf16 | fp16; "" = what `difftrain launch --mixed_precision` set, else no.
+  std::string mixed_precision;
+  // -- diffusion objective
+  std::string prediction_type = "epsilon";  ///< epsilon | v_prediction | sample
+  int64_t ddpm_num_steps = 1000;
+  std::string ddpm_beta_schedule = "linear";
+  std::optional<double> snr_gamma;
+  double noise_offset = 0.0;
+  double input_perturbation = 0.0;
+  // -- EMA
+  bool use_ema = true;
+  std::optional<double> ema_decay;  ///< alias of ema_max_decay
+  double ema_inv_gamma = 1.0;
+  double ema_power = 0.75;
+  double ema_max_decay = 0.9999;
+  // -- checkpoints
+  int64_t checkpointing_steps = 400;  ///< 0 = only at the end
+  std::optional<int64_t> checkpoints_total_limit;
+  std::string resume_from_checkpoint;  ///< a checkpoint folder or "latest"
+  // -- validation and logging
+  int64_t validation_steps = 400;  ///< 0 = only at the end
+  int64_t num_validation_images = 20;
+  double guidance_scale = 1.0;
+  int64_t validation_inference_steps = 50;  ///< DDIM steps of validation sampling
+  int64_t logging_steps = 20;               ///< progress line every N updates
+  uint64_t seed = 0;
+  std::string output_dir;            ///< "" = runs/<timestamp>
+  std::string logging_dir = "logs";  ///< relative to output_dir
+  std::string report_to = "all";     ///< tensorboard | jsonl | all | none
+  // -- LoRA
+  bool lora = false;
+  int64_t rank = 4;
+  std::optional<double> lora_alpha;  ///< default: rank
+  double lora_dropout = 0.0;
+  std::vector<std::string> lora_target_modules = {"to_q", "to_k", "to_v", "to_out.0"};
+  std::string lora_format = "diffusers";  ///< diffusers | peft | kohya
+
+  /// Every option as JSON (unset optionals as null), in the table's order of names.
+  nlohmann::json to_json() const;
+  /// Throws difftrain::Error (one line) for impossible values and combinations.
+  void validate() const;
+};
+
+/// Reads `--config FILE.yaml` (if among `args`) and then the flags in `args` (without the
+/// program and command names): `--name value`, `--name=value`, bare `--flag` for booleans.
+/// Unknown names (with the closest known one suggested), wrong types and missing values throw
+/// difftrain::Error before any work. The result is validated.
+TrainConfig parse_train_config(const std::vector<std::string>& args);
+
+/// Names of every option, for help text: {name, type, default as text}.
+std::vector<std::vector<std::string>> train_option_table();
+
+}  // namespace difftrain::train

@@ -1,0 +1,265 @@
+// What a run writes: checkpoints (and resuming from them), run_info, validation grids, and the
+// final pipeline folder or LoRA file.
+#include "difftrain/core/error.h"
+#include "difftrain/diffusion/pipeline.h"
+#include "difftrain/dist/process_group.h"
+#include "difftrain/io/atomic_file.h"
+#include "difftrain/io/image.h"
+#include "difftrain/io/lora_format.h"
+#include "difftrain/io/safetensors.h"
+#include "difftrain/models/pretrained.h"
+#include "train_parts.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <csignal>
+#include <cstdlib>
+#include <filesystem>
+#include <regex>
+
+namespace difftrain::train {
+namespace fs = std::filesystem;
+namespace {
+
+// Options whose change makes a checkpoint a different run: refused at resume.
+const std::vector<std::string> kStructural = {"model_config_name_or_path",
+                                              "pretrained_model_name_or_path",
+                                              "dataset",
+                                              "resolution",
+                                              "class_conditional",
+                                              "lora",
+                                              "rank",
+                                              "lora_alpha",
+                                              "lora_target_modules",
+                                              "use_ema",
+                                              "use_8bit_adam",
+                                              "prediction_type",
+                                              "ddpm_num_steps",
+                                              "ddpm_beta_schedule",
+                                              "only_class",
+                                              "max_train_samples",
+                                              "class_dropout_prob"};
+// Options whose change breaks bit-exact continuation: a warning.
+const std::vector<std::string> kExactness = {"train_batch_size",
+                                             "gradient_accumulation_steps",
+                                             "seed",
+                                             "learning_rate",
+                                             "lr_scheduler",
+                                             "lr_warmup_steps",
+                                             "max_train_steps",
+                                             "noise_offset",
+                                             "snr_gamma",
+                                             "mixed_precision",
+                                             "random_flip"};
+
+void rotate_checkpoints(const TrainConfig& c) {
+  if (!c.checkpoints_total_limit) return;
+  static const std::regex kName(R"(checkpoint-(\d+))");
+  std::vector<std::pair<int64_t, fs::path>> found;
+  for (const auto& entry : fs::directory_iterator(c.output_dir)) {
+    std::smatch m;
+    const std::string name = entry.path().filename().string();
+    if (entry.is_directory() && std::regex_match(name, m, kName)) {
+      found.emplace_back(std::stoll(m[1].str()), entry.path());
+    }
+  }
+  std::sort(found.begin(), found.end());
+  const auto limit = static_cast<size_t>(*c.checkpoints_total_limit);
+  for (size_t i = 0; i + limit < found.size(); ++i) {
+    spdlog::info("checkpoints_total_limit {}: removing {}", limit, found[i].second.string());
+    std::error_code ec;
+    fs::remove_all(found[i].second, ec);
+  }
+}
+
+}  // namespace
+
+void save_checkpoint(const TrainConfig& c, accel::Accelerator& acc, TrainParts& parts,
+                     int64_t global_step) {
+  const std::string dir =
+      (fs::path(c.output_dir) / ("checkpoint-" + std::to_string(global_step))).string();
+  acc.save_state(dir, [&](const std::string& temp) {
+    if (!acc.is_main_process()) return;
+    if (parts.ema) {
+      io::save_safetensors((fs::path(temp) / "ema.safetensors").string(),
+                           parts.ema->state_tensors(), {{"format", "pt"}});
+      io::write_file_atomic((fs::path(temp) / "ema.json").string(),
+                            parts.ema->state_meta().dump(2) + "\n");
+    }
+    // Fault injection for the tests: die in the middle of this save.
+    if (const char* kill_at = std::getenv("DIFFTRAIN_FAULT_KILL_IN_SAVE");
+        kill_at != nullptr && std::to_string(global_step) == kill_at) {
+      std::raise(SIGKILL);
+    }
+    nlohmann::json state = {{"global_step", global_step},
+                            {"num_processes", acc.num_processes()},
+                            {"config", c.to_json()}};
+    // Written last: its presence marks a complete checkpoint.
+    io::write_file_atomic((fs::path(temp) / "trainer_state.json").string(), state.dump(2) + "\n");
+  });
+  acc.print("saved checkpoint {}", dir);
+  if (acc.is_main_process()) rotate_checkpoints(c);
+  acc.wait_for_everyone();
+}
+
+int64_t load_checkpoint(const std::string& dir, const TrainConfig& c, accel::Accelerator& acc,
+                        TrainParts& parts) {
+  const fs::path root(dir);
+  nlohmann::json state;
+  const std::string state_path = (root / "trainer_state.json").string();
+  try {
+    state = nlohmann::json::parse(io::read_file(state_path));
+  } catch (const nlohmann::json::exception& e) {
+    throw Error("'" + state_path + "' is not valid JSON (" + e.what() + ")");
+  }
+  const auto now = c.to_json();
+  const auto& saved = state.at("config");
+  for (const auto& key : kStructural) {
+    if (saved.contains(key) && saved[key] != now[key]) {
+      throw Error("cannot resume from " + dir + ": it was trained with --" + key + " " +
+                  saved[key].dump() + " but this run has " + now[key].dump() +
+                  "; use the same value or start a new --output_dir");
+    }
+  }
+  for (const auto& key : kExactness) {
+    if (saved.contains(key) && saved[key] != now[key]) {
+      acc.print(
+          "warning: resuming with --{} {} (checkpoint: {}); the run will not match an "
+          "uninterrupted one exactly",
+          key, now[key].dump(), saved[key].dump());
+    }
+  }
+  acc.load_state(dir);
+  if (parts.ema) {
+    const auto meta_path = (root / "ema.json").string();
+    if (!fs::exists(meta_path)) throw Error("cannot resume EMA: " + meta_path + " is missing");
+    parts.ema->load_state(nlohmann::json::parse(io::read_file(meta_path)),
+                          io::load_safetensors((root / "ema.safetensors").string()).tensors,
+                          (root / "ema.safetensors").string());
+  }
+  return state.at("global_step").get<int64_t>();
+}
+
+void write_run_info(const TrainConfig& c, accel::Accelerator& acc, const TrainParts& parts,
+                    const fs::path& log_dir) {
+  int64_t param_bytes = 0, grad_bytes = 0;
+  auto count = [&](const torch::nn::Module& m) {
+    for (const auto& p : m.parameters()) {
+      param_bytes += p.numel() * static_cast<int64_t>(p.element_size());
+      if (p.grad().defined())
+        grad_bytes += p.grad().numel() * static_cast<int64_t>(p.grad().element_size());
+    }
+  };
+  count(*parts.unet);
+  if (c.lora) count(*parts.lora);
+  nlohmann::json info = {
+      {"config", c.to_json()},
+      {"rank", acc.process_index()},
+      {"world_size", acc.num_processes()},
+      {"threads", at::get_num_threads()},
+      {"device", acc.device().str()},
+      {"versions", {{"difftrain", DIFFTRAIN_VERSION}, {"libtorch", TORCH_VERSION}}},
+      {"examples", parts.dataset->size()},
+      {"total_steps", parts.total_steps},
+      {"state_bytes",
+       {{"param_bytes", param_bytes},
+        {"grad_bytes", grad_bytes},
+        {"optimizer_bytes", static_cast<int64_t>(parts.raw_optimizer->state_bytes())}}}};
+  std::error_code ec;
+  fs::create_directories(log_dir, ec);
+  io::write_file_atomic(
+      (log_dir / ("run_info.rank" + std::to_string(acc.process_index()) + ".json")).string(),
+      info.dump(2) + "\n");
+}
+
+void run_validation(const TrainConfig& c, accel::Accelerator& acc, TrainParts& parts,
+                    int64_t global_step, accel::Trackers* trackers) {
+  const int64_t K = c.num_validation_images;
+  if (K == 0) return;
+  if (parts.unet->needs_encoder_hidden_states()) {
+    acc.print("validation skipped: sampling a UNet2DConditionModel needs a text encoder");
+    return;
+  }
+  // Work split across ranks, so no rank waits idle in a collective while rank 0 samples.
+  std::vector<int64_t> all(K);
+  for (int64_t i = 0; i < K; ++i) all[i] = i;
+  const auto mine = acc.split_between_processes(all, /*apply_padding=*/true);
+  const auto [begin, end] = acc.split_range(K);
+  if (parts.ema) parts.ema->store(*parts.trainable), parts.ema->copy_to(*parts.trainable);
+  diffusion::SchedulerConfig sc = parts.noise_scheduler->config();
+  sc.class_name = "DDIMScheduler";
+  auto sampler = diffusion::make_scheduler(sc, "ddim");
+  diffusion::SampleOptions so;
+  so.num_images = static_cast<int64_t>(mine.size());
+  so.num_inference_steps = c.validation_inference_steps;
+  so.seed = c.seed + 1000003ULL * static_cast<uint64_t>(begin + 1);
+  so.guidance_scale = c.guidance_scale;
+  std::vector<std::string> labels;
+  if (parts.class_conditional) {
+    const int64_t classes = parts.num_classes > 0 ? parts.num_classes : 1;
+    for (int64_t i : mine) so.class_labels.push_back(i % classes);
+    for (int64_t i = 0; i < K; ++i) {
+      const int64_t label = i % classes;
+      labels.push_back(label < static_cast<int64_t>(parts.class_names.size())
+                           ? parts.class_names[label]
+                           : std::to_string(label));
+    }
+  }
+  torch::Tensor images = diffusion::sample_images(*parts.unet, *sampler, so);  // [k, H, W, C]
+  if (parts.ema) parts.ema->restore(*parts.trainable);
+  auto gathered = acc.gather(images.contiguous());
+  if (!acc.is_main_process()) return;
+  // Each rank's block is its range padded to the same length; keep the real images in order.
+  const int64_t per_rank = static_cast<int64_t>(mine.size());
+  std::vector<torch::Tensor> keep;
+  for (int r = 0; r < acc.num_processes(); ++r) {
+    const int64_t count = K / acc.num_processes() + (r < K % acc.num_processes() ? 1 : 0);
+    if (count > 0) keep.push_back(gathered.narrow(0, r * per_rank, count));
+  }
+  auto grid = io::make_grid(io::to_uint8_images(torch::cat(keep).permute({0, 3, 1, 2})), labels,
+                            parts.class_conditional ? std::max<int64_t>(parts.num_classes, 1) : 0);
+  const fs::path dir = fs::path(c.output_dir) / "samples";
+  fs::create_directories(dir);
+  char name[64];
+  std::snprintf(name, sizeof name, "step-%06lld.png", static_cast<long long>(global_step));
+  io::save_png((dir / name).string(), grid);
+  if (trackers) trackers->log_image("validation", grid, global_step);
+  spdlog::info("validation samples: {}", (dir / name).string());
+}
+
+void export_final(const TrainConfig& c, accel::Accelerator& acc, TrainParts& parts) {
+  if (acc.is_main_process()) {
+    if (parts.ema) parts.ema->copy_to(*parts.trainable);  // the export uses EMA weights
+    const fs::path out(c.output_dir);
+    if (c.lora) {
+      const auto format = c.lora_format == "kohya"  ? io::LoraFormat::kKohya
+                          : c.lora_format == "peft" ? io::LoraFormat::kPeft
+                                                    : io::LoraFormat::kDiffusers;
+      const auto path = out / "pytorch_lora_weights.safetensors";
+      io::write_lora(path.string(), parts.lora->to_lora_weights("unet"), format,
+                     {{"difftrain_rank", std::to_string(c.rank)},
+                      {"difftrain_lora_alpha",
+                       std::to_string(c.lora_alpha.value_or(static_cast<double>(c.rank)))}});
+      spdlog::info("LoRA weights ({} format): {}", c.lora_format, path.string());
+    } else {
+      models::save_unet(*parts.unet, (out / "unet").string());
+      diffusion::SchedulerConfig sc = parts.noise_scheduler->config();
+      sc.class_name = "DDPMScheduler";
+      fs::create_directories(out / "scheduler");
+      sc.save((out / "scheduler" / "scheduler_config.json").string());
+      const std::string unet_class = parts.unet->config().kind == models::UNetKind::kUNet2D
+                                         ? "UNet2DModel"
+                                         : "UNet2DConditionModel";
+      nlohmann::json index = {{"_class_name", "DDPMPipeline"},
+                              {"_diffusers_version", "0.31.0"},
+                              {"scheduler", {"diffusers", "DDPMScheduler"}},
+                              {"unet", {"diffusers", unet_class}}};
+      io::write_file_atomic((out / "model_index.json").string(), index.dump(2) + "\n");
+      spdlog::info("pipeline folder (DDPMPipeline): {}", out.string());
+    }
+  }
+  acc.wait_for_everyone();
+}
+
+}  // namespace difftrain::train

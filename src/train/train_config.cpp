@@ -1,0 +1,414 @@
+#include "difftrain/train/train_config.h"
+
+#include "difftrain/core/error.h"
+
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <sstream>
+
+namespace difftrain::train {
+namespace {
+
+std::string lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+  return s;
+}
+
+// A value as written (YAML scalar or flag), with where it came from for messages.
+struct Raw {
+  std::string text;
+  std::string where;  // "--name" or "FILE: name"
+};
+
+[[noreturn]] void bad(const Raw& raw, const std::string& expected) {
+  throw Error(raw.where + " is \"" + raw.text + "\": expected " + expected);
+}
+
+bool is_null(const Raw& raw) {
+  const auto t = lower(raw.text);
+  return t == "null" || t == "none" || t == "~" || t.empty();
+}
+
+bool to_bool(const Raw& raw) {
+  const auto t = lower(raw.text);
+  if (t == "true" || t == "1" || t == "yes" || t == "on") return true;
+  if (t == "false" || t == "0" || t == "no" || t == "off") return false;
+  bad(raw, "true or false");
+}
+
+int64_t to_int(const Raw& raw) {
+  errno = 0;
+  char* end = nullptr;
+  const long long v = std::strtoll(raw.text.c_str(), &end, 10);
+  if (raw.text.empty() || *end != '\0' || errno != 0) bad(raw, "an integer");
+  return v;
+}
+
+double to_double(const Raw& raw) {
+  errno = 0;
+  char* end = nullptr;
+  const double v = std::strtod(raw.text.c_str(), &end);
+  if (raw.text.empty() || *end != '\0' || errno != 0 || !std::isfinite(v)) bad(raw, "a number");
+  return v;
+}
+
+std::vector<std::string> to_list(const Raw& raw) {
+  std::vector<std::string> out;
+  std::stringstream in(raw.text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    item.erase(0, item.find_first_not_of(" \t"));
+    item.erase(item.find_last_not_of(" \t") + 1);
+    if (!item.empty()) out.push_back(item);
+  }
+  if (out.empty()) bad(raw, "a comma-separated list");
+  return out;
+}
+
+struct Option {
+  std::string name;
+  std::string type;  // bool, int, float, string, list; "?" suffix: may be null
+  std::function<void(TrainConfig&, const Raw&)> set;
+  std::function<nlohmann::json(const TrainConfig&)> get;
+};
+
+template <typename T>
+Option make(const char* name, T TrainConfig::*member);
+
+template <>
+Option make(const char* name, std::string TrainConfig::*m) {
+  return {name, "string", [m](TrainConfig& c, const Raw& r) { c.*m = r.text; },
+          [m](const TrainConfig& c) { return nlohmann::json(c.*m); }};
+}
+template <>
+Option make(const char* name, int64_t TrainConfig::*m) {
+  return {name, "int", [m](TrainConfig& c, const Raw& r) { c.*m = to_int(r); },
+          [m](const TrainConfig& c) { return nlohmann::json(c.*m); }};
+}
+template <>
+Option make(const char* name, uint64_t TrainConfig::*m) {
+  return {name, "int",
+          [m](TrainConfig& c, const Raw& r) {
+            const int64_t v = to_int(r);
+            if (v < 0) bad(r, "a non-negative integer");
+            c.*m = static_cast<uint64_t>(v);
+          },
+          [m](const TrainConfig& c) { return nlohmann::json(c.*m); }};
+}
+template <>
+Option make(const char* name, double TrainConfig::*m) {
+  return {name, "float", [m](TrainConfig& c, const Raw& r) { c.*m = to_double(r); },
+          [m](const TrainConfig& c) { return nlohmann::json(c.*m); }};
+}
+template <>
+Option make(const char* name, bool TrainConfig::*m) {
+  return {name, "bool", [m](TrainConfig& c, const Raw& r) { c.*m = to_bool(r); },
+          [m](const TrainConfig& c) { return nlohmann::json(c.*m); }};
+}
+template <>
+Option make(const char* name, std::optional<bool> TrainConfig::*m) {
+  return {name, "bool?",
+          [m](TrainConfig& c, const Raw& r) {
+            c.*m = is_null(r) ? std::nullopt : std::optional<bool>(to_bool(r));
+          },
+          [m](const TrainConfig& c) { return c.*m ? nlohmann::json(*(c.*m)) : nlohmann::json(); }};
+}
+template <>
+Option make(const char* name, std::optional<int64_t> TrainConfig::*m) {
+  return {name, "int?",
+          [m](TrainConfig& c, const Raw& r) {
+            c.*m = is_null(r) ? std::nullopt : std::optional<int64_t>(to_int(r));
+          },
+          [m](const TrainConfig& c) { return c.*m ? nlohmann::json(*(c.*m)) : nlohmann::json(); }};
+}
+template <>
+Option make(const char* name, std::optional<double> TrainConfig::*m) {
+  return {name, "float?",
+          [m](TrainConfig& c, const Raw& r) {
+            c.*m = is_null(r) ? std::nullopt : std::optional<double>(to_double(r));
+          },
+          [m](const TrainConfig& c) { return c.*m ? nlohmann::json(*(c.*m)) : nlohmann::json(); }};
+}
+template <>
+Option make(const char* name, std::vector<std::string> TrainConfig::*m) {
+  return {name, "list", [m](TrainConfig& c, const Raw& r) { c.*m = to_list(r); },
+          [m](const TrainConfig& c) { return nlohmann::json(c.*m); }};
+}
+
+#define DT_OPTION(name) make(#name, &TrainConfig::name)
+
+const std::vector<Option>& options() {
+  static const std::vector<Option> table = {
+      DT_OPTION(model_config_name_or_path),
+      DT_OPTION(pretrained_model_name_or_path),
+      DT_OPTION(variant),
+      DT_OPTION(dataset),
+      DT_OPTION(train_data_dir),
+      DT_OPTION(resolution),
+      DT_OPTION(center_crop),
+      DT_OPTION(random_flip),
+      DT_OPTION(class_conditional),
+      DT_OPTION(class_dropout_prob),
+      DT_OPTION(only_class),
+      DT_OPTION(max_train_samples),
+      DT_OPTION(skip_bad_images),
+      DT_OPTION(dataloader_num_workers),
+      DT_OPTION(train_batch_size),
+      DT_OPTION(num_train_epochs),
+      DT_OPTION(max_train_steps),
+      DT_OPTION(gradient_accumulation_steps),
+      DT_OPTION(gradient_checkpointing),
+      DT_OPTION(learning_rate),
+      DT_OPTION(scale_lr),
+      DT_OPTION(lr_scheduler),
+      DT_OPTION(lr_warmup_steps),
+      DT_OPTION(lr_num_cycles),
+      DT_OPTION(lr_power),
+      DT_OPTION(use_8bit_adam),
+      DT_OPTION(adam_beta1),
+      DT_OPTION(adam_beta2),
+      DT_OPTION(adam_weight_decay),
+      DT_OPTION(adam_epsilon),
+      DT_OPTION(max_grad_norm),
+      DT_OPTION(mixed_precision),
+      DT_OPTION(prediction_type),
+      DT_OPTION(ddpm_num_steps),
+      DT_OPTION(ddpm_beta_schedule),
+      DT_OPTION(snr_gamma),
+      DT_OPTION(noise_offset),
+      DT_OPTION(input_perturbation),
+      DT_OPTION(use_ema),
+      DT_OPTION(ema_decay),
+      DT_OPTION(ema_inv_gamma),
+      DT_OPTION(ema_power),
+      DT_OPTION(ema_max_decay),
+      DT_OPTION(checkpointing_steps),
+      DT_OPTION(checkpoints_total_limit),
+      DT_OPTION(resume_from_checkpoint),
+      DT_OPTION(validation_steps),
+      DT_OPTION(num_validation_images),
+      DT_OPTION(guidance_scale),
+      DT_OPTION(validation_inference_steps),
+      DT_OPTION(logging_steps),
+      DT_OPTION(seed),
+      DT_OPTION(output_dir),
+      DT_OPTION(logging_dir),
+      DT_OPTION(report_to),
+      DT_OPTION(lora),
+      DT_OPTION(rank),
+      DT_OPTION(lora_alpha),
+      DT_OPTION(lora_dropout),
+      DT_OPTION(lora_target_modules),
+      DT_OPTION(lora_format),
+  };
+  return table;
+}
+
+#undef DT_OPTION
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1] ? 1 : 0)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+const Option& find(const std::string& name, const std::string& where) {
+  std::string key = name;
+  std::replace(key.begin(), key.end(), '-', '_');
+  const Option* best = nullptr;
+  size_t best_d = 1000;
+  for (const auto& o : options()) {
+    if (o.name == key) return o;
+    const size_t d = edit_distance(key, o.name);
+    if (d < best_d) best_d = d, best = &o;
+  }
+  std::string hint = best != nullptr && best_d <= 4 ? "; did you mean " + best->name + "?" : "";
+  throw Error(where + ": unknown option \"" + name + "\"" + hint +
+              " (difftrain train --help lists them)");
+}
+
+std::string scalar_text(const YAML::Node& node, const std::string& where) {
+  if (node.IsNull()) return "null";
+  if (node.IsScalar()) return node.Scalar();
+  if (node.IsSequence()) {
+    std::string out;
+    for (const auto& item : node) {
+      if (!item.IsScalar()) throw Error(where + " must be a list of plain values");
+      out += (out.empty() ? "" : ",") + item.Scalar();
+    }
+    return out;
+  }
+  throw Error(where + " must be a single value or a list, not a mapping");
+}
+
+void apply_yaml(TrainConfig& config, const std::string& path) {
+  if (!std::filesystem::is_regular_file(path)) {
+    throw Error("--config " + path + ": no such file; pass a YAML file of train options");
+  }
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(path);
+  } catch (const YAML::Exception& e) {
+    throw Error(path + ": not valid YAML (" + e.what() + ")");
+  }
+  if (root.IsNull()) return;
+  if (!root.IsMap()) throw Error(path + ": expected a mapping of option names to values");
+  for (const auto& item : root) {
+    const std::string name = item.first.as<std::string>();
+    if (name == "config") throw Error(path + ": \"config\" cannot be nested in a config file");
+    const std::string where = path + ": " + name;
+    const Option& option = find(name, path);
+    option.set(config, Raw{scalar_text(item.second, where), where});
+  }
+}
+
+}  // namespace
+
+nlohmann::json TrainConfig::to_json() const {
+  nlohmann::json out = nlohmann::json::object();
+  for (const auto& o : options()) out[o.name] = o.get(*this);
+  return out;
+}
+
+std::vector<std::vector<std::string>> train_option_table() {
+  std::vector<std::vector<std::string>> rows;
+  const TrainConfig defaults;
+  for (const auto& o : options()) rows.push_back({o.name, o.type, o.get(defaults).dump()});
+  return rows;
+}
+
+void TrainConfig::validate() const {
+  auto require = [](bool ok, const std::string& message) {
+    if (!ok) throw Error(message);
+  };
+  auto one_of = [&](const std::string& name, const std::string& value,
+                    const std::vector<std::string>& allowed) {
+    for (const auto& a : allowed)
+      if (a == value) return;
+    std::string list;
+    for (const auto& a : allowed) list += (list.empty() ? "" : ", ") + a;
+    throw Error("--" + name + " is \"" + value + "\": expected one of " + list);
+  };
+  one_of("dataset", dataset, {"fashion_mnist", "mnist", "imagefolder"});
+  if (!mixed_precision.empty()) one_of("mixed_precision", mixed_precision, {"no", "bf16", "fp16"});
+  one_of("prediction_type", prediction_type, {"epsilon", "v_prediction", "sample"});
+  one_of("ddpm_beta_schedule", ddpm_beta_schedule,
+         {"linear", "scaled_linear", "squaredcos_cap_v2"});
+  one_of("lora_format", lora_format, {"diffusers", "peft", "kohya"});
+  require(resolution >= 8, "--resolution must be at least 8");
+  require(train_batch_size >= 1, "--train_batch_size must be at least 1 (it is per process)");
+  require(num_train_epochs >= 1, "--num_train_epochs must be at least 1");
+  require(max_train_steps >= 0, "--max_train_steps must be >= 0 (0: num_train_epochs decides)");
+  require(gradient_accumulation_steps >= 1, "--gradient_accumulation_steps must be at least 1");
+  require(learning_rate > 0, "--learning_rate must be positive");
+  require(lr_warmup_steps >= 0, "--lr_warmup_steps must be >= 0");
+  require(adam_beta1 >= 0 && adam_beta1 < 1 && adam_beta2 >= 0 && adam_beta2 < 1,
+          "--adam_beta1 and --adam_beta2 must be in [0, 1)");
+  require(adam_epsilon > 0, "--adam_epsilon must be positive");
+  require(adam_weight_decay >= 0, "--adam_weight_decay must be >= 0");
+  require(max_grad_norm >= 0, "--max_grad_norm must be >= 0 (0 disables clipping)");
+  require(ddpm_num_steps >= 1, "--ddpm_num_steps must be at least 1");
+  require(!snr_gamma || *snr_gamma > 0, "--snr_gamma must be positive (Diffusers uses 5.0)");
+  require(noise_offset >= 0 && input_perturbation >= 0,
+          "--noise_offset and --input_perturbation must be >= 0");
+  require(class_dropout_prob >= 0 && class_dropout_prob < 1,
+          "--class_dropout_prob must be in [0, 1)");
+  require(ema_max_decay > 0 && ema_max_decay < 1, "--ema_max_decay must be in (0, 1)");
+  require(!ema_decay || (*ema_decay > 0 && *ema_decay < 1), "--ema_decay must be in (0, 1)");
+  require(ema_inv_gamma > 0 && ema_power > 0, "--ema_inv_gamma and --ema_power must be positive");
+  require(checkpointing_steps >= 0, "--checkpointing_steps must be >= 0 (0: only at the end)");
+  require(!checkpoints_total_limit || *checkpoints_total_limit >= 1,
+          "--checkpoints_total_limit must be at least 1");
+  require(validation_steps >= 0, "--validation_steps must be >= 0 (0: only at the end)");
+  require(num_validation_images >= 0, "--num_validation_images must be >= 0");
+  require(validation_inference_steps >= 1, "--validation_inference_steps must be at least 1");
+  require(guidance_scale >= 1, "--guidance_scale must be >= 1");
+  require(guidance_scale == 1 || class_dropout_prob > 0 || !pretrained_model_name_or_path.empty(),
+          "--guidance_scale > 1 needs a null class: train with --class_dropout_prob (e.g. 0.1)");
+  require(logging_steps >= 1, "--logging_steps must be at least 1");
+  require(dataloader_num_workers >= 0, "--dataloader_num_workers must be >= 0");
+  require(max_train_samples >= 0, "--max_train_samples must be >= 0 (0: all)");
+  require(!only_class || *only_class >= 0, "--only_class must be >= 0");
+  require(report_to == "all" || report_to == "none" || report_to == "tensorboard" ||
+              report_to == "jsonl" || report_to == "tensorboard,jsonl" ||
+              report_to == "jsonl,tensorboard",
+          "--report_to is \"" + report_to + "\": expected tensorboard, jsonl, all or none");
+  require(!(model_config_name_or_path.size() && pretrained_model_name_or_path.size()),
+          "give --model_config_name_or_path (a fresh UNet) or --pretrained_model_name_or_path "
+          "(start from weights), not both");
+  if (lora) {
+    require(!pretrained_model_name_or_path.empty(),
+            "--lora fine-tunes a pretrained UNet: pass --pretrained_model_name_or_path DIR");
+    require(rank >= 1, "--rank must be at least 1");
+    require(!lora_alpha || *lora_alpha > 0, "--lora_alpha must be positive");
+    require(lora_dropout >= 0 && lora_dropout < 1, "--lora_dropout must be in [0, 1)");
+  }
+  require(dataset != "imagefolder" || !train_data_dir.empty(),
+          "--dataset imagefolder needs --train_data_dir (a folder of images)");
+}
+
+TrainConfig parse_train_config(const std::vector<std::string>& args) {
+  TrainConfig config;
+  // The YAML file first, wherever --config appears, so flags always win.
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::string path;
+    if (args[i] == "--config") {
+      if (i + 1 >= args.size()) throw Error("--config needs a YAML file");
+      path = args[i + 1];
+    } else if (args[i].rfind("--config=", 0) == 0) {
+      path = args[i].substr(9);
+    } else {
+      continue;
+    }
+    apply_yaml(config, path);
+  }
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (arg.rfind("--", 0) != 0 || arg.size() == 2) {
+      throw Error("unexpected argument \"" + arg + "\": options are --name value (see --help)");
+    }
+    std::string name = arg.substr(2);
+    std::optional<std::string> value;
+    if (const auto eq = name.find('='); eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+    }
+    if (name == "config") {
+      if (!value) ++i;
+      continue;
+    }
+    const Option& option = find(name, "--" + name);
+    if (!value) {
+      const bool next_is_value = i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0;
+      if (option.type.rfind("bool", 0) == 0 && !next_is_value) {
+        value = "true";  // store_true style
+      } else if (!next_is_value) {
+        throw Error("--" + name + " needs a value (" + option.type + ")");
+      } else {
+        value = args[++i];
+      }
+    }
+    option.set(config, Raw{*value, "--" + option.name});
+  }
+  if (config.ema_decay) config.ema_max_decay = *config.ema_decay;
+  config.validate();
+  return config;
+}
+
+}  // namespace difftrain::train

@@ -1,0 +1,341 @@
+// `difftrain train` end to end, in real processes (under `difftrain launch` for several ranks):
+// world-size and accumulation equivalence, bit-exact resume, atomic checkpoints under kill -9,
+// checkpoint rotation, SIGTERM, LoRA fine-tuning and export, logs, and bad-input errors.
+// A tiny UNet on 64 Fashion-MNIST images at 8x8 keeps each run to a few seconds.
+
+#include "subprocess.h"
+
+#include "difftrain/io/lora_format.h"
+#include "difftrain/io/safetensors.h"
+#include "difftrain/models/lora.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
+
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+namespace difftrain::testing {
+namespace {
+
+namespace fs = std::filesystem;
+const std::string kDifftrain = DIFFTRAIN_BIN;
+
+double max_abs_diff(const io::TensorMap& a, const io::TensorMap& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (const auto& [key, t] : a) {
+    auto it = b.find(key);
+    if (it == b.end()) {
+      ADD_FAILURE() << "missing " << key;
+      continue;
+    }
+    worst = std::max(
+        worst, (t.to(torch::kFloat64) - it->second.to(torch::kFloat64)).abs().max().item<double>());
+  }
+  return worst;
+}
+
+io::TensorMap unet_weights(const std::string& out) {
+  return io::load_safetensors(out + "/unet/diffusion_pytorch_model.safetensors").tensors;
+}
+
+// A UNet2DModel small enough for tests: 8x8, two levels, attention at the lower one.
+std::string tiny_config(const std::string& dir) {
+  const std::string path = dir + "/tiny_unet.json";
+  std::ofstream(path) << R"({"_class_name": "UNet2DModel", "sample_size": 8, "in_channels": 1,
+    "out_channels": 1, "layers_per_block": 1, "block_out_channels": [8, 16],
+    "down_block_types": ["DownBlock2D", "AttnDownBlock2D"],
+    "up_block_types": ["AttnUpBlock2D", "UpBlock2D"], "norm_num_groups": 4,
+    "attention_head_dim": 8})";
+  return path;
+}
+
+std::vector<std::string> train_cmd(const std::string& dir, const std::string& out,
+                                   std::vector<std::string> extra) {
+  std::vector<std::string> cmd = {"train",
+                                  "--model_config_name_or_path",
+                                  tiny_config(dir),
+                                  "--resolution",
+                                  "8",
+                                  "--max_train_samples",
+                                  "64",
+                                  "--learning_rate",
+                                  "1e-3",
+                                  "--lr_warmup_steps",
+                                  "2",
+                                  "--num_validation_images",
+                                  "0",
+                                  "--logging_steps",
+                                  "1",
+                                  "--output_dir",
+                                  out};
+  cmd.insert(cmd.end(), extra.begin(), extra.end());
+  return cmd;
+}
+
+ProcessResult train(const std::vector<std::string>& cmd, int ranks = 1, double timeout = 300) {
+  std::vector<std::string> argv = {kDifftrain};
+  if (ranks > 1) {
+    argv.insert(argv.end(), {"launch", "--num_processes", std::to_string(ranks), kDifftrain});
+  }
+  argv.insert(argv.end(), cmd.begin(), cmd.end());
+  return run(argv, {}, timeout);
+}
+
+// Tolerance 1e-5 for world-size and accumulation equivalence: the same samples, noise and
+// timesteps enter both runs; only the order of float sums differs (per-rank means averaged vs one
+// mean), which moves weights by ~1e-7 after a few Adam steps. A different sample, noise draw or
+// loss scaling moves them by more than 1e-3.
+TEST(TrainCommand, TwoRanksEqualOneRankWithTheGlobalBatch) {
+  const auto dir = make_temp_dir("train_ws");
+  const std::vector<std::string> common = {"--max_train_steps",     "6", "--use_ema", "false",
+                                           "--checkpointing_steps", "0"};
+  auto one = train_cmd(dir, dir + "/one", common);
+  one.insert(one.end(), {"--train_batch_size", "8"});
+  auto two = train_cmd(dir, dir + "/two", common);
+  two.insert(two.end(), {"--train_batch_size", "4"});
+  auto acc = train_cmd(dir, dir + "/acc", common);
+  acc.insert(acc.end(), {"--train_batch_size", "4", "--gradient_accumulation_steps", "2"});
+  const auto r1 = train(one);
+  ASSERT_EQ(r1.exit_code, 0) << r1.log();
+  const auto r2 = train(two, 2);
+  ASSERT_EQ(r2.exit_code, 0) << r2.log();
+  const auto r3 = train(acc);
+  ASSERT_EQ(r3.exit_code, 0) << r3.log();
+  const double ws = max_abs_diff(unet_weights(dir + "/one"), unet_weights(dir + "/two"));
+  const double ga = max_abs_diff(unet_weights(dir + "/one"), unet_weights(dir + "/acc"));
+  std::printf(
+      "2 ranks x 4 vs 1 rank x 8: max abs diff %.3g; accumulation 2 x 4 vs 8: %.3g "
+      "(tol 1e-5)\n",
+      ws, ga);
+  EXPECT_LT(ws, 1e-5);
+  EXPECT_LT(ga, 1e-5);
+  // The runs trained: weights moved from their initial values by far more than the tolerance.
+  const auto m1 = nlohmann::json::parse(std::ifstream(dir + "/one/metrics.jsonl"));
+  (void)m1;
+}
+
+TEST(TrainCommand, ResumeIsBitIdentical) {
+  const auto dir = make_temp_dir("train_resume");
+  const std::vector<std::string> common = {
+      "--max_train_steps",  "6", "--use_ema",     "--checkpointing_steps", "3",
+      "--train_batch_size", "8", "--random_flip", "--snr_gamma",           "5"};
+  const auto straight = train(train_cmd(dir, dir + "/straight", common));
+  ASSERT_EQ(straight.exit_code, 0) << straight.log();
+  ASSERT_TRUE(fs::exists(dir + "/straight/checkpoint-3/trainer_state.json"));
+  // Continue from the straight run's step-3 checkpoint in another folder.
+  fs::create_directories(dir + "/resumed");
+  fs::copy(dir + "/straight/checkpoint-3", dir + "/resumed/checkpoint-3",
+           fs::copy_options::recursive);
+  auto cmd = train_cmd(dir, dir + "/resumed", common);
+  cmd.insert(cmd.end(), {"--resume_from_checkpoint", "latest"});
+  const auto resumed = train(cmd);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.log();
+  EXPECT_NE(resumed.err.find("resumed from"), std::string::npos) << resumed.log();
+  const double diff = max_abs_diff(unet_weights(dir + "/straight"), unet_weights(dir + "/resumed"));
+  std::printf("6 straight vs 3 + resume + 3 (EMA export): max abs diff %.3g (must be 0)\n", diff);
+  EXPECT_EQ(diff, 0.0);
+  // The metrics of the resumed run continue at step 4.
+  std::ifstream metrics(dir + "/resumed/metrics.jsonl");
+  std::string line;
+  std::vector<int64_t> steps;
+  while (std::getline(metrics, line)) steps.push_back(nlohmann::json::parse(line).at("step"));
+  EXPECT_EQ(steps, (std::vector<int64_t>{4, 5, 6}));
+}
+
+TEST(TrainCommand, MetricsRunInfoEventsAndRotation) {
+  const auto dir = make_temp_dir("train_logs");
+  const auto r = train(train_cmd(dir, dir + "/out",
+                                 {"--max_train_steps", "6", "--checkpointing_steps", "2",
+                                  "--checkpoints_total_limit", "2", "--train_batch_size", "4",
+                                  "--num_validation_images", "4", "--validation_steps", "3",
+                                  "--validation_inference_steps", "2"}),
+                       2);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  const std::string out = dir + "/out";
+  // Rotation keeps the newest two.
+  EXPECT_FALSE(fs::exists(out + "/checkpoint-2"));
+  EXPECT_TRUE(fs::exists(out + "/checkpoint-4"));
+  EXPECT_TRUE(fs::exists(out + "/checkpoint-6"));
+  // metrics.jsonl: one line per update with step, loss, lr (warmup: step 1 used lr 0), grad_norm.
+  std::ifstream metrics(out + "/metrics.jsonl");
+  std::string line;
+  int64_t expected = 1;
+  while (std::getline(metrics, line)) {
+    const auto j = nlohmann::json::parse(line);
+    EXPECT_EQ(j.at("step").get<int64_t>(), expected);
+    EXPECT_TRUE(j.at("loss").is_number());
+    EXPECT_TRUE(j.at("grad_norm").is_number());
+    if (expected == 1) {
+      EXPECT_EQ(j.at("lr").get<double>(), 0.0);
+    }
+    if (expected == 2) {
+      EXPECT_NEAR(j.at("lr").get<double>(), 5e-4, 1e-12);
+    }
+    ++expected;
+  }
+  EXPECT_EQ(expected, 7);
+  for (int rank : {0, 1}) {
+    const auto info = nlohmann::json::parse(
+        std::ifstream(out + "/logs/run_info.rank" + std::to_string(rank) + ".json"));
+    EXPECT_EQ(info.at("world_size"), 2);
+    EXPECT_GT(info.at("state_bytes").at("param_bytes").get<int64_t>(), 0);
+    EXPECT_EQ(info.at("state_bytes").at("grad_bytes"), info.at("state_bytes").at("param_bytes"));
+    // AdamW: two fp32 moments per parameter.
+    EXPECT_EQ(info.at("state_bytes").at("optimizer_bytes").get<int64_t>(),
+              2 * info.at("state_bytes").at("param_bytes").get<int64_t>());
+  }
+  bool events = false;
+  for (const auto& e : fs::directory_iterator(out + "/logs")) {
+    events = events || e.path().filename().string().rfind("events.out.tfevents.", 0) == 0;
+  }
+  EXPECT_TRUE(events);
+  EXPECT_TRUE(fs::exists(out + "/samples/step-000003.png"));
+  EXPECT_TRUE(fs::exists(out + "/samples/step-000006.png"));
+  // The final folder is a DDPMPipeline that `difftrain sample` loads.
+  const auto s = run({kDifftrain, "sample", "--model", out, "--num_inference_steps", "2",
+                      "--num_images", "2", "--class_labels", "0,1", "--output", dir + "/s.png"});
+  EXPECT_EQ(s.exit_code, 0) << s.log();
+}
+
+TEST(TrainCommand, KillDuringSaveKeepsThePreviousCheckpoint) {
+  const auto dir = make_temp_dir("train_kill");
+  const std::string out = dir + "/out";
+  const std::vector<std::string> args = {"--max_train_steps",  "4", "--checkpointing_steps", "2",
+                                         "--train_batch_size", "4"};
+  // The fault hook SIGKILLs the process inside the second save, after some files are written.
+  const auto killed = run(
+      [&] {
+        std::vector<std::string> argv = {kDifftrain};
+        auto cmd = train_cmd(dir, out, args);
+        argv.insert(argv.end(), cmd.begin(), cmd.end());
+        return argv;
+      }(),
+      {{"DIFFTRAIN_FAULT_KILL_IN_SAVE", "4"}}, 300);
+  ASSERT_EQ(killed.term_signal, SIGKILL) << killed.log();
+  EXPECT_TRUE(fs::exists(out + "/checkpoint-2/trainer_state.json"));
+  EXPECT_FALSE(fs::exists(out + "/checkpoint-4"));
+  auto cmd = train_cmd(dir, out, args);
+  cmd.insert(cmd.end(), {"--resume_from_checkpoint", "latest"});
+  const auto resumed = train(cmd);
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.log();
+  EXPECT_NE(resumed.err.find("checkpoint-2"), std::string::npos) << resumed.log();
+  EXPECT_TRUE(fs::exists(out + "/checkpoint-4/trainer_state.json"));
+  EXPECT_FALSE(fs::exists(out + "/checkpoint-4.tmp"));
+}
+
+TEST(TrainCommand, SigtermWritesACheckpointAndExitsNonZero) {
+  const auto dir = make_temp_dir("train_term");
+  const std::string out = dir + "/out";
+  std::vector<std::string> argv = {kDifftrain};
+  auto cmd = train_cmd(
+      dir, out,
+      {"--max_train_steps", "100000", "--checkpointing_steps", "0", "--train_batch_size", "4"});
+  argv.insert(argv.end(), cmd.begin(), cmd.end());
+  Process p(argv);
+  // Wait for the first update (metrics.jsonl appears), then ask it to stop.
+  for (int i = 0; i < 600 && !fs::exists(out + "/metrics.jsonl"); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  p.signal(SIGTERM);
+  const auto r = p.wait(120);
+  EXPECT_NE(r.exit_code, 0) << r.log();
+  EXPECT_NE(r.err.find("interrupted"), std::string::npos) << r.log();
+  bool found = false;
+  for (const auto& e : fs::directory_iterator(out)) {
+    found = found || (e.path().filename().string().rfind("checkpoint-", 0) == 0 &&
+                      fs::exists(e.path() / "trainer_state.json"));
+  }
+  EXPECT_TRUE(found) << "no checkpoint after SIGTERM";
+}
+
+TEST(TrainCommand, LoraFineTuningTrainsOnlyAdaptersAndExports) {
+  const auto dir = make_temp_dir("train_lora");
+  const auto base = train(train_cmd(dir, dir + "/base",
+                                    {"--max_train_steps", "2", "--train_batch_size", "4",
+                                     "--checkpointing_steps", "0", "--use_ema", "false"}));
+  ASSERT_EQ(base.exit_code, 0) << base.log();
+  const auto before = unet_weights(dir + "/base");
+  for (const std::string format : {"diffusers", "kohya"}) {
+    const std::string out = dir + "/lora_" + format;
+    const auto r = train({"train",
+                          "--pretrained_model_name_or_path",
+                          dir + "/base",
+                          "--lora",
+                          "--rank",
+                          "2",
+                          "--lora_alpha",
+                          "4",
+                          "--lora_format",
+                          format,
+                          "--only_class",
+                          "3",
+                          "--max_train_steps",
+                          "3",
+                          "--train_batch_size",
+                          "4",
+                          "--checkpointing_steps",
+                          "2",
+                          "--learning_rate",
+                          "1e-2",
+                          "--use_ema",
+                          "false",
+                          "--num_validation_images",
+                          "0",
+                          "--output_dir",
+                          out},
+                         2);
+    ASSERT_EQ(r.exit_code, 0) << r.log();
+    // The base folder is untouched and the checkpoint holds only adapter weights.
+    EXPECT_EQ(max_abs_diff(before, unet_weights(dir + "/base")), 0.0);
+    for (const auto& [key, t] :
+         io::load_safetensors(out + "/checkpoint-2/model.safetensors").tensors) {
+      EXPECT_NE(key.find(".lora_"), std::string::npos) << key;
+    }
+    // The exported file reads back as a LoRA of the right layers, and B moved off zero.
+    const auto lora = io::read_lora(out + "/pytorch_lora_weights.safetensors");
+    // to_q, to_k, to_v and to_out.0 of the 4 attentions (1 down, 1 mid, 2 up).
+    EXPECT_EQ(lora.count("unet"), 16u);
+    double up = 0;
+    for (const auto& t : lora.targets("unet")) up = std::max(up, t.up.abs().max().item<double>());
+    EXPECT_GT(up, 0.0);
+    const auto s = run({kDifftrain, "sample", "--model", dir + "/base", "--lora",
+                        out + "/pytorch_lora_weights.safetensors", "--num_inference_steps", "2",
+                        "--num_images", "1", "--class_labels", "3", "--output", out + "/s.png"});
+    EXPECT_EQ(s.exit_code, 0) << s.log();
+  }
+}
+
+TEST(TrainCommand, BadInputIsAOneLineErrorBeforeTraining) {
+  const auto dir = make_temp_dir("train_bad");
+  auto one_line = [](const ProcessResult& r) {
+    return std::count(r.err.begin(), r.err.end(), '\n') <= 1;
+  };
+  auto r = run({kDifftrain, "train", "--learning_rat", "1"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("did you mean learning_rate"), std::string::npos) << r.log();
+  EXPECT_TRUE(one_line(r)) << r.log();
+  r = run({kDifftrain, "train", "--dataset", "imagefolder", "--train_data_dir", dir + "/empty"});
+  EXPECT_EQ(r.exit_code, 1) << r.log();
+  fs::create_directories(dir + "/empty");
+  r = run({kDifftrain, "train", "--dataset", "imagefolder", "--train_data_dir", dir + "/empty",
+           "--output_dir", dir + "/o1"});
+  EXPECT_EQ(r.exit_code, 1) << r.log();
+  EXPECT_NE(r.err.find(dir + "/empty"), std::string::npos) << r.log();
+  fs::create_directories(dir + "/bad");
+  std::ofstream(dir + "/bad/a.png") << "this is not a png";
+  r = run({kDifftrain, "train", "--dataset", "imagefolder", "--train_data_dir", dir + "/bad",
+           "--resolution", "8", "--output_dir", dir + "/o2"});
+  EXPECT_EQ(r.exit_code, 1) << r.log();
+  EXPECT_NE(r.err.find("a.png"), std::string::npos) << r.log();
+  r = run({kDifftrain, "train", "--lora", "--pretrained_model_name_or_path", dir + "/nope"});
+  EXPECT_EQ(r.exit_code, 1) << r.log();
+  EXPECT_NE(r.err.find(dir + "/nope"), std::string::npos) << r.log();
+}
+
+}  // namespace
+}  // namespace difftrain::testing
