@@ -86,10 +86,12 @@ ProcessResult train(const std::vector<std::string>& cmd, int ranks = 1, double t
   return run(argv, {}, timeout);
 }
 
-// Tolerance 1e-5 for world-size and accumulation equivalence: the same samples, noise and
+// Tolerance 1e-4 for world-size and accumulation equivalence: the same samples, noise and
 // timesteps enter both runs; only the order of float sums differs (per-rank means averaged vs one
-// mean), which moves weights by ~1e-7 after a few Adam steps. A different sample, noise draw or
-// loss scaling moves them by more than 1e-3.
+// mean). Adam divides each gradient by its own running RMS, so a coordinate whose gradient is
+// near zero turns that 1e-7 rounding into up to ~1e-5 of weight after 6 steps. A run that differs
+// in its data, noise or loss scaling moves weights by more than 1e-3: the control run with
+// another seed checks that the comparison can fail.
 TEST(TrainCommand, TwoRanksEqualOneRankWithTheGlobalBatch) {
   const auto dir = make_temp_dir("train_ws");
   const std::vector<std::string> common = {"--max_train_steps",     "6", "--use_ema", "false",
@@ -100,23 +102,26 @@ TEST(TrainCommand, TwoRanksEqualOneRankWithTheGlobalBatch) {
   two.insert(two.end(), {"--train_batch_size", "4"});
   auto acc = train_cmd(dir, dir + "/acc", common);
   acc.insert(acc.end(), {"--train_batch_size", "4", "--gradient_accumulation_steps", "2"});
+  auto control = train_cmd(dir, dir + "/control", common);
+  control.insert(control.end(), {"--train_batch_size", "8", "--seed", "1"});
   const auto r1 = train(one);
   ASSERT_EQ(r1.exit_code, 0) << r1.log();
   const auto r2 = train(two, 2);
   ASSERT_EQ(r2.exit_code, 0) << r2.log();
   const auto r3 = train(acc);
   ASSERT_EQ(r3.exit_code, 0) << r3.log();
+  const auto r4 = train(control);
+  ASSERT_EQ(r4.exit_code, 0) << r4.log();
   const double ws = max_abs_diff(unet_weights(dir + "/one"), unet_weights(dir + "/two"));
   const double ga = max_abs_diff(unet_weights(dir + "/one"), unet_weights(dir + "/acc"));
+  const double other = max_abs_diff(unet_weights(dir + "/one"), unet_weights(dir + "/control"));
   std::printf(
       "2 ranks x 4 vs 1 rank x 8: max abs diff %.3g; accumulation 2 x 4 vs 8: %.3g "
-      "(tol 1e-5)\n",
-      ws, ga);
-  EXPECT_LT(ws, 1e-5);
-  EXPECT_LT(ga, 1e-5);
-  // The runs trained: weights moved from their initial values by far more than the tolerance.
-  const auto m1 = nlohmann::json::parse(std::ifstream(dir + "/one/metrics.jsonl"));
-  (void)m1;
+      "(tol 1e-4); another seed: %.3g (must exceed 1e-3)\n",
+      ws, ga, other);
+  EXPECT_LT(ws, 1e-4);
+  EXPECT_LT(ga, 1e-4);
+  EXPECT_GT(other, 1e-3);
 }
 
 TEST(TrainCommand, ResumeIsBitIdentical) {
@@ -272,6 +277,8 @@ TEST(TrainCommand, LoraFineTuningTrainsOnlyAdaptersAndExports) {
                           "4",
                           "--lora_format",
                           format,
+                          "--lr_warmup_steps",
+                          "0",
                           "--only_class",
                           "3",
                           "--max_train_steps",
