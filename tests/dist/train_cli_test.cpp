@@ -346,3 +346,64 @@ TEST(TrainCommand, BadInputIsAOneLineErrorBeforeTraining) {
 
 }  // namespace
 }  // namespace difftrain::testing
+
+namespace difftrain::testing {
+namespace {
+
+// `difftrain eval` end to end on a barely trained 32x32 model with a small classifier: the JSON
+// has every field in range, the classifier is cached and reused, and a model it cannot score is
+// a one-line error.
+TEST(EvalCommand, ScoresAClassConditionalModelWithACachedClassifier) {
+  const auto dir = make_temp_dir("eval");
+  const std::string config = dir + "/unet32.json";
+  std::ofstream(config) << R"({"_class_name": "UNet2DModel", "sample_size": 32, "in_channels": 1,
+    "out_channels": 1, "layers_per_block": 1, "block_out_channels": [8, 16],
+    "down_block_types": ["DownBlock2D", "DownBlock2D"], "up_block_types": ["UpBlock2D", "UpBlock2D"],
+    "norm_num_groups": 4})";
+  const auto t = run({kDifftrain, "train", "--model_config_name_or_path", config,
+                      "--max_train_samples", "64", "--max_train_steps", "2", "--lr_warmup_steps",
+                      "0", "--num_validation_images", "0", "--output_dir", dir + "/model"});
+  ASSERT_EQ(t.exit_code, 0) << t.log();
+  const std::vector<std::string> eval = {kDifftrain,
+                                         "eval",
+                                         "--model",
+                                         dir + "/model",
+                                         "--num_per_class",
+                                         "2",
+                                         "--num_inference_steps",
+                                         "2",
+                                         "--classifier_train_samples",
+                                         "2000",
+                                         "--classifier_epochs",
+                                         "3",
+                                         "--test_samples",
+                                         "400",
+                                         "--cache_dir",
+                                         dir + "/cache",
+                                         "--output",
+                                         dir + "/eval.json"};
+  const auto first = run(eval, {}, 300);
+  ASSERT_EQ(first.exit_code, 0) << first.log();
+  EXPECT_NE(first.err.find("classifier: training"), std::string::npos) << first.log();
+  const auto j = nlohmann::json::parse(std::ifstream(dir + "/eval.json"));
+  EXPECT_EQ(j.at("num_images"), 20);
+  EXPECT_EQ(j.at("per_class_accuracy").size(), 10u);
+  EXPECT_GE(j.at("accuracy").get<double>(), 0.0);
+  EXPECT_LE(j.at("accuracy").get<double>(), 1.0);
+  EXPECT_GT(j.at("frechet_distance").get<double>(), j.at("reference_distance").get<double>());
+  // Even 3 epochs over 2000 images make a classifier far better than chance (0.1) on the test set.
+  EXPECT_GT(j.at("classifier_test_accuracy").get<double>(), 0.4);
+  const auto second = run(eval, {}, 300);
+  ASSERT_EQ(second.exit_code, 0) << second.log();
+  EXPECT_NE(second.err.find("classifier: loaded"), std::string::npos) << second.log();
+  const auto j2 = nlohmann::json::parse(std::ifstream(dir + "/eval.json"));
+  EXPECT_EQ(j2.at("frechet_distance"), j.at("frechet_distance"));  // same seed, same classifier
+  const auto bad = run({kDifftrain, "eval", "--model",
+                        std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/unet2d_uncond",
+                        "--cache_dir", dir + "/cache"});
+  EXPECT_EQ(bad.exit_code, 1) << bad.log();
+  EXPECT_NE(bad.err.find("is not one"), std::string::npos) << bad.log();
+}
+
+}  // namespace
+}  // namespace difftrain::testing
