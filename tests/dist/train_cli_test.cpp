@@ -124,6 +124,39 @@ TEST(TrainCommand, TwoRanksEqualOneRankWithTheGlobalBatch) {
   EXPECT_GT(other, 1e-3);
 }
 
+// Gradient checkpointing under DDP recomputes each block in backward; the gradients, and so the
+// weights, must be those of the plain run (same tolerance and reason as above). 8-bit AdamW runs
+// through the same trainer and checkpoints its quantised state.
+TEST(TrainCommand, GradientCheckpointingUnderDdpAndEightBitAdam) {
+  const auto dir = make_temp_dir("train_gc");
+  const std::vector<std::string> common = {"--max_train_steps",     "4", "--use_ema", "false",
+                                           "--checkpointing_steps", "0"};
+  auto plain = train_cmd(dir, dir + "/plain", common);
+  plain.insert(plain.end(), {"--train_batch_size", "8"});
+  auto gc = train_cmd(dir, dir + "/gc", common);
+  gc.insert(gc.end(), {"--train_batch_size", "4", "--gradient_checkpointing"});
+  const auto r1 = train(plain);
+  ASSERT_EQ(r1.exit_code, 0) << r1.log();
+  const auto r2 = train(gc, 2);
+  ASSERT_EQ(r2.exit_code, 0) << r2.log();
+  const double diff = max_abs_diff(unet_weights(dir + "/plain"), unet_weights(dir + "/gc"));
+  std::printf("2 ranks x 4 with gradient checkpointing vs 1 rank x 8 plain: %.3g (tol 1e-4)\n",
+              diff);
+  EXPECT_LT(diff, 1e-4);
+
+  auto eight = train_cmd(dir, dir + "/adam8",
+                         {"--max_train_steps", "4", "--use_8bit_adam", "--checkpointing_steps", "2",
+                          "--train_batch_size", "4"});
+  const auto r3 = train(eight, 2);
+  ASSERT_EQ(r3.exit_code, 0) << r3.log();
+  const auto info = nlohmann::json::parse(std::ifstream(dir + "/adam8/logs/run_info.rank0.json"));
+  // This tiny UNet's tensors are all below AdamW8bit's min_8bit_size (4096), so they keep fp32
+  // moments: at most AdamW's 8 bytes per parameter.
+  EXPECT_LE(info.at("state_bytes").at("optimizer_bytes").get<int64_t>(),
+            2 * info.at("state_bytes").at("param_bytes").get<int64_t>());
+  EXPECT_TRUE(fs::exists(dir + "/adam8/checkpoint-2/trainer_state.json"));
+}
+
 TEST(TrainCommand, ResumeIsBitIdentical) {
   const auto dir = make_temp_dir("train_resume");
   const std::vector<std::string> common = {
