@@ -171,3 +171,102 @@ void barrier(ProcessGroup& group) {
 }
 
 }  // namespace difftrain::dist
+
+namespace difftrain::dist {
+
+void PendingCollective::wait() {
+  if (!work_) return;
+  auto work = std::move(work_);
+  work_.reset();
+  auto finish = std::move(finish_);
+  finish_ = nullptr;
+  group_->wait(work, op_);
+  if (finish) finish();
+  keep_.clear();
+}
+
+PendingCollective all_gather_into_async(torch::Tensor out, const torch::Tensor& shard,
+                                        ProcessGroup& group) {
+  check_tensor(shard, group, "all_gather_into");
+  const int world = group.size();
+  if (!out.is_contiguous() || !shard.is_contiguous() || out.dim() != 1 || shard.dim() != 1 ||
+      out.numel() != shard.numel() * world || out.scalar_type() != shard.scalar_type()) {
+    throw Error(fmt::format(
+        "{}: all_gather_into needs a contiguous 1-D shard [S] and output [{} * S] of the same "
+        "dtype, got {} and {}",
+        group.describe(), world, c10::str(shard.sizes()), c10::str(out.sizes())));
+  }
+  PendingCollective pending;
+  if (world == 1) {
+    if (!out.is_same(shard)) out.copy_(shard);
+    return pending;
+  }
+  const int64_t s = shard.numel();
+  pending.group_ = &group;
+  pending.op_ = "all_gather_into of " + std::to_string(out.numel()) + " elements";
+#ifdef DIFFTRAIN_WITH_NCCL
+  if (group.backend_name() == "nccl") {
+    pending.work_ = group.backend()._allgather_base(out, const_cast<torch::Tensor&>(shard));
+    pending.keep_ = {out, shard};
+    return pending;
+  }
+#endif
+  std::vector<torch::Tensor> inputs{shard};
+  std::vector<std::vector<torch::Tensor>> outputs(1);
+  for (int r = 0; r < world; ++r) outputs[0].push_back(out.narrow(0, r * s, s));
+  pending.work_ = group.backend().allgather(outputs, inputs);
+  pending.keep_ = {out, shard};
+  return pending;
+}
+
+PendingCollective reduce_scatter_async(const torch::Tensor& input, torch::Tensor out, ReduceOp op,
+                                       ProcessGroup& group) {
+  check_tensor(input, group, "reduce_scatter_async");
+  check_mean(input, op, group, "reduce_scatter_async");
+  const int world = group.size();
+  if (!input.is_contiguous() || input.dim() != 1 || out.dim() != 1 ||
+      input.numel() != out.numel() * world || input.scalar_type() != out.scalar_type()) {
+    throw Error(fmt::format(
+        "{}: reduce_scatter_async needs a contiguous 1-D input [{} * S] and output [S] of the "
+        "same dtype, got {} and {}",
+        group.describe(), world, c10::str(input.sizes()), c10::str(out.sizes())));
+  }
+  if (op != ReduceOp::kSum && op != ReduceOp::kMean) {
+    throw Error(fmt::format("{}: reduce_scatter_async supports sum and mean, got {}",
+                            group.describe(), to_string(op)));
+  }
+  PendingCollective pending;
+  if (world == 1) {
+    out.copy_(input);
+    return pending;
+  }
+  const int64_t s = out.numel();
+  pending.group_ = &group;
+  pending.op_ = std::string("reduce_scatter(") + to_string(op) + ") of " +
+                std::to_string(input.numel()) + " elements";
+#ifdef DIFFTRAIN_WITH_NCCL
+  if (group.backend_name() == "nccl") {
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    torch::Tensor in = input;
+    pending.work_ = group.backend()._reduce_scatter_base(out, in, opts);
+    pending.keep_ = {input, out};
+    if (op == ReduceOp::kMean) pending.finish_ = [out, world]() mutable { out.div_(world); };
+    return pending;
+  }
+#endif
+  torch::Tensor received = torch::empty_like(input);
+  std::vector<int64_t> equal_splits;
+  torch::Tensor in = input;
+  pending.work_ = group.backend().alltoall_base(received, in, equal_splits, equal_splits);
+  pending.keep_ = {input, received, out};
+  pending.finish_ = [received, out, world, s, op]() mutable {
+    // Sum in rank order, so every rank's reduction is the same arithmetic.
+    out.copy_(received.narrow(0, 0, s));
+    for (int r = 1; r < world; ++r) out.add_(received.narrow(0, r * s, s));
+    if (op == ReduceOp::kMean) out.div_(world);
+  };
+  return pending;
+}
+
+}  // namespace difftrain::dist

@@ -4,6 +4,8 @@
 
 #include <torch/types.h>
 
+#include <functional>
+#include <string>
 #include <vector>
 
 namespace difftrain::dist {
@@ -63,6 +65,41 @@ torch::Tensor gather_cat(const torch::Tensor& tensor, ProcessGroup& group = defa
 /// alltoall followed by a local reduction; on NCCL the native collective.
 torch::Tensor reduce_scatter(const torch::Tensor& input, ReduceOp op = ReduceOp::kSum,
                              ProcessGroup& group = default_group());
+
+/// An all-gather or reduce-scatter in flight whose result lands in a caller's buffer
+/// (torch: the Work of `all_gather_into_tensor` / `reduce_scatter_tensor` with async_op=True).
+class PendingCollective {
+ public:
+  PendingCollective() = default;
+  /// True while launched and not yet waited for.
+  bool pending() const { return static_cast<bool>(work_); }
+  /// Blocks until done (then finishes the local part, e.g. the reduction of a reduce-scatter).
+  /// A no-op when nothing is pending. Errors name the rank and the operation.
+  void wait();
+
+ private:
+  friend PendingCollective all_gather_into_async(torch::Tensor, const torch::Tensor&,
+                                                 ProcessGroup&);
+  friend PendingCollective reduce_scatter_async(const torch::Tensor&, torch::Tensor, ReduceOp,
+                                                ProcessGroup&);
+  c10::intrusive_ptr<c10d::Work> work_;
+  ProcessGroup* group_ = nullptr;
+  std::string op_;
+  std::vector<torch::Tensor> keep_;  // buffers the backend uses until done
+  std::function<void()> finish_;     // local work after the backend is done
+};
+
+/// Starts gathering every rank's contiguous `shard` ([S]) into the contiguous `out` ([W * S]):
+/// out[r*S : (r+1)*S] becomes rank r's shard. Neither may be touched until wait().
+/// torch: `dist.all_gather_into_tensor(out, shard, async_op=True)`.
+PendingCollective all_gather_into_async(torch::Tensor out, const torch::Tensor& shard,
+                                        ProcessGroup& group = default_group());
+/// Starts a reduce-scatter of the contiguous 1-D `input` ([W * S]); at wait() `out` ([S]) holds
+/// this rank's chunk reduced over ranks (kSum or kMean). On Gloo an alltoall plus a local sum in
+/// rank order, as reduce_scatter().
+PendingCollective reduce_scatter_async(const torch::Tensor& input, torch::Tensor out,
+                                       ReduceOp op = ReduceOp::kMean,
+                                       ProcessGroup& group = default_group());
 
 /// Blocks until every rank has reached it. Accelerate: `accelerator.wait_for_everyone()`.
 void barrier(ProcessGroup& group = default_group());
