@@ -81,7 +81,7 @@ AttentionImpl::AttentionImpl(const AttentionOptions& o) : options(o) {
   to_out_->push_back(torch::nn::Dropout(o.dropout()));
 }
 
-torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& context) {
+torch::Tensor AttentionImpl::forward_impl(const torch::Tensor& x, const torch::Tensor& context) {
   torch::Tensor residual = x;
   torch::Tensor h = x;
   const bool spatial = x.dim() == 4;
@@ -218,8 +218,8 @@ Transformer2DModelImpl::Transformer2DModelImpl(int64_t heads, int64_t dim_head, 
   }
 }
 
-torch::Tensor Transformer2DModelImpl::forward(const torch::Tensor& x,
-                                              const torch::Tensor& context) {
+torch::Tensor Transformer2DModelImpl::forward_impl(const torch::Tensor& x,
+                                                   const torch::Tensor& context) {
   TORCH_CHECK(x.dim() == 4, "Transformer2DModel expects [B, C, H, W], got ", x.sizes());
   const int64_t B = x.size(0), H = x.size(2), W = x.size(3);
   torch::Tensor h = norm_(x);
@@ -245,6 +245,17 @@ torch::Tensor Transformer2DModelImpl::forward(const torch::Tensor& x,
     h = proj_out_conv_(h);
   }
   return h + x;
+}
+
+torch::Tensor AttentionImpl::forward(const torch::Tensor& x, const torch::Tensor& context) {
+  core::ForwardScope scope(*this);
+  return scope.output(forward_impl(x, context));
+}
+
+torch::Tensor Transformer2DModelImpl::forward(const torch::Tensor& x,
+                                              const torch::Tensor& context) {
+  core::ForwardScope scope(*this);
+  return scope.output(forward_impl(x, context));
 }
 
 }  // namespace difftrain::models

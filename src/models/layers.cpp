@@ -152,7 +152,7 @@ ResnetBlock2DImpl::ResnetBlock2DImpl(const ResnetBlock2DOptions& o) : options(o)
   }
 }
 
-torch::Tensor ResnetBlock2DImpl::forward(const torch::Tensor& x, const torch::Tensor& temb) {
+torch::Tensor ResnetBlock2DImpl::forward_impl(const torch::Tensor& x, const torch::Tensor& temb) {
   const std::string& act = options.non_linearity();
   torch::Tensor input = x;
   torch::Tensor h = activation(act, norm1_(x));
@@ -193,6 +193,11 @@ torch::Tensor ResnetBlock2DImpl::forward(const torch::Tensor& x, const torch::Te
   torch::Tensor out = input + h;
   if (options.output_scale_factor() != 1.0) out = out / options.output_scale_factor();
   return out;
+}
+
+torch::Tensor ResnetBlock2DImpl::forward(const torch::Tensor& x, const torch::Tensor& temb) {
+  core::ForwardScope scope(*this);
+  return scope.output(forward_impl(x, temb));
 }
 
 }  // namespace difftrain::models

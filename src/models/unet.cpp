@@ -208,8 +208,8 @@ torch::Tensor UNetImpl::time_features(const torch::Tensor& timesteps, const torc
   return f.to(like.scalar_type());
 }
 
-torch::Tensor UNetImpl::forward(const torch::Tensor& sample_in, const torch::Tensor& timestep,
-                                const UNetConditioning& cond) {
+torch::Tensor UNetImpl::forward_impl(const torch::Tensor& sample_in, const torch::Tensor& timestep,
+                                     const UNetConditioning& cond) {
   const auto& c = config_;
   TORCH_CHECK(sample_in.dim() == 4 && sample_in.size(1) == c.in_channels, c.class_name(),
               ": sample must be [B, ", c.in_channels, ", H, W], got ", sample_in.sizes());
@@ -308,6 +308,12 @@ torch::Tensor UNetImpl::forward(const torch::Tensor& sample_in, const torch::Ten
     x = x / timesteps.to(x.scalar_type()).reshape({B, 1, 1, 1});
   }
   return x;
+}
+
+torch::Tensor UNetImpl::forward(const torch::Tensor& sample, const torch::Tensor& timestep,
+                                const UNetConditioning& cond) {
+  core::ForwardScope scope(*this);
+  return scope.output(forward_impl(sample, timestep, cond));
 }
 
 }  // namespace difftrain::models

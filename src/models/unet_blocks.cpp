@@ -73,6 +73,7 @@ torch::Tensor run_attention(const std::shared_ptr<SpatialLayer>& attn, const tor
 // ------------------------------------------------------------------ down
 
 DownBlockImpl::DownBlockImpl(const BlockOptions& o) {
+  type_ = o.type;
   auto resnets = register_module("resnets", torch::nn::ModuleList());
   torch::nn::ModuleList attentions;
   const bool with_attention = is_attn(o.type) || is_cross_attn(o.type);
@@ -97,8 +98,8 @@ DownBlockImpl::DownBlockImpl(const BlockOptions& o) {
   }
 }
 
-std::pair<torch::Tensor, std::vector<torch::Tensor>> DownBlockImpl::forward(torch::Tensor x,
-                                                                            const BlockInputs& in) {
+std::pair<torch::Tensor, std::vector<torch::Tensor>> DownBlockImpl::forward_impl(
+    torch::Tensor x, const BlockInputs& in) {
   std::vector<torch::Tensor> states;
   for (size_t i = 0; i < resnets_.size(); ++i) {
     x = run_resnet(resnets_[i], x, in);
@@ -118,6 +119,7 @@ std::pair<torch::Tensor, std::vector<torch::Tensor>> DownBlockImpl::forward(torc
 // ------------------------------------------------------------------ mid
 
 MidBlockImpl::MidBlockImpl(const BlockOptions& o) {
+  type_ = o.type;
   const int64_t ch = o.in_channels;
   auto resnets = register_module("resnets", torch::nn::ModuleList());
   resnets_.push_back(make_resnet(o, ch, ch));
@@ -139,7 +141,7 @@ MidBlockImpl::MidBlockImpl(const BlockOptions& o) {
   }
 }
 
-torch::Tensor MidBlockImpl::forward(torch::Tensor x, const BlockInputs& in) {
+torch::Tensor MidBlockImpl::forward_impl(torch::Tensor x, const BlockInputs& in) {
   x = run_resnet(resnets_[0], x, in);
   for (size_t i = 0; i < attentions_.size(); ++i) {
     if (attentions_[i]) x = run_attention(attentions_[i], x, in);
@@ -151,6 +153,7 @@ torch::Tensor MidBlockImpl::forward(torch::Tensor x, const BlockInputs& in) {
 // ------------------------------------------------------------------ up
 
 UpBlockImpl::UpBlockImpl(const BlockOptions& o) {
+  type_ = o.type;
   auto resnets = register_module("resnets", torch::nn::ModuleList());
   torch::nn::ModuleList attentions;
   const bool with_attention = is_attn(o.type) || is_cross_attn(o.type);
@@ -177,9 +180,9 @@ UpBlockImpl::UpBlockImpl(const BlockOptions& o) {
   }
 }
 
-torch::Tensor UpBlockImpl::forward(torch::Tensor x, std::vector<torch::Tensor>& skips,
-                                   const BlockInputs& in,
-                                   const std::vector<int64_t>& upsample_size) {
+torch::Tensor UpBlockImpl::forward_impl(torch::Tensor x, std::vector<torch::Tensor>& skips,
+                                        const BlockInputs& in,
+                                        const std::vector<int64_t>& upsample_size) {
   for (size_t i = 0; i < resnets_.size(); ++i) {
     TORCH_CHECK(!skips.empty(), "UpBlock: ran out of skip connections");
     x = torch::cat({x, skips.back()}, 1);
@@ -190,6 +193,28 @@ torch::Tensor UpBlockImpl::forward(torch::Tensor x, std::vector<torch::Tensor>& 
   if (!upsample_.is_empty()) x = upsample_(x, upsample_size);
   if (!resnet_up_.is_empty()) x = resnet_up_(x, in.temb);
   return x;
+}
+
+std::pair<torch::Tensor, std::vector<torch::Tensor>> DownBlockImpl::forward(torch::Tensor x,
+                                                                            const BlockInputs& in) {
+  core::ForwardScope scope(*this);
+  auto [out, states] = forward_impl(std::move(x), in);
+  std::vector<torch::Tensor> all{out};
+  all.insert(all.end(), states.begin(), states.end());
+  all = scope.outputs(std::move(all));
+  return {all[0], std::vector<torch::Tensor>(all.begin() + 1, all.end())};
+}
+
+torch::Tensor MidBlockImpl::forward(torch::Tensor x, const BlockInputs& in) {
+  core::ForwardScope scope(*this);
+  return scope.output(forward_impl(std::move(x), in));
+}
+
+torch::Tensor UpBlockImpl::forward(torch::Tensor x, std::vector<torch::Tensor>& skips,
+                                   const BlockInputs& in,
+                                   const std::vector<int64_t>& upsample_size) {
+  core::ForwardScope scope(*this);
+  return scope.output(forward_impl(std::move(x), skips, in, upsample_size));
 }
 
 }  // namespace difftrain::models

@@ -3,6 +3,7 @@
 // AttnProcessor, attention.py `BasicTransformerBlock` / `FeedForward` / `GEGLU`, and
 // transformers/transformer_2d.py `Transformer2DModel` on continuous inputs).
 
+#include "difftrain/core/forward_hooks.h"
 #include "difftrain/models/linear.h"
 
 #include <torch/nn/module.h>
@@ -49,12 +50,17 @@ struct AttentionOptions {
 /// Diffusers' `Attention`: multi-head scaled dot-product attention with projections to_q, to_k,
 /// to_v, to_out.0 (and group_norm when norm_num_groups > 0). Accepts a sequence [B, N, C] or a
 /// feature map [B, C, H, W] (flattened to N = H*W and restored, as AttnProcessor does).
-class AttentionImpl : public SpatialLayer {
+class AttentionImpl : public SpatialLayer, public core::HookableModule {
  public:
   explicit AttentionImpl(const AttentionOptions& options);
   /// x: [B, N, C] or [B, C, H, W]; context: [B, S, cross_attention_dim] or undefined (self).
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& context) override;
+  std::string hook_class_name() const override { return "Attention"; }
 
+ private:
+  torch::Tensor forward_impl(const torch::Tensor& x, const torch::Tensor& context);
+
+ public:
   AttentionOptions options;
 
  private:
@@ -106,7 +112,7 @@ TORCH_MODULE(BasicTransformerBlock);
 
 /// Diffusers' `Transformer2DModel` on a feature map: GroupNorm(eps 1e-6) -> proj_in (1x1 conv, or
 /// Linear when use_linear_projection) -> transformer_blocks -> proj_out, plus the input.
-class Transformer2DModelImpl : public SpatialLayer {
+class Transformer2DModelImpl : public SpatialLayer, public core::HookableModule {
  public:
   Transformer2DModelImpl(int64_t heads, int64_t dim_head, int64_t in_channels, int64_t num_layers,
                          int64_t cross_attention_dim, int64_t norm_num_groups,
@@ -114,8 +120,10 @@ class Transformer2DModelImpl : public SpatialLayer {
                          bool upcast_attention, double dropout = 0.0);
   /// x: [B, C, H, W], context: [B, S, cross_attention_dim] -> [B, C, H, W]
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& context) override;
+  std::string hook_class_name() const override { return "Transformer2DModel"; }
 
  private:
+  torch::Tensor forward_impl(const torch::Tensor& x, const torch::Tensor& context);
   bool use_linear_projection_;
   torch::nn::GroupNorm norm_{nullptr};
   Conv2d proj_in_conv_{nullptr}, proj_out_conv_{nullptr};

@@ -3,6 +3,7 @@
 // Downsample2D, Upsample2D (Diffusers' embeddings.py, resnet.py, downsampling.py, upsampling.py).
 // Registered names are Diffusers' state-dict keys.
 
+#include "difftrain/core/forward_hooks.h"
 #include "difftrain/models/linear.h"
 
 #include <torch/nn/module.h>
@@ -106,15 +107,17 @@ struct ResnetBlock2DOptions {
 
 /// Diffusers' `ResnetBlock2D`: norm1 -> act -> conv1 (+ time_emb_proj) -> norm2 -> act ->
 /// dropout -> conv2, plus the input (through a 1x1 conv_shortcut when channels change).
-class ResnetBlock2DImpl : public torch::nn::Module {
+class ResnetBlock2DImpl : public torch::nn::Module, public core::HookableModule {
  public:
   explicit ResnetBlock2DImpl(const ResnetBlock2DOptions& options);
   /// x: [B, C_in, H, W], temb: [B, temb_channels] or undefined -> [B, C_out, H', W']
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& temb);
+  std::string hook_class_name() const override { return "ResnetBlock2D"; }
 
   ResnetBlock2DOptions options;
 
  private:
+  torch::Tensor forward_impl(const torch::Tensor& x, const torch::Tensor& temb);
   torch::nn::GroupNorm norm1_{nullptr}, norm2_{nullptr};
   Conv2d conv1_{nullptr}, conv2_{nullptr}, conv_shortcut_{nullptr};
   Linear time_emb_proj_{nullptr};

@@ -3,6 +3,7 @@
 // config.json (UNetConfig::kind picks the class). Parameter names are Diffusers' state-dict keys,
 // so a `diffusion_pytorch_model.safetensors` loads by name with no conversion.
 
+#include "difftrain/core/forward_hooks.h"
 #include "difftrain/models/unet_blocks.h"
 #include "difftrain/models/unet_config.h"
 
@@ -27,7 +28,7 @@ struct UNetConditioning {
 
 /// A Diffusers UNet. Diffusers: `UNet2DModel` (kind kUNet2D) / `UNet2DConditionModel`
 /// (kUNet2DCondition) with `.sample` of the output.
-class UNetImpl : public torch::nn::Module {
+class UNetImpl : public torch::nn::Module, public core::HookableModule {
  public:
   explicit UNetImpl(const UNetConfig& config);
 
@@ -35,6 +36,8 @@ class UNetImpl : public torch::nn::Module {
   /// -> [B, out_channels, H, W] (the model's prediction: noise, v or x0).
   torch::Tensor forward(const torch::Tensor& sample, const torch::Tensor& timestep,
                         const UNetConditioning& cond = {});
+  /// "UNet2DModel" or "UNet2DConditionModel".
+  std::string hook_class_name() const override { return config_.class_name(); }
 
   const UNetConfig& config() const { return config_; }
   /// Diffusers' enable_gradient_checkpointing() / disable_gradient_checkpointing(): in training
@@ -46,6 +49,8 @@ class UNetImpl : public torch::nn::Module {
   bool needs_encoder_hidden_states() const;
 
  private:
+  torch::Tensor forward_impl(const torch::Tensor& sample, const torch::Tensor& timestep,
+                             const UNetConditioning& cond);
   torch::Tensor time_features(const torch::Tensor& timesteps, const torch::Tensor& like);
 
   UNetConfig config_;

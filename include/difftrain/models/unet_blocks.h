@@ -3,6 +3,7 @@
 // AttnDownBlock2D, CrossAttnDownBlock2D, UNetMidBlock2D, UNetMidBlock2DCrossAttn, UpBlock2D,
 // AttnUpBlock2D, CrossAttnUpBlock2D. One class per role; the type string picks the attention layer.
 
+#include "difftrain/core/forward_hooks.h"
 #include "difftrain/models/attention.h"
 #include "difftrain/models/layers.h"
 
@@ -51,14 +52,19 @@ struct BlockOptions {
 
 /// A down block: num_layers x (resnet [+ attention]) then an optional downsampler. Submodules
 /// `resnets`, `attentions`, `downsamplers` as in Diffusers.
-class DownBlockImpl : public torch::nn::Module {
+class DownBlockImpl : public torch::nn::Module, public core::HookableModule {
  public:
   explicit DownBlockImpl(const BlockOptions& options);
   /// x: [B, C_in, H, W] -> (x: [B, C_out, H', W'], one residual per resnet and downsampler)
   std::pair<torch::Tensor, std::vector<torch::Tensor>> forward(torch::Tensor x,
                                                                const BlockInputs& in);
+  /// The Diffusers block type, e.g. "CrossAttnDownBlock2D".
+  std::string hook_class_name() const override { return type_; }
 
  private:
+  std::pair<torch::Tensor, std::vector<torch::Tensor>> forward_impl(torch::Tensor x,
+                                                                    const BlockInputs& in);
+  std::string type_;
   std::vector<ResnetBlock2D> resnets_;
   std::vector<std::shared_ptr<SpatialLayer>> attentions_;
   Downsample2D downsample_{nullptr};
@@ -67,21 +73,27 @@ class DownBlockImpl : public torch::nn::Module {
 TORCH_MODULE(DownBlock);
 
 /// A middle block: resnet, then num_layers x (attention, resnet).
-class MidBlockImpl : public torch::nn::Module {
+class MidBlockImpl : public torch::nn::Module, public core::HookableModule {
  public:
   explicit MidBlockImpl(const BlockOptions& options);
   /// x: [B, C, H, W] -> [B, C, H, W]
   torch::Tensor forward(torch::Tensor x, const BlockInputs& in);
+  /// The Diffusers block type, e.g. "UNetMidBlock2DCrossAttn".
+  std::string hook_class_name() const override { return type_; }
 
  private:
+  torch::Tensor forward_impl(torch::Tensor x, const BlockInputs& in);
+  std::string type_;
   std::vector<ResnetBlock2D> resnets_;
   std::vector<std::shared_ptr<SpatialLayer>> attentions_;  // null entries when add_attention=false
 };
 TORCH_MODULE(MidBlock);
 
 /// An up block: num_layers x (concat a skip, resnet [+ attention]) then an optional upsampler.
-class UpBlockImpl : public torch::nn::Module {
+class UpBlockImpl : public torch::nn::Module, public core::HookableModule {
  public:
+  /// The Diffusers block type, e.g. "CrossAttnUpBlock2D".
+  std::string hook_class_name() const override { return type_; }
   explicit UpBlockImpl(const BlockOptions& options);
   /// x: [B, C, H, W]; takes num_resnets() skips from the back of `skips` (popping them);
   /// upsample_size: {H', W'} or empty (double). -> [B, C_out, H', W']
@@ -90,6 +102,9 @@ class UpBlockImpl : public torch::nn::Module {
   size_t num_resnets() const { return resnets_.size(); }
 
  private:
+  torch::Tensor forward_impl(torch::Tensor x, std::vector<torch::Tensor>& skips,
+                             const BlockInputs& in, const std::vector<int64_t>& upsample_size);
+  std::string type_;
   std::vector<ResnetBlock2D> resnets_;
   std::vector<std::shared_ptr<SpatialLayer>> attentions_;
   Upsample2D upsample_{nullptr};
