@@ -160,4 +160,9 @@ void AdamW::load_state_dict(const OptimizerState& state) {
   }
 }
 
+std::shared_ptr<FlatOptimizer> AdamW::make_like(
+    std::vector<torch::optim::OptimizerParamGroup> groups) const {
+  return std::make_shared<AdamW>(std::move(groups), group_options(0));
+}
+
 }  // namespace difftrain::optim

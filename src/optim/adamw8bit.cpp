@@ -245,4 +245,9 @@ void AdamW8bit::load_state_dict(const OptimizerState& state) {
   }
 }
 
+std::shared_ptr<FlatOptimizer> AdamW8bit::make_like(
+    std::vector<torch::optim::OptimizerParamGroup> groups) const {
+  return std::make_shared<AdamW8bit>(std::move(groups), group_options(0), min_8bit_size_);
+}
+
 }  // namespace difftrain::optim

@@ -168,7 +168,22 @@ const torch::optim::AdamWOptions& FlatOptimizer::group_options(size_t g) const {
   return static_cast<const torch::optim::AdamWOptions&>(param_groups_.at(g).options());
 }
 
+void FlatOptimizer::release_storage() {
+  for (auto& bucket : buckets_) {
+    bucket.params = torch::Tensor();
+    bucket.grads = torch::Tensor();
+  }
+  release_state();
+  released_ = true;
+}
+
 void FlatOptimizer::refresh_layout() {
+  if (released_) {
+    throw Error(type_name_ +
+                ": this optimizer was prepared for sharded training and handed its parameters "
+                "to a per-rank optimizer; step the optimizer that Accelerator::prepare() "
+                "returned");
+  }
   bool same = param_groups_.size() == steps_.size();
   for (size_t g = 0; same && g < param_groups_.size(); ++g) {
     same = param_groups_[g].params().size() == steps_[g].size();

@@ -33,6 +33,8 @@ class AdamW : public FlatOptimizer {
   torch::Tensor step(LossClosure closure = nullptr) override;
 
   int64_t state_bytes() const override;
+  std::shared_ptr<FlatOptimizer> make_like(
+      std::vector<torch::optim::OptimizerParamGroup> groups) const override;
   /// Tensors "<name>.exp_avg", "<name>.exp_avg_sq" (and ".max_exp_avg_sq" with amsgrad) shaped
   /// like the parameter; JSON with hyperparameters and per-parameter steps.
   OptimizerState state_dict() const override;
@@ -54,6 +56,7 @@ class AdamW : public FlatOptimizer {
   torch::Tensor state_view(size_t group, size_t index, int which) const;
 
   std::vector<BucketState> state_;
+  void release_state() override { state_.assign(state_.size(), BucketState{}); }
   bool reference_path_ = false;
 };
 

@@ -26,6 +26,8 @@ class AdamW8bit : public FlatOptimizer {
   torch::Tensor step(LossClosure closure = nullptr) override;
 
   int64_t state_bytes() const override;
+  std::shared_ptr<FlatOptimizer> make_like(
+      std::vector<torch::optim::OptimizerParamGroup> groups) const override;
   /// Tensors "<name>.state1" / ".state2" (uint8 codes shaped like the parameter) and
   /// ".absmax1" / ".absmax2" (fp32 per block) for 8-bit parameters — bitsandbytes' state keys —
   /// and ".exp_avg" / ".exp_avg_sq" for the small fp32 ones; JSON as AdamW.
@@ -54,6 +56,7 @@ class AdamW8bit : public FlatOptimizer {
 
   int64_t min_8bit_size_;
   std::vector<BucketState> state_;
+  void release_state() override { state_.assign(state_.size(), BucketState{}); }
 };
 
 }  // namespace difftrain::optim

@@ -64,6 +64,18 @@ class FlatOptimizer : public torch::optim::Optimizer {
   /// Restores state_dict() output. Refuses, naming the parameter, state whose names or shapes
   /// do not match this optimizer's parameters, or that another optimizer type wrote.
   virtual void load_state_dict(const OptimizerState& state) = 0;
+  /// A new optimizer of the same type and settings (min_8bit_size, ...) over `groups`, whose
+  /// options must be AdamWOptions; the sharding engine builds its per-rank optimizer with it.
+  virtual std::shared_ptr<FlatOptimizer> make_like(
+      std::vector<torch::optim::OptimizerParamGroup> groups) const = 0;
+  /// Frees the flat parameter, gradient and state buffers after another optimizer took over
+  /// (prepared for sharded training). The parameters must no longer point into them; step()
+  /// then throws, naming the optimizer to use instead.
+  void release_storage();
+  /// Whether release_storage() was called.
+  bool released() const { return released_; }
+  /// The type name ("AdamW", "AdamW8bit").
+  const std::string& type_name() const { return type_name_; }
   /// LibTorch archives cannot hold the flat state: these throw; use state_dict() and
   /// save_optimizer_state().
   void save(torch::serialize::OutputArchive& archive) const override;
@@ -110,6 +122,9 @@ class FlatOptimizer : public torch::optim::Optimizer {
   std::vector<std::vector<int64_t>> steps_;      ///< [group][param]
   std::vector<std::vector<std::string>> names_;  ///< [group][param]
   std::string type_name_;
+  bool released_ = false;
+  /// Subclasses drop their state buffers (release_storage()).
+  virtual void release_state() {}
 };
 
 }  // namespace difftrain::optim
