@@ -28,7 +28,9 @@ void AcceleratedOptimizer::step() {
     skipped_ = state_->scaler->found_inf();
   }
   if (!skipped_) {
+    if (before_step_) before_step_();
     optimizer_->step();
+    if (after_step_) after_step_();
     ++updates_;
     ++state_->optimizer_updates;
   }

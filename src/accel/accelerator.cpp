@@ -1,6 +1,7 @@
 #include "difftrain/accel/accelerator.h"
 
 #include "difftrain/core/error.h"
+#include "difftrain/optim/flat_optimizer.h"
 
 #include <torch/cuda.h>
 #include <torch/nn/utils/clip_grad.h>
@@ -62,6 +63,15 @@ AccumulateGuard::AccumulateGuard(Accelerator& accelerator) : accelerator_(accele
 }
 
 AccumulateGuard::~AccumulateGuard() { accelerator_.end_micro_step(); }
+
+FullParameters::FullParameters(Accelerator& accelerator) : accelerator_(accelerator) {
+  accelerator_.state_->finish_reduction();
+  for (auto& s : accelerator_.state_->sharded) s->gather_full_parameters();
+}
+
+FullParameters::~FullParameters() {
+  for (auto& s : accelerator_.state_->sharded) s->release_full_parameters();
+}
 
 MainProcessFirst::MainProcessFirst(Accelerator& accelerator) : accelerator_(accelerator) {
   if (!accelerator_.is_main_process()) accelerator_.wait_for_everyone();
@@ -126,14 +136,20 @@ void Accelerator::init() {
           "the dynamic loss scaler still runs. Use bf16 on CPU");
     }
   }
+  sharding_ = options_.sharding ? *options_.sharding : ShardingOptions::from_env();
+  if (num_processes() == 1 && sharding_.strategy != ShardingStrategy::kNoShard) {
+    log::info("sharding: one process, so {} has nothing to split; training unsharded",
+              to_string(sharding_.strategy));
+    sharding_.strategy = ShardingStrategy::kNoShard;
+  }
   if (options_.seed) set_seed(*options_.seed);
   log::info(
       "accelerator: {} process(es), device {}, mixed_precision {}, gradient_accumulation_steps "
       "{}, split_batches {}, even_batches {}, bucket_cap_mb {}, find_unused_parameters {}, "
-      "{} intra-op thread(s) per process",
+      "sharding {}, {} intra-op thread(s) per process",
       num_processes(), device_.str(), to_string(state_->mixed_precision), accumulation_steps_,
       options_.split_batches, options_.even_batches, options_.ddp.bucket_cap_mb,
-      options_.ddp.find_unused_parameters, at::get_num_threads());
+      options_.ddp.find_unused_parameters, to_string(sharding_.strategy), at::get_num_threads());
 }
 
 // ------------------------------------------------------------------ prepare
@@ -157,6 +173,7 @@ void Accelerator::prepare_module(torch::nn::Module& module) {
   tensors.insert(tensors.end(), buffers.begin(), buffers.end());
   broadcast_coalesced(tensors, *group_);
   buffers_.insert(buffers_.end(), buffers.begin(), buffers.end());
+  engine_of_model_.push_back(nullptr);
 
   if (num_processes() == 1) return;
   std::vector<std::pair<std::string, torch::Tensor>> named;
@@ -166,6 +183,12 @@ void Accelerator::prepare_module(torch::nn::Module& module) {
     trainable = trainable || item.value().requires_grad();
   }
   if (!trainable) return;  // a frozen model: nothing to reduce
+  if (sharding_.strategy != ShardingStrategy::kNoShard) {
+    state_->sharded.push_back(std::make_unique<ShardedModel>(module, sharding_, *group_));
+    state_->sharded.back()->set_sync(state_->sync_gradients);
+    engine_of_model_.back() = state_->sharded.back().get();
+    return;
+  }
   ReducerOptions ropts;
   ropts.bucket_cap_mb = options_.ddp.bucket_cap_mb;
   ropts.find_unused_parameters = options_.ddp.find_unused_parameters;
@@ -177,7 +200,33 @@ void Accelerator::prepare_module(torch::nn::Module& module) {
 std::shared_ptr<AcceleratedOptimizer> Accelerator::prepare_optimizer(
     std::shared_ptr<torch::optim::Optimizer> optimizer) {
   if (!optimizer) throw Error("prepare() got a null optimizer");
-  auto prepared = std::make_shared<AcceleratedOptimizer>(std::move(optimizer), state_);
+  ShardedModel* engine = nullptr;
+  for (auto& s : state_->sharded) {
+    if (s->has_shard_optimizer()) continue;
+    for (const auto& g : optimizer->param_groups()) {
+      for (const auto& p : g.params())
+        engine = engine ? engine : (s->contains(p) ? s.get() : nullptr);
+    }
+    if (engine) break;
+  }
+  std::shared_ptr<AcceleratedOptimizer> prepared;
+  if (engine) {
+    auto* flat = dynamic_cast<optim::FlatOptimizer*>(optimizer.get());
+    if (!flat) {
+      throw Error(fmt::format(
+          "sharding {} needs a difftrain optimizer (difftrain::optim::AdamW or AdamW8bit): "
+          "their flat state can be cut into per-rank shards",
+          to_string(sharding_.strategy)));
+    }
+    auto inner = engine->make_shard_optimizer(*flat);
+    prepared = std::make_shared<AcceleratedOptimizer>(inner, state_);
+    prepared->set_user_optimizer(optimizer);
+    prepared->set_step_hooks([engine] { engine->sync_hyperparameters(); },
+                             [engine] { engine->after_step(); });
+  } else {
+    prepared = std::make_shared<AcceleratedOptimizer>(std::move(optimizer), state_);
+  }
+  engine_of_optimizer_.push_back(engine);
   const auto params = prepared->parameters();
   state_->optimizer_params.insert(state_->optimizer_params.end(), params.begin(), params.end());
   ++state_->num_optimizers;
@@ -246,6 +295,7 @@ void Accelerator::begin_micro_step() {
   const bool end_of_data = loader && position >= common;
   state_->sync_gradients = state_->micro_step >= state_->window || end_of_data;
   for (auto& r : state_->reducers) r->set_sync(state_->sync_gradients);
+  for (auto& s : state_->sharded) s->set_sync(state_->sync_gradients);
 }
 
 void Accelerator::end_micro_step() {}
@@ -265,6 +315,7 @@ void Accelerator::backward(const torch::Tensor& loss) {
   if (state_->window > 1) scaled = scaled / static_cast<double>(state_->window);
   if (state_->scaler) scaled = state_->scaler->scale(scaled);
   for (auto& r : state_->reducers) r->prepare_for_backward(scaled);
+  for (auto& s : state_->sharded) s->prepare_for_backward();
   {
     AutocastDisabledGuard no_autocast;
     scaled.backward();
@@ -282,6 +333,24 @@ double Accelerator::clip_grad_norm_(const std::vector<torch::Tensor>& params, do
     state_->update_scaler();
     state_->scaler->unscale_(state_->optimizer_params.empty() ? params : state_->optimizer_params);
   }
+  if (!state_->sharded.empty()) {
+    // The gradients live in shards: the global norm is a reduction of every rank's part.
+    const bool inf = std::isinf(norm_type);
+    double part = 0;
+    for (const auto& s : state_->sharded) {
+      const double p = s->local_grad_norm_part(norm_type);
+      part = inf ? std::max(part, p) : part + p;
+    }
+    auto total = torch::tensor({part}, torch::kDouble);
+    dist::all_reduce(total, inf ? dist::ReduceOp::kMax : dist::ReduceOp::kSum, *group_);
+    const double norm =
+        inf ? total.item<double>() : std::pow(total.item<double>(), 1.0 / norm_type);
+    const double coef = max_norm / (norm + 1e-6);
+    if (coef < 1.0) {
+      for (auto& s : state_->sharded) s->scale_grads(coef);
+    }
+    return norm;
+  }
   return torch::nn::utils::clip_grad_norm_(params, max_norm, norm_type);
 }
 
@@ -291,6 +360,8 @@ void Accelerator::clip_grad_value_(const std::vector<torch::Tensor>& params, dou
     state_->update_scaler();
     state_->scaler->unscale_(state_->optimizer_params.empty() ? params : state_->optimizer_params);
   }
+  for (auto& s : state_->sharded) s->clamp_grads(clip_value);
+  if (!state_->sharded.empty()) return;
   torch::nn::utils::clip_grad_value_(params, clip_value);
 }
 
@@ -301,6 +372,40 @@ double Accelerator::loss_scale() const {
 }
 
 // ------------------------------------------------------------------ processes
+
+StateMemory Accelerator::memory() const {
+  StateMemory m;
+  for (size_t i = 0; i < prepared_modules_.size(); ++i) {
+    if (i < engine_of_model_.size() && engine_of_model_[i]) {
+      const auto e = engine_of_model_[i]->memory();
+      m.param_bytes += e.param_bytes;
+      m.param_peak_bytes += e.param_peak_bytes;
+      m.grad_bytes += e.grad_bytes;
+      m.grad_peak_bytes += e.grad_peak_bytes;
+      m.frozen_param_bytes += e.frozen_param_bytes;
+      continue;
+    }
+    for (const auto& p : prepared_modules_[i]->parameters()) {
+      const int64_t bytes = p.numel() * static_cast<int64_t>(p.element_size());
+      if (!p.requires_grad()) {
+        m.frozen_param_bytes += bytes;
+        continue;
+      }
+      m.param_bytes += bytes;
+      m.grad_bytes += bytes;  // DDP's buckets (or the optimizer's gradient slots) hold them all
+    }
+  }
+  m.param_peak_bytes = std::max(m.param_peak_bytes, m.param_bytes);
+  m.grad_peak_bytes = std::max(m.grad_peak_bytes, m.grad_bytes);
+  for (const auto& w : optimizers_) {
+    auto o = w.lock();
+    if (!o) continue;
+    if (auto* flat = dynamic_cast<optim::FlatOptimizer*>(&o->optimizer())) {
+      m.optimizer_bytes += flat->state_bytes();
+    }
+  }
+  return m;
+}
 
 void Accelerator::wait_for_everyone() { dist::barrier(*group_); }
 

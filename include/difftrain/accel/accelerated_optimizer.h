@@ -37,6 +37,18 @@ class AcceleratedOptimizer {
 
   torch::optim::Optimizer& optimizer() { return *optimizer_; }
   std::shared_ptr<torch::optim::Optimizer> shared() const { return optimizer_; }
+  /// Runs `before` just before each real update and `after` just after it (the sharding engine
+  /// copies the LR schedule's values in, and gathers the updated shards out).
+  void set_step_hooks(std::function<void()> before, std::function<void()> after) {
+    before_step_ = std::move(before);
+    after_step_ = std::move(after);
+  }
+  /// The optimizer the user made, when it differs from optimizer() (sharded training: optimizer()
+  /// is the per-rank optimizer over the shards).
+  std::shared_ptr<torch::optim::Optimizer> user_optimizer() const { return user_; }
+  void set_user_optimizer(std::shared_ptr<torch::optim::Optimizer> user) {
+    user_ = std::move(user);
+  }
   /// Overwrites the count of real updates (when resuming from a checkpoint).
   void set_num_updates(int64_t updates) { updates_ = updates; }
 
@@ -45,6 +57,8 @@ class AcceleratedOptimizer {
   std::shared_ptr<GradientState> state_;
   bool skipped_ = false;
   int64_t updates_ = 0;
+  std::function<void()> before_step_, after_step_;
+  std::shared_ptr<torch::optim::Optimizer> user_;
 };
 
 /// An LR scheduler prepared by the Accelerator (Accelerate's `AcceleratedScheduler`).

@@ -3,6 +3,7 @@
 #include "difftrain/accel/accelerated_optimizer.h"
 #include "difftrain/accel/gradient_state.h"
 #include "difftrain/accel/precision.h"
+#include "difftrain/accel/sharding.h"
 #include "difftrain/core/log.h"
 #include "difftrain/data/data_loader.h"
 #include "difftrain/dist/collectives.h"
@@ -59,6 +60,24 @@ struct AcceleratorOptions {
   GradScalerOptions scaler;
   /// Stay on the CPU even when CUDA is available (Accelerate `cpu=True`).
   bool cpu = false;
+  /// Sharded training (ZeRO-1/2/3, FSDP; docs/SHARDING.md). Unset: ShardingOptions::from_env()
+  /// (set by `difftrain launch`), which defaults to NO_SHARD. With one process sharding is off.
+  std::optional<ShardingOptions> sharding;
+};
+
+class Accelerator;
+
+/// RAII: every sharded model's parameters gathered for the scope (FSDP's summon_full_params);
+/// nothing happens without sharding. Collective: every rank must open it.
+class [[nodiscard]] FullParameters {
+ public:
+  explicit FullParameters(Accelerator& accelerator);
+  ~FullParameters();
+  FullParameters(const FullParameters&) = delete;
+  FullParameters& operator=(const FullParameters&) = delete;
+
+ private:
+  Accelerator& accelerator_;
 };
 
 class Accelerator;
@@ -269,11 +288,32 @@ class Accelerator {
   /// random state (saved with fewer ranks) is a warning.
   void load_state(const std::string& dir);
 
+  /// The sharding in force (NO_SHARD with one process).
+  const ShardingOptions& sharding() const { return sharding_; }
+  /// RAII guard: full parameters of sharded models for the scope (see FullParameters). Use it
+  /// around code that reads a FULL_SHARD model outside the training step (EMA, validation,
+  /// export): outside it, parameters of sharded units have no memory.
+  FullParameters summon_full_params() { return FullParameters(*this); }
+  /// Bytes of training state on this rank (parameters, gradients, optimizer state; see
+  /// StateMemory), summed over prepared models and optimizers.
+  StateMemory memory() const;
+  /// For tests and benchmarks: the sharding engines of the prepared models.
+  const std::vector<std::unique_ptr<ShardedModel>>& sharded_models() const {
+    return state_->sharded;
+  }
+
   /// For tests and benchmarks: the reducers of the prepared models.
   const std::vector<std::unique_ptr<Reducer>>& reducers() const { return state_->reducers; }
 
  private:
   friend class AccumulateGuard;
+  friend class FullParameters;
+  void save_sharded_model(size_t index, ShardedModel& engine, const std::string& temp_dir);
+  void load_sharded_model(size_t index, ShardedModel& engine, const std::string& dir);
+  void save_sharded_optimizer(size_t index, ShardedModel& engine, optim::FlatOptimizer& opt,
+                              const std::string& temp_dir);
+  void load_sharded_optimizer(size_t index, ShardedModel& engine, optim::FlatOptimizer& opt,
+                              const std::string& dir);
   void init();
   void begin_micro_step();
   void end_micro_step();
@@ -328,7 +368,10 @@ class Accelerator {
   dist::ProcessGroup* group_ = nullptr;
   torch::Device device_ = torch::kCPU;
   int64_t accumulation_steps_ = 1;
+  ShardingOptions sharding_;
   std::shared_ptr<GradientState> state_;
+  std::vector<ShardedModel*> engine_of_model_;      // per prepared model; null when not sharded
+  std::vector<ShardedModel*> engine_of_optimizer_;  // per prepared optimizer; null likewise
   std::vector<std::weak_ptr<AcceleratedOptimizer>> optimizers_;
   std::vector<std::weak_ptr<AcceleratedScheduler>> schedulers_;
   struct LoaderSeen {

@@ -2,6 +2,7 @@
 
 #include "difftrain/accel/precision.h"
 #include "difftrain/accel/reducer.h"
+#include "difftrain/accel/sharded_model.h"
 
 #include <cstdint>
 #include <memory>
@@ -28,6 +29,8 @@ struct GradientState {
   std::unique_ptr<GradScaler> scaler;
   /// One reducer per prepared model that has trainable parameters (world size > 1).
   std::vector<std::unique_ptr<Reducer>> reducers;
+  /// One sharding engine per prepared model under a sharding strategy (world size > 1).
+  std::vector<std::unique_ptr<ShardedModel>> sharded;
   /// Whether the scaler was updated after the last unscale (it is updated once per
   /// synchronising step, before the next backward, however many optimizers stepped).
   bool scaler_updated = true;
@@ -47,6 +50,7 @@ struct GradientState {
   /// Waits for every gradient all-reduce in flight.
   void finish_reduction() {
     for (auto& r : reducers) r->finish();
+    for (auto& s : sharded) s->finish();
   }
 };
 

@@ -1,0 +1,180 @@
+#pragma once
+// The sharding engine behind AcceleratorOptions::sharding (ZeRO-1/2/3, PyTorch FSDP): a prepared
+// model's trainable parameters, cut into wrapped units, each unit one flat buffer padded to a
+// multiple of the world size, of which each rank owns a contiguous 1/N shard.
+
+#include "difftrain/accel/sharding.h"
+#include "difftrain/core/forward_hooks.h"
+#include "difftrain/dist/collectives.h"
+#include "difftrain/optim/flat_optimizer.h"
+
+#include <torch/nn/module.h>
+
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace difftrain::accel {
+
+/// Bytes of training state held on this rank (what run_info.rank<r>.json's state_bytes report).
+/// "Peak" values are the most held at once since construction; the others are what is held now
+/// (between steps: after the optimizer step).
+struct StateMemory {
+  int64_t param_bytes = 0;  ///< trainable parameters (full buffers + master shards)
+  int64_t param_peak_bytes = 0;
+  int64_t grad_bytes = 0;  ///< gradients (full buffers + shards)
+  int64_t grad_peak_bytes = 0;
+  int64_t optimizer_bytes = 0;     ///< optimizer state (moments, scales)
+  int64_t frozen_param_bytes = 0;  ///< parameters that do not train (replicated)
+};
+
+/// Counters for tests and benchmarks.
+struct ShardingStats {
+  int64_t gathers = 0;          ///< unit all-gathers (forward, backward, after steps)
+  int64_t prefetched = 0;       ///< of those, started ahead by prefetch
+  int64_t reduce_scatters = 0;  ///< gradient reduce-scatters (all-reduces for ZeRO-1)
+  int64_t frees = 0;            ///< unit parameter buffers freed after use
+};
+
+/// One model under a sharding strategy. Made by Accelerator::prepare_module; see
+/// docs/SHARDING.md. Every rank must construct it from the same model with the same options.
+///
+/// Parameters: each trainable parameter becomes a view into its unit's full flat buffer. Under
+/// SHARD_OPTIMIZER and SHARD_GRAD_OP the full buffers stay; under FULL_SHARD the buffers of units
+/// whose module opens a core::ForwardScope are freed outside the unit's forward and backward,
+/// gathered just before (with the next unit prefetched), and freed after. Units whose module has
+/// no ForwardScope, and the root unit of such a model, stay gathered.
+///
+/// Gradients: autograd accumulates into each unit's full flat gradient buffer; when the last
+/// gradient of a unit is ready in a synchronising backward, its reduction starts (all-reduce
+/// under SHARD_OPTIMIZER, reduce-scatter otherwise), overlapped with the rest of backward.
+/// finish() waits and leaves this rank's gradient shard in shard_parameters()[u].grad(); under
+/// SHARD_GRAD_OP / FULL_SHARD the full gradient buffers are then freed.
+class ShardedModel {
+ public:
+  ShardedModel(torch::nn::Module& module, const ShardingOptions& options,
+               dist::ProcessGroup& group);
+  ~ShardedModel();
+  ShardedModel(const ShardedModel&) = delete;
+  ShardedModel& operator=(const ShardedModel&) = delete;
+
+  /// Whether the coming backward passes reduce (false: accumulate locally; see sync_each_batch).
+  void set_sync(bool sync);
+  /// Before `loss.backward()`: starts a pass.
+  void prepare_for_backward();
+  /// Waits for every reduction of the pass, leaves the gradient shards, frees what the strategy
+  /// frees. A no-op with nothing in flight.
+  void finish();
+  /// Zeroes gradient shards and any full gradient buffer.
+  void zero_grad();
+
+  /// Replaces `user` (a difftrain optimizer over this model's trainable parameters) by an
+  /// optimizer of the same type and hyperparameters over this rank's shards, and releases the
+  /// user optimizer's copies. Every unit's parameters must be in one parameter group.
+  std::shared_ptr<optim::FlatOptimizer> make_shard_optimizer(optim::FlatOptimizer& user);
+  /// Whether `tensor` is one of this model's trainable parameters.
+  bool contains(const torch::Tensor& tensor) const;
+  /// Whether make_shard_optimizer() was called.
+  bool has_shard_optimizer() const { return static_cast<bool>(shard_optimizer_); }
+  /// Before the shard optimizer steps: copies the user optimizer's current hyperparameters (the
+  /// LR schedule writes them there).
+  void sync_hyperparameters();
+  /// After the shard optimizer stepped: gathers the updated shards into the full buffers that
+  /// stay resident.
+  void after_step();
+
+  /// Squared 2-norm (or max abs for inf) of this rank's gradient shards, for a global norm.
+  double local_grad_norm_part(double norm_type) const;
+  /// Multiplies every gradient shard by `factor`.
+  void scale_grads(double factor);
+  /// Clamps every gradient shard to [-v, v].
+  void clamp_grads(double v);
+
+  /// Gathers every unit (collective) and keeps them gathered until release_full_parameters():
+  /// for code that reads the whole model (EMA, validation, export). Nested calls count.
+  void gather_full_parameters();
+  void release_full_parameters();
+
+  /// The shard parameters (one per unit, [S_u]; the shard optimizer's parameters).
+  const std::vector<torch::Tensor>& shard_parameters() const { return shard_tensors_; }
+  /// Units in order, as planned.
+  const std::vector<UnitPlan>& units() const { return plans_; }
+  ShardingStrategy strategy() const { return options_.strategy; }
+  int world_size() const { return world_; }
+  int rank() const { return rank_; }
+
+  // ---- checkpoint support: per-parameter element ranges of this rank's shards
+  /// One trainable parameter's slice that this rank owns: elements [begin, end) of the flattened
+  /// parameter are shard elements [shard_offset, shard_offset + end - begin) of unit `unit`.
+  struct OwnedRange {
+    std::string name;
+    std::vector<int64_t> shape;
+    size_t unit = 0;
+    int64_t begin = 0, end = 0, shard_offset = 0;
+  };
+  /// Every trainable parameter's owned range on rank `rank` (possibly empty: begin == end).
+  std::vector<OwnedRange> owned_ranges(int rank) const;
+  /// The unit's element range [begin, end) of its flat numbering that rank `rank` owns (clipped
+  /// to the unit's numel, so padding excluded).
+  std::pair<int64_t, int64_t> unit_range(size_t unit, int rank) const;
+  /// After shards were overwritten (load): re-gathers resident full buffers.
+  void shards_changed();
+
+  /// Bytes held on this rank.
+  StateMemory memory() const;
+  const ShardingStats& stats() const { return stats_; }
+
+ private:
+  struct Unit;
+  struct Param;
+  class Hooks;
+  friend class Hooks;
+
+  void before_forward(size_t u);
+  void after_forward(size_t u, std::vector<torch::Tensor>& outputs);
+  void pre_backward(size_t u);
+  void on_grad_ready(size_t p);
+  void on_backward_end();
+  void unit_done(size_t u);
+  void finalize_reduction(size_t u);
+  void gather(size_t u, bool async);
+  void wait_gather(size_t u);
+  void free_full(size_t u);
+  void ensure_grad_buffer(size_t u);
+  void bind_grads(size_t u);
+  void free_grad_buffer(size_t u);
+  void prefetch_after(size_t u, bool backward);
+  bool reducing() const { return sync_ || options_.sync_each_batch; }
+  void track(int64_t& current, int64_t& peak, int64_t delta);
+
+  torch::nn::Module& module_;
+  ShardingOptions options_;
+  dist::ProcessGroup& group_;
+  int world_ = 1;
+  int rank_ = 0;
+  std::vector<UnitPlan> plans_;
+  std::vector<std::unique_ptr<Unit>> units_;
+  std::vector<Param> params_;
+  std::vector<torch::Tensor> shard_tensors_;
+  std::shared_ptr<Hooks> hooks_;
+  std::vector<const torch::nn::Module*> hooked_modules_;
+  std::shared_ptr<optim::FlatOptimizer> shard_optimizer_;
+  optim::FlatOptimizer* user_optimizer_ = nullptr;
+  std::vector<size_t> unit_group_;  // user optimizer group of each unit
+
+  bool sync_ = true;
+  bool pass_active_ = false;
+  bool in_backward_ = false;
+  bool callback_queued_ = false;
+  int full_params_depth_ = 0;
+  std::vector<size_t> forward_order_, last_forward_order_;
+  static constexpr size_t kInFlight = 2;
+  std::deque<size_t> in_flight_;  // units whose reduction runs, oldest first
+  StateMemory mem_;
+  ShardingStats stats_;
+  std::recursive_mutex mutex_;
+};
+
+}  // namespace difftrain::accel
