@@ -1,4 +1,6 @@
 #include "commands.h"
+#include "difftrain/accel/sharding.h"
+#include "difftrain/accel/sharding_config.h"
 #include "difftrain/core/error.h"
 #include "difftrain/launch/config.h"
 #include "difftrain/launch/launcher.h"
@@ -13,6 +15,8 @@ namespace {
 
 launch::LaunchOptions g_options;
 std::string g_config_file;
+std::string g_sharding_strategy;
+std::string g_deepspeed_config_file;
 CLI::App* g_cmd = nullptr;
 std::map<std::string, CLI::Option*> g_flags;
 std::vector<std::string> g_after_dashes;
@@ -31,6 +35,67 @@ CLI::Option* flag(const std::string& name, T& target, const std::string& help,
 }
 
 bool given(const std::string& name) { return g_flags.at(name)->count() > 0; }
+
+// Sharding for the ranks: from the config file (distributed_type FSDP / DEEPSPEED), then
+// --deepspeed_config_file, then --sharding_strategy; passed on as DIFFTRAIN_* variables. What
+// those files ask for and cannot be honoured is printed here, once.
+void take_sharding(const std::string& config_path) {
+  accel::ExternalTrainingConfig ext;
+  auto print = [](const std::vector<std::string>& warnings, const std::string& skip) {
+    for (const auto& w : warnings) {
+      if (!skip.empty() && w.rfind(skip, 0) == 0) {
+        // "FILE: key=value: why" about a top-level key (no dot): load_config() has reported it.
+        const std::string rest = w.substr(skip.size());
+        const auto eq = rest.find('=');
+        if (eq != std::string::npos && eq < rest.find(':') &&
+            rest.substr(0, eq).find('.') == std::string::npos) {
+          continue;
+        }
+      }
+      std::cerr << "difftrain launch: warning: " << w << "\n";
+    }
+  };
+  if (!config_path.empty()) {
+    ext = accel::read_accelerate_config(config_path);
+    print(ext.warnings, config_path + ": ");
+  }
+  if (!g_deepspeed_config_file.empty()) {
+    const accel::ExternalTrainingConfig ds = accel::read_deepspeed_config(g_deepspeed_config_file);
+    print(ds.warnings, "");
+    if (ds.sharding_set) {
+      ext.sharding = ds.sharding;
+      ext.sharding_set = true;
+    }
+    if (ds.mixed_precision) ext.mixed_precision = ds.mixed_precision;
+    if (ds.gradient_accumulation_steps)
+      ext.gradient_accumulation_steps = ds.gradient_accumulation_steps;
+    if (ds.gradient_clipping) ext.gradient_clipping = ds.gradient_clipping;
+    if (ds.train_micro_batch_size_per_gpu) {
+      ext.train_micro_batch_size_per_gpu = ds.train_micro_batch_size_per_gpu;
+    }
+  }
+  if (given("sharding_strategy")) {
+    ext.sharding.strategy =
+        accel::parse_sharding_strategy(g_sharding_strategy, "difftrain launch --sharding_strategy");
+    ext.sharding_set = true;
+  }
+  if (ext.sharding_set) {
+    for (const auto& [name, value] : accel::sharding_env(ext.sharding)) {
+      g_options.extra_env[name] = value;
+    }
+  }
+  if (ext.mixed_precision && !given("mixed_precision")) {
+    g_options.mixed_precision = *ext.mixed_precision;
+  }
+  if (ext.gradient_accumulation_steps && !given("gradient_accumulation_steps")) {
+    g_options.gradient_accumulation_steps = static_cast<int>(*ext.gradient_accumulation_steps);
+  }
+  if (ext.gradient_clipping || ext.train_micro_batch_size_per_gpu) {
+    std::cerr << "difftrain launch: note: gradient_clipping and train_micro_batch_size_per_gpu "
+                 "are training options the ranks do not get from the launcher: give the same "
+                 "file to `difftrain train --deepspeed_config` (or --accelerate_config_file)\n";
+  }
+}
 
 }  // namespace
 
@@ -65,6 +130,12 @@ CLI::App* add_launch_command(CLI::App& app) {
   g_cmd->add_flag_callback(
       "--cpu", []() { g_options.extra_env["DIFFTRAIN_BACKEND"] = "gloo"; },
       "Run on the CPU with Gloo even in a CUDA build (Accelerate's --cpu)");
+  flag("sharding_strategy", g_sharding_strategy,
+       "NO_SHARD | SHARD_OPTIMIZER | SHARD_GRAD_OP | FULL_SHARD (or zero0..zero3): passed on as "
+       "DIFFTRAIN_SHARDING_STRATEGY (with the DIFFTRAIN_FSDP_* defaults)");
+  flag("deepspeed_config_file", g_deepspeed_config_file,
+       "DeepSpeed JSON config: its ZeRO stage, fp16/bf16 and gradient_accumulation_steps are "
+       "passed on to the ranks (wins over the config file's)");
   auto* config = g_cmd->add_option("--config_file,--config-file", g_config_file,
                                    "Launch config YAML (difftrain's or Accelerate's); default: "
                                    "the one `difftrain config` wrote, if any");
@@ -72,7 +143,12 @@ CLI::App* add_launch_command(CLI::App& app) {
   g_cmd->footer(
       "Environment of each rank: RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK NODE_RANK "
       "MASTER_ADDR MASTER_PORT OMP_NUM_THREADS DIFFTRAIN_NUM_THREADS DIFFTRAIN_MIXED_PRECISION "
-      "DIFFTRAIN_GRADIENT_ACCUMULATION_STEPS DIFFTRAIN_RESTART_COUNT DIFFTRAIN_LAUNCHED=1.\n"
+      "DIFFTRAIN_GRADIENT_ACCUMULATION_STEPS DIFFTRAIN_RESTART_COUNT DIFFTRAIN_LAUNCHED=1; with "
+      "sharding (distributed_type FSDP/DEEPSPEED, --sharding_strategy, --deepspeed_config_file) "
+      "also DIFFTRAIN_SHARDING_STRATEGY DIFFTRAIN_FSDP_AUTO_WRAP_POLICY "
+      "DIFFTRAIN_FSDP_TRANSFORMER_CLS_TO_WRAP DIFFTRAIN_FSDP_MIN_NUM_PARAMS "
+      "DIFFTRAIN_FSDP_FORWARD_PREFETCH DIFFTRAIN_FSDP_BACKWARD_PREFETCH "
+      "DIFFTRAIN_SYNC_EACH_BATCH.\n"
       "Precedence: flags > config file > defaults.");
   return g_cmd;
 }
@@ -127,6 +203,7 @@ int run_launch() {
     take("max_restarts", g_options.max_restarts, c.max_restarts);
     take("log_dir", g_options.log_dir, c.log_dir);
   }
+  take_sharding(path);
   return launch::run(g_options);
 }
 

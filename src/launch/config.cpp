@@ -45,9 +45,10 @@ const std::map<std::string, IgnoredKey>& ignored_keys() {
       {"command_file", {"", "TPU pod option"}},
       {"num_gpus", {"", "difftrain counts processes, not GPUs"}},
       {"dynamo_config", {"", "torch.compile does not exist in LibTorch"}},
-      {"fsdp_config",
-       {"", "FSDP is not available yet (ZeRO sharding lands with the sharding work)"}},
-      {"deepspeed_config", {"", "DeepSpeed is not supported; difftrain has its own ZeRO sharding"}},
+      // Read by accel::read_accelerate_config() in `difftrain launch`, which reports what it
+      // cannot honour in them.
+      {"fsdp_config", {"", ""}},
+      {"deepspeed_config", {"", ""}},
       {"megatron_lm_config", {"", "Megatron-LM is not supported"}},
       {"ipex_config", {"", "IPEX is not supported"}},
       {"mpirun_config",
@@ -176,6 +177,15 @@ LaunchConfig parse_config(const std::string& yaml_text, const std::string& origi
     config.notes.push_back("ignored compute_environment: " + *config.compute_environment +
                            " (only LOCAL_MACHINE is supported; running locally)");
     config.compute_environment.reset();
+  }
+  if (config.distributed_type && is_one_of(*config.distributed_type, {"FSDP", "DEEPSPEED"})) {
+    // The ranks are the same data-parallel processes; what differs is the sharding they get.
+    const bool fsdp = *config.distributed_type == "FSDP";
+    config.notes.push_back("distributed_type: " + *config.distributed_type +
+                           " runs MULTI_CPU ranks with the sharding of " +
+                           (fsdp ? "fsdp_config" : "deepspeed_config (ZeRO stage)") +
+                           ", passed to them as DIFFTRAIN_SHARDING_STRATEGY and DIFFTRAIN_FSDP_*");
+    config.distributed_type.reset();
   }
   if (config.distributed_type &&
       !is_one_of(*config.distributed_type, {"NO", "MULTI_CPU", "MULTI_GPU"})) {

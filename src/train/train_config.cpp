@@ -1,16 +1,21 @@
 #include "difftrain/train/train_config.h"
 
+#include "difftrain/accel/sharding.h"
+#include "difftrain/accel/sharding_config.h"
 #include "difftrain/core/error.h"
 
+#include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <set>
 #include <sstream>
 
 namespace difftrain::train {
@@ -207,6 +212,15 @@ const std::vector<Option>& options() {
       DT_OPTION(lora_dropout),
       DT_OPTION(lora_target_modules),
       DT_OPTION(lora_format),
+      DT_OPTION(sharding_strategy),
+      DT_OPTION(fsdp_auto_wrap_policy),
+      DT_OPTION(fsdp_transformer_layer_cls_to_wrap),
+      DT_OPTION(fsdp_min_num_params),
+      DT_OPTION(fsdp_forward_prefetch),
+      DT_OPTION(fsdp_backward_prefetch),
+      DT_OPTION(sync_each_batch),
+      DT_OPTION(deepspeed_config),
+      DT_OPTION(accelerate_config_file),
   };
   return table;
 }
@@ -257,7 +271,7 @@ std::string scalar_text(const YAML::Node& node, const std::string& where) {
   throw Error(where + " must be a single value or a list, not a mapping");
 }
 
-void apply_yaml(TrainConfig& config, const std::string& path) {
+void apply_yaml(TrainConfig& config, const std::string& path, std::set<std::string>& given) {
   if (!std::filesystem::is_regular_file(path)) {
     throw Error("--config " + path + ": no such file; pass a YAML file of train options");
   }
@@ -275,6 +289,63 @@ void apply_yaml(TrainConfig& config, const std::string& path) {
     const std::string where = path + ": " + name;
     const Option& option = find(name, path);
     option.set(config, Raw{scalar_text(item.second, where), where});
+    given.insert(option.name);
+  }
+}
+
+std::string join(const std::vector<std::string>& items) {
+  std::string out;
+  for (const auto& i : items) out += (out.empty() ? "" : ",") + i;
+  return out;
+}
+
+// Fills the options `file` sets that the YAML and flags (`given`) did not; an explicit option
+// that differs from the file's value wins, with a warning.
+void apply_external(TrainConfig& c, const accel::ExternalTrainingConfig& ext,
+                    const std::string& file, const std::set<std::string>& given) {
+  c.warnings.insert(c.warnings.end(), ext.warnings.begin(), ext.warnings.end());
+  // `said`: the file states this value (a sharding field at ShardingOptions' default may just be
+  // unmentioned, so it is not worth a warning).
+  auto fill = [&](const std::string& name, auto& field, const auto& value, bool said = true) {
+    if (given.count(name)) {
+      if (said && field != value) {
+        c.warnings.push_back(fmt::format("--{}={} (set explicitly) wins over {} from {}", name,
+                                         nlohmann::json(field).dump(), nlohmann::json(value).dump(),
+                                         file));
+      }
+      return;
+    }
+    field = value;
+  };
+  if (ext.sharding_set) {
+    const accel::ShardingOptions& s = ext.sharding;
+    std::string strategy = accel::to_string(s.strategy);
+    if (given.count("sharding_strategy")) {
+      // Compare canonical names, so "zero3" and FULL_SHARD agree.
+      c.sharding_strategy = accel::to_string(
+          accel::parse_sharding_strategy(c.sharding_strategy, "--sharding_strategy"));
+    }
+    fill("sharding_strategy", c.sharding_strategy, strategy);
+    const accel::ShardingOptions d;
+    fill("fsdp_auto_wrap_policy", c.fsdp_auto_wrap_policy, s.auto_wrap.policy,
+         s.auto_wrap.policy != d.auto_wrap.policy);
+    fill("fsdp_transformer_layer_cls_to_wrap", c.fsdp_transformer_layer_cls_to_wrap,
+         join(s.auto_wrap.classes), !s.auto_wrap.classes.empty());
+    fill("fsdp_min_num_params", c.fsdp_min_num_params, s.auto_wrap.min_num_params,
+         s.auto_wrap.min_num_params != d.auto_wrap.min_num_params);
+    fill("fsdp_forward_prefetch", c.fsdp_forward_prefetch, s.forward_prefetch,
+         s.forward_prefetch != d.forward_prefetch);
+    fill("fsdp_backward_prefetch", c.fsdp_backward_prefetch, s.backward_prefetch,
+         s.backward_prefetch != d.backward_prefetch);
+  }
+  if (ext.mixed_precision) fill("mixed_precision", c.mixed_precision, *ext.mixed_precision);
+  if (ext.gradient_accumulation_steps) {
+    fill("gradient_accumulation_steps", c.gradient_accumulation_steps,
+         *ext.gradient_accumulation_steps);
+  }
+  if (ext.gradient_clipping) fill("max_grad_norm", c.max_grad_norm, *ext.gradient_clipping);
+  if (ext.train_micro_batch_size_per_gpu) {
+    fill("train_batch_size", c.train_batch_size, *ext.train_micro_batch_size_per_gpu);
   }
 }
 
@@ -311,6 +382,10 @@ void TrainConfig::validate() const {
   one_of("ddpm_beta_schedule", ddpm_beta_schedule,
          {"linear", "scaled_linear", "squaredcos_cap_v2"});
   one_of("lora_format", lora_format, {"diffusers", "peft", "kohya"});
+  accel::parse_sharding_strategy(sharding_strategy, "--sharding_strategy");
+  one_of("fsdp_auto_wrap_policy", fsdp_auto_wrap_policy,
+         {"TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"});
+  require(fsdp_min_num_params >= 1, "--fsdp_min_num_params must be at least 1");
   require(resolution >= 8, "--resolution must be at least 8");
   require(train_batch_size >= 1, "--train_batch_size must be at least 1 (it is per process)");
   require(num_train_epochs >= 1, "--num_train_epochs must be at least 1");
@@ -363,8 +438,24 @@ void TrainConfig::validate() const {
           "--dataset imagefolder needs --train_data_dir (a folder of images)");
 }
 
+accel::ShardingOptions TrainConfig::sharding_options() const {
+  accel::ShardingOptions o;
+  o.strategy = accel::parse_sharding_strategy(sharding_strategy, "--sharding_strategy");
+  o.auto_wrap.policy = fsdp_auto_wrap_policy;
+  if (!fsdp_transformer_layer_cls_to_wrap.empty()) {
+    o.auto_wrap.classes =
+        to_list(Raw{fsdp_transformer_layer_cls_to_wrap, "--fsdp_transformer_layer_cls_to_wrap"});
+  }
+  o.auto_wrap.min_num_params = fsdp_min_num_params;
+  o.forward_prefetch = fsdp_forward_prefetch;
+  o.backward_prefetch = fsdp_backward_prefetch;
+  o.sync_each_batch = sync_each_batch;
+  return o;
+}
+
 TrainConfig parse_train_config(const std::vector<std::string>& args) {
   TrainConfig config;
+  std::set<std::string> given;  // options set by the YAML or a flag
   // The YAML file first, wherever --config appears, so flags always win.
   for (size_t i = 0; i < args.size(); ++i) {
     std::string path;
@@ -376,7 +467,7 @@ TrainConfig parse_train_config(const std::vector<std::string>& args) {
     } else {
       continue;
     }
-    apply_yaml(config, path);
+    apply_yaml(config, path, given);
   }
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& arg = args[i];
@@ -405,7 +496,22 @@ TrainConfig parse_train_config(const std::vector<std::string>& args) {
       }
     }
     option.set(config, Raw{*value, "--" + option.name});
+    given.insert(option.name);
   }
+  // Configs users already have: an Accelerate file, then a DeepSpeed file (more specific).
+  if (!config.accelerate_config_file.empty()) {
+    apply_external(config, accel::read_accelerate_config(config.accelerate_config_file),
+                   config.accelerate_config_file, given);
+  }
+  if (!config.deepspeed_config.empty()) {
+    apply_external(config, accel::read_deepspeed_config(config.deepspeed_config),
+                   config.deepspeed_config, given);
+  }
+  config.sharding_strategy = accel::to_string(
+      accel::parse_sharding_strategy(config.sharding_strategy, "--sharding_strategy"));
+  std::transform(config.fsdp_auto_wrap_policy.begin(), config.fsdp_auto_wrap_policy.end(),
+                 config.fsdp_auto_wrap_policy.begin(),
+                 [](unsigned char ch) { return static_cast<char>(std::toupper(ch)); });
   if (config.ema_decay) config.ema_max_decay = *config.ema_decay;
   config.validate();
   return config;

@@ -2,6 +2,7 @@
 // and one-line errors for unknown names, wrong types and impossible combinations.
 
 #include "difftrain/train/train_config.h"
+#include "difftrain/accel/sharding.h"
 #include "difftrain/core/error.h"
 
 #include "test_util.h"
@@ -109,6 +110,125 @@ TEST(TrainConfig, BadInputIsOneLineError) {
                parse_train_config({"--config", dir + "/broken.yaml"});
              }),
              "not valid YAML");
+}
+
+TEST(TrainConfig, ShardingOptionsFromFlags) {
+  const auto d = parse_train_config({});
+  EXPECT_EQ(d.sharding_strategy, "NO_SHARD");
+  EXPECT_EQ(d.fsdp_auto_wrap_policy, "TRANSFORMER_BASED_WRAP");
+  EXPECT_EQ(d.fsdp_min_num_params, 100000000);
+  EXPECT_TRUE(d.warnings.empty());
+  EXPECT_TRUE(d.sharding_options().auto_wrap.classes.empty());
+
+  const auto c = parse_train_config(
+      {"--sharding_strategy", "zero2", "--fsdp_auto_wrap_policy", "size_based_wrap",
+       "--fsdp_transformer_layer_cls_to_wrap", "ResnetBlock2D, Transformer2DModel",
+       "--fsdp_min_num_params=5000", "--fsdp_forward_prefetch", "false", "--sync_each_batch"});
+  EXPECT_EQ(c.sharding_strategy, "SHARD_GRAD_OP");  // stored under its canonical name
+  EXPECT_EQ(c.fsdp_auto_wrap_policy, "SIZE_BASED_WRAP");
+  const auto o = c.sharding_options();
+  EXPECT_EQ(o.strategy, difftrain::accel::ShardingStrategy::kShardGradOp);
+  EXPECT_EQ(o.auto_wrap.policy, "SIZE_BASED_WRAP");
+  EXPECT_EQ(o.auto_wrap.classes, (std::vector<std::string>{"ResnetBlock2D", "Transformer2DModel"}));
+  EXPECT_EQ(o.auto_wrap.min_num_params, 5000);
+  EXPECT_FALSE(o.forward_prefetch);
+  EXPECT_TRUE(o.backward_prefetch);
+  EXPECT_TRUE(o.sync_each_batch);
+  const auto json = c.to_json();
+  EXPECT_EQ(json.at("sharding_strategy"), "SHARD_GRAD_OP");
+  EXPECT_EQ(json.at("fsdp_min_num_params"), 5000);
+  EXPECT_EQ(json.at("deepspeed_config"), "");
+  EXPECT_FALSE(json.contains("warnings"));
+
+  EXPECT_HAS(error_of([] {
+               parse_train_config({"--sharding_strategy", "zero4"});
+             }),
+             "--sharding_strategy: 'zero4' is not a sharding strategy; use NO_SHARD, "
+             "SHARD_OPTIMIZER, SHARD_GRAD_OP or FULL_SHARD");
+  EXPECT_HAS(error_of([] {
+               parse_train_config({"--fsdp_auto_wrap_policy", "layer_wrap"});
+             }),
+             "--fsdp_auto_wrap_policy is \"LAYER_WRAP\": expected one of TRANSFORMER_BASED_WRAP, "
+             "SIZE_BASED_WRAP, NO_WRAP");
+  EXPECT_HAS(error_of([] {
+               parse_train_config({"--fsdp_min_num_params", "0"});
+             }),
+             "--fsdp_min_num_params must be at least 1");
+}
+
+TEST(TrainConfig, DeepSpeedConfigFillsWhatIsNotSetExplicitly) {
+  const auto dir = temp_dir("train_config_ds");
+  const std::string ds = dir + "/ds.json";
+  std::ofstream(ds) << R"({"zero_optimization": {"stage": 3}, "bf16": {"enabled": true},
+    "gradient_accumulation_steps": 4, "gradient_clipping": 0.5,
+    "train_micro_batch_size_per_gpu": 8, "optimizer": {"type": "AdamW"}})";
+  const auto c = parse_train_config({"--deepspeed_config", ds});
+  EXPECT_EQ(c.sharding_strategy, "FULL_SHARD");
+  EXPECT_EQ(c.mixed_precision, "bf16");
+  EXPECT_EQ(c.gradient_accumulation_steps, 4);
+  EXPECT_DOUBLE_EQ(c.max_grad_norm, 0.5);
+  EXPECT_EQ(c.train_batch_size, 8);
+  ASSERT_EQ(c.warnings.size(), 1u);
+  EXPECT_HAS(c.warnings[0], ds + ": optimizer=\"AdamW\": not used");
+
+  // Explicit options (flags or the YAML) win, each with a warning when they differ.
+  const std::string yaml = dir + "/run.yaml";
+  std::ofstream(yaml) << "gradient_accumulation_steps: 4\nmixed_precision: fp16\n";
+  const auto e = parse_train_config({"--config", yaml, "--deepspeed_config", ds,
+                                     "--train_batch_size", "2", "--sharding_strategy", "zero2"});
+  EXPECT_EQ(e.train_batch_size, 2);
+  EXPECT_EQ(e.sharding_strategy, "SHARD_GRAD_OP");
+  EXPECT_EQ(e.mixed_precision, "fp16");
+  EXPECT_EQ(e.gradient_accumulation_steps, 4);  // same as the file's: no warning
+  EXPECT_DOUBLE_EQ(e.max_grad_norm, 0.5);
+  ASSERT_EQ(e.warnings.size(), 4u) << ::testing::PrintToString(e.warnings);
+  EXPECT_EQ(e.warnings[1],
+            "--sharding_strategy=\"SHARD_GRAD_OP\" (set explicitly) wins over \"FULL_SHARD\" "
+            "from " +
+                ds);
+  EXPECT_EQ(e.warnings[2],
+            "--mixed_precision=\"fp16\" (set explicitly) wins over \"bf16\" from " + ds);
+  EXPECT_EQ(e.warnings[3], "--train_batch_size=2 (set explicitly) wins over 8 from " + ds);
+
+  // "auto" keeps the trainer's values.
+  std::ofstream(dir + "/auto.json")
+      << R"({"zero_optimization": {"stage": 1}, "fp16": {"enabled": "auto"},
+             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+             "train_micro_batch_size_per_gpu": "auto"})";
+  const auto a = parse_train_config({"--deepspeed_config", dir + "/auto.json"});
+  EXPECT_EQ(a.sharding_strategy, "SHARD_OPTIMIZER");
+  EXPECT_EQ(a.mixed_precision, "");
+  EXPECT_EQ(a.gradient_accumulation_steps, 1);
+  EXPECT_DOUBLE_EQ(a.max_grad_norm, 1.0);
+  EXPECT_EQ(a.train_batch_size, 16);
+  EXPECT_TRUE(a.warnings.empty()) << ::testing::PrintToString(a.warnings);
+
+  std::ofstream(dir + "/bad.json") << R"({"zero_optimization": {"stage": 4}})";
+  EXPECT_HAS(error_of([&] {
+               parse_train_config({"--deepspeed_config", dir + "/bad.json"});
+             }),
+             "zero_optimization.stage is 4: expected 0, 1, 2 or 3");
+}
+
+TEST(TrainConfig, AccelerateConfigFileFillsShardingOptions) {
+  const auto dir = temp_dir("train_config_acc");
+  const std::string yaml = dir + "/fsdp.yaml";
+  std::ofstream(yaml) << "distributed_type: FSDP\nnum_processes: 2\nmixed_precision: bf16\n"
+                         "fsdp_config:\n  fsdp_sharding_strategy: 1\n"
+                         "  fsdp_transformer_layer_cls_to_wrap: [ResnetBlock2D, DownBlock2D]\n"
+                         "  fsdp_backward_prefetch: NO_PREFETCH\n"
+                         "  fsdp_offload_params: true\n  fsdp_min_num_params: 5000\n";
+  const auto c = parse_train_config({"--accelerate_config_file", yaml, "--fsdp_min_num_params",
+                                     "77", "--fsdp_auto_wrap_policy", "NO_WRAP"});
+  EXPECT_EQ(c.sharding_strategy, "FULL_SHARD");
+  EXPECT_EQ(c.fsdp_transformer_layer_cls_to_wrap, "ResnetBlock2D,DownBlock2D");
+  EXPECT_FALSE(c.fsdp_backward_prefetch);
+  EXPECT_EQ(c.fsdp_min_num_params, 77);
+  EXPECT_EQ(c.mixed_precision, "bf16");
+  ASSERT_EQ(c.warnings.size(), 2u) << ::testing::PrintToString(c.warnings);
+  EXPECT_HAS(c.warnings[0], "fsdp_config.fsdp_offload_params=true: offload is not supported");
+  EXPECT_EQ(c.warnings[1], "--fsdp_min_num_params=77 (set explicitly) wins over 5000 from " + yaml);
+  EXPECT_EQ(c.fsdp_auto_wrap_policy, "NO_WRAP");  // the file did not say: no warning
 }
 
 }  // namespace

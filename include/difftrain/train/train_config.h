@@ -9,6 +9,10 @@
 #include <string>
 #include <vector>
 
+namespace difftrain::accel {
+struct ShardingOptions;  // difftrain/accel/sharding.h (kept out: it pulls in torch/nn)
+}  // namespace difftrain::accel
+
 namespace difftrain::train {
 
 /// Every option of the trainer, with its default. Optional fields are "not given".
@@ -85,6 +89,33 @@ struct TrainConfig {
   double lora_dropout = 0.0;
   std::vector<std::string> lora_target_modules = {"to_q", "to_k", "to_v", "to_out.0"};
   std::string lora_format = "diffusers";  ///< diffusers | peft | kohya
+  // -- sharding (docs/SHARDING.md; Accelerate's FSDP plugin / DeepSpeed ZeRO stages)
+  /// NO_SHARD | SHARD_OPTIMIZER | SHARD_GRAD_OP | FULL_SHARD (also FSDP numbers 1-3 and
+  /// zero0..zero3); stored as the canonical name after parsing.
+  std::string sharding_strategy = "NO_SHARD";
+  /// TRANSFORMER_BASED_WRAP | SIZE_BASED_WRAP | NO_WRAP (Accelerate's fsdp_auto_wrap_policy).
+  std::string fsdp_auto_wrap_policy = "TRANSFORMER_BASED_WRAP";
+  /// Comma-separated class names to wrap ("" = ResnetBlock2D, Transformer2DModel, Attention).
+  std::string fsdp_transformer_layer_cls_to_wrap;
+  int64_t fsdp_min_num_params = 100000000;  ///< SIZE_BASED_WRAP threshold
+  bool fsdp_forward_prefetch = true;
+  bool fsdp_backward_prefetch = true;  ///< BACKWARD_PRE when true, NO_PREFETCH when false
+  bool sync_each_batch = false;        ///< reduce-scatter every micro-step under accumulation
+  /// A DeepSpeed JSON config whose ZeRO stage, fp16/bf16, gradient_accumulation_steps,
+  /// gradient_clipping and train_micro_batch_size_per_gpu fill the options not set explicitly.
+  std::string deepspeed_config;
+  /// An Accelerate config YAML (FSDP or DEEPSPEED) read the same way (Accelerate's
+  /// --config_file of `accelerate launch`).
+  std::string accelerate_config_file;
+
+  /// Not an option: what parse_train_config() could not honour in deepspeed_config /
+  /// accelerate_config_file, and explicit options that won over them; one line each, printed by
+  /// the trainer on the main rank.
+  std::vector<std::string> warnings;
+
+  /// The sharding options of the fields above (classes split on commas); include
+  /// difftrain/accel/sharding.h to call it.
+  accel::ShardingOptions sharding_options() const;
 
   /// Every option as JSON (unset optionals as null), in the table's order of names.
   nlohmann::json to_json() const;
@@ -94,6 +125,10 @@ struct TrainConfig {
 
 /// Reads `--config FILE.yaml` (if among `args`) and then the flags in `args` (without the
 /// program and command names): `--name value`, `--name=value`, bare `--flag` for booleans.
+/// Then deepspeed_config / accelerate_config_file (if given; a DeepSpeed file wins over an
+/// Accelerate one) fill the sharding options, mixed_precision, gradient_accumulation_steps,
+/// max_grad_norm and train_batch_size that the YAML and flags did not set (explicit wins, with a
+/// warning when they differ; "auto" in the file keeps difftrain's value).
 /// Unknown names (with the closest known one suggested), wrong types and missing values throw
 /// difftrain::Error before any work. The result is validated.
 TrainConfig parse_train_config(const std::vector<std::string>& args);
