@@ -38,5 +38,11 @@ void take_train_args(std::vector<std::string>& args);
 /// `difftrain lora merge ...` (cli/lora.cpp).
 CLI::App* add_lora_command(CLI::App& app);
 int run_lora();
+/// `difftrain merge-weights CHECKPOINT_DIR OUTPUT_DIR` (cli/merge_weights.cpp).
+CLI::App* add_merge_weights_command(CLI::App& app);
+int run_merge_weights();
+/// `difftrain estimate-memory ...` (cli/estimate_memory.cpp).
+CLI::App* add_estimate_memory_command(CLI::App& app);
+int run_estimate_memory();
 
 }  // namespace difftrain::cli

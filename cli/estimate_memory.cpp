@@ -1,0 +1,149 @@
+// `difftrain estimate-memory`: per-rank bytes of parameters, gradients, optimizer state, frozen
+// weights and activations of a training run under a sharding strategy, and the same for every
+// strategy at that number of processes (Accelerate's `accelerate estimate-memory`). The work is
+// train::estimate_memory; this file only parses and prints.
+
+#include "commands.h"
+#include "difftrain/accel/precision.h"
+#include "difftrain/accel/sharding.h"
+#include "difftrain/dist/process_group.h"
+#include "difftrain/train/memory_estimate.h"
+
+#include <algorithm>
+#include <cctype>
+#include <iostream>
+
+namespace difftrain::cli {
+
+namespace {
+
+struct EstimateMemoryArgs {
+  std::string model;
+  int num_processes = 1;
+  std::string sharding_strategy = "NO_SHARD";
+  std::string mixed_precision = "no";
+  bool use_8bit_adam = false;
+  bool lora = false;
+  int64_t rank = 4;
+  std::vector<std::string> lora_target_modules;
+  int64_t batch_size = 1;
+  int64_t resolution = 0;
+  bool gradient_checkpointing = false;
+  int64_t encoder_sequence_length = 77;
+  std::string auto_wrap_policy = "TRANSFORMER_BASED_WRAP";
+  std::vector<std::string> wrap_classes;
+  int64_t min_num_params = 100000000;
+  bool json = false;
+} g_args;
+
+std::string upper(std::string s) {
+  for (auto& c : s) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return s;
+}
+
+}  // namespace
+
+CLI::App* add_estimate_memory_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "estimate-memory",
+      "Per-rank memory of training a UNet (parameters, gradients, optimizer state, frozen "
+      "weights, activations) under a sharding strategy, and under every strategy for comparison "
+      "(Accelerate: accelerate estimate-memory). See docs/SHARDING.md");
+  cmd->add_option("--model", g_args.model,
+                  "UNet folder (config.json), pipeline folder (model_index.json + unet/) or a "
+                  "config.json; weights are not needed")
+      ->required();
+  cmd->add_option("--num_processes", g_args.num_processes, "Processes (ranks) N (default 1)");
+  cmd->add_option("--sharding_strategy", g_args.sharding_strategy,
+                  "NO_SHARD, SHARD_OPTIMIZER, SHARD_GRAD_OP or FULL_SHARD (or zero0..zero3)");
+  cmd->add_option("--mixed_precision", g_args.mixed_precision,
+                  "no | fp16 | bf16: autocast of the activation measurement");
+  cmd->add_flag("--use_8bit_adam", g_args.use_8bit_adam, "8-bit AdamW state instead of AdamW");
+  cmd->add_flag("--lora", g_args.lora, "Train LoRA adapters on the frozen UNet");
+  cmd->add_option("--rank", g_args.rank, "LoRA rank (default 4)");
+  cmd->add_option("--lora_target_modules", g_args.lora_target_modules,
+                  "Layers that get adapters (default to_q,to_k,to_v,to_out.0)")
+      ->delimiter(',');
+  cmd->add_option("--batch_size", g_args.batch_size, "Batch per process (default 1)");
+  cmd->add_option("--resolution", g_args.resolution,
+                  "UNet input height = width (latent size for latent models; default: the "
+                  "config's sample_size)");
+  cmd->add_flag("--gradient_checkpointing", g_args.gradient_checkpointing,
+                "Measure activations with gradient checkpointing");
+  cmd->add_option("--encoder_sequence_length", g_args.encoder_sequence_length,
+                  "Tokens of encoder_hidden_states for cross-attention UNets (default 77)");
+  cmd->add_option("--fsdp_auto_wrap_policy", g_args.auto_wrap_policy,
+                  "TRANSFORMER_BASED_WRAP (default), SIZE_BASED_WRAP or NO_WRAP");
+  cmd->add_option("--fsdp_transformer_layer_cls_to_wrap", g_args.wrap_classes,
+                  "Classes wrapped as units, comma-separated (default ResnetBlock2D, "
+                  "Transformer2DModel, Attention)")
+      ->delimiter(',');
+  cmd->add_option("--fsdp_min_num_params", g_args.min_num_params,
+                  "SIZE_BASED_WRAP threshold (default 1e8)");
+  cmd->add_flag("--json", g_args.json, "Print one JSON object instead of tables");
+  return cmd;
+}
+
+int run_estimate_memory() {
+  dist::configure_threads();
+  train::MemoryEstimateOptions o;
+  o.num_processes = g_args.num_processes;
+  o.strategy = accel::parse_sharding_strategy(g_args.sharding_strategy, "--sharding_strategy");
+  o.mixed_precision = accel::to_string(accel::parse_mixed_precision(g_args.mixed_precision));
+  o.use_8bit_adam = g_args.use_8bit_adam;
+  o.lora = g_args.lora;
+  o.lora_rank = g_args.rank;
+  o.lora_target_modules = g_args.lora_target_modules;
+  o.batch_size = g_args.batch_size;
+  o.resolution = g_args.resolution;
+  o.gradient_checkpointing = g_args.gradient_checkpointing;
+  o.encoder_sequence_length = g_args.encoder_sequence_length;
+  o.auto_wrap.policy = upper(g_args.auto_wrap_policy);
+  o.auto_wrap.classes = g_args.wrap_classes;
+  o.auto_wrap.min_num_params = g_args.min_num_params;
+
+  // The requested strategy first, then the others for comparison (all equal with one process).
+  std::vector<accel::ShardingStrategy> strategies = {o.strategy};
+  if (o.num_processes > 1) {
+    for (auto s : {accel::ShardingStrategy::kNoShard, accel::ShardingStrategy::kShardOptimizer,
+                   accel::ShardingStrategy::kShardGradOp, accel::ShardingStrategy::kFullShard}) {
+      if (s != o.strategy) strategies.push_back(s);
+    }
+  }
+  auto estimates = train::estimate_memory(g_args.model, o, strategies);
+  const train::MemoryEstimate main = estimates.front();  // a copy: the list is sorted next
+  std::sort(estimates.begin(), estimates.end(),
+            [](const auto& a, const auto& b) { return a.strategy < b.strategy; });
+
+  if (g_args.json) {
+    auto json = train::to_json(main);
+    json["model"] = g_args.model;
+    json["mixed_precision"] = o.mixed_precision;
+    json["use_8bit_adam"] = o.use_8bit_adam;
+    json["lora"] = o.lora;
+    json["batch_size"] = o.batch_size;
+    json["comparison"] = nlohmann::json::array();
+    for (const auto& e : estimates) {
+      auto row = train::to_json(e);
+      row.erase("units");
+      row.erase("largest_unit");
+      json["comparison"].push_back(row);
+    }
+    std::cout << json.dump(2) << std::endl;
+    return 0;
+  }
+  std::cout << "difftrain estimate-memory: " << g_args.model << (o.lora ? ", LoRA rank " : "")
+            << (o.lora ? std::to_string(o.lora_rank) : std::string())
+            << (o.use_8bit_adam ? ", 8-bit AdamW" : ", AdamW") << ", mixed precision "
+            << o.mixed_precision << ", batch " << o.batch_size << " per process\n"
+            << train::format_memory_table(main, o.batch_size);
+  if (o.num_processes > 1) {
+    std::cout << "\nEvery strategy on " << o.num_processes << " processes:\n"
+              << train::format_strategy_comparison(estimates);
+  }
+  std::cout << "\nState bytes follow the sharding engine's accounting (peaks are upper bounds); "
+               "activations are measured on one forward and scaled by the batch: an estimate.\n";
+  return 0;
+}
+
+}  // namespace difftrain::cli

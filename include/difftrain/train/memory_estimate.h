@@ -1,0 +1,137 @@
+#pragma once
+// `difftrain estimate-memory`: the per-rank bytes a training run holds for parameters, gradients,
+// optimizer state, frozen weights and activations under each sharding strategy (Accelerate's
+// `accelerate estimate-memory`, which counts parameters only; DeepSpeed's
+// estimate_zero2/zero3_model_states_mem_needs). State bytes follow the sharding engine's
+// accounting (the names of run_info.rank<r>.json "state_bytes"); activations are measured on one
+// forward pass. See docs/SHARDING.md.
+
+#include "difftrain/accel/sharding.h"
+#include "difftrain/models/unet.h"
+
+#include <torch/nn/module.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace difftrain::train {
+
+/// What run to estimate. Field names follow `difftrain train` / `difftrain launch`.
+struct MemoryEstimateOptions {
+  /// Ranks N (Accelerate's num_processes). With 1, every strategy is NO_SHARD.
+  int num_processes = 1;
+  accel::ShardingStrategy strategy = accel::ShardingStrategy::kNoShard;
+  /// How the trainable module is cut into units (FSDP's auto_wrap_policy).
+  accel::AutoWrapPolicy auto_wrap;
+  /// "no" | "bf16" | "fp16": the autocast of the activation measurement. Trainable parameters
+  /// stay fp32 under every mode (master weights), so state bytes do not depend on it.
+  std::string mixed_precision = "no";
+  /// 8-bit AdamW (optim::AdamW8bit, its default min_8bit_size) instead of AdamW.
+  bool use_8bit_adam = false;
+  /// Train LoRA adapters on a frozen UNet (the trainer's --lora) with rank `lora_rank`.
+  bool lora = false;
+  int64_t lora_rank = 4;
+  /// Layers that get adapters; empty: the trainer's default (to_q, to_k, to_v, to_out.0).
+  std::vector<std::string> lora_target_modules;
+  /// Per-process batch; activations are measured at batch 1 and scaled linearly.
+  int64_t batch_size = 1;
+  /// Height = width of the UNet input (the latent size for latent models: 64 for SD-1.5 at
+  /// 512 px); 0: the config's sample_size.
+  int64_t resolution = 0;
+  /// Recompute resnets and attentions in backward (the trainer's --gradient_checkpointing).
+  bool gradient_checkpointing = false;
+  /// Tokens of encoder_hidden_states for cross-attention UNets: 77 as CLIP's in Diffusers'
+  /// text-to-image scripts (`difftrain train` itself, without a text encoder, feeds 1).
+  int64_t encoder_sequence_length = 77;
+};
+
+/// Per-rank bytes of one run. With P trainable elements in units of n_u elements, S_u =
+/// ceil(n_u / N), Sh = Σ S_u, Ppad = N·Sh, Umax = max_u N·S_u, Uroot = N·S_root:
+///   NO_SHARD         params 4P, grads 4P, optimizer over the full parameters
+///   SHARD_OPTIMIZER  params 4·Ppad + 4·Sh (flat params + fp32 master shards), grads the same,
+///                    optimizer over one parameter of S_u elements per unit
+///   SHARD_GRAD_OP    params as ZeRO-1; grads 4·Sh, peak 4·Sh + 4·Ppad; optimizer as ZeRO-1
+///   FULL_SHARD       params 4·Sh, peak 4·Sh + 4·(Uroot + 2·Umax); grads, optimizer as ZeRO-2
+/// The *_peak values are upper bounds; the others are what is held between steps.
+struct MemoryEstimate {
+  int num_processes = 1;
+  /// The strategy the numbers are for (NO_SHARD whenever num_processes is 1).
+  accel::ShardingStrategy strategy = accel::ShardingStrategy::kNoShard;
+  int64_t param_bytes = 0;
+  int64_t param_peak_bytes = 0;
+  int64_t grad_bytes = 0;
+  int64_t grad_peak_bytes = 0;
+  int64_t optimizer_bytes = 0;
+  /// Parameters that do not train (the UNet under LoRA), replicated on every rank, in their
+  /// dtype.
+  int64_t frozen_param_bytes = 0;
+  /// Measured for batch_size (see measure_activation_bytes); 0 from estimate_state_memory().
+  int64_t activation_bytes = 0;
+  /// P, and the frozen parameters' elements.
+  int64_t trainable_params = 0;
+  int64_t frozen_params = 0;
+  /// Sh: elements of this rank's shards (P when not sharded), and Ppad = N·Sh.
+  int64_t shard_params = 0;
+  int64_t padded_params = 0;
+  /// accel::plan_units() of the trainable module under the options' auto-wrap policy.
+  std::vector<accel::UnitPlan> units;
+
+  /// param_peak + grad_peak + optimizer + frozen + activation bytes.
+  int64_t total_peak_bytes() const;
+};
+
+/// The state bytes above for `trainable` (the module that would be prepared: the UNet, or the
+/// LoraLayers holding the adapters) under `options` (num_processes, strategy, auto_wrap,
+/// use_8bit_adam; the rest is not used). Trainable parameters are those with requires_grad, each
+/// counted as fp32. Frozen parameters are those without requires_grad in `trainable` and in
+/// `frozen_model` (e.g. the UNet whose adapters `trainable` holds), each tensor counted once.
+/// activation_bytes is 0. Throws difftrain::Error on num_processes < 1 or a bad auto-wrap policy.
+MemoryEstimate estimate_state_memory(const torch::nn::Module& trainable,
+                                     const MemoryEstimateOptions& options,
+                                     const torch::nn::Module* frozen_model = nullptr);
+
+/// Bytes the autograd graph of one training forward keeps alive, measured: `unet` runs once with
+/// grad enabled (in train mode, under bf16 autocast when options.mixed_precision is "bf16";
+/// "fp16" computes in fp32 on the CPU) on [batch_size, in_channels, R, R] noise, R =
+/// options.resolution or the config's sample_size, and the live heap bytes (glibc mallinfo2:
+/// uordblks + hblkhd) after it, with the output and its graph alive, minus those before it are
+/// returned. A warm-up pass without grad on the same shapes first keeps one-time allocations
+/// (kernel caches) out. An estimate: it counts what backward needs plus the output, not the
+/// transient peak inside backward.
+int64_t measure_activation_bytes(models::UNetImpl& unet, const MemoryEstimateOptions& options,
+                                 int64_t batch_size = 1);
+
+/// The config.json a model path names, as the trainer reads it: a pipeline folder
+/// (model_index.json + unet/config.json), a UNet folder (config.json) or a config.json path.
+/// Throws difftrain::Error naming the path when there is none.
+std::string resolve_unet_config_path(const std::string& model_path);
+
+/// Builds the UNet of `model_path` (see resolve_unet_config_path; random weights, fp32, nothing
+/// copied), adds LoRA adapters when options.lora as the trainer does (base frozen, alpha = rank),
+/// and returns estimate_state_memory() with activation_bytes measured at batch 1 and scaled to
+/// options.batch_size.
+MemoryEstimate estimate_memory(const std::string& model_path, const MemoryEstimateOptions& options);
+
+/// estimate_memory() for each of `strategies` (same model, one activation measurement).
+std::vector<MemoryEstimate> estimate_memory(const std::string& model_path,
+                                            const MemoryEstimateOptions& options,
+                                            const std::vector<accel::ShardingStrategy>& strategies);
+
+/// Every field of `estimate` by its name, plus total_peak_bytes, num_units, largest_unit
+/// ({name, module_class, numel}) and units ([{name, module_class, numel}]).
+nlohmann::json to_json(const MemoryEstimate& estimate);
+
+/// "1.23 GiB", "45.6 MiB", "789 KiB" or "12 B".
+std::string format_bytes(int64_t bytes);
+
+/// The table `difftrain estimate-memory` prints: one row per quantity (bytes and a readable
+/// size), then the unit count and the largest unit.
+std::string format_memory_table(const MemoryEstimate& estimate, int64_t batch_size);
+
+/// One row per estimate (strategy, parameters, gradients, optimizer, frozen, activations, total
+/// peak), for comparing strategies at one N.
+std::string format_strategy_comparison(const std::vector<MemoryEstimate>& estimates);
+
+}  // namespace difftrain::train
