@@ -81,6 +81,13 @@ void save_checkpoint(const TrainConfig& c, accel::Accelerator& acc, TrainParts& 
       (fs::path(c.output_dir) / ("checkpoint-" + std::to_string(global_step))).string();
   acc.save_state(dir, [&](const std::string& temp) {
     if (!acc.is_main_process()) return;
+    if (!c.lora) {
+      // With the weights (consolidated by `difftrain merge-weights`), a Diffusers UNet folder.
+      io::write_file_atomic((fs::path(temp) / "config.json").string(),
+                            parts.unet->config().to_json().dump(2) + "\n");
+      io::write_file_atomic((fs::path(temp) / "scheduler_config.json").string(),
+                            parts.noise_scheduler->config().to_json().dump(2) + "\n");
+    }
     if (parts.ema) {
       io::save_safetensors((fs::path(temp) / "ema.safetensors").string(),
                            parts.ema->state_tensors(), {{"format", "pt"}});
@@ -143,16 +150,14 @@ int64_t load_checkpoint(const std::string& dir, const TrainConfig& c, accel::Acc
 
 void write_run_info(const TrainConfig& c, accel::Accelerator& acc, const TrainParts& parts,
                     const fs::path& log_dir) {
-  int64_t param_bytes = 0, grad_bytes = 0;
-  auto count = [&](const torch::nn::Module& m) {
-    for (const auto& p : m.parameters()) {
-      param_bytes += p.numel() * static_cast<int64_t>(p.element_size());
-      if (p.grad().defined())
-        grad_bytes += p.grad().numel() * static_cast<int64_t>(p.grad().element_size());
-    }
-  };
-  count(*parts.unet);
-  if (c.lora) count(*parts.lora);
+  // Measured by the Accelerator: what this rank holds (shards under sharding), plus the frozen
+  // base of a LoRA run, which is not prepared.
+  const auto mem = acc.memory();
+  int64_t frozen = mem.frozen_param_bytes;
+  if (c.lora) {
+    for (const auto& p : parts.unet->parameters())
+      frozen += p.requires_grad() ? 0 : p.numel() * static_cast<int64_t>(p.element_size());
+  }
   nlohmann::json info = {
       {"config", c.to_json()},
       {"rank", acc.process_index()},
@@ -163,9 +168,13 @@ void write_run_info(const TrainConfig& c, accel::Accelerator& acc, const TrainPa
       {"examples", parts.dataset->size()},
       {"total_steps", parts.total_steps},
       {"state_bytes",
-       {{"param_bytes", param_bytes},
-        {"grad_bytes", grad_bytes},
-        {"optimizer_bytes", static_cast<int64_t>(parts.raw_optimizer->state_bytes())}}}};
+       {{"param_bytes", mem.param_bytes},
+        {"param_peak_bytes", mem.param_peak_bytes},
+        {"grad_bytes", mem.grad_bytes},
+        {"grad_peak_bytes", mem.grad_peak_bytes},
+        {"optimizer_bytes", mem.optimizer_bytes},
+        {"frozen_param_bytes", frozen}}},
+      {"sharding", accel::to_string(acc.sharding().strategy)}};
   std::error_code ec;
   fs::create_directories(log_dir, ec);
   io::write_file_atomic(
@@ -186,6 +195,7 @@ void run_validation(const TrainConfig& c, accel::Accelerator& acc, TrainParts& p
   for (int64_t i = 0; i < K; ++i) all[i] = i;
   const auto mine = acc.split_between_processes(all, /*apply_padding=*/true);
   const auto [begin, end] = acc.split_range(K);
+  auto full = acc.summon_full_params();  // sampling and the EMA swap read every parameter
   if (parts.ema) parts.ema->store(*parts.trainable), parts.ema->copy_to(*parts.trainable);
   diffusion::SchedulerConfig sc = parts.noise_scheduler->config();
   sc.class_name = "DDIMScheduler";
@@ -229,6 +239,7 @@ void run_validation(const TrainConfig& c, accel::Accelerator& acc, TrainParts& p
 }
 
 void export_final(const TrainConfig& c, accel::Accelerator& acc, TrainParts& parts) {
+  auto full = acc.summon_full_params();
   if (acc.is_main_process()) {
     if (parts.ema) parts.ema->copy_to(*parts.trainable);  // the export uses EMA weights
     const fs::path out(c.output_dir);

@@ -285,6 +285,7 @@ TrainParts build_parts(const TrainConfig& c, accel::Accelerator& acc) {
     eo.use_ema_warmup = true;
     eo.inv_gamma = c.ema_inv_gamma;
     eo.power = c.ema_power;
+    auto full = acc.summon_full_params();
     parts.ema = std::make_unique<diffusion::EMAModel>(*parts.trainable, eo);
   }
   return parts;

@@ -99,8 +99,15 @@ TrainResult run_training(TrainConfig config) {
   if (!config.mixed_precision.empty()) acc_options.mixed_precision = config.mixed_precision;
   acc_options.gradient_accumulation_steps = config.gradient_accumulation_steps;
   acc_options.seed = config.seed;
+  // Sharding from the trainer's own options or config files; otherwise from `difftrain launch`
+  // (its --sharding_strategy / FSDP or DeepSpeed config reach the ranks as DIFFTRAIN_* variables).
+  if (config.sharding_strategy != "NO_SHARD" || !config.deepspeed_config.empty() ||
+      !config.accelerate_config_file.empty()) {
+    acc_options.sharding = config.sharding_options();
+  }
   accel::Accelerator acc(acc_options);
   const bool main = acc.is_main_process();
+  for (const auto& w : config.warnings) acc.print("warning: {}", w);
 
   // ---------------------------------------------------------------- output folder
   if (config.output_dir.empty()) {
@@ -206,7 +213,11 @@ TrainResult run_training(TrainConfig config) {
       if (!acc.sync_gradients()) continue;
 
       ++global_step;
-      if (parts.ema) parts.ema->step(*parts.trainable);
+      if (parts.ema) {
+        // The EMA reads every parameter: gathered for it under FULL_SHARD.
+        auto full = acc.summon_full_params();
+        parts.ema->step(*parts.trainable);
+      }
       // One small all-reduce per update: the loss over every rank, and whether any rank was
       // asked to stop (the launcher signals every rank, but they must stop at the same step).
       auto agreed = torch::tensor({micro_loss / std::max<int64_t>(micro_count, 1),

@@ -4,6 +4,7 @@
 // A tiny UNet on 64 Fashion-MNIST images at 8x8 keeps each run to a few seconds.
 
 #include "subprocess.h"
+#include "train_util.h"
 
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"
@@ -22,70 +23,6 @@ namespace difftrain::testing {
 namespace {
 
 namespace fs = std::filesystem;
-const std::string kDifftrain = DIFFTRAIN_BIN;
-
-double max_abs_diff(const io::TensorMap& a, const io::TensorMap& b) {
-  EXPECT_EQ(a.size(), b.size());
-  double worst = 0;
-  for (const auto& [key, t] : a) {
-    auto it = b.find(key);
-    if (it == b.end()) {
-      ADD_FAILURE() << "missing " << key;
-      continue;
-    }
-    worst = std::max(
-        worst, (t.to(torch::kFloat64) - it->second.to(torch::kFloat64)).abs().max().item<double>());
-  }
-  return worst;
-}
-
-io::TensorMap unet_weights(const std::string& out) {
-  return io::load_safetensors(out + "/unet/diffusion_pytorch_model.safetensors").tensors;
-}
-
-// A UNet2DModel small enough for tests: 8x8, two levels, attention at the lower one.
-std::string tiny_config(const std::string& dir) {
-  const std::string path = dir + "/tiny_unet.json";
-  std::ofstream(path) << R"({"_class_name": "UNet2DModel", "sample_size": 8, "in_channels": 1,
-    "out_channels": 1, "layers_per_block": 1, "block_out_channels": [8, 16],
-    "down_block_types": ["DownBlock2D", "AttnDownBlock2D"],
-    "up_block_types": ["AttnUpBlock2D", "UpBlock2D"], "norm_num_groups": 4,
-    "attention_head_dim": 8})";
-  return path;
-}
-
-std::vector<std::string> train_cmd(const std::string& dir, const std::string& out,
-                                   std::vector<std::string> extra) {
-  std::vector<std::string> cmd = {"train",
-                                  "--model_config_name_or_path",
-                                  tiny_config(dir),
-                                  "--resolution",
-                                  "8",
-                                  "--max_train_samples",
-                                  "64",
-                                  "--learning_rate",
-                                  "1e-3",
-                                  "--lr_warmup_steps",
-                                  "2",
-                                  "--num_validation_images",
-                                  "0",
-                                  "--logging_steps",
-                                  "1",
-                                  "--output_dir",
-                                  out};
-  cmd.insert(cmd.end(), extra.begin(), extra.end());
-  return cmd;
-}
-
-ProcessResult train(const std::vector<std::string>& cmd, int ranks = 1, double timeout = 300) {
-  std::vector<std::string> argv = {kDifftrain};
-  if (ranks > 1) {
-    argv.insert(argv.end(), {"launch", "--num_processes", std::to_string(ranks), kDifftrain});
-  }
-  argv.insert(argv.end(), cmd.begin(), cmd.end());
-  return run(argv, {}, timeout);
-}
-
 // Tolerance 1e-4 for world-size and accumulation equivalence: the same samples, noise and
 // timesteps enter both runs; only the order of float sums differs (per-rank means averaged vs one
 // mean). Adam divides each gradient by its own running RMS, so a coordinate whose gradient is

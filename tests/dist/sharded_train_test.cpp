@@ -1,0 +1,125 @@
+// `difftrain train --sharding_strategy` end to end in real processes under `difftrain launch`:
+// FULL_SHARD gives NO_SHARD's weights, its checkpoint resumes on another number of ranks
+// (re-sharded), `difftrain merge-weights` consolidates it into a folder `difftrain sample` loads,
+// and run_info reports per-rank bytes that shrink with the world.
+
+#include "train_util.h"
+
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+
+namespace difftrain::testing {
+namespace {
+
+namespace fs = std::filesystem;
+
+nlohmann::json state_bytes(const std::string& out, int rank) {
+  std::ifstream in(out + "/logs/run_info.rank" + std::to_string(rank) + ".json");
+  return nlohmann::json::parse(in).at("state_bytes");
+}
+
+// Same global batch (12) on 2 and 3 ranks; 4 updates; a checkpoint at 2. Tolerance 1e-4 as in
+// TrainCommand.TwoRanksEqualOneRankWithTheGlobalBatch (Adam magnifies summation-order rounding).
+TEST(ShardedTraining, FullShardMatchesDdpAndResumesOnThreeRanks) {
+  const auto dir = make_temp_dir("sharded_train");
+  const std::vector<std::string> common = {"--max_train_steps",     "4", "--use_ema",       "false",
+                                           "--checkpointing_steps", "2", "--max_grad_norm", "0.5"};
+  auto ddp = train_cmd(dir, dir + "/ddp", common);
+  ddp.insert(ddp.end(), {"--train_batch_size", "6"});
+  auto fsdp = train_cmd(dir, dir + "/fsdp", common);
+  fsdp.insert(fsdp.end(), {"--train_batch_size", "6", "--sharding_strategy", "FULL_SHARD"});
+  const auto r1 = train(ddp, 2);
+  ASSERT_EQ(r1.exit_code, 0) << r1.log();
+  const auto r2 = train(fsdp, 2);
+  ASSERT_EQ(r2.exit_code, 0) << r2.log();
+  const double same = max_abs_diff(unet_weights(dir + "/ddp"), unet_weights(dir + "/fsdp"));
+  std::printf("FULL_SHARD vs NO_SHARD on 2 ranks: max abs diff %.3g (tol 1e-4)\n", same);
+  EXPECT_LT(same, 1e-4);
+  ASSERT_TRUE(fs::exists(dir + "/fsdp/checkpoint-2/model.index.json"))
+      << "a FULL_SHARD checkpoint is written as per-rank shards plus an index";
+
+  // Resume the 2-rank FULL_SHARD checkpoint on 3 ranks (4 per rank: the same global batch).
+  fs::create_directories(dir + "/resumed");
+  fs::copy(dir + "/fsdp/checkpoint-2", dir + "/resumed/checkpoint-2", fs::copy_options::recursive);
+  auto resumed = train_cmd(dir, dir + "/resumed", common);
+  resumed.insert(resumed.end(), {"--train_batch_size", "4", "--sharding_strategy", "FULL_SHARD",
+                                 "--resume_from_checkpoint", "latest"});
+  const auto r3 = train(resumed, 3);
+  ASSERT_EQ(r3.exit_code, 0) << r3.log();
+  const double reshard = max_abs_diff(unet_weights(dir + "/ddp"), unet_weights(dir + "/resumed"));
+  std::printf("saved on 2 ranks, resumed on 3: max abs diff %.3g from the 2-rank run (tol 1e-4)\n",
+              reshard);
+  EXPECT_LT(reshard, 1e-4);
+
+  // merge-weights: the final sharded checkpoint becomes the exported UNet, exactly.
+  const auto merged = dir + "/merged";
+  const auto m = run({kDifftrain, "merge-weights", dir + "/resumed/checkpoint-4", merged}, {}, 120);
+  ASSERT_EQ(m.exit_code, 0) << m.log();
+  const auto merged_weights =
+      io::load_safetensors(merged + "/diffusion_pytorch_model.safetensors").tensors;
+  EXPECT_EQ(max_abs_diff(unet_weights(dir + "/resumed"), merged_weights), 0.0);
+  const auto s = run(
+      {kDifftrain, "sample", "--model", merged, "--num_images", "2", "--num_inference_steps", "3",
+       "--output", merged + "/grid.png", "--save_tensors", merged + "/samples.safetensors"},
+      {}, 120);
+  ASSERT_EQ(s.exit_code, 0) << s.log();
+  EXPECT_TRUE(fs::exists(merged + "/grid.png"));
+
+  // Memory per rank: FULL_SHARD holds 1/N of NO_SHARD's parameters, gradients and optimizer
+  // state between steps (+ padding: < N elements per unit), on 2 and on 3 ranks.
+  const auto none = state_bytes(dir + "/ddp", 0);
+  for (const auto& [out, world] :
+       {std::pair<std::string, int>{dir + "/fsdp", 2}, {dir + "/resumed", 3}}) {
+    for (int r = 0; r < world; ++r) {
+      const auto b = state_bytes(out, r);
+      const int64_t padding = 64 * world * 4;
+      std::printf("rank %d/%d: params %lld (NO_SHARD %lld), grads %lld, optimizer %lld (%lld)\n", r,
+                  world, static_cast<long long>(b["param_bytes"].get<int64_t>()),
+                  static_cast<long long>(none["param_bytes"].get<int64_t>()),
+                  static_cast<long long>(b["grad_bytes"].get<int64_t>()),
+                  static_cast<long long>(b["optimizer_bytes"].get<int64_t>()),
+                  static_cast<long long>(none["optimizer_bytes"].get<int64_t>()));
+      EXPECT_LE(b["param_bytes"].get<int64_t>(),
+                none["param_bytes"].get<int64_t>() / world + padding);
+      EXPECT_LE(b["grad_bytes"].get<int64_t>(),
+                none["grad_bytes"].get<int64_t>() / world + padding);
+      EXPECT_LE(b["optimizer_bytes"].get<int64_t>(),
+                none["optimizer_bytes"].get<int64_t>() / world + 2 * padding);
+      EXPECT_LT(b["param_peak_bytes"].get<int64_t>(), none["param_bytes"].get<int64_t>());
+    }
+  }
+}
+
+TEST(ShardedTraining, ShardOptimizerThroughTheLauncherAndRefusedCrossings) {
+  const auto dir = make_temp_dir("sharded_launch");
+  const std::vector<std::string> common = {
+      "--max_train_steps",     "2", "--use_ema",          "true",
+      "--checkpointing_steps", "2", "--train_batch_size", "4"};
+  // The launcher passes --sharding_strategy to the ranks (as Accelerate's FSDP config would).
+  std::vector<std::string> argv = {
+      kDifftrain,        "launch",  "--num_processes", "2", "--sharding_strategy",
+      "SHARD_OPTIMIZER", kDifftrain};
+  const auto cmd = train_cmd(dir, dir + "/zero1", common);
+  argv.insert(argv.end(), cmd.begin(), cmd.end());
+  const auto r = run(argv, {}, 300);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  EXPECT_NE(r.log().find("sharding SHARD_OPTIMIZER"), std::string::npos) << r.log();
+  EXPECT_GT(state_bytes(dir + "/zero1", 1).at("optimizer_bytes").get<int64_t>(), 0);
+  nlohmann::json info;
+  {
+    std::ifstream in(dir + "/zero1/logs/run_info.rank1.json");
+    info = nlohmann::json::parse(in);
+  }
+  EXPECT_EQ(info.at("sharding"), "SHARD_OPTIMIZER");
+  // Sharded optimizer state cannot resume unsharded: a one-line error, before training.
+  auto plain = train_cmd(dir, dir + "/zero1",
+                         {"--max_train_steps", "4", "--use_ema", "true", "--train_batch_size", "4",
+                          "--resume_from_checkpoint", "latest"});
+  const auto bad = train(plain, 2);
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.log().find("holds sharded optimizer state"), std::string::npos) << bad.log();
+}
+
+}  // namespace
+}  // namespace difftrain::testing

@@ -1,0 +1,83 @@
+#pragma once
+// Shared by the `difftrain train` end-to-end tests: a tiny UNet config, the command line around
+// it, running it (under `difftrain launch` for several ranks) and comparing exported weights.
+
+#include "subprocess.h"
+
+#include "difftrain/io/safetensors.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace difftrain::testing {
+
+inline const std::string kDifftrain = DIFFTRAIN_BIN;
+
+inline double max_abs_diff(const io::TensorMap& a, const io::TensorMap& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (const auto& [key, t] : a) {
+    auto it = b.find(key);
+    if (it == b.end()) {
+      ADD_FAILURE() << "missing " << key;
+      continue;
+    }
+    worst = std::max(
+        worst, (t.to(torch::kFloat64) - it->second.to(torch::kFloat64)).abs().max().item<double>());
+  }
+  return worst;
+}
+
+inline io::TensorMap unet_weights(const std::string& out) {
+  return io::load_safetensors(out + "/unet/diffusion_pytorch_model.safetensors").tensors;
+}
+
+// A UNet2DModel small enough for tests: 8x8, two levels, attention at the lower one.
+inline std::string tiny_config(const std::string& dir) {
+  const std::string path = dir + "/tiny_unet.json";
+  std::ofstream(path) << R"({"_class_name": "UNet2DModel", "sample_size": 8, "in_channels": 1,
+    "out_channels": 1, "layers_per_block": 1, "block_out_channels": [8, 16],
+    "down_block_types": ["DownBlock2D", "AttnDownBlock2D"],
+    "up_block_types": ["AttnUpBlock2D", "UpBlock2D"], "norm_num_groups": 4,
+    "attention_head_dim": 8})";
+  return path;
+}
+
+inline std::vector<std::string> train_cmd(const std::string& dir, const std::string& out,
+                                          std::vector<std::string> extra) {
+  std::vector<std::string> cmd = {"train",
+                                  "--model_config_name_or_path",
+                                  tiny_config(dir),
+                                  "--resolution",
+                                  "8",
+                                  "--max_train_samples",
+                                  "64",
+                                  "--learning_rate",
+                                  "1e-3",
+                                  "--lr_warmup_steps",
+                                  "2",
+                                  "--num_validation_images",
+                                  "0",
+                                  "--logging_steps",
+                                  "1",
+                                  "--output_dir",
+                                  out};
+  cmd.insert(cmd.end(), extra.begin(), extra.end());
+  return cmd;
+}
+
+inline ProcessResult train(const std::vector<std::string>& cmd, int ranks = 1,
+                           double timeout = 300) {
+  std::vector<std::string> argv = {kDifftrain};
+  if (ranks > 1) {
+    argv.insert(argv.end(), {"launch", "--num_processes", std::to_string(ranks), kDifftrain});
+  }
+  argv.insert(argv.end(), cmd.begin(), cmd.end());
+  return run(argv, {}, timeout);
+}
+
+}  // namespace difftrain::testing
