@@ -59,10 +59,10 @@ TEST(ShardedTraining, FullShardMatchesDdpAndResumesOnThreeRanks) {
   const auto merged_weights =
       io::load_safetensors(merged + "/diffusion_pytorch_model.safetensors").tensors;
   EXPECT_EQ(max_abs_diff(unet_weights(dir + "/resumed"), merged_weights), 0.0);
-  const auto s = run(
-      {kDifftrain, "sample", "--model", merged, "--num_images", "2", "--num_inference_steps", "3",
-       "--output", merged + "/grid.png", "--save_tensors", merged + "/samples.safetensors"},
-      {}, 120);
+  const auto s = run({kDifftrain, "sample", "--model", merged, "--num_images", "2",
+                      "--num_inference_steps", "3", "--class_labels", "0,1", "--output",
+                      merged + "/grid.png", "--save_tensors", merged + "/samples.safetensors"},
+                     {}, 120);
   ASSERT_EQ(s.exit_code, 0) << s.log();
   EXPECT_TRUE(fs::exists(merged + "/grid.png"));
 
