@@ -54,8 +54,22 @@ TEST(ConfigCommand, AccelerateConfigDrivesLaunchAndUnhonouredKeysAreReported) {
   ASSERT_EQ(r.exit_code, 0) << r.log();
   EXPECT_NE(r.out.find("[rank 1] WORLD_SIZE=2"), std::string::npos) << r.log();
   EXPECT_NE(r.out.find("DIFFTRAIN_MIXED_PRECISION=bf16"), std::string::npos) << r.log();
-  EXPECT_NE(r.err.find("config " + path + ": ignored fsdp_config"), std::string::npos) << r.log();
+  // Accelerate too reads fsdp_config only under distributed_type FSDP: said, not applied.
+  EXPECT_NE(r.err.find("fsdp_config is ignored because distributed_type is MULTI_CPU"),
+            std::string::npos)
+      << r.log();
+  EXPECT_EQ(r.out.find("DIFFTRAIN_SHARDING_STRATEGY"), std::string::npos) << r.log();
   EXPECT_NE(r.err.find("ignored dynamo_config"), std::string::npos) << r.log();
+
+  // distributed_type FSDP: the ranks get the sharding; what cannot be honoured is listed.
+  std::ofstream(path) << "distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n"
+                         "  fsdp_sharding_strategy: SHARD_GRAD_OP\n  fsdp_offload_params: true\n";
+  const auto f =
+      run({kDifftrain, "launch", "--config_file", path, "env"}, {{"XDG_CACHE_HOME", dir}}, 60);
+  ASSERT_EQ(f.exit_code, 0) << f.log();
+  EXPECT_NE(f.out.find("[rank 1] DIFFTRAIN_SHARDING_STRATEGY=SHARD_GRAD_OP"), std::string::npos)
+      << f.log();
+  EXPECT_NE(f.err.find("fsdp_offload_params"), std::string::npos) << f.log();
 }
 
 TEST(ConfigCommand, BadYamlIsAOneLineErrorWithThePath) {

@@ -19,6 +19,25 @@ nlohmann::json state_bytes(const std::string& out, int rank) {
   return nlohmann::json::parse(in).at("state_bytes");
 }
 
+// `difftrain estimate-memory --json` for the model a checkpoint holds.
+nlohmann::json estimate(const std::string& model, int world, const std::string& strategy) {
+  const auto r = run({kDifftrain, "estimate-memory", "--model", model, "--num_processes",
+                      std::to_string(world), "--sharding_strategy", strategy, "--json"},
+                     {}, 120);
+  EXPECT_EQ(r.exit_code, 0) << r.log();
+  return nlohmann::json::parse(r.out);
+}
+
+// The estimate is the measured state exactly between steps, and bounds the measured peaks.
+void expect_estimate_matches(const nlohmann::json& est, const nlohmann::json& measured) {
+  for (const char* key : {"param_bytes", "grad_bytes", "optimizer_bytes"}) {
+    EXPECT_EQ(est.at(key).get<int64_t>(), measured.at(key).get<int64_t>()) << key;
+  }
+  for (const char* key : {"param_peak_bytes", "grad_peak_bytes"}) {
+    EXPECT_LE(measured.at(key).get<int64_t>(), est.at(key).get<int64_t>()) << key;
+  }
+}
+
 // Same global batch (12) on 2 and 3 ranks; 4 updates; a checkpoint at 2. Tolerance 1e-4 as in
 // TrainCommand.TwoRanksEqualOneRankWithTheGlobalBatch (Adam magnifies summation-order rounding).
 TEST(ShardedTraining, FullShardMatchesDdpAndResumesOnThreeRanks) {
@@ -88,7 +107,9 @@ TEST(ShardedTraining, FullShardMatchesDdpAndResumesOnThreeRanks) {
                 none["optimizer_bytes"].get<int64_t>() / world + 2 * padding);
       EXPECT_LT(b["param_peak_bytes"].get<int64_t>(), none["param_bytes"].get<int64_t>());
     }
+    expect_estimate_matches(estimate(merged, world, "FULL_SHARD"), state_bytes(out, 0));
   }
+  expect_estimate_matches(estimate(merged, 2, "NO_SHARD"), none);
 }
 
 TEST(ShardedTraining, ShardOptimizerThroughTheLauncherAndRefusedCrossings) {
@@ -112,6 +133,15 @@ TEST(ShardedTraining, ShardOptimizerThroughTheLauncherAndRefusedCrossings) {
     info = nlohmann::json::parse(in);
   }
   EXPECT_EQ(info.at("sharding"), "SHARD_OPTIMIZER");
+  // SHARD_OPTIMIZER keeps 1/N of the optimizer state (+ padding), as estimate-memory predicts.
+  const auto est = estimate(dir + "/zero1/checkpoint-2", 2, "SHARD_OPTIMIZER");
+  expect_estimate_matches(est, state_bytes(dir + "/zero1", 1));
+  int64_t none_optimizer = 0;
+  for (const auto& row : est.at("comparison"))
+    if (row.at("strategy") == "NO_SHARD") none_optimizer = row.at("optimizer_bytes").get<int64_t>();
+  ASSERT_GT(none_optimizer, 0);
+  EXPECT_LE(state_bytes(dir + "/zero1", 1).at("optimizer_bytes").get<int64_t>(),
+            none_optimizer / 2 + 64 * 2 * 8);
   // Sharded optimizer state cannot resume unsharded: a one-line error, before training.
   auto plain = train_cmd(dir, dir + "/zero1",
                          {"--max_train_steps", "4", "--use_ema", "true", "--train_batch_size", "4",
