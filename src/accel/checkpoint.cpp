@@ -39,7 +39,10 @@ io::TensorMap read_model_tensors(const std::string& dir, const std::string& stem
 }
 
 void load_module(torch::nn::Module& module, const std::string& dir, const std::string& stem) {
-  const std::string path = (fs::path(dir) / stem).string();
+  const std::string path =
+      (fs::path(dir) /
+       (stem + (io::has_sharded_tensors(dir, stem) ? ".index.json" : ".safetensors")))
+          .string();
   auto file = read_model_tensors(dir, stem);
   auto ours = module_tensors(module);
   torch::NoGradGuard no_grad;
@@ -500,6 +503,7 @@ void Accelerator::load_sharded_optimizer(size_t index, ShardedModel& engine,
                                                                                : torch::empty({0});
   }
   opt.load_state_dict(state);
+  engine.restore_user_hyperparameters();
 }
 
 }  // namespace difftrain::accel

@@ -606,6 +606,20 @@ void ShardedModel::sync_hyperparameters() {
   }
 }
 
+void ShardedModel::restore_user_hyperparameters() {
+  if (!user_optimizer_ || !shard_optimizer_) return;
+  for (size_t g = 0; g < unit_group_.size(); ++g) {
+    const auto& from = static_cast<const torch::optim::AdamWOptions&>(
+        shard_optimizer_->param_groups()[g].options());
+    auto& to = static_cast<torch::optim::AdamWOptions&>(
+        user_optimizer_->param_groups()[unit_group_[g]].options());
+    to.lr(from.lr());
+    to.betas(from.betas());
+    to.eps(from.eps());
+    to.weight_decay(from.weight_decay());
+  }
+}
+
 void ShardedModel::after_step() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   torch::NoGradGuard no_grad;

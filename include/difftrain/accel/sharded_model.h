@@ -81,6 +81,9 @@ class ShardedModel {
   /// Before the shard optimizer steps: copies the user optimizer's current hyperparameters (the
   /// LR schedule writes them there).
   void sync_hyperparameters();
+  /// The other way (after loading the shard optimizer's state): the user optimizer gets the
+  /// saved hyperparameters, as loading an unsharded optimizer's state gives them to it.
+  void restore_user_hyperparameters();
   /// After the shard optimizer stepped: gathers the updated shards into the full buffers that
   /// stay resident.
   void after_step();
