@@ -5,11 +5,13 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/diffusion/pipeline.h"
+#include "difftrain/diffusion/sd_pipeline.h"
 #include "difftrain/dist/process_group.h"
 #include "difftrain/io/image.h"
 #include "difftrain/io/safetensors.h"
 
 #include <chrono>
+#include <fstream>
 #include <sstream>
 
 namespace difftrain::cli {
@@ -30,7 +32,113 @@ struct SampleArgs {
   std::string output = "samples.png";
   std::string save_tensors;
   int64_t columns = 0;
+  // text-to-image (Stable Diffusion folders)
+  std::vector<std::string> prompts;
+  std::string prompt_file;
+  std::string negative_prompt;
+  int64_t num_images_per_prompt = 1;
+  int64_t height = 0, width = 0;
+  int64_t clip_skip = 1;
+  std::string variant;
+  bool guidance_given = false;
 } g_args;
+
+// Prompts from --prompt (repeatable) or --prompt_file (one per line; a last empty line is not a
+// prompt).
+std::vector<std::string> read_prompts(const SampleArgs& a) {
+  if (!a.prompts.empty() && !a.prompt_file.empty()) {
+    throw Error("give --prompt or --prompt_file, not both");
+  }
+  if (!a.prompt_file.empty()) {
+    std::ifstream in(a.prompt_file);
+    if (!in) throw Error("--prompt_file " + a.prompt_file + ": cannot read it; check the path");
+    std::vector<std::string> out;
+    std::string line;
+    while (std::getline(in, line)) {
+      if (!line.empty() && line.back() == '\r') line.pop_back();
+      out.push_back(line);
+    }
+    if (out.empty()) throw Error("--prompt_file " + a.prompt_file + " has no prompts");
+    return out;
+  }
+  if (a.prompts.empty()) {
+    throw Error("a Stable Diffusion folder needs --prompt \"...\" (or --prompt_file F)");
+  }
+  return a.prompts;
+}
+
+// `difftrain sample --model SD_DIR --prompt ...`: StableDiffusionPipeline semantics.
+int run_text_to_image(const SampleArgs& a) {
+  diffusion::StableDiffusionLoadOptions lo;
+  lo.variant = a.variant;
+  lo.scheduler = a.scheduler;
+  lo.lora = a.lora;
+  lo.lora_scale = a.lora_scale;
+  diffusion::TextToImageOptions o;
+  o.prompts = read_prompts(a);
+  if (!a.class_labels.empty()) throw Error("--class_labels is for class-conditional UNets");
+  if (!a.negative_prompt.empty()) o.negative_prompts = {a.negative_prompt};
+  o.guidance_scale = a.guidance_given ? a.guidance_scale : 7.5;
+  o.num_inference_steps = a.num_inference_steps > 0 ? a.num_inference_steps : 50;
+  o.height = a.height;
+  o.width = a.width;
+  o.num_images_per_prompt = a.num_images > 0 ? a.num_images : a.num_images_per_prompt;
+  o.seed = a.seed;
+  o.eta = a.eta;
+  o.clip_skip = a.clip_skip - 1;
+  auto sd = diffusion::load_stable_diffusion(a.model, lo);
+  if (o.clip_skip >= sd.text_encoder->config().num_hidden_layers) {
+    throw Error("--clip_skip " + std::to_string(a.clip_skip) + " is more than the text encoder's " +
+                std::to_string(sd.text_encoder->config().num_hidden_layers) + " layers");
+  }
+  const int64_t total = static_cast<int64_t>(o.prompts.size()) * o.num_images_per_prompt;
+  log::info("difftrain sample: {} ({}), scheduler {}, {} steps, guidance {}, {} prompt(s) x {} "
+            "image(s), seed {}{}",
+            a.model, sd.folder.pipeline_class, sd.scheduler->class_name(),
+            o.num_inference_steps, o.guidance_scale, o.prompts.size(), o.num_images_per_prompt,
+            a.seed, a.lora.empty() ? std::string() : fmt::format(", LoRA {} x{}", a.lora,
+                                                                 a.lora_scale));
+  for (size_t i = 0; i < o.prompts.size(); ++i) {
+    const auto enc = sd.tokenizer.encode(o.prompts[i]);
+    if (enc.truncated) {
+      log::warn("prompt {} has {} tokens; only the first {} are used", i, enc.num_tokens,
+                sd.tokenizer.model_max_length() - 2);
+    }
+  }
+  const auto start = std::chrono::steady_clock::now();
+  auto last = start;
+  o.on_step = [&](int64_t i, int64_t n) {
+    auto now = std::chrono::steady_clock::now();
+    if (i != n && now - last < std::chrono::seconds(2)) return;
+    last = now;
+    const double elapsed = std::chrono::duration<double>(now - start).count();
+    const double rate = i / std::max(elapsed, 1e-9);
+    log::info("step {}/{}  {:.2f} it/s  ETA {:.0f}s", i, n, rate, (n - i) / rate);
+  };
+  auto result = diffusion::text_to_image(sd, o);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::vector<std::string> labels;
+  for (size_t p = 0; p < o.prompts.size(); ++p) {
+    for (int64_t k = 0; k < o.num_images_per_prompt; ++k) {
+      std::string text = o.prompts[p].substr(0, 28);
+      if (o.prompts[p].size() > 28) text += "...";
+      labels.push_back(o.num_images_per_prompt > 1 ? fmt::format("{} #{}", text, k) : text);
+    }
+  }
+  auto u8 = io::to_uint8_images(result.images.permute({0, 3, 1, 2}));
+  io::save_png(a.output, io::make_grid(u8, labels, a.columns));
+  if (!a.save_tensors.empty()) {
+    io::save_safetensors(a.save_tensors,
+                         {{"images", result.images}, {"latents", result.latents},
+                          {"prompt_embeds", result.prompt_embeds}},
+                         {{"format", "np"}});
+  }
+  log::info("wrote {} ({} images, {:.2f} images/s){}", a.output, total,
+            total / std::max(seconds, 1e-9),
+            a.save_tensors.empty() ? std::string() : " and " + a.save_tensors);
+  return 0;
+}
 
 std::vector<int64_t> parse_labels(const std::string& text) {
   std::vector<int64_t> out;
@@ -49,6 +157,11 @@ std::vector<int64_t> parse_labels(const std::string& text) {
   return out;
 }
 
+}  // namespace
+
+namespace {
+CLI::Option* g_guidance = nullptr;
+bool app_guidance_given() { return g_guidance != nullptr && g_guidance->count() > 0; }
 }  // namespace
 
 CLI::App* add_sample_command(CLI::App& app) {
@@ -76,7 +189,7 @@ CLI::App* add_sample_command(CLI::App& app) {
       ->check(CLI::Range(int64_t{1}, int64_t{4096}));
   cmd->add_option("--class_labels", g_args.class_labels,
                   "Comma-separated class ids for class-conditional models, one per image");
-  cmd->add_option("--guidance_scale", g_args.guidance_scale,
+  g_guidance = cmd->add_option("--guidance_scale", g_args.guidance_scale,
                   "Classifier-free guidance scale (> 1 guides against the null class)")
       ->check(CLI::Range(0.0, 100.0));
   cmd->add_option("--seed", g_args.seed, "Seed of the CPU generator (default 0)");
@@ -85,12 +198,35 @@ CLI::App* add_sample_command(CLI::App& app) {
                   "Also write `images` [K,H,W,C] float32 in [0,1] to this .safetensors file");
   cmd->add_option("--columns", g_args.columns, "Grid columns (default: about square)")
       ->check(CLI::Range(int64_t{0}, int64_t{4096}));
+  cmd->add_option("--prompt", g_args.prompts,
+                  "Stable Diffusion folders: the prompt (repeat for several)");
+  cmd->add_option("--prompt_file", g_args.prompt_file, "Prompts, one per line");
+  cmd->add_option("--negative_prompt", g_args.negative_prompt,
+                  "Guide away from this text (default \"\")");
+  cmd->add_option("--num_images_per_prompt", g_args.num_images_per_prompt,
+                  "Images per prompt (default 1)")
+      ->check(CLI::Range(int64_t{1}, int64_t{4096}));
+  cmd->add_option("--height", g_args.height, "Image height in pixels (default: the model's)")
+      ->check(CLI::Range(int64_t{8}, int64_t{8192}));
+  cmd->add_option("--width", g_args.width, "Image width in pixels (default: the model's)")
+      ->check(CLI::Range(int64_t{8}, int64_t{8192}));
+  cmd->add_option("--clip_skip", g_args.clip_skip,
+                  "Text embeddings from this CLIP layer counted from the end, as kohya: 1 = last "
+                  "(default), 2 = penultimate")
+      ->check(CLI::Range(int64_t{1}, int64_t{64}));
+  cmd->add_option("--variant", g_args.variant, "Weights variant, e.g. fp16");
   return cmd;
 }
 
 int run_sample() {
   dist::configure_threads();
-  const SampleArgs& a = g_args;
+  SampleArgs& a = g_args;
+  a.guidance_given = app_guidance_given();
+  if (diffusion::is_stable_diffusion_folder(a.model)) return run_text_to_image(a);
+  if (!a.prompts.empty() || !a.prompt_file.empty()) {
+    throw Error(a.model + " is not a text-to-image pipeline (no text_encoder in model_index.json); "
+                          "--prompt needs a Stable Diffusion folder");
+  }
   auto folder = diffusion::resolve_pipeline_folder(a.model);
   auto scheduler_config = diffusion::SchedulerConfig::load(folder.scheduler_config);
   std::string kind = a.scheduler;

@@ -1,0 +1,120 @@
+#pragma once
+// Stable Diffusion 1.x/2.x folders (Diffusers' StableDiffusionPipeline layout: model_index.json,
+// unet/, vae/, text_encoder/, tokenizer/, scheduler/) and text-to-image sampling with the
+// pipeline's order of operations, so the same seed gives Diffusers' images.
+
+#include "difftrain/diffusion/noise_scheduler.h"
+#include "difftrain/models/autoencoder_kl.h"
+#include "difftrain/models/clip_text_model.h"
+#include "difftrain/models/clip_tokenizer.h"
+#include "difftrain/models/unet.h"
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace difftrain::diffusion {
+
+/// Where a Stable Diffusion folder keeps its parts, as read from model_index.json.
+struct StableDiffusionFolder {
+  std::string root;
+  std::string pipeline_class;  ///< model_index.json's _class_name
+  std::string unet_dir, vae_dir, text_encoder_dir, tokenizer_dir;
+  std::string scheduler_config;  ///< scheduler/scheduler_config.json
+  std::string scheduler_class;   ///< model_index.json's scheduler class, e.g. "PNDMScheduler"
+  /// One line per listed component that is present but not used (safety_checker,
+  /// feature_extractor, image_encoder), for the caller to log.
+  std::vector<std::string> notes;
+};
+
+/// Whether `dir` has a model_index.json that lists a text_encoder (a text-to-image pipeline).
+bool is_stable_diffusion_folder(const std::string& dir);
+
+/// Reads `dir`/model_index.json and checks every component it lists: unet
+/// (UNet2DConditionModel), vae (AutoencoderKL), text_encoder (CLIPTextModel), tokenizer
+/// (CLIPTokenizer / CLIPTokenizerFast with vocab.json + merges.txt) and scheduler are required;
+/// safety_checker, feature_extractor and image_encoder are ignored with a note; anything else
+/// (text_encoder_2 of SDXL, an unknown class) throws difftrain::Error naming the component, its
+/// class and what is supported. Missing sub-folders are errors naming the path.
+StableDiffusionFolder resolve_stable_diffusion_folder(const std::string& dir);
+
+/// Options of load_stable_diffusion().
+struct StableDiffusionLoadOptions {
+  /// Weights variant of unet/vae/text_encoder ("fp16" reads *.fp16.safetensors), "" = default.
+  std::string variant;
+  /// "ddim" or "ddpm" to run the folder's scheduler config with that sampler (as
+  /// `DDIMScheduler.from_config(pipe.scheduler.config)`); "" = the folder's class, which must be
+  /// DDIMScheduler or DDPMScheduler (otherwise the error names --scheduler).
+  std::string scheduler;
+  /// A LoRA file (Diffusers, PEFT or kohya keys) merged into the UNet and, for its
+  /// text_encoder targets, into the text encoder, with lora_scale (Diffusers:
+  /// load_lora_weights + fuse_lora(lora_scale)).
+  std::string lora;
+  double lora_scale = 1.0;
+};
+
+/// The loaded parts of a Stable Diffusion pipeline (float32, CPU).
+struct StableDiffusion {
+  StableDiffusionFolder folder;
+  models::ClipTokenizer tokenizer;
+  models::ClipTextModel text_encoder{nullptr};
+  models::AutoencoderKL vae{nullptr};
+  models::UNet unet{nullptr};
+  std::unique_ptr<NoiseScheduler> scheduler;
+};
+
+/// Loads every part of the folder (see resolve_stable_diffusion_folder) and merges the LoRA.
+/// The tokenizer's model_max_length is capped at the text encoder's max_position_embeddings.
+StableDiffusion load_stable_diffusion(const std::string& dir,
+                                      const StableDiffusionLoadOptions& options = {});
+
+/// Text embeddings of `prompts`: tokenizer (padded/truncated to model_max_length) then the text
+/// encoder's last_hidden_state (with `clip_skip` layers skipped, Diffusers' clip_skip) ->
+/// [N, model_max_length, hidden_size] on the text encoder's device, no grad. Diffusers:
+/// StableDiffusionPipeline.encode_prompt for one prompt list.
+torch::Tensor encode_prompts(const models::ClipTokenizer& tokenizer,
+                             models::ClipTextModelImpl& text_encoder,
+                             const std::vector<std::string>& prompts, int64_t clip_skip = 0);
+
+/// Settings of one text-to-image run (StableDiffusionPipeline.__call__ arguments).
+struct TextToImageOptions {
+  std::vector<std::string> prompts;
+  /// One per prompt, or one for all, or empty ("" for every prompt, as Diffusers).
+  std::vector<std::string> negative_prompts;
+  /// > 1 enables classifier-free guidance against the negative prompt.
+  double guidance_scale = 7.5;
+  int64_t num_inference_steps = 50;
+  /// Image size in pixels, multiples of the VAE's downsample factor; 0 = unet sample_size x
+  /// that factor.
+  int64_t height = 0, width = 0;
+  int64_t num_images_per_prompt = 1;
+  uint64_t seed = 0;
+  double eta = 0.0;  ///< DDIM only
+  /// Diffusers' clip_skip: text embeddings from that many layers before the last (0 = last).
+  int64_t clip_skip = 0;
+  /// Initial latents [N * num_images_per_prompt, C, h, w] instead of drawing them (tests).
+  torch::Tensor latents;
+  /// Called after each step with (step index from 1, number of steps).
+  std::function<void(int64_t, int64_t)> on_step;
+};
+
+/// What a text-to-image run produced.
+struct TextToImageResult {
+  /// [N * K, H, W, 3] float32 in [0, 1] (output_type "np"), prompt-major: prompt 0's K images
+  /// first.
+  torch::Tensor images;
+  torch::Tensor latents;        ///< final latents [N * K, C, h, w]
+  torch::Tensor prompt_embeds;  ///< [2 N K, L, D] with CFG (negative rows first), else [N K, L, D]
+};
+
+/// StableDiffusionPipeline.__call__'s order of operations: encode prompt and negative prompt,
+/// draw latents from a CPU generator seeded with `seed` (randn, float32) times
+/// init_noise_sigma, then per timestep the UNet on cat([x, x]) with cat([negative, prompt])
+/// embeddings, guidance eps_u + g (eps_c - eps_u), the scheduler step (DDIM with eta and the same
+/// generator), and finally vae.decode(latents / scaling_factor) mapped to [0, 1]. Models run in
+/// eval mode under no-grad. Throws difftrain::Error for sizes the models cannot take.
+TextToImageResult text_to_image(StableDiffusion& sd, const TextToImageOptions& options);
+
+}  // namespace difftrain::diffusion

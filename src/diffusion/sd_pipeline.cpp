@@ -1,0 +1,328 @@
+#include "difftrain/diffusion/sd_pipeline.h"
+
+#include "difftrain/core/error.h"
+#include "difftrain/core/log.h"
+#include "difftrain/io/atomic_file.h"
+#include "difftrain/io/lora_format.h"
+#include "difftrain/models/lora.h"
+#include "difftrain/models/pretrained.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <set>
+
+namespace difftrain::diffusion {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+nlohmann::json read_model_index(const fs::path& path) {
+  nlohmann::json index;
+  try {
+    index = nlohmann::json::parse(io::read_file(path.string()));
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(path.string() + ": not valid JSON (" + e.what() + ")");
+  }
+  if (!index.is_object()) throw Error(path.string() + ": expected a JSON object");
+  return index;
+}
+
+// A model_index.json entry ["library", "Class"] -> "Class"; [null, null] -> "".
+std::string component_class(const fs::path& index_path, const std::string& name,
+                            const nlohmann::json& value) {
+  if (value.is_array() && value.size() == 2) {
+    if (value[0].is_null() && value[1].is_null()) return "";
+    if (value[1].is_string()) return value[1].get<std::string>();
+  }
+  throw Error(index_path.string() + ": component \"" + name +
+              "\" should be [\"library\", \"ClassName\"] or [null, null], got " + value.dump());
+}
+
+std::string require_dir(const fs::path& root, const std::string& name, const std::string& cls) {
+  const fs::path dir = root / name;
+  if (!fs::is_directory(dir)) {
+    throw Error(dir.string() + ": no such folder, but model_index.json lists " + name + " (" +
+                cls + "); copy the whole pipeline folder");
+  }
+  return dir.string();
+}
+
+}  // namespace
+
+bool is_stable_diffusion_folder(const std::string& dir) {
+  const fs::path index = fs::path(dir) / "model_index.json";
+  if (!fs::is_regular_file(index)) return false;
+  try {
+    auto j = nlohmann::json::parse(io::read_file(index.string()));
+    return j.is_object() && j.contains("text_encoder") && !j["text_encoder"].is_null() &&
+           !(j["text_encoder"].is_array() && !j["text_encoder"].empty() &&
+             j["text_encoder"][0].is_null());
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+StableDiffusionFolder resolve_stable_diffusion_folder(const std::string& dir) {
+  const fs::path root(dir);
+  if (!fs::is_directory(root)) {
+    throw Error(dir +
+                ": no such folder; expected a Stable Diffusion folder (model_index.json, unet/, "
+                "vae/, text_encoder/, tokenizer/, scheduler/)");
+  }
+  const fs::path index_path = root / "model_index.json";
+  if (!fs::is_regular_file(index_path)) {
+    throw Error(dir + ": no model_index.json; a Stable Diffusion folder is what Diffusers' "
+                      "StableDiffusionPipeline.save_pretrained writes");
+  }
+  const nlohmann::json index = read_model_index(index_path);
+  StableDiffusionFolder out;
+  out.root = dir;
+  if (index.contains("_class_name") && index["_class_name"].is_string()) {
+    out.pipeline_class = index["_class_name"].get<std::string>();
+  }
+  const std::set<std::string> ignored = {"safety_checker", "feature_extractor", "image_encoder"};
+  const std::map<std::string, std::set<std::string>> supported = {
+      {"unet", {"UNet2DConditionModel"}},
+      {"vae", {"AutoencoderKL"}},
+      {"text_encoder", {"CLIPTextModel"}},
+      {"tokenizer", {"CLIPTokenizer", "CLIPTokenizerFast"}},
+  };
+  std::set<std::string> seen;
+  for (const auto& [name, value] : index.items()) {
+    if (name.empty() || name[0] == '_' || value.is_boolean()) continue;  // requires_safety_checker
+    const std::string cls = component_class(index_path, name, value);
+    if (ignored.count(name)) {
+      if (!cls.empty()) {
+        out.notes.push_back(name + " (" + cls +
+                            ") is not used by difftrain: images are not filtered");
+      }
+      continue;
+    }
+    if (name == "scheduler") {
+      out.scheduler_class = cls;
+      seen.insert(name);
+      continue;
+    }
+    auto it = supported.find(name);
+    if (it == supported.end()) {
+      throw Error(index_path.string() + ": component \"" + name + "\" (" + cls +
+                  ") is not supported; difftrain runs Stable Diffusion 1.x/2.x folders "
+                  "(unet, vae, text_encoder, tokenizer, scheduler)" +
+                  (name == "text_encoder_2" ? " — SDXL's second text encoder is not supported"
+                                            : ""));
+    }
+    if (cls.empty()) {
+      throw Error(index_path.string() + ": component \"" + name +
+                  "\" is null; a text-to-image pipeline needs it");
+    }
+    if (!it->second.count(cls)) {
+      std::string list;
+      for (const auto& s : it->second) list += (list.empty() ? "" : ", ") + s;
+      throw Error(index_path.string() + ": " + name + " class \"" + cls +
+                  "\" is not supported; supported: " + list);
+    }
+    seen.insert(name);
+  }
+  for (const char* need : {"unet", "vae", "text_encoder", "tokenizer", "scheduler"}) {
+    if (!seen.count(need)) {
+      throw Error(index_path.string() + ": no \"" + std::string(need) +
+                  "\" component; a Stable Diffusion folder lists unet, vae, text_encoder, "
+                  "tokenizer and scheduler");
+    }
+  }
+  out.unet_dir = require_dir(root, "unet", "UNet2DConditionModel");
+  out.vae_dir = require_dir(root, "vae", "AutoencoderKL");
+  out.text_encoder_dir = require_dir(root, "text_encoder", "CLIPTextModel");
+  out.tokenizer_dir = require_dir(root, "tokenizer", "CLIPTokenizer");
+  out.scheduler_config = (root / "scheduler" / "scheduler_config.json").string();
+  if (!fs::is_regular_file(out.scheduler_config)) {
+    throw Error(out.scheduler_config + ": no such file; the pipeline's scheduler/ needs it");
+  }
+  return out;
+}
+
+StableDiffusion load_stable_diffusion(const std::string& dir,
+                                      const StableDiffusionLoadOptions& options) {
+  StableDiffusion sd;
+  sd.folder = resolve_stable_diffusion_folder(dir);
+  for (const auto& note : sd.folder.notes) log::info("{}: {}", dir, note);
+
+  auto scheduler_config = SchedulerConfig::load(sd.folder.scheduler_config);
+  std::string kind = options.scheduler;
+  if (kind.empty()) {
+    if (scheduler_config.class_name == "DDIMScheduler") {
+      kind = "ddim";
+    } else if (scheduler_config.class_name == "DDPMScheduler") {
+      kind = "ddpm";
+    } else {
+      throw Error(sd.folder.scheduler_config + ": scheduler class \"" +
+                  scheduler_config.class_name +
+                  "\" is not supported; supported: DDIMScheduler, DDPMScheduler — pass "
+                  "--scheduler ddim (or ddpm) to sample with this folder's betas");
+    }
+  }
+  sd.scheduler = make_scheduler(scheduler_config, kind);
+
+  sd.tokenizer = models::ClipTokenizer::from_folder(sd.folder.tokenizer_dir);
+  sd.text_encoder = models::load_clip_text_model(sd.folder.text_encoder_dir, options.variant);
+  const int64_t positions = sd.text_encoder->config().max_position_embeddings;
+  if (sd.tokenizer.model_max_length() > positions) sd.tokenizer.set_model_max_length(positions);
+  sd.vae = models::load_autoencoder_kl(sd.folder.vae_dir, options.variant);
+  sd.unet = models::load_unet(sd.folder.unet_dir, options.variant);
+  if (!sd.unet->needs_encoder_hidden_states()) {
+    throw Error(sd.folder.unet_dir + ": the UNet has no cross-attention, so it cannot take text "
+                                     "embeddings; expected a UNet2DConditionModel");
+  }
+  const auto& ucfg = sd.unet->config();
+  if (ucfg.cross_attention_dim.empty() ||
+      ucfg.cross_attention_dim[0] != sd.text_encoder->config().hidden_size) {
+    throw Error(sd.folder.unet_dir + ": cross_attention_dim " +
+                (ucfg.cross_attention_dim.empty() ? std::string("null")
+                                                  : std::to_string(ucfg.cross_attention_dim[0])) +
+                " differs from the text encoder's hidden_size " +
+                std::to_string(sd.text_encoder->config().hidden_size) +
+                "; the folder mixes models");
+  }
+  if (ucfg.in_channels != sd.vae->config().latent_channels) {
+    throw Error(sd.folder.unet_dir + ": in_channels " + std::to_string(ucfg.in_channels) +
+                " differs from the VAE's latent_channels " +
+                std::to_string(sd.vae->config().latent_channels) + "; the folder mixes models");
+  }
+
+  if (!options.lora.empty()) {
+    io::LoraWeights lora = io::read_lora(options.lora);
+    auto u = models::merge_lora(*sd.unet, lora, options.lora_scale, "unet");
+    int64_t te_merged = 0;
+    if (lora.count("text_encoder") > 0) {
+      te_merged =
+          models::merge_lora(*sd.text_encoder, lora, options.lora_scale, "text_encoder")
+              .modules_merged;
+    }
+    log::info("LoRA {} ({} format): merged into {} UNet and {} text encoder modules, scale {}",
+              options.lora, io::to_string(lora.format), u.modules_merged, te_merged,
+              options.lora_scale);
+    const int64_t others = u.other_component_targets - te_merged;
+    if (others > 0) {
+      log::warn("LoRA {}: {} targets for other components (e.g. text_encoder_2) were not applied",
+                options.lora, others);
+    }
+  }
+  return sd;
+}
+
+torch::Tensor encode_prompts(const models::ClipTokenizer& tokenizer,
+                             models::ClipTextModelImpl& text_encoder,
+                             const std::vector<std::string>& prompts, int64_t clip_skip) {
+  const auto params = text_encoder.parameters();
+  const torch::Device device = params.empty() ? torch::Device(torch::kCPU) : params[0].device();
+  torch::NoGradGuard no_grad;
+  torch::Tensor ids = tokenizer.encode_batch(prompts).to(device);
+  return text_encoder.forward(ids, clip_skip).last_hidden_state;
+}
+
+TextToImageResult text_to_image(StableDiffusion& sd, const TextToImageOptions& o) {
+  if (o.prompts.empty()) throw Error("text-to-image needs at least one prompt (--prompt)");
+  if (o.num_images_per_prompt < 1) {
+    throw Error("--num_images_per_prompt must be >= 1, got " +
+                std::to_string(o.num_images_per_prompt));
+  }
+  if (o.num_inference_steps < 1) {
+    throw Error("--num_inference_steps must be >= 1, got " +
+                std::to_string(o.num_inference_steps));
+  }
+  const int64_t n = static_cast<int64_t>(o.prompts.size());
+  std::vector<std::string> negatives = o.negative_prompts;
+  if (negatives.empty()) negatives.assign(o.prompts.size(), "");
+  if (negatives.size() == 1 && n > 1) negatives.assign(o.prompts.size(), negatives[0]);
+  if (static_cast<int64_t>(negatives.size()) != n) {
+    throw Error("got " + std::to_string(negatives.size()) + " negative prompts for " +
+                std::to_string(n) + " prompts; give one, or one per prompt");
+  }
+  const auto& ucfg = sd.unet->config();
+  const int64_t factor = sd.vae->config().downsample_factor();
+  const int64_t default_side = (ucfg.sample_size.empty() ? 64 : ucfg.sample_size[0]) * factor;
+  const int64_t height = o.height > 0 ? o.height : default_side;
+  const int64_t width =
+      o.width > 0 ? o.width
+                  : (ucfg.sample_size.size() > 1 ? ucfg.sample_size[1] * factor : default_side);
+  if (height % factor != 0 || width % factor != 0) {
+    throw Error("--height " + std::to_string(height) + " and --width " + std::to_string(width) +
+                " must be multiples of " + std::to_string(factor) +
+                " (the VAE's downsampling factor)");
+  }
+  const int64_t k = o.num_images_per_prompt;
+  const bool guided = o.guidance_scale > 1.0;
+
+  const auto params = sd.unet->parameters();
+  const torch::Device device = params.empty() ? torch::Device(torch::kCPU) : params[0].device();
+  const auto dtype = params.empty() ? torch::kFloat32 : params[0].scalar_type();
+
+  sd.unet->eval();
+  sd.text_encoder->eval();
+  sd.vae->eval();
+  torch::NoGradGuard no_grad;
+
+  // encode_prompt: embeddings repeated K times per prompt (prompt-major), negatives first.
+  torch::Tensor cond = encode_prompts(sd.tokenizer, *sd.text_encoder, o.prompts, o.clip_skip)
+                           .repeat_interleave(k, 0);
+  torch::Tensor embeds = cond;
+  if (guided) {
+    torch::Tensor uncond = encode_prompts(sd.tokenizer, *sd.text_encoder, negatives, o.clip_skip)
+                               .repeat_interleave(k, 0);
+    embeds = torch::cat({uncond, cond});
+  }
+  embeds = embeds.to(device, dtype);
+
+  sd.scheduler->set_timesteps(o.num_inference_steps);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(o.seed);
+  const std::vector<int64_t> shape = {n * k, ucfg.in_channels, height / factor, width / factor};
+  torch::Tensor x;
+  if (o.latents.defined()) {
+    if (o.latents.sizes() != c10::IntArrayRef(shape)) {
+      throw Error("initial latents have shape " + c10::str(o.latents.sizes()) + ", expected " +
+                  c10::str(c10::IntArrayRef(shape)));
+    }
+    x = o.latents.to(device, dtype);
+  } else {
+    // randn_tensor with a CPU generator: drawn on the CPU in float32, then moved. DDPM/DDIM's
+    // init_noise_sigma is 1 and their scale_model_input is the identity.
+    x = at::randn(shape, gen, torch::kFloat32).to(device, dtype);
+  }
+  auto* ddim = dynamic_cast<DDIMScheduler*>(sd.scheduler.get());
+  const torch::Tensor timesteps = sd.scheduler->timesteps();
+  const int64_t steps = timesteps.size(0);
+  models::UNetConditioning uc;
+  uc.encoder_hidden_states = embeds;
+  for (int64_t i = 0; i < steps; ++i) {
+    const int64_t t = timesteps[i].item<int64_t>();
+    torch::Tensor eps;
+    if (guided) {
+      auto parts = sd.unet->forward(torch::cat({x, x}), timesteps[i], uc).chunk(2, 0);
+      eps = parts[0] + o.guidance_scale * (parts[1] - parts[0]);
+    } else {
+      eps = sd.unet->forward(x, timesteps[i], uc);
+    }
+    if (ddim) {
+      x = ddim->step(eps, t, x, o.eta, false, gen).prev_sample;
+    } else {
+      x = sd.scheduler->step(eps, t, x, gen).prev_sample;
+    }
+    if (o.on_step) o.on_step(i + 1, steps);
+  }
+  TextToImageResult out;
+  out.latents = x.to(torch::kCPU, torch::kFloat32);
+  out.prompt_embeds = embeds.to(torch::kCPU, torch::kFloat32);
+  const auto vae_params = sd.vae->parameters();
+  const auto vae_dtype = vae_params.empty() ? torch::kFloat32 : vae_params[0].scalar_type();
+  torch::Tensor decoded = sd.vae->decode(sd.vae->unscale_latents(x.to(vae_dtype)));
+  out.images = (decoded.to(torch::kCPU, torch::kFloat32) / 2 + 0.5)
+                   .clamp(0, 1)
+                   .permute({0, 2, 3, 1})
+                   .contiguous();
+  return out;
+}
+
+}  // namespace difftrain::diffusion

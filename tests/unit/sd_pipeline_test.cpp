@@ -1,0 +1,173 @@
+// Stable Diffusion folders and text-to-image sampling against the Diffusers 0.31 reference
+// (tests/golden/sd/tiny_sd: StableDiffusionPipeline, DDIM 10 steps, guidance 7.5, seed 42).
+
+#include "difftrain/diffusion/sd_pipeline.h"
+#include "difftrain/io/atomic_file.h"
+#include "difftrain/io/safetensors.h"
+#include "test_util.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+
+namespace difftrain {
+namespace {
+
+namespace fs = std::filesystem;
+using test::error_of;
+using test::max_abs;
+
+const std::string kSd = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/sd/tiny_sd";
+
+// A copy of the fixture folder whose model_index.json is `index` (the parts are symlinked).
+std::string folder_with_index(const std::string& stem, const nlohmann::json& index) {
+  const std::string dir = test::temp_dir(stem);
+  for (const char* part : {"unet", "vae", "text_encoder", "tokenizer", "scheduler"}) {
+    fs::create_directory_symlink(fs::path(kSd) / part, fs::path(dir) / part);
+  }
+  io::write_file_atomic(dir + "/model_index.json", index.dump(2));
+  return dir;
+}
+
+nlohmann::json fixture_index() {
+  return nlohmann::json::parse(io::read_file(kSd + "/model_index.json"));
+}
+
+TEST(SdPipeline, Txt2ImgMatchesDiffusers) {
+  auto ref = io::load_safetensors(kSd + "/txt2img_seed42.safetensors").tensors;
+  auto sd = diffusion::load_stable_diffusion(kSd);
+  EXPECT_EQ(sd.scheduler->class_name(), "DDIMScheduler");
+
+  // The initial latents come from a CPU generator seeded 42, as torch.randn in Python.
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(42);
+  auto drawn = at::randn({2, 4, 16, 16}, gen, torch::kFloat32);
+  EXPECT_EQ(max_abs(drawn, ref.at("latents_init")), 0.0);
+
+  diffusion::TextToImageOptions o;
+  o.prompts = {"a photo of a cat", "an astronaut riding a horse on mars, highly detailed"};
+  o.guidance_scale = 7.5;
+  o.num_inference_steps = 10;
+  o.seed = 42;
+  auto out = diffusion::text_to_image(sd, o);
+  EXPECT_TRUE(torch::equal(sd.scheduler->timesteps(), ref.at("timesteps")));
+  const double embeds = max_abs(out.prompt_embeds, ref.at("prompt_embeds"));
+  const double scale = ref.at("latents_final").abs().max().item<double>();
+  const double latents = max_abs(out.latents, ref.at("latents_final"));
+  const double images = max_abs(out.images, ref.at("images"));
+  std::cout << "prompt_embeds " << embeds << ", latents_final " << latents << " (|ref| max "
+            << scale << "), images " << images << "\n";
+  EXPECT_LE(embeds, 1e-4);
+  EXPECT_LE(latents, 1e-4 * scale);  // the README's bound: 1e-4 relative to max|ref|
+  EXPECT_LE(images, 1e-4);
+  EXPECT_EQ(out.images.sizes(), ref.at("images").sizes());
+}
+
+TEST(SdPipeline, ImagesPerPromptAreRepeatedPromptMajor) {
+  auto sd = diffusion::load_stable_diffusion(kSd);
+  diffusion::TextToImageOptions o;
+  o.prompts = {"a photo of a cat", "a dog"};
+  o.num_images_per_prompt = 2;
+  o.num_inference_steps = 2;
+  o.seed = 3;
+  auto out = diffusion::text_to_image(sd, o);
+  ASSERT_EQ(out.images.size(0), 4);
+  // Rows: negatives [4] then prompts [4]: cat, cat, dog, dog.
+  ASSERT_EQ(out.prompt_embeds.size(0), 8);
+  EXPECT_EQ(max_abs(out.prompt_embeds[4], out.prompt_embeds[5]), 0.0);
+  EXPECT_GT(max_abs(out.prompt_embeds[5], out.prompt_embeds[6]), 1e-3);
+  EXPECT_LE(max_abs(out.prompt_embeds[0], out.prompt_embeds[3]), 1e-5);  // "" negatives
+  // Without guidance no negative prompt is encoded.
+  o.guidance_scale = 1.0;
+  EXPECT_EQ(diffusion::text_to_image(sd, o).prompt_embeds.size(0), 4);
+}
+
+TEST(SdPipeline, NonSquareSizeAndErrors) {
+  auto sd = diffusion::load_stable_diffusion(kSd);
+  diffusion::TextToImageOptions o;
+  o.prompts = {"a cat"};
+  o.num_inference_steps = 1;
+  o.height = 32;
+  o.width = 48;
+  EXPECT_EQ(diffusion::text_to_image(sd, o).images.sizes(), (std::vector<int64_t>{1, 32, 48, 3}));
+  o.width = 33;
+  EXPECT_NE(error_of([&] { diffusion::text_to_image(sd, o); }).find("multiples of 2"),
+            std::string::npos);
+  o.width = 32;
+  o.negative_prompts = {"a", "b"};
+  EXPECT_NE(error_of([&] { diffusion::text_to_image(sd, o); }).find("negative prompts"),
+            std::string::npos);
+  o.negative_prompts = {};
+  o.prompts = {};
+  EXPECT_NE(error_of([&] { diffusion::text_to_image(sd, o); }).find("at least one prompt"),
+            std::string::npos);
+}
+
+TEST(SdPipeline, ClipSkipChangesEmbeddings) {
+  auto sd = diffusion::load_stable_diffusion(kSd);
+  auto last = diffusion::encode_prompts(sd.tokenizer, *sd.text_encoder, {"a photo of a cat"}, 0);
+  auto pen = diffusion::encode_prompts(sd.tokenizer, *sd.text_encoder, {"a photo of a cat"}, 1);
+  EXPECT_EQ(last.sizes(), pen.sizes());
+  EXPECT_GT(max_abs(last, pen), 1e-3);
+}
+
+TEST(SdPipeline, FolderChecks) {
+  EXPECT_TRUE(diffusion::is_stable_diffusion_folder(kSd));
+  EXPECT_FALSE(diffusion::is_stable_diffusion_folder(kSd + "/unet"));
+  EXPECT_NE(error_of([] { diffusion::resolve_stable_diffusion_folder("/no/such/sd"); })
+                .find("no such folder"),
+            std::string::npos);
+
+  auto index = fixture_index();
+  index["safety_checker"] = {"stable_diffusion", "StableDiffusionSafetyChecker"};
+  auto notes = diffusion::resolve_stable_diffusion_folder(folder_with_index("sd_safety", index));
+  ASSERT_EQ(notes.notes.size(), 1u);
+  EXPECT_NE(notes.notes[0].find("safety_checker"), std::string::npos);
+
+  index = fixture_index();
+  index["text_encoder_2"] = {"transformers", "CLIPTextModelWithProjection"};
+  EXPECT_NE(error_of([&] {
+              diffusion::resolve_stable_diffusion_folder(folder_with_index("sd_xl", index));
+            }).find("SDXL"),
+            std::string::npos);
+
+  index = fixture_index();
+  index["vae"] = {"diffusers", "AutoencoderTiny"};
+  const std::string msg = error_of([&] {
+    diffusion::resolve_stable_diffusion_folder(folder_with_index("sd_vae", index));
+  });
+  EXPECT_NE(msg.find("AutoencoderTiny"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("supported: AutoencoderKL"), std::string::npos) << msg;
+
+  index = fixture_index();
+  index.erase("vae");
+  EXPECT_NE(error_of([&] {
+              diffusion::resolve_stable_diffusion_folder(folder_with_index("sd_novae", index));
+            }).find("no \"vae\" component"),
+            std::string::npos);
+}
+
+TEST(SdPipeline, UnsupportedSchedulerNeedsOverride) {
+  // SD-1.5 ships PNDMScheduler: refused by name, usable with an explicit sampler.
+  const std::string dir = test::temp_dir("sd_pndm");
+  for (const char* part : {"unet", "vae", "text_encoder", "tokenizer"}) {
+    fs::create_directory_symlink(fs::path(kSd) / part, fs::path(dir) / part);
+  }
+  fs::create_directory(fs::path(dir) / "scheduler");
+  auto sc = nlohmann::json::parse(io::read_file(kSd + "/scheduler/scheduler_config.json"));
+  sc["_class_name"] = "PNDMScheduler";
+  io::write_file_atomic(dir + "/scheduler/scheduler_config.json", sc.dump(2));
+  auto index = fixture_index();
+  index["scheduler"] = {"diffusers", "PNDMScheduler"};
+  io::write_file_atomic(dir + "/model_index.json", index.dump(2));
+  const std::string msg = error_of([&] { diffusion::load_stable_diffusion(dir); });
+  EXPECT_NE(msg.find("PNDMScheduler"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("--scheduler ddim"), std::string::npos) << msg;
+  diffusion::StableDiffusionLoadOptions lo;
+  lo.scheduler = "ddim";
+  EXPECT_EQ(diffusion::load_stable_diffusion(dir, lo).scheduler->class_name(), "DDIMScheduler");
+}
+
+}  // namespace
+}  // namespace difftrain
