@@ -154,14 +154,21 @@ torch::Tensor MidBlockImpl::forward_impl(torch::Tensor x, const BlockInputs& in)
 
 UpBlockImpl::UpBlockImpl(const BlockOptions& o) {
   type_ = o.type;
+  takes_skips_ = o.type != "UpDecoderBlock2D";
   auto resnets = register_module("resnets", torch::nn::ModuleList());
   torch::nn::ModuleList attentions;
   const bool with_attention = is_attn(o.type) || is_cross_attn(o.type);
   if (with_attention) attentions = register_module("attentions", torch::nn::ModuleList());
   for (int64_t i = 0; i < o.num_layers; ++i) {
-    const int64_t skip = i == o.num_layers - 1 ? o.in_channels : o.out_channels;
-    const int64_t in = i == 0 ? o.prev_output_channel : o.out_channels;
-    resnets_.push_back(make_resnet(o, in + skip, o.out_channels));
+    int64_t in = 0;
+    if (takes_skips_) {
+      const int64_t skip = i == o.num_layers - 1 ? o.in_channels : o.out_channels;
+      in = (i == 0 ? o.prev_output_channel : o.out_channels) + skip;
+    } else {
+      // The VAE decoder's block: a plain chain of resnets from in_channels.
+      in = i == 0 ? o.in_channels : o.out_channels;
+    }
+    resnets_.push_back(make_resnet(o, in, o.out_channels));
     resnets->push_back(resnets_.back());
     if (with_attention) {
       attentions_.push_back(make_attention(o, o.out_channels, i, o.groups));
@@ -184,9 +191,11 @@ torch::Tensor UpBlockImpl::forward_impl(torch::Tensor x, std::vector<torch::Tens
                                         const BlockInputs& in,
                                         const std::vector<int64_t>& upsample_size) {
   for (size_t i = 0; i < resnets_.size(); ++i) {
-    TORCH_CHECK(!skips.empty(), "UpBlock: ran out of skip connections");
-    x = torch::cat({x, skips.back()}, 1);
-    skips.pop_back();
+    if (takes_skips_) {
+      TORCH_CHECK(!skips.empty(), "UpBlock: ran out of skip connections");
+      x = torch::cat({x, skips.back()}, 1);
+      skips.pop_back();
+    }
     x = run_resnet(resnets_[i], x, in);
     if (!attentions_.empty()) x = run_attention(attentions_[i], x, in);
   }

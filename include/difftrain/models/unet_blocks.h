@@ -1,7 +1,8 @@
 #pragma once
 // The UNets' down, middle and up blocks (Diffusers' unet_2d_blocks.py): DownBlock2D,
 // AttnDownBlock2D, CrossAttnDownBlock2D, UNetMidBlock2D, UNetMidBlock2DCrossAttn, UpBlock2D,
-// AttnUpBlock2D, CrossAttnUpBlock2D. One class per role; the type string picks the attention layer.
+// AttnUpBlock2D, CrossAttnUpBlock2D, and the VAE's DownEncoderBlock2D / UpDecoderBlock2D (no time
+// embedding: temb_channels 0). One class per role; the type string picks the attention layer.
 
 #include "difftrain/core/forward_hooks.h"
 #include "difftrain/models/attention.h"
@@ -51,7 +52,8 @@ struct BlockOptions {
 };
 
 /// A down block: num_layers x (resnet [+ attention]) then an optional downsampler. Submodules
-/// `resnets`, `attentions`, `downsamplers` as in Diffusers.
+/// `resnets`, `attentions`, `downsamplers` as in Diffusers. "DownEncoderBlock2D" (the VAE
+/// encoder's) is DownBlock2D with temb_channels 0 and the encoder's downsample_padding 0.
 class DownBlockImpl : public torch::nn::Module, public core::HookableModule {
  public:
   explicit DownBlockImpl(const BlockOptions& options);
@@ -72,7 +74,8 @@ class DownBlockImpl : public torch::nn::Module, public core::HookableModule {
 };
 TORCH_MODULE(DownBlock);
 
-/// A middle block: resnet, then num_layers x (attention, resnet).
+/// A middle block: resnet, then num_layers x (attention, resnet). With temb_channels 0 and
+/// attn_groups = groups it is the VAE's UNetMidBlock2D (resnets without time_emb_proj).
 class MidBlockImpl : public torch::nn::Module, public core::HookableModule {
  public:
   explicit MidBlockImpl(const BlockOptions& options);
@@ -90,13 +93,14 @@ class MidBlockImpl : public torch::nn::Module, public core::HookableModule {
 TORCH_MODULE(MidBlock);
 
 /// An up block: num_layers x (concat a skip, resnet [+ attention]) then an optional upsampler.
+/// "UpDecoderBlock2D" (the VAE decoder's) takes no skips: its resnets chain from in_channels.
 class UpBlockImpl : public torch::nn::Module, public core::HookableModule {
  public:
   /// The Diffusers block type, e.g. "CrossAttnUpBlock2D".
   std::string hook_class_name() const override { return type_; }
   explicit UpBlockImpl(const BlockOptions& options);
-  /// x: [B, C, H, W]; takes num_resnets() skips from the back of `skips` (popping them);
-  /// upsample_size: {H', W'} or empty (double). -> [B, C_out, H', W']
+  /// x: [B, C, H, W]; takes num_resnets() skips from the back of `skips` (popping them; none
+  /// for UpDecoderBlock2D); upsample_size: {H', W'} or empty (double). -> [B, C_out, H', W']
   torch::Tensor forward(torch::Tensor x, std::vector<torch::Tensor>& skips, const BlockInputs& in,
                         const std::vector<int64_t>& upsample_size);
   size_t num_resnets() const { return resnets_.size(); }
@@ -105,6 +109,7 @@ class UpBlockImpl : public torch::nn::Module, public core::HookableModule {
   torch::Tensor forward_impl(torch::Tensor x, std::vector<torch::Tensor>& skips,
                              const BlockInputs& in, const std::vector<int64_t>& upsample_size);
   std::string type_;
+  bool takes_skips_ = true;
   std::vector<ResnetBlock2D> resnets_;
   std::vector<std::shared_ptr<SpatialLayer>> attentions_;
   Upsample2D upsample_{nullptr};
