@@ -92,12 +92,12 @@ int run_text_to_image(const SampleArgs& a) {
                 std::to_string(sd.text_encoder->config().num_hidden_layers) + " layers");
   }
   const int64_t total = static_cast<int64_t>(o.prompts.size()) * o.num_images_per_prompt;
-  log::info("difftrain sample: {} ({}), scheduler {}, {} steps, guidance {}, {} prompt(s) x {} "
-            "image(s), seed {}{}",
-            a.model, sd.folder.pipeline_class, sd.scheduler->class_name(),
-            o.num_inference_steps, o.guidance_scale, o.prompts.size(), o.num_images_per_prompt,
-            a.seed, a.lora.empty() ? std::string() : fmt::format(", LoRA {} x{}", a.lora,
-                                                                 a.lora_scale));
+  log::info(
+      "difftrain sample: {} ({}), scheduler {}, {} steps, guidance {}, {} prompt(s) x {} "
+      "image(s), seed {}{}",
+      a.model, sd.folder.pipeline_class, sd.scheduler->class_name(), o.num_inference_steps,
+      o.guidance_scale, o.prompts.size(), o.num_images_per_prompt, a.seed,
+      a.lora.empty() ? std::string() : fmt::format(", LoRA {} x{}", a.lora, a.lora_scale));
   for (size_t i = 0; i < o.prompts.size(); ++i) {
     const auto enc = sd.tokenizer.encode(o.prompts[i]);
     if (enc.truncated) {
@@ -130,7 +130,8 @@ int run_text_to_image(const SampleArgs& a) {
   io::save_png(a.output, io::make_grid(u8, labels, a.columns));
   if (!a.save_tensors.empty()) {
     io::save_safetensors(a.save_tensors,
-                         {{"images", result.images}, {"latents", result.latents},
+                         {{"images", result.images},
+                          {"latents", result.latents},
                           {"prompt_embeds", result.prompt_embeds}},
                          {{"format", "np"}});
   }
@@ -190,8 +191,8 @@ CLI::App* add_sample_command(CLI::App& app) {
   cmd->add_option("--class_labels", g_args.class_labels,
                   "Comma-separated class ids for class-conditional models, one per image");
   g_guidance = cmd->add_option("--guidance_scale", g_args.guidance_scale,
-                  "Classifier-free guidance scale (> 1 guides against the null class)")
-      ->check(CLI::Range(0.0, 100.0));
+                               "Classifier-free guidance scale (> 1 guides against the null class)")
+                   ->check(CLI::Range(0.0, 100.0));
   cmd->add_option("--seed", g_args.seed, "Seed of the CPU generator (default 0)");
   cmd->add_option("--output", g_args.output, "PNG grid to write (default samples.png)");
   cmd->add_option("--save_tensors", g_args.save_tensors,
@@ -224,8 +225,9 @@ int run_sample() {
   a.guidance_given = app_guidance_given();
   if (diffusion::is_stable_diffusion_folder(a.model)) return run_text_to_image(a);
   if (!a.prompts.empty() || !a.prompt_file.empty()) {
-    throw Error(a.model + " is not a text-to-image pipeline (no text_encoder in model_index.json); "
-                          "--prompt needs a Stable Diffusion folder");
+    throw Error(a.model +
+                " is not a text-to-image pipeline (no text_encoder in model_index.json); "
+                "--prompt needs a Stable Diffusion folder");
   }
   auto folder = diffusion::resolve_pipeline_folder(a.model);
   auto scheduler_config = diffusion::SchedulerConfig::load(folder.scheduler_config);

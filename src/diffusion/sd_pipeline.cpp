@@ -44,8 +44,8 @@ std::string component_class(const fs::path& index_path, const std::string& name,
 std::string require_dir(const fs::path& root, const std::string& name, const std::string& cls) {
   const fs::path dir = root / name;
   if (!fs::is_directory(dir)) {
-    throw Error(dir.string() + ": no such folder, but model_index.json lists " + name + " (" +
-                cls + "); copy the whole pipeline folder");
+    throw Error(dir.string() + ": no such folder, but model_index.json lists " + name + " (" + cls +
+                "); copy the whole pipeline folder");
   }
   return dir.string();
 }
@@ -74,8 +74,9 @@ StableDiffusionFolder resolve_stable_diffusion_folder(const std::string& dir) {
   }
   const fs::path index_path = root / "model_index.json";
   if (!fs::is_regular_file(index_path)) {
-    throw Error(dir + ": no model_index.json; a Stable Diffusion folder is what Diffusers' "
-                      "StableDiffusionPipeline.save_pretrained writes");
+    throw Error(dir +
+                ": no model_index.json; a Stable Diffusion folder is what Diffusers' "
+                "StableDiffusionPipeline.save_pretrained writes");
   }
   const nlohmann::json index = read_model_index(index_path);
   StableDiffusionFolder out;
@@ -108,11 +109,11 @@ StableDiffusionFolder resolve_stable_diffusion_folder(const std::string& dir) {
     }
     auto it = supported.find(name);
     if (it == supported.end()) {
-      throw Error(index_path.string() + ": component \"" + name + "\" (" + cls +
-                  ") is not supported; difftrain runs Stable Diffusion 1.x/2.x folders "
-                  "(unet, vae, text_encoder, tokenizer, scheduler)" +
-                  (name == "text_encoder_2" ? " — SDXL's second text encoder is not supported"
-                                            : ""));
+      throw Error(
+          index_path.string() + ": component \"" + name + "\" (" + cls +
+          ") is not supported; difftrain runs Stable Diffusion 1.x/2.x folders "
+          "(unet, vae, text_encoder, tokenizer, scheduler)" +
+          (name == "text_encoder_2" ? " — SDXL's second text encoder is not supported" : ""));
     }
     if (cls.empty()) {
       throw Error(index_path.string() + ": component \"" + name +
@@ -173,8 +174,9 @@ StableDiffusion load_stable_diffusion(const std::string& dir,
   sd.vae = models::load_autoencoder_kl(sd.folder.vae_dir, options.variant);
   sd.unet = models::load_unet(sd.folder.unet_dir, options.variant);
   if (!sd.unet->needs_encoder_hidden_states()) {
-    throw Error(sd.folder.unet_dir + ": the UNet has no cross-attention, so it cannot take text "
-                                     "embeddings; expected a UNet2DConditionModel");
+    throw Error(sd.folder.unet_dir +
+                ": the UNet has no cross-attention, so it cannot take text "
+                "embeddings; expected a UNet2DConditionModel");
   }
   const auto& ucfg = sd.unet->config();
   if (ucfg.cross_attention_dim.empty() ||
@@ -197,9 +199,8 @@ StableDiffusion load_stable_diffusion(const std::string& dir,
     auto u = models::merge_lora(*sd.unet, lora, options.lora_scale, "unet");
     int64_t te_merged = 0;
     if (lora.count("text_encoder") > 0) {
-      te_merged =
-          models::merge_lora(*sd.text_encoder, lora, options.lora_scale, "text_encoder")
-              .modules_merged;
+      te_merged = models::merge_lora(*sd.text_encoder, lora, options.lora_scale, "text_encoder")
+                      .modules_merged;
     }
     log::info("LoRA {} ({} format): merged into {} UNet and {} text encoder modules, scale {}",
               options.lora, io::to_string(lora.format), u.modules_merged, te_merged,
@@ -230,8 +231,7 @@ TextToImageResult text_to_image(StableDiffusion& sd, const TextToImageOptions& o
                 std::to_string(o.num_images_per_prompt));
   }
   if (o.num_inference_steps < 1) {
-    throw Error("--num_inference_steps must be >= 1, got " +
-                std::to_string(o.num_inference_steps));
+    throw Error("--num_inference_steps must be >= 1, got " + std::to_string(o.num_inference_steps));
   }
   const int64_t n = static_cast<int64_t>(o.prompts.size());
   std::vector<std::string> negatives = o.negative_prompts;

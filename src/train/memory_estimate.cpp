@@ -258,6 +258,8 @@ std::vector<MemoryEstimate> estimate_memory(
     if (!options.lora_target_modules.empty()) lc.target_modules = options.lora_target_modules;
     lora = models::LoraLayers(*unet, lc);
     trainable = lora.get();
+    // As the trainer: under bf16 the frozen base is held in bf16, the adapters stay fp32.
+    if (options.mixed_precision == "bf16") unet->to(torch::kBFloat16);
   }
   // Plan first: a bad auto-wrap policy fails before the (slow) forward.
   std::vector<MemoryEstimate> out;

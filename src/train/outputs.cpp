@@ -39,7 +39,14 @@ const std::vector<std::string> kStructural = {"model_config_name_or_path",
                                               "ddpm_beta_schedule",
                                               "only_class",
                                               "max_train_samples",
-                                              "class_dropout_prob"};
+                                              "class_dropout_prob",
+                                              "caption_column",
+                                              "instance_prompt",
+                                              "with_prior_preservation",
+                                              "class_prompt",
+                                              "train_text_encoder",
+                                              "text_encoder_lora_target_modules",
+                                              "clip_skip"};
 // Options whose change breaks bit-exact continuation: a warning.
 const std::vector<std::string> kExactness = {"train_batch_size",
                                              "gradient_accumulation_steps",
@@ -154,10 +161,14 @@ void write_run_info(const TrainConfig& c, accel::Accelerator& acc, const TrainPa
   // base of a LoRA run, which is not prepared.
   const auto mem = acc.memory();
   int64_t frozen = mem.frozen_param_bytes;
-  if (c.lora) {
-    for (const auto& p : parts.unet->parameters())
-      frozen += p.requires_grad() ? 0 : p.numel() * static_cast<int64_t>(p.element_size());
-  }
+  auto frozen_bytes = [](const torch::nn::Module& m) {
+    int64_t n = 0;
+    for (const auto& p : m.parameters())
+      n += p.requires_grad() ? 0 : p.numel() * static_cast<int64_t>(p.element_size());
+    return n;
+  };
+  if (c.lora) frozen += frozen_bytes(*parts.unet);
+  if (parts.t2i) frozen += frozen_bytes(*parts.t2i->vae) + frozen_bytes(*parts.t2i->text_encoder);
   nlohmann::json info = {
       {"config", c.to_json()},
       {"rank", acc.process_index()},
@@ -182,10 +193,59 @@ void write_run_info(const TrainConfig& c, accel::Accelerator& acc, const TrainPa
       info.dump(2) + "\n");
 }
 
+namespace {
+
+// --validation_prompt rendered num_validation_images times (image i from seed + i), the images
+// split across ranks and gathered into one grid on the main rank.
+void run_text_to_image_validation(const TrainConfig& c, accel::Accelerator& acc, TrainParts& parts,
+                                  int64_t global_step, accel::Trackers* trackers) {
+  if (c.validation_prompt.empty()) {
+    acc.print("validation skipped: give --validation_prompt to render images during training");
+    return;
+  }
+  const int64_t K = c.num_validation_images;
+  std::vector<int64_t> all(K);
+  for (int64_t i = 0; i < K; ++i) all[i] = i;
+  const auto mine = acc.split_between_processes(all, /*apply_padding=*/true);
+  auto full = acc.summon_full_params();
+  if (parts.ema) parts.ema->store(*parts.trainable), parts.ema->copy_to(*parts.trainable);
+  torch::Tensor images;
+  {
+    auto autocast = acc.autocast();
+    images = render_validation(c, *parts.t2i, parts.unet, parts.noise_scheduler->config(), mine);
+  }
+  if (parts.ema) parts.ema->restore(*parts.trainable);
+  parts.trainable->train();
+  auto gathered = acc.gather(images.contiguous());
+  if (!acc.is_main_process()) return;
+  const int64_t per_rank = static_cast<int64_t>(mine.size());
+  std::vector<torch::Tensor> keep;
+  for (int r = 0; r < acc.num_processes(); ++r) {
+    const int64_t count = K / acc.num_processes() + (r < K % acc.num_processes() ? 1 : 0);
+    if (count > 0) keep.push_back(gathered.narrow(0, r * per_rank, count));
+  }
+  std::vector<std::string> labels;
+  for (int64_t i = 0; i < K; ++i) labels.push_back("seed " + std::to_string(c.seed + i));
+  auto grid = io::make_grid(io::to_uint8_images(torch::cat(keep).permute({0, 3, 1, 2})), labels, 0);
+  const fs::path dir = fs::path(c.output_dir) / "samples";
+  fs::create_directories(dir);
+  char name[64];
+  std::snprintf(name, sizeof name, "step-%06lld.png", static_cast<long long>(global_step));
+  io::save_png((dir / name).string(), grid);
+  if (trackers) trackers->log_image("validation", grid, global_step);
+  spdlog::info("validation samples (\"{}\"): {}", c.validation_prompt, (dir / name).string());
+}
+
+}  // namespace
+
 void run_validation(const TrainConfig& c, accel::Accelerator& acc, TrainParts& parts,
                     int64_t global_step, accel::Trackers* trackers) {
   const int64_t K = c.num_validation_images;
   if (K == 0) return;
+  if (parts.t2i) {
+    run_text_to_image_validation(c, acc, parts, global_step, trackers);
+    return;
+  }
   if (parts.unet->needs_encoder_hidden_states()) {
     acc.print("validation skipped: sampling a UNet2DConditionModel needs a text encoder");
     return;
@@ -248,11 +308,20 @@ void export_final(const TrainConfig& c, accel::Accelerator& acc, TrainParts& par
                           : c.lora_format == "peft" ? io::LoraFormat::kPeft
                                                     : io::LoraFormat::kDiffusers;
       const auto path = out / "pytorch_lora_weights.safetensors";
-      io::write_lora(path.string(), parts.lora->to_lora_weights("unet"), format,
+      io::LoraWeights weights = parts.lora->to_lora_weights("unet");
+      if (parts.t2i && parts.t2i->text_lora) {
+        auto te = parts.t2i->text_lora->to_lora_weights("text_encoder");
+        weights.components["text_encoder"] = te.components["text_encoder"];
+      }
+      io::write_lora(path.string(), weights, format,
                      {{"difftrain_rank", std::to_string(c.rank)},
                       {"difftrain_lora_alpha",
                        std::to_string(c.lora_alpha.value_or(static_cast<double>(c.rank)))}});
       spdlog::info("LoRA weights ({} format): {}", c.lora_format, path.string());
+    } else if (parts.t2i) {
+      models::save_unet(*parts.unet, (out / "unet").string());
+      export_text_to_image_pipeline(*parts.t2i, out.string());
+      spdlog::info("pipeline folder ({}): {}", parts.t2i->folder.pipeline_class, out.string());
     } else {
       models::save_unet(*parts.unet, (out / "unet").string());
       diffusion::SchedulerConfig sc = parts.noise_scheduler->config();

@@ -6,6 +6,7 @@
 #include "difftrain/data/sample_rng.h"
 #include "difftrain/diffusion/pipeline.h"
 #include "difftrain/diffusion/scheduler_config.h"
+#include "difftrain/diffusion/sd_pipeline.h"
 #include "difftrain/models/pretrained.h"
 #include "difftrain/models/unet_config.h"
 #include "difftrain/optim/adamw.h"
@@ -154,12 +155,8 @@ void build_model(const TrainConfig& c, TrainParts& parts) {
   if (c.gradient_checkpointing) parts.unet->set_gradient_checkpointing(true);
 }
 
-}  // namespace
-
-double TrainParts::current_lr() const { return lr_schedule->get_last_lr().at(0); }
-
-TrainParts build_parts(const TrainConfig& c, accel::Accelerator& acc) {
-  TrainParts parts;
+// The dataset and UNet of an unconditional or class-conditional run.
+void build_unet_parts(const TrainConfig& c, TrainParts& parts) {
   // Channels: MNIST-like data is grey; an image folder gives what the model takes (RGB unless a
   // pretrained or configured UNet says 1).
   parts.channels = c.dataset == "imagefolder" ? 3 : 1;
@@ -191,7 +188,34 @@ TrainParts build_parts(const TrainConfig& c, accel::Accelerator& acc) {
                    c.resolution);
     }
   }
+}
 
+}  // namespace
+
+double TrainParts::current_lr() const { return lr_schedule->get_last_lr().at(0); }
+
+// What a text-to-image LoRA run trains when the text encoder trains too: both adapter sets,
+// under "unet" and "text_encoder", prepared, optimised and checkpointed as one module.
+class TextToImageLoraImpl : public torch::nn::Module {
+ public:
+  TextToImageLoraImpl(models::LoraLayers unet, models::LoraLayers text_encoder) {
+    register_module("unet", std::move(unet));
+    register_module("text_encoder", std::move(text_encoder));
+  }
+};
+TORCH_MODULE(TextToImageLora);
+
+TrainParts build_parts(const TrainConfig& c, accel::Accelerator& acc) {
+  TrainParts parts;
+  const bool text_to_image = !c.pretrained_model_name_or_path.empty() &&
+                             diffusion::is_stable_diffusion_folder(c.pretrained_model_name_or_path);
+  if (text_to_image) {
+    parts.t2i = build_text_to_image(c, acc, parts.unet, parts.dataset, parts.set_epoch);
+    parts.channels = parts.unet->config().in_channels;
+    if (c.gradient_checkpointing) parts.unet->set_gradient_checkpointing(true);
+  } else {
+    build_unet_parts(c, parts);
+  }
   // Noise scheduler: the pretrained folder's when it has one, else from the flags.
   diffusion::SchedulerConfig sc;
   bool have_scheduler = false;
@@ -224,8 +248,21 @@ TrainParts build_parts(const TrainConfig& c, accel::Accelerator& acc) {
     lc.target_modules = c.lora_target_modules;
     parts.lora = models::LoraLayers(*parts.unet, lc);
     parts.trainable = parts.lora.ptr();
+    if (c.train_text_encoder) {
+      models::LoraConfig tc = lc;
+      tc.target_modules = c.text_encoder_lora_target_modules;
+      parts.t2i->text_lora = models::LoraLayers(*parts.t2i->text_encoder, tc);
+      parts.trainable = TextToImageLora(parts.lora, parts.t2i->text_lora).ptr();
+    }
   } else {
     parts.trainable = parts.unet.ptr();
+  }
+  // bf16 runs keep frozen weights (the LoRA base, the VAE, the text encoder) in bf16: half the
+  // memory, while what trains (adapters, their gradients and AdamW state) stays fp32.
+  if (acc.mixed_precision() == accel::MixedPrecision::kBf16 && parts.t2i) {
+    if (c.lora) parts.unet->to(torch::kBFloat16);
+    parts.t2i->vae->to(torch::kBFloat16);
+    parts.t2i->text_encoder->to(torch::kBFloat16);
   }
 
   data::DataLoaderOptions lo;
@@ -310,40 +347,29 @@ void print_run_header(const TrainConfig& c, accel::Accelerator& acc, const Train
                c.lora ? ", LoRA" : "");
 }
 
-torch::Tensor training_loss(const TrainConfig& c, TrainParts& parts, const data::Batch& batch,
-                            int64_t epoch, torch::Device device) {
-  const auto& x0 = batch.at("pixel_values");  // [B, C, H, W] in [-1, 1]
-  const auto index = batch.at("index").to(torch::kCPU);
-  const int64_t B = x0.size(0);
+namespace {
+
+// Diffusers' objective on x0 [B, C, H, W] with each sample's noise, timestep and input
+// perturbation drawn from its own stream `keys[i]`: the per-sample loss [B] (mean over C, H, W;
+// min-SNR weighted with --snr_gamma), float32.
+torch::Tensor denoising_losses(const TrainConfig& c, TrainParts& parts, const torch::Tensor& x0,
+                               const std::vector<int64_t>& keys, int64_t epoch,
+                               torch::Device device, const models::UNetConditioning& cond) {
   const int64_t T = parts.noise_scheduler->num_train_timesteps();
-  // Per-sample randomness keyed by (seed, epoch, dataset index): independent of the rank that
-  // holds the sample and of the batch it is in.
   std::vector<torch::Tensor> noises, timesteps, perturb;
-  std::vector<int64_t> labels;
-  const bool cond = parts.class_conditional && batch.count("class_labels");
-  auto label_cpu = cond ? batch.at("class_labels").to(torch::kCPU) : torch::Tensor();
   auto shape = x0.sizes().slice(1).vec();
-  for (int64_t i = 0; i < B; ++i) {
-    const int64_t idx = index[i].item<int64_t>();
-    auto gn = data::sample_generator(c.seed, epoch, idx, data::SampleStream::kNoise);
+  for (int64_t key : keys) {
+    auto gn = data::sample_generator(c.seed, epoch, key, data::SampleStream::kNoise);
     auto n = torch::randn(shape, gn, torch::kFloat32);
     if (c.noise_offset > 0) {
       n = n + c.noise_offset * torch::randn({shape[0], 1, 1}, gn, torch::kFloat32);
     }
     noises.push_back(n);
-    auto gt = data::sample_generator(c.seed, epoch, idx, data::SampleStream::kTimestep);
+    auto gt = data::sample_generator(c.seed, epoch, key, data::SampleStream::kTimestep);
     timesteps.push_back(torch::randint(0, T, {1}, gt, torch::kInt64));
     if (c.input_perturbation > 0) {
-      auto gp = data::sample_generator(c.seed, epoch, idx, data::SampleStream::kPerturbation);
+      auto gp = data::sample_generator(c.seed, epoch, key, data::SampleStream::kPerturbation);
       perturb.push_back(torch::randn(shape, gp, torch::kFloat32));
-    }
-    if (cond) {
-      int64_t label = label_cpu[i].item<int64_t>();
-      if (c.class_dropout_prob > 0 && parts.null_class >= 0) {
-        auto gd = data::sample_generator(c.seed, epoch, idx, data::SampleStream::kDropout);
-        if (torch::rand({1}, gd).item<double>() < c.class_dropout_prob) label = parts.null_class;
-      }
-      labels.push_back(label);
     }
   }
   auto noise = torch::stack(noises).to(device);
@@ -355,21 +381,76 @@ torch::Tensor training_loss(const TrainConfig& c, TrainParts& parts, const data:
       c.input_perturbation > 0 ? noise + c.input_perturbation * torch::stack(perturb).to(device)
                                : noise,
       t);
+  auto pred = parts.unet->forward(noisy, t, cond).to(torch::kFloat32);
+  auto target = parts.noise_scheduler->training_target(x0, noise, t).to(torch::kFloat32);
+  auto per_sample = (pred - target).pow(2).mean({1, 2, 3});
+  if (!c.snr_gamma) return per_sample;
+  auto weights = diffusion::min_snr_weights(parts.noise_scheduler->snr(t), *c.snr_gamma,
+                                            parts.noise_scheduler->config().prediction_type);
+  return per_sample * weights.to(per_sample.dtype());
+}
+
+// Text-to-image: latents and caption embeddings of the batch (plus the DreamBooth class half,
+// weighted by prior_loss_weight).
+torch::Tensor text_to_image_loss(const TrainConfig& c, TrainParts& parts, const data::Batch& batch,
+                                 int64_t epoch, torch::Device device) {
+  const auto index = batch.at("index").to(torch::kCPU);
+  std::vector<int64_t> keys(index.data_ptr<int64_t>(), index.data_ptr<int64_t>() + index.numel());
+  auto inst = encode_batch(c, *parts.t2i, batch, "", keys, epoch, device);
+  if (!parts.t2i->prior) {
+    models::UNetConditioning cond;
+    cond.encoder_hidden_states = inst.embeds;
+    return denoising_losses(c, parts, inst.latents, keys, epoch, device, cond).mean();
+  }
+  std::vector<int64_t> class_keys;
+  for (int64_t k : keys) class_keys.push_back(class_key(k));
+  auto cls = encode_batch(c, *parts.t2i, batch, "class_", class_keys, epoch, device);
+  std::vector<int64_t> all = keys;
+  all.insert(all.end(), class_keys.begin(), class_keys.end());
+  models::UNetConditioning cond;
+  cond.encoder_hidden_states = torch::cat({inst.embeds, cls.embeds});
+  auto losses =
+      denoising_losses(c, parts, torch::cat({inst.latents, cls.latents}), all, epoch, device, cond);
+  const int64_t B = static_cast<int64_t>(keys.size());
+  return losses.narrow(0, 0, B).mean() + c.prior_loss_weight * losses.narrow(0, B, B).mean();
+}
+
+}  // namespace
+
+torch::Tensor training_loss(const TrainConfig& c, TrainParts& parts, const data::Batch& batch,
+                            int64_t epoch, torch::Device device) {
+  if (parts.t2i) return text_to_image_loss(c, parts, batch, epoch, device);
+  const auto& x0 = batch.at("pixel_values");  // [B, C, H, W] in [-1, 1]
+  const auto index = batch.at("index").to(torch::kCPU);
+  const int64_t B = x0.size(0);
+  // Per-sample randomness keyed by (seed, epoch, dataset index): independent of the rank that
+  // holds the sample and of the batch it is in.
+  std::vector<int64_t> keys;
+  std::vector<int64_t> labels;
+  const bool cond = parts.class_conditional && batch.count("class_labels");
+  auto label_cpu = cond ? batch.at("class_labels").to(torch::kCPU) : torch::Tensor();
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t idx = index[i].item<int64_t>();
+    keys.push_back(idx);
+    if (cond) {
+      int64_t label = label_cpu[i].item<int64_t>();
+      if (c.class_dropout_prob > 0 && parts.null_class >= 0) {
+        auto gd = data::sample_generator(c.seed, epoch, idx, data::SampleStream::kDropout);
+        if (torch::rand({1}, gd).item<double>() < c.class_dropout_prob) label = parts.null_class;
+      }
+      labels.push_back(label);
+    }
+  }
   models::UNetConditioning conditioning;
   if (cond) conditioning.class_labels = torch::tensor(labels, torch::kInt64).to(device);
   if (parts.unet->needs_encoder_hidden_states()) {
-    // No text encoder yet: an all-zero context of one token (the unconditional case).
+    // A conditional UNet outside a text-to-image folder: an all-zero context of one token.
     const auto& cad = parts.unet->config().cross_attention_dim;
     conditioning.encoder_hidden_states =
         torch::zeros({B, 1, cad.empty() ? 1 : cad[0]}, x0.options());
   }
-  auto pred = parts.unet->forward(noisy, t, conditioning).to(torch::kFloat32);
-  auto target = parts.noise_scheduler->training_target(x0, noise, t).to(torch::kFloat32);
-  if (!c.snr_gamma) return torch::mse_loss(pred, target);
-  auto per_sample = (pred - target).pow(2).mean({1, 2, 3});
-  auto weights = diffusion::min_snr_weights(parts.noise_scheduler->snr(t), *c.snr_gamma,
-                                            parts.noise_scheduler->config().prediction_type);
-  return (per_sample * weights.to(per_sample.dtype())).mean();
+  auto losses = denoising_losses(c, parts, x0, keys, epoch, device, conditioning);
+  return losses.mean();
 }
 
 }  // namespace difftrain::train

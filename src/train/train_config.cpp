@@ -212,6 +212,20 @@ const std::vector<Option>& options() {
       DT_OPTION(lora_dropout),
       DT_OPTION(lora_target_modules),
       DT_OPTION(lora_format),
+      DT_OPTION(caption_column),
+      DT_OPTION(instance_prompt),
+      DT_OPTION(with_prior_preservation),
+      DT_OPTION(class_data_dir),
+      DT_OPTION(class_prompt),
+      DT_OPTION(prior_loss_weight),
+      DT_OPTION(num_class_images),
+      DT_OPTION(cache_latents),
+      DT_OPTION(cache_dir),
+      DT_OPTION(train_text_encoder),
+      DT_OPTION(text_encoder_lora_target_modules),
+      DT_OPTION(clip_skip),
+      DT_OPTION(validation_prompt),
+      DT_OPTION(validation_negative_prompt),
       DT_OPTION(sharding_strategy),
       DT_OPTION(fsdp_auto_wrap_policy),
       DT_OPTION(fsdp_transformer_layer_cls_to_wrap),
@@ -434,6 +448,20 @@ void TrainConfig::validate() const {
     require(!lora_alpha || *lora_alpha > 0, "--lora_alpha must be positive");
     require(lora_dropout >= 0 && lora_dropout < 1, "--lora_dropout must be in [0, 1)");
   }
+  require(clip_skip >= 1,
+          "--clip_skip counts as kohya does: 1 = the last layer, 2 = the one "
+          "before; got " +
+              std::to_string(clip_skip));
+  require(prior_loss_weight >= 0, "--prior_loss_weight must be >= 0");
+  require(num_class_images >= 1, "--num_class_images must be at least 1");
+  if (with_prior_preservation) {
+    require(!class_data_dir.empty() && !class_prompt.empty(),
+            "--with_prior_preservation needs --class_data_dir and --class_prompt");
+    require(!instance_prompt.empty(),
+            "--with_prior_preservation is DreamBooth training: give --instance_prompt too");
+  }
+  require(!train_text_encoder || lora,
+          "--train_text_encoder trains LoRA adapters on the text encoder: add --lora");
   require(dataset != "imagefolder" || !train_data_dir.empty(),
           "--dataset imagefolder needs --train_data_dir (a folder of images)");
 }

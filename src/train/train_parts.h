@@ -11,6 +11,7 @@
 #include "difftrain/optim/flat_optimizer.h"
 #include "difftrain/optim/lr_schedule.h"
 #include "difftrain/train/train_config.h"
+#include "text_to_image.h"
 
 #include <filesystem>
 #include <functional>
@@ -32,6 +33,8 @@ struct TrainParts {
   bool class_conditional = false;
   int64_t null_class = -1;  ///< label used for class dropout and guidance (-1: none)
   models::LoraLayers lora{nullptr};
+  /// Text-to-image runs (a Stable Diffusion folder): the frozen VAE, text encoder, tokenizer.
+  std::shared_ptr<TextToImageParts> t2i;
   /// What is trained, prepared and checkpointed: the UNet, or the LoRA adapters.
   std::shared_ptr<torch::nn::Module> trainable;
 

@@ -115,8 +115,9 @@ TEST(SdPipeline, ClipSkipChangesEmbeddings) {
 TEST(SdPipeline, FolderChecks) {
   EXPECT_TRUE(diffusion::is_stable_diffusion_folder(kSd));
   EXPECT_FALSE(diffusion::is_stable_diffusion_folder(kSd + "/unet"));
-  EXPECT_NE(error_of([] { diffusion::resolve_stable_diffusion_folder("/no/such/sd"); })
-                .find("no such folder"),
+  EXPECT_NE(error_of([] {
+              diffusion::resolve_stable_diffusion_folder("/no/such/sd");
+            }).find("no such folder"),
             std::string::npos);
 
   auto index = fixture_index();
@@ -134,9 +135,8 @@ TEST(SdPipeline, FolderChecks) {
 
   index = fixture_index();
   index["vae"] = {"diffusers", "AutoencoderTiny"};
-  const std::string msg = error_of([&] {
-    diffusion::resolve_stable_diffusion_folder(folder_with_index("sd_vae", index));
-  });
+  const std::string msg = error_of(
+      [&] { diffusion::resolve_stable_diffusion_folder(folder_with_index("sd_vae", index)); });
   EXPECT_NE(msg.find("AutoencoderTiny"), std::string::npos) << msg;
   EXPECT_NE(msg.find("supported: AutoencoderKL"), std::string::npos) << msg;
 
