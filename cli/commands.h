@@ -44,5 +44,8 @@ int run_merge_weights();
 /// `difftrain estimate-memory ...` (cli/estimate_memory.cpp).
 CLI::App* add_estimate_memory_command(CLI::App& app);
 int run_estimate_memory();
+/// `difftrain tokenize --model DIR (--prompt P | --prompt_file F)` (cli/tokenize.cpp).
+CLI::App* add_tokenize_command(CLI::App& app);
+int run_tokenize();
 
 }  // namespace difftrain::cli

@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
   auto* lora = difftrain::cli::add_lora_command(app);
   auto* merge_weights = difftrain::cli::add_merge_weights_command(app);
   auto* estimate_memory = difftrain::cli::add_estimate_memory_command(app);
+  auto* tokenize = difftrain::cli::add_tokenize_command(app);
   std::vector<std::string> args(argv, argv + argc);
   difftrain::cli::take_launch_program_after_dashes(args);
   difftrain::cli::take_train_args(args);
@@ -46,6 +47,7 @@ int main(int argc, char** argv) {
     if (lora->parsed()) return difftrain::cli::run_lora();
     if (merge_weights->parsed()) return difftrain::cli::run_merge_weights();
     if (estimate_memory->parsed()) return difftrain::cli::run_estimate_memory();
+    if (tokenize->parsed()) return difftrain::cli::run_tokenize();
   } catch (const difftrain::Error& e) {
     std::string message = e.what();
     const std::string own_prefix = "difftrain launch: ";  // the launcher names itself already

@@ -1,0 +1,144 @@
+// `difftrain tokenize`: the CLIP token ids of prompts, one JSON list per line, as a Stable
+// Diffusion pipeline's tokenizer gives them (Transformers' CLIPTokenizer with padding="max_length",
+// truncation=True). The work is models::ClipTokenizer; this file only parses and prints.
+
+#include "commands.h"
+#include "difftrain/core/error.h"
+#include "difftrain/models/clip_tokenizer.h"
+
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+namespace difftrain::cli {
+
+namespace {
+
+struct TokenizeArgs {
+  std::string model;
+  std::vector<std::string> prompts;
+  std::string prompt_file;
+  int64_t max_length = 0;
+  bool no_padding = false;
+} g_args;
+
+// DIR itself when it holds vocab.json, else DIR/tokenizer (a pipeline folder).
+std::string tokenizer_dir(const std::string& dir) {
+  namespace fs = std::filesystem;
+  if (!fs::is_directory(dir)) {
+    throw Error("--model '" + dir +
+                "' does not exist: give a Stable Diffusion pipeline folder (with tokenizer/) or a "
+                "tokenizer folder (with vocab.json)");
+  }
+  if (fs::exists(fs::path(dir) / "vocab.json")) return dir;
+  const auto sub = (fs::path(dir) / "tokenizer").string();
+  if (fs::is_directory(sub)) return sub;
+  throw Error("--model '" + dir +
+              "' has neither vocab.json nor a tokenizer/ folder: give a Stable Diffusion "
+              "pipeline folder or a CLIP tokenizer folder");
+}
+
+// One prompt per line; every line counts, empty ones too, but a final newline ends the last
+// line rather than starting an empty one.
+std::vector<std::string> read_prompt_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in || std::filesystem::is_directory(path)) {
+    throw Error("cannot read --prompt_file '" + path +
+                "': no such file or not readable; give a text file with one prompt per line");
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) throw Error("cannot read --prompt_file '" + path + "'");
+  std::string s = text.str();
+  std::vector<std::string> lines;
+  if (s.empty()) return lines;
+  if (s.back() == '\n') s.pop_back();
+  size_t pos = 0;
+  while (true) {
+    const size_t eol = s.find('\n', pos);
+    lines.push_back(s.substr(pos, eol == std::string::npos ? std::string::npos : eol - pos));
+    if (eol == std::string::npos) break;
+    pos = eol + 1;
+  }
+  return lines;
+}
+
+// The first ~40 characters of a prompt, JSON-quoted so that it stays on one line.
+std::string excerpt(const std::string& prompt) {
+  size_t cut = prompt.size(), chars = 0;
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    if ((static_cast<unsigned char>(prompt[i]) & 0xC0) == 0x80) continue;  // UTF-8 continuation
+    if (chars++ == 40) {
+      cut = i;
+      break;
+    }
+  }
+  const auto quoted = nlohmann::json(prompt.substr(0, cut))
+                          .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  return cut < prompt.size() ? quoted.substr(0, quoted.size() - 1) + "...\"" : quoted;
+}
+
+}  // namespace
+
+CLI::App* add_tokenize_command(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "tokenize",
+      "Print the CLIP token ids of prompts, one JSON list per line, as a Stable Diffusion "
+      "pipeline's tokenizer gives them (padded and truncated to model_max_length)");
+  cmd->add_option("--model", g_args.model,
+                  "Stable Diffusion pipeline folder (uses its tokenizer/) or a CLIP tokenizer "
+                  "folder (vocab.json, merges.txt, tokenizer_config.json)")
+      ->required();
+  cmd->add_option("--prompt", g_args.prompts, "A prompt; repeat the flag for several")
+      ->expected(1)
+      ->allow_extra_args(false)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  cmd->add_option("--prompt_file,--prompt-file", g_args.prompt_file,
+                  "Text file with one prompt per line (every line, empty ones too; a final "
+                  "newline does not add an empty prompt)");
+  cmd->add_option("--max_length,--max-length", g_args.max_length,
+                  "Pad and truncate to N instead of the tokenizer's model_max_length")
+      ->check(CLI::Range(int64_t{2}, int64_t{65536}));
+  cmd->add_flag("--no_padding,--no-padding", g_args.no_padding,
+                "Print [bos] + ids + [eos] without the padding (still truncated)");
+  return cmd;
+}
+
+int run_tokenize() {
+  const bool has_prompts = !g_args.prompts.empty();
+  if (has_prompts == !g_args.prompt_file.empty()) {
+    throw Error(
+        std::string(has_prompts ? "both --prompt and --prompt_file given" : "no prompt given") +
+        ": pass --prompt TEXT (repeatable) or --prompt_file FILE, not both");
+  }
+  const auto prompts = has_prompts ? g_args.prompts : read_prompt_file(g_args.prompt_file);
+  auto tokenizer = models::ClipTokenizer::from_folder(tokenizer_dir(g_args.model));
+  if (g_args.max_length > 0) tokenizer.set_model_max_length(g_args.max_length);
+  const int64_t kept = tokenizer.model_max_length() - 2;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const auto e = tokenizer.encode(prompts[i]);
+    if (e.truncated) {
+      // Diffusers logs the same: "The following part of your input was truncated ...".
+      std::cerr << "difftrain tokenize: warning: prompt " << i << " (" << excerpt(prompts[i])
+                << ") has " << e.num_tokens << " tokens; only the first " << kept
+                << " fit in model_max_length " << tokenizer.model_max_length()
+                << " with bos and eos, the last " << e.num_tokens - kept << " were dropped"
+                << std::endl;
+    }
+    const size_t length = g_args.no_padding ? static_cast<size_t>(std::min(e.num_tokens, kept) + 2)
+                                            : e.input_ids.size();
+    std::string line = "[";
+    for (size_t k = 0; k < length; ++k) {
+      if (k > 0) line += ", ";
+      line += std::to_string(e.input_ids[k]);
+    }
+    std::cout << line << "]\n";
+  }
+  std::cout << std::flush;
+  return 0;
+}
+
+}  // namespace difftrain::cli
