@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
@@ -243,6 +244,33 @@ TEST(SdCli, CachedLatentsTrainLikeUncached) {
                     "--output_dir", dir + "/bad"});
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.err.find("--center_crop"), std::string::npos) << bad.log();
+}
+
+// --mixed_precision bf16 holds the frozen UNet, VAE and text encoder in bf16 (half their bytes in
+// run_info) while the adapters train in fp32.
+TEST(SdCli, Bf16HoldsFrozenWeightsInBf16) {
+  const std::string dir = make_temp_dir("sd_bf16");
+  const std::string data = make_captioned_folder(dir + "/data");
+  const std::string out = dir + "/run";
+  auto r = train(sd_train_cmd(data, out, {"--max_train_steps", "6", "--mixed_precision", "bf16"}));
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  for (double l : losses(out)) EXPECT_TRUE(std::isfinite(l));
+  for (const auto& [key, t] : lora_file(out)) EXPECT_EQ(t.scalar_type(), torch::kFloat32) << key;
+  int64_t frozen = 0;
+  for (const char* f :
+       {"/unet/diffusion_pytorch_model.safetensors", "/vae/diffusion_pytorch_model.safetensors",
+        "/text_encoder/model.safetensors"}) {
+    for (const auto& [key, t] : io::load_safetensors(kSd + f).tensors) frozen += t.numel();
+  }
+  std::ifstream in(out + "/logs/run_info.rank0.json");
+  const auto info = nlohmann::json::parse(in);
+  EXPECT_EQ(info["state_bytes"]["frozen_param_bytes"].get<int64_t>(), 2 * frozen);
+  // fp32 training holds the same weights at 4 bytes each.
+  auto fp32 = train(sd_train_cmd(data, dir + "/fp32", {"--max_train_steps", "1"}));
+  ASSERT_EQ(fp32.exit_code, 0) << fp32.log();
+  std::ifstream in32(dir + "/fp32/logs/run_info.rank0.json");
+  EXPECT_EQ(nlohmann::json::parse(in32)["state_bytes"]["frozen_param_bytes"].get<int64_t>(),
+            4 * frozen);
 }
 
 }  // namespace
