@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -244,6 +245,45 @@ TEST(SdCli, CachedLatentsTrainLikeUncached) {
                     "--output_dir", dir + "/bad"});
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.err.find("--center_crop"), std::string::npos) << bad.log();
+}
+
+// Full fine-tuning of the SD UNet under FULL_SHARD equals NO_SHARD and exports a whole
+// StableDiffusionPipeline folder that `difftrain sample` loads.
+TEST(SdCli, FullFineTuningShardedExportsPipeline) {
+  const std::string dir = make_temp_dir("sd_full");
+  const std::string data = make_captioned_folder(dir + "/data");
+  auto cmd = [&](const std::string& out, const std::string& strategy) {
+    auto c = sd_train_cmd(data, out, {"--max_train_steps", "3", "--sharding_strategy", strategy});
+    c.erase(std::find(c.begin(), c.end(), "--lora"));
+    c.erase(std::find(c.begin(), c.end(), "--rank"), std::find(c.begin(), c.end(), "--rank") + 2);
+    return c;
+  };
+  auto plain = train(cmd(dir + "/plain", "NO_SHARD"), 2);
+  ASSERT_EQ(plain.exit_code, 0) << plain.log();
+  auto sharded = train(cmd(dir + "/sharded", "FULL_SHARD"), 2);
+  ASSERT_EQ(sharded.exit_code, 0) << sharded.log();
+  // As docs/SHARDING.md: how far the runs ended apart relative to how far training moved the
+  // weights. Summing the batch in another order changes gradients by ~1e-7 relative, and Adam
+  // can turn that into lr-sized steps on near-zero-gradient coordinates, so the max difference
+  // is not the measure; tolerance 5e-3 as the sharding tests (a wrong reduction gives ~1).
+  const auto a = unet_weights(dir + "/sharded"), b = unet_weights(dir + "/plain");
+  const auto start =
+      io::load_safetensors(kSd + "/unet/diffusion_pytorch_model.safetensors").tensors;
+  double apart = 0, moved = 0;
+  for (const auto& [key, t] : b) {
+    apart += (a.at(key).to(torch::kFloat64) - t.to(torch::kFloat64)).pow(2).sum().item<double>();
+    moved +=
+        (t.to(torch::kFloat64) - start.at(key).to(torch::kFloat64)).pow(2).sum().item<double>();
+  }
+  const double rel = std::sqrt(apart / moved);
+  std::cout << "FULL_SHARD vs NO_SHARD: relative " << rel << ", max abs " << max_abs_diff(a, b)
+            << "\n";
+  EXPECT_LE(rel, 5e-3);
+  for (const char* part : {"vae", "text_encoder", "tokenizer", "scheduler", "model_index.json"})
+    EXPECT_TRUE(fs::exists(dir + "/sharded/" + part)) << part;
+  auto s = run({kDifftrain, "sample", "--model", dir + "/sharded", "--prompt", "a red square",
+                "--num_inference_steps", "2", "--output", dir + "/s.png"});
+  EXPECT_EQ(s.exit_code, 0) << s.log();
 }
 
 // --mixed_precision bf16 holds the frozen UNet, VAE and text encoder in bf16 (half their bytes in
