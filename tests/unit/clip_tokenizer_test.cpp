@@ -365,10 +365,14 @@ TEST(ClipTokenizer, MalformedMergesLineIsAnErrorNamingTheLine) {
     expect_error(error_of([&] { ClipTokenizer::from_folder(dir); }), parts);
     fs::remove_all(dir);
   }
-  // HF's limit: only the first 48894 merges are read, so a bad line after them is never seen.
+  // HF's limit: only the first 48894 merges are read (file lines 2..48895), so a bad line after
+  // them is never seen, and the last one read is.
   std::string many = "#version: 0.2\n";
-  for (int i = 0; i < 48894; ++i) many += "a b\n";
-  const auto dir = tiny_folder("clip_tok_merges", kTinyVocab, many + "a b c\n");
+  for (int i = 0; i < 48893; ++i) many += "a b\n";
+  auto dir = tiny_folder("clip_tok_merges", kTinyVocab, many + "a b c\n");
+  expect_error(error_of([&] { ClipTokenizer::from_folder(dir); }), {"merges.txt:48895:"});
+  fs::remove_all(dir);
+  dir = tiny_folder("clip_tok_merges", kTinyVocab, many + "a b\na b c\n");
   EXPECT_NO_THROW(ClipTokenizer::from_folder(dir));
   fs::remove_all(dir);
 }
