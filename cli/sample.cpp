@@ -43,6 +43,19 @@ struct SampleArgs {
   bool guidance_given = false;
 } g_args;
 
+// A denoising-step callback that logs step, it/s and ETA every two seconds (and at the end).
+std::function<void(int64_t, int64_t)> progress_logger(std::chrono::steady_clock::time_point start) {
+  auto last = std::make_shared<std::chrono::steady_clock::time_point>(start);
+  return [start, last](int64_t i, int64_t n) {
+    auto now = std::chrono::steady_clock::now();
+    if (i != n && now - *last < std::chrono::seconds(2)) return;
+    *last = now;
+    const double elapsed = std::chrono::duration<double>(now - start).count();
+    const double rate = i / std::max(elapsed, 1e-9);
+    log::info("step {}/{}  {:.2f} it/s  ETA {:.0f}s", i, n, rate, (n - i) / rate);
+  };
+}
+
 // Prompts from --prompt (repeatable) or --prompt_file (one per line; a last empty line is not a
 // prompt).
 std::vector<std::string> read_prompts(const SampleArgs& a) {
@@ -106,15 +119,7 @@ int run_text_to_image(const SampleArgs& a) {
     }
   }
   const auto start = std::chrono::steady_clock::now();
-  auto last = start;
-  o.on_step = [&](int64_t i, int64_t n) {
-    auto now = std::chrono::steady_clock::now();
-    if (i != n && now - last < std::chrono::seconds(2)) return;
-    last = now;
-    const double elapsed = std::chrono::duration<double>(now - start).count();
-    const double rate = i / std::max(elapsed, 1e-9);
-    log::info("step {}/{}  {:.2f} it/s  ETA {:.0f}s", i, n, rate, (n - i) / rate);
-  };
+  o.on_step = progress_logger(start);
   auto result = diffusion::text_to_image(sd, o);
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -256,15 +261,7 @@ int run_sample() {
             a.lora.empty() ? std::string() : fmt::format(", LoRA {} x{}", a.lora, a.lora_scale));
 
   const auto start = std::chrono::steady_clock::now();
-  auto last = start;
-  o.on_step = [&](int64_t i, int64_t n) {
-    auto now = std::chrono::steady_clock::now();
-    if (i != n && now - last < std::chrono::seconds(2)) return;
-    last = now;
-    const double elapsed = std::chrono::duration<double>(now - start).count();
-    const double rate = i / std::max(elapsed, 1e-9);
-    log::info("step {}/{}  {:.2f} it/s  ETA {:.0f}s", i, n, rate, (n - i) / rate);
-  };
+  o.on_step = progress_logger(start);
   torch::Tensor images = diffusion::sample_images(*unet, *scheduler, o);
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

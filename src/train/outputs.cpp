@@ -195,6 +195,28 @@ void write_run_info(const TrainConfig& c, accel::Accelerator& acc, const TrainPa
 
 namespace {
 
+// Rank 0 keeps each rank's real images of `gathered` (every rank's block padded to `per_rank`)
+// in order and writes them as samples/step-<step>.png and a TensorBoard image. Returns the path.
+std::string write_validation_grid(const TrainConfig& c, accel::Accelerator& acc,
+                                  const torch::Tensor& gathered, int64_t per_rank, int64_t K,
+                                  const std::vector<std::string>& labels, int64_t columns,
+                                  int64_t global_step, accel::Trackers* trackers) {
+  std::vector<torch::Tensor> keep;
+  for (int r = 0; r < acc.num_processes(); ++r) {
+    const int64_t count = K / acc.num_processes() + (r < K % acc.num_processes() ? 1 : 0);
+    if (count > 0) keep.push_back(gathered.narrow(0, r * per_rank, count));
+  }
+  auto grid =
+      io::make_grid(io::to_uint8_images(torch::cat(keep).permute({0, 3, 1, 2})), labels, columns);
+  const fs::path dir = fs::path(c.output_dir) / "samples";
+  fs::create_directories(dir);
+  char name[64];
+  std::snprintf(name, sizeof name, "step-%06lld.png", static_cast<long long>(global_step));
+  io::save_png((dir / name).string(), grid);
+  if (trackers) trackers->log_image("validation", grid, global_step);
+  return (dir / name).string();
+}
+
 // --validation_prompt rendered num_validation_images times (image i from seed + i), the images
 // split across ranks and gathered into one grid on the main rank.
 void run_text_to_image_validation(const TrainConfig& c, accel::Accelerator& acc, TrainParts& parts,
@@ -218,22 +240,11 @@ void run_text_to_image_validation(const TrainConfig& c, accel::Accelerator& acc,
   parts.trainable->train();
   auto gathered = acc.gather(images.contiguous());
   if (!acc.is_main_process()) return;
-  const int64_t per_rank = static_cast<int64_t>(mine.size());
-  std::vector<torch::Tensor> keep;
-  for (int r = 0; r < acc.num_processes(); ++r) {
-    const int64_t count = K / acc.num_processes() + (r < K % acc.num_processes() ? 1 : 0);
-    if (count > 0) keep.push_back(gathered.narrow(0, r * per_rank, count));
-  }
   std::vector<std::string> labels;
   for (int64_t i = 0; i < K; ++i) labels.push_back("seed " + std::to_string(c.seed + i));
-  auto grid = io::make_grid(io::to_uint8_images(torch::cat(keep).permute({0, 3, 1, 2})), labels, 0);
-  const fs::path dir = fs::path(c.output_dir) / "samples";
-  fs::create_directories(dir);
-  char name[64];
-  std::snprintf(name, sizeof name, "step-%06lld.png", static_cast<long long>(global_step));
-  io::save_png((dir / name).string(), grid);
-  if (trackers) trackers->log_image("validation", grid, global_step);
-  spdlog::info("validation samples (\"{}\"): {}", c.validation_prompt, (dir / name).string());
+  const std::string path = write_validation_grid(
+      c, acc, gathered, static_cast<int64_t>(mine.size()), K, labels, 0, global_step, trackers);
+  spdlog::info("validation samples (\"{}\"): {}", c.validation_prompt, path);
 }
 
 }  // namespace
@@ -281,21 +292,10 @@ void run_validation(const TrainConfig& c, accel::Accelerator& acc, TrainParts& p
   auto gathered = acc.gather(images.contiguous());
   if (!acc.is_main_process()) return;
   // Each rank's block is its range padded to the same length; keep the real images in order.
-  const int64_t per_rank = static_cast<int64_t>(mine.size());
-  std::vector<torch::Tensor> keep;
-  for (int r = 0; r < acc.num_processes(); ++r) {
-    const int64_t count = K / acc.num_processes() + (r < K % acc.num_processes() ? 1 : 0);
-    if (count > 0) keep.push_back(gathered.narrow(0, r * per_rank, count));
-  }
-  auto grid = io::make_grid(io::to_uint8_images(torch::cat(keep).permute({0, 3, 1, 2})), labels,
-                            parts.class_conditional ? std::max<int64_t>(parts.num_classes, 1) : 0);
-  const fs::path dir = fs::path(c.output_dir) / "samples";
-  fs::create_directories(dir);
-  char name[64];
-  std::snprintf(name, sizeof name, "step-%06lld.png", static_cast<long long>(global_step));
-  io::save_png((dir / name).string(), grid);
-  if (trackers) trackers->log_image("validation", grid, global_step);
-  spdlog::info("validation samples: {}", (dir / name).string());
+  const std::string path = write_validation_grid(
+      c, acc, gathered, static_cast<int64_t>(mine.size()), K, labels,
+      parts.class_conditional ? std::max<int64_t>(parts.num_classes, 1) : 0, global_step, trackers);
+  spdlog::info("validation samples: {}", path);
 }
 
 void export_final(const TrainConfig& c, accel::Accelerator& acc, TrainParts& parts) {

@@ -62,14 +62,8 @@ nlohmann::json read_json_file(const std::string& path) {
 
 void build_dataset(const TrainConfig& c, TrainParts& parts) {
   if (c.dataset == "imagefolder") {
-    data::ImageFolderOptions o;
-    o.dir = c.train_data_dir;
-    o.resolution = c.resolution;
-    o.center_crop = c.center_crop;
-    o.random_flip = c.random_flip;
-    o.skip_bad_images = c.skip_bad_images;
-    o.seed = c.seed;
-    o.channels = static_cast<int>(parts.channels);
+    data::ImageFolderOptions o =
+        image_folder_options(c, c.train_data_dir, static_cast<int>(parts.channels));
     auto ds = std::make_shared<data::ImageFolderDataset>(o);
     if (ds->skipped() > 0) {
       spdlog::warn("skipped {} unreadable image(s) in {} (--skip_bad_images), e.g. {}",
@@ -191,6 +185,20 @@ void build_unet_parts(const TrainConfig& c, TrainParts& parts) {
 }
 
 }  // namespace
+
+data::ImageFolderOptions image_folder_options(const TrainConfig& c, const std::string& dir,
+                                              int channels) {
+  data::ImageFolderOptions o;
+  o.dir = dir;
+  o.resolution = c.resolution;
+  o.center_crop = c.center_crop;
+  o.random_flip = c.random_flip;
+  o.skip_bad_images = c.skip_bad_images;
+  o.seed = c.seed;
+  o.caption_column = c.caption_column;
+  o.channels = channels;
+  return o;
+}
 
 double TrainParts::current_lr() const { return lr_schedule->get_last_lr().at(0); }
 

@@ -2,6 +2,8 @@
 // embedding cache, validation renders and the final pipeline folder.
 #include "text_to_image.h"
 
+#include "train_parts.h"
+
 #include "difftrain/core/error.h"
 #include "difftrain/data/image_folder.h"
 #include "difftrain/data/sample_rng.h"
@@ -123,19 +125,6 @@ class TextImageDataset : public data::Dataset {
   std::optional<Half> class_;
   models::ClipTokenizer tokenizer_;
 };
-
-data::ImageFolderOptions folder_options(const TrainConfig& c, const std::string& dir) {
-  data::ImageFolderOptions o;
-  o.dir = dir;
-  o.resolution = c.resolution;
-  o.center_crop = c.center_crop;
-  o.random_flip = c.random_flip;
-  o.skip_bad_images = c.skip_bad_images;
-  o.seed = c.seed;
-  o.caption_column = c.caption_column;
-  o.channels = 3;
-  return o;
-}
 
 int64_t count_images(const fs::path& dir) {
   int64_t n = 0;
@@ -324,7 +313,8 @@ std::shared_ptr<TextToImageParts> build_text_to_image(const TrainConfig& c, acce
   }
 
   TextImageDataset::Half inst;
-  inst.images = std::make_shared<data::ImageFolderDataset>(folder_options(c, c.train_data_dir));
+  inst.images =
+      std::make_shared<data::ImageFolderDataset>(image_folder_options(c, c.train_data_dir, 3));
   if (inst.images->skipped() > 0) {
     acc.print("warning: skipped {} unreadable image(s) in {} (--skip_bad_images)",
               inst.images->skipped(), c.train_data_dir);
@@ -351,7 +341,8 @@ std::shared_ptr<TextToImageParts> build_text_to_image(const TrainConfig& c, acce
     t2i->prior = true;
     generate_class_images(c, acc, *t2i, unet);
     TextImageDataset::Half h;
-    h.images = std::make_shared<data::ImageFolderDataset>(folder_options(c, c.class_data_dir));
+    h.images =
+        std::make_shared<data::ImageFolderDataset>(image_folder_options(c, c.class_data_dir, 3));
     h.captions.assign(static_cast<size_t>(h.images->size()), c.class_prompt);
     cls = std::move(h);
   }

@@ -4,6 +4,7 @@
 #include "difftrain/accel/accelerator.h"
 #include "difftrain/accel/trackers.h"
 #include "difftrain/data/data_loader.h"
+#include "difftrain/data/image_folder.h"
 #include "difftrain/diffusion/ema.h"
 #include "difftrain/diffusion/noise_scheduler.h"
 #include "difftrain/models/lora_training.h"
@@ -53,6 +54,9 @@ struct TrainParts {
 };
 
 TrainParts build_parts(const TrainConfig& config, accel::Accelerator& acc);
+/// The image-folder options of the run (resolution, crops, flips, seed, captions) for `dir`.
+data::ImageFolderOptions image_folder_options(const TrainConfig& config, const std::string& dir,
+                                              int channels);
 void print_run_header(const TrainConfig& config, accel::Accelerator& acc, const TrainParts& parts);
 
 /// The loss of one micro-batch: Diffusers' objective with per-sample randomness.
