@@ -287,7 +287,12 @@ void run_validation(const TrainConfig& c, accel::Accelerator& acc, TrainParts& p
                            : std::to_string(label));
     }
   }
-  torch::Tensor images = diffusion::sample_images(*parts.unet, *sampler, so);  // [k, H, W, C]
+  torch::Tensor images;  // [k, H, W, C]
+  {
+    // Under bf16 the frozen LoRA base is bf16 and the adapters fp32: autocast joins them.
+    auto autocast = acc.autocast();
+    images = diffusion::sample_images(*parts.unet, *sampler, so);
+  }
   if (parts.ema) parts.ema->restore(*parts.trainable);
   auto gathered = acc.gather(images.contiguous());
   if (!acc.is_main_process()) return;

@@ -267,10 +267,12 @@ TrainParts build_parts(const TrainConfig& c, accel::Accelerator& acc) {
   }
   // bf16 runs keep frozen weights (the LoRA base, the VAE, the text encoder) in bf16: half the
   // memory, while what trains (adapters, their gradients and AdamW state) stays fp32.
-  if (acc.mixed_precision() == accel::MixedPrecision::kBf16 && parts.t2i) {
+  if (acc.mixed_precision() == accel::MixedPrecision::kBf16) {
     if (c.lora) parts.unet->to(torch::kBFloat16);
-    parts.t2i->vae->to(torch::kBFloat16);
-    parts.t2i->text_encoder->to(torch::kBFloat16);
+    if (parts.t2i) {
+      parts.t2i->vae->to(torch::kBFloat16);
+      parts.t2i->text_encoder->to(torch::kBFloat16);
+    }
   }
 
   data::DataLoaderOptions lo;

@@ -83,6 +83,17 @@ TEST(EstimateMemoryCommand, JsonGivesEveryStrategyOfTheTinyUNet) {
   EXPECT_GT(j.at("trainable_params").get<int64_t>(), 0);
   EXPECT_LT(j.at("trainable_params").get<int64_t>(), P / 10);
   EXPECT_EQ(j.at("comparison").size(), 1u);
+  const int64_t frozen_fp32 = j.at("frozen_param_bytes").get<int64_t>();
+  EXPECT_EQ(frozen_fp32, 4 * P);
+
+  // Under bf16 the trainer holds the frozen base in bf16 (2 bytes), the adapters stay fp32.
+  r = run({kDifftrain, "estimate-memory", "--model", kUNet + "/config.json", "--lora", "--rank",
+           "2", "--mixed_precision", "bf16", "--json"},
+          {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j.at("frozen_param_bytes").get<int64_t>(), 2 * P);
+  EXPECT_EQ(j.at("param_bytes").get<int64_t>(), 4 * j.at("trainable_params").get<int64_t>());
 }
 
 TEST(EstimateMemoryCommand, TableNamesEveryQuantity) {
