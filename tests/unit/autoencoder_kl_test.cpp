@@ -22,22 +22,14 @@ using difftrain::models::AutoencoderKL;
 using difftrain::models::AutoencoderKLConfig;
 using difftrain::test::error_of;
 using difftrain::test::max_abs;
+using difftrain::test::read_json;
 using difftrain::test::temp_dir;
+using difftrain::test::write_text;
 using nlohmann::json;
 namespace fs = std::filesystem;
 
 const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/sd/tiny_sd/";
 const std::string kVae = kGolden + "vae";
-
-json read_json(const std::string& path) {
-  std::ifstream in(path);
-  return json::parse(in);
-}
-
-void write_text(const std::string& path, const std::string& text) {
-  std::ofstream out(path);
-  out << text;
-}
 
 std::vector<std::string> keys_of(const difftrain::io::TensorMap& m) {
   std::vector<std::string> out;

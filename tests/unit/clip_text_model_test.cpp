@@ -24,22 +24,14 @@ using difftrain::models::ClipTextConfig;
 using difftrain::models::ClipTextModel;
 using difftrain::test::error_of;
 using difftrain::test::max_abs;
+using difftrain::test::read_json;
 using difftrain::test::temp_dir;
+using difftrain::test::write_text;
 using nlohmann::json;
 namespace fs = std::filesystem;
 
 const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/sd/tiny_sd/";
 const std::string kTextEncoder = kGolden + "text_encoder";
-
-json read_json(const std::string& path) {
-  std::ifstream in(path);
-  return json::parse(in);
-}
-
-void write_text(const std::string& path, const std::string& text) {
-  std::ofstream out(path);
-  out << text;
-}
 
 torch::Tensor act_reference(const std::string& name, const torch::Tensor& x) {
   if (name == "quick_gelu") return x * torch::sigmoid(1.702 * x);

@@ -5,10 +5,12 @@
 
 #include <gtest/gtest.h>
 #include <torch/types.h>
+#include <nlohmann/json.hpp>
 
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <string>
 
 namespace difftrain::test {
@@ -37,6 +39,18 @@ std::string error_of(F&& f) {
   }
   ADD_FAILURE() << "expected a difftrain::Error";
   return "";
+}
+
+/// Writes `text` to `path` (replacing it).
+inline void write_text(const std::string& path, const std::string& text) {
+  std::ofstream out(path);
+  out << text;
+}
+
+/// Parses the JSON file at `path`.
+inline nlohmann::json read_json(const std::string& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in);
 }
 
 }  // namespace difftrain::test
