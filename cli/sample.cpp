@@ -173,11 +173,13 @@ bool app_guidance_given() { return g_guidance != nullptr && g_guidance->count() 
 CLI::App* add_sample_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "sample",
-      "Generate images with a trained UNet (Diffusers DDPMPipeline/DDIMPipeline semantics: the "
-      "same seed gives the same images) and write a labelled PNG grid");
+      "Generate images: text-to-image from a Stable Diffusion folder (--prompt), or a DDPM/DDIM "
+      "UNet pipeline (Diffusers semantics: the same seed gives the same images); writes a "
+      "labelled PNG grid");
   cmd->add_option("--model", g_args.model,
-                  "Pipeline folder (model_index.json + unet/ + scheduler/) or a UNet folder with "
-                  "scheduler_config.json beside config.json")
+                  "Pipeline folder (model_index.json + unet/ + scheduler/, with vae/ text_encoder/ "
+                  "tokenizer/ for Stable Diffusion) or a UNet folder with scheduler_config.json "
+                  "beside config.json")
       ->required();
   cmd->add_option("--lora", g_args.lora,
                   "LoRA weights to merge first (.safetensors: Diffusers, PEFT or kohya keys)");
