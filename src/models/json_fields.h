@@ -1,6 +1,6 @@
 #pragma once
 // Internal to src/models: typed reads of a config.json object with one-line difftrain::Error
-// messages that name the file and the field (used by the CLIP text encoder and VAE configs).
+// messages that name the file and the field (the UNet, CLIP text encoder and VAE configs).
 
 #include "difftrain/core/error.h"
 #include "difftrain/io/atomic_file.h"
@@ -36,9 +36,35 @@ class JsonFields {
   }
   bool has(const std::string& key) const { return j_.contains(key) && !j_.at(key).is_null(); }
 
+  const nlohmann::json& at(const std::string& key) const { return j_.at(key); }
+
   int64_t integer(const std::string& key, int64_t fallback) const {
     if (!has(key)) return fallback;
     return as_int(key, j_.at(key));
+  }
+  /// Absent: fallback; null: nullopt.
+  std::optional<int64_t> opt_integer(const std::string& key,
+                                     std::optional<int64_t> fallback) const {
+    if (!j_.contains(key)) return fallback;
+    if (j_.at(key).is_null()) return std::nullopt;
+    return as_int(key, j_.at(key));
+  }
+  std::optional<std::string> opt_string(const std::string& key) const {
+    if (!has(key)) return std::nullopt;
+    return string(key, "");
+  }
+  /// An int or a list of n ints (Diffusers' "Union[int, Tuple[int]]").
+  std::vector<int64_t> per_block(const std::string& key, int64_t fallback, size_t n) const {
+    if (!has(key)) return std::vector<int64_t>(n, fallback);
+    const nlohmann::json& v = j_.at(key);
+    if (v.is_number()) return std::vector<int64_t>(n, as_int(key, v));
+    if (!v.is_array() || v.size() != n) {
+      fail(key, "must be an integer or a list of " + std::to_string(n) +
+                    " integers (one per down block), got " + v.dump());
+    }
+    std::vector<int64_t> out;
+    for (const auto& e : v) out.push_back(as_int(key, e));
+    return out;
   }
   /// An integer that must be >= `min`.
   int64_t integer_at_least(const std::string& key, int64_t fallback, int64_t min) const {

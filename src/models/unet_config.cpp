@@ -1,5 +1,7 @@
 #include "difftrain/models/unet_config.h"
 
+#include "json_fields.h"
+
 #include "difftrain/core/error.h"
 #include "difftrain/io/atomic_file.h"
 
@@ -11,97 +13,11 @@ namespace {
 
 using nlohmann::json;
 
-std::string join(const std::vector<std::string>& names) {
-  std::string out;
-  for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
-  return out;
-}
+using detail::JsonFields;
+const auto join = &JsonFields::join;
 
 // Reads config fields with one-line errors that name the file and the field.
-class Reader {
- public:
-  Reader(const json& j, std::string source) : j_(j), source_(std::move(source)) {}
-
-  [[noreturn]] void fail(const std::string& key, const std::string& what) const {
-    throw Error(source_ + ": field \"" + key + "\" " + what);
-  }
-  bool has(const std::string& key) const { return j_.contains(key) && !j_.at(key).is_null(); }
-  const json& at(const std::string& key) const { return j_.at(key); }
-
-  int64_t integer(const std::string& key, int64_t fallback) const {
-    if (!has(key)) return fallback;
-    return as_int(key, j_.at(key));
-  }
-  std::optional<int64_t> opt_integer(const std::string& key,
-                                     std::optional<int64_t> fallback) const {
-    if (!j_.contains(key)) return fallback;
-    if (j_.at(key).is_null()) return std::nullopt;
-    return as_int(key, j_.at(key));
-  }
-  double number(const std::string& key, double fallback) const {
-    if (!has(key)) return fallback;
-    if (!j_.at(key).is_number()) fail(key, "must be a number, got " + j_.at(key).dump());
-    return j_.at(key).get<double>();
-  }
-  bool boolean(const std::string& key, bool fallback) const {
-    if (!has(key)) return fallback;
-    if (!j_.at(key).is_boolean()) fail(key, "must be true or false, got " + j_.at(key).dump());
-    return j_.at(key).get<bool>();
-  }
-  std::string string(const std::string& key, const std::string& fallback) const {
-    if (!has(key)) return fallback;
-    if (!j_.at(key).is_string()) fail(key, "must be a string, got " + j_.at(key).dump());
-    return j_.at(key).get<std::string>();
-  }
-  std::optional<std::string> opt_string(const std::string& key) const {
-    if (!has(key)) return std::nullopt;
-    return string(key, "");
-  }
-  std::string choice(const std::string& key, const std::string& fallback,
-                     const std::vector<std::string>& allowed) const {
-    std::string value = string(key, fallback);
-    if (std::find(allowed.begin(), allowed.end(), value) == allowed.end()) {
-      fail(key, "is \"" + value + "\"; supported: " + join(allowed));
-    }
-    return value;
-  }
-  std::vector<std::string> strings(const std::string& key,
-                                   const std::vector<std::string>& fallback) const {
-    if (!has(key)) return fallback;
-    const json& v = j_.at(key);
-    if (!v.is_array()) fail(key, "must be a list of strings, got " + v.dump());
-    std::vector<std::string> out;
-    for (const auto& e : v) {
-      if (!e.is_string()) fail(key, "must be a list of strings, got " + v.dump());
-      out.push_back(e.get<std::string>());
-    }
-    return out;
-  }
-  // An int or a list of n ints (Diffusers' "Union[int, Tuple[int]]").
-  std::vector<int64_t> per_block(const std::string& key, int64_t fallback, size_t n) const {
-    if (!has(key)) return std::vector<int64_t>(n, fallback);
-    const json& v = j_.at(key);
-    if (v.is_number()) return std::vector<int64_t>(n, as_int(key, v));
-    if (!v.is_array() || v.size() != n) {
-      fail(key, "must be an integer or a list of " + std::to_string(n) +
-                    " integers (one per down block), got " + v.dump());
-    }
-    std::vector<int64_t> out;
-    for (const auto& e : v) out.push_back(as_int(key, e));
-    return out;
-  }
-  int64_t as_int(const std::string& key, const json& v) const {
-    if (v.is_number_integer()) return v.get<int64_t>();
-    if (v.is_number_float() && v.get<double>() == static_cast<double>(static_cast<int64_t>(v))) {
-      return static_cast<int64_t>(v.get<double>());
-    }
-    fail(key, "must be an integer, got " + v.dump());
-  }
-
- private:
-  const json& j_;
-  std::string source_;
-};
+using Reader = detail::JsonFields;
 
 const std::vector<std::string> kDownBlocks = {"DownBlock2D", "AttnDownBlock2D",
                                               "CrossAttnDownBlock2D"};
