@@ -4,6 +4,8 @@
 
 #include "difftrain/accel/accelerator.h"
 
+#include "difftrain/accel/checkpoint_manifest.h"
+
 #include "difftrain/core/error.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/safetensors.h"
@@ -157,7 +159,32 @@ void Accelerator::save_state(const std::string& dir,
   } catch (...) {
     error = std::current_exception();
   }
-  agree(group, error, "save_state (writing " + temp.string() + ")");
+  // A failed save leaves no half-written folder behind (and gives back the space on a full disk).
+  auto discard_temp = [&]() {
+    if (!is_main_process()) return;
+    std::error_code ec;
+    fs::remove_all(temp, ec);
+  };
+  try {
+    agree(group, error, "save_state (writing " + temp.string() + ")");
+  } catch (...) {
+    discard_temp();
+    throw;
+  }
+  if (is_main_process()) {
+    try {
+      // Every rank's files are in place: record their sizes and CRC32s for load_state().
+      write_checkpoint_manifest(temp.string());
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  try {
+    agree(group, error, "save_state (writing " + (temp / kChecksumsFile).string() + ")");
+  } catch (...) {
+    discard_temp();
+    throw;
+  }
   if (is_main_process()) {
     try {
       // Swap the finished folder in; the old one survives until the new one is in place.
@@ -175,12 +202,13 @@ void Accelerator::save_state(const std::string& dir,
   agree(group, error, "save_state (renaming to " + target.string() + ")");
 }
 
-void Accelerator::load_state(const std::string& dir) {
+void Accelerator::load_state(const std::string& dir, bool verify) {
   const fs::path root(dir);
   if (!fs::is_directory(root)) {
     throw Error("load_state: '" + dir +
                 "' is not a folder written by save_state(); check the path");
   }
+  if (verify) verify_checkpoint(dir);
   const std::string meta_path = (root / "accelerator.json").string();
   nlohmann::json meta;
   try {

@@ -1,5 +1,6 @@
 // What a run writes: checkpoints (and resuming from them), run_info, validation grids, and the
 // final pipeline folder or LoRA file.
+#include "difftrain/accel/checkpoint_manifest.h"
 #include "difftrain/core/error.h"
 #include "difftrain/diffusion/pipeline.h"
 #include "difftrain/dist/process_group.h"
@@ -120,6 +121,8 @@ void save_checkpoint(const TrainConfig& c, accel::Accelerator& acc, TrainParts& 
 int64_t load_checkpoint(const std::string& dir, const TrainConfig& c, accel::Accelerator& acc,
                         TrainParts& parts) {
   const fs::path root(dir);
+  // Every file (trainer_state.json and EMA included) against checksums.json, once, up front.
+  accel::verify_checkpoint(dir);
   nlohmann::json state;
   const std::string state_path = (root / "trainer_state.json").string();
   try {
@@ -144,7 +147,7 @@ int64_t load_checkpoint(const std::string& dir, const TrainConfig& c, accel::Acc
           key, now[key].dump(), saved[key].dump());
     }
   }
-  acc.load_state(dir);
+  acc.load_state(dir, /*verify=*/false);
   if (parts.ema) {
     const auto meta_path = (root / "ema.json").string();
     if (!fs::exists(meta_path)) throw Error("cannot resume EMA: " + meta_path + " is missing");

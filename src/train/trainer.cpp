@@ -1,6 +1,7 @@
 #include "difftrain/train/trainer.h"
 
 #include "difftrain/accel/accelerator.h"
+#include "difftrain/accel/checkpoint_manifest.h"
 #include "difftrain/accel/trackers.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
@@ -77,20 +78,44 @@ std::string format_duration(double seconds) {
 
 std::string latest_checkpoint(const std::string& output_dir) {
   static const std::regex kName(R"(checkpoint-(\d+))");
-  std::string best;
-  int64_t best_step = -1;
+  std::vector<std::pair<int64_t, fs::path>> found;
   std::error_code ec;
   if (!fs::is_directory(output_dir, ec)) return "";
   for (const auto& entry : fs::directory_iterator(output_dir, ec)) {
     std::smatch m;
     const std::string name = entry.path().filename().string();
+    // `checkpoint-<n>.tmp` (an unfinished save) never matches: a folder only gets its final name
+    // once complete (save_state renames it into place).
     if (!entry.is_directory() || !std::regex_match(name, m, kName)) continue;
-    // A folder only gets its final name once complete (save_state renames it into place).
     if (!fs::exists(entry.path() / "trainer_state.json")) continue;
-    const int64_t step = std::stoll(m[1].str());
-    if (step > best_step) best_step = step, best = entry.path().string();
+    found.emplace_back(std::stoll(m[1].str()), entry.path());
   }
-  return best;
+  std::sort(found.begin(), found.end(),
+            [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (const auto& [step, path] : found) {
+    try {
+      accel::verify_checkpoint(path.string());
+      return path.string();
+    } catch (const Error& e) {
+      log::warn("resume_from_checkpoint latest: skipping {}: {}", path.string(), e.what());
+    }
+  }
+  return "";
+}
+
+void remove_unfinished_checkpoints(const std::string& output_dir) {
+  static const std::regex kTemp(R"(checkpoint-\d+\.tmp)");
+  std::error_code ec;
+  if (!fs::is_directory(output_dir, ec)) return;
+  std::vector<fs::path> stale;
+  for (const auto& entry : fs::directory_iterator(output_dir, ec)) {
+    if (entry.is_directory() && std::regex_match(entry.path().filename().string(), kTemp))
+      stale.push_back(entry.path());
+  }
+  for (const auto& path : stale) {
+    log::warn("removing {}: an unfinished checkpoint left by an interrupted save", path.string());
+    fs::remove_all(path, ec);
+  }
 }
 
 TrainResult run_training(TrainConfig config) {
@@ -124,6 +149,7 @@ TrainResult run_training(TrainConfig config) {
                                ? fs::path(config.logging_dir)
                                : out_dir / config.logging_dir;
   if (main) {
+    remove_unfinished_checkpoints(config.output_dir);
     std::error_code ec;
     fs::create_directories(log_dir, ec);
     if (ec) {

@@ -2,6 +2,7 @@
 // midway and resumed in fresh objects ends bit-identical to an uninterrupted run.
 
 #include "difftrain/accel/accelerator.h"
+#include "difftrain/accel/checkpoint_manifest.h"
 #include "difftrain/core/error.h"
 #include "difftrain/optim/adamw.h"
 #include "difftrain/optim/adamw8bit.h"
@@ -14,6 +15,7 @@
 
 #include <unistd.h>
 #include <filesystem>
+#include <fstream>
 
 namespace difftrain::accel {
 namespace {
@@ -146,9 +148,62 @@ TEST(AccelCheckpoint, RefusesAnotherModelsCheckpointNamingTheTensor) {
     auto [m2, o2] = acc2.prepare(net2, sgd);
     EXPECT_THROW(acc2.save_state(dir + "_sgd"), Error);
     EXPECT_FALSE(fs::exists(dir + "_sgd"));
+    EXPECT_FALSE(fs::exists(dir + "_sgd.tmp"));  // a failed save leaves no temporary folder
   });
   fs::remove_all(dir);
   fs::remove_all(dir + "_sgd.tmp");
+}
+
+// checksums.json: a truncated, a byte-flipped and a missing file are each an error naming the
+// file; the same folder without its manifest (a checkpoint from before manifests) still loads.
+TEST(AccelCheckpoint, ChecksumsCatchTruncatedFlippedAndMissingFiles) {
+  const std::string dir =
+      (fs::temp_directory_path() / ("difftrain_ckpt_sum_" + std::to_string(::getpid()))).string();
+  dist::on_ranks(1, [&](dist::ProcessGroup& g) {
+    AcceleratorOptions options;
+    options.mixed_precision = "no";
+    Accelerator acc(options, g);
+    auto net = torch::nn::Linear(3, 2);
+    auto opt = std::make_shared<optim::AdamW>(net->parameters());
+    auto [m, o] = acc.prepare(net, opt);
+    acc.save_state(dir);
+    ASSERT_TRUE(fs::exists(dir + "/checksums.json"));
+    EXPECT_TRUE(verify_checkpoint(dir));
+    acc.load_state(dir);
+    auto expect_error = [&](const std::string& file, const std::string& why) {
+      try {
+        acc.load_state(dir);
+        ADD_FAILURE() << "damaged " << file << " (" << why << ") was loaded";
+      } catch (const Error& e) {
+        std::printf("%s: %s\n", why.c_str(), e.what());
+        EXPECT_NE(std::string(e.what()).find(dir + "/" + file), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("--resume_from_checkpoint"), std::string::npos);
+      }
+    };
+    const std::string model = dir + "/model.safetensors";
+    const std::string original = [&] {
+      std::ifstream in(model, std::ios::binary);
+      return std::string(std::istreambuf_iterator<char>(in), {});
+    }();
+    fs::resize_file(model, original.size() - 5);  // truncated
+    expect_error("model.safetensors", "size");
+    std::string flipped = original;
+    flipped[flipped.size() - 3] ^= 0x10;  // same size, one bit of a weight
+    std::ofstream(model, std::ios::binary | std::ios::trunc) << flipped;
+    expect_error("model.safetensors", "crc32");
+    std::ofstream(model, std::ios::binary | std::ios::trunc) << original;
+    acc.load_state(dir);  // repaired: loads again
+    const std::string optimizer_json = dir + "/optimizer.json";
+    fs::rename(optimizer_json, optimizer_json + ".away");
+    expect_error("optimizer.json", "missing");
+    fs::rename(optimizer_json + ".away", optimizer_json);
+    fs::remove(dir + "/checksums.json");  // as saved before manifests: loads unchecked
+    EXPECT_FALSE(verify_checkpoint(dir));
+    std::ofstream(model, std::ios::binary | std::ios::trunc) << flipped;
+    acc.load_state(dir);
+  });
+  fs::remove_all(dir);
 }
 
 }  // namespace

@@ -277,6 +277,8 @@ class Accelerator {
   /// its random state. `dir` must be on a filesystem every rank sees. Optimizers must be
   /// difftrain's (optim::AdamW, optim::AdamW8bit); models must be prepared through a holder or
   /// shared_ptr.
+  /// Once every rank's files are written, the main rank records them all (size, CRC32) in
+  /// `checksums.json`. A failed save throws on every rank and removes `<dir>.tmp`.
   /// `extra`, when given, runs on every rank after these files are written and before the
   /// rename, with the temporary folder: what it writes there is part of the same atomic
   /// checkpoint (the trainer's EMA and step). An exception from it on any rank fails the save.
@@ -285,8 +287,11 @@ class Accelerator {
   /// Accelerate's `load_state(input_dir)`: restores what save_state() wrote into the prepared
   /// objects (prepare the same objects in the same order first). Names, shapes and counts are
   /// checked; a mismatch throws difftrain::Error naming the file and the tensor. A missing
-  /// random state (saved with fewer ranks) is a warning.
-  void load_state(const std::string& dir);
+  /// random state (saved with fewer ranks) is a warning. With `verify` (the default) every file
+  /// is first checked against the folder's checksums.json (see verify_checkpoint()): a missing,
+  /// truncated or corrupted file throws difftrain::Error naming it; a folder saved before
+  /// manifests existed loads unchecked.
+  void load_state(const std::string& dir, bool verify = true);
 
   /// The sharding in force (NO_SHARD with one process).
   const ShardingOptions& sharding() const { return sharding_; }

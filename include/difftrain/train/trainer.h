@@ -24,7 +24,14 @@ struct TrainResult {
 /// and when interrupted by SIGINT/SIGTERM (after writing a checkpoint).
 TrainResult run_training(TrainConfig config);
 
-/// The newest complete checkpoint-<step> folder under `output_dir`, or "" if there is none.
+/// The newest complete checkpoint-<step> folder under `output_dir` that verifies against its
+/// checksums.json (accel::verify_checkpoint), or "" if there is none. Unfinished
+/// `checkpoint-<step>.tmp` folders are never chosen; a newer damaged checkpoint is skipped with
+/// a warning naming it and the reason.
 std::string latest_checkpoint(const std::string& output_dir);
+
+/// Removes the `checkpoint-<step>.tmp` folders an interrupted save left under `output_dir`
+/// (logging each). The trainer's main rank calls it at start.
+void remove_unfinished_checkpoints(const std::string& output_dir);
 
 }  // namespace difftrain::train
