@@ -19,6 +19,18 @@ namespace {
 
 std::string errno_text() { return std::strerror(errno); }
 
+// What failed writing `path`, with the fix when the disk (or a quota or file-size limit) is full.
+std::string write_error(const std::string& what, const std::string& path) {
+  const int code = errno;
+  std::string message = what + " '" + path + "': " + std::strerror(code);
+  if (code == ENOSPC || code == EFBIG || code == EDQUOT) {
+    message +=
+        " (the disk is full or a quota or file-size limit was reached); free space or "
+        "write to another folder, then retry";
+  }
+  return message;
+}
+
 // Writes everything or throws; short writes are retried.
 void write_all(int fd, std::string_view bytes, const std::string& path) {
   const char* p = bytes.data();
@@ -26,7 +38,7 @@ void write_all(int fd, std::string_view bytes, const std::string& path) {
   while (left > 0) {
     ssize_t n = ::write(fd, p, left);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) throw Error("cannot write '" + path + "': " + errno_text());
+    if (n < 0) throw Error(write_error("cannot write", path));
     p += n;
     left -= static_cast<size_t>(n);
   }
@@ -53,16 +65,16 @@ void write_file_atomic(const std::string& path, std::string_view bytes) {
   }
   try {
     write_all(fd, bytes, path);
-    if (::fsync(fd) != 0) throw Error("cannot flush '" + path + "' to disk: " + errno_text());
+    if (::fsync(fd) != 0) throw Error(write_error("cannot flush to disk", path));
   } catch (...) {
     ::close(fd);
     ::unlink(temp.c_str());
     throw;
   }
   if (::close(fd) != 0) {
-    std::string why = errno_text();
+    std::string why = write_error("cannot write", path);
     ::unlink(temp.c_str());
-    throw Error("cannot write '" + path + "': " + why);
+    throw Error(why);
   }
   if (::rename(temp.c_str(), path.c_str()) != 0) {
     std::string why = errno_text();
