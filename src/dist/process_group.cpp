@@ -293,7 +293,8 @@ std::string ProcessGroup::probe_lost_ranks() {
       pos = comma == std::string::npos ? ranks.size() : comma + 2;
     }
     return "lost rank(s) " + ranks + " — no answer from " + hosts +
-           ": that process died or its machine or link is down (see its log)";
+           ": that process is stalled, stopped or dead, or its machine or link is down (see its "
+           "log)";
   }
   // The store itself is unreachable: the machine that hosts it (rank 0's) is the lost one.
   std::vector<int> main_ranks;
