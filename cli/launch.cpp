@@ -76,7 +76,7 @@ void take_sharding(const std::string& config_path) {
   }
   if (given("sharding_strategy")) {
     ext.sharding.strategy =
-        accel::parse_sharding_strategy(g_sharding_strategy, "difftrain launch --sharding_strategy");
+        accel::parse_sharding_strategy(g_sharding_strategy, "--sharding_strategy");
     ext.sharding_set = true;
   }
   if (ext.sharding_set) {

@@ -73,6 +73,12 @@ Coordinator::Coordinator(const std::string& host, int port, int num_machines, in
     try {
       server_ = connect(host, port, true, join_timeout);
     } catch (const std::exception& e) {
+      if (std::string(e.what()).find("Address already in use") != std::string::npos) {
+        throw Error(fmt::format(
+            "machine 0 could not host the rendezvous: port {} is already in use on this "
+            "machine; choose another --main_process_port (the same on every machine)",
+            port));
+      }
       throw Error(
           fmt::format("machine 0 could not host the rendezvous on port {}: {}: is the port "
                       "in use? choose another --main_process_port",

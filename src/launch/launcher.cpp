@@ -5,6 +5,7 @@
 #include "difftrain/dist/net.h"
 
 #include <fcntl.h>
+#include <netdb.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
@@ -634,6 +635,19 @@ void validate(const LaunchOptions& o) {
       fail("--main_process_ip is required with --num_machines > 1: the address of machine 0");
     if (o.main_process_port == 0)
       fail("--main_process_port must be a fixed port with --num_machines > 1");
+    // Resolved here so a typo fails at once, not after --join_timeout of connection attempts.
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* found = nullptr;
+    const int rc = getaddrinfo(o.main_process_ip.c_str(), nullptr, &hints, &found);
+    if (rc != 0) {
+      fail(fmt::format(
+          "--main_process_ip '{}' cannot be resolved ({}): give machine 0's IP address, or a "
+          "host name that every machine resolves",
+          o.main_process_ip, gai_strerror(rc)));
+    }
+    freeaddrinfo(found);
   }
   if (o.num_cpu_threads_per_process < 0)
     fail("--num_cpu_threads_per_process must be 0 (auto) or more");
