@@ -22,6 +22,41 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// The byte offset of the first byte that does not start or continue a well-formed UTF-8
+// sequence (overlong forms, surrogates and code points past U+10FFFF count as ill-formed), or
+// npos when `text` is valid UTF-8.
+size_t first_invalid_utf8(const std::string& text) {
+  size_t i = 0;
+  while (i < text.size()) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    size_t len = 0;
+    unsigned char lo = 0x80, hi = 0xBF;  // the allowed range of the second byte
+    if (c < 0x80) {
+      ++i;
+      continue;
+    } else if (c >= 0xC2 && c <= 0xDF) {
+      len = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+      len = 3;
+      if (c == 0xE0) lo = 0xA0;
+      if (c == 0xED) hi = 0x9F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+      len = 4;
+      if (c == 0xF0) lo = 0x90;
+      if (c == 0xF4) hi = 0x8F;
+    } else {
+      return i;
+    }
+    if (i + len > text.size()) return i;
+    for (size_t k = 1; k < len; ++k) {
+      const auto b = static_cast<unsigned char>(text[i + k]);
+      if (k == 1 ? (b < lo || b > hi) : (b < 0x80 || b > 0xBF)) return i;
+    }
+    i += len;
+  }
+  return std::string::npos;
+}
+
 constexpr const char* kMetadataName = "metadata.jsonl";
 
 // One image as listed: its path relative to the folder, and what metadata.jsonl says of it.
@@ -106,6 +141,13 @@ std::vector<Entry> read_metadata(const fs::path& metadata, const fs::path& dir,
       continue;
     }
     const std::string where = fmt::format("{} line {}", metadata.string(), line);
+    // Checked before parsing: the JSON parser's message would quote the bad bytes themselves.
+    if (const size_t bad = first_invalid_utf8(text); bad != std::string::npos) {
+      throw Error(fmt::format(
+          "{}: not valid UTF-8 (byte 0x{:02X} at column {}); save metadata.jsonl as UTF-8, e.g. "
+          "iconv -f latin1 -t utf-8",
+          where, static_cast<unsigned>(static_cast<unsigned char>(text[bad])), bad + 1));
+    }
     nlohmann::json json;
     try {
       json = nlohmann::json::parse(text);

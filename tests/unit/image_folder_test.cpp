@@ -205,6 +205,28 @@ TEST(ImageFolder, MetadataErrorsNameTheLine) {
   EXPECT_HAS(error_for("\n\n"), dir + ": no images found (metadata.jsonl lists none)");
 }
 
+// Captions in any script load; a line in a legacy encoding is named with its first bad byte
+// (the JSON parser's own message would quote the bytes themselves).
+TEST(ImageFolder, MetadataMustBeUtf8) {
+  const auto dir = temp_dir("if_meta_utf8");
+  save(dir + "/a.png", random_image(4, 4, 3, 1));
+  const std::string meta = dir + "/metadata.jsonl";
+  const std::string caption = "caf\xc3\xa9 \xf0\x9f\x90\xb1 \xe6\x97\xa5\xe6\x9c\xac";
+  write_text(meta, "{\"file_name\": \"a.png\", \"text\": \"" + caption + "\"}\n");
+  EXPECT_EQ(ImageFolderDataset(opts(dir)).caption(0), std::optional<std::string>(caption));
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"caf\xe9", "byte 0xE9 at column 36"},       // Latin-1
+      {"\xed\xa0\x80", "byte 0xED at column 33"},  // a UTF-16 surrogate
+      {"\xc0\xaf", "byte 0xC0 at column 33"},      // an overlong '/'
+      {"\xe6\x97", "byte 0xE6 at column 33"}};     // cut inside a character
+  for (const auto& [text, where] : bad) {
+    write_text(meta, "{\"file_name\": \"a.png\", \"text\": \"" + text + "\"}\n");
+    EXPECT_EQ(error_of([&] { ImageFolderDataset{opts(dir)}; }),
+              meta + " line 1: not valid UTF-8 (" + where +
+                  "); save metadata.jsonl as UTF-8, e.g. iconv -f latin1 -t utf-8");
+  }
+}
+
 // ---------------------------------------------------------------- escaping the folder
 
 TEST(ImageFolder, FilesOutsideTheFolderAreRejected) {
