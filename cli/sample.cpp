@@ -240,6 +240,12 @@ int run_sample() {
   auto scheduler_config = diffusion::SchedulerConfig::load(folder.scheduler_config);
   std::string kind = a.scheduler;
   if (kind.empty() && folder.pipeline_class == "DDIMPipeline") kind = "ddim";
+  if (kind.empty() && scheduler_config.class_name != "DDPMScheduler" &&
+      scheduler_config.class_name != "DDIMScheduler") {
+    throw Error(folder.scheduler_config + ": scheduler class \"" + scheduler_config.class_name +
+                "\" is not supported; supported: DDIMScheduler, DDPMScheduler — pass "
+                "--scheduler ddim (or ddpm) to sample with this folder's betas");
+  }
   auto scheduler = diffusion::make_scheduler(scheduler_config, kind);
 
   diffusion::SampleOptions o;

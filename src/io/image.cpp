@@ -183,8 +183,12 @@ torch::Tensor decode_image(const std::string& bytes, const std::string& name, in
                             static_cast<int>(bytes.size()), &w, &h, &stored, channels),
       stbi_image_free);
   if (!data) {
-    const char* reason = stbi_failure_reason();
-    throw Error("cannot load image '" + name + "': " + (reason ? reason : "unknown error") + " (" +
+    // stb_image's reasons are terse tags. A PNG cut inside a chunk header is reported as an
+    // unknown chunk named by its type bytes, which are then partial or zero ("IDA", ""): both
+    // mean the data ends early or is damaged.
+    std::string reason = stbi_failure_reason() ? stbi_failure_reason() : "unknown error";
+    if (reason == "outofdata" || reason.size() < 4) reason = "the data ends early or is damaged";
+    throw Error("cannot load image '" + name + "': " + reason + " (" +
                 std::to_string(bytes.size()) +
                 " bytes); the file is corrupt, truncated or not a PNG, JPEG, BMP, GIF, TGA, PSD, "
                 "HDR, PIC or PNM image — re-create it or convert it to PNG");

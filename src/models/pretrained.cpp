@@ -85,11 +85,20 @@ std::string weights_path(const std::string& dir, const std::string& variant) {
 }
 
 UNet load_unet(const std::string& dir, const std::string& variant) {
+  if (!fs::exists(dir)) {
+    throw Error(dir + ": no such folder; expected a Diffusers UNet folder (config.json + " +
+                "diffusion_pytorch_model.safetensors): check the path");
+  }
   if (!fs::is_directory(dir)) {
     throw Error(dir + ": not a folder; expected a Diffusers UNet folder (config.json + " +
                 "diffusion_pytorch_model.safetensors)");
   }
-  UNetConfig config = UNetConfig::load((fs::path(dir) / "config.json").string());
+  const fs::path config_path = fs::path(dir) / "config.json";
+  if (!fs::exists(config_path)) {
+    throw Error(dir + ": no config.json; expected a Diffusers UNet folder (config.json + " +
+                "diffusion_pytorch_model.safetensors, as save_pretrained writes it)");
+  }
+  UNetConfig config = UNetConfig::load(config_path.string());
   UNet unet(config);
   const std::string path = weights_path(dir, variant);
   io::Safetensors file = io::load_safetensors(path);

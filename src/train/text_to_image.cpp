@@ -308,8 +308,11 @@ std::shared_ptr<TextToImageParts> build_text_to_image(const TrainConfig& c, acce
   t2i->text_encoder->eval();
   const int64_t factor = t2i->vae->config().downsample_factor();
   if (c.resolution % factor != 0) {
+    const int64_t below = c.resolution / factor * factor;
     throw Error("--resolution " + std::to_string(c.resolution) + " is not a multiple of " +
-                std::to_string(factor) + " (the VAE's downsampling factor)");
+                std::to_string(factor) + " (the VAE's downsampling factor); use " +
+                (below >= 8 ? std::to_string(below) + " or " : "") +
+                std::to_string(below + factor));
   }
 
   TextImageDataset::Half inst;

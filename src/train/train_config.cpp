@@ -401,10 +401,13 @@ void TrainConfig::validate() const {
          {"TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"});
   require(fsdp_min_num_params >= 1, "--fsdp_min_num_params must be at least 1");
   require(resolution >= 8, "--resolution must be at least 8");
-  require(train_batch_size >= 1, "--train_batch_size must be at least 1 (it is per process)");
+  require(train_batch_size >= 1, "--train_batch_size must be at least 1 (it is per process), got " +
+                                     std::to_string(train_batch_size));
   require(num_train_epochs >= 1, "--num_train_epochs must be at least 1");
   require(max_train_steps >= 0, "--max_train_steps must be >= 0 (0: num_train_epochs decides)");
-  require(gradient_accumulation_steps >= 1, "--gradient_accumulation_steps must be at least 1");
+  require(gradient_accumulation_steps >= 1,
+          "--gradient_accumulation_steps must be at least 1, got " +
+              std::to_string(gradient_accumulation_steps));
   require(learning_rate > 0, "--learning_rate must be positive");
   require(lr_warmup_steps >= 0, "--lr_warmup_steps must be >= 0");
   require(adam_beta1 >= 0 && adam_beta1 < 1 && adam_beta2 >= 0 && adam_beta2 < 1,

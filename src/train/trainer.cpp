@@ -153,7 +153,13 @@ TrainResult run_training(TrainConfig config) {
     std::error_code ec;
     fs::create_directories(log_dir, ec);
     if (ec) {
-      throw Error("cannot create output_dir '" + log_dir.string() + "': " + ec.message() +
+      // The logs folder is created first and lies inside output_dir unless --logging_dir is
+      // absolute: name the folder the user gave.
+      if (fs::path(config.logging_dir).is_absolute()) {
+        throw Error("cannot create --logging_dir '" + log_dir.string() + "': " + ec.message() +
+                    "; pass a writable --logging_dir");
+      }
+      throw Error("cannot create output_dir '" + out_dir.string() + "': " + ec.message() +
                   "; pass a writable --output_dir");
     }
   }
@@ -169,6 +175,10 @@ TrainResult run_training(TrainConfig config) {
     if (resume_dir.empty()) {
       acc.print("resume_from_checkpoint latest: no checkpoint in {}; starting a new run",
                 config.output_dir);
+    } else if (!fs::exists(resume_dir)) {
+      throw Error("resume_from_checkpoint '" + resume_dir +
+                  "' does not exist; pass a checkpoint-<step> folder of an earlier run, or "
+                  "latest (the newest one in --output_dir)");
     } else if (!fs::exists(fs::path(resume_dir) / "trainer_state.json")) {
       throw Error("resume_from_checkpoint '" + resume_dir +
                   "' is not a complete difftrain checkpoint (no trainer_state.json); pass a "
