@@ -79,7 +79,7 @@ struct LoraReadOptions {
 };
 
 /// Reads a LoRA safetensors file (io::load_safetensors) and parses it (parse_lora). Errors name
-/// the file and the offending key; see docs/errors.md, "LoRA files".
+/// the file and the offending key; see docs/ERRORS.md, "LoRA files".
 LoraWeights read_lora(const std::string& path, const LoraReadOptions& options = {});
 
 /// Parses the tensors of a LoRA file already in memory; `path` is used in errors. Detects the
