@@ -57,13 +57,18 @@ void write_file_atomic(const std::string& path, std::string_view bytes) {
                   "': " + ec.message() + "; check the output path and its permissions");
     }
   }
-  std::string temp = path + ".tmp." + std::to_string(::getpid());
-  int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  // A fresh private name (mkostemp: O_EXCL, mode 0600), so a planted file or symlink at a
+  // predictable temporary name is never followed or overwritten; readable by others (0644) only
+  // once complete.
+  std::string temp = path + ".tmp.XXXXXX";
+  int fd = ::mkostemp(temp.data(), O_CLOEXEC);
   if (fd < 0) {
-    throw Error("cannot create '" + temp + "': " + errno_text() +
+    throw Error("cannot create a temporary file next to '" + path + "': " + errno_text() +
                 "; check that the folder is writable");
   }
   try {
+    if (::fchmod(fd, 0644) != 0)
+      throw Error("cannot set the mode of '" + temp + "': " + errno_text());
     write_all(fd, bytes, path);
     if (::fsync(fd) != 0) throw Error(write_error("cannot flush to disk", path));
   } catch (...) {

@@ -1,6 +1,7 @@
 #include "difftrain/launch/config.h"
 
 #include "difftrain/core/error.h"
+#include "difftrain/io/atomic_file.h"
 
 #include <yaml-cpp/yaml.h>
 
@@ -273,28 +274,9 @@ std::string config_to_yaml(const LaunchConfig& c) {
 
 void save_config(const std::string& path, const LaunchConfig& config) {
   validate_config(config, path);
-  const fs::path target(path);
-  std::error_code ec;
-  if (target.has_parent_path()) fs::create_directories(target.parent_path(), ec);
-  if (ec)
-    throw Error("cannot create folder " + target.parent_path().string() + ": " + ec.message());
-  const std::string temp = path + ".tmp." + std::to_string(::getpid());
-  {
-    std::ofstream out(temp, std::ios::trunc);
-    out << "# written by `difftrain config`; read by `difftrain launch` (Accelerate key names)\n"
-        << config_to_yaml(config);
-    out.flush();
-    if (!out) {
-      std::remove(temp.c_str());
-      throw Error("cannot write config file " + temp +
-                  ": check the folder's permissions and space");
-    }
-  }
-  fs::rename(temp, target, ec);
-  if (ec) {
-    std::remove(temp.c_str());
-    throw Error("cannot move config file into place at " + path + ": " + ec.message());
-  }
+  io::write_file_atomic(
+      path, "# written by `difftrain config`; read by `difftrain launch` (Accelerate key names)\n" +
+                config_to_yaml(config));
 }
 
 namespace {

@@ -11,7 +11,9 @@
 
 #include <torch/torch.h>
 
+#include <unistd.h>
 #include <cstdlib>
+
 #include <filesystem>
 
 namespace difftrain::train {
@@ -67,7 +69,8 @@ std::string default_cache_dir() {
   if (const char* home = std::getenv("HOME"); home && *home) {
     return (fs::path(home) / ".cache" / "difftrain").string();
   }
-  return (fs::temp_directory_path() / "difftrain-cache").string();
+  // Shared temp folder: a per-user name, made private (0700) when it is created below.
+  return (fs::temp_directory_path() / ("difftrain-cache-" + std::to_string(::getuid()))).string();
 }
 
 torch::Tensor all_images(const data::Dataset& ds, torch::Tensor* labels) {
@@ -141,7 +144,9 @@ Classifier train_or_load_classifier(const EvalOptions& o, accel::Accelerator& ac
   }
   net->eval();
   if (acc.is_main_process()) {
-    fs::create_directories(cache);
+    if (fs::create_directories(cache)) {
+      fs::permissions(cache, fs::perms::owner_all, fs::perm_options::replace);
+    }
     io::save_safetensors(path, models::named_tensors(*net), {{"format", "pt"}});
   }
   acc.wait_for_everyone();

@@ -9,6 +9,17 @@
 
 #include <fmt/format.h>
 #include <malloc.h>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define DIFFTRAIN_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define DIFFTRAIN_ASAN 1
+#endif
+#endif
+#if DIFFTRAIN_ASAN
+#include <sanitizer/allocator_interface.h>
+#endif
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -32,10 +43,15 @@ int64_t adam_state_bytes(int64_t n, bool eight_bit) {
   return 2 * n + 2 * 4 * blocks;
 }
 
-// Bytes of heap in use right now, all arenas (glibc): small chunks plus mmapped ones.
+// Bytes of heap in use right now, all arenas (glibc): small chunks plus mmapped ones. Under
+// AddressSanitizer malloc is ASan's (mallinfo2 reports zeros), so ask its allocator instead.
 int64_t live_heap_bytes() {
+#if DIFFTRAIN_ASAN
+  return static_cast<int64_t>(__sanitizer_get_current_allocated_bytes());
+#else
   const struct mallinfo2 m = mallinfo2();
   return static_cast<int64_t>(m.uordblks + m.hblkhd);
+#endif
 }
 
 models::UNetConditioning make_conditioning(const models::UNetImpl& unet, int64_t batch,
