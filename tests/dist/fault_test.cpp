@@ -169,7 +169,7 @@ TEST(Fault, SigkillAtRandomMomentsOfASaveLeavesAVerifyingLatest) {
   const uint64_t seed = fault_seed(20261124);
   const int trials = fault_trials();
   std::mt19937_64 rng(seed);
-  std::printf("seed %llu, %d trials (DIFFTRAIN_FAULT_SEED, DIFFTRAIN_FAULT_TRIALS)\n",
+  std::printf("DIFFTRAIN_FAULT_SEED %llu, DIFFTRAIN_FAULT_TRIALS %d\n",
               static_cast<unsigned long long>(seed), trials);
   const auto dir = make_temp_dir("fault_sigkill");
   const std::vector<std::string> args = {"--max_train_steps",  "8", "--checkpointing_steps", "1",
@@ -247,11 +247,11 @@ TEST(Fault, SigkillAtRandomMomentsOfASaveLeavesAVerifyingLatest) {
 // scheduler, loader position and every rank's RNG are in the checkpoint, and the steps after it
 // are recomputed the same way).
 TEST(Fault, KilledRankIsRestartedAndTheRunMatchesAnUninterruptedOne) {
-  const uint64_t seed = fault_seed(20261124) + 3;
-  std::mt19937_64 rng(seed);
+  const uint64_t seed = fault_seed(20261124);
+  std::mt19937_64 rng(seed + 3);
   const int rank = std::uniform_int_distribution<int>(0, 1)(rng);
   const int step = std::uniform_int_distribution<int>(1, 7)(rng);
-  std::printf("seed %llu: kill -9 rank %d once step %d is logged\n",
+  std::printf("DIFFTRAIN_FAULT_SEED %llu: kill -9 rank %d once step %d is logged\n",
               static_cast<unsigned long long>(seed), rank, step);
   const auto dir = make_temp_dir("fault_rank");
   const std::vector<std::string> args = {
@@ -334,13 +334,15 @@ TEST(Fault, DiskFullDuringASaveIsAClearErrorAndKeepsThePreviousCheckpoint) {
 // all-reduce times out, it names the stalled rank, and the launcher tears the job down (SIGKILL
 // reaches a stopped process) with a non-zero exit, well before the test's own hard limit.
 TEST(Fault, StalledRankIsNamedAndTheJobIsTornDownAfterTheCollectiveTimeout) {
-  const uint64_t seed = fault_seed(20261124) + 5;
-  std::mt19937_64 rng(seed);
+  const uint64_t seed = fault_seed(20261124);
+  std::mt19937_64 rng(seed + 5);
   const int rank = std::uniform_int_distribution<int>(0, 1)(rng);
   const int step = std::uniform_int_distribution<int>(2, 4)(rng);
   const double timeout_s = 8;
-  std::printf("seed %llu: SIGSTOP rank %d once step %d is logged; collective timeout %g s\n",
-              static_cast<unsigned long long>(seed), rank, step, timeout_s);
+  std::printf(
+      "DIFFTRAIN_FAULT_SEED %llu: SIGSTOP rank %d once step %d is logged; collective timeout %g "
+      "s\n",
+      static_cast<unsigned long long>(seed), rank, step, timeout_s);
   const auto dir = make_temp_dir("fault_stall");
   const std::string out = dir + "/out";
   Process p(
