@@ -76,31 +76,36 @@ void write_checkpoint_manifest(const std::string& dir) {
 bool verify_checkpoint(const std::string& dir) {
   const fs::path manifest_path = fs::path(dir) / kChecksumsFile;
   if (!fs::exists(manifest_path)) return false;
-  nlohmann::json manifest;
+  struct Entry {
+    std::string path;
+    uint64_t size = 0;
+    uint32_t crc = 0;
+  };
+  std::vector<Entry> entries;
   try {
-    manifest = nlohmann::json::parse(io::read_file(manifest_path.string()));
-    if (!manifest.at("files").is_array()) throw Error("'files' is not a list");
+    const auto manifest = nlohmann::json::parse(io::read_file(manifest_path.string()));
+    for (const auto& item : manifest.at("files")) {
+      entries.push_back({item.at("path").get<std::string>(), item.at("size").get<uint64_t>(),
+                         item.at("crc32").get<uint32_t>()});
+    }
   } catch (const std::exception& e) {
     throw Error("checkpoint manifest '" + manifest_path.string() + "' is unreadable (" + e.what() +
                 "); the checkpoint is damaged: " + earlier_hint());
   }
-  for (const auto& item : manifest.at("files")) {
-    const std::string rel = item.at("path").get<std::string>();
-    const fs::path path = fs::path(dir) / rel;
-    const auto size = item.at("size").get<uint64_t>();
-    const auto crc = item.at("crc32").get<uint32_t>();
+  for (const auto& entry : entries) {
+    const fs::path path = fs::path(dir) / entry.path;
     std::error_code ec;
     if (!fs::is_regular_file(path, ec)) {
       throw Error("checkpoint file '" + path.string() + "' is missing (listed in " +
                   kChecksumsFile + " at save); " + earlier_hint());
     }
     const FileSum sum = sum_file(path);
-    if (sum.size != size) {
+    if (sum.size != entry.size) {
       throw Error("checkpoint file '" + path.string() + "' is corrupted (size " +
                   std::to_string(sum.size) + " bytes, " + kChecksumsFile + " recorded " +
-                  std::to_string(size) + " at save); " + earlier_hint());
+                  std::to_string(entry.size) + " at save); " + earlier_hint());
     }
-    if (sum.crc != crc) {
+    if (sum.crc != entry.crc) {
       throw Error("checkpoint file '" + path.string() + "' is corrupted (crc32 mismatch with " +
                   kChecksumsFile + " recorded at save); " + earlier_hint());
     }

@@ -198,6 +198,8 @@ TEST(AccelCheckpoint, ChecksumsCatchTruncatedFlippedAndMissingFiles) {
     fs::rename(optimizer_json, optimizer_json + ".away");
     expect_error("optimizer.json", "missing");
     fs::rename(optimizer_json + ".away", optimizer_json);
+    std::ofstream(dir + "/checksums.json", std::ios::trunc) << "{\"files\": [{\"path\": 3}]}";
+    expect_error("checksums.json", "unreadable");
     fs::remove(dir + "/checksums.json");  // as saved before manifests: loads unchecked
     EXPECT_FALSE(verify_checkpoint(dir));
     std::ofstream(model, std::ios::binary | std::ios::trunc) << flipped;
