@@ -3,6 +3,7 @@
 // truncation, the multiplexer, and make_trackers()'s choices and errors.
 
 #include "difftrain/accel/trackers.h"
+#include "difftrain/accel/tensorboard_events.h"
 #include "difftrain/core/error.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/image.h"
@@ -42,9 +43,10 @@ namespace fs = std::filesystem;
   EXPECT_NE(std::string(text).find(part), std::string::npos) \
       << "'" << (text) << "' lacks '" << (part) << "'"
 
-// ------------------------------------------------------------------ independent reader
-// Written from the format's description, sharing no code with src/accel/tensorboard.cpp: the CRC
-// is computed bit by bit (no table), integers are read byte by byte.
+// ------------------------------------------------------------------ reading event files
+// The event files are read back with accel::read_tensorboard_events (src/accel/
+// tensorboard_events.cpp, no code shared with the writer but the CRC); the CRC itself is checked
+// against this bit-by-bit one (no table).
 
 uint32_t crc32c_bitwise(const std::string& bytes) {
   uint32_t crc = ~0u;
@@ -63,137 +65,13 @@ uint32_t mask_crc(uint32_t crc) {
   return rotated + 0xa282ead8u;
 }
 
-uint64_t read_le(const std::string& bytes, size_t at, int n) {
-  uint64_t v = 0;
-  for (int i = n - 1; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(bytes.at(at + i));
-  return v;
-}
-
-// The records of a TFRecord file; throws std::runtime_error naming the record on a bad CRC or a
-// truncated record.
+// The records of a TFRecord file: the library's reader (its CRC is checked against the bitwise
+// one above in Crc32c).
 std::vector<std::string> read_records(const std::string& file) {
-  std::vector<std::string> records;
-  size_t at = 0;
-  while (at < file.size()) {
-    const size_t index = records.size();
-    if (file.size() - at < 12) throw std::runtime_error("truncated header");
-    const std::string length_bytes = file.substr(at, 8);
-    const uint64_t length = read_le(file, at, 8);
-    if (read_le(file, at + 8, 4) != mask_crc(crc32c_bitwise(length_bytes))) {
-      throw std::runtime_error("record " + std::to_string(index) + ": length CRC mismatch");
-    }
-    at += 12;
-    if (file.size() - at < length + 4) throw std::runtime_error("truncated data");
-    std::string data = file.substr(at, length);
-    if (read_le(file, at + length, 4) != mask_crc(crc32c_bitwise(data))) {
-      throw std::runtime_error("record " + std::to_string(index) + ": data CRC mismatch");
-    }
-    at += length + 4;
-    records.push_back(std::move(data));
-  }
-  return records;
+  return difftrain::accel::parse_tfrecords(file, "events");
 }
 
-// One decoded protobuf field: wire type 0 → number, 1 / 5 → fixed (raw bits), 2 → bytes.
-struct Field {
-  int wire = -1;
-  uint64_t number = 0;
-  std::string bytes;
-};
-
-// Fields of one message by field number (repeated fields keep their order).
-std::multimap<uint32_t, Field> decode_message(const std::string& msg) {
-  std::multimap<uint32_t, Field> fields;
-  size_t at = 0;
-  auto varint = [&]() {
-    uint64_t v = 0;
-    for (int shift = 0;; shift += 7) {
-      if (at >= msg.size() || shift > 63) throw std::runtime_error("bad varint");
-      const auto b = static_cast<unsigned char>(msg[at++]);
-      v |= static_cast<uint64_t>(b & 0x7F) << shift;
-      if ((b & 0x80) == 0) return v;
-    }
-  };
-  while (at < msg.size()) {
-    const uint64_t key = varint();
-    Field f;
-    f.wire = static_cast<int>(key & 7);
-    switch (f.wire) {
-      case 0: f.number = varint(); break;
-      case 1: f.number = read_le(msg, at, 8), at += 8; break;
-      case 5: f.number = read_le(msg, at, 4), at += 4; break;
-      case 2: {
-        const uint64_t n = varint();
-        if (msg.size() - at < n) throw std::runtime_error("bad length");
-        f.bytes = msg.substr(at, n);
-        at += n;
-        break;
-      }
-      default: throw std::runtime_error("unexpected wire type " + std::to_string(f.wire));
-    }
-    fields.emplace(static_cast<uint32_t>(key >> 3), std::move(f));
-  }
-  return fields;
-}
-
-const Field& one(const std::multimap<uint32_t, Field>& fields, uint32_t number, int wire) {
-  EXPECT_EQ(fields.count(number), 1u) << "field " << number;
-  const auto it = fields.find(number);
-  if (it == fields.end()) throw std::runtime_error("missing field " + std::to_string(number));
-  EXPECT_EQ(it->second.wire, wire) << "field " << number;
-  return it->second;
-}
-
-double as_double(uint64_t bits) {
-  double d;
-  std::memcpy(&d, &bits, 8);
-  return d;
-}
-float as_float(uint64_t bits) {
-  const auto b = static_cast<uint32_t>(bits);
-  float f;
-  std::memcpy(&f, &b, 4);
-  return f;
-}
-
-// A decoded Event: step, wall time and what it carries.
-struct Event {
-  double wall_time = 0;
-  int64_t step = 0;
-  std::string file_version;
-  std::optional<int64_t> session_status;
-  std::vector<std::pair<std::string, float>> scalars;
-  struct Image {
-    std::string tag;
-    int64_t height = 0, width = 0, colorspace = 0;
-    std::string png;
-  };
-  std::vector<Image> images;
-};
-
-Event decode_event(const std::string& record) {
-  const auto f = decode_message(record);
-  Event e;
-  e.wall_time = as_double(one(f, 1, 1).number);
-  if (f.count(2)) e.step = static_cast<int64_t>(one(f, 2, 0).number);
-  if (f.count(3)) e.file_version = one(f, 3, 2).bytes;
-  if (f.count(7)) e.session_status = one(decode_message(one(f, 7, 2).bytes), 1, 0).number;
-  if (f.count(5)) {
-    const auto summary = decode_message(one(f, 5, 2).bytes);
-    for (auto [it, end] = summary.equal_range(1); it != end; ++it) {
-      const auto value = decode_message(it->second.bytes);
-      const std::string tag = one(value, 1, 2).bytes;
-      if (value.count(2)) e.scalars.emplace_back(tag, as_float(one(value, 2, 5).number));
-      if (value.count(4)) {
-        const auto img = decode_message(one(value, 4, 2).bytes);
-        e.images.push_back({tag, static_cast<int64_t>(one(img, 1, 0).number),
-                            static_cast<int64_t>(one(img, 2, 0).number),
-                            static_cast<int64_t>(one(img, 3, 0).number), one(img, 4, 2).bytes});
-      }
-    }
-  }
-  return e;
-}
+using Event = difftrain::accel::TensorBoardEvent;
 
 std::vector<std::string> event_files(const std::string& dir) {
   std::vector<std::string> files;
@@ -206,11 +84,7 @@ std::vector<std::string> event_files(const std::string& dir) {
 }
 
 std::vector<Event> read_events(const std::string& path) {
-  std::vector<Event> events;
-  for (const auto& record : read_records(difftrain::io::read_file(path))) {
-    events.push_back(decode_event(record));
-  }
-  return events;
+  return difftrain::accel::read_tensorboard_events(path);
 }
 
 std::vector<std::string> lines_of(const std::string& path) {
@@ -398,7 +272,7 @@ TEST(TrackersTensorBoard, ReaderDetectsACorruptedByte) {
     read_records(bad);
     ADD_FAILURE() << "corruption not detected";
   } catch (const std::runtime_error& e) {
-    EXPECT_STREQ(e.what(), "record 1: data CRC mismatch");
+    EXPECT_HAS(e.what(), "events: record 1: data CRC mismatch;");
   }
 }
 
