@@ -181,8 +181,10 @@ void write_shard_index(const std::string& dir, const std::string& stem, int worl
   nlohmann::json weight_map = nlohmann::json::object();
   for (const auto& [name, info] : tensors) {
     check_tensor_name(name, where);
+    // A named copy: lambdas cannot capture structured bindings before C++20 (clang rejects it).
+    const std::string& tensor = name;
     const int64_t numel = checked_numel(info.shape, [&](const std::string& why) {
-      throw Error(where + ": tensor '" + name + "' " + why + "; fix the shape");
+      throw Error(where + ": tensor '" + tensor + "' " + why + "; fix the shape");
     });
     auto pieces = info.pieces;
     check_coverage(where, name, numel, pieces, "fix the piece ranges");
