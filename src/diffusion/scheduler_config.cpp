@@ -249,13 +249,17 @@ SchedulerConfig SchedulerConfig::load(const std::string& path) {
     throw Error(std::string("scheduler config: ") + e.what() +
                 "; give the path of a scheduler_config.json (a model's scheduler/ folder)");
   }
+  return parse(text, path);
+}
+
+SchedulerConfig SchedulerConfig::parse(const std::string& json_text, const std::string& source) {
   json j;
   try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    throw Error(where(path) + ": invalid JSON (" + e.what() + "); fix the file or re-create it");
+    j = json::parse(json_text);
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for 1e999
+    throw Error(where(source) + ": invalid JSON (" + e.what() + "); fix the file or re-create it");
   }
-  return from_json(j, path);
+  return from_json(j, source);
 }
 
 json SchedulerConfig::to_json() const {

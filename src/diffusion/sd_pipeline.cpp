@@ -19,25 +19,14 @@ namespace fs = std::filesystem;
 
 namespace {
 
-nlohmann::json read_model_index(const fs::path& path) {
-  nlohmann::json index;
-  try {
-    index = nlohmann::json::parse(io::read_file(path.string()));
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(path.string() + ": not valid JSON (" + e.what() + ")");
-  }
-  if (!index.is_object()) throw Error(path.string() + ": expected a JSON object");
-  return index;
-}
-
 // A model_index.json entry ["library", "Class"] -> "Class"; [null, null] -> "".
-std::string component_class(const fs::path& index_path, const std::string& name,
+std::string component_class(const std::string& index_path, const std::string& name,
                             const nlohmann::json& value) {
   if (value.is_array() && value.size() == 2) {
     if (value[0].is_null() && value[1].is_null()) return "";
     if (value[1].is_string()) return value[1].get<std::string>();
   }
-  throw Error(index_path.string() + ": component \"" + name +
+  throw Error(index_path + ": component \"" + name +
               "\" should be [\"library\", \"ClassName\"] or [null, null], got " + value.dump());
 }
 
@@ -78,9 +67,30 @@ StableDiffusionFolder resolve_stable_diffusion_folder(const std::string& dir) {
                 ": no model_index.json; a Stable Diffusion folder is what Diffusers' "
                 "StableDiffusionPipeline.save_pretrained writes");
   }
-  const nlohmann::json index = read_model_index(index_path);
-  StableDiffusionFolder out;
+  StableDiffusionFolder out =
+      parse_model_index(io::read_file(index_path.string()), index_path.string());
   out.root = dir;
+  out.unet_dir = require_dir(root, "unet", "UNet2DConditionModel");
+  out.vae_dir = require_dir(root, "vae", "AutoencoderKL");
+  out.text_encoder_dir = require_dir(root, "text_encoder", "CLIPTextModel");
+  out.tokenizer_dir = require_dir(root, "tokenizer", "CLIPTokenizer");
+  out.scheduler_config = (root / "scheduler" / "scheduler_config.json").string();
+  if (!fs::is_regular_file(out.scheduler_config)) {
+    throw Error(out.scheduler_config + ": no such file; the pipeline's scheduler/ needs it");
+  }
+  return out;
+}
+
+StableDiffusionFolder parse_model_index(const std::string& json_text,
+                                        const std::string& index_path) {
+  nlohmann::json index;
+  try {
+    index = nlohmann::json::parse(json_text);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(index_path + ": not valid JSON (" + e.what() + ")");
+  }
+  if (!index.is_object()) throw Error(index_path + ": expected a JSON object");
+  StableDiffusionFolder out;
   if (index.contains("_class_name") && index["_class_name"].is_string()) {
     out.pipeline_class = index["_class_name"].get<std::string>();
   }
@@ -110,37 +120,29 @@ StableDiffusionFolder resolve_stable_diffusion_folder(const std::string& dir) {
     auto it = supported.find(name);
     if (it == supported.end()) {
       throw Error(
-          index_path.string() + ": component \"" + name + "\" (" + cls +
+          index_path + ": component \"" + name + "\" (" + cls +
           ") is not supported; difftrain runs Stable Diffusion 1.x/2.x folders "
           "(unet, vae, text_encoder, tokenizer, scheduler)" +
           (name == "text_encoder_2" ? " — SDXL's second text encoder is not supported" : ""));
     }
     if (cls.empty()) {
-      throw Error(index_path.string() + ": component \"" + name +
+      throw Error(index_path + ": component \"" + name +
                   "\" is null; a text-to-image pipeline needs it");
     }
     if (!it->second.count(cls)) {
       std::string list;
       for (const auto& s : it->second) list += (list.empty() ? "" : ", ") + s;
-      throw Error(index_path.string() + ": " + name + " class \"" + cls +
+      throw Error(index_path + ": " + name + " class \"" + cls +
                   "\" is not supported; supported: " + list);
     }
     seen.insert(name);
   }
   for (const char* need : {"unet", "vae", "text_encoder", "tokenizer", "scheduler"}) {
     if (!seen.count(need)) {
-      throw Error(index_path.string() + ": no \"" + std::string(need) +
+      throw Error(index_path + ": no \"" + std::string(need) +
                   "\" component; a Stable Diffusion folder lists unet, vae, text_encoder, "
                   "tokenizer and scheduler");
     }
-  }
-  out.unet_dir = require_dir(root, "unet", "UNet2DConditionModel");
-  out.vae_dir = require_dir(root, "vae", "AutoencoderKL");
-  out.text_encoder_dir = require_dir(root, "text_encoder", "CLIPTextModel");
-  out.tokenizer_dir = require_dir(root, "tokenizer", "CLIPTokenizer");
-  out.scheduler_config = (root / "scheduler" / "scheduler_config.json").string();
-  if (!fs::is_regular_file(out.scheduler_config)) {
-    throw Error(out.scheduler_config + ": no such file; the pipeline's scheduler/ needs it");
   }
   return out;
 }

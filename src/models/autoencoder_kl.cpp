@@ -56,7 +56,13 @@ Conv2d conv3x3(int64_t in, int64_t out) {
 // ------------------------------------------------------------------ config
 
 AutoencoderKLConfig read_autoencoder_kl_config(const std::string& path) {
-  const nlohmann::json j = detail::parse_json_file(path, "a Diffusers AutoencoderKL config.json");
+  return parse_autoencoder_kl_config(io::read_file(path), path);
+}
+
+AutoencoderKLConfig parse_autoencoder_kl_config(const std::string& json_text,
+                                                const std::string& path) {
+  const nlohmann::json j =
+      detail::parse_json_text(json_text, path, "a Diffusers AutoencoderKL config.json");
   if (!j.is_object()) throw Error(path + ": an AutoencoderKL config must be a JSON object");
   detail::JsonFields r(j, path);
   AutoencoderKLConfig c;

@@ -49,8 +49,12 @@ torch::nn::LayerNorm layer_norm(const ClipTextConfig& c) {
 // ------------------------------------------------------------------ config
 
 ClipTextConfig read_clip_text_config(const std::string& path) {
+  return parse_clip_text_config(io::read_file(path), path);
+}
+
+ClipTextConfig parse_clip_text_config(const std::string& json_text, const std::string& path) {
   const nlohmann::json root =
-      detail::parse_json_file(path, "a Transformers CLIPTextModel config.json");
+      detail::parse_json_text(json_text, path, "a Transformers CLIPTextModel config.json");
   if (!root.is_object()) throw Error(path + ": a CLIPTextModel config must be a JSON object");
   detail::JsonFields top(root, path);
   const std::string model_type = top.string("model_type", "clip_text_model");

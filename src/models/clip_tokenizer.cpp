@@ -54,7 +54,7 @@ std::string read_file(const std::string& path) {
 json read_json(const std::string& path) {
   try {
     return json::parse(read_file(path));
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for 1e999
     throw Error(path + ": not valid JSON (" + e.what() + "): fix or re-save the file");
   }
 }
@@ -170,7 +170,8 @@ int64_t read_max_length(const json& config, const std::string& path) {
             : v.get<int64_t>();
   } else if (v.is_number_float() && v.get<double>() >= 9e18) {
     n = INT64_MAX;  // HF's VERY_LARGE_INTEGER (1e30), i.e. "no limit"
-  } else if (v.is_number_float() && v.get<double>() == std::floor(v.get<double>())) {
+  } else if (v.is_number_float() && v.get<double>() == std::floor(v.get<double>()) &&
+             v.get<double>() > -9e18) {  // converting a double below int64's range is undefined
     n = static_cast<int64_t>(v.get<double>());
   } else {
     throw Error(path + ": model_max_length is " + short_dump(v) +

@@ -8,6 +8,8 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <climits>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -15,15 +17,20 @@
 
 namespace difftrain::models::detail {
 
-/// Reads and parses `path`; `what` names the expected file in the error ("a Diffusers
-/// AutoencoderKL config.json").
-inline nlohmann::json parse_json_file(const std::string& path, const std::string& what) {
-  const std::string text = io::read_file(path);
+/// Parses `text` read from `source` (a path, for messages); `what` names the expected file in the
+/// error ("a Diffusers AutoencoderKL config.json").
+inline nlohmann::json parse_json_text(const std::string& text, const std::string& source,
+                                      const std::string& what) {
   try {
     return nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw Error(path + ": not valid JSON (" + std::string(e.what()) + "); expected " + what);
+  } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for 1e999
+    throw Error(source + ": not valid JSON (" + std::string(e.what()) + "); expected " + what);
   }
+}
+
+/// parse_json_text() of the file at `path`.
+inline nlohmann::json parse_json_file(const std::string& path, const std::string& what) {
+  return parse_json_text(io::read_file(path), path, what);
 }
 
 /// Typed field access on one JSON object; a missing or null field takes the fallback.
@@ -121,9 +128,15 @@ class JsonFields {
     return out;
   }
   int64_t as_int(const std::string& key, const nlohmann::json& v) const {
+    if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t{INT64_MAX}) {
+      fail(key, "must be an integer below 2^63, got " + v.dump());
+    }
     if (v.is_number_integer()) return v.get<int64_t>();
-    if (v.is_number_float() && v.get<double>() == static_cast<double>(static_cast<int64_t>(v))) {
-      return static_cast<int64_t>(v.get<double>());
+    if (v.is_number_float()) {
+      // 4.0 is read as 4; the range check comes first because converting a double outside
+      // int64's range (1e300, NaN) is undefined behaviour.
+      const double d = v.get<double>();
+      if (d >= -0x1p63 && d < 0x1p63 && d == std::trunc(d)) return static_cast<int64_t>(d);
     }
     fail(key, "must be an integer, got " + v.dump());
   }

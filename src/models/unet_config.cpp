@@ -298,16 +298,17 @@ UNetConfig UNetConfig::from_json(const nlohmann::json& j, const std::string& sou
   return c;
 }
 
-UNetConfig UNetConfig::load(const std::string& path) {
-  std::string text = io::read_file(path);
+UNetConfig UNetConfig::load(const std::string& path) { return parse(io::read_file(path), path); }
+
+UNetConfig UNetConfig::parse(const std::string& json_text, const std::string& source) {
   json j;
   try {
-    j = json::parse(text);
-  } catch (const json::parse_error& e) {
-    throw Error(path + ": not valid JSON (" + std::string(e.what()) +
+    j = json::parse(json_text);
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for 1e999
+    throw Error(source + ": not valid JSON (" + std::string(e.what()) +
                 "); expected a Diffusers UNet config.json");
   }
-  return from_json(j, path);
+  return from_json(j, source);
 }
 
 nlohmann::json UNetConfig::to_json() const {

@@ -116,6 +116,9 @@ struct SchedulerConfig {
   /// `DDPMScheduler.from_pretrained(folder, subfolder="scheduler")` minus the download.
   static SchedulerConfig load(const std::string& path);
 
+  /// from_json() of scheduler_config.json text already in memory; `source` names it in errors.
+  static SchedulerConfig parse(const std::string& json_text, const std::string& source);
+
   /// The scheduler_config.json Diffusers 0.31 would write for `class_name`: `_class_name`,
   /// `_diffusers_version` "0.31.0", every init argument of that class (DDPMScheduler: no
   /// set_alpha_to_one; DDIMScheduler: no variance_type; any other class name: all fields), and

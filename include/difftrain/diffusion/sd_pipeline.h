@@ -40,6 +40,11 @@ bool is_stable_diffusion_folder(const std::string& dir);
 /// class and what is supported. Missing sub-folders are errors naming the path.
 StableDiffusionFolder resolve_stable_diffusion_folder(const std::string& dir);
 
+/// The component checks of resolve_stable_diffusion_folder() on model_index.json text already in
+/// memory (`source` names it in errors): fills pipeline_class, scheduler_class and notes, leaves
+/// the folder paths empty.
+StableDiffusionFolder parse_model_index(const std::string& json_text, const std::string& source);
+
 /// Options of load_stable_diffusion().
 struct StableDiffusionLoadOptions {
   /// Weights variant of unet/vae/text_encoder ("fp16" reads *.fp16.safetensors), "" = default.

@@ -44,6 +44,11 @@ struct AutoencoderKLConfig {
 /// norm_num_groups.
 AutoencoderKLConfig read_autoencoder_kl_config(const std::string& path);
 
+/// read_autoencoder_kl_config() of config.json text already in memory; `source` names it in
+/// errors.
+AutoencoderKLConfig parse_autoencoder_kl_config(const std::string& json_text,
+                                                const std::string& source);
+
 /// The posterior q(z | x) = N(mean, exp(logvar)) (Diffusers' DiagonalGaussianDistribution).
 struct DiagonalGaussian {
   torch::Tensor mean;    ///< [B, latent_channels, h, w]

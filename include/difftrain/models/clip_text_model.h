@@ -43,6 +43,9 @@ struct ClipTextConfig {
 /// num_attention_heads, or an unsupported hidden_act (listing the supported ones).
 ClipTextConfig read_clip_text_config(const std::string& path);
 
+/// read_clip_text_config() of config.json text already in memory; `source` names it in errors.
+ClipTextConfig parse_clip_text_config(const std::string& json_text, const std::string& source);
+
 /// One pre-LN encoder layer (`CLIPEncoderLayer`): h += self_attn(layer_norm1(h)) with a causal
 /// mask, then h += mlp(layer_norm2(h)). Children: self_attn.{q_proj,k_proj,v_proj,out_proj},
 /// layer_norm1, mlp.{fc1,fc2}, layer_norm2 (the projections are models::Linear, so LoRA adapters

@@ -89,6 +89,8 @@ struct UNetConfig {
   static UNetConfig from_json(const nlohmann::json& json, const std::string& source);
   /// Reads and parses `path` (a config.json).
   static UNetConfig load(const std::string& path);
+  /// from_json() of config.json text already in memory; `source` names it in errors.
+  static UNetConfig parse(const std::string& json_text, const std::string& source);
   /// The config.json Diffusers' from_pretrained reads back (`_diffusers_version` included).
   nlohmann::json to_json() const;
   /// "UNet2DModel" or "UNet2DConditionModel".
