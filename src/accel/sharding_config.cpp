@@ -290,6 +290,9 @@ ExternalTrainingConfig parse_deepspeed_config(const std::string& json_text,
       if (c == '\n') c = ' ';
     throw Error(fmt::format("DeepSpeed config {}: invalid JSON at byte {} ({}); fix the file",
                             origin, e.byte, what));
+  } catch (const json::exception& e) {  // out_of_range for a number such as 1e999
+    throw Error(
+        fmt::format("DeepSpeed config {}: invalid JSON ({}); fix the file", origin, e.what()));
   }
   ExternalTrainingConfig out;
   if (!root.is_object()) {
@@ -406,6 +409,13 @@ struct YamlReader {
     return e.c_str();
   }
 
+  /// A mapping key as text; YAML allows lists and mappings as keys (`? [a]: 1`), Accelerate
+  /// configs never use them.
+  std::string key_name(const YAML::Node& k, const std::string& parent) const {
+    if (!k.IsScalar()) fail(parent, k, "a plain key name (not a list or mapping)");
+    return k.Scalar();
+  }
+
   std::string scalar(const YAML::Node& v, const std::string& key) const {
     if (!v.IsScalar()) fail(key, v, "a single value");
     return v.Scalar();
@@ -485,7 +495,7 @@ void read_fsdp(const YamlReader& r, const YAML::Node& fsdp) {
   bool strategy_given = false;
   std::optional<bool> reshard_after_forward;
   for (const auto& item : fsdp) {
-    const std::string key = item.first.as<std::string>();
+    const std::string key = r.key_name(item.first, "fsdp_config");
     const YAML::Node& v = item.second;
     const std::string name = "fsdp_config." + key;
     if (key == "fsdp_sharding_strategy") {
@@ -626,7 +636,7 @@ void read_deepspeed_section(const YamlReader& r, const YAML::Node& ds,
     target = value;
   };
   for (const auto& item : ds) {
-    const std::string key = item.first.as<std::string>();
+    const std::string key = r.key_name(item.first, "deepspeed_config");
     const YAML::Node& v = item.second;
     const std::string name = "deepspeed_config." + key;
     if (key == "deepspeed_config_file") {
@@ -713,7 +723,7 @@ ExternalTrainingConfig parse_accelerate_config(const std::string& yaml_text,
     type = upper(r.scalar(root["distributed_type"], "distributed_type"));
   }
   for (const auto& item : root) {
-    const std::string key = item.first.as<std::string>();
+    const std::string key = r.key_name(item.first, "the top level");
     const YAML::Node& v = item.second;
     if (key == "distributed_type") {
       if (type != "NO" && type != "MULTI_CPU" && type != "MULTI_GPU" && type != "FSDP" &&

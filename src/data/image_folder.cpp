@@ -151,7 +151,7 @@ std::vector<Entry> read_metadata(const fs::path& metadata, const fs::path& dir,
     nlohmann::json json;
     try {
       json = nlohmann::json::parse(text);
-    } catch (const nlohmann::json::parse_error& e) {
+    } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for 1e999
       throw Error(
           fmt::format("{}: not valid JSON ({}); each line must be one object such as "
                       "{{\"file_name\": \"a.png\", \"label\": 0}}",

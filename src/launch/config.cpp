@@ -132,7 +132,12 @@ LaunchConfig parse_config(const std::string& yaml_text, const std::string& origi
                 ": expected a mapping of keys (num_processes: 2, ...), got something else");
   }
   for (const auto& entry : root) {
-    const std::string key = entry.first.as<std::string>();
+    if (!entry.first.IsScalar()) {
+      throw Error("config file " + origin + ": line " +
+                  std::to_string(entry.first.Mark().line + 1) +
+                  ": a key must be a plain name such as num_processes, not a list or mapping");
+    }
+    const std::string key = entry.first.Scalar();
     const YAML::Node& value = entry.second;
     if (key == "compute_environment") {
       config.compute_environment = read_value<std::string>(value, key, origin);

@@ -298,7 +298,11 @@ void apply_yaml(TrainConfig& config, const std::string& path, std::set<std::stri
   if (root.IsNull()) return;
   if (!root.IsMap()) throw Error(path + ": expected a mapping of option names to values");
   for (const auto& item : root) {
-    const std::string name = item.first.as<std::string>();
+    if (!item.first.IsScalar()) {
+      throw Error(path + ": line " + std::to_string(item.first.Mark().line + 1) +
+                  ": a key must be an option name such as learning_rate, not a list or mapping");
+    }
+    const std::string name = item.first.Scalar();
     if (name == "config") throw Error(path + ": \"config\" cannot be nested in a config file");
     const std::string where = path + ": " + name;
     const Option& option = find(name, path);
@@ -528,6 +532,16 @@ TrainConfig parse_train_config(const std::vector<std::string>& args) {
     }
     option.set(config, Raw{*value, "--" + option.name});
     given.insert(option.name);
+  }
+  // The resolved configuration is logged and saved as JSON, which must be UTF-8: a value that is
+  // not is refused here, naming the option, instead of failing later inside the JSON writer.
+  for (const auto& o : options()) {
+    try {
+      (void)o.get(config).dump();
+    } catch (const nlohmann::json::type_error&) {
+      throw Error("--" + o.name + ": the value is not valid UTF-8; write the config file and the " +
+                  "flags as UTF-8");
+    }
   }
   // Configs users already have: an Accelerate file, then a DeepSpeed file (more specific).
   if (!config.accelerate_config_file.empty()) {
