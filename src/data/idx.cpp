@@ -102,6 +102,8 @@ const char* idx_type_name(int code) {
 }
 
 constexpr int kMaxIdxDims = 8;
+// deflate's largest expansion (~1032:1): a gzip file of n bytes holds at most this many times n.
+constexpr int64_t kMaxDeflateRatio = 1032;
 // How many bytes past the declared data are counted for an error message.
 constexpr int64_t kExtraCounted = int64_t{1} << 20;
 
@@ -180,8 +182,11 @@ torch::Tensor read_idx(const std::string& path) {
   if (reader.is_raw()) {
     const auto file_bytes = static_cast<int64_t>(fs::file_size(path, ec));
     if (!ec && file_bytes - header_bytes != numel) throw size_error(file_bytes - header_bytes);
-  } else if (gzip_isize(path) != static_cast<uint32_t>(header_bytes + numel)) {
-    // The gzip trailer disagrees (a cut-off or multi-member stream): count the real bytes.
+  } else if (gzip_isize(path) != static_cast<uint32_t>(header_bytes + numel) ||
+             numel > kMaxDeflateRatio * static_cast<int64_t>(fs::file_size(path, ec))) {
+    // The gzip trailer disagrees (a cut-off or multi-member stream), or the header declares more
+    // than the compressed file can hold (the trailer is only the size modulo 2^32 and is not
+    // checked by anyone): count the real bytes before allocating.
     const int64_t present = reader.count_remaining(numel + kExtraCounted);
     if (present != numel) throw size_error(present);
     reader.rewind();

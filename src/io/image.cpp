@@ -26,6 +26,9 @@
 #define STB_IMAGE_STATIC
 #define STB_IMAGE_IMPLEMENTATION
 #define STBI_NO_STDIO
+// Images wider or taller than this are refused before any pixel memory is allocated (stb's
+// default, 2^24, lets a 100-byte header ask for terabytes).
+#define STBI_MAX_DIMENSIONS (1 << 14)
 #include <stb/stb_image.h>
 #define STB_IMAGE_WRITE_IMPLEMENTATION
 #define STBI_WRITE_NO_STDIO
@@ -40,6 +43,44 @@ std::string shape_str(const torch::Tensor& t) {
   std::ostringstream out;
   out << t.sizes() << " " << c10::toString(t.scalar_type());
   return out.str();
+}
+
+// stb_image 2.27 (Debian's libstb-dev, the one we build against) trusts a JPEG DHT segment's 16
+// code counts: when they sum past 256 it writes past its Huffman tables (a heap overflow; fixed
+// upstream in 2.28). Such a segment is never valid, so the markers are walked as stb reads them
+// (segments by length, entropy-coded data up to the next marker) and the file is refused first.
+bool jpeg_has_oversized_huffman_table(std::string_view b) {
+  auto at = [&](size_t i) -> unsigned {
+    return i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
+  };
+  // SOI, after any number of 0xFF fill bytes (stb accepts them there too).
+  size_t pos = 0;
+  while (pos < b.size() && at(pos) == 0xFF) ++pos;
+  if (pos == 0 || at(pos) != 0xD8) return false;
+  ++pos;
+  while (pos < b.size()) {
+    if (at(pos) != 0xFF) {  // entropy-coded data (or junk stb skips): on to the next marker
+      ++pos;
+      continue;
+    }
+    while (at(pos) == 0xFF && pos < b.size()) ++pos;  // fill bytes
+    const unsigned marker = at(pos++);
+    if (marker == 0x00 || (marker >= 0xD0 && marker <= 0xD8) || marker == 0x01) continue;
+    if (marker == 0xD9) break;
+    const size_t length = at(pos) << 8 | at(pos + 1);
+    if (marker == 0xC4) {
+      size_t q = pos + 2;
+      for (long left = static_cast<long>(length) - 2; left > 0;) {
+        unsigned n = 0;
+        for (size_t i = 0; i < 16; ++i) n += at(q + 1 + i);
+        if (n > 256) return true;
+        q += 17 + n;
+        left -= 17 + static_cast<long>(n);
+      }
+    }
+    pos += length;  // SOS: its header, then the scan's entropy-coded data is skipped above
+  }
+  return false;
 }
 
 void append_bytes(void* context, void* data, int size) {
@@ -176,6 +217,11 @@ torch::Tensor decode_image(const std::string& bytes, const std::string& name, in
   }
   if (bytes.size() > static_cast<size_t>(INT_MAX)) {
     throw Error("cannot load image '" + name + "': the file is larger than 2 GiB");
+  }
+  if (jpeg_has_oversized_huffman_table(bytes)) {
+    throw Error("cannot load image '" + name +
+                "': a JPEG Huffman table declares more than 256 codes; the file is corrupt — "
+                "re-create it or convert it to PNG");
   }
   int w = 0, h = 0, stored = 0;
   std::unique_ptr<stbi_uc, void (*)(void*)> data(
