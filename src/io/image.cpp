@@ -6,6 +6,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cctype>
 #include <climits>
 #include <cmath>
 #include <filesystem>
@@ -81,6 +82,29 @@ bool jpeg_has_oversized_huffman_table(std::string_view b) {
     pos += length;  // SOS: its header, then the scan's entropy-coded data is skipped above
   }
   return false;
+}
+
+// stb_image 2.27 also reads a binary PNM (P5/P6) with maxval > 255 as 16-bit samples but then
+// converts them as 8-bit ones, writing past its buffer (fixed upstream in 2.28), and parses the
+// header integers with no overflow check. Returns why such a file is refused, or "".
+std::string unsupported_pnm(std::string_view b) {
+  if (b.size() < 2 || b[0] != 'P' || (b[1] != '5' && b[1] != '6')) return "";
+  size_t pos = 2;
+  int64_t value = 0;
+  for (int field = 0; field < 3; ++field) {  // width, height, maxval
+    for (;;) {                               // whitespace and # comments, as stb skips them
+      while (pos < b.size() && std::isspace(static_cast<unsigned char>(b[pos]))) ++pos;
+      if (pos >= b.size() || b[pos] != '#') break;
+      while (pos < b.size() && b[pos] != '\n' && b[pos] != '\r') ++pos;
+    }
+    value = 0;
+    while (pos < b.size() && std::isdigit(static_cast<unsigned char>(b[pos]))) {
+      value = value * 10 + (b[pos++] - '0');
+      if (value > (int64_t{1} << 24)) return "a PNM header value is larger than 2^24";
+    }
+  }
+  if (value > 255) return "16-bit PNM (maxval " + std::to_string(value) + ") is not supported";
+  return "";
 }
 
 void append_bytes(void* context, void* data, int size) {
@@ -222,6 +246,9 @@ torch::Tensor decode_image(const std::string& bytes, const std::string& name, in
     throw Error("cannot load image '" + name +
                 "': a JPEG Huffman table declares more than 256 codes; the file is corrupt — "
                 "re-create it or convert it to PNG");
+  }
+  if (const std::string why = unsupported_pnm(bytes); !why.empty()) {
+    throw Error("cannot load image '" + name + "': " + why + "; convert it to PNG");
   }
   int w = 0, h = 0, stored = 0;
   std::unique_ptr<stbi_uc, void (*)(void*)> data(

@@ -23,8 +23,8 @@ void save_png(const std::string& path, const torch::Tensor& image);
 /// Reads a PNG, JPEG, BMP, GIF (first frame), TGA, PSD, HDR, PIC or PNM file as uint8 [H, W, C].
 /// `channels` 1..4 converts (1 = grey, 3 = RGB like PIL's `.convert("RGB")`, 4 = RGBA); 0 keeps
 /// the file's own count. 16-bit and HDR images are reduced to 8 bits. A missing, unreadable,
-/// corrupt or unsupported file (e.g. WebP), or one wider or taller than 16384 pixels, throws a
-/// one-line difftrain::Error naming the path.
+/// corrupt or unsupported file (e.g. WebP, 16-bit PNM), or one wider or taller than 16384 pixels,
+/// throws a one-line difftrain::Error naming the path.
 torch::Tensor load_image(const std::string& path, int channels = 3);
 
 /// Decodes image bytes already in memory (as load_image); `name` is used in errors.
