@@ -3,6 +3,7 @@
 // the job runs, and every listen() call recorded by an LD_PRELOAD probe), and the rendezvous
 // folder is private (0700) and removed at the end.
 
+#include "proc_net.h"
 #include "subprocess.h"
 #include "train_util.h"
 
@@ -56,41 +57,19 @@ std::set<pid_t> process_tree(pid_t root) {
   return tree;
 }
 
-// Socket inodes held open by `pid` ("socket:[123]" links in /proc/<pid>/fd).
-std::set<std::string> socket_inodes(pid_t pid) {
-  std::set<std::string> inodes;
-  std::error_code ec;
-  for (const auto& fd : fs::directory_iterator("/proc/" + std::to_string(pid) + "/fd", ec)) {
-    const std::string target = fs::read_symlink(fd.path(), ec).string();
-    if (!ec && target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
-  }
-  return inodes;
-}
-
-struct Listener {
-  std::string local;  // hex address:port as in /proc/net/tcp
-  bool loopback = false;
-};
-
-// Listening sockets (state 0A) of /proc/net/tcp or tcp6, by inode.
-std::map<std::string, Listener> listeners(const std::string& table, bool v6) {
-  std::map<std::string, Listener> out;
-  std::ifstream in(table);
-  std::string line;
-  std::getline(in, line);  // header
-  while (std::getline(in, line)) {
-    std::istringstream f(line);
-    std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
-    f >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >> timeout >>
-        inode;
-    if (state != "0A") continue;
-    const std::string addr = local.substr(0, local.find(':'));
+// Listening sockets (state 0A) of /proc/net/tcp or tcp6, by inode: their hex local address and
+// whether it is on loopback.
+std::map<std::string, std::pair<std::string, bool>> listeners(const std::string& table, bool v6) {
+  std::map<std::string, std::pair<std::string, bool>> out;
+  for (const auto& row : read_tcp_table(table)) {
+    if (row.state != "0A") continue;
+    const std::string addr = row.local.substr(0, row.local.find(':'));
     // 127.0.0.0/8 is stored little-endian: the last byte is 7F. ::1 and ::ffff:127.x in tcp6.
     const bool loopback =
         v6 ? (addr == "00000000000000000000000001000000" ||
               (addr.rfind("0000000000000000FFFF0000", 0) == 0 && addr.substr(30, 2) == "7F"))
            : addr.size() == 8 && addr.substr(6, 2) == "7F";
-    out[inode] = {local, loopback};
+    out[row.inode] = {row.local, loopback};
   }
   return out;
 }
@@ -111,7 +90,8 @@ TEST(Security, SingleMachineJobListensOnLoopbackOnlyAndKeepsItsRendezvousPrivate
   ProcessResult result;
   std::thread waiter([&] { result = job.wait(240); });
 
-  std::map<std::string, Listener> seen;  // every listening socket of the job, by inode
+  std::map<std::string, std::pair<std::string, bool>>
+      seen;  // every listening socket of the job, by inode
   std::set<std::string> rendezvous_modes;
   size_t polls = 0;
   while (alive(job.pid())) {
@@ -119,7 +99,7 @@ TEST(Security, SingleMachineJobListensOnLoopbackOnlyAndKeepsItsRendezvousPrivate
     const std::set<pid_t> tree = process_tree(job.pid());
     std::set<std::string> inodes;
     for (pid_t pid : tree) {
-      const auto s = socket_inodes(pid);
+      const auto s = socket_inodes("/proc/" + std::to_string(pid) + "/fd");
       inodes.insert(s.begin(), s.end());
     }
     for (const auto& [table, v6] : {std::pair{"/proc/net/tcp", false}, {"/proc/net/tcp6", true}}) {
@@ -143,13 +123,13 @@ TEST(Security, SingleMachineJobListensOnLoopbackOnlyAndKeepsItsRendezvousPrivate
   waiter.join();
   ASSERT_EQ(result.exit_code, 0) << result.log();
   std::cout << "polled /proc " << polls << " times; listening sockets of the job:";
-  for (const auto& [inode, l] : seen) std::cout << " " << l.local << (l.loopback ? "" : " (!)");
+  for (const auto& [inode, l] : seen) std::cout << " " << l.first << (l.second ? "" : " (!)");
   std::cout << std::endl;
   // Sockets seen in /proc/net/tcp{,6} while the job ran: all on loopback. Gloo's listeners live
   // only while the ranks connect, so polling may miss them; the probe below sees every one.
   for (const auto& [inode, l] : seen) {
-    EXPECT_TRUE(l.loopback) << "listening socket " << l.local << " (inode " << inode
-                            << ") is not on loopback";
+    EXPECT_TRUE(l.second) << "listening socket " << l.first << " (inode " << inode
+                          << ") is not on loopback";
   }
   // Every listen() of the launcher and its ranks, from the LD_PRELOAD probe.
   std::ifstream log(listen_log);

@@ -11,6 +11,7 @@
 //   spam LINES             writes long lines in pieces (whole-line relay)
 // Every rank writes its pid to $DT_PID_DIR/<rank>.pid when DT_PID_DIR is set.
 
+#include "../proc_net.h"
 #include "difftrain/core/error.h"
 #include "difftrain/dist/collectives.h"
 #include "difftrain/launch/self_test.h"
@@ -45,26 +46,14 @@ void write_pid() {
 // TCP sockets of this process, by local "address:port" (an IPv6 one is reported as such and
 // counts as not loopback).
 std::vector<std::string> tcp_sockets() {
-  std::set<std::string> inodes;
-  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd")) {
-    std::error_code ec;
-    const auto target = std::filesystem::read_symlink(entry.path(), ec).string();
-    if (!ec && target.rfind("socket:[", 0) == 0) inodes.insert(target.substr(8, target.size() - 9));
-  }
+  const auto inodes = difftrain::testing::socket_inodes("/proc/self/fd");
   std::vector<std::string> out;
   for (const char* table : {"/proc/self/net/tcp", "/proc/self/net/tcp6"}) {
-    std::ifstream in(table);
-    std::string line;
-    std::getline(in, line);  // header
-    while (std::getline(in, line)) {
-      std::istringstream fields(line);
-      std::string slot, local, remote, state, queues, timer, retransmits, uid, timeout, inode;
-      fields >> slot >> local >> remote >> state >> queues >> timer >> retransmits >> uid >>
-          timeout >> inode;
-      if (!inodes.count(inode)) continue;
-      const auto colon = local.find(':');
-      const std::string hex = local.substr(0, colon);
-      const int port = std::stoi(local.substr(colon + 1), nullptr, 16);
+    for (const auto& row : difftrain::testing::read_tcp_table(table)) {
+      if (!inodes.count(row.inode)) continue;
+      const auto colon = row.local.find(':');
+      const std::string hex = row.local.substr(0, colon);
+      const int port = std::stoi(row.local.substr(colon + 1), nullptr, 16);
       if (hex.size() != 8) {
         out.push_back("ipv6:" + std::to_string(port));
         continue;
