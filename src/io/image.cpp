@@ -250,6 +250,24 @@ torch::Tensor decode_image(const std::string& bytes, const std::string& name, in
   if (const std::string why = unsupported_pnm(bytes); !why.empty()) {
     throw Error("cannot load image '" + name + "': " + why + "; convert it to PNG");
   }
+  // A header may declare far more pixels than its file can hold: stb_image reads missing bytes
+  // as zeros, so a 50-byte TGA or BMP header can make it allocate a 16384 x 16384 image. No
+  // format here packs more than 8 pixels per byte (1-bit PNG) times zlib's 1032:1, so a header
+  // that claims more than that (plus a small allowance) is refused before anything is allocated.
+  int info_w = 0, info_h = 0, info_c = 0;
+  if (stbi_info_from_memory(reinterpret_cast<const stbi_uc*>(bytes.data()),
+                            static_cast<int>(bytes.size()), &info_w, &info_h, &info_c) != 0) {
+    constexpr int64_t kMaxPixelsPerByte = 8 * 1032;
+    constexpr int64_t kAllowance = 1 << 16;
+    const int64_t pixels = int64_t{info_w} * int64_t{info_h};
+    if (pixels > kMaxPixelsPerByte * static_cast<int64_t>(bytes.size()) + kAllowance) {
+      throw Error("cannot load image '" + name + "': its header declares " +
+                  std::to_string(info_w) + "x" + std::to_string(info_h) +
+                  " pixels, more than a file of " + std::to_string(bytes.size()) +
+                  " bytes can hold; the file is truncated or corrupt — re-create it or convert it "
+                  "to PNG");
+    }
+  }
   int w = 0, h = 0, stored = 0;
   std::unique_ptr<stbi_uc, void (*)(void*)> data(
       stbi_load_from_memory(reinterpret_cast<const stbi_uc*>(bytes.data()),

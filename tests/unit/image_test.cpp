@@ -98,6 +98,28 @@ TEST(ImageLoad, ErrorsNameThePath) {
   std::printf("webp: %s\n", msg.c_str());
   EXPECT_HAS(msg, webp);
 
+  // A bare 54-byte BMP header claiming 10000 x 10000 pixels: refused before decoding (stb_image
+  // would read the missing pixels as zeros and allocate 300 MB).
+  std::string bmp(54, '\0');
+  auto put32 = [&](size_t at, uint32_t v) {
+    for (int i = 0; i < 4; ++i) bmp[at + i] = static_cast<char>((v >> (8 * i)) & 0xff);
+  };
+  bmp[0] = 'B';
+  bmp[1] = 'M';
+  put32(2, 54);   // file size
+  put32(10, 54);  // pixel data offset
+  put32(14, 40);  // BITMAPINFOHEADER
+  put32(18, 10000);
+  put32(22, 10000);
+  bmp[26] = 1;   // planes
+  bmp[28] = 24;  // bits per pixel
+  const std::string bomb = dir + "/bomb.bmp";
+  difftrain::io::write_file_atomic(bomb, bmp);
+  msg = messages.emplace_back(error_of([&] { load_image(bomb); }));
+  std::printf("header bomb: %s\n", msg.c_str());
+  EXPECT_HAS(msg, bomb);
+  EXPECT_HAS(msg, "10000x10000 pixels, more than a file of 54 bytes can hold");
+
   EXPECT_HAS(error_of([&] { load_image(dir); }), "folder");
   EXPECT_HAS(error_of([&] { load_image(truncated, 5); }), "channels");
   for (const auto& m : messages) EXPECT_EQ(m.find('\n'), std::string::npos) << m;
