@@ -12,5 +12,7 @@ scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:detect_container_overflow=0:abort_on_error=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-halt_on_error=1:print_stacktrace=1:suppressions=$(dirname "$0")/ubsan.supp}
-exec "$fuzzer" -max_total_time="$seconds" -timeout=20 -rss_limit_mb=4096 -max_len=65536 \
+# A fixed seed (DIFFTRAIN_FUZZ_SEED, default 1): the suite replays the same mutations every run,
+# so a CI result does not depend on luck; longer runs pick other seeds.
+exec "$fuzzer" -seed="${DIFFTRAIN_FUZZ_SEED:-1}" -max_total_time="$seconds" -timeout=20 -rss_limit_mb=4096 -max_len=65536 \
   -print_final_stats=1 -artifact_prefix="$artifacts/$(basename "$fuzzer")-" "$@" "$scratch" "$corpus"
