@@ -2,6 +2,7 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
+#include "difftrain/core/torch_compat.h"
 #include "difftrain/dist/collectives.h"
 
 #include <ATen/autocast_mode.h>
@@ -59,17 +60,17 @@ AutocastGuard::AutocastGuard(MixedPrecision mp, torch::Device device) {
   }
   const at::ScalarType dtype = mp == MixedPrecision::kBf16 ? at::kBFloat16 : at::kHalf;
   if (cuda_) {
-    previous_enabled_ = at::autocast::is_enabled();
-    previous_dtype_ = at::autocast::get_autocast_gpu_dtype();
-    at::autocast::set_autocast_gpu_dtype(dtype);
-    at::autocast::set_enabled(true);
+    previous_enabled_ = compat::autocast_enabled(c10::DeviceType::CUDA);
+    previous_dtype_ = compat::autocast_dtype(c10::DeviceType::CUDA);
+    compat::set_autocast_dtype(c10::DeviceType::CUDA, dtype);
+    compat::set_autocast_enabled(c10::DeviceType::CUDA, true);
   } else {
     // A bf16 CPU scope without the norm fixes fails on the first GroupNorm / LayerNorm.
     install_autocast_fixes();
-    previous_enabled_ = at::autocast::is_cpu_enabled();
-    previous_dtype_ = at::autocast::get_autocast_cpu_dtype();
-    at::autocast::set_autocast_cpu_dtype(dtype);
-    at::autocast::set_cpu_enabled(true);
+    previous_enabled_ = compat::autocast_enabled(c10::DeviceType::CPU);
+    previous_dtype_ = compat::autocast_dtype(c10::DeviceType::CPU);
+    compat::set_autocast_dtype(c10::DeviceType::CPU, dtype);
+    compat::set_autocast_enabled(c10::DeviceType::CPU, true);
   }
   // The same per-thread nesting counter torch.autocast uses, so mixed C++/Python scopes agree on
   // which one is outermost.
@@ -88,11 +89,11 @@ AutocastGuard::AutocastGuard(AutocastGuard&& other) noexcept
 AutocastGuard::~AutocastGuard() {
   if (!active_) return;
   if (cuda_) {
-    at::autocast::set_enabled(previous_enabled_);
-    at::autocast::set_autocast_gpu_dtype(previous_dtype_);
+    compat::set_autocast_enabled(c10::DeviceType::CUDA, previous_enabled_);
+    compat::set_autocast_dtype(c10::DeviceType::CUDA, previous_dtype_);
   } else {
-    at::autocast::set_cpu_enabled(previous_enabled_);
-    at::autocast::set_autocast_cpu_dtype(previous_dtype_);
+    compat::set_autocast_enabled(c10::DeviceType::CPU, previous_enabled_);
+    compat::set_autocast_dtype(c10::DeviceType::CPU, previous_dtype_);
   }
   // The cache holds bf16/fp16 copies of fp32 leaf weights keyed by tensor, not by version: it
   // must not outlive the scope, or the next forward would use weights from before the step.
@@ -100,14 +101,15 @@ AutocastGuard::~AutocastGuard() {
 }
 
 AutocastDisabledGuard::AutocastDisabledGuard()
-    : cpu_(at::autocast::is_cpu_enabled()), cuda_(at::autocast::is_enabled()) {
-  at::autocast::set_cpu_enabled(false);
-  at::autocast::set_enabled(false);
+    : cpu_(compat::autocast_enabled(c10::DeviceType::CPU)),
+      cuda_(compat::autocast_enabled(c10::DeviceType::CUDA)) {
+  compat::set_autocast_enabled(c10::DeviceType::CPU, false);
+  compat::set_autocast_enabled(c10::DeviceType::CUDA, false);
 }
 
 AutocastDisabledGuard::~AutocastDisabledGuard() {
-  at::autocast::set_cpu_enabled(cpu_);
-  at::autocast::set_enabled(cuda_);
+  compat::set_autocast_enabled(c10::DeviceType::CPU, cpu_);
+  compat::set_autocast_enabled(c10::DeviceType::CUDA, cuda_);
 }
 
 namespace {

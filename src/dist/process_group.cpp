@@ -1,6 +1,7 @@
 #include "difftrain/dist/process_group.h"
 
 #include "difftrain/core/error.h"
+#include "difftrain/core/torch_compat.h"
 #include "difftrain/core/log.h"
 #include "difftrain/dist/net.h"
 #include "difftrain/dist/store_util.h"
@@ -11,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef DIFFTRAIN_WITH_NCCL
+#include <c10/cuda/CUDAFunctions.h>
 #include <torch/cuda.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
@@ -27,6 +29,19 @@
 namespace difftrain::dist {
 
 namespace {
+
+void check_backend_option(const std::string& backend) {
+  if (backend != "auto" && backend != "gloo" && backend != "nccl") {
+    throw Error("unknown backend '" + backend + "': use gloo, nccl or auto");
+  }
+#ifndef DIFFTRAIN_WITH_NCCL
+  if (backend == "nccl") {
+    throw Error(
+        "backend nccl needs a difftrain built with -DDIFFTRAIN_CUDA=ON against a CUDA "
+        "LibTorch; use gloo (the default) on this build");
+  }
+#endif
+}
 
 using Clock = std::chrono::steady_clock;
 
@@ -66,16 +81,7 @@ ProcessGroupOptions ProcessGroupOptions::with_env_overrides() const {
 
 ProcessGroup::ProcessGroup(RendezvousInfo info, ProcessGroupOptions options)
     : info_(std::move(info)), options_(std::move(options)) {
-  if (options_.backend != "auto" && options_.backend != "gloo" && options_.backend != "nccl") {
-    throw Error("unknown backend '" + options_.backend + "': use gloo, nccl or auto");
-  }
-#ifndef DIFFTRAIN_WITH_NCCL
-  if (options_.backend == "nccl") {
-    throw Error(
-        "backend nccl needs a difftrain built with -DDIFFTRAIN_CUDA=ON against a CUDA "
-        "LibTorch; use gloo (the default) on this build");
-  }
-#endif
+  check_backend_option(options_.backend);
   if (info_.world_size == 1) {
     bind_address_ = "";
     peer_hosts_ = {"local"};
@@ -101,7 +107,10 @@ ProcessGroup::ProcessGroup(RendezvousInfo info, ProcessGroupOptions options)
 ProcessGroup::ProcessGroup(RendezvousInfo info, ProcessGroupOptions options,
                            c10::intrusive_ptr<c10d::Store> store)
     : info_(std::move(info)), options_(std::move(options)) {
-  if (info_.world_size == 1) {
+  check_backend_option(options_.backend);
+  // A world of one needs no backend, except where NCCL is asked for by name: then a one-rank
+  // NCCL communicator is made, which is how one GPU tests the NCCL path.
+  if (info_.world_size == 1 && options_.backend != "nccl") {
     peer_hosts_ = {"local"};
     return;
   }
@@ -122,7 +131,7 @@ std::string ProcessGroup::backend_name() const {
   return backend_->getBackendName();
 }
 
-c10d::ProcessGroup& ProcessGroup::backend() {
+compat::C10dBackend& ProcessGroup::backend() {
   if (!backend_) throw Error("a world of one rank has no c10d process group");
   return *backend_;
 }
@@ -150,6 +159,7 @@ void ProcessGroup::open_store() {
     opts.isServer = info_.rank == 0 && !info_.store_hosted;
     opts.waitWorkers = false;
     opts.timeout = options_.join_timeout;
+    compat::use_classic_tcpstore(opts, 0);
     try {
       base = c10::make_intrusive<c10d::TCPStore>(info_.master_addr, opts);
     } catch (const std::exception& e) {
@@ -212,7 +222,18 @@ void ProcessGroup::join() {
 void ProcessGroup::connect_backend() {
   std::string backend = options_.backend;
 #ifdef DIFFTRAIN_WITH_NCCL
-  if (backend == "auto") backend = torch::cuda::is_available() ? "nccl" : "gloo";
+  if (backend == "auto") {
+    // NCCL needs a GPU of its own per rank; ranks that share a GPU (or have none) use Gloo,
+    // which reduces CUDA tensors too.
+    const auto gpus = torch::cuda::is_available() ? torch::cuda::device_count() : 0;
+    backend = gpus >= static_cast<size_t>(info_.local_world_size) ? "nccl" : "gloo";
+    if (gpus > 0 && backend == "gloo" && info_.rank == 0) {
+      log::warn(
+          "{} local ranks share {} GPU(s): NCCL needs one GPU per rank, so the backend is "
+          "gloo (set DIFFTRAIN_BACKEND to choose)",
+          info_.local_world_size, gpus);
+    }
+  }
   if (backend == "nccl") {
     auto opts = c10d::ProcessGroupNCCL::Options::create();
     opts->timeout = options_.collective_timeout;

@@ -1,6 +1,7 @@
 #include "coordinator.h"
 
 #include "difftrain/core/error.h"
+#include "difftrain/core/torch_compat.h"
 #include "difftrain/dist/net.h"
 #include "difftrain/dist/store_util.h"
 
@@ -61,6 +62,7 @@ c10::intrusive_ptr<c10d::Store> connect(const std::string& host, int port, bool 
   opts.isServer = server;
   opts.waitWorkers = false;
   opts.timeout = timeout;
+  compat::use_classic_tcpstore(opts, 0);
   return c10::make_intrusive<c10d::TCPStore>(host, opts);
 }
 

@@ -1,6 +1,7 @@
 #include "difftrain/models/linear.h"
 
 #include "difftrain/core/error.h"
+#include "difftrain/core/torch_compat.h"
 
 #include <torch/nn/functional/conv.h>
 #include <torch/nn/functional/dropout.h>
@@ -66,7 +67,7 @@ torch::Tensor LoraAdapterImpl::forward(const torch::Tensor& x) {
     return torch::linear(torch::linear(h, down_weight_), up_weight_).mul(scale());
   }
   const auto& o = conv_options_;
-  const auto* padding = c10::get_if<torch::ExpandingArray<2>>(&o.padding());
+  const auto* padding = compat::variant_get_if<torch::ExpandingArray<2>>(&o.padding());
   if (padding == nullptr) throw Error("LoRA on a convolution with string padding is not supported");
   h = torch::conv2d(h, down_weight_, {}, *o.stride(), **padding, *o.dilation());
   return torch::conv2d(h, up_weight_).mul(scale());

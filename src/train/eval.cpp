@@ -51,10 +51,10 @@ double frechet_distance(const torch::Tensor& a_in, const torch::Tensor& b_in) {
   const auto s1 = cov(a), s2 = cov(b);
   // sqrt(S1) by eigendecomposition; then tr((sqrt(S1) S2 sqrt(S1))^1/2) from the eigenvalues of
   // that symmetric PSD matrix (equal to tr((S1 S2)^1/2), without a non-symmetric sqrtm).
-  auto [e1, v1] = torch::linalg::eigh(s1, "L");
+  auto [e1, v1] = at::linalg_eigh(s1, "L");
   const auto root1 = v1.mm(torch::diag(e1.clamp_min(0).sqrt())).mm(v1.t());
   const auto m = root1.mm(s2).mm(root1);
-  const auto em = torch::linalg::eigvalsh((m + m.t()) / 2, "L");
+  const auto em = at::linalg_eigvalsh((m + m.t()) / 2, "L");
   const double trace_root = em.clamp_min(0).sqrt().sum().item<double>();
   return mu.dot(mu).item<double>() + s1.trace().item<double>() + s2.trace().item<double>() -
          2.0 * trace_root;

@@ -519,7 +519,7 @@ TrainConfig parse_train_config(const std::vector<std::string>& args) {
       if (!value) ++i;
       continue;
     }
-    const Option& option = find(name, "--" + name);
+    const Option option = find(name, "--" + name);
     if (!value) {
       const bool next_is_value = i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0;
       if (option.type.rfind("bool", 0) == 0 && !next_is_value) {

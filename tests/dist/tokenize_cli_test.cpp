@@ -69,10 +69,10 @@ void write(const std::string& path, const std::string& text) {
 
 TEST(TokenizeCli, PromptsPrintTheFixtureIdsAndWarnWhenTruncated) {
   const auto cases = fixture_cases();
-  const auto& cat = find_case(cases, "a photo of a cat");
-  const auto& empty = find_case(cases, "");
-  const auto& longest = find_case(cases, "a highly detailed digital painting");
-  const auto& apostrophes = find_case(cases, "it's a dog's life");
+  const auto cat = find_case(cases, "a photo of a cat");
+  const auto empty = find_case(cases, "");
+  const auto longest = find_case(cases, "a highly detailed digital painting");
+  const auto apostrophes = find_case(cases, "it's a dog's life");
   ASSERT_GT(longest.num_tokens, 75);
   const auto r =
       run({kDifftrain, "tokenize", "--model", kPipeline, "--prompt", cat.prompt, "--prompt",
@@ -106,7 +106,7 @@ TEST(TokenizeCli, PromptFileKeepsEveryLineAndTakesATokenizerFolder) {
   }
   ASSERT_GE(want.size(), 20u);
   // An empty line in the middle is an empty prompt; a final newline adds none.
-  const auto& empty = find_case(cases, "");
+  const auto empty = find_case(cases, "");
   text = "a photo of a cat\r\n\n" + text;
   want.insert(want.begin(), {json_line(find_case(cases, "a photo of a cat").input_ids),
                              json_line(empty.input_ids)});
@@ -138,7 +138,7 @@ TEST(TokenizeCli, PromptFileKeepsEveryLineAndTakesATokenizerFolder) {
 
 TEST(TokenizeCli, MaxLengthAndNoPadding) {
   const auto cases = fixture_cases();
-  const auto& cat = find_case(cases, "a photo of a cat");  // 5 tokens
+  const auto cat = find_case(cases, "a photo of a cat");  // 5 tokens
   auto r =
       run({kDifftrain, "tokenize", "--model", kPipeline, "--prompt", cat.prompt, "--no_padding"},
           {}, 60);

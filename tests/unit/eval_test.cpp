@@ -19,7 +19,7 @@ double reference_distance(const torch::Tensor& a, const torch::Tensor& b) {
   auto s1 = cov(x), s2 = cov(y);
   auto mu = x.mean(0) - y.mean(0);
   // tr((S1 S2)^1/2) = sum of the square roots of the eigenvalues of S1 S2 (real, >= 0).
-  auto eig = torch::real(torch::linalg::eigvals(s1.mm(s2))).clamp_min(0);
+  auto eig = torch::real(at::linalg_eigvals(s1.mm(s2))).clamp_min(0);
   return mu.dot(mu).item<double>() + (s1.trace() + s2.trace()).item<double>() -
          2 * eig.sqrt().sum().item<double>();
 }

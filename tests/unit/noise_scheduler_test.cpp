@@ -208,12 +208,17 @@ TEST(NoiseScheduler, DdpmStepMatchesDiffusersForEveryPredictionType) {
 
     const SchedulerOutput out = scheduler.step(model_output, t, sample, seeded(7));
     const double prev_diff = max_abs_diff(out.prev_sample, g("ddpm_step." + name + ".prev"));
-    const double x0_diff = max_abs_diff(out.pred_original_sample, g("ddpm_step." + name + ".x0"));
+    const torch::Tensor x0_want = g("ddpm_step." + name + ".x0");
+    const double x0_diff = max_abs_diff(out.pred_original_sample, x0_want);
+    // x0 = (x_t - sqrt(1 - a) eps) / sqrt(a) is large at t 840 (a ~ 0.01): float32 holds it to
+    // about 1e-7 of its magnitude, and LibTorch 2.x's vectorised kernels round differently from
+    // 1.13's, so the tolerance scales with the largest |x0|.
+    const double x0_tol = kGoldenAbsTol * std::max(1.0, x0_want.abs().max().item<double>());
     report("DDPM step " + name + " (t " + std::to_string(t) + ") prev_sample", prev_diff,
            kGoldenAbsTol);
-    report("DDPM step " + name + " pred_original_sample", x0_diff, kGoldenAbsTol);
+    report("DDPM step " + name + " pred_original_sample", x0_diff, x0_tol);
     EXPECT_LE(prev_diff, kGoldenAbsTol) << name;
-    EXPECT_LE(x0_diff, kGoldenAbsTol) << name;
+    EXPECT_LE(x0_diff, x0_tol) << name;
 
     // The noise Diffusers drew, recovered from its result with a float64 posterior mean and
     // standard deviation, is what LibTorch's generator seeded 7 draws.

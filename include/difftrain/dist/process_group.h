@@ -1,5 +1,6 @@
 #pragma once
 
+#include "difftrain/core/torch_compat.h"
 #include "difftrain/dist/rendezvous.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -58,7 +59,7 @@ class ProcessGroup {
   const std::vector<std::string>& peer_hosts() const { return peer_hosts_; }
 
   /// The c10d group; only for size() > 1.
-  c10d::ProcessGroup& backend();
+  compat::C10dBackend& backend();
   /// The rendezvous store (keys under this group's prefix); only for size() > 1.
   c10d::Store& store();
 
@@ -81,7 +82,7 @@ class ProcessGroup {
   std::string bind_address_;
   std::vector<std::string> peer_hosts_;
   c10::intrusive_ptr<c10d::Store> store_;
-  c10::intrusive_ptr<c10d::ProcessGroup> backend_;
+  c10::intrusive_ptr<compat::C10dBackend> backend_;
   int failures_ = 0;
 };
 
