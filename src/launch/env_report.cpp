@@ -1,6 +1,7 @@
 #include "difftrain/launch/env_report.h"
 
 #include "difftrain/launch/config.h"
+#include "difftrain/launch/cuda_info.h"
 #include "difftrain/launch/launcher.h"
 
 #include <ATen/Parallel.h>
@@ -143,16 +144,21 @@ std::string environment_report(double probe_seconds) {
           : "heap up to 32 MiB blocks, 1 GiB kept after free",
       getenv_or("DIFFTRAIN_MALLOC_TUNING", "unset"));
   out << "- CPU: " << cpu_summary() << "\n";
-#ifdef DIFFTRAIN_WITH_NCCL
-  const bool nccl_built = true;
-#else
-  const bool nccl_built = false;
-#endif
-  const bool cuda = torch::cuda::is_available();
-  out << fmt::format("- CUDA: {} ({} device(s)); NCCL path compiled: {}; collectives backend: {}\n",
-                     cuda ? "available" : "not available", cuda ? torch::cuda::device_count() : 0,
-                     nccl_built ? "yes (DIFFTRAIN_CUDA=ON)" : "no (DIFFTRAIN_CUDA=OFF)",
-                     nccl_built && cuda ? "nccl" : "gloo");
+  const CudaInfo cuda = detect_cuda();
+  out << "- LibTorch build: "
+      << (cuda.cuda_build ? fmt::format("CUDA {}, cuDNN {}", cuda.cuda_runtime,
+                                        cuda.cudnn.empty() ? "none" : cuda.cudnn)
+                          : std::string("CPU only"))
+      << "\n";
+  out << fmt::format("- difftrain CUDA/NCCL path: {}\n",
+                     cuda.difftrain_cuda ? fmt::format("compiled (DIFFTRAIN_CUDA=ON), NCCL {}",
+                                                       cuda.nccl.empty() ? "unknown" : cuda.nccl)
+                                         : std::string("not compiled (DIFFTRAIN_CUDA=OFF)"));
+  out << fmt::format("- CUDA devices: {}{}\n", cuda.devices.size(),
+                     cuda.devices.empty() ? " (training runs on the CPU)" : "");
+  for (const auto& line : cuda.devices) out << "    " << line << "\n";
+  out << fmt::format("- collectives backend: {}\n",
+                     cuda.difftrain_cuda && !cuda.devices.empty() ? "nccl" : "gloo");
   const std::string path = default_config_path();
   out << "- default config (" << path << "): ";
   std::ifstream config(path);

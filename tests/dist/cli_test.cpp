@@ -4,6 +4,7 @@
 #include "subprocess.h"
 
 #include <gtest/gtest.h>
+#include <torch/version.h>
 
 #include <fstream>
 
@@ -136,11 +137,19 @@ TEST(EnvCommand, ReportsVersionsBlasThreadsAndConfig) {
   const auto dir = make_temp_dir("env");
   const auto r = run({kDifftrain, "env", "--probe_seconds", "0.2"}, {{"XDG_CACHE_HOME", dir}}, 60);
   ASSERT_EQ(r.exit_code, 0) << r.log();
-  for (const char* field :
-       {"- difftrain version:", "- LibTorch version: 1.13", "- BLAS:", "- matmul probe:", "GFLOP/s",
-        "- threads: intra-op", "- CPU:", "- CUDA:", "- default config ("}) {
+  for (const char* field : {"- difftrain version:", "- LibTorch version: " TORCH_VERSION,
+                            "- BLAS:", "- matmul probe:", "GFLOP/s", "- threads: intra-op",
+                            "- CPU:", "- LibTorch build: ", "- CUDA devices: ",
+                            "- collectives backend: ", "- default config ("}) {
     EXPECT_NE(r.out.find(field), std::string::npos) << field << "\n" << r.log();
   }
+#ifdef DIFFTRAIN_WITH_CUDA
+  // A CUDA build reports the toolkit LibTorch was built with and the NCCL it links.
+  EXPECT_NE(r.out.find("- LibTorch build: CUDA 1"), std::string::npos) << r.log();
+  EXPECT_NE(r.out.find("compiled (DIFFTRAIN_CUDA=ON), NCCL 2."), std::string::npos) << r.log();
+#else
+  EXPECT_NE(r.out.find("- difftrain CUDA/NCCL path: not compiled"), std::string::npos) << r.log();
+#endif
   // scripts/setup installs OpenBLAS: a reference BLAS here would be a setup bug.
   EXPECT_NE(r.out.find("- BLAS: openblas"), std::string::npos) << r.log();
   EXPECT_EQ(r.out.find("WARNING"), std::string::npos) << r.log();

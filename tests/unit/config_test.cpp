@@ -1,7 +1,9 @@
 #include "difftrain/launch/config.h"
 #include "difftrain/core/error.h"
+#include "difftrain/launch/cuda_info.h"
 
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -187,6 +189,34 @@ TEST(Config, InteractiveQuestionsTakeDefaultsAndReaskOnBadAnswers) {
   EXPECT_EQ(c.distributed_type, "MULTI_CPU");
   EXPECT_NE(out.str().find("please answer 0 to 1"), std::string::npos) << out.str();
   EXPECT_NE(out.str().find("please answer with a whole number"), std::string::npos) << out.str();
+}
+
+// `difftrain env`'s CUDA lines: CUDA's and cuDNN's integer versions, and what this build is.
+TEST(CudaInfo, FormatsToolkitVersions) {
+  EXPECT_EQ(format_cuda_version(12040), "12.4");
+  EXPECT_EQ(format_cuda_version(11080), "11.8");
+  EXPECT_EQ(format_cuda_version(0), "");
+  EXPECT_EQ(format_cudnn_version(90100), "9.1.0");
+  EXPECT_EQ(format_cudnn_version(90501), "9.5.1");
+  EXPECT_EQ(format_cudnn_version(8902), "8.9.2");
+  EXPECT_EQ(format_cudnn_version(0), "");
+}
+
+TEST(CudaInfo, DescribesThisBuild) {
+  const CudaInfo info = detect_cuda();
+#ifdef DIFFTRAIN_WITH_CUDA
+  EXPECT_TRUE(info.cuda_build);
+  EXPECT_TRUE(info.difftrain_cuda);
+  EXPECT_EQ(info.nccl.rfind("2.", 0), 0u) << info.nccl;
+  EXPECT_EQ(info.cuda_runtime.rfind("1", 0), 0u) << info.cuda_runtime;
+#else
+  EXPECT_FALSE(info.difftrain_cuda);
+  EXPECT_TRUE(info.nccl.empty());
+#endif
+  // Devices are listed only where CUDA sees them.
+  if (info.devices.empty()) {
+    EXPECT_FALSE(torch::cuda::is_available());
+  }
 }
 
 }  // namespace
