@@ -10,8 +10,11 @@
 #include "difftrain/io/image.h"
 #include "difftrain/io/safetensors.h"
 
+#include <torch/cuda.h>
+
 #include <chrono>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 namespace difftrain::cli {
@@ -40,8 +43,38 @@ struct SampleArgs {
   int64_t height = 0, width = 0;
   int64_t clip_skip = 1;
   std::string variant;
+  std::string device = "auto";
   bool guidance_given = false;
 } g_args;
+
+// --device: "auto" (the first CUDA device when one is visible, else the CPU), "cpu", "cuda" or
+// "cuda:N", as in Diffusers' pipe.to(device).
+torch::Device parse_sample_device(const std::string& text) {
+  if (text == "auto") {
+    return torch::cuda::is_available() ? torch::Device(torch::kCUDA, 0)
+                                       : torch::Device(torch::kCPU);
+  }
+  std::optional<torch::Device> device;
+  try {
+    device = torch::Device(text);
+  } catch (const std::exception&) {
+  }
+  if (!device || (!device->is_cpu() && !device->is_cuda())) {
+    throw Error("--device '" + text + "' is not a device: use auto, cpu, cuda or cuda:N");
+  }
+  if (device->is_cuda()) {
+    const auto count = torch::cuda::is_available() ? torch::cuda::device_count() : 0;
+    if (count == 0) {
+      throw Error("--device " + text +
+                  ": no CUDA device is visible to this LibTorch (check `difftrain env`); use "
+                  "--device cpu");
+    }
+    if (device->has_index() && device->index() >= static_cast<int64_t>(count)) {
+      throw Error(fmt::format("--device {}: only {} CUDA device(s) are visible", text, count));
+    }
+  }
+  return *device;
+}
 
 // A denoising-step callback that logs step, it/s and ETA every two seconds (and at the end).
 std::function<void(int64_t, int64_t)> progress_logger(std::chrono::steady_clock::time_point start) {
@@ -99,17 +132,21 @@ int run_text_to_image(const SampleArgs& a) {
   o.seed = a.seed;
   o.eta = a.eta;
   o.clip_skip = a.clip_skip - 1;
+  const torch::Device device = parse_sample_device(a.device);
   auto sd = diffusion::load_stable_diffusion(a.model, lo);
+  sd.text_encoder->to(device);
+  sd.vae->to(device);
+  sd.unet->to(device);
   if (o.clip_skip >= sd.text_encoder->config().num_hidden_layers) {
     throw Error("--clip_skip " + std::to_string(a.clip_skip) + " is more than the text encoder's " +
                 std::to_string(sd.text_encoder->config().num_hidden_layers) + " layers");
   }
   const int64_t total = static_cast<int64_t>(o.prompts.size()) * o.num_images_per_prompt;
   log::info(
-      "difftrain sample: {} ({}), scheduler {}, {} steps, guidance {}, {} prompt(s) x {} "
+      "difftrain sample: {} ({}) on {}, scheduler {}, {} steps, guidance {}, {} prompt(s) x {} "
       "image(s), seed {}{}",
-      a.model, sd.folder.pipeline_class, sd.scheduler->class_name(), o.num_inference_steps,
-      o.guidance_scale, o.prompts.size(), o.num_images_per_prompt, a.seed,
+      a.model, sd.folder.pipeline_class, device.str(), sd.scheduler->class_name(),
+      o.num_inference_steps, o.guidance_scale, o.prompts.size(), o.num_images_per_prompt, a.seed,
       a.lora.empty() ? std::string() : fmt::format(", LoRA {} x{}", a.lora, a.lora_scale));
   for (size_t i = 0; i < o.prompts.size(); ++i) {
     const auto enc = sd.tokenizer.encode(o.prompts[i]);
@@ -223,6 +260,10 @@ CLI::App* add_sample_command(CLI::App& app) {
                   "(default), 2 = penultimate")
       ->check(CLI::Range(int64_t{1}, int64_t{64}));
   cmd->add_option("--variant", g_args.variant, "Weights variant, e.g. fp16");
+  cmd->add_option("--device", g_args.device,
+                  "Where to run: auto (the first CUDA device if one is visible, else the CPU), "
+                  "cpu, cuda or cuda:N (default auto). The noise comes from the CPU generator, "
+                  "so a seed gives the same images on any device");
   return cmd;
 }
 
@@ -261,12 +302,15 @@ int run_sample() {
   if (!ddim && a.eta != 0.0) log::warn("--eta applies to DDIM only; ignored for DDPM");
   const int64_t steps = a.num_inference_steps > 0 ? a.num_inference_steps : (ddim ? 50 : 1000);
 
+  const torch::Device device = parse_sample_device(a.device);
   models::UNet unet = diffusion::load_unet_with_lora(folder.unet_dir, a.lora, a.lora_scale);
-  log::info("difftrain sample: model {} ({}), scheduler {}, {} steps{}, {} images, seed {}{}{}",
-            a.model, unet->config().class_name(), scheduler->class_name(), steps,
-            ddim ? fmt::format(" (eta {})", a.eta) : std::string(), o.num_images, a.seed,
-            a.guidance_scale > 1 ? fmt::format(", guidance {}", a.guidance_scale) : std::string(),
-            a.lora.empty() ? std::string() : fmt::format(", LoRA {} x{}", a.lora, a.lora_scale));
+  unet->to(device);
+  log::info(
+      "difftrain sample: model {} ({}) on {}, scheduler {}, {} steps{}, {} images, seed {}{}{}",
+      a.model, unet->config().class_name(), device.str(), scheduler->class_name(), steps,
+      ddim ? fmt::format(" (eta {})", a.eta) : std::string(), o.num_images, a.seed,
+      a.guidance_scale > 1 ? fmt::format(", guidance {}", a.guidance_scale) : std::string(),
+      a.lora.empty() ? std::string() : fmt::format(", LoRA {} x{}", a.lora, a.lora_scale));
 
   const auto start = std::chrono::steady_clock::now();
   o.on_step = progress_logger(start);

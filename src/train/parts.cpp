@@ -347,10 +347,10 @@ void print_run_header(const TrainConfig& c, accel::Accelerator& acc, const Train
   if (c.lora) total += trainable;
   spdlog::info("difftrain train: resolved configuration\n{}", c.to_json().dump(2));
   spdlog::info(
-      "  examples {} | classes {} | processes {} | batch per process {} | accumulation {}"
-      " | global batch {}",
-      parts.dataset->size(), parts.num_classes, acc.num_processes(), c.train_batch_size,
-      c.gradient_accumulation_steps,
+      "  examples {} | classes {} | processes {} on {} ({}) | batch per process {} | "
+      "accumulation {} | global batch {}",
+      parts.dataset->size(), parts.num_classes, acc.num_processes(), acc.device().str(),
+      acc.group().backend_name(), c.train_batch_size, c.gradient_accumulation_steps,
       c.train_batch_size * acc.num_processes() * c.gradient_accumulation_steps);
   spdlog::info("  updates per epoch {} | total updates {} | parameters {} (trainable {}{})",
                parts.updates_per_epoch, parts.total_steps, total, trainable,

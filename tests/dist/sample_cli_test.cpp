@@ -8,6 +8,7 @@
 #include "difftrain/io/safetensors.h"
 
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <filesystem>
@@ -167,6 +168,10 @@ TEST(SampleCommand, BadInputExitsWithOneLineErrors) {
       {{"forward", "--model", kGolden + "unet2d", "--inputs", kGolden + "schedulers.safetensors",
         "--output", dir + "/o.safetensors"},
        "no tensor named \"sample\""},
+      {{"sample", "--model", kGolden + "unet2d_uncond", "--device", "tpu"},
+       "--device 'tpu' is not a device: use auto, cpu, cuda or cuda:N"},
+      {{"sample", "--model", kGolden + "unet2d_uncond", "--device", "cuda:7"},
+       torch::cuda::is_available() ? "only" : "no CUDA device is visible"},
   };
   for (const auto& c : cases) {
     std::vector<std::string> argv{kDifftrain};
