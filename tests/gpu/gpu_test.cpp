@@ -3,7 +3,7 @@
 // loss scaler (a real fp16 overflow skips the step); DDP with two ranks sharing one GPU over Gloo
 // and a world-of-one NCCL group; `difftrain train` and `difftrain sample` on cuda; checkpoints
 // moved between cuda and cpu. Each test skips only when this machine has no CUDA device at all
-// (no /dev/nvidia* node and no device seen by LibTorch), saying so; a device node that LibTorch
+// (no GPU known to the NVIDIA driver and none seen by LibTorch), saying so; a GPU that LibTorch
 // cannot use is a failure.
 
 #include "../dist/train_util.h"
@@ -34,23 +34,29 @@ using testing::run;
 
 const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/";
 
-bool has_nvidia_device_node() {
+// A GPU is there when the NVIDIA kernel driver lists one, or GPU 0's device node exists.
+// (/dev/nvidiactl alone proves nothing: the CUDA driver library, run as root, creates it even
+// where there is no GPU.)
+bool machine_has_nvidia_gpu() {
   std::error_code ec;
-  return fs::exists("/dev/nvidiactl", ec) || fs::exists("/dev/nvidia0", ec);
+  if (fs::exists("/dev/nvidia0", ec)) return true;
+  const fs::path gpus = "/proc/driver/nvidia/gpus";
+  return fs::is_directory(gpus, ec) && fs::directory_iterator(gpus, ec) != fs::directory_iterator();
 }
 
 // Skips the test when this machine has no CUDA device; fails it when a device exists but
 // LibTorch cannot use it (a CPU-only LibTorch, a driver mismatch, a broken install).
-#define REQUIRE_CUDA()                                                                       \
-  do {                                                                                       \
-    const bool seen = torch::cuda::is_available();                                           \
-    if (!seen && !has_nvidia_device_node()) {                                                \
-      GTEST_SKIP() << "no CUDA device on this machine (no /dev/nvidia* node, "               \
-                      "torch::cuda::is_available() is false): the gpu label needs one";      \
-    }                                                                                        \
-    ASSERT_TRUE(seen) << "this machine has an NVIDIA device node but LibTorch sees no CUDA " \
-                         "device: a CPU-only LibTorch, or a driver/runtime mismatch (see "   \
-                         "`difftrain env`)";                                                 \
+#define REQUIRE_CUDA()                                                                     \
+  do {                                                                                     \
+    const bool seen = torch::cuda::is_available();                                         \
+    if (!seen && !machine_has_nvidia_gpu()) {                                              \
+      GTEST_SKIP() << "no CUDA device on this machine (no /dev/nvidia0, no GPU in "        \
+                      "/proc/driver/nvidia/gpus, torch::cuda::is_available() is false): "  \
+                      "the gpu label needs one";                                           \
+    }                                                                                      \
+    ASSERT_TRUE(seen) << "this machine has an NVIDIA GPU but LibTorch sees no CUDA "       \
+                         "device: a CPU-only LibTorch, or a driver/runtime mismatch (see " \
+                         "`difftrain env`)";                                               \
   } while (0)
 
 // Strict fp32 on the GPU for the parity checks: TF32 would change the last ~3 digits.
