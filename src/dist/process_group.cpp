@@ -1,8 +1,8 @@
 #include "difftrain/dist/process_group.h"
 
 #include "difftrain/core/error.h"
-#include "difftrain/core/torch_compat.h"
 #include "difftrain/core/log.h"
+#include "difftrain/core/torch_compat.h"
 #include "difftrain/dist/net.h"
 #include "difftrain/dist/store_util.h"
 
