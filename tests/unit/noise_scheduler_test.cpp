@@ -210,9 +210,8 @@ TEST(NoiseScheduler, DdpmStepMatchesDiffusersForEveryPredictionType) {
     const double prev_diff = max_abs_diff(out.prev_sample, g("ddpm_step." + name + ".prev"));
     const torch::Tensor x0_want = g("ddpm_step." + name + ".x0");
     const double x0_diff = max_abs_diff(out.pred_original_sample, x0_want);
-    // x0 = (x_t - sqrt(1 - a) eps) / sqrt(a) is large at t 840 (a ~ 0.01): float32 holds it to
-    // about 1e-7 of its magnitude, and LibTorch 2.x's vectorised kernels round differently from
-    // 1.13's, so the tolerance scales with the largest |x0|.
+    // x0 = (x_t - sqrt(1 - a) eps) / sqrt(a) is large at t 840: float32 holds it to ~1e-7 of
+    // its size and LibTorch 2.x rounds differently from 1.13, so the tolerance scales with |x0|.
     const double x0_tol = kGoldenAbsTol * std::max(1.0, x0_want.abs().max().item<double>());
     report("DDPM step " + name + " (t " + std::to_string(t) + ") prev_sample", prev_diff,
            kGoldenAbsTol);
