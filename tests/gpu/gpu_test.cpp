@@ -23,6 +23,7 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 
 namespace difftrain {
 namespace {
@@ -382,18 +383,26 @@ TEST(GpuCli, TrainTheDefaultThenSampleOnCuda) {
 // ranks outnumber the GPUs) train the same weights as one rank with the global batch.
 TEST(GpuCli, TwoRanksOnOneGpuEqualOneRank) {
   REQUIRE_CUDA();
-  if (torch::cuda::device_count() > 1) GTEST_SKIP() << "this check is for one shared GPU";
   const auto dir = testing::make_temp_dir("gpu_ws");
   const std::vector<std::string> common = {"--max_train_steps",     "4", "--use_ema", "false",
                                            "--checkpointing_steps", "0"};
-  auto one = testing::train_cmd(dir, dir + "/one", common);
+  // CUDA_VISIBLE_DEVICES=0: exactly one GPU, shared by both ranks, on a machine with any number.
+  const std::map<std::string, std::string> one_gpu = {{"CUDA_VISIBLE_DEVICES", "0"}};
+  std::vector<std::string> one = {kDifftrain};
+  const auto one_cmd = testing::train_cmd(dir, dir + "/one", common);
+  one.insert(one.end(), one_cmd.begin(), one_cmd.end());
   one.insert(one.end(), {"--train_batch_size", "8"});
-  auto two = testing::train_cmd(dir, dir + "/two", common);
+  std::vector<std::string> two = {kDifftrain, "launch", "--num_processes", "2", kDifftrain};
+  const auto two_cmd = testing::train_cmd(dir, dir + "/two", common);
+  two.insert(two.end(), two_cmd.begin(), two_cmd.end());
   two.insert(two.end(), {"--train_batch_size", "4"});
-  const auto r1 = testing::train(one);
+  const auto r1 = run(one, one_gpu, 300);
   ASSERT_EQ(r1.exit_code, 0) << r1.log();
-  const auto r2 = testing::train(two, 2);
+  const auto r2 = run(two, one_gpu, 300);
   ASSERT_EQ(r2.exit_code, 0) << r2.log();
+  EXPECT_NE(r2.err.find("local ranks share 1 GPU(s)"), std::string::npos)
+      << "the automatic backend did not fall back to gloo\n"
+      << r2.log();
   const double ws = testing::max_abs_diff(testing::unet_weights(dir + "/one"),
                                           testing::unet_weights(dir + "/two"));
   std::printf("cuda: 2 ranks x 4 (one GPU, gloo) vs 1 rank x 8: max abs diff %.3g (tol 1e-3)\n",
