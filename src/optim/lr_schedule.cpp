@@ -146,12 +146,7 @@ void check_options(const LRScheduleOptions& o, ScheduleType type, double initial
           "optimizer updates (--max_train_steps)",
           o.name, o.num_training_steps == -1 ? "none" : std::to_string(o.num_training_steps)));
     }
-    if (o.num_warmup_steps > o.num_training_steps) {
-      throw Error(fmt::format(
-          "num_warmup_steps {} is larger than num_training_steps {} for LR schedule '{}'; "
-          "lower the warmup or raise the number of training steps",
-          o.num_warmup_steps, o.num_training_steps, o.name));
-    }
+    // A warm-up as long as the run or longer is fine: Diffusers' lambdas simply stay in warm-up.
   }
   if (type == ScheduleType::kCosineWithRestarts &&
       !(std::isfinite(o.num_cycles) && o.num_cycles >= 0)) {
@@ -178,12 +173,6 @@ void check_options(const LRScheduleOptions& o, ScheduleType type, double initial
           "lr_end ({}) must be smaller than the initial lr ({}) for the polynomial LR schedule; "
           "lower lr_end or raise the learning rate",
           o.lr_end, initial_lr));
-    }
-    if (o.num_training_steps == o.num_warmup_steps) {
-      throw Error(fmt::format(
-          "the polynomial LR schedule needs num_training_steps > num_warmup_steps (both are {}): "
-          "its decay would divide by zero; shorten the warmup or use constant_with_warmup",
-          o.num_training_steps));
     }
   }
 }
@@ -267,7 +256,9 @@ std::function<double(int64_t)> make_lr_lambda(const LRScheduleOptions& options, 
       return [warmup, total, lr_init, lr_end, power, warmup_factor](int64_t step) {
         if (step < warmup) return warmup_factor(step);
         // Both branches return a multiplier of lr_init, as LambdaLR multiplies by it.
-        if (step > total) return lr_end / lr_init;
+        // Diffusers divides by zero at step == T when T == W (and fails to build for T == W == 0);
+        // the limit of its values, lr_end, is used there instead.
+        if (step > total || total == warmup) return lr_end / lr_init;
         const double lr_range = lr_init - lr_end;
         const double pct_remaining =
             1.0 - static_cast<double>(step - warmup) / static_cast<double>(total - warmup);

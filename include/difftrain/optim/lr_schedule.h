@@ -40,7 +40,8 @@ struct LRScheduleOptions {
   /// ignored by constant and piecewise_constant, as in Diffusers.
   int64_t num_warmup_steps = 0;
   /// Total steps (`num_training_steps`, `--max_train_steps`); -1 means not given. Required by
-  /// linear, cosine, cosine_with_restarts and polynomial (and then >= num_warmup_steps).
+  /// linear, cosine, cosine_with_restarts and polynomial; it may be smaller than num_warmup_steps
+  /// (the run then never leaves warm-up, as in Diffusers).
   int64_t num_training_steps = -1;
   /// Cosine cycles of cosine_with_restarts (`num_cycles`, `--lr_num_cycles`, default 1); finite
   /// and >= 0. Like get_scheduler, "cosine" ignores it and always uses half a cycle.
@@ -62,9 +63,11 @@ struct LRScheduleOptions {
 /// `initial_lr` is the optimizer's default lr (Diffusers reads `optimizer.defaults["lr"]`); only
 /// polynomial uses it. Validates `options` first and throws difftrain::Error (one line naming the
 /// value and the fix) on an unknown name, a negative num_warmup_steps, a missing
-/// num_training_steps or one below num_warmup_steps where it is required, polynomial with
-/// lr_end >= initial_lr or num_training_steps == num_warmup_steps (Diffusers divides by zero
-/// there), a negative or non-finite num_cycles / power / lr_end, and malformed step_rules.
+/// num_training_steps where it is required, polynomial with lr_end >= initial_lr, a negative or
+/// non-finite num_cycles / power / lr_end, and malformed step_rules. A warm-up longer than the
+/// run or equal to it, and 0 training steps, give Diffusers' values; the one point where
+/// Diffusers divides by zero (polynomial at step T when T == num_warmup_steps) gives its limit,
+/// lr_end / initial_lr.
 std::function<double(int64_t)> make_lr_lambda(const LRScheduleOptions& options, double initial_lr);
 
 /// A schedule driving a LibTorch optimizer's learning rates: torch's `LambdaLR` with Diffusers'
