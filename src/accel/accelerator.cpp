@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <exception>
 #include <map>
+#include <optional>
 
 namespace difftrain::accel {
 
@@ -432,6 +433,53 @@ torch::Tensor Accelerator::gather(const torch::Tensor& tensor) {
   return dist::gather_cat(rows, *group_);
 }
 
+int64_t Accelerator::metrics_remainder() {
+  data::DataLoader* loader = active_loader();
+  if (!loader || !loader->end_of_epoch() || loader->options().drop_last) return -1;
+  const int64_t remainder = loader->dataset()->size() % loader->total_batch_size();
+  return remainder > 0 ? remainder : -1;
+}
+
+torch::Tensor Accelerator::gather_for_metrics(const torch::Tensor& tensor) {
+  torch::Tensor data = gather(tensor);
+  const int64_t remainder = metrics_remainder();
+  if (remainder < 0 || data.size(0) <= remainder) return data;
+  return data.narrow(0, 0, remainder);
+}
+
+nlohmann::json Accelerator::gather_object(const nlohmann::json& items) {
+  if (!items.is_array()) {
+    throw Error(
+        fmt::format("gather_object needs a JSON array of items, got a JSON {}; wrap a "
+                    "single value as [value]",
+                    items.type_name()));
+  }
+  if (num_processes() == 1) return items;
+  // Two gathers: every rank's byte count, then the CBOR bytes padded to the longest.
+  const std::vector<uint8_t> bytes = nlohmann::json::to_cbor(items);
+  const torch::Tensor sizes =
+      gather(torch::tensor({static_cast<int64_t>(bytes.size())}, torch::kLong));
+  const int64_t longest = sizes.max().item<int64_t>();
+  torch::Tensor mine = torch::zeros({longest}, torch::kUInt8);
+  std::copy(bytes.begin(), bytes.end(), mine.data_ptr<uint8_t>());
+  const torch::Tensor all = gather(mine.to(device_)).to(torch::kCPU).contiguous();
+  nlohmann::json out = nlohmann::json::array();
+  const uint8_t* base = all.data_ptr<uint8_t>();
+  for (int64_t r = 0; r < num_processes(); ++r) {
+    const uint8_t* begin = base + r * longest;
+    const nlohmann::json part = nlohmann::json::from_cbor(begin, begin + sizes[r].item<int64_t>());
+    for (const auto& item : part) out.push_back(item);
+  }
+  return out;
+}
+
+nlohmann::json Accelerator::gather_for_metrics(const nlohmann::json& items) {
+  nlohmann::json data = gather_object(items);
+  const int64_t remainder = metrics_remainder();
+  if (remainder < 0 || static_cast<int64_t>(data.size()) <= remainder) return data;
+  return nlohmann::json(data.begin(), data.begin() + remainder);
+}
+
 torch::Tensor Accelerator::reduce(const torch::Tensor& tensor, const std::string& reduction) {
   dist::ReduceOp op;
   if (reduction == "sum") {
@@ -508,6 +556,20 @@ nlohmann::json Accelerator::state_dict() const {
 }
 
 void Accelerator::load_state_dict(const nlohmann::json& j) {
+  // Phase 1: read and check everything into locals; nothing is touched until all of it is good.
+  struct Parsed {
+    int64_t micro_step = 0, window = 1, optimizer_updates = 0;
+    bool sync_gradients = true, step_skipped = false;
+    std::optional<GradScalerState> scaler;
+    std::vector<int64_t> optimizers, schedulers;
+    std::vector<data::LoaderState> loaders;
+  } p;
+  if (!j.is_object()) {
+    throw Error(
+        fmt::format("accelerator state must be a JSON object written by state_dict(), got "
+                    "a JSON {}",
+                    j.type_name()));
+  }
   auto need = [&](const char* key) -> const nlohmann::json& {
     if (!j.contains(key)) {
       throw Error(
@@ -515,54 +577,97 @@ void Accelerator::load_state_dict(const nlohmann::json& j) {
     }
     return j.at(key);
   };
-  auto count_check = [&](const char* key, size_t have) {
-    if (need(key).size() != have) {
+  auto count = [&](const nlohmann::json& v, const std::string& key, int64_t min) {
+    if (!v.is_number_integer() || v.get<int64_t>() < min) {
+      throw Error(fmt::format("accelerator state: '{}' is {}; expected an integer >= {}", key,
+                              v.dump(), min));
+    }
+    return v.get<int64_t>();
+  };
+  auto flag = [&](const char* key) {
+    const auto& v = need(key);
+    if (!v.is_boolean()) {
+      throw Error(
+          fmt::format("accelerator state: '{}' is {}; expected true or false", key, v.dump()));
+    }
+    return v.get<bool>();
+  };
+  auto list = [&](const char* key, size_t have) -> const nlohmann::json& {
+    const auto& v = need(key);
+    if (!v.is_array() || v.size() != have) {
       throw Error(fmt::format(
           "accelerator state has {} {} but this run prepared {}; prepare the same objects in "
           "the same order before loading",
-          need(key).size(), key, have));
+          v.is_array() ? std::to_string(v.size()) : v.dump(), key, have));
     }
+    return v;
   };
-  try {
-    count_check("optimizers", optimizers_.size());
-    count_check("schedulers", schedulers_.size());
-    count_check("loaders", loaders_.size());
-    state_->micro_step = need("micro_step").get<int64_t>();
-    state_->window = need("window").get<int64_t>();
-    state_->sync_gradients = need("sync_gradients").get<bool>();
-    state_->optimizer_updates = need("optimizer_updates").get<int64_t>();
-    state_->step_skipped = need("step_skipped").get<bool>();
-    const auto& scaler = need("scaler");
-    if (state_->scaler) {
-      if (scaler.is_null()) {
-        throw Error("accelerator state has no loss scaler but this run uses fp16");
-      }
-      GradScalerState s;
-      s.scale = scaler.at("scale").get<double>();
-      s.growth_tracker = scaler.at("growth_tracker").get<int64_t>();
-      state_->scaler->load_state(s);
-      state_->scaler_updated = true;
+  p.micro_step = count(need("micro_step"), "micro_step", 0);
+  p.window = count(need("window"), "window", 1);
+  p.sync_gradients = flag("sync_gradients");
+  p.optimizer_updates = count(need("optimizer_updates"), "optimizer_updates", 0);
+  p.step_skipped = flag("step_skipped");
+  const auto& scaler = need("scaler");
+  if (state_->scaler) {
+    if (!scaler.is_object()) {
+      throw Error("accelerator state has no loss scaler but this run uses fp16");
     }
-    for (size_t i = 0; i < optimizers_.size(); ++i) {
-      if (auto o = optimizers_[i].lock()) o->set_num_updates(j["optimizers"][i].get<int64_t>());
+    if (!scaler.contains("scale") || !scaler.at("scale").is_number() ||
+        !(scaler.at("scale").get<double>() > 0) || !scaler.contains("growth_tracker")) {
+      throw Error(
+          fmt::format("accelerator state: the loss scaler {} needs a positive 'scale' and "
+                      "a 'growth_tracker'",
+                      scaler.dump()));
     }
-    for (size_t i = 0; i < schedulers_.size(); ++i) {
-      if (auto s = schedulers_[i].lock()) {
-        s->restore(j["schedulers"][i].get<int64_t>(), state_->optimizer_updates);
-      }
+    GradScalerState s;
+    s.scale = scaler.at("scale").get<double>();
+    s.growth_tracker = count(scaler.at("growth_tracker"), "scaler.growth_tracker", 0);
+    p.scaler = s;
+  }
+  const auto& optimizers = list("optimizers", optimizers_.size());
+  for (size_t i = 0; i < optimizers.size(); ++i) {
+    p.optimizers.push_back(count(optimizers[i], "optimizers[" + std::to_string(i) + "]", 0));
+  }
+  const auto& schedulers = list("schedulers", schedulers_.size());
+  for (size_t i = 0; i < schedulers.size(); ++i) {
+    p.schedulers.push_back(count(schedulers[i], "schedulers[" + std::to_string(i) + "]", 0));
+  }
+  const auto& loaders = list("loaders", loaders_.size());
+  for (size_t i = 0; i < loaders.size(); ++i) {
+    const std::string key = "loaders[" + std::to_string(i) + "]";
+    const auto& l = loaders[i];
+    if (!l.is_object() || !l.contains("epoch") || !l.contains("batches_consumed")) {
+      throw Error(
+          fmt::format("accelerator state: '{}' is {}; expected {{\"epoch\": e, "
+                      "\"batches_consumed\": n}}",
+                      key, l.dump()));
     }
-    for (size_t i = 0; i < loaders_.size(); ++i) {
-      if (auto l = loaders_[i].loader.lock()) {
-        data::LoaderState st;
-        st.epoch = j["loaders"][i].at("epoch").get<int64_t>();
-        st.batches_consumed = j["loaders"][i].at("batches_consumed").get<int64_t>();
-        l->load_state(st);
-        loaders_[i].epoch = -1;
-        loaders_[i].position = -1;
-      }
+    p.loaders.push_back({count(l.at("epoch"), key + ".epoch", 0),
+                         count(l.at("batches_consumed"), key + ".batches_consumed", 0)});
+  }
+
+  // Phase 2: apply.
+  state_->micro_step = p.micro_step;
+  state_->window = p.window;
+  state_->sync_gradients = p.sync_gradients;
+  state_->optimizer_updates = p.optimizer_updates;
+  state_->step_skipped = p.step_skipped;
+  if (p.scaler) {
+    state_->scaler->load_state(*p.scaler);
+    state_->scaler_updated = true;
+  }
+  for (size_t i = 0; i < optimizers_.size(); ++i) {
+    if (auto o = optimizers_[i].lock()) o->set_num_updates(p.optimizers[i]);
+  }
+  for (size_t i = 0; i < schedulers_.size(); ++i) {
+    if (auto s = schedulers_[i].lock()) s->restore(p.schedulers[i], state_->optimizer_updates);
+  }
+  for (size_t i = 0; i < loaders_.size(); ++i) {
+    if (auto l = loaders_[i].loader.lock()) {
+      l->load_state(p.loaders[i]);
+      loaders_[i].epoch = -1;
+      loaders_[i].position = -1;
     }
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(fmt::format("accelerator state is malformed: {}", e.what()));
   }
   for (auto& r : state_->reducers) r->set_sync(state_->sync_gradients);
 }

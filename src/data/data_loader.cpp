@@ -21,11 +21,15 @@ struct DataLoader::Iteration {
   int64_t total = 0;  // batches this rank yields in the epoch
   int64_t next = 0;   // index of the next batch to fetch
   bool done = false;
+  // Detached before the pass finished (the loader was repositioned, re-sharded or destroyed):
+  // such an iterator is not at its end, and using it throws the invalidation message.
+  bool stale = false;
   Batch current;
   torch::Device device = torch::kCPU;
   std::unique_ptr<Prefetcher> prefetcher;  // last member: its workers stop before the rest dies
 
   void detach() {
+    if (!done) stale = true;
     loader = nullptr;
     done = true;
     if (prefetcher) prefetcher->stop();
@@ -230,7 +234,15 @@ void DataLoader::advance(Iteration& iteration) {
 
 // ------------------------------------------------------------------ Iterator
 
-bool DataLoader::Iterator::at_end() const { return !iteration_ || iteration_->done; }
+void DataLoader::Iterator::throw_invalidated() {
+  throw Error(
+      "a DataLoader iterator was used after its loader started another pass, was repositioned "
+      "(load_state, skip_first_batches, set_epoch), re-sharded or destroyed: call begin() again");
+}
+
+bool DataLoader::Iterator::at_end() const {
+  return !iteration_ || (iteration_->done && !iteration_->stale);
+}
 
 bool DataLoader::Iterator::operator==(const Iterator& other) const {
   if (at_end() || other.at_end()) return at_end() == other.at_end();
@@ -238,22 +250,14 @@ bool DataLoader::Iterator::operator==(const Iterator& other) const {
 }
 
 const Batch& DataLoader::Iterator::operator*() const {
+  if (iteration_ && iteration_->stale) throw_invalidated();
   if (at_end()) throw Error("dereferenced a DataLoader iterator at its end");
-  if (!iteration_->loader) {
-    throw Error(
-        "a DataLoader iterator was used after its loader started another pass, was "
-        "repositioned or destroyed: call begin() again");
-  }
   return iteration_->current;
 }
 
 DataLoader::Iterator& DataLoader::Iterator::operator++() {
   if (!iteration_) throw Error("incremented the DataLoader end iterator");
-  if (!iteration_->loader) {
-    throw Error(
-        "a DataLoader iterator was used after its loader started another pass, was "
-        "repositioned or destroyed: call begin() again");
-  }
+  if (!iteration_->loader) throw_invalidated();
   if (!iteration_->done) iteration_->loader->advance(*iteration_);
   return *this;
 }

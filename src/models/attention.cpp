@@ -1,6 +1,7 @@
 #include "difftrain/models/attention.h"
 
 #include "difftrain/core/error.h"
+#include "difftrain/models/layers.h"
 
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/dropout.h>
@@ -139,11 +140,11 @@ torch::Tensor FeedForwardImpl::forward(const torch::Tensor& x) {
   torch::Tensor h = proj_(x);
   if (activation_fn_ == "geglu") {
     auto parts = h.chunk(2, -1);
-    h = parts[0] * torch::gelu(parts[1]);
+    h = parts[0] * models::gelu(parts[1]);
   } else if (activation_fn_ == "gelu") {
-    h = torch::gelu(h);
+    h = models::gelu(h);
   } else if (activation_fn_ == "gelu-approximate") {
-    h = torch::gelu(h, "tanh");
+    h = models::gelu(h, /*tanh_approximation=*/true);
   } else {
     h = h * torch::sigmoid(1.702 * h);
   }

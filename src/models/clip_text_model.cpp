@@ -2,6 +2,7 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/io/safetensors.h"
+#include "difftrain/models/layers.h"
 #include "difftrain/models/pretrained.h"
 #include "json_fields.h"
 
@@ -19,24 +20,10 @@ namespace {
 
 const std::vector<std::string> kHiddenActs = {"quick_gelu", "gelu", "gelu_new"};
 
-// Exact (erf) gelu whose backward makes the incoming gradient contiguous first: LibTorch 1.13's
-// CPU gelu_backward returns wrong values (even inf/NaN) for a non-contiguous gradient.
-struct ContiguousGelu : public torch::autograd::Function<ContiguousGelu> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x) {
-    ctx->save_for_backward({x});
-    return torch::gelu(x);
-  }
-  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
-                                               torch::autograd::tensor_list grads) {
-    const torch::Tensor x = ctx->get_saved_variables()[0];
-    return {torch::gelu_backward(grads[0].contiguous(), x)};
-  }
-};
-
 torch::Tensor clip_activation(const std::string& name, const torch::Tensor& x) {
   if (name == "quick_gelu") return x * torch::sigmoid(1.702 * x);
-  if (name == "gelu") return ContiguousGelu::apply(x);
-  return torch::gelu(x, "tanh");  // gelu_new: Transformers' NewGELUActivation
+  if (name == "gelu") return models::gelu(x);
+  return models::gelu(x, /*tanh_approximation=*/true);  // gelu_new: Transformers' NewGELUActivation
 }
 
 torch::nn::LayerNorm layer_norm(const ClipTextConfig& c) {

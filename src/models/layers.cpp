@@ -2,6 +2,7 @@
 
 #include "difftrain/core/error.h"
 
+#include <torch/autograd.h>
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/padding.h>
 #include <torch/nn/functional/pooling.h>
@@ -13,9 +14,35 @@ namespace difftrain::models {
 
 namespace F = torch::nn::functional;
 
+namespace {
+
+// torch's gelu with a backward that hands gelu_backward contiguous operands (see the header).
+struct StrideSafeGelu : public torch::autograd::Function<StrideSafeGelu> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               bool tanh_approximation) {
+    ctx->save_for_backward({x});
+    ctx->saved_data["tanh"] = tanh_approximation;
+    return torch::gelu(x, tanh_approximation ? "tanh" : "none");
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    const torch::Tensor x = ctx->get_saved_variables()[0];
+    const bool tanh_approximation = ctx->saved_data["tanh"].toBool();
+    return {torch::gelu_backward(grads[0].contiguous(), x.contiguous(),
+                                 tanh_approximation ? "tanh" : "none"),
+            torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor gelu(const torch::Tensor& x, bool tanh_approximation) {
+  return StrideSafeGelu::apply(x, tanh_approximation);
+}
+
 torch::Tensor activation(const std::string& name, const torch::Tensor& x) {
   if (name == "silu" || name == "swish") return torch::silu(x);
-  if (name == "gelu") return torch::gelu(x);
+  if (name == "gelu") return models::gelu(x);
   if (name == "relu") return torch::relu(x);
   if (name == "mish") return torch::mish(x);
   throw Error("unknown activation \"" + name + "\"; supported: silu, swish, mish, gelu, relu");

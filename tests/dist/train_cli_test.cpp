@@ -287,6 +287,21 @@ TEST(TrainCommand, LoraFineTuningTrainsOnlyAdaptersAndExports) {
   }
 }
 
+// A smoke run of a few steps with every default (the built-in Fashion-MNIST model, cosine with
+// 100 warm-up steps): the run is shorter than the warm-up and stays in it, as in Diffusers.
+// Before, it stopped with "num_warmup_steps 100 is larger than num_training_steps 3".
+TEST(TrainCommand, ShortRunWithEveryDefaultStaysInWarmup) {
+  const auto dir = make_temp_dir("train_short");
+  const auto r = run({kDifftrain, "train", "--max_train_steps", "3", "--output_dir", dir + "/o"});
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  const std::string all = r.out + r.err;
+  EXPECT_NE(all.find("done: 3 updates"), std::string::npos) << r.log();
+  // The third update runs at warm-up multiplier 2 / 100 of the default lr 1e-3.
+  EXPECT_NE(all.find("step 3/3"), std::string::npos) << r.log();
+  EXPECT_NE(all.find("lr 2.00e-05"), std::string::npos) << r.log();
+  EXPECT_TRUE(fs::exists(dir + "/o/unet/diffusion_pytorch_model.safetensors")) << r.log();
+}
+
 TEST(TrainCommand, BadInputIsAOneLineErrorBeforeTraining) {
   const auto dir = make_temp_dir("train_bad");
   auto one_line = [](const ProcessResult& r) {

@@ -146,6 +146,72 @@ TEST(AccelAccelerator, StateDictRoundTripsAndResumesTheLoader) {
     auto broken = saved;
     broken.erase("loaders");
     EXPECT_THROW(acc.load_state_dict(broken), Error);
+
+    // A bad field late in the state leaves everything as it was (validated before applying):
+    // before, the optimizer counters were already overwritten when the loader field failed.
+    const nlohmann::json before = acc.state_dict();
+    auto late = saved;
+    late["optimizers"][0] = 99;
+    late["micro_step"] = 7;
+    late["loaders"][0]["batches_consumed"] = -1;
+    std::string message;
+    try {
+      acc.load_state_dict(late);
+    } catch (const Error& e) {
+      message = e.what();
+    }
+    EXPECT_NE(message.find("loaders[0].batches_consumed"), std::string::npos) << message;
+    EXPECT_EQ(acc.state_dict(), before);
+    EXPECT_EQ(o->num_updates(), 4);
+    late = saved;
+    late["optimizers"][0] = 99;
+    late["step_skipped"] = "no";
+    EXPECT_THROW(acc.load_state_dict(late), Error);
+    EXPECT_EQ(acc.state_dict(), before);
+  });
+}
+
+// gather_for_metrics drops the even_batches padding of an epoch's last global batch, so every
+// example is seen once (Accelerate's gather_for_metrics); gather_object concatenates lists of
+// different lengths in rank order.
+TEST(AccelAccelerator, GatherForMetricsDropsThePaddingAndGatherObjectConcatenates) {
+  dist::on_ranks(3, [&](dist::ProcessGroup& g) {
+    Accelerator acc(quiet_options(), g);
+    const int r = acc.process_index();
+    // 10 examples, batch 2 per rank, 3 ranks: global batches of 6, the second holds 4 real
+    // examples and 2 repeated from the start of the epoch.
+    auto ds = std::make_shared<data::TensorDataset>(
+        data::Example{{"idx", torch::arange(10, torch::kLong)}});
+    data::DataLoaderOptions lo;
+    lo.batch_size = 2;
+    auto dl = acc.prepare_data_loader(std::make_shared<data::DataLoader>(ds, lo));
+    std::vector<int64_t> seen, seen_objects, plain;
+    for (const auto& b : *dl) {
+      const torch::Tensor idx = b.at("idx");
+      const torch::Tensor all = acc.gather_for_metrics(idx);
+      for (int64_t i = 0; i < all.size(0); ++i) seen.push_back(all[i].item<int64_t>());
+      plain.push_back(acc.gather(idx).size(0));
+      nlohmann::json mine = nlohmann::json::array();
+      for (int64_t i = 0; i < idx.size(0); ++i) mine.push_back(idx[i].item<int64_t>());
+      for (const auto& v : acc.gather_for_metrics(mine)) seen_objects.push_back(v.get<int64_t>());
+    }
+    std::vector<int64_t> want(10);
+    for (int64_t i = 0; i < 10; ++i) want[static_cast<size_t>(i)] = i;
+    EXPECT_EQ(plain, (std::vector<int64_t>{6, 6}));  // gather keeps the padding
+    EXPECT_EQ(seen, want);
+    EXPECT_EQ(seen_objects, want);
+
+    // Rank r holds r + 1 items: 1 + 2 + 3 in rank order.
+    nlohmann::json items = nlohmann::json::array();
+    for (int i = 0; i <= r; ++i)
+      items.push_back({{"rank", r}, {"i", i}, {"s", std::string(i, 'x')}});
+    const nlohmann::json all = acc.gather_object(items);
+    ASSERT_EQ(all.size(), 6u);
+    EXPECT_EQ(all[0]["rank"], 0);
+    EXPECT_EQ(all[1]["rank"], 1);
+    EXPECT_EQ(all[2]["i"], 1);
+    EXPECT_EQ(all[5]["s"], "xx");
+    EXPECT_THROW(acc.gather_object(nlohmann::json{{"not", "a list"}}), Error);
   });
 }
 

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <future>
 #include <set>
 #include <thread>
@@ -242,6 +243,53 @@ TEST(DataLoaderWorkers, BreakingOutAndDestroyingDoNotHang) {
     }
     EXPECT_THROW(++survivor, Error);
   });
+}
+
+// An iterator whose loader was repositioned says so when used, for every way of repositioning;
+// before, dereferencing it said "at its end" and a loop comparing it with end() stopped silently.
+TEST(DataLoaderIteration, InvalidatedIteratorSaysSoInsteadOfAtItsEnd) {
+  auto ds = std::make_shared<IndexDataset>(12);
+  const std::vector<std::function<void(DataLoader&)>> repositions = {
+      [](DataLoader& l) {
+        l.load_state({0, 1});
+      },
+      [](DataLoader& l) { l.skip_first_batches(2); },
+      [](DataLoader& l) { l.set_epoch(3); },
+      [](DataLoader& l) { (void)l.begin(); },
+  };
+  for (int workers : {0, 2}) {
+    for (size_t i = 0; i < repositions.size(); ++i) {
+      DataLoader loader(ds, options(3, /*shuffle=*/false, workers));
+      auto it = loader.begin();
+      repositions[i](loader);
+      EXPECT_TRUE(it != loader.end()) << "reposition " << i;
+      for (const bool deref : {true, false}) {
+        std::string message;
+        try {
+          if (deref) {
+            (void)*it;
+          } else {
+            ++it;
+          }
+        } catch (const Error& e) {
+          message = e.what();
+        }
+        EXPECT_NE(message.find("was repositioned"), std::string::npos)
+            << "reposition " << i << (deref ? " deref: " : " increment: ") << message;
+      }
+    }
+  }
+  // A pass that really ended still says so.
+  DataLoader loader(ds, options(3, /*shuffle=*/false, 0));
+  auto it = loader.begin();
+  for (int k = 0; k < 4; ++k) ++it;
+  EXPECT_TRUE(it == loader.end());
+  try {
+    (void)*it;
+    ADD_FAILURE() << "dereferencing the end did not throw";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("at its end"), std::string::npos) << e.what();
+  }
 }
 
 TEST(DataLoaderResume, SkipFirstBatchesYieldsTheTailWithoutLoadingTheSkipped) {

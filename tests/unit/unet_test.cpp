@@ -6,6 +6,7 @@
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/attention.h"
+#include "difftrain/models/layers.h"
 #include "difftrain/models/lora.h"
 #include "difftrain/models/pretrained.h"
 
@@ -35,6 +36,39 @@ const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/d
 json read_json(const std::string& path) {
   std::ifstream in(path);
   return json::parse(in);
+}
+
+// GELU's gradient when the incoming gradient is not contiguous (here: the output is used
+// transposed). LibTorch 1.13's own gelu_backward gets this wrong on the CPU (inf/NaN or garbage);
+// models::gelu, which GEGLU, FeedForward, CLIP and activation("gelu") use, must equal float64
+// autograd through the written-out formulas.
+TEST(Layers, GeluGradientIsRightForNonContiguousIncomingGradients) {
+  torch::manual_seed(3);
+  const torch::Tensor x0 = torch::randn({37, 29}) * 3;
+  const torch::Tensor w = torch::randn({29, 37});
+  for (const bool tanh_approx : {false, true}) {
+    for (const bool via_activation : {false, true}) {
+      if (tanh_approx && via_activation) continue;  // activation() names only the exact gelu
+      torch::Tensor x = x0.clone().requires_grad_(true);
+      const torch::Tensor y = via_activation ? difftrain::models::activation("gelu", x)
+                                             : difftrain::models::gelu(x, tanh_approx);
+      (y.t() * w).sum().backward();  // dL/dy = w^T: a non-contiguous gradient
+
+      torch::Tensor xd = x0.to(torch::kFloat64).requires_grad_(true);
+      const torch::Tensor yd =
+          tanh_approx
+              ? 0.5 * xd * (1 + torch::tanh(std::sqrt(2.0 / M_PI) * (xd + 0.044715 * xd * xd * xd)))
+              : 0.5 * xd * (1 + torch::erf(xd / std::sqrt(2.0)));
+      (yd.t() * w.to(torch::kFloat64)).sum().backward();
+      const double out_diff = max_abs(y.to(torch::kFloat64), yd.detach());
+      const double grad_diff = max_abs(x.grad().to(torch::kFloat64), xd.grad());
+      std::printf("gelu%s%s: max |out - f64| %.3g, max |grad - f64| %.3g (tol 1e-5)\n",
+                  tanh_approx ? " (tanh)" : "", via_activation ? " via activation()" : "", out_diff,
+                  grad_diff);
+      EXPECT_LT(out_diff, 1e-5);
+      EXPECT_LT(grad_diff, 1e-5);
+    }
+  }
 }
 
 TEST(UNet, ClassConditionalUNet2DMatchesDiffusers) {

@@ -232,6 +232,22 @@ class Accelerator {
   // ------------------------------------------------------------------ collectives
   /// Every rank's `tensor` concatenated along dim 0 (Accelerate's gather).
   torch::Tensor gather(const torch::Tensor& tensor);
+  /// gather() for evaluation (Accelerate's `gather_for_metrics`): when the batch being evaluated
+  /// is the last of its prepared loader's epoch and the dataset does not divide into global
+  /// batches, the even_batches padding (samples repeated to fill the last global batch) is
+  /// dropped: the result keeps its first N % total_batch_size rows, so a metric over an epoch
+  /// sees every example exactly once. Elsewhere (another batch, drop_last, no prepared loader
+  /// yielded a batch) it equals gather().
+  torch::Tensor gather_for_metrics(const torch::Tensor& tensor);
+  /// Every rank's `items` (a JSON array of any JSON values) concatenated in rank order
+  /// (Accelerate's `gather_object` of a list: all_gather_object, then flattened one level).
+  /// Ranks may hold different numbers of items. Throws difftrain::Error when `items` is not an
+  /// array. A world of one returns `items`.
+  nlohmann::json gather_object(const nlohmann::json& items);
+  /// gather_for_metrics() for objects (Accelerate's `gather_for_metrics(x,
+  /// use_gather_object=True)`): gather_object(), truncated to N % total_batch_size items on the
+  /// last batch of an epoch.
+  nlohmann::json gather_for_metrics(const nlohmann::json& items);
   /// Sum or mean over ranks of a copy of `tensor` ("sum" | "mean"; Accelerate's reduce).
   torch::Tensor reduce(const torch::Tensor& tensor, const std::string& reduction = "sum");
   /// Rank `from`'s `tensor`, in place on every rank (Accelerate's broadcast).
@@ -262,7 +278,11 @@ class Accelerator {
   /// The Accelerator's own resumable state: loss scaler, accumulation position, optimizer
   /// update counts, scheduler step counts and every prepared loader's position.
   nlohmann::json state_dict() const;
-  /// Restores state_dict(); throws difftrain::Error naming a missing or mismatched field.
+  /// Restores state_dict(). Every field is read and checked first (presence, JSON type, counts
+  /// against what this run prepared, the loss scaler's presence, non-negative counters and loader
+  /// positions); only then is anything applied, so an error leaves the Accelerator, its
+  /// optimizers, schedulers and loaders exactly as they were. Throws difftrain::Error naming the
+  /// missing or mismatched field.
   void load_state_dict(const nlohmann::json& state);
 
   /// Accelerate's `save_state(output_dir)`: everything needed to resume exactly, into folder
@@ -386,6 +406,9 @@ class Accelerator {
   };
   std::vector<LoaderSeen> loaders_;
   data::DataLoader* active_ = nullptr;
+  // Rows (or items) of a gathered last batch that are real examples, or -1 when nothing is to be
+  // dropped: the active loader's N % total_batch_size at the end of its epoch.
+  int64_t metrics_remainder();
   std::vector<torch::Tensor> buffers_;
   std::vector<const torch::nn::Module*>
       prepared_modules_;  // of prepared models, broadcast from rank 0 after sync

@@ -54,7 +54,8 @@ void from_json(const nlohmann::json& json, LoaderState& state);
 /// Each begin() runs one epoch, starting at state(): after a complete pass the epoch advances;
 /// a pass abandoned mid-epoch (break) also counts as finished at the next begin(), unless
 /// load_state(), skip_first_batches() or set_epoch() positioned the loader since. Those calls and
-/// shard() invalidate live iterators (using one afterwards throws) and stop their workers.
+/// shard() invalidate live iterators and stop their workers: an invalidated iterator is not at its
+/// end, and dereferencing or incrementing it throws difftrain::Error saying it was invalidated.
 /// Not thread-safe itself: iterate a loader from one thread at a time.
 class DataLoader {
  public:
@@ -86,6 +87,7 @@ class DataLoader {
     friend class DataLoader;
     explicit Iterator(std::shared_ptr<Iteration> iteration) : iteration_(std::move(iteration)) {}
     bool at_end() const;
+    [[noreturn]] static void throw_invalidated();
     std::shared_ptr<Iteration> iteration_;
   };
   using iterator = Iterator;

@@ -19,7 +19,15 @@
 namespace difftrain::models {
 
 /// The activation Diffusers' get_activation() names: "silu"/"swish", "mish", "gelu", "relu".
+/// "gelu" is models::gelu().
 torch::Tensor activation(const std::string& name, const torch::Tensor& x);
+
+/// GELU, exact (erf; torch's approximate="none") or with the tanh approximation ("tanh", Diffusers'
+/// "gelu-approximate", Transformers' gelu_new), with a backward that is correct for any strides:
+/// LibTorch 1.13's CPU gelu_backward returns wrong values (even inf/NaN) when the incoming
+/// gradient is not contiguous, so it is made contiguous first. Every gelu of the project (GEGLU,
+/// FeedForward, CLIP, the UNet activations) goes through this. x: any shape; result: x's shape.
+torch::Tensor gelu(const torch::Tensor& x, bool tanh_approximation = false);
 
 /// Sinusoidal timestep features, Diffusers' `get_timestep_embedding` / `Timesteps` module:
 /// timesteps [B] (any dtype) -> [B, dim] float32.
