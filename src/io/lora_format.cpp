@@ -1,6 +1,8 @@
 #include "difftrain/io/lora_format.h"
 
 #include "difftrain/core/error.h"
+#include "difftrain/io/atomic_file.h"
+#include "difftrain/io/lora_adapter_config.h"
 #include "difftrain/io/safetensors.h"
 
 #include <torch/torch.h>
@@ -9,6 +11,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <sstream>
 #include <unordered_map>
 
@@ -274,6 +277,7 @@ LoraTarget make_target(const std::string& path, const Pieces& p, const LoraReadO
                    "corrupt — re-export it");
   }
   LoraTarget target;
+  target.format = p.info.format;
   target.module = p.info.module;
   target.resolved = p.info.resolved;
   target.key = p.info.prefix.substr(0, p.info.prefix.size() - 1);
@@ -285,6 +289,35 @@ LoraTarget make_target(const std::string& path, const Pieces& p, const LoraReadO
     target.alpha = options.alpha;
   }
   return target;
+}
+
+std::string two_conventions(const std::string& component, const std::string& module,
+                            const std::string& key_a, LoraFormat a, const std::string& key_b,
+                            LoraFormat b) {
+  return "'" + key_a + "' (" + to_string(a) + ") and '" + key_b + "' (" + to_string(b) +
+         ") both give " + component + " module '" + module +
+         "': a module's LoRA must be in one key convention; keep one of them";
+}
+
+// Gives each Diffusers- or PEFT-keyed target without a kohya .alpha the alpha of `config`,
+// checking that the config's rank for it is the rank of its weights.
+void apply_config(const std::string& path, const LoraAdapterConfig& config,
+                  const std::string& source, const std::string& component,
+                  std::vector<LoraTarget>& targets, std::vector<bool>& done) {
+  for (size_t i = 0; i < targets.size(); ++i) {
+    LoraTarget& t = targets[i];
+    if (done[i] || t.format == LoraFormat::kKohya) continue;
+    const int64_t r = config.rank_for(t.module);
+    if (r != t.rank()) {
+      fail(path, component + " module '" + t.module + "' (key '" + t.key + "') has rank " +
+                     std::to_string(t.rank()) + " but " + source +
+                     " gives it r = " + std::to_string(r) +
+                     "; that LoraConfig does not describe these weights — fix r / rank_pattern "
+                     "or remove it");
+    }
+    t.alpha = config.target_alpha(t.module);
+    done[i] = true;
+  }
 }
 
 }  // namespace
@@ -310,11 +343,33 @@ const std::vector<LoraTarget>& LoraWeights::targets(const std::string& component
 }
 
 LoraWeights read_lora(const std::string& path, const LoraReadOptions& options) {
-  return parse_lora(load_safetensors(path).tensors, path, options);
+  namespace fs = std::filesystem;
+  std::string file = path;
+  if (fs::is_directory(path)) {
+    for (const char* name : {"adapter_model.safetensors", "pytorch_lora_weights.safetensors"}) {
+      if (fs::is_regular_file(fs::path(path) / name)) {
+        file = (fs::path(path) / name).string();
+        break;
+      }
+    }
+    if (file == path) {
+      throw Error(path +
+                  ": a folder without adapter_model.safetensors (PEFT) or "
+                  "pytorch_lora_weights.safetensors (Diffusers); give the LoRA file itself");
+    }
+  }
+  LoraReadOptions opts = options;
+  if (!opts.adapter_config) {
+    const fs::path beside = fs::path(file).parent_path() / kPeftAdapterConfigName;
+    if (fs::is_regular_file(beside)) opts.adapter_config = beside.string();
+  }
+  auto st = load_safetensors(file);
+  return parse_lora(st.tensors, file, opts, st.metadata);
 }
 
 LoraWeights parse_lora(const std::map<std::string, torch::Tensor>& tensors, const std::string& path,
-                       const LoraReadOptions& options) {
+                       const LoraReadOptions& options,
+                       const std::map<std::string, std::string>& metadata) {
   if (options.alpha && !(std::isfinite(*options.alpha) && *options.alpha > 0)) {
     throw Error("LoraReadOptions::alpha is " + std::to_string(*options.alpha) +
                 ": it must be a finite number > 0 (PEFT's lora_alpha), or unset for scale 1");
@@ -323,7 +378,6 @@ LoraWeights parse_lora(const std::map<std::string, torch::Tensor>& tensors, cons
 
   LoraWeights out;
   out.path = path;
-  std::string first_key;
   // component + '\n' + module → pieces, so each component's modules come out sorted.
   std::map<std::string, Pieces> groups;
   for (const auto& [key, tensor] : tensors) {
@@ -335,16 +389,16 @@ LoraWeights parse_lora(const std::map<std::string, torch::Tensor>& tensors, cons
                      "'lora_unet_<module>.lora_down.weight'); LyCORIS (LoHa, LoKr), DoRA and "
                      "bias-LoRA files are not supported");
     }
-    if (first_key.empty()) {
-      first_key = key;
-      out.format = info->format;
-    } else if (info->format != out.format) {
-      fail(path, "mixes key formats: '" + first_key + "' is " + to_string(out.format) + " but '" +
-                     key + "' is " + to_string(info->format) +
-                     "; convert it to one format before loading");
-    }
     auto& p = groups[info->component + '\n' + info->module];
     const int r = static_cast<int>(info->role);
+    const bool seen = !(p.key[0].empty() && p.key[1].empty() && p.key[2].empty());
+    if (seen && p.info.format != info->format) {
+      const std::string& other = !p.key[0].empty()   ? p.key[0]
+                                 : !p.key[1].empty() ? p.key[1]
+                                                     : p.key[2];
+      fail(path,
+           two_conventions(info->component, info->module, other, p.info.format, key, info->format));
+    }
     if (!p.key[r].empty()) {
       fail(path, "'" + p.key[r] + "' and '" + key + "' are both the " + role_name(info->role) +
                      " of " + info->component + " module '" + info->module +
@@ -357,6 +411,44 @@ LoraWeights parse_lora(const std::map<std::string, torch::Tensor>& tensors, cons
   for (const auto& [id, pieces] : groups) {
     out.components[pieces.info.component].push_back(make_target(path, pieces, options));
   }
+
+  // Alphas kept beside the weights: the file's own metadata first, then adapter_config.json.
+  std::map<std::string, LoraAdapterConfig> from_metadata;
+  if (const auto m = metadata.find(kLoraAdapterMetadataKey); m != metadata.end()) {
+    from_metadata = parse_lora_adapter_metadata(
+        m->second, "LoRA file '" + path + "': " + kLoraAdapterMetadataKey);
+  }
+  std::optional<LoraAdapterConfig> from_file;
+  if (options.adapter_config && !options.adapter_config->empty()) {
+    from_file = parse_lora_adapter_config(read_file(*options.adapter_config),
+                                          "adapter config '" + *options.adapter_config + "'");
+  }
+  std::array<int, 3> per_format{};
+  for (auto& [component, targets] : out.components) {
+    std::vector<bool> done(targets.size(), false);
+    for (size_t i = 0; i < targets.size(); ++i) {
+      ++per_format[static_cast<int>(targets[i].format)];
+      // A kohya .alpha wins over any config (it is the module's own); see docs/LORA.md.
+      if (targets[i].format == LoraFormat::kKohya) done[i] = true;
+    }
+    auto it = from_metadata.find(component);
+    if (it == from_metadata.end()) it = from_metadata.find("");
+    if (it != from_metadata.end()) {
+      apply_config(path, it->second, std::string("its ") + kLoraAdapterMetadataKey, component,
+                   targets, done);
+    }
+    if (from_file) {
+      apply_config(path, *from_file, "'" + *options.adapter_config + "'", component, targets, done);
+    }
+  }
+  int formats_used = 0, most = -1;
+  for (int f = 0; f < 3; ++f) {
+    if (per_format[f] == 0) continue;
+    ++formats_used;
+    if (most < 0 || per_format[f] > per_format[most]) most = f;
+  }
+  out.format = static_cast<LoraFormat>(std::max(most, 0));
+  out.mixed = formats_used > 1;
   return out;
 }
 
@@ -378,6 +470,10 @@ void resolve_kohya_names(LoraWeights& lora, const std::string& component,
     auto [pos, inserted] = by_name.emplace(kohya_name(m), m);
     if (!inserted && pos->second != m) clash.emplace(pos->first, m);
   }
+  std::unordered_map<std::string, const LoraTarget*> dotted;  // module → its Diffusers/PEFT target
+  for (const auto& target : it->second) {
+    if (target.resolved) dotted.emplace(target.module, &target);
+  }
   for (auto& target : it->second) {
     if (target.resolved) continue;
     const auto found = by_name.find(target.module);
@@ -390,6 +486,10 @@ void resolve_kohya_names(LoraWeights& lora, const std::string& component,
       fail(lora.path, "kohya key '" + target.key + "' is ambiguous: modules '" + found->second +
                           "' and '" + c->second + "' of the " + component + " both become '" +
                           target.module + "'; use a Diffusers or PEFT file");
+    }
+    if (const auto d = dotted.find(found->second); d != dotted.end()) {
+      fail(lora.path, two_conventions(component, found->second, d->second->key, d->second->format,
+                                      target.key, target.format));
     }
     target.module = found->second;
     target.resolved = true;

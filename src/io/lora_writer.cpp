@@ -3,12 +3,15 @@
 // through both is what tests/unit/lora_writer_test.cpp checks.
 
 #include "difftrain/core/error.h"
+#include "difftrain/io/atomic_file.h"
+#include "difftrain/io/lora_adapter_config.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"
 
 #include <torch/torch.h>
 
 #include <cmath>
+#include <filesystem>
 #include <sstream>
 
 namespace difftrain::io {
@@ -74,15 +77,16 @@ std::string kohya_prefix(const std::string& component, bool several_text_encoder
   return "lora_te" + component.substr(std::string("text_encoder_").size()) + "_";
 }
 
-// up * scale, formed in float64 and rounded once to up's dtype; up itself when scale is 1.
-torch::Tensor folded_up(const LoraTarget& t) {
+// up * scale, formed in float64 and rounded once to up's dtype; up itself when scale is 1 or
+// when the scale is kept beside the weights (`fold` false).
+torch::Tensor folded_up(const LoraTarget& t, bool fold) {
   const double scale = t.scale();
-  if (scale == 1.0) return t.up.contiguous();
+  if (scale == 1.0 || !fold) return t.up.contiguous();
   return (t.up.to(torch::kFloat64) * scale).to(t.up.scalar_type()).contiguous();
 }
 
 std::map<std::string, torch::Tensor> to_tensors(const LoraWeights& lora, LoraFormat format,
-                                                const std::string& where) {
+                                                const std::string& where, bool fold) {
   std::map<std::string, torch::Tensor> out;
   auto put = [&](const std::string& key, const torch::Tensor& tensor, const std::string& component,
                  const LoraTarget& t) {
@@ -120,13 +124,13 @@ std::map<std::string, torch::Tensor> to_tensors(const LoraWeights& lora, LoraFor
               component == "unet" || component == "transformer" ? ".lora." : ".lora_linear_layer.";
           const std::string stem = component + "." + t.module + layer;
           put(stem + "down.weight", down, component, t);
-          put(stem + "up.weight", folded_up(t), component, t);
+          put(stem + "up.weight", folded_up(t, fold), component, t);
           break;
         }
         case LoraFormat::kPeft: {
           const std::string stem = component + "." + t.module + ".";
           put(stem + "lora_A.weight", down, component, t);
-          put(stem + "lora_B.weight", folded_up(t), component, t);
+          put(stem + "lora_B.weight", folded_up(t, fold), component, t);
           break;
         }
         case LoraFormat::kKohya: {
@@ -155,15 +159,34 @@ std::map<std::string, torch::Tensor> to_tensors(const LoraWeights& lora, LoraFor
 }  // namespace
 
 std::map<std::string, torch::Tensor> lora_to_tensors(const LoraWeights& lora, LoraFormat format) {
-  return to_tensors(lora, format, "lora_to_tensors");
+  return to_tensors(lora, format, "lora_to_tensors", /*fold=*/true);
 }
 
 void write_lora(const std::string& path, const LoraWeights& lora, LoraFormat format,
                 const std::map<std::string, std::string>& metadata) {
-  const auto tensors = to_tensors(lora, format, "cannot write LoRA file '" + path + "'");
+  const std::string where = "cannot write LoRA file '" + path + "'";
+  // r and alpha go beside the weights (metadata, adapter_config.json), so nothing is folded.
+  const auto tensors = to_tensors(lora, format, where, /*fold=*/false);
   Metadata meta = metadata;
   meta.emplace("format", "pt");
+  std::map<std::string, LoraAdapterConfig> configs;
+  if (format != LoraFormat::kKohya) {
+    for (const auto& [component, targets] : lora.components) {
+      if (!targets.empty()) configs[component] = make_lora_adapter_config(targets);
+    }
+    meta.emplace(kLoraAdapterMetadataKey, lora_adapter_metadata_json(configs));
+  }
   save_safetensors(path, tensors, meta);
+  if (format == LoraFormat::kPeft) {
+    // PEFT's adapter_config.json describes one model: the denoiser's targets when present.
+    auto main = configs.begin();
+    for (const char* c : {"transformer", "unet"}) {
+      if (configs.count(c)) main = configs.find(c);
+    }
+    const auto config_path =
+        (std::filesystem::path(path).parent_path() / kPeftAdapterConfigName).string();
+    write_file_atomic(config_path, lora_adapter_config_json(main->second));
+  }
 }
 
 }  // namespace difftrain::io

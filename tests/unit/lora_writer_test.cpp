@@ -166,8 +166,16 @@ TEST(LoraWriter, EveryFormatReadsBackToTheSameUpdatesAndMerge) {
           format == LoraFormat::kDiffusers ? ".lora_linear_layer.down.weight" : ".lora_A.weight";
       EXPECT_TRUE(
           file.tensors.count("text_encoder.text_model.encoder.layers.0.self_attn.q_proj" + te));
-      // No alpha in these files: the scale is folded into up.
-      for (const auto& t : back.targets("unet")) EXPECT_DOUBLE_EQ(t.scale(), 1.0);
+      // r and alpha are kept in lora_adapter_metadata, not folded into up.
+      EXPECT_TRUE(file.metadata.count("lora_adapter_metadata"));
+      EXPECT_EQ(fs::exists(dir + "/adapter_config.json"), format == LoraFormat::kPeft);
+      for (const auto& t : back.targets("unet")) {
+        const auto it = std::find_if(lora.targets("unet").begin(), lora.targets("unet").end(),
+                                     [&](const LoraTarget& o) { return o.module == t.module; });
+        ASSERT_NE(it, lora.targets("unet").end()) << t.module;
+        EXPECT_DOUBLE_EQ(t.scale(), it->scale()) << t.module;
+        EXPECT_TRUE(torch::equal(t.up, it->up.to(torch::kFloat32))) << t.module;
+      }
     }
     const double delta = max_delta_diff(lora, back);
     auto merged = models::load_unet(kGolden + "unet2d");

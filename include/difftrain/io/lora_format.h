@@ -2,6 +2,8 @@
 // LoRA files: the three safetensors key layouts in use for Stable Diffusion LoRAs, read into one
 // canonical form (a list of low-rank updates W += scale * up @ down per module), and written back
 // in any of them. Applying them to a model is models/lora.h. See docs/LORA.md.
+// Each module is read in the convention of its own keys, so one file may mix them (as Diffusers'
+// loader allows); r and alpha kept beside the weights are io/lora_adapter_config.h.
 //
 //   Diffusers  unet.<module>.lora.down.weight / .lora.up.weight   (save_lora_weights; no alpha)
 //              unet.<attn>.processor.to_q_lora.down.weight        (older attention processors)
@@ -44,8 +46,12 @@ struct LoraTarget {
   torch::Tensor down;
   /// [out, r] for a Linear, [out, r, 1, 1] for a Conv2d; floating point, as stored in the file.
   torch::Tensor up;
-  /// The file's alpha (kohya), or the caller's (LoraReadOptions::alpha); none: scale 1.
+  /// The alpha: the file's kohya `.alpha`, else the LoraConfig in the file's metadata or in
+  /// adapter_config.json (io/lora_adapter_config.h), else the caller's (LoraReadOptions::alpha);
+  /// none: scale 1.
   std::optional<double> alpha;
+  /// The key convention this target's keys use (a file may use several, one per module).
+  LoraFormat format = LoraFormat::kDiffusers;
 
   /// r, the number of rows of `down`.
   int64_t rank() const { return down.size(0); }
@@ -57,7 +63,10 @@ struct LoraTarget {
 struct LoraWeights {
   /// The file it was read from (used in error messages).
   std::string path;
+  /// The key convention of most targets (ties: Diffusers, then PEFT, then kohya); see `mixed`.
   LoraFormat format = LoraFormat::kDiffusers;
+  /// True when the targets use more than one key convention (LoraTarget::format).
+  bool mixed = false;
   /// Targets by pipeline component: "unet", "text_encoder", "text_encoder_2", ... (kohya
   /// lora_unet_ → "unet", lora_te_ / lora_te1_ → "text_encoder", lora_te2_ → "text_encoder_2").
   /// Targets of one component are sorted by module name. Keys with no component prefix are the
@@ -72,24 +81,36 @@ struct LoraWeights {
 
 /// Options of read_lora() / parse_lora().
 struct LoraReadOptions {
-  /// Alpha for targets whose file stores none (Diffusers and PEFT files never do; PEFT keeps it in
-  /// adapter_config.json as `lora_alpha`): scale = alpha / r. Must be finite and > 0. A kohya
-  /// `.alpha` in the file wins. Default: none, scale 1 (Diffusers' behaviour for these files).
+  /// Alpha for targets the file gives none (no kohya `.alpha`, no `lora_adapter_metadata`, no
+  /// adapter_config.json): scale = alpha / r. Must be finite and > 0. Whatever the file says
+  /// wins. Default: none, scale 1 (Diffusers' behaviour for these files).
   std::optional<double> alpha;
+  /// A PEFT adapter_config.json whose r / lora_alpha / rank_pattern / alpha_pattern apply to the
+  /// Diffusers- and PEFT-keyed targets that the file's own metadata does not cover. Unset:
+  /// read_lora() uses `adapter_config.json` in the LoRA file's folder when there is one, and
+  /// parse_lora() none; "": none.
+  std::optional<std::string> adapter_config;
 };
 
-/// Reads a LoRA safetensors file (io::load_safetensors) and parses it (parse_lora). Errors name
-/// the file and the offending key; see docs/ERRORS.md, "LoRA files".
+/// Reads a LoRA safetensors file (io::load_safetensors) with its `__metadata__` and parses it
+/// (parse_lora); `path` may also be a folder holding `adapter_model.safetensors` (PEFT's
+/// save_pretrained) or `pytorch_lora_weights.safetensors`. Errors name the file and the
+/// offending key; see docs/ERRORS.md, "LoRA files".
 LoraWeights read_lora(const std::string& path, const LoraReadOptions& options = {});
 
-/// Parses the tensors of a LoRA file already in memory; `path` is used in errors. Detects the
-/// format from the keys and throws difftrain::Error when: a key fits no known format (LyCORIS
-/// LoHa/LoKr, DoRA, bias LoRA), keys of two formats are mixed, the file holds no LoRA, a down has
-/// no up (or the reverse, or an alpha has neither), a module appears twice, down/up are not both
-/// 2-D or both 4-D with a 1x1 up, their ranks differ, a weight is not floating point, or an alpha
-/// is not a finite number of one element.
+/// Parses the tensors of a LoRA file already in memory; `path` is used in errors. Each key's
+/// convention (Diffusers, PEFT, kohya) is detected from the key itself, so conventions may differ
+/// from module to module. The alpha of each target: its kohya `.alpha`; else, for Diffusers and
+/// PEFT keys, Diffusers' `lora_adapter_metadata` entry of `metadata` (the safetensors
+/// `__metadata__`), else options.adapter_config, else options.alpha. Throws difftrain::Error when:
+/// a key fits no known convention (LyCORIS LoHa/LoKr, DoRA, bias LoRA), the file holds no LoRA,
+/// a down has no up (or the reverse, or an alpha has neither), a module's keys are in two
+/// conventions or appear twice, down/up are not both 2-D or both 4-D with a 1x1 up, their ranks
+/// differ, a weight is not floating point, an alpha is not a finite number of one element, or
+/// the metadata / adapter config is not valid or gives a module another rank than its weights.
 LoraWeights parse_lora(const std::map<std::string, torch::Tensor>& tensors, const std::string& path,
-                       const LoraReadOptions& options = {});
+                       const LoraReadOptions& options = {},
+                       const std::map<std::string, std::string>& metadata = {});
 
 /// The kohya form of a dotted module path: "a.b_c.0" → "a_b_c_0".
 std::string kohya_name(const std::string& module);
@@ -98,8 +119,8 @@ std::string kohya_name(const std::string& module);
 /// target model's module paths in dotted form, e.g. every `<path>` of a `<path>.weight` parameter):
 /// each unresolved target gets the one module whose kohya_name() equals its name. Resolved targets
 /// are left alone, so this is a no-op for Diffusers and PEFT files. Throws difftrain::Error naming
-/// the key when no module matches ("is this LoRA for a different model?") or when two modules
-/// share the underscore form.
+/// the key when no module matches ("is this LoRA for a different model?"), when two modules
+/// share the underscore form, or when the module also has Diffusers or PEFT keys in the file.
 void resolve_kohya_names(LoraWeights& lora, const std::string& component,
                          const std::vector<std::string>& module_names);
 
@@ -126,12 +147,22 @@ void resolve_kohya_names(LoraWeights& lora, const std::string& component,
 /// targets would get the same key.
 std::map<std::string, torch::Tensor> lora_to_tensors(const LoraWeights& lora, LoraFormat format);
 
-/// Writes `lora` in `format` (see lora_to_tensors) to the safetensors file `path`, atomically
-/// (io::save_safetensors), with `metadata` plus {"format": "pt"} (safetensors' PyTorch tag, as
-/// Diffusers' save_lora_weights writes; a "format" entry in `metadata` wins) as its
-/// `__metadata__`. Diffusers: `StableDiffusionPipeline.save_lora_weights(dir,
-/// unet_lora_layers=...)` (kDiffusers), PEFT `get_peft_model_state_dict` + `save_file` (kPeft),
-/// kohya sd-scripts' `network.save_weights` (kKohya). Errors as lora_to_tensors, or the path's I/O
+/// Writes `lora` in `format` to the safetensors file `path`, atomically (io::save_safetensors),
+/// with `metadata` plus {"format": "pt"} (safetensors' PyTorch tag, as Diffusers'
+/// save_lora_weights writes; a "format" entry in `metadata` wins) as its `__metadata__`. The keys
+/// are lora_to_tensors()'s, but r and alpha are kept as trained rather than folded into up:
+///   kDiffusers  `__metadata__["lora_adapter_metadata"]`: each component's LoraConfig
+///               (make_lora_adapter_config: r, lora_alpha, rank_pattern, alpha_pattern,
+///               target_modules) under "<component>.<field>", as Diffusers >= 0.33 writes it.
+///               Diffusers before 0.33 ignores it and applies scale 1.
+///   kPeft       the same metadata entry, and `adapter_config.json` in the same folder (the
+///               config of the "unet" or "transformer" targets, else of the first component;
+///               replaced if present), as PEFT's save_pretrained writes it.
+///   kKohya      `.alpha` per module (unchanged).
+/// Read back with read_lora(), every target has its r and alpha. Diffusers:
+/// `StableDiffusionPipeline.save_lora_weights(dir, unet_lora_layers=...,
+/// unet_lora_adapter_metadata=...)` (kDiffusers), PEFT `save_pretrained` (kPeft), kohya
+/// sd-scripts' `network.save_weights` (kKohya). Errors as lora_to_tensors, or the path's I/O
 /// error.
 void write_lora(const std::string& path, const LoraWeights& lora, LoraFormat format,
                 const std::map<std::string, std::string>& metadata = {});
