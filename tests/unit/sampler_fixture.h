@@ -142,12 +142,11 @@ inline void expect_within(const std::string& what, double diff, double tol,
 
 /// Checks `sampler` (already made from fixture.scheduler_config) against `fixture`: the tables
 /// after set_timesteps(N), init_noise_sigma, then the whole loop (x_T, every model output and
-X
-    /// spread, at least 1e-5 ... use max(1e-5, fixture.tolerance)).
-    inline void
-    check_sampler_against_fixture(diffusion::Sampler& sampler, const SamplerFixture& fixture,
-                                  double table_rel_tol = 1e-6,
-                                  std::optional<double> traj_tol = std::nullopt) {
+/// every prev_sample) within `traj_tol`, by default the fixture's float32 spread and at least 1e-5.
+inline void check_sampler_against_fixture(diffusion::Sampler& sampler,
+                                          const SamplerFixture& fixture,
+                                          double table_rel_tol = 1e-6,
+                                          std::optional<double> traj_tol = std::nullopt) {
   const std::string n = fixture.name;
   sampler.set_timesteps(fixture.num_inference_steps);
   EXPECT_EQ(sampler.timesteps().scalar_type(), fixture.timesteps.scalar_type()) << n;
