@@ -34,7 +34,8 @@ std::vector<double> linspace(double start, double stop, int64_t n) {
     return out;
   }
   const double step = (stop - start) / static_cast<double>(n - 1);
-  for (int64_t i = 0; i < n; ++i) out[static_cast<size_t>(i)] = static_cast<double>(i) * step + start;
+  for (int64_t i = 0; i < n; ++i)
+    out[static_cast<size_t>(i)] = static_cast<double>(i) * step + start;
   out.back() = stop;
   return out;
 }
@@ -96,6 +97,79 @@ std::vector<double> interp_on_index(const std::vector<double>& x, const std::vec
     }
   }
   return out;
+}
+
+std::vector<float> spaced_float_timesteps(int64_t T, int64_t n, TimestepSpacing spacing,
+                                          int64_t steps_offset, const std::string& who) {
+  if (n < 1) {
+    throw Error(who + ": num_inference_steps is " + std::to_string(n) + "; it must be at least 1");
+  }
+  std::vector<float> out;
+  switch (spacing) {
+    case TimestepSpacing::kLinspace: {
+      const std::vector<double> values = linspace(0.0, static_cast<double>(T - 1), n);
+      for (auto it = values.rbegin(); it != values.rend(); ++it)
+        out.push_back(static_cast<float>(*it));
+      break;
+    }
+    case TimestepSpacing::kLeading: {
+      if (n > T) {
+        throw Error(who + ": num_inference_steps is " + std::to_string(n) +
+                    ", more than num_train_timesteps = " + std::to_string(T) +
+                    "; \"leading\" spacing needs at most that many steps (use fewer steps)");
+      }
+      const int64_t ratio = T / n;
+      for (int64_t i = n - 1; i >= 0; --i) {
+        // float32 timesteps += steps_offset (exact for these integers)
+        out.push_back(static_cast<float>(i * ratio) + static_cast<float>(steps_offset));
+      }
+      break;
+    }
+    case TimestepSpacing::kTrailing: {
+      // numpy's float arange(T, 0, -ratio): length ceil(-T / -ratio), element i (i >= 2) is
+      // start + i * (second - start); rounded half to even, cast to float32, then minus 1.
+      const double ratio = static_cast<double>(T) / static_cast<double>(n);
+      const double start = static_cast<double>(T);
+      const auto length = static_cast<int64_t>(std::ceil(-start / -ratio));
+      const double second = start + -ratio;
+      const double delta = second - start;
+      for (int64_t i = 0; i < length; ++i) {
+        const double value =
+            i == 0 ? start : (i == 1 ? second : start + static_cast<double>(i) * delta);
+        out.push_back(static_cast<float>(std::nearbyint(value)) - 1.0f);
+      }
+      break;
+    }
+  }
+  return out;
+}
+
+int64_t index_for_timestep(const torch::Tensor& timesteps, double timestep,
+                           const std::string& who) {
+  const torch::Tensor values = timesteps.to(torch::kCPU, torch::kFloat64).contiguous();
+  const double* p = values.data_ptr<double>();
+  std::vector<int64_t> matches;
+  for (int64_t i = 0; i < values.numel(); ++i) {
+    if (p[i] == timestep) matches.push_back(i);
+  }
+  if (matches.empty()) {
+    throw Error(who + ": timestep " + std::to_string(timestep) +
+                " is not one of the sampler's timesteps; pass timesteps()[i] of the current "
+                "set_timesteps()");
+  }
+  return matches.size() > 1 ? matches[1] : matches[0];
+}
+
+torch::Tensor step_noise(const torch::Tensor& like, const std::optional<at::Generator>& generator) {
+  torch::Tensor noise;
+  if (generator) {
+    noise = at::randn(like.sizes(), *generator,
+                      torch::TensorOptions().dtype(torch::kFloat32).device(generator->device()));
+  } else {
+    noise = at::randn(like.sizes(),
+                      torch::TensorOptions().dtype(torch::kFloat32).device(like.device()));
+  }
+  return noise.to(like.device(), like.scalar_type());
 }
 
 }  // namespace difftrain::diffusion::detail

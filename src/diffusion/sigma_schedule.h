@@ -3,9 +3,14 @@
 // dtypes Diffusers 0.31 computes them in (numpy float32 vs float64 matters for the last bits).
 // Private to src/diffusion.
 
+#include "difftrain/diffusion/scheduler_config.h"
+
+#include <ATen/core/Generator.h>
 #include <torch/types.h>
 
 #include <cstdint>
+#include <optional>
+#include <string>
 #include <vector>
 
 namespace difftrain::diffusion::detail {
@@ -32,5 +37,23 @@ std::vector<double> interp_on_index(const std::vector<double>& x, const std::vec
 /// numpy.linspace(start, stop, n) in float64 (numpy's formula: start + i * step, the last value
 /// set to stop exactly).
 std::vector<double> linspace(double start, double stop, int64_t n);
+
+/// The timesteps of the Euler samplers' set_timesteps(n) as numpy float32 values, descending:
+/// "linspace": linspace(0, T - 1, n) (not rounded); "leading": round(arange(n) * (T // n)) +
+/// steps_offset; "trailing": round(arange(T, 0, -T / n)) - 1 (numpy's float arange). Throws for
+/// n < 1, and for n > T with "leading" (T // n would be 0). `who` names the caller in errors.
+std::vector<float> spaced_float_timesteps(int64_t num_train_timesteps, int64_t num_inference_steps,
+                                          TimestepSpacing spacing, int64_t steps_offset,
+                                          const std::string& who);
+
+/// Diffusers' `index_for_timestep`: the position of `timestep` in `timesteps` (any dtype, [L]),
+/// the second match when it occurs more than once (so a restarted image-to-image loop does not
+/// skip a sigma). Throws difftrain::Error naming `who` when it is not there.
+int64_t index_for_timestep(const torch::Tensor& timesteps, double timestep, const std::string& who);
+
+/// Step noise as Diffusers' `randn_tensor(like.shape, generator=...)`: at::randn in float32 on the
+/// generator's device (the default generator: like's device), then moved to like's device and
+/// dtype. like: [B, ...].
+torch::Tensor step_noise(const torch::Tensor& like, const std::optional<at::Generator>& generator);
 
 }  // namespace difftrain::diffusion::detail

@@ -1,0 +1,134 @@
+// Diffusers' FlowMatchEulerDiscreteScheduler (0.31): Euler steps along a rectified-flow ODE
+// (Stable Diffusion 3, Flux), sigma from 1 to 0 with the time shift
+// sigma' = shift * sigma / (1 + (shift - 1) * sigma). The model predicts the velocity
+// noise - x_0; timesteps are sigma * T as float32. No input scaling, initial noise sigma 1.
+
+#include "difftrain/core/error.h"
+#include "sampler_classes.h"
+#include "sigma_schedule.h"
+
+#include <torch/torch.h>
+
+#include <cmath>
+
+namespace difftrain::diffusion::detail {
+namespace {
+
+using nlohmann::json;
+
+constexpr const char* kName = "FlowMatchEulerDiscreteScheduler";
+
+class FlowMatchEulerSampler : public Sampler {
+ public:
+  FlowMatchEulerSampler(const json& config, const std::string& source) {
+    const ConfigReader r(config, source);
+    num_train_timesteps_ = r.get_int("num_train_timesteps", 1000);
+    shift_ = r.get_double("shift", 1.0);
+    use_dynamic_shifting_ = r.get_bool("use_dynamic_shifting", false);
+    // Optional in Diffusers: a null in the file stays null (unused without dynamic shifting).
+    const auto optional_or = [&](const char* key, double fallback) {
+      return r.json().contains(key) ? r.get_optional_double(key) : std::optional<double>(fallback);
+    };
+    base_shift_ = optional_or("base_shift", 0.5);
+    max_shift_ = optional_or("max_shift", 1.15);
+    base_image_seq_len_ = r.get_int("base_image_seq_len", 256);
+    max_image_seq_len_ = r.get_int("max_image_seq_len", 4096);
+    if (num_train_timesteps_ < 1) {
+      throw Error(r.where() + "num_train_timesteps is " + std::to_string(num_train_timesteps_) +
+                  "; it must be at least 1");
+    }
+    if (!(shift_ > 0) || !std::isfinite(shift_)) {
+      throw Error(r.where() + "shift is " + std::to_string(shift_) +
+                  "; it must be a finite number > 0 (1: no shift; SD3 uses 3.0)");
+    }
+    if (use_dynamic_shifting_) {
+      throw Error(r.where() +
+                  "use_dynamic_shifting is true, which needs the image-size dependent mu at "
+                  "set_timesteps (Flux); difftrain does not compute it: set use_dynamic_shifting "
+                  "false and a fixed shift");
+    }
+    const int64_t T = num_train_timesteps_;
+    // np.linspace(1, T, T, dtype=float32)[::-1] -> torch float32; / T; shift in float32.
+    const std::vector<double> lin = linspace(1.0, static_cast<double>(T), T);
+    std::vector<float> ts;
+    for (auto it = lin.rbegin(); it != lin.rend(); ++it) ts.push_back(static_cast<float>(*it));
+    torch::Tensor sigmas = torch::tensor(ts, torch::kFloat32) / T;
+    sigmas = shift_ * sigmas / (1 + (shift_ - 1) * sigmas);
+    timesteps_ = sigmas * T;
+    sigmas_ = sigmas;
+    sigma_min_ = sigmas[-1].item<double>();
+    sigma_max_ = sigmas[0].item<double>();
+  }
+
+  std::string class_name() const override { return kName; }
+
+  json config() const override {
+    json j = json::object();
+    j["_class_name"] = class_name();
+    j["num_train_timesteps"] = num_train_timesteps_;
+    j["shift"] = shift_;
+    j["use_dynamic_shifting"] = use_dynamic_shifting_;
+    j["base_shift"] = base_shift_ ? json(*base_shift_) : json(nullptr);
+    j["max_shift"] = max_shift_ ? json(*max_shift_) : json(nullptr);
+    j["base_image_seq_len"] = base_image_seq_len_;
+    j["max_image_seq_len"] = max_image_seq_len_;
+    return j;
+  }
+
+  void set_timesteps(int64_t n) override {
+    if (n < 1) {
+      throw Error(std::string(kName) + ": num_inference_steps is " + std::to_string(n) +
+                  "; it must be at least 1");
+    }
+    const auto T = static_cast<double>(num_train_timesteps_);
+    // numpy float64: linspace(sigma_max * T, sigma_min * T, n) / T, then the shift.
+    const std::vector<double> ts = linspace(sigma_max_ * T, sigma_min_ * T, n);
+    std::vector<float> sig32;
+    for (double t : ts) {
+      const double s = t / T;
+      sig32.push_back(static_cast<float>(shift_ * s / (1 + (shift_ - 1) * s)));
+    }
+    const torch::Tensor sigmas = torch::tensor(sig32, torch::kFloat32);
+    timesteps_ = sigmas * num_train_timesteps_;
+    sigmas_ = torch::cat({sigmas, torch::zeros({1}, torch::kFloat32)});
+    step_index_.reset();
+  }
+
+  const torch::Tensor& timesteps() const override { return timesteps_; }
+  torch::Tensor sigmas() const override { return sigmas_; }
+
+  torch::Tensor step(const torch::Tensor& model_output, double timestep,
+                     const torch::Tensor& sample_in, std::optional<at::Generator>) override {
+    if (!step_index_) step_index_ = index_for_timestep(timesteps_, timestep, kName);
+    const int64_t i = *step_index_;
+    if (i + 1 >= sigmas_.size(0)) {
+      throw Error(std::string(kName) + "::step: step " + std::to_string(i) +
+                  " is past the last sigma; call set_timesteps() again before a new loop");
+    }
+    const torch::Tensor sample = sample_in.to(torch::kFloat32);
+    const torch::Tensor sigma = sigmas_[i];
+    const torch::Tensor sigma_next = sigmas_[i + 1];
+    const torch::Tensor prev_sample = sample + (sigma_next - sigma) * model_output;
+    step_index_ = i + 1;
+    return prev_sample.to(model_output.scalar_type());
+  }
+
+ private:
+  int64_t num_train_timesteps_ = 1000;
+  double shift_ = 1.0;
+  bool use_dynamic_shifting_ = false;
+  std::optional<double> base_shift_, max_shift_;
+  int64_t base_image_seq_len_ = 256, max_image_seq_len_ = 4096;
+  double sigma_min_ = 0, sigma_max_ = 1;
+  torch::Tensor timesteps_, sigmas_;
+  std::optional<int64_t> step_index_;
+};
+
+}  // namespace
+
+std::unique_ptr<Sampler> make_flow_match_euler_sampler(const json& config,
+                                                       const std::string& source) {
+  return std::make_unique<FlowMatchEulerSampler>(config, source);
+}
+
+}  // namespace difftrain::diffusion::detail
