@@ -44,10 +44,11 @@ class EulerSampler : public Sampler {
                   "only one of use_karras_sigmas, use_exponential_sigmas, use_beta_sigmas can be "
                   "true; set the others to false");
     }
-    if (use_exponential_sigmas_ || use_beta_sigmas_) {
-      throw Error(r.where() + (use_beta_sigmas_ ? "use_beta_sigmas" : "use_exponential_sigmas") +
-                  " is not supported by difftrain's EulerDiscreteScheduler; set it to false (or "
-                  "use_karras_sigmas true for a non-uniform schedule)");
+    if (use_beta_sigmas_) {
+      throw Error(r.where() +
+                  "use_beta_sigmas is not supported by difftrain's EulerDiscreteScheduler (it "
+                  "needs scipy's beta quantiles); set it to false, or use_karras_sigmas or "
+                  "use_exponential_sigmas true for a non-uniform schedule");
     }
     if (steps_offset_ < 0) {
       throw Error(r.where() + "steps_offset is " + std::to_string(steps_offset_) +
@@ -121,6 +122,15 @@ class EulerSampler : public Sampler {
       const double lo = sigma_min_ ? *sigma_min_ : sig.back();
       const double hi = sigma_max_ ? *sigma_max_ : sig.front();
       sig = karras_sigmas(lo, hi, n);
+      ts.clear();
+      for (double s : sig) ts.push_back(sigma_to_t(s, log_sigmas_));
+    } else if (use_exponential_sigmas_) {
+      // torch.linspace(math.log(sigma_max), math.log(sigma_min), n).exp(): float32.
+      const double lo = sigma_min_ ? *sigma_min_ : sig.back();
+      const double hi = sigma_max_ ? *sigma_max_ : sig.front();
+      const torch::Tensor e =
+          torch::linspace(std::log(hi), std::log(lo), n, torch::kFloat32).exp().contiguous();
+      sig.assign(e.data_ptr<float>(), e.data_ptr<float>() + e.numel());
       ts.clear();
       for (double s : sig) ts.push_back(sigma_to_t(s, log_sigmas_));
     }

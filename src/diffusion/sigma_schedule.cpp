@@ -56,11 +56,15 @@ double sigma_to_t(double sigma, const std::vector<float>& log_sigmas) {
   const int64_t n = static_cast<int64_t>(log_sigmas.size());
   if (n < 2) throw Error("sigma_to_t: needs at least 2 training timesteps");
   const double log_sigma = std::log(std::max(sigma, 1e-10));
+  // numpy 1.x value-based casting: log_sigma is a float64 *scalar* and log_sigmas a float32
+  // array, so dists = log_sigma - log_sigmas[:, None] and low - log_sigma are float32 ops with
+  // log_sigma rounded to float32 first (what Diffusers' fixtures were made with).
+  const auto log_sigma32 = static_cast<float>(log_sigma);
   // argmax of cumsum(dists >= 0): the last index whose log sigma is <= log(sigma) (the first of
   // equal maxima, as argmax picks), 0 when none is; clipped to n - 2.
   int64_t count = 0, best = 0, low_idx = 0;
   for (int64_t i = 0; i < n; ++i) {
-    if (log_sigma - static_cast<double>(log_sigmas[static_cast<size_t>(i)]) >= 0) ++count;
+    if (log_sigma32 - log_sigmas[static_cast<size_t>(i)] >= 0.0f) ++count;
     if (count > best) {
       best = count;
       low_idx = i;
@@ -70,11 +74,12 @@ double sigma_to_t(double sigma, const std::vector<float>& log_sigmas) {
   const int64_t high_idx = low_idx + 1;
   const float low = log_sigmas[static_cast<size_t>(low_idx)];
   const float high = log_sigmas[static_cast<size_t>(high_idx)];
-  // (low - log_sigma) is float64; (low - high) is float32 (both operands float32 in numpy).
-  const float low_minus_high = low - high;
-  double w = (static_cast<double>(low) - log_sigma) / static_cast<double>(low_minus_high);
-  w = std::clamp(w, 0.0, 1.0);
-  return (1 - w) * static_cast<double>(low_idx) + w * static_cast<double>(high_idx);
+  float w = (low - log_sigma32) / (low - high);
+  w = std::clamp(w, 0.0f, 1.0f);
+  // (1 - w) is float32; times the int64 index arrays it becomes float64.
+  const float one_minus_w = 1.0f - w;
+  return static_cast<double>(one_minus_w) * static_cast<double>(low_idx) +
+         static_cast<double>(w) * static_cast<double>(high_idx);
 }
 
 std::vector<double> interp_on_index(const std::vector<double>& x, const std::vector<float>& fp) {

@@ -28,7 +28,8 @@ std::vector<double> karras_sigmas(double sigma_min, double sigma_max, int64_t n)
 
 /// Diffusers' `_sigma_to_t`: the fractional training timestep of `sigma` found by linear
 /// interpolation of log(sigma) in `log_sigmas` (float32 [T], ascending with t), clipped to
-/// [0, T - 1]. Returns float64, as numpy does.
+/// [0, T - 1]. Returns float64, as numpy does; the interpolation weight is float32, as numpy 1.x
+/// computes it (a float64 scalar against a float32 array).
 double sigma_to_t(double sigma, const std::vector<float>& log_sigmas);
 
 /// numpy.interp(x, arange(len(fp)), fp) in float64 (fp as given, widened to double).

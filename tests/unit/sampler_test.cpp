@@ -104,6 +104,8 @@ TEST(EulerSampler, TrailingSpacing) { check_extra("euler_trailing"); }
 TEST(EulerSampler, LinspaceSpacingVPrediction) { check_extra("euler_linspace_vpred"); }
 TEST(EulerSampler, KarrasSigmasLeading) { check_extra("euler_karras"); }
 TEST(EulerSampler, KarrasSigmaMinMaxAndFinalSigmaMin) { check_extra("euler_karras_sigma_min"); }
+TEST(EulerSampler, ExponentialSigmasTrailing) { check_extra("euler_exponential"); }
+TEST(EulerSampler, ExponentialSigmasSigmaMin) { check_extra("euler_exponential_sigma_min"); }
 TEST(EulerSampler, LogLinearInterpolation) { check_extra("euler_log_linear"); }
 TEST(EulerSampler, ZeroTerminalSnr) { check_extra("euler_zero_snr"); }
 TEST(EulerSampler, SamplePredictionCosineBetas) { check_extra("euler_sample_cosine"); }
@@ -242,12 +244,11 @@ TEST(SamplerFactory, BadFieldValuesNameTheField) {
   msg = test::error_of([&] { make_sampler(c, "euler_ancestral", "c.json"); });
   EXPECT_NE(msg.find("prediction_type"), std::string::npos);
   c = sd15_config();
-  c["use_exponential_sigmas"] = true;
+  c["use_beta_sigmas"] = true;
   msg = test::error_of([&] { make_sampler(c, "euler", "c.json"); });
-  EXPECT_NE(msg.find("use_exponential_sigmas"), std::string::npos);
+  EXPECT_NE(msg.find("use_beta_sigmas"), std::string::npos);
   // euler_karras switches the other sigma schedules off rather than failing.
-  EXPECT_EQ(make_sampler(c, "euler_karras", "c.json")->config().at("use_exponential_sigmas"),
-            false);
+  EXPECT_EQ(make_sampler(c, "euler_karras", "c.json")->config().at("use_beta_sigmas"), false);
   json flow = {{"_class_name", "FlowMatchEulerDiscreteScheduler"}, {"use_dynamic_shifting", true}};
   msg = test::error_of([&] { make_sampler(flow, "", "flux.json"); });
   std::printf("%s\n", msg.c_str());
