@@ -124,7 +124,9 @@ LoraFolderMergeSummary merge_lora_into_folder(const std::string& model_dir,
   }
   const fs::path unet_rel = unet_subfolder(model_dir);
   check_output(model_dir, output_dir);
-  if (!fs::is_regular_file(lora_path)) {
+  // A folder is a PEFT adapter folder (adapter_model.safetensors + adapter_config.json) or a
+  // Diffusers one (pytorch_lora_weights.safetensors); read_lora picks the file.
+  if (!fs::is_regular_file(lora_path) && !fs::is_directory(lora_path)) {
     throw Error(lora_path +
                 ": no such LoRA file; give a .safetensors file in Diffusers, PEFT or kohya format");
   }

@@ -79,6 +79,55 @@ TEST(LoraMergeCommand, UNetFolderEqualsInMemoryMergeAndDiffusers) {
   fs::remove_all(dir);
 }
 
+// A PEFT adapter folder (adapter_model.safetensors + adapter_config.json with lora_alpha 8 at
+// r 4) merges at scale 2; a file mixing Diffusers and kohya keys merges like the Diffusers file.
+TEST(LoraMergeCommand, PeftAdapterFolderAndMixedConventionFile) {
+  const auto dir = make_temp_dir("lora_merge_peft");
+  fs::create_directories(dir + "/adapter");
+  fs::copy_file(kGolden + "lora/peft_format.safetensors",
+                dir + "/adapter/adapter_model.safetensors");
+  {
+    std::ofstream(dir + "/adapter/adapter_config.json")
+        << R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["to_q", "to_k", "to_v", "to_out.0"]})";
+  }
+  auto r = run({kDifftrain, "lora", "merge", "--model", kGolden + "unet_cond", "--lora",
+                dir + "/adapter", "--output", dir + "/peft"},
+               {}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  const auto reference = io::read_lora(kGolden + "lora/pytorch_lora_weights.safetensors");
+  auto expected = models::load_unet(kGolden + "unet_cond");
+  models::merge_lora(*expected, reference, 2.0);
+  double diff = max_weight_diff(*models::load_unet(dir + "/peft"), *expected);
+  std::printf(
+      "lora merge (PEFT folder, alpha 8, r 4): max |W - merge at scale 2| %.3g (tol 1e-6)\n", diff);
+  EXPECT_LE(diff, 1e-6);
+
+  // attn1 modules in Diffusers keys, attn2 in kohya keys (with .alpha), one file.
+  io::TensorMap mixed;
+  for (const auto format : {io::LoraFormat::kDiffusers, io::LoraFormat::kKohya}) {
+    io::LoraWeights part;
+    for (const auto& t : reference.targets("unet")) {
+      const bool attn1 = t.module.find("attn1") != std::string::npos;
+      if (attn1 == (format == io::LoraFormat::kDiffusers)) part.components["unet"].push_back(t);
+    }
+    for (const auto& [k, v] : io::lora_to_tensors(part, format)) mixed.emplace(k, v);
+  }
+  io::save_safetensors(dir + "/mixed.safetensors", mixed);
+  r = run({kDifftrain, "lora", "merge", "--model", kGolden + "unet_cond", "--lora",
+           dir + "/mixed.safetensors", "--output", dir + "/mixed"},
+          {}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  expected = models::load_unet(kGolden + "unet_cond");
+  models::merge_lora(*expected, reference);
+  diff = max_weight_diff(*models::load_unet(dir + "/mixed"), *expected);
+  std::printf(
+      "lora merge (mixed Diffusers + kohya keys): max |W - in-memory merge| %.3g (tol "
+      "1e-6)\n",
+      diff);
+  EXPECT_LE(diff, 1e-6);
+  fs::remove_all(dir);
+}
+
 TEST(LoraMergeCommand, MergedPipelineSamplesLikeSampleWithLora) {
   // A DDIMPipeline folder with a text encoder folder and a README beside the UNet.
   const auto dir = make_temp_dir("lora_pipe");

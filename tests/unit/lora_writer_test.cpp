@@ -357,6 +357,28 @@ TEST(LoraFolderMerge, Fp16VariantFolderKeepsItsLayoutAndDtype) {
   fs::remove_all(dir);
 }
 
+// A PEFT adapter folder (adapter_model.safetensors + adapter_config.json, lora_alpha 8 at r 4)
+// merges with scale 2, as PEFT applies it.
+TEST(LoraFolderMerge, PeftAdapterFolderMergesWithItsAlpha) {
+  const auto dir = temp_dir("lora_folder_peft");
+  fs::create_directories(dir + "/adapter");
+  fs::copy_file(kGolden + "lora/peft_format.safetensors",
+                dir + "/adapter/adapter_model.safetensors");
+  difftrain::test::write_text(dir + "/adapter/adapter_config.json",
+                              R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8})");
+  const auto summary =
+      models::merge_lora_into_folder(kGolden + "unet_cond", dir + "/adapter", dir + "/merged");
+  EXPECT_EQ(summary.format, LoraFormat::kPeft);
+  auto expected = models::load_unet(kGolden + "unet_cond");
+  models::merge_lora(*expected, io::read_lora(kGolden + "lora/pytorch_lora_weights.safetensors"),
+                     2.0);
+  const double diff = max_weight_diff(*models::load_unet(dir + "/merged"), *expected);
+  std::printf("PEFT folder merge (alpha 8, r 4) vs merge at scale 2: max |diff| %.3g (tol 1e-6)\n",
+              diff);
+  EXPECT_LE(diff, 1e-6);
+  fs::remove_all(dir);
+}
+
 TEST(LoraFolderMerge, RefusesBadFoldersWithOneLineErrors) {
   const auto dir = temp_dir("lora_folder_bad");
   const std::string model = kGolden + "unet_cond";

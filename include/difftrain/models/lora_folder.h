@@ -40,7 +40,10 @@ struct LoraFolderMergeSummary {
 };
 
 /// Writes a copy of the model folder `model_dir` to `output_dir` with the LoRA file `lora_path`
-/// (Diffusers, PEFT or kohya; io::read_lora) folded into the UNet's weights (merge_lora, component
+/// (Diffusers, PEFT or kohya, keys in any mix of them, with the r / alpha of its
+/// lora_adapter_metadata or a PEFT adapter_config.json beside it; or a folder holding
+/// adapter_model.safetensors or pytorch_lora_weights.safetensors; io::read_lora) folded into the
+/// UNet's weights (merge_lora, component
 /// "unet", `options.lora_scale`). `model_dir` is a pipeline folder (model_index.json + unet/ +
 /// other components) or a UNet folder (config.json + diffusion_pytorch_model.safetensors); no
 /// scheduler is needed. The output has the same layout: the merged UNet saved with save_unet
