@@ -163,6 +163,50 @@ TEST(SamplerFactory, ClassOfTheFileByDefault) {
   }
 }
 
+// Each name's class and settings (the DPM-Solver and UniPC classes are part B's).
+TEST(SamplerFactory, NamesSetTheirFields) {
+  const json expected = {
+      {"euler_karras", {{"_class_name", "EulerDiscreteScheduler"}, {"use_karras_sigmas", true}}},
+      {"dpmpp_2m",
+       {{"_class_name", "DPMSolverMultistepScheduler"},
+        {"algorithm_type", "dpmsolver++"},
+        {"solver_order", 2},
+        {"use_karras_sigmas", false}}},
+      {"dpmpp_2m_karras",
+       {{"_class_name", "DPMSolverMultistepScheduler"},
+        {"algorithm_type", "dpmsolver++"},
+        {"solver_order", 2},
+        {"use_karras_sigmas", true}}},
+      {"dpmpp_2m_sde",
+       {{"_class_name", "DPMSolverMultistepScheduler"},
+        {"algorithm_type", "sde-dpmsolver++"},
+        {"solver_order", 2},
+        {"use_karras_sigmas", false}}},
+      {"dpmpp_2m_sde_karras",
+       {{"_class_name", "DPMSolverMultistepScheduler"},
+        {"algorithm_type", "sde-dpmsolver++"},
+        {"solver_order", 2},
+        {"use_karras_sigmas", true}}},
+      {"unipc", {{"_class_name", "UniPCMultistepScheduler"}}},
+      {"flow_match_euler", {{"_class_name", "FlowMatchEulerDiscreteScheduler"}}},
+  };
+  for (const auto& [kind, fields] : expected.items()) {
+    const json c = make_sampler(sd15_config(), kind, "sd15.json")->config();
+    for (const auto& [key, value] : fields.items()) {
+      EXPECT_EQ(c.at(key), value) << kind << " " << key;
+    }
+    if (c.contains("beta_start")) {
+      EXPECT_EQ(c.at("beta_start"), 0.00085) << kind;
+    }
+  }
+  // A file's own solver_order 3 gives way to the name's 2.
+  json d = sd15_config();
+  d["solver_order"] = 3;
+  EXPECT_EQ(make_sampler(d, "dpmpp_2m", "d.json")->config().at("solver_order"), 2);
+  EXPECT_EQ(make_sampler(d, "DPMSolverMultistepScheduler", "d.json")->config().at("solver_order"),
+            3);
+}
+
 TEST(SamplerFactory, UnknownKindListsTheNames) {
   const std::string msg =
       test::error_of([] { make_sampler(sd15_config(), "heun", "model/scheduler_config.json"); });
