@@ -1,6 +1,8 @@
 // `difftrain lora merge` end to end: the merged folder loads to the in-memory merge_lora, runs
 // like Diffusers' fused UNet, samples like `difftrain sample --lora` on the original, keeps every
-// other file; bad input exits 1 with a one-line message naming the path.
+// other file; a PEFT adapter folder merges with its adapter_config.json alpha and a
+// mixed-convention file like a single-convention one; a trained PEFT export keeps r and alpha; bad
+// input exits 1 with a one-line message naming the path.
 
 #include "subprocess.h"
 
@@ -11,6 +13,7 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 #include <filesystem>
 #include <fstream>
@@ -125,6 +128,72 @@ TEST(LoraMergeCommand, PeftAdapterFolderAndMixedConventionFile) {
       "1e-6)\n",
       diff);
   EXPECT_LE(diff, 1e-6);
+  fs::remove_all(dir);
+}
+
+// `difftrain train --lora --lora_format peft` with rank 2, alpha 6: the export keeps up as trained
+// and records r and alpha in adapter_config.json beside it and in lora_adapter_metadata;
+// read back, every module has r 2 and alpha 6; `difftrain sample --lora` loads it.
+TEST(LoraMergeCommand, TrainedPeftExportKeepsRankAndAlpha) {
+  const auto dir = make_temp_dir("lora_train_peft");
+  const std::string config = dir + "/tiny_unet.json";
+  std::ofstream(config) << R"({"_class_name": "UNet2DModel", "sample_size": 8, "in_channels": 1,
+    "out_channels": 1, "layers_per_block": 1, "block_out_channels": [8, 16],
+    "down_block_types": ["DownBlock2D", "AttnDownBlock2D"],
+    "up_block_types": ["AttnUpBlock2D", "UpBlock2D"], "norm_num_groups": 4,
+    "attention_head_dim": 8})";
+  const std::vector<std::string> common = {
+      "--resolution", "8",     "--max_train_samples",     "64", "--lr_warmup_steps",     "0",
+      "--use_ema",    "false", "--num_validation_images", "0",  "--checkpointing_steps", "0"};
+  std::vector<std::string> base = {
+      kDifftrain,          "train",      "--model_config_name_or_path", config,
+      "--max_train_steps", "2",          "--train_batch_size",          "4",
+      "--output_dir",      dir + "/base"};
+  base.insert(base.end(), common.begin(), common.end());
+  auto r = run(base, {}, 300);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  std::vector<std::string> lora = {kDifftrain,
+                                   "train",
+                                   "--pretrained_model_name_or_path",
+                                   dir + "/base",
+                                   "--lora",
+                                   "--rank",
+                                   "2",
+                                   "--lora_alpha",
+                                   "6",
+                                   "--lora_format",
+                                   "peft",
+                                   "--max_train_steps",
+                                   "2",
+                                   "--train_batch_size",
+                                   "4",
+                                   "--learning_rate",
+                                   "1e-2",
+                                   "--output_dir",
+                                   dir + "/lora"};
+  lora.insert(lora.end(), common.begin(), common.end());
+  r = run(lora, {}, 300);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  const std::string file = dir + "/lora/pytorch_lora_weights.safetensors";
+  const auto adapter = nlohmann::json::parse(slurp(dir + "/lora/adapter_config.json"));
+  EXPECT_EQ(adapter.at("peft_type"), "LORA");
+  EXPECT_EQ(adapter.at("r"), 2);
+  EXPECT_EQ(adapter.at("lora_alpha"), 6.0);
+  const auto meta =
+      nlohmann::json::parse(io::load_safetensors(file).metadata.at("lora_adapter_metadata"));
+  EXPECT_EQ(meta.at("unet.r"), 2);
+  EXPECT_EQ(meta.at("unet.lora_alpha"), 6.0);
+  const auto back = io::read_lora(file);
+  EXPECT_EQ(back.format, io::LoraFormat::kPeft);
+  EXPECT_GT(back.count("unet"), 0u);
+  for (const auto& t : back.targets("unet")) {
+    EXPECT_EQ(t.rank(), 2) << t.module;
+    EXPECT_EQ(t.alpha.value_or(0), 6.0) << t.module;
+  }
+  r = run({kDifftrain, "sample", "--model", dir + "/base", "--lora", file, "--num_inference_steps",
+           "2", "--num_images", "1", "--class_labels", "3", "--output", dir + "/s.png"},
+          {}, 120);
+  EXPECT_EQ(r.exit_code, 0) << r.log();
   fs::remove_all(dir);
 }
 

@@ -46,8 +46,9 @@ class LoraLayersImpl : public torch::nn::Module {
   /// The adapter of layer `name` (dotted); throws when there is none.
   LoraAdapter adapter(const std::string& name) const;
 
-  /// The adapters as a LoRA file's contents (component -> targets with down, up, alpha): float32
-  /// copies on the CPU, so io::write_lora can write them in any layout.
+  /// The adapters as a LoRA file's contents (component -> targets with down, up and alpha =
+  /// LoraConfig::alpha): float32 copies on the CPU, so io::write_lora can write them in any
+  /// layout, keeping r and alpha (adapter_config.json / lora_adapter_metadata / kohya .alpha).
   io::LoraWeights to_lora_weights(const std::string& component = "unet") const;
 
   /// Removes the adapters from the model's layers.
