@@ -98,11 +98,6 @@ class DpmSolverMultistepSampler final : public Sampler {
       throw Error(where + "final_sigmas_type 'zero' is not supported with algorithm_type '" +
                   algorithm + "'; set final_sigmas_type to 'sigma_min'");
     }
-    if (solver_order_ == 3 && is_sde()) {
-      throw Error(
-          where + "solver_order 3 with algorithm_type '" + algorithm_type_ +
-          "' is not supported (Diffusers has no third-order SDE update); use solver_order 2");
-    }
     if (thresholding_ && !(dynamic_thresholding_ratio_ > 0 && dynamic_thresholding_ratio_ <= 1)) {
       throw Error(where + "dynamic_thresholding_ratio must be in (0, 1]");
     }
@@ -216,6 +211,13 @@ class DpmSolverMultistepSampler final : public Sampler {
     } else if (solver_order_ == 2 || lower_order_nums_ < 2 || lower_order_second) {
       prev = second_order_update(sample, noise, i);
     } else {
+      if (is_sde()) {
+        // Diffusers 0.31 has no third-order SDE update (it fails with UnboundLocalError here;
+        // runs short enough to stay at orders 1-2 work there and here).
+        throw Error(std::string(kClass) + ": step " + std::to_string(i) +
+                    " needs a third-order update, which algorithm_type '" + algorithm_type_ +
+                    "' does not have (Diffusers fails here too); use solver_order 2");
+      }
       prev = third_order_update(sample, i);
     }
     if (lower_order_nums_ < solver_order_) ++lower_order_nums_;
@@ -337,7 +339,7 @@ class DpmSolverMultistepSampler final : public Sampler {
     return second + sigma_t * torch::sqrt(torch::exp(2 * h) - 1.0) * noise;
   }
 
-  // The third-order multistep update (ODE algorithms only; the constructor refuses SDE + 3).
+  // The third-order multistep update (ODE algorithms only; step() refuses it for SDE).
   torch::Tensor third_order_update(const torch::Tensor& sample, int64_t i) const {
     const auto [alpha_t, sigma_t] = sigma_to_alpha_sigma_t(sigmas_[i + 1]);
     const auto [alpha_s0, sigma_s0] = sigma_to_alpha_sigma_t(sigmas_[i]);
