@@ -5,6 +5,7 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/diffusion/pipeline.h"
+#include "difftrain/diffusion/sampler.h"
 #include "difftrain/diffusion/sd_pipeline.h"
 #include "difftrain/dist/process_group.h"
 #include "difftrain/io/image.h"
@@ -20,6 +21,12 @@
 namespace difftrain::cli {
 
 namespace {
+
+std::string join_names(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& name : names) out += (out.empty() ? "" : ", ") + name;
+  return out;
+}
 
 struct SampleArgs {
   std::string model;
@@ -118,6 +125,7 @@ int run_text_to_image(const SampleArgs& a) {
   diffusion::StableDiffusionLoadOptions lo;
   lo.variant = a.variant;
   lo.scheduler = a.scheduler;
+  lo.eta = a.eta;
   lo.lora = a.lora;
   lo.lora_scale = a.lora_scale;
   diffusion::TextToImageOptions o;
@@ -130,7 +138,6 @@ int run_text_to_image(const SampleArgs& a) {
   o.width = a.width;
   o.num_images_per_prompt = a.num_images > 0 ? a.num_images : a.num_images_per_prompt;
   o.seed = a.seed;
-  o.eta = a.eta;
   o.clip_skip = a.clip_skip - 1;
   const torch::Device device = parse_sample_device(a.device);
   auto sd = diffusion::load_stable_diffusion(a.model, lo);
@@ -222,10 +229,10 @@ CLI::App* add_sample_command(CLI::App& app) {
                   "LoRA weights to merge first (.safetensors: Diffusers, PEFT or kohya keys)");
   cmd->add_option("--lora_scale", g_args.lora_scale, "Multiplier of the LoRA update (default 1)");
   cmd->add_option("--scheduler", g_args.scheduler,
-                  "ddim or ddpm (default: the folder's scheduler / pipeline class)")
-      ->check(CLI::IsMember({"ddim", "ddpm"}));
+                  "the sampler: " + join_names(diffusion::sampler_names()) +
+                      ", or a Diffusers scheduler class (default: the folder's scheduler)");
   cmd->add_option("--num_inference_steps", g_args.num_inference_steps,
-                  "Denoising steps (default: DDPM 1000, DDIM 50)")
+                  "Denoising steps (default: DDPM 1000, other samplers 50)")
       ->check(CLI::Range(int64_t{1}, int64_t{100000}));
   cmd->add_option("--eta", g_args.eta, "DDIM eta: 0 deterministic, 1 DDPM-like noise")
       ->check(CLI::Range(0.0, 10.0));
@@ -278,16 +285,12 @@ int run_sample() {
                 "--prompt needs a Stable Diffusion folder");
   }
   auto folder = diffusion::resolve_pipeline_folder(a.model);
-  auto scheduler_config = diffusion::SchedulerConfig::load(folder.scheduler_config);
   std::string kind = a.scheduler;
+  // DDIMPipeline turns whatever scheduler it is given into a DDIMScheduler.
   if (kind.empty() && folder.pipeline_class == "DDIMPipeline") kind = "ddim";
-  if (kind.empty() && scheduler_config.class_name != "DDPMScheduler" &&
-      scheduler_config.class_name != "DDIMScheduler") {
-    throw Error(folder.scheduler_config + ": scheduler class \"" + scheduler_config.class_name +
-                "\" is not supported; supported: DDIMScheduler, DDPMScheduler — pass "
-                "--scheduler ddim (or ddpm) to sample with this folder's betas");
-  }
-  auto scheduler = diffusion::make_scheduler(scheduler_config, kind);
+  diffusion::SamplerOptions sampler_options;
+  sampler_options.eta = a.eta;
+  auto scheduler = diffusion::load_sampler(folder.scheduler_config, kind, sampler_options);
 
   diffusion::SampleOptions o;
   o.class_labels = parse_labels(a.class_labels);
@@ -295,12 +298,14 @@ int run_sample() {
                      ? a.num_images
                      : std::max<int64_t>(1, static_cast<int64_t>(o.class_labels.size()));
   o.num_inference_steps = a.num_inference_steps;
-  o.eta = a.eta;
   o.guidance_scale = a.guidance_scale;
   o.seed = a.seed;
   const bool ddim = scheduler->class_name() == "DDIMScheduler";
-  if (!ddim && a.eta != 0.0) log::warn("--eta applies to DDIM only; ignored for DDPM");
-  const int64_t steps = a.num_inference_steps > 0 ? a.num_inference_steps : (ddim ? 50 : 1000);
+  if (!ddim && a.eta != 0.0) {
+    log::warn("--eta applies to DDIM only; ignored for {}", scheduler->class_name());
+  }
+  const bool ddpm = scheduler->class_name() == "DDPMScheduler";
+  const int64_t steps = a.num_inference_steps > 0 ? a.num_inference_steps : (ddpm ? 1000 : 50);
 
   const torch::Device device = parse_sample_device(a.device);
   models::UNet unet = diffusion::load_unet_with_lora(folder.unet_dir, a.lora, a.lora_scale);

@@ -79,8 +79,7 @@ models::UNet load_unet_with_lora(const std::string& unet_dir, const std::string&
   return unet;
 }
 
-torch::Tensor sample_images(models::UNetImpl& unet, NoiseScheduler& scheduler,
-                            const SampleOptions& o) {
+torch::Tensor sample_images(models::UNetImpl& unet, Sampler& scheduler, const SampleOptions& o) {
   const auto& cfg = unet.config();
   if (unet.needs_encoder_hidden_states()) {
     throw Error(cfg.class_name() +
@@ -126,19 +125,23 @@ torch::Tensor sample_images(models::UNetImpl& unet, NoiseScheduler& scheduler,
     throw Error("the UNet's config has no sample_size; give the image size explicitly");
   }
 
-  const bool ddim = dynamic_cast<DDIMScheduler*>(&scheduler) != nullptr;
-  const int64_t steps = o.num_inference_steps > 0 ? o.num_inference_steps : (ddim ? 50 : 1000);
+  // DDPMPipeline's default is 1000 steps, DDIMPipeline's (and every other sampler's) 50.
+  const bool ddpm = scheduler.class_name() == "DDPMScheduler";
+  const int64_t steps = o.num_inference_steps > 0 ? o.num_inference_steps : (ddpm ? 1000 : 50);
   scheduler.set_timesteps(steps);
 
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(o.seed);
   // DDPMPipeline / DDIMPipeline: randn_tensor((batch, in_channels, H, W), generator) in float32.
   // The draws come from the CPU generator (as randn_tensor does for a CPU generator) and then move
-  // to the UNet's device and dtype, so a seed gives the same images on any device.
+  // to the UNet's device and dtype, so a seed gives the same images on any device. Samplers
+  // whose initial noise is not unit (Euler) scale it, as the Stable Diffusion pipelines do
+  // (DDPM and DDIM: 1, so their images are DDPMPipeline's exactly).
   const auto params = unet.parameters();
   const torch::Device device = params.empty() ? torch::Device(torch::kCPU) : params[0].device();
   const auto dtype = params.empty() ? torch::kFloat32 : params[0].scalar_type();
   torch::Tensor x =
       at::randn({o.num_images, cfg.in_channels, h, w}, gen, torch::kFloat32).to(device, dtype);
+  if (scheduler.init_noise_sigma() != 1.0) x = x * scheduler.init_noise_sigma();
   models::UNetConditioning cond;
   torch::Tensor null_labels;
   if (class_conditional) {
@@ -153,20 +156,17 @@ torch::Tensor sample_images(models::UNetImpl& unet, NoiseScheduler& scheduler,
   const torch::Tensor timesteps = scheduler.timesteps();
   const int64_t n = timesteps.size(0);
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t t = timesteps[i].item<int64_t>();
+    const double t = scheduler.timestep(i);
+    const torch::Tensor x_in = scheduler.scale_model_input(x, t);
     torch::Tensor eps;
     if (guided) {
-      torch::Tensor both = unet.forward(torch::cat({x, x}), timesteps[i], cond);
+      torch::Tensor both = unet.forward(torch::cat({x_in, x_in}), timesteps[i], cond);
       auto parts = both.chunk(2, 0);
       eps = parts[1] + o.guidance_scale * (parts[0] - parts[1]);
     } else {
-      eps = unet.forward(x, timesteps[i], cond);
+      eps = unet.forward(x_in, timesteps[i], cond);
     }
-    if (ddim) {
-      x = static_cast<DDIMScheduler&>(scheduler).step(eps, t, x, o.eta, false, gen).prev_sample;
-    } else {
-      x = scheduler.step(eps, t, x, gen).prev_sample;
-    }
+    x = scheduler.step(eps, t, x, gen);
     if (o.on_step) o.on_step(i + 1, n);
   }
   return (x.to(torch::kCPU, torch::kFloat32) / 2 + 0.5)

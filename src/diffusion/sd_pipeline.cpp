@@ -153,21 +153,11 @@ StableDiffusion load_stable_diffusion(const std::string& dir,
   sd.folder = resolve_stable_diffusion_folder(dir);
   for (const auto& note : sd.folder.notes) log::info("{}: {}", dir, note);
 
-  auto scheduler_config = SchedulerConfig::load(sd.folder.scheduler_config);
-  std::string kind = options.scheduler;
-  if (kind.empty()) {
-    if (scheduler_config.class_name == "DDIMScheduler") {
-      kind = "ddim";
-    } else if (scheduler_config.class_name == "DDPMScheduler") {
-      kind = "ddpm";
-    } else {
-      throw Error(sd.folder.scheduler_config + ": scheduler class \"" +
-                  scheduler_config.class_name +
-                  "\" is not supported; supported: DDIMScheduler, DDPMScheduler — pass "
-                  "--scheduler ddim (or ddpm) to sample with this folder's betas");
-    }
-  }
-  sd.scheduler = make_scheduler(scheduler_config, kind);
+  // The folder's scheduler class (PNDM for SD-1.x, Euler for SDXL, ...) or, with --scheduler,
+  // another sampler built from its config (Diffusers: `Class.from_config(pipe.scheduler.config)`).
+  SamplerOptions so;
+  so.eta = options.eta;
+  sd.scheduler = load_sampler(sd.folder.scheduler_config, options.scheduler, so);
 
   sd.tokenizer = models::ClipTokenizer::from_folder(sd.folder.tokenizer_dir);
   sd.text_encoder = models::load_clip_text_model(sd.folder.text_encoder_dir, options.variant);
@@ -289,29 +279,26 @@ TextToImageResult text_to_image(StableDiffusion& sd, const TextToImageOptions& o
     }
     x = o.latents.to(device, dtype);
   } else {
-    // randn_tensor with a CPU generator: drawn on the CPU in float32, then moved. DDPM/DDIM's
-    // init_noise_sigma is 1 and their scale_model_input is the identity.
+    // randn_tensor with a CPU generator: drawn on the CPU in float32, then moved.
     x = at::randn(shape, gen, torch::kFloat32).to(device, dtype);
   }
-  auto* ddim = dynamic_cast<DDIMScheduler*>(sd.scheduler.get());
+  // prepare_latents scales given and drawn latents alike (1 for DDPM, DDIM, PNDM, DPM-Solver).
+  if (sd.scheduler->init_noise_sigma() != 1.0) x = x * sd.scheduler->init_noise_sigma();
   const torch::Tensor timesteps = sd.scheduler->timesteps();
   const int64_t steps = timesteps.size(0);
   models::UNetConditioning uc;
   uc.encoder_hidden_states = embeds;
   for (int64_t i = 0; i < steps; ++i) {
-    const int64_t t = timesteps[i].item<int64_t>();
+    const double t = sd.scheduler->timestep(i);
     torch::Tensor eps;
     if (guided) {
-      auto parts = sd.unet->forward(torch::cat({x, x}), timesteps[i], uc).chunk(2, 0);
+      const torch::Tensor x_in = sd.scheduler->scale_model_input(torch::cat({x, x}), t);
+      auto parts = sd.unet->forward(x_in, timesteps[i], uc).chunk(2, 0);
       eps = parts[0] + o.guidance_scale * (parts[1] - parts[0]);
     } else {
-      eps = sd.unet->forward(x, timesteps[i], uc);
+      eps = sd.unet->forward(sd.scheduler->scale_model_input(x, t), timesteps[i], uc);
     }
-    if (ddim) {
-      x = ddim->step(eps, t, x, o.eta, false, gen).prev_sample;
-    } else {
-      x = sd.scheduler->step(eps, t, x, gen).prev_sample;
-    }
+    x = sd.scheduler->step(eps, t, x, gen);
     if (o.on_step) o.on_step(i + 1, steps);
   }
   TextToImageResult out;

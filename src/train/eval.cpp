@@ -186,9 +186,7 @@ nlohmann::json evaluate_model(const EvalOptions& o) {
     const double reference =
         frechet_distance(test_features.slice(0, 0, half), test_features.slice(0, half));
 
-    diffusion::SchedulerConfig sc = diffusion::SchedulerConfig::load(folder.scheduler_config);
-    sc.class_name = "DDIMScheduler";
-    auto sampler = diffusion::make_scheduler(sc, "ddim");
+    auto sampler = diffusion::load_sampler(folder.scheduler_config, "ddim");
     diffusion::SampleOptions so;
     so.num_images = 10 * o.num_per_class;
     so.num_inference_steps = o.num_inference_steps;

@@ -271,9 +271,8 @@ void run_validation(const TrainConfig& c, accel::Accelerator& acc, TrainParts& p
   const auto [begin, end] = acc.split_range(K);
   auto full = acc.summon_full_params();  // sampling and the EMA swap read every parameter
   if (parts.ema) parts.ema->store(*parts.trainable), parts.ema->copy_to(*parts.trainable);
-  diffusion::SchedulerConfig sc = parts.noise_scheduler->config();
-  sc.class_name = "DDIMScheduler";
-  auto sampler = diffusion::make_scheduler(sc, "ddim");
+  auto sampler = diffusion::make_sampler(parts.noise_scheduler->config().to_json(),
+                                         c.validation_scheduler, "the training scheduler");
   diffusion::SampleOptions so;
   so.num_images = static_cast<int64_t>(mine.size());
   so.num_inference_steps = c.validation_inference_steps;

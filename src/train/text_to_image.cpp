@@ -141,16 +141,15 @@ int64_t count_images(const fs::path& dir) {
 }
 
 diffusion::StableDiffusion as_pipeline(TextToImageParts& t2i, models::UNet& unet,
-                                       const diffusion::SchedulerConfig& scheduler) {
+                                       const diffusion::SchedulerConfig& scheduler,
+                                       const std::string& sampler) {
   diffusion::StableDiffusion sd;
   sd.folder = t2i.folder;
   sd.tokenizer = t2i.tokenizer;
   sd.text_encoder = t2i.text_encoder;
   sd.vae = t2i.vae;
   sd.unet = unet;
-  diffusion::SchedulerConfig sc = scheduler;
-  sc.class_name = "DDIMScheduler";
-  sd.scheduler = diffusion::make_scheduler(sc, "ddim");
+  sd.scheduler = diffusion::make_sampler(scheduler.to_json(), sampler, "the training scheduler");
   return sd;
 }
 
@@ -175,7 +174,7 @@ void generate_class_images(const TrainConfig& c, accel::Accelerator& acc, TextTo
   const auto [begin, end] = acc.split_range(missing);
   {
     diffusion::SchedulerConfig sc = diffusion::SchedulerConfig::load(t2i.folder.scheduler_config);
-    auto sd = as_pipeline(t2i, unet, sc);
+    auto sd = as_pipeline(t2i, unet, sc, "ddim");
     auto autocast = acc.autocast();
     for (int64_t i = begin; i < end; ++i) {
       diffusion::TextToImageOptions o;
@@ -460,7 +459,7 @@ int64_t class_key(int64_t index) { return index + kClassKeyOffset; }
 torch::Tensor render_validation(const TrainConfig& c, TextToImageParts& t2i, models::UNet& unet,
                                 const diffusion::SchedulerConfig& scheduler,
                                 const std::vector<int64_t>& image_indices) {
-  auto sd = as_pipeline(t2i, unet, scheduler);
+  auto sd = as_pipeline(t2i, unet, scheduler, c.validation_scheduler);
   std::vector<torch::Tensor> images;
   for (int64_t i : image_indices) {
     diffusion::TextToImageOptions o;

@@ -6,6 +6,7 @@
 
 #include "difftrain/accel/accelerator.h"
 #include "difftrain/data/dataset.h"
+#include "difftrain/diffusion/scheduler_config.h"
 #include "difftrain/diffusion/sd_pipeline.h"
 #include "difftrain/models/lora_training.h"
 #include "difftrain/train/train_config.h"

@@ -3,6 +3,8 @@
 #include "difftrain/accel/sharding.h"
 #include "difftrain/accel/sharding_config.h"
 #include "difftrain/core/error.h"
+#include "difftrain/diffusion/sampler.h"
+#include "difftrain/diffusion/scheduler_config.h"
 
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
@@ -201,6 +203,7 @@ const std::vector<Option>& options() {
       DT_OPTION(num_validation_images),
       DT_OPTION(guidance_scale),
       DT_OPTION(validation_inference_steps),
+      DT_OPTION(validation_scheduler),
       DT_OPTION(logging_steps),
       DT_OPTION(seed),
       DT_OPTION(output_dir),
@@ -434,6 +437,16 @@ void TrainConfig::validate() const {
   require(validation_steps >= 0, "--validation_steps must be >= 0 (0: only at the end)");
   require(num_validation_images >= 0, "--num_validation_images must be >= 0");
   require(validation_inference_steps >= 1, "--validation_inference_steps must be at least 1");
+  if (!validation_scheduler.empty()) {
+    // Built once from a default config, so a typo fails before training, not at the first
+    // validation.
+    try {
+      (void)diffusion::make_sampler(diffusion::SchedulerConfig{}.to_json(), validation_scheduler,
+                                    "--validation_scheduler");
+    } catch (const Error& e) {
+      throw Error(std::string("--validation_scheduler: ") + e.what());
+    }
+  }
   require(guidance_scale >= 1, "--guidance_scale must be >= 1");
   require(guidance_scale == 1 || class_dropout_prob > 0 || !pretrained_model_name_or_path.empty(),
           "--guidance_scale > 1 needs a null class: train with --class_dropout_prob (e.g. 0.1)");

@@ -381,9 +381,12 @@ const std::vector<Case>& cases() {
       {"UnknownSchedulerClass",
        "`difftrain sample --model DIR` with `\"_class_name\": \"FooScheduler\"` in "
        "scheduler_config.json",
-       "<tmp>/unet/scheduler_config.json: scheduler class \"FooScheduler\" is not supported; "
-       "supported: DDIMScheduler, DDPMScheduler — pass --scheduler ddim (or ddpm) to sample with "
-       "this folder's betas",
+       "scheduler config <tmp>/unet/scheduler_config.json: _class_name 'FooScheduler' is not a "
+       "supported sampler; choose one with --scheduler: use one of ddpm, ddim, pndm, euler, "
+       "euler_karras, euler_ancestral, dpmpp_2m, dpmpp_2m_karras, dpmpp_2m_sde, "
+       "dpmpp_2m_sde_karras, unipc, flow_match_euler (or a Diffusers class name: DDPMScheduler, "
+       "DDIMScheduler, PNDMScheduler, EulerDiscreteScheduler, EulerAncestralDiscreteScheduler, "
+       "DPMSolverMultistepScheduler, UniPCMultistepScheduler, FlowMatchEulerDiscreteScheduler)",
        1,
        [](const std::string& t) {
          const auto dir = uncond_copy(t);
@@ -403,11 +406,16 @@ const std::vector<Case>& cases() {
          return BadRun{sample(dir)};
        }},
       {"UnknownSampleScheduler", "`difftrain sample --model DIR --scheduler foo`",
-       "--scheduler: foo not in {ddim,ddpm}", 105,
+       "unknown scheduler 'foo' for scheduler config <tmp>/unet/scheduler_config.json; use one "
+       "of ddpm, ddim, pndm, euler, euler_karras, euler_ancestral, dpmpp_2m, dpmpp_2m_karras, "
+       "dpmpp_2m_sde, dpmpp_2m_sde_karras, unipc, flow_match_euler (or a Diffusers class name: "
+       "DDPMScheduler, DDIMScheduler, PNDMScheduler, EulerDiscreteScheduler, "
+       "EulerAncestralDiscreteScheduler, DPMSolverMultistepScheduler, UniPCMultistepScheduler, "
+       "FlowMatchEulerDiscreteScheduler)",
+       1,
        [](const std::string& t) {
          return BadRun{sample(uncond_copy(t), {"--scheduler", "foo"})};
-       },
-       true},
+       }},
       {"UnknownPredictionType", "`difftrain train ... --prediction_type foo`",
        "--prediction_type is \"foo\": expected one of epsilon, v_prediction, sample", 1,
        [](const std::string& t) {

@@ -302,6 +302,40 @@ TEST(TrainCommand, ShortRunWithEveryDefaultStaysInWarmup) {
   EXPECT_TRUE(fs::exists(dir + "/o/unet/diffusion_pytorch_model.safetensors")) << r.log();
 }
 
+// Validation renders with any sampler (--validation_scheduler), and a name that is none fails
+// before training starts.
+TEST(TrainCommand, ValidationSamplesWithTheChosenSampler) {
+  const auto dir = make_temp_dir("train_val_sampler");
+  auto cmd = [&](const std::string& sampler, const std::string& out) {
+    return std::vector<std::string>{kDifftrain,
+                                    "train",
+                                    "--model_config_name_or_path",
+                                    tiny_config(dir),
+                                    "--resolution",
+                                    "8",
+                                    "--max_train_samples",
+                                    "32",
+                                    "--max_train_steps",
+                                    "2",
+                                    "--num_validation_images",
+                                    "2",
+                                    "--validation_inference_steps",
+                                    "3",
+                                    "--validation_scheduler",
+                                    sampler,
+                                    "--output_dir",
+                                    out};
+  };
+  auto r = run(cmd("dpmpp_2m_karras", dir + "/o"));
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  EXPECT_TRUE(fs::exists(dir + "/o/samples/step-000002.png")) << r.log();
+  r = run(cmd("dpmpp_9m", dir + "/o2"));
+  EXPECT_EQ(r.exit_code, 1) << r.log();
+  EXPECT_NE(r.err.find("--validation_scheduler: unknown scheduler 'dpmpp_9m'"), std::string::npos)
+      << r.log();
+  EXPECT_FALSE(fs::exists(dir + "/o2/checkpoint-1")) << r.log();
+}
+
 TEST(TrainCommand, BadInputIsAOneLineErrorBeforeTraining) {
   const auto dir = make_temp_dir("train_bad");
   auto one_line = [](const ProcessResult& r) {

@@ -3,7 +3,7 @@
 // run on the CPU: the same initial noise and later draws from a seeded CPU generator, so the same
 // seed gives the same images. Also finds the parts of a pipeline folder.
 
-#include "difftrain/diffusion/noise_scheduler.h"
+#include "difftrain/diffusion/sampler.h"
 #include "difftrain/models/unet.h"
 
 #include <cstdint>
@@ -36,9 +36,9 @@ models::UNet load_unet_with_lora(const std::string& unet_dir, const std::string&
 /// Settings of one sampling run (DDPMPipeline / DDIMPipeline `__call__` arguments).
 struct SampleOptions {
   int64_t num_images = 1;  ///< batch_size
-  /// Denoising steps; 0 = the pipeline's default (DDPM 1000, DDIM 50).
+  /// Denoising steps; 0 = the pipeline's default (DDPM 1000, every other sampler 50). DDIM's eta
+  /// is a sampler setting (SamplerOptions::eta).
   int64_t num_inference_steps = 0;
-  double eta = 0.0;  ///< DDIM only
   /// One class id per image for class-conditional UNets (num_class_embeds); empty otherwise.
   std::vector<int64_t> class_labels;
   /// > 1: classifier-free guidance against the null class (the last class id,
@@ -51,11 +51,13 @@ struct SampleOptions {
   std::function<void(int64_t, int64_t)> on_step;
 };
 
-/// Runs the reverse process: noise x_T = randn([K, C, H, W], generator(seed)), then for each of
-/// the scheduler's timesteps x = scheduler.step(unet(x, t), t, x, generator) (DDIM with `eta`).
+/// Runs the reverse process with any sampler: noise x_T = randn([K, C, H, W], generator(seed)) *
+/// init_noise_sigma, then for each of the sampler's timesteps x = sampler.step(unet(
+/// sampler.scale_model_input(x, t), t), t, x, generator) (DDPMPipeline's loop, which is this with
+/// DDPM or DDIM, whose init_noise_sigma is 1 and scale_model_input the identity).
 /// Returns images [K, H, W, C] float32 in [0, 1] = (x / 2 + 0.5).clamp(0, 1), Diffusers'
 /// output_type="np". The UNet runs in eval mode under no-grad.
-torch::Tensor sample_images(models::UNetImpl& unet, NoiseScheduler& scheduler,
+torch::Tensor sample_images(models::UNetImpl& unet, Sampler& scheduler,
                             const SampleOptions& options);
 
 }  // namespace difftrain::diffusion

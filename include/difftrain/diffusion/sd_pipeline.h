@@ -3,7 +3,7 @@
 // unet/, vae/, text_encoder/, tokenizer/, scheduler/) and text-to-image sampling with the
 // pipeline's order of operations, so the same seed gives Diffusers' images.
 
-#include "difftrain/diffusion/noise_scheduler.h"
+#include "difftrain/diffusion/sampler.h"
 #include "difftrain/models/autoencoder_kl.h"
 #include "difftrain/models/clip_text_model.h"
 #include "difftrain/models/clip_tokenizer.h"
@@ -49,10 +49,13 @@ StableDiffusionFolder parse_model_index(const std::string& json_text, const std:
 struct StableDiffusionLoadOptions {
   /// Weights variant of unet/vae/text_encoder ("fp16" reads *.fp16.safetensors), "" = default.
   std::string variant;
-  /// "ddim" or "ddpm" to run the folder's scheduler config with that sampler (as
-  /// `DDIMScheduler.from_config(pipe.scheduler.config)`); "" = the folder's class, which must be
-  /// DDIMScheduler or DDPMScheduler (otherwise the error names --scheduler).
+  /// A name of sampler_names() ("euler", "dpmpp_2m_karras", ...) or a Diffusers scheduler class
+  /// to run the folder's scheduler config with that sampler (as
+  /// `EulerDiscreteScheduler.from_config(pipe.scheduler.config)`); "" = the folder's own class
+  /// (PNDMScheduler for SD-1.x, DDIMScheduler, EulerDiscreteScheduler, ...).
   std::string scheduler;
+  /// DDIMScheduler's eta (other samplers ignore it).
+  double eta = 0.0;
   /// A LoRA file (Diffusers, PEFT or kohya keys) merged into the UNet and, for its
   /// text_encoder targets, into the text encoder, with lora_scale (Diffusers:
   /// load_lora_weights + fuse_lora(lora_scale)).
@@ -67,7 +70,7 @@ struct StableDiffusion {
   models::ClipTextModel text_encoder{nullptr};
   models::AutoencoderKL vae{nullptr};
   models::UNet unet{nullptr};
-  std::unique_ptr<NoiseScheduler> scheduler;
+  std::unique_ptr<Sampler> scheduler;
 };
 
 /// Loads every part of the folder (see resolve_stable_diffusion_folder) and merges the LoRA.
@@ -96,7 +99,6 @@ struct TextToImageOptions {
   int64_t height = 0, width = 0;
   int64_t num_images_per_prompt = 1;
   uint64_t seed = 0;
-  double eta = 0.0;  ///< DDIM only
   /// Diffusers' clip_skip: text embeddings from that many layers before the last (0 = last).
   int64_t clip_skip = 0;
   /// Initial latents [N * num_images_per_prompt, C, h, w] instead of drawing them (tests).

@@ -76,8 +76,11 @@ struct TrainConfig {
   int64_t validation_steps = 400;  ///< 0 = only at the end
   int64_t num_validation_images = 20;
   double guidance_scale = 1.0;
-  int64_t validation_inference_steps = 50;  ///< DDIM steps of validation sampling
-  int64_t logging_steps = 20;               ///< progress line every N updates
+  int64_t validation_inference_steps = 50;  ///< sampler steps of validation sampling
+  /// The validation sampler: a diffusion::sampler_names() name or Diffusers scheduler class, built
+  /// from the training noise scheduler's config; "" = that config's own class (DDPMScheduler).
+  std::string validation_scheduler = "ddim";
+  int64_t logging_steps = 20;  ///< progress line every N updates
   uint64_t seed = 0;
   std::string output_dir;            ///< "" = runs/<timestamp>
   std::string logging_dir = "logs";  ///< relative to output_dir
