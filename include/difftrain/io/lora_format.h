@@ -5,10 +5,10 @@
 // Each module is read in the convention of its own keys, so one file may mix them (as Diffusers'
 // loader allows); r and alpha kept beside the weights are io/lora_adapter_config.h.
 //
-//   Diffusers  unet.<module>.lora.down.weight / .lora.up.weight   (save_lora_weights; no alpha)
-//              unet.<attn>.processor.to_q_lora.down.weight        (older attention processors)
+//   Diffusers  unet.<module>.lora.down.weight / .lora.up.weight   (save_lora_weights; alpha in
+//              unet.<attn>.processor.to_q_lora.down.weight         lora_adapter_metadata, >= 0.33)
 //   PEFT       unet.<module>.lora_A.weight / .lora_B.weight       (also lora_A.<adapter>.weight,
-//              base_model.model.<module>.lora_A.weight)            and no alpha in the file)
+//              base_model.model.<module>.lora_A.weight)            alpha in adapter_config.json)
 //   kohya      lora_unet_<module_with_underscores>.lora_down.weight / .lora_up.weight / .alpha
 
 #include <torch/types.h>
