@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <sstream>
 #include <utility>
 
@@ -235,7 +236,7 @@ std::unique_ptr<Sampler> load_sampler(const std::string& path, const std::string
   }
   json config;
   try {
-    config = json::parse(text);
+    config = parse_python_json(text);
   } catch (const json::exception& e) {
     throw Error("scheduler config " + path + ": not valid JSON (" + e.what() + ")");
   }
@@ -273,9 +274,22 @@ int64_t ConfigReader::get_int(const std::string& key, int64_t fallback) const {
   return v->get<int64_t>();
 }
 
+namespace {
+// The strings parse_python_json() makes of Python's -Infinity / Infinity / NaN tokens.
+std::optional<double> python_float_token(const nlohmann::json& v) {
+  if (!v.is_string()) return std::nullopt;
+  const std::string t = v.get<std::string>();
+  if (t == "-Infinity") return -std::numeric_limits<double>::infinity();
+  if (t == "Infinity") return std::numeric_limits<double>::infinity();
+  if (t == "NaN") return std::numeric_limits<double>::quiet_NaN();
+  return std::nullopt;
+}
+}  // namespace
+
 double ConfigReader::get_double(const std::string& key, double fallback) const {
   const nlohmann::json* v = present(config_, key);
   if (v == nullptr) return fallback;
+  if (const auto token = python_float_token(*v)) return *token;
   if (!v->is_number()) throw Error(where() + key + " must be a number, got " + shown(*v));
   return v->get<double>();
 }
@@ -283,6 +297,7 @@ double ConfigReader::get_double(const std::string& key, double fallback) const {
 std::optional<double> ConfigReader::get_optional_double(const std::string& key) const {
   const nlohmann::json* v = present(config_, key);
   if (v == nullptr) return std::nullopt;
+  if (const auto token = python_float_token(*v)) return *token;
   if (!v->is_number()) throw Error(where() + key + " must be a number or null, got " + shown(*v));
   return v->get<double>();
 }

@@ -122,6 +122,12 @@ int64_t read_int(const json& j, const std::string& key, const std::string& sourc
 
 double read_double(const json& j, const std::string& key, const std::string& source) {
   const json& v = j.at(key);
+  if (v.is_string()) {  // parse_python_json's form of -Infinity / Infinity / NaN
+    const std::string t = v.get<std::string>();
+    if (t == "-Infinity") return -std::numeric_limits<double>::infinity();
+    if (t == "Infinity") return std::numeric_limits<double>::infinity();
+    if (t == "NaN") return std::numeric_limits<double>::quiet_NaN();
+  }
   if (!v.is_number()) bad_type(source, key, "a number", v);
   return v.get<double>();
 }
@@ -145,11 +151,72 @@ E read_enum(const json& j, const std::string& key, const std::string& source,
 }
 
 std::string format_number(double value) {
+  if (std::isnan(value)) return "NaN";
+  if (std::isinf(value)) return value > 0 ? "Infinity" : "-Infinity";
   json j = value;
   return j.dump();
 }
 
 }  // namespace
+
+// ------------------------------------------------------------------ Python's JSON
+
+namespace {
+constexpr const char* kPythonTokens[] = {"-Infinity", "Infinity", "NaN"};
+}  // namespace
+
+nlohmann::json parse_python_json(const std::string& text) {
+  std::string out;
+  out.reserve(text.size() + 16);
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      out += c;
+      if (c == '\\' && i + 1 < text.size()) {
+        out += text[++i];
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+      out += c;
+      continue;
+    }
+    bool replaced = false;
+    for (const char* token : kPythonTokens) {
+      const size_t n = std::char_traits<char>::length(token);
+      if (text.compare(i, n, token) == 0) {
+        out += '"';
+        out += token;
+        out += '"';
+        i += n - 1;
+        replaced = true;
+        break;
+      }
+    }
+    if (!replaced) out += c;
+  }
+  return json::parse(out);
+}
+
+std::string dump_python_json(const nlohmann::json& j, int indent) {
+  std::string text = j.dump(indent);
+  for (const char* token : kPythonTokens) {
+    const std::string quoted = std::string("\"") + token + "\"";
+    // Only values: a quoted token right after ": " (objects) or as a list element.
+    for (const std::string& lead : {std::string(": "), std::string(":")}) {
+      size_t at = 0;
+      while ((at = text.find(lead + quoted, at)) != std::string::npos) {
+        text.replace(at + lead.size(), quoted.size(), token);
+        at += lead.size() + std::char_traits<char>::length(token);
+      }
+    }
+  }
+  return text;
+}
 
 // ------------------------------------------------------------------ names
 
@@ -255,7 +322,7 @@ SchedulerConfig SchedulerConfig::load(const std::string& path) {
 SchedulerConfig SchedulerConfig::parse(const std::string& json_text, const std::string& source) {
   json j;
   try {
-    j = json::parse(json_text);
+    j = parse_python_json(json_text);
   } catch (const json::exception& e) {  // parse_error, or out_of_range for 1e999
     throw Error(where(source) + ": invalid JSON (" + e.what() + "); fix the file or re-create it");
   }
@@ -291,7 +358,7 @@ json SchedulerConfig::to_json() const {
 }
 
 void SchedulerConfig::save(const std::string& path) const {
-  io::write_file_atomic(path, to_json().dump(2) + "\n");
+  io::write_file_atomic(path, dump_python_json(to_json(), 2) + "\n");
 }
 
 void SchedulerConfig::validate(const std::string& source) const {

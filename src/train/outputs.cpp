@@ -93,8 +93,9 @@ void save_checkpoint(const TrainConfig& c, accel::Accelerator& acc, TrainParts& 
       // With the weights (consolidated by `difftrain merge-weights`), a Diffusers UNet folder.
       io::write_file_atomic((fs::path(temp) / "config.json").string(),
                             parts.unet->config().to_json().dump(2) + "\n");
-      io::write_file_atomic((fs::path(temp) / "scheduler_config.json").string(),
-                            parts.noise_scheduler->config().to_json().dump(2) + "\n");
+      io::write_file_atomic(
+          (fs::path(temp) / "scheduler_config.json").string(),
+          diffusion::dump_python_json(parts.noise_scheduler->config().to_json(), 2) + "\n");
     }
     if (parts.ema) {
       io::save_safetensors((fs::path(temp) / "ema.safetensors").string(),

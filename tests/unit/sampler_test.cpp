@@ -17,6 +17,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -372,6 +373,56 @@ TEST(SamplerFactory, DdpmAdapterEqualsDdpmScheduler) {
   c["variance_type"] = nullptr;
   c["algorithm_type"] = "dpmsolver++";
   EXPECT_EQ(make_sampler(c, "ddpm", "dpm.json")->class_name(), "DDPMScheduler");
+}
+
+}  // namespace
+}  // namespace difftrain::diffusion
+
+namespace difftrain::diffusion {
+namespace {
+
+// Diffusers writes DPMSolverMultistepScheduler's lambda_min_clipped = -inf as the bare token
+// -Infinity (Python's json), which is not JSON: every DPM-Solver scheduler_config.json it saves
+// has it. Such a file loads as a sampler and as the training scheduler's config (before: "not
+// valid JSON"), and is written back with the bare token.
+TEST(SamplerFactory, PythonJsonInfinityTokensLoadAndRoundTrip) {
+  const std::string dir = test::temp_dir("sampler_python_json");
+  const std::string text =
+      R"({"_class_name": "DPMSolverMultistepScheduler", "lambda_min_clipped": -Infinity,
+    "note": "Infinity and NaN inside a string stay", "beta_schedule": "scaled_linear",
+    "beta_start": 0.00085, "beta_end": 0.012, "steps_offset": 0, "sample_max_value": NaN,
+    "timestep_spacing": "linspace"})";
+  const std::string path = dir + "/scheduler_config.json";
+  std::ofstream(path) << text;
+  auto sampler = load_sampler(path, "");
+  EXPECT_EQ(sampler->class_name(), "DPMSolverMultistepScheduler");
+  sampler->set_timesteps(5);
+  EXPECT_EQ(sampler->timesteps().size(0), 5);
+  EXPECT_EQ(load_sampler(path, "euler")->class_name(), "EulerDiscreteScheduler");
+
+  const nlohmann::json j = parse_python_json(text);
+  EXPECT_EQ(j.at("lambda_min_clipped"), "-Infinity");
+  EXPECT_EQ(j.at("note"), "Infinity and NaN inside a string stay");
+  const std::string back = dump_python_json(j);
+  EXPECT_NE(back.find("\"lambda_min_clipped\": -Infinity"), std::string::npos) << back;
+  EXPECT_NE(back.find("\"sample_max_value\": NaN"), std::string::npos) << back;
+  EXPECT_NE(back.find("\"Infinity and NaN inside a string stay\""), std::string::npos) << back;
+  EXPECT_EQ(parse_python_json(back), j);
+
+  // The training side reads the same file (its betas; DPM's own keys go to `extra`) and saves it
+  // with the bare token again. NaN in a field it validates is refused by name.
+  std::ofstream(path) << R"({"_class_name": "DPMSolverMultistepScheduler",
+    "lambda_min_clipped": -Infinity, "beta_schedule": "scaled_linear"})";
+  const auto config = SchedulerConfig::load(path);
+  EXPECT_EQ(config.extra.at("lambda_min_clipped"), "-Infinity");
+  config.save(dir + "/saved.json");
+  std::ifstream saved(dir + "/saved.json");
+  const std::string saved_text((std::istreambuf_iterator<char>(saved)),
+                               std::istreambuf_iterator<char>());
+  EXPECT_NE(saved_text.find("\"lambda_min_clipped\": -Infinity"), std::string::npos) << saved_text;
+  std::ofstream(path) << R"({"beta_start": NaN})";
+  EXPECT_NE(test::error_of([&] { SchedulerConfig::load(path); }).find("beta_start is NaN"),
+            std::string::npos);
 }
 
 }  // namespace

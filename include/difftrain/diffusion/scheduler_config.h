@@ -59,6 +59,17 @@ PredictionType parse_prediction_type(const std::string& name);
 VarianceType parse_variance_type(const std::string& name);
 TimestepSpacing parse_timestep_spacing(const std::string& name);
 
+/// Parses JSON text as Python's json module writes it. Diffusers saves float fields that are
+/// infinite or NaN (DPMSolverMultistepScheduler's default lambda_min_clipped = -inf) as the bare
+/// tokens -Infinity, Infinity and NaN, which JSON does not have; outside strings they are read as
+/// the strings "-Infinity", "Infinity" and "NaN", which every numeric field of the scheduler
+/// configs accepts as those numbers. Any other syntax error throws nlohmann::json::parse_error.
+nlohmann::json parse_python_json(const std::string& text);
+
+/// json.dump(indent) with the strings "-Infinity", "Infinity" and "NaN" written back as Python's
+/// bare tokens, so Diffusers reads them as floats again.
+std::string dump_python_json(const nlohmann::json& json, int indent = 2);
+
 /// Every field Diffusers' DDPMScheduler and DDIMScheduler take from scheduler_config.json, with
 /// Diffusers' defaults. One struct serves both classes: each reads the fields it knows (DDPM:
 /// variance_type; DDIM: set_alpha_to_one) and ignores the other's, like Diffusers does.
