@@ -12,7 +12,6 @@
 
 #include <cmath>
 #include <limits>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -40,18 +39,11 @@ double read_lambda_min_clipped(const ConfigReader& reader) {
   return reader.get_double("lambda_min_clipped", -kInf);
 }
 
-class DpmSolverMultistepSampler final : public Sampler {
+class DpmSolverMultistepSampler final : public MultistepSampler {
  public:
   DpmSolverMultistepSampler(const nlohmann::json& json, const std::string& source)
-      : reader_(json, source) {
+      : MultistepSampler(json, source, kClass) {
     const ConfigReader& r = reader_;
-    betas_ = r.beta_config(multistep_beta_schedules());
-    solver_order_ = r.get_int("solver_order", 2);
-    prediction_type_ =
-        r.get_choice("prediction_type", "epsilon", {"epsilon", "sample", "v_prediction"});
-    thresholding_ = r.get_bool("thresholding", false);
-    dynamic_thresholding_ratio_ = r.get_double("dynamic_thresholding_ratio", 0.995);
-    sample_max_value_ = r.get_double("sample_max_value", 1.0);
     const std::string algorithm =
         r.get_choice("algorithm_type", "dpmsolver++",
                      {"dpmsolver", "dpmsolver++", "sde-dpmsolver", "sde-dpmsolver++", "deis"});
@@ -60,28 +52,15 @@ class DpmSolverMultistepSampler final : public Sampler {
     const std::string solver =
         r.get_choice("solver_type", "midpoint", {"midpoint", "heun", "logrho", "bh1", "bh2"});
     solver_type_ = (solver == "midpoint" || solver == "heun") ? solver : "midpoint";
-    lower_order_final_ = r.get_bool("lower_order_final", true);
     euler_at_final_ = r.get_bool("euler_at_final", false);
-    use_karras_sigmas_ = r.get_bool("use_karras_sigmas", false);
-    use_exponential_sigmas_ = r.get_bool("use_exponential_sigmas", false);
-    use_beta_sigmas_ = r.get_bool("use_beta_sigmas", false);
     use_lu_lambdas_ = r.get_bool("use_lu_lambdas", false);
-    final_sigmas_type_ = r.get_choice("final_sigmas_type", "zero", {"zero", "sigma_min"});
     lambda_min_clipped_ = read_lambda_min_clipped(r);
     variance_type_ = r.get_string("variance_type", "");
-    timestep_spacing_ =
-        r.get_choice("timestep_spacing", "linspace", {"linspace", "leading", "trailing"});
-    steps_offset_ = r.get_int("steps_offset", 0);
 
     const std::string where = r.where();
     if (solver_order_ < 1 || solver_order_ > 3) {
       throw Error(where + "solver_order is " + std::to_string(solver_order_) + "; " + kClass +
                   " supports 1, 2 or 3 (2 for guided sampling, 3 for unconditional)");
-    }
-    if (int(use_karras_sigmas_) + int(use_exponential_sigmas_) + int(use_beta_sigmas_) > 1) {
-      throw Error(where +
-                  "only one of use_karras_sigmas, use_exponential_sigmas and "
-                  "use_beta_sigmas may be true");
     }
     if (use_exponential_sigmas_ || use_beta_sigmas_) {
       throw Error(where + (use_beta_sigmas_ ? "use_beta_sigmas" : "use_exponential_sigmas") +
@@ -98,60 +77,30 @@ class DpmSolverMultistepSampler final : public Sampler {
       throw Error(where + "final_sigmas_type 'zero' is not supported with algorithm_type '" +
                   algorithm + "'; set final_sigmas_type to 'sigma_min'");
     }
-    if (thresholding_ && !(dynamic_thresholding_ratio_ > 0 && dynamic_thresholding_ratio_ <= 1)) {
-      throw Error(where + "dynamic_thresholding_ratio must be in (0, 1]");
-    }
-    if (steps_offset_ < 0) throw Error(where + "steps_offset must be >= 0");
 
-    alphas_cumprod_ = r.alphas_cumprod(multistep_beta_schedules(), true, true);
-    train_sigmas_ = sigmas_from_alphas_cumprod(alphas_cumprod_);
     const torch::Tensor alpha_t = torch::sqrt(alphas_cumprod_);
     const torch::Tensor sigma_t = torch::sqrt(1 - alphas_cumprod_);
     lambda_t_ = torch::log(alpha_t) - torch::log(sigma_t);
   }
 
-  std::string class_name() const override { return kClass; }
-
   nlohmann::json config() const override {
-    nlohmann::json c = nlohmann::json::object();
-    c["_class_name"] = kClass;
-    put_beta_fields(reader_, betas_, c);
-    c["solver_order"] = solver_order_;
-    c["prediction_type"] = prediction_type_;
-    c["thresholding"] = thresholding_;
-    c["dynamic_thresholding_ratio"] = dynamic_thresholding_ratio_;
-    c["sample_max_value"] = sample_max_value_;
+    nlohmann::json c = shared_config();
     c["algorithm_type"] = algorithm_type_;
     c["solver_type"] = solver_type_;
-    c["lower_order_final"] = lower_order_final_;
     c["euler_at_final"] = euler_at_final_;
-    c["use_karras_sigmas"] = use_karras_sigmas_;
-    c["use_exponential_sigmas"] = use_exponential_sigmas_;
-    c["use_beta_sigmas"] = use_beta_sigmas_;
     c["use_lu_lambdas"] = use_lu_lambdas_;
-    c["final_sigmas_type"] = final_sigmas_type_;
     c["lambda_min_clipped"] = lambda_min_clipped_;
     c["variance_type"] = variance_type_.empty() ? nlohmann::json() : nlohmann::json(variance_type_);
-    c["timestep_spacing"] = timestep_spacing_;
-    c["steps_offset"] = steps_offset_;
     return c;
   }
 
   void set_timesteps(int64_t n) override {
-    check_num_inference_steps(n, kClass);
     const int64_t T = betas_.num_train_timesteps;
     // Clipping the minimum of lambda(t) (critical for the cosine schedule): searchsorted of the
     // ascending lambdas, compared in float32 as torch does.
     const torch::Tensor clipped_idx =
         torch::searchsorted(torch::flip(lambda_t_, {0}), at::Scalar(lambda_min_clipped_));
-    const int64_t last_timestep = T - clipped_idx.item<int64_t>();
-    std::vector<int64_t> ts =
-        multistep_timesteps(T, last_timestep, n, timestep_spacing_, steps_offset_);
-    if (ts.empty()) {
-      throw Error(std::string(kClass) + ": set_timesteps(" + std::to_string(n) +
-                  ") gives no timesteps with timestep_spacing '" + timestep_spacing_ +
-                  "'; use more steps or another spacing");
-    }
+    std::vector<int64_t> ts = spaced_timesteps(n, T - clipped_idx.item<int64_t>());
     const SigmaSpacing spacing = use_karras_sigmas_ ? SigmaSpacing::kKarras
                                  : use_lu_lambdas_  ? SigmaSpacing::kLu
                                                     : SigmaSpacing::kInterp;
@@ -160,33 +109,14 @@ class DpmSolverMultistepSampler final : public Sampler {
     // sigma_min: the float32 training sigma of timestep 0, whatever the spacing.
     sigmas.push_back(final_sigmas_type_ == "sigma_min" ? static_cast<double>(train_sigmas_.front())
                                                        : 0.0);
-    std::vector<float> sigmas32(sigmas.begin(), sigmas.end());
-    sigmas_ = torch::tensor(sigmas32, torch::kFloat32);
-    timesteps_ = torch::tensor(ts, torch::kLong);
-    num_inference_steps_ = static_cast<int64_t>(ts.size());
-    model_outputs_.assign(static_cast<size_t>(solver_order_), torch::Tensor());
-    lower_order_nums_ = 0;
-    step_index_.reset();
+    set_tables(ts, sigmas);
   }
-
-  const torch::Tensor& timesteps() const override { return timesteps_; }
-  torch::Tensor sigmas() const override { return sigmas_; }
 
   torch::Tensor step(const torch::Tensor& model_output_in, double timestep,
                      const torch::Tensor& sample_in,
                      std::optional<at::Generator> generator) override {
-    if (num_inference_steps_ == 0) {
-      throw Error(std::string(kClass) +
-                  ": step() before set_timesteps(); call set_timesteps first");
-    }
-    if (!step_index_) step_index_ = index_for_timestep(timesteps_, timestep);
-    const int64_t i = *step_index_;
+    const int64_t i = begin_step(timestep);
     const int64_t L = timesteps_.size(0);
-    if (i >= L) {
-      throw Error(std::string(kClass) + ": step() called " + std::to_string(i + 1) +
-                  " times after set_timesteps(" + std::to_string(L) +
-                  "); call set_timesteps again to sample anew");
-    }
     if (model_output_in.sizes() != sample_in.sizes() && variance_type_.rfind("learned", 0) != 0) {
       throw Error(std::string(kClass) + ": model_output and sample shapes differ");
     }
@@ -197,8 +127,7 @@ class DpmSolverMultistepSampler final : public Sampler {
     const bool lower_order_second = i == L - 2 && lower_order_final_ && L < 15;
 
     const torch::Tensor model_output = convert_model_output(model_output_in, sample_in, i);
-    for (int64_t k = 0; k + 1 < solver_order_; ++k) model_outputs_[k] = model_outputs_[k + 1];
-    model_outputs_.back() = model_output;
+    push_model_output(model_output);
 
     // Upcast to avoid precision issues when computing prev_sample.
     const torch::Tensor sample = sample_in.to(torch::kFloat32);
@@ -220,8 +149,7 @@ class DpmSolverMultistepSampler final : public Sampler {
       }
       prev = third_order_update(sample, i);
     }
-    if (lower_order_nums_ < solver_order_) ++lower_order_nums_;
-    step_index_ = i + 1;
+    end_step(i);
     return prev.to(model_output.scalar_type());
   }
 
@@ -236,41 +164,19 @@ class DpmSolverMultistepSampler final : public Sampler {
   // Diffusers' convert_model_output: x0 for DPM-Solver++, epsilon for DPM-Solver.
   torch::Tensor convert_model_output(const torch::Tensor& model_output_in,
                                      const torch::Tensor& sample, int64_t i) const {
-    torch::Tensor model_output = model_output_in;
     const bool learned = variance_type_ == "learned" || variance_type_ == "learned_range";
+    // Only the "mean" half of a learned-variance epsilon output (Diffusers keeps 3 channels).
+    const torch::Tensor model_output =
+        learned && prediction_type_ == "epsilon" ? model_output_in.slice(1, 0, 3) : model_output_in;
     const auto [alpha_t, sigma_t] = sigma_to_alpha_sigma_t(sigmas_[i]);
-    if (is_plus_plus()) {
-      torch::Tensor x0;
-      if (prediction_type_ == "epsilon") {
-        // Only the "mean" half of a learned-variance output (Diffusers keeps 3 channels).
-        if (learned) model_output = model_output.slice(1, 0, 3);
-        x0 = (sample - sigma_t * model_output) / alpha_t;
-      } else if (prediction_type_ == "sample") {
-        x0 = model_output;
-      } else {
-        x0 = alpha_t * sample - sigma_t * model_output;
-      }
-      if (thresholding_) x0 = threshold(x0);
-      return x0;
-    }
-    torch::Tensor epsilon;
-    if (prediction_type_ == "epsilon") {
-      epsilon = learned ? model_output.slice(1, 0, 3) : model_output;
-    } else if (prediction_type_ == "sample") {
-      epsilon = (sample - alpha_t * model_output) / sigma_t;
-    } else {
-      epsilon = alpha_t * model_output + sigma_t * sample;
-    }
+    if (is_plus_plus()) return predicted_x0(model_output, sample, alpha_t, sigma_t);
+    torch::Tensor epsilon = predicted_epsilon(model_output, sample, alpha_t, sigma_t);
     if (thresholding_) {
       torch::Tensor x0 = (sample - sigma_t * epsilon) / alpha_t;
       x0 = threshold(x0);
       epsilon = (sample - alpha_t * x0) / sigma_t;
     }
     return epsilon;
-  }
-
-  torch::Tensor threshold(const torch::Tensor& x0) const {
-    return threshold_sample(x0, dynamic_thresholding_ratio_, sample_max_value_, kClass);
   }
 
   // One DPM-Solver step of order 1 (DDIM's update).
@@ -372,28 +278,10 @@ class DpmSolverMultistepSampler final : public Sampler {
            (sigma_t * ((torch::exp(h) - 1.0 - h) / torch::pow(h, 2) - 0.5)) * D2;
   }
 
-  ConfigReader reader_;
-  SchedulerConfig betas_;
-  int64_t solver_order_ = 2;
-  std::string prediction_type_, algorithm_type_, solver_type_, final_sigmas_type_;
-  std::string variance_type_, timestep_spacing_;
-  bool thresholding_ = false, lower_order_final_ = true, euler_at_final_ = false;
-  bool use_karras_sigmas_ = false, use_exponential_sigmas_ = false, use_beta_sigmas_ = false;
-  bool use_lu_lambdas_ = false;
-  double dynamic_thresholding_ratio_ = 0.995, sample_max_value_ = 1.0;
+  std::string algorithm_type_, solver_type_, variance_type_;
+  bool euler_at_final_ = false, use_lu_lambdas_ = false;
   double lambda_min_clipped_ = -std::numeric_limits<double>::infinity();
-  int64_t steps_offset_ = 0;
-
-  torch::Tensor alphas_cumprod_;     // float32 [T]
-  std::vector<float> train_sigmas_;  // [T]
-  torch::Tensor lambda_t_;           // float32 [T]
-
-  torch::Tensor timesteps_;  // int64 [L]
-  torch::Tensor sigmas_;     // float32 [L + 1]
-  int64_t num_inference_steps_ = 0;
-  std::vector<torch::Tensor> model_outputs_;  // the last solver_order converted outputs
-  int64_t lower_order_nums_ = 0;
-  std::optional<int64_t> step_index_;
+  torch::Tensor lambda_t_;  // float32 [T]
 };
 
 }  // namespace

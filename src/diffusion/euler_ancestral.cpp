@@ -3,6 +3,7 @@
 // is drawn per step, the last step included, as Diffusers does.
 
 #include "difftrain/core/error.h"
+#include "euler_common.h"
 #include "sampler_classes.h"
 #include "sigma_schedule.h"
 
@@ -13,15 +14,13 @@ namespace {
 
 using nlohmann::json;
 
-const std::vector<BetaSchedule> kBetas = {BetaSchedule::kLinear, BetaSchedule::kScaledLinear,
-                                          BetaSchedule::kSquaredcosCapV2};
 constexpr const char* kName = "EulerAncestralDiscreteScheduler";
 
-class EulerAncestralSampler : public Sampler {
+class EulerAncestralSampler : public EulerSamplerBase {
  public:
-  EulerAncestralSampler(const json& config, const std::string& source) {
+  EulerAncestralSampler(const json& config, const std::string& source) : EulerSamplerBase(kName) {
     const ConfigReader r(config, source);
-    betas_ = r.beta_config(kBetas);
+    betas_ = r.beta_config(sampler_beta_schedules());
     prediction_type_ =
         r.get_choice("prediction_type", "epsilon", {"epsilon", "v_prediction", "sample"});
     if (prediction_type_ == "sample") {
@@ -30,34 +29,14 @@ class EulerAncestralSampler : public Sampler {
                   "EulerAncestralDiscreteScheduler; use \"epsilon\" or \"v_prediction\", or the "
                   "\"euler\" sampler");
     }
-    timestep_spacing_ =
-        r.get_choice("timestep_spacing", "linspace", {"linspace", "leading", "trailing"});
-    steps_offset_ = r.get_int("steps_offset", 0);
-    if (steps_offset_ < 0) {
-      throw Error(r.where() + "steps_offset is " + std::to_string(steps_offset_) +
-                  "; it must be >= 0");
-    }
-    const torch::Tensor ac = r.alphas_cumprod(kBetas, true, true);
-    train_sigmas_ = sigmas_from_alphas_cumprod(ac);
-    std::vector<float> sig(train_sigmas_.rbegin(), train_sigmas_.rend());
-    sig.push_back(0.0f);
-    sigmas_ = torch::tensor(sig, torch::kFloat32);
-    std::vector<float> ts;
-    for (int64_t t = betas_.num_train_timesteps - 1; t >= 0; --t)
-      ts.push_back(static_cast<float>(t));
-    timesteps_ = torch::tensor(ts, torch::kFloat32);
+    read_spacing(r);
+    set_training_tables(r.alphas_cumprod(sampler_beta_schedules(), true, true));
   }
-
-  std::string class_name() const override { return kName; }
 
   json config() const override {
     json j = json::object();
     j["_class_name"] = class_name();
-    j["num_train_timesteps"] = betas_.num_train_timesteps;
-    j["beta_start"] = betas_.beta_start;
-    j["beta_end"] = betas_.beta_end;
-    j["beta_schedule"] = to_string(betas_.beta_schedule);
-    j["trained_betas"] = betas_.trained_betas ? json(*betas_.trained_betas) : json(nullptr);
+    put_beta_fields(betas_, j);
     j["prediction_type"] = prediction_type_;
     j["timestep_spacing"] = timestep_spacing_;
     j["steps_offset"] = steps_offset_;
@@ -66,41 +45,15 @@ class EulerAncestralSampler : public Sampler {
   }
 
   void set_timesteps(int64_t n) override {
-    const std::vector<float> ts32 =
-        spaced_float_timesteps(betas_.num_train_timesteps, n,
-                               parse_timestep_spacing(timestep_spacing_), steps_offset_, kName);
-    const std::vector<double> sig =
-        interp_on_index(std::vector<double>(ts32.begin(), ts32.end()), train_sigmas_);
-    std::vector<float> sig32;
-    for (double s : sig) sig32.push_back(static_cast<float>(s));
-    sig32.push_back(0.0f);
-    sigmas_ = torch::tensor(sig32, torch::kFloat32);
+    const std::vector<float> ts32 = spaced_timesteps(n);
+    set_sigmas(interp_on_index(std::vector<double>(ts32.begin(), ts32.end()), train_sigmas_), 0.0f);
     timesteps_ = torch::tensor(ts32, torch::kFloat32);
-    step_index_.reset();
-  }
-
-  const torch::Tensor& timesteps() const override { return timesteps_; }
-  torch::Tensor sigmas() const override { return sigmas_; }
-
-  double init_noise_sigma() const override {
-    const torch::Tensor max_sigma = sigmas_.max();
-    if (timestep_spacing_ == "linspace" || timestep_spacing_ == "trailing") {
-      return max_sigma.item<double>();
-    }
-    return (max_sigma.pow(2) + 1).pow(0.5).item<double>();
-  }
-
-  torch::Tensor scale_model_input(const torch::Tensor& sample, double timestep) override {
-    if (!step_index_) step_index_ = index_for_timestep(timesteps_, timestep, kName);
-    const torch::Tensor sigma = sigma_at(*step_index_);
-    return sample / (sigma.pow(2) + 1).pow(0.5);
   }
 
   torch::Tensor step(const torch::Tensor& model_output, double timestep,
                      const torch::Tensor& sample_in,
                      std::optional<at::Generator> generator) override {
-    if (!step_index_) step_index_ = index_for_timestep(timesteps_, timestep, kName);
-    const int64_t i = *step_index_;
+    const int64_t i = step_index(timestep);
     const torch::Tensor sigma = sigma_at(i);
     const torch::Tensor sample = sample_in.to(torch::kFloat32);
     torch::Tensor pred_original_sample;
@@ -125,20 +78,7 @@ class EulerAncestralSampler : public Sampler {
   }
 
  private:
-  torch::Tensor sigma_at(int64_t i) const {
-    if (i < 0 || i >= sigmas_.size(0)) {
-      throw Error(std::string(kName) + "::step: step " + std::to_string(i) +
-                  " is past the last sigma; call set_timesteps() again before a new loop");
-    }
-    return sigmas_[i];
-  }
-
-  SchedulerConfig betas_;
-  std::string prediction_type_, timestep_spacing_;
-  int64_t steps_offset_ = 0;
-  std::vector<float> train_sigmas_;
-  torch::Tensor timesteps_, sigmas_;
-  std::optional<int64_t> step_index_;
+  std::string prediction_type_;
 };
 
 }  // namespace

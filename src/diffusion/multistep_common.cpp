@@ -128,27 +128,139 @@ torch::Tensor draw_step_noise(at::IntArrayRef shape, const torch::Device& device
   return at::randn(shape, gen, options).to(device);
 }
 
-void put_beta_fields(const ConfigReader& reader, const SchedulerConfig& betas,
-                     nlohmann::json& out) {
-  out["num_train_timesteps"] = betas.num_train_timesteps;
-  out["beta_start"] = betas.beta_start;
-  out["beta_end"] = betas.beta_end;
-  out["beta_schedule"] = to_string(betas.beta_schedule);
-  const nlohmann::json& in = reader.json();
-  out["trained_betas"] = in.contains("trained_betas") ? in["trained_betas"] : nlohmann::json();
-  out["rescale_betas_zero_snr"] = betas.rescale_betas_zero_snr;
-}
+MultistepSampler::MultistepSampler(const nlohmann::json& json, const std::string& source,
+                                   std::string class_name)
+    : reader_(json, source), class_name_(std::move(class_name)) {
+  const ConfigReader& r = reader_;
+  betas_ = r.beta_config(sampler_beta_schedules());
+  solver_order_ = r.get_int("solver_order", 2);
+  prediction_type_ =
+      r.get_choice("prediction_type", "epsilon", {"epsilon", "sample", "v_prediction"});
+  thresholding_ = r.get_bool("thresholding", false);
+  dynamic_thresholding_ratio_ = r.get_double("dynamic_thresholding_ratio", 0.995);
+  sample_max_value_ = r.get_double("sample_max_value", 1.0);
+  lower_order_final_ = r.get_bool("lower_order_final", true);
+  use_karras_sigmas_ = r.get_bool("use_karras_sigmas", false);
+  use_exponential_sigmas_ = r.get_bool("use_exponential_sigmas", false);
+  use_beta_sigmas_ = r.get_bool("use_beta_sigmas", false);
+  timestep_spacing_ =
+      r.get_choice("timestep_spacing", "linspace", {"linspace", "leading", "trailing"});
+  steps_offset_ = r.get_non_negative_int("steps_offset", 0);
+  final_sigmas_type_ = r.get_choice("final_sigmas_type", "zero", {"zero", "sigma_min"});
 
-const std::vector<BetaSchedule>& multistep_beta_schedules() {
-  static const std::vector<BetaSchedule> kAllowed = {
-      BetaSchedule::kLinear, BetaSchedule::kScaledLinear, BetaSchedule::kSquaredcosCapV2};
-  return kAllowed;
-}
-
-void check_num_inference_steps(int64_t n, const std::string& who) {
-  if (n < 1) {
-    throw Error(who + ": num_inference_steps is " + std::to_string(n) + "; it must be >= 1");
+  if (int(use_karras_sigmas_) + int(use_exponential_sigmas_) + int(use_beta_sigmas_) > 1) {
+    throw Error(r.where() +
+                "only one of use_karras_sigmas, use_exponential_sigmas and "
+                "use_beta_sigmas may be true");
   }
+  if (thresholding_ && !(dynamic_thresholding_ratio_ > 0 && dynamic_thresholding_ratio_ <= 1)) {
+    throw Error(r.where() + "dynamic_thresholding_ratio must be in (0, 1]");
+  }
+  alphas_cumprod_ = r.alphas_cumprod(sampler_beta_schedules(), true, true);
+  train_sigmas_ = sigmas_from_alphas_cumprod(alphas_cumprod_);
+}
+
+nlohmann::json MultistepSampler::shared_config() const {
+  nlohmann::json c = nlohmann::json::object();
+  c["_class_name"] = class_name_;
+  put_beta_fields(betas_, c);
+  // trained_betas as the config gave it (integers stay integers).
+  const nlohmann::json& in = reader_.json();
+  c["trained_betas"] = in.contains("trained_betas") ? in["trained_betas"] : nlohmann::json();
+  c["rescale_betas_zero_snr"] = betas_.rescale_betas_zero_snr;
+  c["solver_order"] = solver_order_;
+  c["prediction_type"] = prediction_type_;
+  c["thresholding"] = thresholding_;
+  c["dynamic_thresholding_ratio"] = dynamic_thresholding_ratio_;
+  c["sample_max_value"] = sample_max_value_;
+  c["lower_order_final"] = lower_order_final_;
+  c["use_karras_sigmas"] = use_karras_sigmas_;
+  c["use_exponential_sigmas"] = use_exponential_sigmas_;
+  c["use_beta_sigmas"] = use_beta_sigmas_;
+  c["timestep_spacing"] = timestep_spacing_;
+  c["steps_offset"] = steps_offset_;
+  c["final_sigmas_type"] = final_sigmas_type_;
+  return c;
+}
+
+std::vector<int64_t> MultistepSampler::spaced_timesteps(int64_t n, int64_t last_timestep) const {
+  if (n < 1) {
+    throw Error(class_name_ + ": num_inference_steps is " + std::to_string(n) +
+                "; it must be >= 1");
+  }
+  std::vector<int64_t> ts = multistep_timesteps(betas_.num_train_timesteps, last_timestep, n,
+                                                timestep_spacing_, steps_offset_);
+  if (ts.empty()) {
+    throw Error(class_name_ + ": set_timesteps(" + std::to_string(n) +
+                ") gives no timesteps with timestep_spacing '" + timestep_spacing_ +
+                "'; use more steps or another spacing");
+  }
+  return ts;
+}
+
+void MultistepSampler::set_tables(const std::vector<int64_t>& timesteps,
+                                  const std::vector<double>& sigmas) {
+  std::vector<float> sigmas32(sigmas.begin(), sigmas.end());
+  sigmas_ = torch::tensor(sigmas32, torch::kFloat32);
+  timesteps_ = torch::tensor(timesteps, torch::kLong);
+  num_inference_steps_ = static_cast<int64_t>(timesteps.size());
+  model_outputs_.assign(static_cast<size_t>(solver_order_), torch::Tensor());
+  lower_order_nums_ = 0;
+  step_index_.reset();
+}
+
+int64_t MultistepSampler::begin_step(double timestep) {
+  if (num_inference_steps_ == 0) {
+    throw Error(class_name_ + ": step() before set_timesteps(); call set_timesteps first");
+  }
+  if (!step_index_) step_index_ = index_for_timestep(timesteps_, timestep);
+  const int64_t i = *step_index_;
+  const int64_t L = timesteps_.size(0);
+  if (i >= L) {
+    throw Error(class_name_ + ": step() called " + std::to_string(i + 1) +
+                " times after set_timesteps(" + std::to_string(L) +
+                "); call set_timesteps again to sample anew");
+  }
+  return i;
+}
+
+void MultistepSampler::push_model_output(const torch::Tensor& converted) {
+  for (int64_t k = 0; k + 1 < solver_order_; ++k) model_outputs_[k] = model_outputs_[k + 1];
+  model_outputs_.back() = converted;
+}
+
+void MultistepSampler::end_step(int64_t i) {
+  if (lower_order_nums_ < solver_order_) ++lower_order_nums_;
+  step_index_ = i + 1;
+}
+
+torch::Tensor MultistepSampler::predicted_x0(const torch::Tensor& model_output,
+                                             const torch::Tensor& sample,
+                                             const torch::Tensor& alpha_t,
+                                             const torch::Tensor& sigma_t) const {
+  torch::Tensor x0;
+  if (prediction_type_ == "epsilon") {
+    x0 = (sample - sigma_t * model_output) / alpha_t;
+  } else if (prediction_type_ == "sample") {
+    x0 = model_output;
+  } else {
+    x0 = alpha_t * sample - sigma_t * model_output;
+  }
+  if (thresholding_) x0 = threshold(x0);
+  return x0;
+}
+
+torch::Tensor MultistepSampler::predicted_epsilon(const torch::Tensor& model_output,
+                                                  const torch::Tensor& sample,
+                                                  const torch::Tensor& alpha_t,
+                                                  const torch::Tensor& sigma_t) const {
+  if (prediction_type_ == "epsilon") return model_output;
+  if (prediction_type_ == "sample") return (sample - alpha_t * model_output) / sigma_t;
+  return alpha_t * model_output + sigma_t * sample;
+}
+
+torch::Tensor MultistepSampler::threshold(const torch::Tensor& x0) const {
+  return threshold_sample(x0, dynamic_thresholding_ratio_, sample_max_value_, class_name_);
 }
 
 }  // namespace difftrain::diffusion::detail

@@ -2,8 +2,8 @@
 // What DPMSolverMultistepScheduler (dpm_solver.cpp) and UniPCMultistepScheduler (unipc.cpp) share
 // in Diffusers 0.31: the timestep spacings of their set_timesteps(), the sigma tables, the
 // sigma -> (alpha_t, sigma_t, lambda_t) conversions as 0-dim float32 tensors (so every formula
-// runs the same torch kernels as Diffusers), dynamic thresholding and the first step's index.
-// Private to src/diffusion.
+// runs the same torch kernels as Diffusers), dynamic thresholding, the first step's index, and
+// the base class with the config fields and loop state both have. Private to src/diffusion.
 
 #include "sampler_classes.h"
 
@@ -63,15 +63,75 @@ int64_t index_for_timestep(const torch::Tensor& timesteps, double timestep);
 torch::Tensor draw_step_noise(at::IntArrayRef shape, const torch::Device& device,
                               const std::optional<at::Generator>& generator);
 
-/// Writes the beta fields of `reader`'s config into `out` as Diffusers' `scheduler.config` shows
-/// them (num_train_timesteps, beta_start, beta_end, beta_schedule, trained_betas,
-/// rescale_betas_zero_snr).
-void put_beta_fields(const ConfigReader& reader, const SchedulerConfig& betas, nlohmann::json& out);
+/// The base of DPMSolverMultistepScheduler (dpm_solver.cpp) and UniPCMultistepScheduler
+/// (unipc.cpp): the config fields both have, the training sigmas, the tables of set_timesteps(),
+/// the history of converted model outputs and the checks at the start of step(). The constructor
+/// reads and checks the shared fields; a subclass reads its own after it.
+class MultistepSampler : public Sampler {
+ public:
+  std::string class_name() const override { return class_name_; }
+  const torch::Tensor& timesteps() const override { return timesteps_; }
+  torch::Tensor sigmas() const override { return sigmas_; }
 
-/// The beta schedules DPM-Solver and UniPC accept (Diffusers raises for "sigmoid").
-const std::vector<BetaSchedule>& multistep_beta_schedules();
+ protected:
+  /// Reads the shared fields of `json` with Diffusers' defaults (solver_order 2, epsilon,
+  /// linspace spacing, zero final sigma, ...) and fills alphas_cumprod_ and train_sigmas_.
+  /// `source` names the config in errors.
+  MultistepSampler(const nlohmann::json& json, const std::string& source, std::string class_name);
 
-/// A positive number of inference steps, else difftrain::Error naming `who`.
-void check_num_inference_steps(int64_t num_inference_steps, const std::string& who);
+  /// _class_name, the beta fields and the shared fields as Diffusers' `scheduler.config` shows
+  /// them; a subclass adds its own.
+  nlohmann::json shared_config() const;
+
+  /// multistep_timesteps() of set_timesteps(n) up to `last_timestep`, after checking n >= 1;
+  /// throws when the spacing gives none.
+  std::vector<int64_t> spaced_timesteps(int64_t n, int64_t last_timestep) const;
+
+  /// Stores the tables of set_timesteps(): `timesteps` (int64 [L]) and `sigmas` (float64 [L + 1],
+  /// stored as float32), and starts a new loop (empty history, first step looked up again).
+  void set_tables(const std::vector<int64_t>& timesteps, const std::vector<double>& sigmas);
+
+  /// The index of `timestep`'s step (looked up on the first step after set_timesteps()), after
+  /// checking that set_timesteps() ran and the loop has a step left.
+  int64_t begin_step(double timestep);
+
+  /// Adds `converted` as the newest of the last solver_order converted model outputs.
+  void push_model_output(const torch::Tensor& converted);
+
+  /// Ends step i: one more step of the warm-up (up to solver_order), and the next step is i + 1.
+  void end_step(int64_t i);
+
+  /// Diffusers' convert_model_output for a data-prediction solver: x0 from the model output
+  /// (epsilon, sample or v_prediction) at alpha_t, sigma_t (0-dim), thresholded when set.
+  torch::Tensor predicted_x0(const torch::Tensor& model_output, const torch::Tensor& sample,
+                             const torch::Tensor& alpha_t, const torch::Tensor& sigma_t) const;
+
+  /// The same for a noise-prediction solver: epsilon from the model output (not thresholded).
+  torch::Tensor predicted_epsilon(const torch::Tensor& model_output, const torch::Tensor& sample,
+                                  const torch::Tensor& alpha_t, const torch::Tensor& sigma_t) const;
+
+  /// threshold_sample() with the config's dynamic_thresholding_ratio and sample_max_value.
+  torch::Tensor threshold(const torch::Tensor& x0) const;
+
+  ConfigReader reader_;
+  std::string class_name_;
+  SchedulerConfig betas_;
+  int64_t solver_order_ = 2;
+  std::string prediction_type_, timestep_spacing_, final_sigmas_type_;
+  bool thresholding_ = false, lower_order_final_ = true;
+  bool use_karras_sigmas_ = false, use_exponential_sigmas_ = false, use_beta_sigmas_ = false;
+  double dynamic_thresholding_ratio_ = 0.995, sample_max_value_ = 1.0;
+  int64_t steps_offset_ = 0;
+
+  torch::Tensor alphas_cumprod_;     // float32 [T]
+  std::vector<float> train_sigmas_;  // [T]
+
+  torch::Tensor timesteps_;  // int64 [L]
+  torch::Tensor sigmas_;     // float32 [L + 1]
+  int64_t num_inference_steps_ = 0;
+  std::vector<torch::Tensor> model_outputs_;  // the last solver_order converted outputs
+  int64_t lower_order_nums_ = 0;
+  std::optional<int64_t> step_index_;
+};
 
 }  // namespace difftrain::diffusion::detail

@@ -17,25 +17,19 @@ namespace {
 
 using nlohmann::json;
 
-const std::vector<BetaSchedule> kBetas = {BetaSchedule::kLinear, BetaSchedule::kScaledLinear,
-                                          BetaSchedule::kSquaredcosCapV2};
 constexpr int64_t kPndmOrder = 4;
 
 class PndmSampler : public Sampler {
  public:
   PndmSampler(const json& config, const std::string& source) {
     const ConfigReader r(config, source);
-    betas_ = r.beta_config(kBetas);
+    betas_ = r.beta_config(sampler_beta_schedules());
     skip_prk_steps_ = r.get_bool("skip_prk_steps", false);
     set_alpha_to_one_ = r.get_bool("set_alpha_to_one", false);
     prediction_type_ = r.get_choice("prediction_type", "epsilon", {"epsilon", "v_prediction"});
     timestep_spacing_ =
         r.get_choice("timestep_spacing", "leading", {"linspace", "leading", "trailing"});
-    steps_offset_ = r.get_int("steps_offset", 0);
-    if (steps_offset_ < 0) {
-      throw Error(r.where() + "steps_offset is " + std::to_string(steps_offset_) +
-                  "; it must be >= 0");
-    }
+    steps_offset_ = r.get_non_negative_int("steps_offset", 0);
     // PNDM has no rescale_betas_zero_snr: Diffusers ignores the key for this class.
     SchedulerConfig plain = betas_;
     plain.rescale_betas_zero_snr = false;
@@ -50,11 +44,7 @@ class PndmSampler : public Sampler {
   json config() const override {
     json j = json::object();
     j["_class_name"] = class_name();
-    j["num_train_timesteps"] = betas_.num_train_timesteps;
-    j["beta_start"] = betas_.beta_start;
-    j["beta_end"] = betas_.beta_end;
-    j["beta_schedule"] = to_string(betas_.beta_schedule);
-    j["trained_betas"] = betas_.trained_betas ? json(*betas_.trained_betas) : json(nullptr);
+    put_beta_fields(betas_, j);
     j["skip_prk_steps"] = skip_prk_steps_;
     j["set_alpha_to_one"] = set_alpha_to_one_;
     j["prediction_type"] = prediction_type_;

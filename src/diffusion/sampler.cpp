@@ -3,9 +3,9 @@
 
 #include "difftrain/diffusion/sampler.h"
 
+#include "config_json.h"
 #include "difftrain/core/error.h"
 #include "difftrain/diffusion/noise_scheduler.h"
-#include "difftrain/io/atomic_file.h"
 #include "sampler_classes.h"
 
 #include <torch/torch.h>
@@ -13,7 +13,6 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
-#include <limits>
 #include <sstream>
 #include <utility>
 
@@ -30,6 +29,8 @@ double Sampler::timestep(int64_t i) const {
 
 namespace {
 
+using detail::shown;
+using detail::where_of;
 using nlohmann::json;
 
 // One --scheduler name: the Diffusers class it builds and the config fields it sets.
@@ -46,6 +47,15 @@ void karras(json& c) {
   c["use_beta_sigmas"] = false;
 }
 
+// The "DPM++ 2M" names: solver_order 2 with `algorithm_type`, on Karras sigmas when asked.
+std::function<void(json&)> dpmpp_2m(const char* algorithm_type, bool karras_sigmas) {
+  return [=](json& c) {
+    c["algorithm_type"] = algorithm_type;
+    c["solver_order"] = 2;
+    if (karras_sigmas) karras(c);
+  };
+}
+
 const std::vector<Preset>& presets() {
   static const std::vector<Preset> list = {
       {"ddpm", "DDPMScheduler", [](json&) {}},
@@ -54,28 +64,10 @@ const std::vector<Preset>& presets() {
       {"euler", "EulerDiscreteScheduler", [](json&) {}},
       {"euler_karras", "EulerDiscreteScheduler", karras},
       {"euler_ancestral", "EulerAncestralDiscreteScheduler", [](json&) {}},
-      {"dpmpp_2m", "DPMSolverMultistepScheduler",
-       [](json& c) {
-         c["algorithm_type"] = "dpmsolver++";
-         c["solver_order"] = 2;
-       }},
-      {"dpmpp_2m_karras", "DPMSolverMultistepScheduler",
-       [](json& c) {
-         c["algorithm_type"] = "dpmsolver++";
-         c["solver_order"] = 2;
-         karras(c);
-       }},
-      {"dpmpp_2m_sde", "DPMSolverMultistepScheduler",
-       [](json& c) {
-         c["algorithm_type"] = "sde-dpmsolver++";
-         c["solver_order"] = 2;
-       }},
-      {"dpmpp_2m_sde_karras", "DPMSolverMultistepScheduler",
-       [](json& c) {
-         c["algorithm_type"] = "sde-dpmsolver++";
-         c["solver_order"] = 2;
-         karras(c);
-       }},
+      {"dpmpp_2m", "DPMSolverMultistepScheduler", dpmpp_2m("dpmsolver++", false)},
+      {"dpmpp_2m_karras", "DPMSolverMultistepScheduler", dpmpp_2m("dpmsolver++", true)},
+      {"dpmpp_2m_sde", "DPMSolverMultistepScheduler", dpmpp_2m("sde-dpmsolver++", false)},
+      {"dpmpp_2m_sde_karras", "DPMSolverMultistepScheduler", dpmpp_2m("sde-dpmsolver++", true)},
       {"unipc", "UniPCMultistepScheduler", [](json&) {}},
       {"flow_match_euler", "FlowMatchEulerDiscreteScheduler", [](json&) {}},
   };
@@ -100,16 +92,6 @@ std::string joined(const std::vector<std::string>& items) {
   std::string out;
   for (const auto& s : items) out += (out.empty() ? "" : ", ") + s;
   return out;
-}
-
-std::string where_of(const std::string& source) {
-  return source.empty() ? "scheduler config" : "scheduler config " + source;
-}
-
-std::string shown(const json& value) {
-  std::string text = value.dump();
-  if (text.size() > 60) text = text.substr(0, 57) + "...";
-  return text + " (" + value.type_name() + ")";
 }
 
 std::unique_ptr<Sampler> build(const std::string& class_name, const json& config,
@@ -227,13 +209,7 @@ std::unique_ptr<Sampler> make_sampler(const json& scheduler_config, const std::s
 
 std::unique_ptr<Sampler> load_sampler(const std::string& path, const std::string& kind,
                                       const SamplerOptions& options) {
-  std::string text;
-  try {
-    text = io::read_file(path);
-  } catch (const Error& e) {
-    throw Error(std::string("scheduler config: ") + e.what() +
-                "; give the path of a scheduler_config.json (a model's scheduler/ folder)");
-  }
+  const std::string text = detail::read_config_text(path);
   json config;
   try {
     config = parse_python_json(text);
@@ -274,17 +250,11 @@ int64_t ConfigReader::get_int(const std::string& key, int64_t fallback) const {
   return v->get<int64_t>();
 }
 
-namespace {
-// The strings parse_python_json() makes of Python's -Infinity / Infinity / NaN tokens.
-std::optional<double> python_float_token(const nlohmann::json& v) {
-  if (!v.is_string()) return std::nullopt;
-  const std::string t = v.get<std::string>();
-  if (t == "-Infinity") return -std::numeric_limits<double>::infinity();
-  if (t == "Infinity") return std::numeric_limits<double>::infinity();
-  if (t == "NaN") return std::numeric_limits<double>::quiet_NaN();
-  return std::nullopt;
+int64_t ConfigReader::get_non_negative_int(const std::string& key, int64_t fallback) const {
+  const int64_t value = get_int(key, fallback);
+  if (value < 0) throw Error(where() + key + " is " + std::to_string(value) + "; it must be >= 0");
+  return value;
 }
-}  // namespace
 
 double ConfigReader::get_double(const std::string& key, double fallback) const {
   const nlohmann::json* v = present(config_, key);
@@ -374,41 +344,31 @@ torch::Tensor ConfigReader::alphas_cumprod(const std::vector<BetaSchedule>& allo
   return ac;
 }
 
+const std::vector<BetaSchedule>& sampler_beta_schedules() {
+  static const std::vector<BetaSchedule> kAllowed = {
+      BetaSchedule::kLinear, BetaSchedule::kScaledLinear, BetaSchedule::kSquaredcosCapV2};
+  return kAllowed;
+}
+
+void put_beta_fields(const SchedulerConfig& betas, nlohmann::json& out) {
+  out["num_train_timesteps"] = betas.num_train_timesteps;
+  out["beta_start"] = betas.beta_start;
+  out["beta_end"] = betas.beta_end;
+  out["beta_schedule"] = to_string(betas.beta_schedule);
+  out["trained_betas"] =
+      betas.trained_betas ? nlohmann::json(*betas.trained_betas) : nlohmann::json(nullptr);
+}
+
 // ------------------------------------------------------------------------------ DDPM / DDIM
 
 namespace {
 
-// The keys DDPMScheduler / DDIMScheduler take in Diffusers 0.31 (besides _class_name).
-const std::vector<std::string>& noise_scheduler_keys(bool ddim) {
-  static const std::vector<std::string> ddpm = {"num_train_timesteps",
-                                                "beta_start",
-                                                "beta_end",
-                                                "beta_schedule",
-                                                "trained_betas",
-                                                "variance_type",
-                                                "clip_sample",
-                                                "prediction_type",
-                                                "thresholding",
-                                                "dynamic_thresholding_ratio",
-                                                "clip_sample_range",
-                                                "sample_max_value",
-                                                "timestep_spacing",
-                                                "steps_offset",
-                                                "rescale_betas_zero_snr"};
-  static const std::vector<std::string> ddim_keys = [] {
-    std::vector<std::string> k;
-    for (const auto& key : ddpm) {
-      if (key != "variance_type") k.push_back(key);
-    }
-    k.push_back("set_alpha_to_one");
-    return k;
-  }();
-  return ddim ? ddim_keys : ddpm;
-}
-
 SchedulerConfig noise_scheduler_config(const json& config, const std::string& source, bool ddim) {
+  // DDPMScheduler takes every key but set_alpha_to_one, DDIMScheduler every key but variance_type.
+  const char* not_taken = ddim ? "variance_type" : "set_alpha_to_one";
   json subset = json::object();
-  for (const auto& key : noise_scheduler_keys(ddim)) {
+  for (const auto& key : noise_scheduler_keys()) {
+    if (key == not_taken) continue;
     const json* v = present(config, key);
     if (v != nullptr) subset[key] = *v;
   }

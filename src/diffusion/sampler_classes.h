@@ -7,8 +7,8 @@
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/diffusion/scheduler_config.h"
 
-#include <nlohmann/json.hpp>
 #include <torch/types.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdint>
 #include <memory>
@@ -26,6 +26,8 @@ class ConfigReader {
   ConfigReader(const nlohmann::json& config, std::string source);
 
   int64_t get_int(const std::string& key, int64_t fallback) const;
+  /// get_int(), then checked to be >= 0 (steps_offset).
+  int64_t get_non_negative_int(const std::string& key, int64_t fallback) const;
   double get_double(const std::string& key, double fallback) const;
   /// nullopt when absent or null.
   std::optional<double> get_optional_double(const std::string& key) const;
@@ -58,16 +60,25 @@ class ConfigReader {
   std::string source_;
 };
 
+/// The beta schedules of every sampler class but DDPMScheduler (Diffusers raises for "sigmoid").
+const std::vector<BetaSchedule>& sampler_beta_schedules();
+
+/// Writes the beta fields of `betas` into `out` as Diffusers' `scheduler.config` shows them:
+/// num_train_timesteps, beta_start, beta_end, beta_schedule and trained_betas (null when unset).
+void put_beta_fields(const SchedulerConfig& betas, nlohmann::json& out);
+
 std::unique_ptr<Sampler> make_ddpm_sampler(const nlohmann::json& config, const std::string& source);
 std::unique_ptr<Sampler> make_ddim_sampler(const nlohmann::json& config, const std::string& source,
                                            double eta);
 std::unique_ptr<Sampler> make_pndm_sampler(const nlohmann::json& config, const std::string& source);
-std::unique_ptr<Sampler> make_euler_sampler(const nlohmann::json& config, const std::string& source);
+std::unique_ptr<Sampler> make_euler_sampler(const nlohmann::json& config,
+                                            const std::string& source);
 std::unique_ptr<Sampler> make_euler_ancestral_sampler(const nlohmann::json& config,
                                                       const std::string& source);
 std::unique_ptr<Sampler> make_dpm_solver_multistep_sampler(const nlohmann::json& config,
                                                            const std::string& source);
-std::unique_ptr<Sampler> make_unipc_sampler(const nlohmann::json& config, const std::string& source);
+std::unique_ptr<Sampler> make_unipc_sampler(const nlohmann::json& config,
+                                            const std::string& source);
 std::unique_ptr<Sampler> make_flow_match_euler_sampler(const nlohmann::json& config,
                                                        const std::string& source);
 

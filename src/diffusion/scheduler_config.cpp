@@ -1,19 +1,76 @@
 #include "difftrain/diffusion/scheduler_config.h"
 
+#include "config_json.h"
 #include "difftrain/core/error.h"
 #include "difftrain/io/atomic_file.h"
 
 #include <cmath>
 #include <cstddef>
 #include <limits>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
 
 namespace difftrain::diffusion {
 
+namespace detail {
+
+std::string where_of(const std::string& source) {
+  return source.empty() ? "scheduler config" : "scheduler config " + source;
+}
+
+std::string shown(const nlohmann::json& value) {
+  std::string text = value.dump();
+  if (text.size() > 60) text = text.substr(0, 57) + "...";
+  return text + " (" + value.type_name() + ")";
+}
+
+std::optional<double> python_float_token(const nlohmann::json& value) {
+  if (!value.is_string()) return std::nullopt;
+  const std::string t = value.get<std::string>();
+  if (t == "-Infinity") return -std::numeric_limits<double>::infinity();
+  if (t == "Infinity") return std::numeric_limits<double>::infinity();
+  if (t == "NaN") return std::numeric_limits<double>::quiet_NaN();
+  return std::nullopt;
+}
+
+const std::set<std::string>& noise_scheduler_keys() {
+  static const std::set<std::string> keys = {"num_train_timesteps",
+                                             "beta_start",
+                                             "beta_end",
+                                             "beta_schedule",
+                                             "trained_betas",
+                                             "variance_type",
+                                             "clip_sample",
+                                             "clip_sample_range",
+                                             "prediction_type",
+                                             "thresholding",
+                                             "dynamic_thresholding_ratio",
+                                             "sample_max_value",
+                                             "timestep_spacing",
+                                             "steps_offset",
+                                             "set_alpha_to_one",
+                                             "rescale_betas_zero_snr"};
+  return keys;
+}
+
+std::string read_config_text(const std::string& path) {
+  try {
+    return io::read_file(path);
+  } catch (const Error& e) {
+    throw Error(std::string("scheduler config: ") + e.what() +
+                "; give the path of a scheduler_config.json (a model's scheduler/ folder)");
+  }
+}
+
+}  // namespace detail
+
 namespace {
 
+using detail::python_float_token;
+using detail::shown;
+using detail::where_of;
 using nlohmann::json;
 
 // ------------------------------------------------------------------ enum names
@@ -69,42 +126,9 @@ E parse_name(const Named<E> (&table)[N], const char* field, const std::string& n
 
 // ------------------------------------------------------------------ JSON fields
 
-// The fields of DDPMScheduler's and DDIMScheduler's __init__ (Diffusers 0.31); anything else in a
-// file is kept in `extra`.
-const std::set<std::string>& known_keys() {
-  static const std::set<std::string> keys = {"num_train_timesteps",
-                                             "beta_start",
-                                             "beta_end",
-                                             "beta_schedule",
-                                             "trained_betas",
-                                             "variance_type",
-                                             "clip_sample",
-                                             "clip_sample_range",
-                                             "prediction_type",
-                                             "thresholding",
-                                             "dynamic_thresholding_ratio",
-                                             "sample_max_value",
-                                             "timestep_spacing",
-                                             "steps_offset",
-                                             "set_alpha_to_one",
-                                             "rescale_betas_zero_snr"};
-  return keys;
-}
-
-std::string where(const std::string& source) {
-  return source.empty() ? "scheduler config" : "scheduler config " + source;
-}
-
-// A JSON value for a message: short, one line.
-std::string shown(const json& value) {
-  std::string text = value.dump();
-  if (text.size() > 60) text = text.substr(0, 57) + "...";
-  return text + " (" + value.type_name() + ")";
-}
-
 [[noreturn]] void bad_type(const std::string& source, const std::string& key, const char* expected,
                            const json& value) {
-  throw Error(where(source) + ": " + key + " must be " + expected + ", got " + shown(value) +
+  throw Error(where_of(source) + ": " + key + " must be " + expected + ", got " + shown(value) +
               "; fix the file");
 }
 
@@ -122,12 +146,7 @@ int64_t read_int(const json& j, const std::string& key, const std::string& sourc
 
 double read_double(const json& j, const std::string& key, const std::string& source) {
   const json& v = j.at(key);
-  if (v.is_string()) {  // parse_python_json's form of -Infinity / Infinity / NaN
-    const std::string t = v.get<std::string>();
-    if (t == "-Infinity") return -std::numeric_limits<double>::infinity();
-    if (t == "Infinity") return std::numeric_limits<double>::infinity();
-    if (t == "NaN") return std::numeric_limits<double>::quiet_NaN();
-  }
+  if (const auto token = python_float_token(v)) return *token;
   if (!v.is_number()) bad_type(source, key, "a number", v);
   return v.get<double>();
 }
@@ -146,7 +165,7 @@ E read_enum(const json& j, const std::string& key, const std::string& source,
   try {
     return parse_name(table, key.c_str(), v.get<std::string>());
   } catch (const Error& e) {
-    throw Error(where(source) + ": " + e.what());
+    throw Error(where_of(source) + ": " + e.what());
   }
 }
 
@@ -242,7 +261,7 @@ TimestepSpacing parse_timestep_spacing(const std::string& name) {
 
 SchedulerConfig SchedulerConfig::from_json(const json& j, const std::string& source) {
   if (!j.is_object()) {
-    throw Error(where(source) +
+    throw Error(where_of(source) +
                 ": expected a JSON object like {\"_class_name\": \"DDPMScheduler\", " +
                 "\"num_train_timesteps\": 1000, ...}, got " + shown(j));
   }
@@ -301,7 +320,7 @@ SchedulerConfig SchedulerConfig::from_json(const json& j, const std::string& sou
   for (const auto& [key, value] : j.items()) {
     // Diffusers treats '_'-prefixed keys (_diffusers_version, _use_default_values, ...) as its own
     // bookkeeping, not as settings.
-    if (key.empty() || key[0] == '_' || known_keys().count(key) != 0) continue;
+    if (key.empty() || key[0] == '_' || detail::noise_scheduler_keys().count(key) != 0) continue;
     c.extra[key] = value;
   }
   c.validate(source);
@@ -309,14 +328,7 @@ SchedulerConfig SchedulerConfig::from_json(const json& j, const std::string& sou
 }
 
 SchedulerConfig SchedulerConfig::load(const std::string& path) {
-  std::string text;
-  try {
-    text = io::read_file(path);
-  } catch (const Error& e) {
-    throw Error(std::string("scheduler config: ") + e.what() +
-                "; give the path of a scheduler_config.json (a model's scheduler/ folder)");
-  }
-  return parse(text, path);
+  return parse(detail::read_config_text(path), path);
 }
 
 SchedulerConfig SchedulerConfig::parse(const std::string& json_text, const std::string& source) {
@@ -324,7 +336,8 @@ SchedulerConfig SchedulerConfig::parse(const std::string& json_text, const std::
   try {
     j = parse_python_json(json_text);
   } catch (const json::exception& e) {  // parse_error, or out_of_range for 1e999
-    throw Error(where(source) + ": invalid JSON (" + e.what() + "); fix the file or re-create it");
+    throw Error(where_of(source) + ": invalid JSON (" + e.what() +
+                "); fix the file or re-create it");
   }
   return from_json(j, source);
 }
@@ -362,7 +375,7 @@ void SchedulerConfig::save(const std::string& path) const {
 }
 
 void SchedulerConfig::validate(const std::string& source) const {
-  const std::string at = where(source) + ": ";
+  const std::string at = where_of(source) + ": ";
   if (num_train_timesteps < 1) {
     throw Error(at + "num_train_timesteps is " + std::to_string(num_train_timesteps) +
                 "; it must be at least 1");

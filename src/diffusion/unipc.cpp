@@ -21,41 +21,22 @@ namespace {
 
 constexpr const char* kClass = "UniPCMultistepScheduler";
 
-class UniPcSampler final : public Sampler {
+class UniPcSampler final : public MultistepSampler {
  public:
-  UniPcSampler(const nlohmann::json& json, const std::string& source) : reader_(json, source) {
+  UniPcSampler(const nlohmann::json& json, const std::string& source)
+      : MultistepSampler(json, source, kClass) {
     const ConfigReader& r = reader_;
-    betas_ = r.beta_config(multistep_beta_schedules());
-    solver_order_ = r.get_int("solver_order", 2);
-    prediction_type_ =
-        r.get_choice("prediction_type", "epsilon", {"epsilon", "sample", "v_prediction"});
-    thresholding_ = r.get_bool("thresholding", false);
-    dynamic_thresholding_ratio_ = r.get_double("dynamic_thresholding_ratio", 0.995);
-    sample_max_value_ = r.get_double("sample_max_value", 1.0);
     predict_x0_ = r.get_bool("predict_x0", true);
     const std::string solver =
         r.get_choice("solver_type", "bh2", {"bh1", "bh2", "midpoint", "heun", "logrho"});
     // Diffusers registers DPM-Solver's solver types as bh2.
     solver_type_ = (solver == "bh1" || solver == "bh2") ? solver : "bh2";
-    lower_order_final_ = r.get_bool("lower_order_final", true);
     disable_corrector_ = r.get_int_list("disable_corrector");
-    use_karras_sigmas_ = r.get_bool("use_karras_sigmas", false);
-    use_exponential_sigmas_ = r.get_bool("use_exponential_sigmas", false);
-    use_beta_sigmas_ = r.get_bool("use_beta_sigmas", false);
-    timestep_spacing_ =
-        r.get_choice("timestep_spacing", "linspace", {"linspace", "leading", "trailing"});
-    steps_offset_ = r.get_int("steps_offset", 0);
-    final_sigmas_type_ = r.get_choice("final_sigmas_type", "zero", {"zero", "sigma_min"});
 
     const std::string where = r.where();
     if (solver_order_ < 1) {
       throw Error(where + "solver_order is " + std::to_string(solver_order_) +
                   "; it must be >= 1 (2 for guided sampling, 3 for unconditional)");
-    }
-    if (int(use_karras_sigmas_) + int(use_exponential_sigmas_) + int(use_beta_sigmas_) > 1) {
-      throw Error(where +
-                  "only one of use_karras_sigmas, use_exponential_sigmas and "
-                  "use_beta_sigmas may be true");
     }
     if (use_exponential_sigmas_ || use_beta_sigmas_) {
       // Diffusers 0.31's UniPC fails on these itself (log_sigmas is undefined there).
@@ -70,49 +51,19 @@ class UniPcSampler final : public Sampler {
                   "solver_p (another scheduler as the predictor) is not supported; set "
                   "it to null");
     }
-    if (thresholding_ && !(dynamic_thresholding_ratio_ > 0 && dynamic_thresholding_ratio_ <= 1)) {
-      throw Error(where + "dynamic_thresholding_ratio must be in (0, 1]");
-    }
-    if (steps_offset_ < 0) throw Error(where + "steps_offset must be >= 0");
-
-    const torch::Tensor alphas_cumprod = r.alphas_cumprod(multistep_beta_schedules(), true, true);
-    train_sigmas_ = sigmas_from_alphas_cumprod(alphas_cumprod);
   }
 
-  std::string class_name() const override { return kClass; }
-
   nlohmann::json config() const override {
-    nlohmann::json c = nlohmann::json::object();
-    c["_class_name"] = kClass;
-    put_beta_fields(reader_, betas_, c);
-    c["solver_order"] = solver_order_;
-    c["prediction_type"] = prediction_type_;
-    c["thresholding"] = thresholding_;
-    c["dynamic_thresholding_ratio"] = dynamic_thresholding_ratio_;
-    c["sample_max_value"] = sample_max_value_;
+    nlohmann::json c = shared_config();
     c["predict_x0"] = predict_x0_;
     c["solver_type"] = solver_type_;
-    c["lower_order_final"] = lower_order_final_;
     c["disable_corrector"] = disable_corrector_;
     c["solver_p"] = nullptr;
-    c["use_karras_sigmas"] = use_karras_sigmas_;
-    c["use_exponential_sigmas"] = use_exponential_sigmas_;
-    c["use_beta_sigmas"] = use_beta_sigmas_;
-    c["timestep_spacing"] = timestep_spacing_;
-    c["steps_offset"] = steps_offset_;
-    c["final_sigmas_type"] = final_sigmas_type_;
     return c;
   }
 
   void set_timesteps(int64_t n) override {
-    check_num_inference_steps(n, kClass);
-    const int64_t T = betas_.num_train_timesteps;
-    std::vector<int64_t> ts = multistep_timesteps(T, T, n, timestep_spacing_, steps_offset_);
-    if (ts.empty()) {
-      throw Error(std::string(kClass) + ": set_timesteps(" + std::to_string(n) +
-                  ") gives no timesteps with timestep_spacing '" + timestep_spacing_ +
-                  "'; use more steps or another spacing");
-    }
+    std::vector<int64_t> ts = spaced_timesteps(n, betas_.num_train_timesteps);
     std::vector<double> sigmas;
     multistep_sigmas(use_karras_sigmas_ ? SigmaSpacing::kKarras : SigmaSpacing::kInterp, n,
                      train_sigmas_, ts, sigmas);
@@ -122,34 +73,15 @@ class UniPcSampler final : public Sampler {
       sigma_last = use_karras_sigmas_ ? sigmas.back() : static_cast<double>(train_sigmas_.front());
     }
     sigmas.push_back(sigma_last);
-    std::vector<float> sigmas32(sigmas.begin(), sigmas.end());
-    sigmas_ = torch::tensor(sigmas32, torch::kFloat32);
-    timesteps_ = torch::tensor(ts, torch::kLong);
-    num_inference_steps_ = static_cast<int64_t>(ts.size());
-    model_outputs_.assign(static_cast<size_t>(solver_order_), torch::Tensor());
-    lower_order_nums_ = 0;
+    set_tables(ts, sigmas);
     this_order_ = 0;
     last_sample_ = torch::Tensor();
-    step_index_.reset();
   }
-
-  const torch::Tensor& timesteps() const override { return timesteps_; }
-  torch::Tensor sigmas() const override { return sigmas_; }
 
   torch::Tensor step(const torch::Tensor& model_output, double timestep,
                      const torch::Tensor& sample_in, std::optional<at::Generator>) override {
-    if (num_inference_steps_ == 0) {
-      throw Error(std::string(kClass) +
-                  ": step() before set_timesteps(); call set_timesteps first");
-    }
-    if (!step_index_) step_index_ = index_for_timestep(timesteps_, timestep);
-    const int64_t i = *step_index_;
+    const int64_t i = begin_step(timestep);
     const int64_t L = timesteps_.size(0);
-    if (i >= L) {
-      throw Error(std::string(kClass) + ": step() called " + std::to_string(i + 1) +
-                  " times after set_timesteps(" + std::to_string(L) +
-                  "); call set_timesteps again to sample anew");
-    }
     if (model_output.sizes() != sample_in.sizes()) {
       throw Error(std::string(kClass) + ": model_output and sample shapes differ");
     }
@@ -161,15 +93,13 @@ class UniPcSampler final : public Sampler {
     if (use_corrector)
       sample = corrector_update(converted, last_sample_, sample_in, this_order_, i);
 
-    for (int64_t k = 0; k + 1 < solver_order_; ++k) model_outputs_[k] = model_outputs_[k + 1];
-    model_outputs_.back() = converted;
+    push_model_output(converted);
 
     const int64_t order = lower_order_final_ ? std::min(solver_order_, L - i) : solver_order_;
     this_order_ = std::min(order, lower_order_nums_ + 1);  // warm-up of the multistep history
     last_sample_ = sample;
     const torch::Tensor prev = predictor_update(sample, this_order_, i);
-    if (lower_order_nums_ < solver_order_) ++lower_order_nums_;
-    step_index_ = i + 1;
+    end_step(i);
     return prev;
   }
 
@@ -178,23 +108,8 @@ class UniPcSampler final : public Sampler {
   torch::Tensor convert_model_output(const torch::Tensor& model_output, const torch::Tensor& sample,
                                      int64_t i) const {
     const auto [alpha_t, sigma_t] = sigma_to_alpha_sigma_t(sigmas_[i]);
-    if (predict_x0_) {
-      torch::Tensor x0;
-      if (prediction_type_ == "epsilon") {
-        x0 = (sample - sigma_t * model_output) / alpha_t;
-      } else if (prediction_type_ == "sample") {
-        x0 = model_output;
-      } else {
-        x0 = alpha_t * sample - sigma_t * model_output;
-      }
-      if (thresholding_) {
-        x0 = threshold_sample(x0, dynamic_thresholding_ratio_, sample_max_value_, kClass);
-      }
-      return x0;
-    }
-    if (prediction_type_ == "epsilon") return model_output;
-    if (prediction_type_ == "sample") return (sample - alpha_t * model_output) / sigma_t;
-    return alpha_t * model_output + sigma_t * sample;
+    if (predict_x0_) return predicted_x0(model_output, sample, alpha_t, sigma_t);
+    return predicted_epsilon(model_output, sample, alpha_t, sigma_t);
   }
 
   // The B(h) coefficients shared by UniP and UniC: h_phi_1 = expm1(hh), B_h, and the
@@ -314,26 +229,11 @@ class UniPcSampler final : public Sampler {
     return (x_t_ - scale * inner).to(x.scalar_type());
   }
 
-  ConfigReader reader_;
-  SchedulerConfig betas_;
-  int64_t solver_order_ = 2;
-  std::string prediction_type_, solver_type_, timestep_spacing_, final_sigmas_type_;
-  bool thresholding_ = false, predict_x0_ = true, lower_order_final_ = true;
-  bool use_karras_sigmas_ = false, use_exponential_sigmas_ = false, use_beta_sigmas_ = false;
-  double dynamic_thresholding_ratio_ = 0.995, sample_max_value_ = 1.0;
+  std::string solver_type_;
+  bool predict_x0_ = true;
   std::vector<int64_t> disable_corrector_;
-  int64_t steps_offset_ = 0;
-
-  std::vector<float> train_sigmas_;  // [T]
-
-  torch::Tensor timesteps_;  // int64 [L]
-  torch::Tensor sigmas_;     // float32 [L + 1]
-  int64_t num_inference_steps_ = 0;
-  std::vector<torch::Tensor> model_outputs_;  // the last solver_order converted outputs
-  int64_t lower_order_nums_ = 0;
   int64_t this_order_ = 0;
   torch::Tensor last_sample_;  // the sample the last predictor started from
-  std::optional<int64_t> step_index_;
 };
 
 }  // namespace
