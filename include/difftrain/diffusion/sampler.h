@@ -3,10 +3,9 @@
 // PNDM, Euler, Euler ancestral, DPM-Solver++ (2M, Karras, SDE), UniPC and flow-matching Euler.
 // The pipelines run every one of them with Diffusers' loop:
 //
-//     auto sampler = load_sampler("model/scheduler/scheduler_config.json", "");  // the folder's class
-//     sampler->set_timesteps(30);
-//     torch::Tensor x = at::randn(shape, gen) * sampler->init_noise_sigma();
-//     for (int64_t i = 0; i < sampler->timesteps().size(0); ++i) {
+//     auto sampler = load_sampler("model/scheduler/scheduler_config.json", "");  // the folder's
+//     class sampler->set_timesteps(30); torch::Tensor x = at::randn(shape, gen) *
+//     sampler->init_noise_sigma(); for (int64_t i = 0; i < sampler->timesteps().size(0); ++i) {
 //       const double t = sampler->timestep(i);
 //       torch::Tensor eps = unet(sampler->scale_model_input(x, t), sampler->timesteps()[i]);
 //       x = sampler->step(eps, t, x, gen);
@@ -16,8 +15,8 @@
 // one of these samplers, as in Diffusers' training scripts.
 
 #include <ATen/core/Generator.h>
-#include <nlohmann/json.hpp>
 #include <torch/types.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdint>
 #include <memory>
