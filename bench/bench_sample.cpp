@@ -48,8 +48,7 @@ int main(int argc, char** argv) {
   // the tuning configure_threads() applies (dist::configure_allocator).
   auto folder = difftrain::diffusion::resolve_pipeline_folder(model);
   auto unet = difftrain::models::load_unet(folder.unet_dir);
-  auto config = difftrain::diffusion::SchedulerConfig::load(folder.scheduler_config);
-  auto scheduler = difftrain::diffusion::make_scheduler(config, "ddim");
+  auto scheduler = difftrain::diffusion::load_sampler(folder.scheduler_config, "ddim");
   std::printf("model %s, DDIM %lld steps, median of %lld rounds\n", model.c_str(),
               static_cast<long long>(steps), static_cast<long long>(rounds));
   std::printf(
