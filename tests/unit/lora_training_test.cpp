@@ -174,7 +174,8 @@ TEST(LoraTraining, RankAndAlphaRoundTripInEveryFormat) {
       // Without the file's metadata, adapter_config.json alone gives the same alphas.
       auto bare = file.tensors;
       io::save_safetensors(dir + "/adapter_model.safetensors", bare);
-      for (const auto& t : io::read_lora(dir + "/adapter_model.safetensors").targets("unet")) {
+      const io::LoraWeights bare_back = io::read_lora(dir + "/adapter_model.safetensors");
+      for (const auto& t : bare_back.targets("unet")) {
         EXPECT_EQ(t.alpha.value_or(0), 8.0) << t.module;
       }
     }
