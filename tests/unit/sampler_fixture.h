@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -161,7 +162,15 @@ inline void check_sampler_against_fixture(diffusion::Sampler& sampler,
                 std::abs(sampler.init_noise_sigma() - fixture.init_noise_sigma) /
                     std::abs(fixture.init_noise_sigma),
                 table_rel_tol, "rel");
-  const double tol = traj_tol ? *traj_tol : std::max(1e-5, fixture.tolerance);
+  // LibTorch 2.x's vectorised CPU kernels (exp, log, pow) round some values differently from
+  // 1.13's, which made the references: a correct port may then differ by a few float32 ulps of
+  // the largest values along the trajectory. The bound grows with them (4 ulps), and stays 1e-5
+  // (or the fixture's stated spread) for the shared fixtures, whose values are below ~20; a
+  // formula slip is 1e-3 relative or more.
+  const double magnitude = std::max(fixture.prev_sample.abs().max().item<double>(),
+                                    fixture.model_output.abs().max().item<double>());
+  const double ulps = 4 * static_cast<double>(std::numeric_limits<float>::epsilon()) * magnitude;
+  const double tol = traj_tol ? *traj_tol : std::max({1e-5, fixture.tolerance, ulps});
   const SamplerRun run =
       run_sampler_loop(sampler, fixture.x_T.sizes(), fixture.seed_x_T, fixture.step_seed);
   expect_within(n + " x_T", sampler_max_abs(run.x_T, fixture.x_T), tol);
