@@ -162,15 +162,20 @@ inline void check_sampler_against_fixture(diffusion::Sampler& sampler,
                 std::abs(sampler.init_noise_sigma() - fixture.init_noise_sigma) /
                     std::abs(fixture.init_noise_sigma),
                 table_rel_tol, "rel");
-  // LibTorch 2.x's vectorised CPU kernels (exp, log, pow) round some values differently from
-  // 1.13's, which made the references: a correct port may then differ by a few float32 ulps of
-  // the largest values along the trajectory. The bound grows with them (4 ulps), and stays 1e-5
-  // (or the fixture's stated spread) for the shared fixtures, whose values are below ~20; a
+  // The shared fixtures state their float32 spread (the bound is it, at least 1e-5). The extra
+  // references made here state none, and LibTorch 2.x's vectorised CPU kernels (exp, log, pow)
+  // round some values differently from 1.13's, which made them; over 20-25 steps that grows to
+  // about 8 float32 ulps of the trajectory's largest values (measured on 2.6: 1.5e-5 at |x| ~ 20,
+  // 3.1e-5 at |x| ~ 60). For those the bound is 16 ulps of the largest value, at least 1e-5; a
   // formula slip is 1e-3 relative or more.
-  const double magnitude = std::max(fixture.prev_sample.abs().max().item<double>(),
-                                    fixture.model_output.abs().max().item<double>());
-  const double ulps = 4 * static_cast<double>(std::numeric_limits<float>::epsilon()) * magnitude;
-  const double tol = traj_tol ? *traj_tol : std::max({1e-5, fixture.tolerance, ulps});
+  double tol = std::max(1e-5, fixture.tolerance);
+  if (fixture.tolerance == 0) {
+    const double magnitude = std::max(fixture.prev_sample.abs().max().item<double>(),
+                                      fixture.model_output.abs().max().item<double>());
+    tol =
+        std::max(tol, 16 * static_cast<double>(std::numeric_limits<float>::epsilon()) * magnitude);
+  }
+  if (traj_tol) tol = *traj_tol;
   const SamplerRun run =
       run_sampler_loop(sampler, fixture.x_T.sizes(), fixture.seed_x_T, fixture.step_seed);
   expect_within(n + " x_T", sampler_max_abs(run.x_T, fixture.x_T), tol);
