@@ -6,7 +6,7 @@
 //
 //   build/bench/bench_checkpointing [--batch 4] [--size 64] [--steps 3]
 
-#include "difftrain/dist/process_group.h"
+#include "difftrain/distributed/process_group.h"
 #include "difftrain/models/pretrained.h"
 
 #include <sys/resource.h>
@@ -34,7 +34,7 @@ Result run_child(bool checkpointing, int64_t batch, int64_t size, int64_t steps)
   const pid_t pid = fork();
   if (pid == 0) {
     close(fds[0]);
-    difftrain::dist::configure_threads();
+    difftrain::distributed::configure_threads();
     auto unet = difftrain::models::load_unet(std::string(DIFFTRAIN_SOURCE_DIR) +
                                              "/tests/golden/diffusers/unet_cond");
     unet->train();

@@ -7,7 +7,7 @@
 //
 //   build/bin/difftrain launch --num_processes 2 build/bench/bench_collectives
 
-#include "difftrain/dist/collectives.h"
+#include "difftrain/distributed/collectives.h"
 
 #include <benchmark/benchmark.h>
 
@@ -18,7 +18,7 @@
 
 namespace {
 
-using difftrain::dist::ReduceOp;
+using difftrain::distributed::ReduceOp;
 
 constexpr int kIterations = 30;
 const std::vector<int64_t> kSizes = {1 << 12, 1 << 16, 1 << 20, 1 << 22};  // float32 elements
@@ -28,27 +28,27 @@ void set_bytes(benchmark::State& state, int64_t elements) {
 }
 
 void BM_AllReduce(benchmark::State& state) {
-  auto& g = difftrain::dist::default_group();
+  auto& g = difftrain::distributed::default_group();
   auto t = torch::ones({state.range(0)});
-  for (auto _ : state) difftrain::dist::all_reduce(t, ReduceOp::kSum, g);
+  for (auto _ : state) difftrain::distributed::all_reduce(t, ReduceOp::kSum, g);
   set_bytes(state, state.range(0));
 }
 
 void BM_ReduceScatterAlltoall(benchmark::State& state) {
-  auto& g = difftrain::dist::default_group();
+  auto& g = difftrain::distributed::default_group();
   auto t = torch::ones({state.range(0)});
   for (auto _ : state)
-    benchmark::DoNotOptimize(difftrain::dist::reduce_scatter(t, ReduceOp::kSum, g));
+    benchmark::DoNotOptimize(difftrain::distributed::reduce_scatter(t, ReduceOp::kSum, g));
   set_bytes(state, state.range(0));
 }
 
 void BM_ReduceScatterNaive(benchmark::State& state) {
-  auto& g = difftrain::dist::default_group();
+  auto& g = difftrain::distributed::default_group();
   auto t = torch::ones({state.range(0)});
   const int64_t chunk = state.range(0) / g.size();
   for (auto _ : state) {
     auto copy = t.clone();
-    difftrain::dist::all_reduce(copy, ReduceOp::kSum, g);
+    difftrain::distributed::all_reduce(copy, ReduceOp::kSum, g);
     benchmark::DoNotOptimize(copy.slice(0, g.rank() * chunk, (g.rank() + 1) * chunk).clone());
   }
   set_bytes(state, state.range(0));
@@ -83,7 +83,7 @@ class Recorder : public benchmark::ConsoleReporter {
 }  // namespace
 
 int main(int argc, char** argv) {
-  auto& g = difftrain::dist::init_process_group();
+  auto& g = difftrain::distributed::init_process_group();
   // Plain text (the launcher relays lines), and connections warmed up before anything is timed.
   std::vector<char*> args(argv, argv + argc);
   char no_color[] = "--benchmark_color=false";
@@ -92,8 +92,8 @@ int main(int argc, char** argv) {
   benchmark::Initialize(&count, args.data());
   for (int i = 0; i < 10; ++i) {
     auto warm = torch::ones({1 << 16});
-    difftrain::dist::all_reduce(warm, ReduceOp::kSum, g);
-    benchmark::DoNotOptimize(difftrain::dist::reduce_scatter(warm, ReduceOp::kSum, g));
+    difftrain::distributed::all_reduce(warm, ReduceOp::kSum, g);
+    benchmark::DoNotOptimize(difftrain::distributed::reduce_scatter(warm, ReduceOp::kSum, g));
   }
   register_all();
   Recorder recorder(g.rank() == 0);

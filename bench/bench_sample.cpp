@@ -7,7 +7,7 @@
 //                            [--threads 1,2]
 
 #include "difftrain/diffusion/pipeline.h"
-#include "difftrain/dist/process_group.h"
+#include "difftrain/distributed/process_group.h"
 #include "difftrain/models/pretrained.h"
 
 #include <fmt/format.h>
@@ -45,7 +45,7 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--threads")) threads = parse_list(argv[i + 1]);
   }
   // Side by side: glibc's allocator defaults first (what a plain LibTorch program gets), then
-  // the tuning configure_threads() applies (dist::configure_allocator).
+  // the tuning configure_threads() applies (distributed::configure_allocator).
   auto folder = difftrain::diffusion::resolve_pipeline_folder(model);
   auto unet = difftrain::models::load_unet(folder.unet_dir);
   auto scheduler = difftrain::diffusion::load_sampler(folder.scheduler_config, "ddim");
@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
     setenv("DIFFTRAIN_MALLOC_TUNING", tuning, 1);
     for (int64_t t : threads) {
       setenv("DIFFTRAIN_NUM_THREADS", std::to_string(t).c_str(), 1);
-      difftrain::dist::configure_threads();
+      difftrain::distributed::configure_threads();
       for (int64_t b : batches) {
         difftrain::diffusion::SampleOptions o;
         o.num_images = b;

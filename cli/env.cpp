@@ -1,5 +1,5 @@
 #include "commands.h"
-#include "difftrain/dist/process_group.h"
+#include "difftrain/distributed/process_group.h"
 #include "difftrain/launch/env_report.h"
 
 #include <iostream>
@@ -22,7 +22,7 @@ CLI::App* add_env_command(CLI::App& app) {
 }
 
 int run_env() {
-  dist::configure_threads();
+  distributed::configure_threads();
   std::cout << "Copy-and-paste the text below in your bug report.\n\n"
             << launch::environment_report(g_probe_seconds);
   return 0;

@@ -6,7 +6,7 @@
 #include "commands.h"
 #include "difftrain/accel/precision.h"
 #include "difftrain/accel/sharding.h"
-#include "difftrain/dist/process_group.h"
+#include "difftrain/distributed/process_group.h"
 #include "difftrain/train/memory_estimate.h"
 
 #include <algorithm>
@@ -85,7 +85,7 @@ CLI::App* add_estimate_memory_command(CLI::App& app) {
 }
 
 int run_estimate_memory() {
-  dist::configure_threads();
+  distributed::configure_threads();
   train::MemoryEstimateOptions o;
   o.num_processes = g_args.num_processes;
   o.strategy = accel::parse_sharding_strategy(g_args.sharding_strategy, "--sharding_strategy");

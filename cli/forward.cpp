@@ -5,7 +5,7 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/diffusion/pipeline.h"
-#include "difftrain/dist/process_group.h"
+#include "difftrain/distributed/process_group.h"
 #include "difftrain/io/safetensors.h"
 
 #include <filesystem>
@@ -41,7 +41,7 @@ CLI::App* add_forward_command(CLI::App& app) {
 }
 
 int run_forward() {
-  dist::configure_threads();
+  distributed::configure_threads();
   namespace fs = std::filesystem;
   std::string unet_dir = g_args.model;
   if (fs::exists(fs::path(unet_dir) / "model_index.json")) {

@@ -3,7 +3,7 @@
 
 #include "commands.h"
 #include "difftrain/core/log.h"
-#include "difftrain/dist/process_group.h"
+#include "difftrain/distributed/process_group.h"
 #include "difftrain/models/lora_folder.h"
 
 namespace difftrain::cli {
@@ -49,7 +49,7 @@ CLI::App* add_lora_command(CLI::App& app) {
 }
 
 int run_lora() {
-  dist::configure_threads();
+  distributed::configure_threads();
   if (!g_merge->parsed()) return 0;  // CLI11 requires a subcommand; merge is the only one
   models::LoraFolderMergeOptions options;
   options.lora_scale = g_args.lora_scale;

@@ -3,7 +3,7 @@
 // `accelerate merge-weights`). The work is io::merge_weights; this file only parses.
 
 #include "commands.h"
-#include "difftrain/dist/process_group.h"
+#include "difftrain/distributed/process_group.h"
 #include "difftrain/io/sharded_tensors.h"
 
 #include <cstdio>
@@ -41,7 +41,7 @@ CLI::App* add_merge_weights_command(CLI::App& app) {
 }
 
 int run_merge_weights() {
-  dist::configure_threads();
+  distributed::configure_threads();
   const auto r = io::merge_weights(g_args.checkpoint, g_args.output, g_args.options);
   char size[32];
   std::snprintf(size, sizeof(size), "%.1f MB", static_cast<double>(r.num_bytes) / 1e6);

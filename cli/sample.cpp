@@ -7,7 +7,7 @@
 #include "difftrain/diffusion/pipeline.h"
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/diffusion/sd_pipeline.h"
-#include "difftrain/dist/process_group.h"
+#include "difftrain/distributed/process_group.h"
 #include "difftrain/io/image.h"
 #include "difftrain/io/safetensors.h"
 
@@ -275,7 +275,7 @@ CLI::App* add_sample_command(CLI::App& app) {
 }
 
 int run_sample() {
-  dist::configure_threads();
+  distributed::configure_threads();
   SampleArgs& a = g_args;
   a.guidance_given = app_guidance_given();
   if (diffusion::is_stable_diffusion_folder(a.model)) return run_text_to_image(a);

@@ -1,5 +1,5 @@
 #include "commands.h"
-#include "difftrain/launch/self_test.h"
+#include "difftrain/launch/self_check.h"
 
 #include <iostream>
 
@@ -12,6 +12,6 @@ CLI::App* add_test_command(CLI::App& app) {
       "--num_processes N difftrain test`; prints [PASS]/[FAIL] per check");
 }
 
-int run_test() { return launch::run_self_test(std::cout) == 0 ? 0 : 1; }
+int run_test() { return launch::run_self_check(std::cout) == 0 ? 0 : 1; }
 
 }  // namespace difftrain::cli

@@ -5,19 +5,19 @@
 // Runs unchanged under torchrun, mpirun or srun, and alone (a world of one, no network).
 
 #include "difftrain/core/log.h"
-#include "difftrain/dist/collectives.h"
+#include "difftrain/distributed/collectives.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <torch/torch.h>
 
 int main() {
-  auto& group = difftrain::dist::init_process_group();
+  auto& group = difftrain::distributed::init_process_group();
   // x: [4], different on every rank
   auto x = torch::arange(4, torch::kFloat) + group.rank();
-  difftrain::dist::all_reduce(x, difftrain::dist::ReduceOp::kMean, group);
+  difftrain::distributed::all_reduce(x, difftrain::distributed::ReduceOp::kMean, group);
   const std::vector<float> values(x.data_ptr<float>(), x.data_ptr<float>() + x.numel());
   difftrain::log::info("{} rank(s): mean over ranks = [{}]", group.size(), fmt::join(values, ", "));
-  difftrain::dist::barrier(group);
+  difftrain::distributed::barrier(group);
   return 0;
 }

@@ -35,7 +35,7 @@ int64_t parse_accumulation(const std::string& text, const char* source) {
 }
 
 // Rank 0's values of `tensors`, in place on every rank: one broadcast per dtype and device.
-void broadcast_coalesced(const std::vector<torch::Tensor>& tensors, dist::ProcessGroup& group) {
+void broadcast_coalesced(const std::vector<torch::Tensor>& tensors, distributed::ProcessGroup& group) {
   if (group.size() == 1 || tensors.empty()) return;
   torch::NoGradGuard no_grad;
   std::map<std::string, std::vector<torch::Tensor>> by_kind;
@@ -46,7 +46,7 @@ void broadcast_coalesced(const std::vector<torch::Tensor>& tensors, dist::Proces
     std::vector<torch::Tensor> flat_parts;
     for (const auto& t : list) flat_parts.push_back(t.detach().reshape({-1}));
     auto flat = torch::cat(flat_parts);
-    dist::broadcast(flat, 0, group);
+    distributed::broadcast(flat, 0, group);
     int64_t offset = 0;
     for (auto& t : list) {
       t.detach().copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
@@ -87,13 +87,13 @@ MainProcessFirst::~MainProcessFirst() noexcept(false) {
 // ------------------------------------------------------------------ construction
 
 Accelerator::Accelerator(AcceleratorOptions options) : options_(std::move(options)) {
-  dist::ProcessGroupOptions pg;
+  distributed::ProcessGroupOptions pg;
   if (options_.collective_timeout) pg.collective_timeout = *options_.collective_timeout;
-  group_ = &dist::init_process_group(pg);
+  group_ = &distributed::init_process_group(pg);
   init();
 }
 
-Accelerator::Accelerator(AcceleratorOptions options, dist::ProcessGroup& group)
+Accelerator::Accelerator(AcceleratorOptions options, distributed::ProcessGroup& group)
     : options_(std::move(options)), group_(&group) {
   init();
 }
@@ -343,7 +343,7 @@ double Accelerator::clip_grad_norm_(const std::vector<torch::Tensor>& params, do
       part = inf ? std::max(part, p) : part + p;
     }
     auto total = torch::tensor({part}, torch::kDouble);
-    dist::all_reduce(total, inf ? dist::ReduceOp::kMax : dist::ReduceOp::kSum, *group_);
+    distributed::all_reduce(total, inf ? distributed::ReduceOp::kMax : distributed::ReduceOp::kSum, *group_);
     const double norm =
         inf ? total.item<double>() : std::pow(total.item<double>(), 1.0 / norm_type);
     const double coef = max_norm / (norm + 1e-6);
@@ -408,7 +408,7 @@ StateMemory Accelerator::memory() const {
   return m;
 }
 
-void Accelerator::wait_for_everyone() { dist::barrier(*group_); }
+void Accelerator::wait_for_everyone() { distributed::barrier(*group_); }
 
 void Accelerator::set_seed(uint64_t seed, bool device_specific) {
   const uint64_t value = seed + (device_specific ? static_cast<uint64_t>(process_index()) : 0);
@@ -430,7 +430,7 @@ std::pair<int64_t, int64_t> Accelerator::split_range(int64_t count) const {
 torch::Tensor Accelerator::gather(const torch::Tensor& tensor) {
   const torch::Tensor rows = tensor.dim() == 0 ? tensor.reshape({1}) : tensor.contiguous();
   if (num_processes() == 1) return rows;
-  return dist::gather_cat(rows, *group_);
+  return distributed::gather_cat(rows, *group_);
 }
 
 int64_t Accelerator::metrics_remainder() {
@@ -481,21 +481,21 @@ nlohmann::json Accelerator::gather_for_metrics(const nlohmann::json& items) {
 }
 
 torch::Tensor Accelerator::reduce(const torch::Tensor& tensor, const std::string& reduction) {
-  dist::ReduceOp op;
+  distributed::ReduceOp op;
   if (reduction == "sum") {
-    op = dist::ReduceOp::kSum;
+    op = distributed::ReduceOp::kSum;
   } else if (reduction == "mean") {
-    op = dist::ReduceOp::kMean;
+    op = distributed::ReduceOp::kMean;
   } else {
     throw Error(fmt::format("reduce(): reduction '{}' is not one of sum, mean", reduction));
   }
   torch::Tensor out = tensor.clone();
-  dist::all_reduce(out, op, *group_);
+  distributed::all_reduce(out, op, *group_);
   return out;
 }
 
 torch::Tensor Accelerator::broadcast(torch::Tensor tensor, int from) {
-  dist::broadcast(tensor, from, *group_);
+  distributed::broadcast(tensor, from, *group_);
   return tensor;
 }
 
@@ -508,7 +508,7 @@ torch::Tensor Accelerator::pad_across_processes(const torch::Tensor& tensor, int
                             tensor.dim()));
   }
   auto size = torch::tensor({tensor.size(d)}, torch::kInt64);
-  dist::all_reduce(size, dist::ReduceOp::kMax, *group_);
+  distributed::all_reduce(size, distributed::ReduceOp::kMax, *group_);
   const int64_t longest = size.item<int64_t>();
   if (longest == tensor.size(d)) return tensor;
   auto shape = tensor.sizes().vec();

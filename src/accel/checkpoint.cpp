@@ -71,9 +71,9 @@ void load_module(torch::nn::Module& module, const std::string& dir, const std::s
 
 // Every rank learns whether every rank succeeded; a failing rank rethrows its own error, the
 // others name it. Keeps ranks from waiting at a barrier for a rank that gave up.
-void agree(dist::ProcessGroup& group, const std::exception_ptr& error, const std::string& what) {
+void agree(distributed::ProcessGroup& group, const std::exception_ptr& error, const std::string& what) {
   auto flag = torch::tensor({error ? group.rank() + 1 : 0}, torch::kInt64);
-  dist::all_reduce(flag, dist::ReduceOp::kMax, group);
+  distributed::all_reduce(flag, distributed::ReduceOp::kMax, group);
   if (error) std::rethrow_exception(error);
   const int64_t bad = flag.item<int64_t>();
   if (bad > 0) {
@@ -465,7 +465,7 @@ void Accelerator::save_sharded_optimizer(size_t index, ShardedModel& engine,
     auto sizes = torch::zeros({world, static_cast<int64_t>(per_rank.size())}, torch::kLong);
     for (size_t k = 0; k < per_rank.size(); ++k)
       sizes[rank][static_cast<int64_t>(k)] = state.tensors.at(per_rank[k]).numel();
-    dist::all_reduce(sizes, dist::ReduceOp::kSum, *group_);
+    distributed::all_reduce(sizes, distributed::ReduceOp::kSum, *group_);
     if (rank == 0) {
       for (int r = 0; r < world; ++r) {
         for (size_t k = 0; k < per_rank.size(); ++k) {

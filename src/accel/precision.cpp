@@ -3,7 +3,7 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/core/torch_compat.h"
-#include "difftrain/dist/collectives.h"
+#include "difftrain/distributed/collectives.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -194,7 +194,7 @@ void from_json(const nlohmann::json& json, GradScalerState& state) {
   state = s;
 }
 
-GradScaler::GradScaler(GradScalerOptions options, dist::ProcessGroup* group)
+GradScaler::GradScaler(GradScalerOptions options, distributed::ProcessGroup* group)
     : options_(options), group_(group) {
   if (!(options_.init_scale > 0) || !std::isfinite(options_.init_scale) ||
       !(options_.growth_factor > 1) ||
@@ -258,7 +258,7 @@ void GradScaler::unscale_(const std::vector<torch::Tensor>& params) {
     for (auto& s : sums) s = s.to(*device, at::kDouble);
     flag = torch::isfinite(torch::stack(sums).sum()).logical_not().to(at::kFloat).reshape({1});
   }
-  if (grouped) dist::all_reduce(flag, dist::ReduceOp::kMax, *group_);
+  if (grouped) distributed::all_reduce(flag, distributed::ReduceOp::kMax, *group_);
   found_inf_ = flag.item<float>() > 0;
 }
 

@@ -28,7 +28,7 @@ std::string list_names(const std::vector<std::string>& names) {
 }  // namespace
 
 Reducer::Reducer(std::vector<std::pair<std::string, torch::Tensor>> params,
-                 dist::ProcessGroup& group, ReducerOptions options)
+                 distributed::ProcessGroup& group, ReducerOptions options)
     : group_(group), options_(options) {
   if (options_.bucket_cap_mb <= 0 || options_.first_bucket_cap_mb <= 0) {
     throw Error(fmt::format("bucket_cap_mb must be positive, got {} (first bucket {})",
@@ -130,7 +130,7 @@ void Reducer::reset_pass() {
   for (auto& b : buckets_) {
     b.pending = b.params.size();
     b.launched = false;
-    b.work = dist::PendingAllReduce();
+    b.work = distributed::PendingAllReduce();
   }
   next_bucket_ = 0;
   pass_active_ = false;
@@ -203,7 +203,7 @@ void Reducer::launch_ready_buckets() {
   if (!options_.overlap && in_backward_) return;
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].pending == 0) {
     auto& bucket = buckets_[next_bucket_];
-    bucket.work = dist::all_reduce_async(bucket.flat, dist::ReduceOp::kMean, group_);
+    bucket.work = distributed::all_reduce_async(bucket.flat, distributed::ReduceOp::kMean, group_);
     bucket.launched = true;
     ++stats_.allreduces;
     if (in_backward_) ++stats_.launched_during_backward;

@@ -54,11 +54,11 @@ struct ShardedModel::Unit {
   torch::Tensor full_grad;  // [padded]; undefined when not allocated (ZeRO-2/3)
   bool gathered = true;
   bool gather_pending = false;
-  dist::PendingCollective gather_work;
+  distributed::PendingCollective gather_work;
   size_t pending = 0;  // parameters without their gradient this pass
   bool reduce_launched = false;
-  dist::PendingCollective reduce_work;  // reduce-scatter into reduce_out (ZeRO-2/3)
-  dist::PendingAllReduce allreduce_work;
+  distributed::PendingCollective reduce_work;  // reduce-scatter into reduce_out (ZeRO-2/3)
+  distributed::PendingAllReduce allreduce_work;
   torch::Tensor reduce_out;  // [shard]
 };
 
@@ -90,7 +90,7 @@ class ShardedModel::Hooks : public core::ForwardHooks {
 };
 
 ShardedModel::ShardedModel(torch::nn::Module& module, const ShardingOptions& options,
-                           dist::ProcessGroup& group)
+                           distributed::ProcessGroup& group)
     : module_(module), options_(options), group_(group) {
   world_ = group.size();
   rank_ = group.rank();
@@ -235,7 +235,7 @@ void ShardedModel::gather(size_t u, bool async) {
   if (unit.gathered || unit.gather_pending) return;
   realloc_storage(unit.full);
   track(mem_.param_bytes, mem_.param_peak_bytes, bytes_of(unit.full));
-  auto work = dist::all_gather_into_async(unit.full, shard_tensors_[u].detach(), group_);
+  auto work = distributed::all_gather_into_async(unit.full, shard_tensors_[u].detach(), group_);
   ++stats_.gathers;
   if (async) {
     unit.gather_work = std::move(work);
@@ -400,11 +400,11 @@ void ShardedModel::unit_done(size_t u) {
     unit.reduce_launched = true;
     ++stats_.reduce_scatters;
     if (options_.strategy == ShardingStrategy::kShardOptimizer) {
-      unit.allreduce_work = dist::all_reduce_async(unit.full_grad, dist::ReduceOp::kMean, group_);
+      unit.allreduce_work = distributed::all_reduce_async(unit.full_grad, distributed::ReduceOp::kMean, group_);
     } else {
       unit.reduce_out = torch::empty({unit.shard}, unit.full_grad.options());
-      unit.reduce_work = dist::reduce_scatter_async(unit.full_grad, unit.reduce_out,
-                                                    dist::ReduceOp::kMean, group_);
+      unit.reduce_work = distributed::reduce_scatter_async(unit.full_grad, unit.reduce_out,
+                                                    distributed::ReduceOp::kMean, group_);
     }
     // At most kInFlight reductions outstanding: the oldest one is finished (its full gradient
     // freed under SHARD_GRAD_OP / FULL_SHARD) before more start, so gradient memory stays near
@@ -623,11 +623,11 @@ void ShardedModel::restore_user_hyperparameters() {
 void ShardedModel::after_step() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   torch::NoGradGuard no_grad;
-  std::vector<dist::PendingCollective> works;
+  std::vector<distributed::PendingCollective> works;
   for (size_t u = 0; u < units_.size(); ++u) {
     auto& unit = *units_[u];
     if (!unit.gathered) continue;  // gathered again before its next use
-    works.push_back(dist::all_gather_into_async(unit.full, shard_tensors_[u].detach(), group_));
+    works.push_back(distributed::all_gather_into_async(unit.full, shard_tensors_[u].detach(), group_));
     ++stats_.gathers;
   }
   for (auto& w : works) w.wait();

@@ -2,8 +2,8 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/core/torch_compat.h"
-#include "difftrain/dist/net.h"
-#include "difftrain/dist/store_util.h"
+#include "difftrain/distributed/net.h"
+#include "difftrain/distributed/store_util.h"
 
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -18,7 +18,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-using dist::first_line;
+using distributed::first_line;
 
 // Runs `fn` on its own thread and waits at most `limit`: a store behind a dead link must not
 // freeze the launcher. Returns false on timeout or error.
@@ -96,7 +96,7 @@ Coordinator::Coordinator(const std::string& host, int port, int num_machines, in
                     "the launcher of machine 0 started, is the port open? ({})",
                     machine_rank, host, port, join_timeout.count() / 1000.0, first_line(e)));
   }
-  main_->set("launch/machine/" + std::to_string(machine_rank), dist::to_bytes(dist::host_name()));
+  main_->set("launch/machine/" + std::to_string(machine_rank), distributed::to_bytes(distributed::host_name()));
   const auto deadline = Clock::now() + join_timeout;
   while (true) {
     std::string missing;
@@ -150,7 +150,7 @@ void Coordinator::watch_loop() {
       try {
         const std::string key = "launch/gen" + std::to_string(generation) + "/abort";
         if (watcher_->check({key})) {
-          auto value = decode(dist::from_bytes(watcher_->get(key)));
+          auto value = decode(distributed::from_bytes(watcher_->get(key)));
           std::lock_guard<std::mutex> lock(mutex_);
           if (generation_ == generation && !abort_) abort_ = value;
         }
@@ -169,7 +169,7 @@ void Coordinator::post_abort(int generation, const RemoteAbort& abort) {
   auto store = main_;
   const std::string key = "launch/gen" + std::to_string(generation) + "/abort";
   const std::string value = encode(abort);
-  bounded([store, key, value]() { store->compareSet(key, {}, dist::to_bytes(value)); },
+  bounded([store, key, value]() { store->compareSet(key, {}, distributed::to_bytes(value)); },
           std::chrono::seconds(3));
 }
 

@@ -3,7 +3,7 @@
 #include "difftrain/accel/checkpoint_manifest.h"
 #include "difftrain/core/error.h"
 #include "difftrain/diffusion/pipeline.h"
-#include "difftrain/dist/process_group.h"
+#include "difftrain/distributed/process_group.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/image.h"
 #include "difftrain/io/lora_format.h"

@@ -11,7 +11,7 @@
 #include "difftrain/diffusion/ema.h"
 #include "difftrain/diffusion/noise_scheduler.h"
 #include "difftrain/diffusion/pipeline.h"
-#include "difftrain/dist/process_group.h"
+#include "difftrain/distributed/process_group.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/image.h"
 #include "difftrain/io/lora_format.h"
@@ -119,7 +119,7 @@ void remove_unfinished_checkpoints(const std::string& output_dir) {
 }
 
 TrainResult run_training(TrainConfig config) {
-  dist::configure_threads();
+  distributed::configure_threads();
   accel::AcceleratorOptions acc_options;
   if (!config.mixed_precision.empty()) acc_options.mixed_precision = config.mixed_precision;
   acc_options.gradient_accumulation_steps = config.gradient_accumulation_steps;

@@ -15,7 +15,7 @@
 #include <sstream>
 #include <thread>
 
-#include "difftrain/dist/net.h"
+#include "difftrain/distributed/net.h"
 
 namespace difftrain::testing {
 namespace {
@@ -262,7 +262,7 @@ TEST(Launch, MaxRestartsRunsTheGroupAgain) {
 }
 
 TEST(Launch, TwoLaunchersFormOneFourRankGroup) {
-  const std::string port = std::to_string(dist::find_free_port());
+  const std::string port = std::to_string(distributed::find_free_port());
   auto machine = [&](int rank) {
     return launch(
         {"--num_processes", "4", "--num_machines", "2", "--machine_rank", std::to_string(rank),
@@ -285,7 +285,7 @@ TEST(Launch, TwoLaunchersFormOneFourRankGroup) {
 }
 
 TEST(Launch, ARankFailingOnOneMachineStopsTheOther) {
-  const std::string port = std::to_string(dist::find_free_port());
+  const std::string port = std::to_string(distributed::find_free_port());
   auto machine = [&](int rank) {
     return launch(
         {"--num_processes", "4", "--num_machines", "2", "--machine_rank", std::to_string(rank),
@@ -304,7 +304,7 @@ TEST(Launch, ARankFailingOnOneMachineStopsTheOther) {
 
 TEST(Launch, RestartsSpanMachines) {
   // Rank 0 on machine 0 fails once; both machines restart together and then pass.
-  const std::string port = std::to_string(dist::find_free_port());
+  const std::string port = std::to_string(distributed::find_free_port());
   const auto marker_dir = make_temp_dir("restart");
   auto machine = [&](int rank) {
     return launch(
@@ -323,7 +323,7 @@ TEST(Launch, RestartsSpanMachines) {
 }
 
 TEST(Launch, MachineThatNeverArrivesIsNamed) {
-  const std::string port = std::to_string(dist::find_free_port());
+  const std::string port = std::to_string(distributed::find_free_port());
   const auto r = run({kDifftrain, "launch", "--num_processes", "2", "--num_machines", "2",
                       "--machine_rank", "0", "--main_process_ip", "127.0.0.1",
                       "--main_process_port", port, "--join_timeout", "2", kWorker, "collectives"},
@@ -338,7 +338,7 @@ TEST(Launch, MachineThatNeverArrivesIsNamed) {
 }
 
 TEST(Rendezvous, WrongPortIsAClearErrorWithinTheJoinTimeout) {
-  const std::string port = std::to_string(dist::find_free_port());  // nobody listens there
+  const std::string port = std::to_string(distributed::find_free_port());  // nobody listens there
   const auto r = run({kWorker, "collectives"},
                      test_env({{"RANK", "1"},
                                {"WORLD_SIZE", "2"},
@@ -369,7 +369,7 @@ TEST(Rendezvous, UnresolvableAddressIsAClearError) {
 }
 
 TEST(Rendezvous, AbsentRankIsNamedByRankZero) {
-  const std::string port = std::to_string(dist::find_free_port());
+  const std::string port = std::to_string(distributed::find_free_port());
   const auto r = run({kWorker, "collectives"},
                      test_env({{"RANK", "0"},
                                {"WORLD_SIZE", "3"},
@@ -387,7 +387,7 @@ TEST(Rendezvous, AbsentRankIsNamedByRankZero) {
 
 TEST(Rendezvous, TorchrunStyleEnvWithoutTheLauncherWorks) {
   // Two ranks started by hand, as torchrun would: rank 0 hosts the TCP store.
-  const std::string port = std::to_string(dist::find_free_port());
+  const std::string port = std::to_string(distributed::find_free_port());
   auto env_for = [&](int rank) {
     return test_env({{"RANK", std::to_string(rank)},
                      {"WORLD_SIZE", "2"},
@@ -400,7 +400,7 @@ TEST(Rendezvous, TorchrunStyleEnvWithoutTheLauncherWorks) {
 }
 
 TEST(Rendezvous, OpenMpiStyleEnvWorks) {
-  const std::string port = std::to_string(dist::find_free_port());
+  const std::string port = std::to_string(distributed::find_free_port());
   auto env_for = [&](int rank) {
     return test_env({{"OMPI_COMM_WORLD_RANK", std::to_string(rank)},
                      {"OMPI_COMM_WORLD_SIZE", "2"},

@@ -127,7 +127,7 @@ struct StepResult {
 StepResult one_step(const std::string& mixed_precision, double loss_multiplier,
                     double init_scale = 65536.0) {
   StepResult r;
-  dist::on_ranks(1, [&](dist::ProcessGroup& g) {
+  distributed::on_ranks(1, [&](distributed::ProcessGroup& g) {
     accel::AcceleratorOptions o;
     o.mixed_precision = mixed_precision;
     o.gradient_accumulation_steps = 1;
@@ -233,7 +233,7 @@ TEST(GpuDdp, TwoRanksShareOneGpuOverGloo) {
   const auto want = w0.to(torch::kDouble) - 0.1 * mean_grad;
   std::vector<torch::Tensor> got(2);
   std::vector<std::string> devices(2), backends(2);
-  dist::on_ranks(2, [&](dist::ProcessGroup& g) {
+  distributed::on_ranks(2, [&](distributed::ProcessGroup& g) {
     accel::AcceleratorOptions o;
     o.mixed_precision = "no";
     o.gradient_accumulation_steps = 1;
@@ -267,16 +267,16 @@ TEST(GpuDdp, TwoRanksShareOneGpuOverGloo) {
 #ifdef DIFFTRAIN_WITH_NCCL
 TEST(GpuDdp, WorldOfOneNcclGroupRunsTheCollectives) {
   REQUIRE_CUDA();
-  dist::RendezvousInfo info;
+  distributed::RendezvousInfo info;
   info.rank = 0;
   info.world_size = 1;
   info.local_rank = 0;
   info.local_world_size = 1;
-  dist::ProcessGroupOptions options;
+  distributed::ProcessGroupOptions options;
   options.backend = "nccl";
   options.join_timeout = std::chrono::seconds(30);
   options.collective_timeout = std::chrono::seconds(30);
-  dist::ProcessGroup group(info, options, c10::make_intrusive<c10d::HashStore>());
+  distributed::ProcessGroup group(info, options, c10::make_intrusive<c10d::HashStore>());
   ASSERT_EQ(group.backend_name(), "nccl");
   auto t = torch::arange(6, torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA));
   std::vector<torch::Tensor> tensors{t};
@@ -298,14 +298,14 @@ TEST(GpuDdp, WorldOfOneNcclGroupRunsTheCollectives) {
 void check_checkpoint_move(bool save_on_cuda) {
   const auto dir = test::temp_dir(save_on_cuda ? "gpu_ckpt_c2c" : "gpu_ckpt_c2g");
   torch::Tensor saved;
-  auto make = [](bool on_cpu, dist::ProcessGroup& g) {
+  auto make = [](bool on_cpu, distributed::ProcessGroup& g) {
     accel::AcceleratorOptions o;
     o.mixed_precision = "no";
     o.gradient_accumulation_steps = 1;
     o.cpu = on_cpu;
     return std::make_unique<accel::Accelerator>(o, g);
   };
-  dist::on_ranks(1, [&](dist::ProcessGroup& g) {
+  distributed::on_ranks(1, [&](distributed::ProcessGroup& g) {
     auto acc = make(!save_on_cuda, g);
     torch::manual_seed(5);
     TinyNet net;
@@ -316,7 +316,7 @@ void check_checkpoint_move(bool save_on_cuda) {
     saved = m->fc->weight.detach().cpu().clone();
     acc->save_state(dir + "/state");
   });
-  dist::on_ranks(1, [&](dist::ProcessGroup& g) {
+  distributed::on_ranks(1, [&](distributed::ProcessGroup& g) {
     auto acc = make(save_on_cuda, g);
     torch::manual_seed(6);
     TinyNet net;

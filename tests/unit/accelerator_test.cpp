@@ -47,7 +47,7 @@ AcceleratorOptions quiet_options() {
 TEST(AccelAccelerator, OptionsComeFromTheLauncherEnvironment) {
   setenv("DIFFTRAIN_MIXED_PRECISION", "bf16", 1);
   setenv("DIFFTRAIN_GRADIENT_ACCUMULATION_STEPS", "4", 1);
-  dist::on_ranks(1, [&](dist::ProcessGroup& g) {
+  distributed::on_ranks(1, [&](distributed::ProcessGroup& g) {
     Accelerator acc(AcceleratorOptions{}, g);
     EXPECT_EQ(acc.mixed_precision(), MixedPrecision::kBf16);
     EXPECT_EQ(acc.gradient_accumulation_steps(), 4);
@@ -72,7 +72,7 @@ TEST(AccelAccelerator, OptionsComeFromTheLauncherEnvironment) {
 }
 
 TEST(AccelAccelerator, AccumulationSyncsEveryKAndAtTheEndOfTheEpoch) {
-  dist::on_ranks(2, [&](dist::ProcessGroup& g) {
+  distributed::on_ranks(2, [&](distributed::ProcessGroup& g) {
     auto options = quiet_options();
     options.gradient_accumulation_steps = 3;
     Accelerator acc(options, g);
@@ -103,7 +103,7 @@ TEST(AccelAccelerator, AccumulationSyncsEveryKAndAtTheEndOfTheEpoch) {
 }
 
 TEST(AccelAccelerator, StateDictRoundTripsAndResumesTheLoader) {
-  dist::on_ranks(2, [&](dist::ProcessGroup& g) {
+  distributed::on_ranks(2, [&](distributed::ProcessGroup& g) {
     nlohmann::json saved;
     std::vector<torch::Tensor> rest_first;
     {
@@ -175,7 +175,7 @@ TEST(AccelAccelerator, StateDictRoundTripsAndResumesTheLoader) {
 // example is seen once (Accelerate's gather_for_metrics); gather_object concatenates lists of
 // different lengths in rank order.
 TEST(AccelAccelerator, GatherForMetricsDropsThePaddingAndGatherObjectConcatenates) {
-  dist::on_ranks(3, [&](dist::ProcessGroup& g) {
+  distributed::on_ranks(3, [&](distributed::ProcessGroup& g) {
     Accelerator acc(quiet_options(), g);
     const int r = acc.process_index();
     // 10 examples, batch 2 per rank, 3 ranks: global batches of 6, the second holds 4 real
@@ -231,7 +231,7 @@ TEST(AccelAccelerator, ClipGradNormUnscalesAndReturnsTheNormOfTheAveragedGradien
   }
   const double want = mean_grad.norm().item<double>();
   std::vector<double> got(2, 0), after(2, 0);
-  dist::on_ranks(2, [&](dist::ProcessGroup& g) {
+  distributed::on_ranks(2, [&](distributed::ProcessGroup& g) {
     auto options = quiet_options();
     options.mixed_precision = "fp16";  // gradients are scaled by 65536 until clip unscales them
     Accelerator acc(options, g);
@@ -256,7 +256,7 @@ TEST(AccelAccelerator, ClipGradNormUnscalesAndReturnsTheNormOfTheAveragedGradien
 }
 
 TEST(AccelAccelerator, CollectiveHelpers) {
-  dist::on_ranks(3, [&](dist::ProcessGroup& g) {
+  distributed::on_ranks(3, [&](distributed::ProcessGroup& g) {
     Accelerator acc(quiet_options(), g);
     const int r = acc.process_index();
     auto gathered = acc.gather(torch::full({2}, static_cast<float>(r)));
@@ -283,7 +283,7 @@ TEST(AccelAccelerator, CollectiveHelpers) {
 TEST(AccelAccelerator, MainProcessFirstRunsRankZeroFirst) {
   std::atomic<int> order{0};
   std::vector<int> when(2, -1);
-  dist::on_ranks(2, [&](dist::ProcessGroup& g) {
+  distributed::on_ranks(2, [&](distributed::ProcessGroup& g) {
     Accelerator acc(quiet_options(), g);
     if (acc.process_index() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(50));
     {
@@ -296,7 +296,7 @@ TEST(AccelAccelerator, MainProcessFirstRunsRankZeroFirst) {
 }
 
 TEST(AccelAccelerator, PrepareBroadcastsRankZeroAndRefusesASecondPrepare) {
-  dist::on_ranks(2, [&](dist::ProcessGroup& g) {
+  distributed::on_ranks(2, [&](distributed::ProcessGroup& g) {
     Accelerator acc(quiet_options(), g);
     torch::manual_seed(100 + g.rank());  // different initial weights per rank
     LinearNet net;

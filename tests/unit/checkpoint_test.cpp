@@ -53,7 +53,7 @@ Net make_net(uint64_t seed) {
 
 // Trains `steps` batches (stopping early to save at `save_at`), returns the final parameters.
 template <typename Opt>
-std::vector<torch::Tensor> run(dist::ProcessGroup& g, const std::string& dir, int save_at,
+std::vector<torch::Tensor> run(distributed::ProcessGroup& g, const std::string& dir, int save_at,
                                bool resume) {
   AcceleratorOptions options;
   options.mixed_precision = "no";
@@ -89,7 +89,7 @@ template <typename Opt>
 void check_resume() {
   const std::string dir =
       (fs::temp_directory_path() / ("difftrain_ckpt_" + std::to_string(::getpid()))).string();
-  dist::on_ranks(2, [&](dist::ProcessGroup& g) {
+  distributed::on_ranks(2, [&](distributed::ProcessGroup& g) {
     auto full =
         run<Opt>(g, dir + "_unused", -1, false);  // uninterrupted: 12 batches per rank, 6 updates
     // Saved at a window boundary (4 micro-steps, accumulation 2): as in Accelerate, gradients
@@ -118,7 +118,7 @@ TEST(AccelCheckpoint, AdamW8bitResumeEqualsUninterrupted) { check_resume<optim::
 TEST(AccelCheckpoint, RefusesAnotherModelsCheckpointNamingTheTensor) {
   const std::string dir =
       (fs::temp_directory_path() / ("difftrain_ckpt_bad_" + std::to_string(::getpid()))).string();
-  dist::on_ranks(1, [&](dist::ProcessGroup& g) {
+  distributed::on_ranks(1, [&](distributed::ProcessGroup& g) {
     AcceleratorOptions options;
     options.mixed_precision = "no";
     {
@@ -159,7 +159,7 @@ TEST(AccelCheckpoint, RefusesAnotherModelsCheckpointNamingTheTensor) {
 TEST(AccelCheckpoint, ChecksumsCatchTruncatedFlippedAndMissingFiles) {
   const std::string dir =
       (fs::temp_directory_path() / ("difftrain_ckpt_sum_" + std::to_string(::getpid()))).string();
-  dist::on_ranks(1, [&](dist::ProcessGroup& g) {
+  distributed::on_ranks(1, [&](distributed::ProcessGroup& g) {
     AcceleratorOptions options;
     options.mixed_precision = "no";
     Accelerator acc(options, g);

@@ -1,9 +1,9 @@
 // Collectives with ranks as threads of this process, joined through a c10d HashStore over a real
 // Gloo group on loopback. Values are checked exactly against closed forms.
 
-#include "difftrain/dist/collectives.h"
+#include "difftrain/distributed/collectives.h"
 #include "difftrain/core/error.h"
-#include "difftrain/launch/self_test.h"
+#include "difftrain/launch/self_check.h"
 #include "thread_ranks.h"
 
 #include <gtest/gtest.h>
@@ -12,7 +12,7 @@
 #include <sstream>
 #include <thread>
 
-namespace difftrain::dist {
+namespace difftrain::distributed {
 namespace {
 
 class CollectivesOnThreads : public ::testing::TestWithParam<int> {};
@@ -111,4 +111,4 @@ TEST(Collectives, MissingRankIsNamedAfterTheJoinTimeout) {
 }
 
 }  // namespace
-}  // namespace difftrain::dist
+}  // namespace difftrain::distributed

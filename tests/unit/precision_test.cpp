@@ -486,7 +486,7 @@ TEST(PrecisionScaler, InfOnOneRankMakesEveryRankSkip) {
   std::vector<std::vector<int>> stepped(2);
   std::vector<std::vector<double>> scales(2);
   std::vector<double> unscaled(2, 0);
-  dist::on_ranks(2, [&](dist::ProcessGroup& g) {
+  distributed::on_ranks(2, [&](distributed::ProcessGroup& g) {
     const auto r = static_cast<size_t>(g.rank());
     GradScaler scaler(GradScalerOptions{}, &g);
     // Step 1: inf only on rank 1. Step 2: finite everywhere.

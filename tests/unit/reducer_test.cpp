@@ -87,7 +87,7 @@ double max_grad_diff(TinyNet& net, const std::vector<torch::Tensor>& want) {
 }
 
 TEST(AccelReducer, BucketsFollowReverseRegistrationOrderAndCap) {
-  dist::on_ranks(2, [&](dist::ProcessGroup& g) {
+  distributed::on_ranks(2, [&](distributed::ProcessGroup& g) {
     auto net = make_net();
     ReducerOptions opts;
     opts.bucket_cap_mb = 1e-9;  // one parameter per bucket
@@ -110,7 +110,7 @@ TEST_P(AccelReducerWorld, AveragesGradientsLikeOneProcess) {
   const auto want = reference_grads(world);
   for (double cap : {1e-9, 25.0}) {
     std::atomic<int> checked{0};
-    dist::on_ranks(world, [&](dist::ProcessGroup& g) {
+    distributed::on_ranks(world, [&](distributed::ProcessGroup& g) {
       auto net = make_net();
       ReducerOptions opts;
       opts.bucket_cap_mb = cap;
@@ -139,7 +139,7 @@ TEST_P(AccelReducerWorld, AveragesGradientsLikeOneProcess) {
 INSTANTIATE_TEST_SUITE_P(Worlds, AccelReducerWorld, ::testing::Values(2, 3));
 
 TEST(AccelReducer, NoSyncKeepsGradientsLocalAndSendsNothing) {
-  dist::on_ranks(2, [&](dist::ProcessGroup& g) {
+  distributed::on_ranks(2, [&](distributed::ProcessGroup& g) {
     auto net = make_net();
     Reducer reducer(named(net), g);
     reducer.set_sync(false);
@@ -168,7 +168,7 @@ TEST(AccelReducer, NoSyncKeepsGradientsLocalAndSendsNothing) {
 
 TEST(AccelReducer, UnusedParameterErrorNamesItWithoutFindUnused) {
   std::vector<std::string> messages(2);
-  dist::on_ranks(2, [&](dist::ProcessGroup& g) {
+  distributed::on_ranks(2, [&](distributed::ProcessGroup& g) {
     auto net = make_net();
     Reducer reducer(named(net), g);
     auto loss = net->forward(input_for(g.rank()), /*use_spare=*/false).pow(2).mean();
@@ -188,7 +188,7 @@ TEST(AccelReducer, UnusedParameterErrorNamesItWithoutFindUnused) {
 
 TEST(AccelReducer, FindUnusedParametersReducesTheRest) {
   const auto want = reference_grads(2, /*use_spare=*/false);
-  dist::on_ranks(2, [&](dist::ProcessGroup& g) {
+  distributed::on_ranks(2, [&](distributed::ProcessGroup& g) {
     auto net = make_net();
     ReducerOptions opts;
     opts.find_unused_parameters = true;
@@ -208,7 +208,7 @@ TEST(AccelReducer, FindUnusedParametersReducesTheRest) {
 }
 
 TEST(AccelReducer, FrozenParametersAreNeverBucketed) {
-  dist::on_ranks(2, [&](dist::ProcessGroup& g) {
+  distributed::on_ranks(2, [&](distributed::ProcessGroup& g) {
     auto net = make_net();
     net->conv->weight.requires_grad_(false);
     net->conv->bias.requires_grad_(false);
@@ -226,7 +226,7 @@ TEST(AccelReducer, FrozenParametersAreNeverBucketed) {
 
 TEST(AccelReducer, GradientsSetToNoneAreRebound) {
   const auto want = reference_grads(2);
-  dist::on_ranks(2, [&](dist::ProcessGroup& g) {
+  distributed::on_ranks(2, [&](distributed::ProcessGroup& g) {
     auto net = make_net();
     Reducer reducer(named(net), g);
     for (auto& p : net->parameters()) p.mutable_grad() = torch::Tensor();  // zero_grad(None)

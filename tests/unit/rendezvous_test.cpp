@@ -1,12 +1,12 @@
-#include "difftrain/dist/rendezvous.h"
+#include "difftrain/distributed/rendezvous.h"
 #include "difftrain/core/error.h"
-#include "difftrain/dist/net.h"
+#include "difftrain/distributed/net.h"
 
 #include <gtest/gtest.h>
 
 #include <map>
 
-namespace difftrain::dist {
+namespace difftrain::distributed {
 namespace {
 
 EnvLookup fake(std::map<std::string, std::string> vars) {
@@ -177,4 +177,4 @@ TEST(Net, LoopbackAndRoutes) {
 }
 
 }  // namespace
-}  // namespace difftrain::dist
+}  // namespace difftrain::distributed

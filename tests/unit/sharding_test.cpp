@@ -25,7 +25,7 @@ using difftrain::accel::ShardingOptions;
 using difftrain::accel::ShardingStats;
 using difftrain::accel::ShardingStrategy;
 using difftrain::accel::StateMemory;
-using difftrain::dist::ProcessGroup;
+using difftrain::distributed::ProcessGroup;
 using difftrain::models::UNet;
 using difftrain::models::UNetConfig;
 
@@ -94,7 +94,7 @@ RunResult train(const RunSpec& spec) {
   RunResult result;
   std::mutex result_mutex;
   const auto init = initial_state(spec.model);
-  difftrain::dist::on_ranks(spec.world, [&](ProcessGroup& group) {
+  difftrain::distributed::on_ranks(spec.world, [&](ProcessGroup& group) {
     UNet unet(UNetConfig::load(kGolden + spec.model + "/config.json"));
     {
       torch::NoGradGuard no_grad;

@@ -2,7 +2,7 @@
 // Ranks as threads of one test process: each thread joins a real Gloo group on loopback through
 // a shared c10d HashStore. For unit tests of collective logic (STYLE.md: Tests).
 
-#include "difftrain/dist/process_group.h"
+#include "difftrain/distributed/process_group.h"
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
@@ -13,7 +13,7 @@
 #include <thread>
 #include <vector>
 
-namespace difftrain::dist {
+namespace difftrain::distributed {
 
 // Runs `body` on `world` threads, each with its own ProcessGroup; collects failures per rank.
 inline void on_ranks(int world, const std::function<void(ProcessGroup&)>& body) {
@@ -42,4 +42,4 @@ inline void on_ranks(int world, const std::function<void(ProcessGroup&)>& body) 
   for (int r = 0; r < world; ++r) EXPECT_EQ(errors[static_cast<size_t>(r)], "") << "rank " << r;
 }
 
-}  // namespace difftrain::dist
+}  // namespace difftrain::distributed

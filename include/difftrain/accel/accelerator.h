@@ -6,7 +6,7 @@
 #include "difftrain/accel/sharding.h"
 #include "difftrain/core/log.h"
 #include "difftrain/data/data_loader.h"
-#include "difftrain/dist/collectives.h"
+#include "difftrain/distributed/collectives.h"
 
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
@@ -113,7 +113,7 @@ class [[nodiscard]] MainProcessFirst {
 };
 
 /// Runs one single-process training loop on any number of processes (Hugging Face Accelerate's
-/// `Accelerator`). Joins the job's process group (see dist::init_process_group), picks this
+/// `Accelerator`). Joins the job's process group (see distributed::init_process_group), picks this
 /// rank's device, and prepares models, optimizers, loaders and schedulers:
 ///
 ///     accel::Accelerator acc;                                // reads `difftrain launch`'s env
@@ -133,7 +133,7 @@ class Accelerator {
  public:
   explicit Accelerator(AcceleratorOptions options = {});
   /// On an existing process group (e.g. ranks as threads in tests) instead of the job's.
-  Accelerator(AcceleratorOptions options, dist::ProcessGroup& group);
+  Accelerator(AcceleratorOptions options, distributed::ProcessGroup& group);
   ~Accelerator();
   Accelerator(const Accelerator&) = delete;
   Accelerator& operator=(const Accelerator&) = delete;
@@ -215,7 +215,7 @@ class Accelerator {
   MixedPrecision mixed_precision() const { return state_->mixed_precision; }
   int64_t gradient_accumulation_steps() const { return accumulation_steps_; }
   const AcceleratorOptions& options() const { return options_; }
-  dist::ProcessGroup& group() { return *group_; }
+  distributed::ProcessGroup& group() { return *group_; }
 
   /// Blocks until every rank reaches it (Accelerate's wait_for_everyone).
   void wait_for_everyone();
@@ -390,7 +390,7 @@ class Accelerator {
   struct is_shared_ptr<std::shared_ptr<T>> : std::true_type {};
 
   AcceleratorOptions options_;
-  dist::ProcessGroup* group_ = nullptr;
+  distributed::ProcessGroup* group_ = nullptr;
   torch::Device device_ = torch::kCPU;
   int64_t accumulation_steps_ = 1;
   ShardingOptions sharding_;

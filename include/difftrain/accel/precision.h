@@ -2,7 +2,7 @@
 // Mixed precision (Accelerate's `mixed_precision`): the mode, autocast scopes with the CPU bf16
 // fixes LibTorch 1.13 needs, and dynamic loss scaling for fp16.
 
-#include "difftrain/dist/process_group.h"
+#include "difftrain/distributed/process_group.h"
 
 #include <torch/types.h>
 #include <nlohmann/json_fwd.hpp>
@@ -106,7 +106,7 @@ class GradScaler {
   /// `group`: found_inf is all-reduced (max of a 0/1 flag) over it so every rank skips the same
   /// steps; nullptr or a world of one decides locally. Throws difftrain::Error on options outside
   /// init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, growth_interval >= 1.
-  explicit GradScaler(GradScalerOptions options = {}, dist::ProcessGroup* group = nullptr);
+  explicit GradScaler(GradScalerOptions options = {}, distributed::ProcessGroup* group = nullptr);
 
   /// loss * scale (any shape and dtype). torch: `scaler.scale(loss)`.
   torch::Tensor scale(const torch::Tensor& loss) const;
@@ -137,7 +137,7 @@ class GradScaler {
 
  private:
   GradScalerOptions options_;
-  dist::ProcessGroup* group_;
+  distributed::ProcessGroup* group_;
   GradScalerState state_;
   bool unscaled_ = false;
   bool found_inf_ = false;

@@ -1,6 +1,6 @@
 #pragma once
 
-#include "difftrain/dist/collectives.h"
+#include "difftrain/distributed/collectives.h"
 
 #include <torch/csrc/autograd/function.h>
 #include <torch/types.h>
@@ -38,7 +38,7 @@ struct GradBucket {
   std::vector<int64_t> offsets;  ///< element offset of each parameter in `flat`
   size_t pending = 0;            ///< parameters still waiting for their gradient this pass
   bool launched = false;         ///< all-reduce started this pass
-  dist::PendingAllReduce work;   ///< the all-reduce in flight
+  distributed::PendingAllReduce work;   ///< the all-reduce in flight
 };
 
 /// Counters for tests and benchmarks.
@@ -62,7 +62,7 @@ struct ReducerStats {
 class Reducer {
  public:
   /// `params` are (name, parameter) pairs in registration order; names appear in errors.
-  Reducer(std::vector<std::pair<std::string, torch::Tensor>> params, dist::ProcessGroup& group,
+  Reducer(std::vector<std::pair<std::string, torch::Tensor>> params, distributed::ProcessGroup& group,
           ReducerOptions options = {});
   ~Reducer();
   Reducer(const Reducer&) = delete;
@@ -111,7 +111,7 @@ class Reducer {
     bool ready = false;
   };
 
-  dist::ProcessGroup& group_;
+  distributed::ProcessGroup& group_;
   ReducerOptions options_;
   std::vector<Param> params_;
   std::vector<GradBucket> buckets_;

@@ -5,7 +5,7 @@
 
 #include "difftrain/accel/sharding.h"
 #include "difftrain/core/forward_hooks.h"
-#include "difftrain/dist/collectives.h"
+#include "difftrain/distributed/collectives.h"
 #include "difftrain/optim/flat_optimizer.h"
 
 #include <torch/nn/module.h>
@@ -55,7 +55,7 @@ struct ShardingStats {
 class ShardedModel {
  public:
   ShardedModel(torch::nn::Module& module, const ShardingOptions& options,
-               dist::ProcessGroup& group);
+               distributed::ProcessGroup& group);
   ~ShardedModel();
   ShardedModel(const ShardedModel&) = delete;
   ShardedModel& operator=(const ShardedModel&) = delete;
@@ -154,7 +154,7 @@ class ShardedModel {
 
   torch::nn::Module& module_;
   ShardingOptions options_;
-  dist::ProcessGroup& group_;
+  distributed::ProcessGroup& group_;
   int world_ = 1;
   int rank_ = 0;
   std::vector<UnitPlan> plans_;

@@ -13,8 +13,8 @@
 
 #include "../proc_net.h"
 #include "difftrain/core/error.h"
-#include "difftrain/dist/collectives.h"
-#include "difftrain/launch/self_test.h"
+#include "difftrain/distributed/collectives.h"
+#include "difftrain/launch/self_check.h"
 
 #include <signal.h>
 #include <unistd.h>
@@ -102,7 +102,7 @@ int run(int argc, char** argv) {
     std::cout << "partial line without newline from " << r;
     return 0;
   }
-  if (mode == "collectives") return difftrain::launch::run_self_test(std::cout) == 0 ? 0 : 1;
+  if (mode == "collectives") return difftrain::launch::run_self_check(std::cout) == 0 ? 0 : 1;
   if (mode == "fail_once") {
     const std::string marker = arg(2) + "/failed_once";
     if (env("RANK") == "0" && !std::filesystem::exists(marker)) {
@@ -110,11 +110,11 @@ int run(int argc, char** argv) {
       std::cerr << "failing on purpose (restart count " << env("DIFFTRAIN_RESTART_COUNT") << ")\n";
       return 3;
     }
-    return difftrain::launch::run_self_test(std::cout) == 0 ? 0 : 1;
+    return difftrain::launch::run_self_check(std::cout) == 0 ? 0 : 1;
   }
-  auto& group = difftrain::dist::init_process_group();
+  auto& group = difftrain::distributed::init_process_group();
   if (mode == "exit" || mode == "sigkill") {
-    difftrain::dist::barrier(group);
+    difftrain::distributed::barrier(group);
     const int victim = std::stoi(arg(mode == "exit" ? 3 : 2));
     if (group.rank() == victim) {
       std::cout << "rank " << victim << " leaving now" << std::endl;
@@ -125,13 +125,13 @@ int run(int argc, char** argv) {
     return 0;
   }
   if (mode == "sockets") {
-    difftrain::dist::barrier(group);
+    difftrain::distributed::barrier(group);
     int outside = 0;
     for (const auto& s : tcp_sockets()) {
       std::cout << "socket on " << s << std::endl;
       if (s.rfind("127.", 0) != 0) ++outside;
     }
-    difftrain::dist::barrier(group);  // keep every socket open until every rank has looked
+    difftrain::distributed::barrier(group);  // keep every socket open until every rank has looked
     return outside == 0 ? 0 : 1;
   }
   if (mode == "loop") {
@@ -139,7 +139,7 @@ int run(int argc, char** argv) {
     const auto start = std::chrono::steady_clock::now();
     for (int i = 0;; ++i) {
       auto t = torch::ones({1024});
-      difftrain::dist::all_reduce(t, difftrain::dist::ReduceOp::kSum, group);
+      difftrain::distributed::all_reduce(t, difftrain::distributed::ReduceOp::kSum, group);
       if (t[0].item<float>() != static_cast<float>(group.size())) {
         std::cerr << "wrong all_reduce value " << t[0].item<float>() << "\n";
         return 1;

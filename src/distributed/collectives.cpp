@@ -1,10 +1,10 @@
-#include "difftrain/dist/collectives.h"
+#include "difftrain/distributed/collectives.h"
 
 #include "difftrain/core/error.h"
 
 #include <fmt/format.h>
 
-namespace difftrain::dist {
+namespace difftrain::distributed {
 
 namespace {
 
@@ -170,9 +170,9 @@ void barrier(ProcessGroup& group) {
   group.wait(group.backend().barrier(), "barrier");
 }
 
-}  // namespace difftrain::dist
+}  // namespace difftrain::distributed
 
-namespace difftrain::dist {
+namespace difftrain::distributed {
 
 void PendingCollective::wait() {
   if (!work_) return;
@@ -269,4 +269,4 @@ PendingCollective reduce_scatter_async(const torch::Tensor& input, torch::Tensor
   return pending;
 }
 
-}  // namespace difftrain::dist
+}  // namespace difftrain::distributed

@@ -4,7 +4,7 @@
 #include <optional>
 #include <string>
 
-namespace difftrain::dist {
+namespace difftrain::distributed {
 
 /// Where a process's rank and world came from.
 enum class RendezvousSource {
@@ -58,4 +58,4 @@ std::string first_slurm_host(const std::string& nodelist);
 
 const char* to_string(RendezvousSource source);
 
-}  // namespace difftrain::dist
+}  // namespace difftrain::distributed

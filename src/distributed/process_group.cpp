@@ -1,10 +1,10 @@
-#include "difftrain/dist/process_group.h"
+#include "difftrain/distributed/process_group.h"
 
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/core/torch_compat.h"
-#include "difftrain/dist/net.h"
-#include "difftrain/dist/store_util.h"
+#include "difftrain/distributed/net.h"
+#include "difftrain/distributed/store_util.h"
 
 #include <ATen/Parallel.h>
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -26,7 +26,7 @@
 #include <future>
 #include <thread>
 
-namespace difftrain::dist {
+namespace difftrain::distributed {
 
 namespace {
 
@@ -402,7 +402,7 @@ ProcessGroup& init_process_group(const ProcessGroupOptions& options) {
 ProcessGroup& default_group() {
   std::lock_guard<std::mutex> lock(g_default_mutex);
   if (!g_default) {
-    throw Error("no process group yet: call difftrain::dist::init_process_group() first");
+    throw Error("no process group yet: call difftrain::distributed::init_process_group() first");
   }
   return *g_default;
 }
@@ -412,4 +412,4 @@ bool is_initialized() {
   return g_default != nullptr;
 }
 
-}  // namespace difftrain::dist
+}  // namespace difftrain::distributed

@@ -1,6 +1,6 @@
 #pragma once
 
-#include "difftrain/dist/process_group.h"
+#include "difftrain/distributed/process_group.h"
 
 #include <torch/types.h>
 
@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-namespace difftrain::dist {
+namespace difftrain::distributed {
 
 /// Reduction of a collective. kMean is a sum divided by the world size (floating tensors only).
 enum class ReduceOp { kSum, kMean, kMax, kMin };
@@ -106,4 +106,4 @@ void barrier(ProcessGroup& group = default_group());
 
 const char* to_string(ReduceOp op);
 
-}  // namespace difftrain::dist
+}  // namespace difftrain::distributed

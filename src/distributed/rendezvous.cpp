@@ -1,10 +1,10 @@
-#include "difftrain/dist/rendezvous.h"
+#include "difftrain/distributed/rendezvous.h"
 
 #include "difftrain/core/error.h"
 
 #include <cstdlib>
 
-namespace difftrain::dist {
+namespace difftrain::distributed {
 
 namespace {
 
@@ -141,4 +141,4 @@ RendezvousInfo detect_rendezvous(const EnvLookup& env) {
   return info;
 }
 
-}  // namespace difftrain::dist
+}  // namespace difftrain::distributed

@@ -1,8 +1,8 @@
-#include "difftrain/dist/store_util.h"
+#include "difftrain/distributed/store_util.h"
 
 #include <c10/util/Exception.h>
 
-namespace difftrain::dist {
+namespace difftrain::distributed {
 
 std::string first_line(const std::exception& e) {
   std::string text;
@@ -18,4 +18,4 @@ std::vector<uint8_t> to_bytes(const std::string& text) { return {text.begin(), t
 
 std::string from_bytes(const std::vector<uint8_t>& bytes) { return {bytes.begin(), bytes.end()}; }
 
-}  // namespace difftrain::dist
+}  // namespace difftrain::distributed

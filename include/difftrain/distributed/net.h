@@ -2,7 +2,7 @@
 
 #include <string>
 
-namespace difftrain::dist {
+namespace difftrain::distributed {
 
 /// True for "localhost", 127.0.0.0/8 and ::1.
 bool is_loopback_host(const std::string& host);
@@ -21,4 +21,4 @@ int find_free_port();
 /// This machine's host name.
 std::string host_name();
 
-}  // namespace difftrain::dist
+}  // namespace difftrain::distributed

@@ -1,6 +1,6 @@
 #pragma once
 
-#include "difftrain/dist/process_group.h"
+#include "difftrain/distributed/process_group.h"
 
 #include <iosfwd>
 
@@ -11,10 +11,10 @@ namespace difftrain::launch {
 /// parameters, all_gather, reduce_scatter, barrier, and a gradient all-reduce against a
 /// single-process recomputation of the same maths. Prints one `[PASS]`/`[FAIL]` line per check on
 /// `out` (main rank only; every rank prints its failures) and returns the number of failed checks.
-int run_self_test(std::ostream& out);
+int run_self_check(std::ostream& out);
 
 /// The same checks on an existing group (ranks may be threads of one process: no global RNG is
 /// used). Returns the number of failed checks.
-int run_checks(dist::ProcessGroup& group, std::ostream& out);
+int run_checks(distributed::ProcessGroup& group, std::ostream& out);
 
 }  // namespace difftrain::launch

@@ -1,7 +1,7 @@
 #pragma once
 
 #include "difftrain/core/torch_compat.h"
-#include "difftrain/dist/rendezvous.h"
+#include "difftrain/distributed/rendezvous.h"
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-namespace difftrain::dist {
+namespace difftrain::distributed {
 
 /// Options of a process group. Environment overrides: DIFFTRAIN_JOIN_TIMEOUT and
 /// DIFFTRAIN_COLLECTIVE_TIMEOUT (seconds), DIFFTRAIN_BACKEND (gloo | nccl).
@@ -110,4 +110,4 @@ int configure_threads(int local_processes = 1);
 /// defaults. Returns whether the settings were applied.
 bool configure_allocator();
 
-}  // namespace difftrain::dist
+}  // namespace difftrain::distributed

@@ -1,4 +1,4 @@
-#include "difftrain/dist/net.h"
+#include "difftrain/distributed/net.h"
 
 #include "difftrain/core/error.h"
 
@@ -12,7 +12,7 @@
 #include <cstring>
 #include <memory>
 
-namespace difftrain::dist {
+namespace difftrain::distributed {
 
 namespace {
 
@@ -98,4 +98,4 @@ std::string host_name() {
   return buffer;
 }
 
-}  // namespace difftrain::dist
+}  // namespace difftrain::distributed

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-namespace difftrain::dist {
+namespace difftrain::distributed {
 
 /// The first line of an exception's message, without c10's backtrace: what a one-line error
 /// built around a LibTorch/Gloo failure quotes.
@@ -15,4 +15,4 @@ std::string first_line(const std::exception& e);
 std::vector<uint8_t> to_bytes(const std::string& text);
 std::string from_bytes(const std::vector<uint8_t>& bytes);
 
-}  // namespace difftrain::dist
+}  // namespace difftrain::distributed
