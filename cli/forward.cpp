@@ -2,13 +2,10 @@
 // against Python.
 
 #include "commands.h"
-#include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/diffusion/pipeline.h"
 #include "difftrain/distributed/process_group.h"
 #include "difftrain/io/safetensors.h"
-
-#include <filesystem>
 
 namespace difftrain::cli {
 
@@ -42,42 +39,10 @@ CLI::App* add_forward_command(CLI::App& app) {
 
 int run_forward() {
   distributed::configure_threads();
-  namespace fs = std::filesystem;
-  std::string unet_dir = g_args.model;
-  if (fs::exists(fs::path(unet_dir) / "model_index.json")) {
-    unet_dir = (fs::path(unet_dir) / "unet").string();
-  }
-  models::UNet unet = diffusion::load_unet_with_lora(unet_dir, g_args.lora, g_args.lora_scale);
+  models::UNet unet = diffusion::load_unet_with_lora(diffusion::resolve_unet_dir(g_args.model),
+                                                     g_args.lora, g_args.lora_scale);
   auto inputs = io::load_safetensors(g_args.inputs).tensors;
-  for (const auto& [name, t] : inputs) {
-    if (name != "sample" && name != "timestep" && name != "class_labels" &&
-        name != "encoder_hidden_states" && name != "timestep_cond" && name != "out") {
-      log::warn("{}: tensor \"{}\" is not an input of the UNet; ignored", g_args.inputs, name);
-    }
-  }
-  for (const char* required : {"sample", "timestep"}) {
-    if (!inputs.count(required)) {
-      throw Error(g_args.inputs + ": no tensor named \"" + required +
-                  "\"; expected sample [B,C,H,W], timestep [] or [B], and optionally "
-                  "class_labels [B], encoder_hidden_states [B,S,D]");
-    }
-  }
-  models::UNetConditioning cond;
-  auto take = [&](const char* name) {
-    auto it = inputs.find(name);
-    return it == inputs.end() ? torch::Tensor() : it->second;
-  };
-  cond.class_labels = take("class_labels");
-  cond.encoder_hidden_states = take("encoder_hidden_states");
-  cond.timestep_cond = take("timestep_cond");
-  torch::Tensor sample = inputs.at("sample");
-  if (!sample.is_floating_point()) {
-    throw Error(g_args.inputs + ": \"sample\" must be floating point, got " +
-                std::string(c10::toString(sample.scalar_type())));
-  }
-  unet->eval();
-  torch::NoGradGuard no_grad;
-  torch::Tensor out = unet->forward(sample.to(torch::kFloat32), inputs.at("timestep"), cond);
+  torch::Tensor out = diffusion::forward_from_tensors(*unet, inputs, g_args.inputs);
   io::save_safetensors(g_args.output, {{"out", out}}, {{"format", "pt"}});
   log::info("wrote {}: out {}", g_args.output, fmt::format("{}", fmt::join(out.sizes(), "x")));
   return 0;

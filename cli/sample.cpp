@@ -4,17 +4,18 @@
 #include "commands.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
+#include "difftrain/diffusion/generate.h"
 #include "difftrain/diffusion/pipeline.h"
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/diffusion/sd_pipeline.h"
 #include "difftrain/distributed/process_group.h"
 #include "difftrain/io/image.h"
+#include "difftrain/io/prompt_file.h"
 #include "difftrain/io/safetensors.h"
 
 #include <torch/cuda.h>
 
 #include <chrono>
-#include <fstream>
 #include <optional>
 #include <sstream>
 
@@ -96,28 +97,33 @@ std::function<void(int64_t, int64_t)> progress_logger(std::chrono::steady_clock:
   };
 }
 
-// Prompts from --prompt (repeatable) or --prompt_file (one per line; a last empty line is not a
-// prompt).
+// Prompts from --prompt (repeatable) or --prompt_file (io::read_prompt_file's rules); sampling
+// needs at least one.
 std::vector<std::string> read_prompts(const SampleArgs& a) {
   if (!a.prompts.empty() && !a.prompt_file.empty()) {
     throw Error("give --prompt or --prompt_file, not both");
   }
   if (!a.prompt_file.empty()) {
-    std::ifstream in(a.prompt_file);
-    if (!in) throw Error("--prompt_file " + a.prompt_file + ": cannot read it; check the path");
-    std::vector<std::string> out;
-    std::string line;
-    while (std::getline(in, line)) {
-      if (!line.empty() && line.back() == '\r') line.pop_back();
-      out.push_back(line);
-    }
-    if (out.empty()) throw Error("--prompt_file " + a.prompt_file + " has no prompts");
-    return out;
+    auto prompts = io::read_prompt_file(a.prompt_file);
+    if (prompts.empty()) throw Error("--prompt_file " + a.prompt_file + " has no prompts");
+    return prompts;
   }
   if (a.prompts.empty()) {
     throw Error("a Stable Diffusion folder needs --prompt \"...\" (or --prompt_file F)");
   }
   return a.prompts;
+}
+
+// Writes the grid (and --save_tensors) and logs the rate.
+void write_outputs(const SampleArgs& a, const diffusion::GenerateResult& result, double seconds) {
+  io::save_image_grid(a.output, result.images, result.labels, a.columns);
+  if (!a.save_tensors.empty()) {
+    io::save_safetensors(a.save_tensors, result.tensors(), {{"format", "np"}});
+  }
+  const int64_t total = result.images.size(0);
+  log::info("wrote {} ({} images, {:.2f} images/s){}", a.output, total,
+            total / std::max(seconds, 1e-9),
+            a.save_tensors.empty() ? std::string() : " and " + a.save_tensors);
 }
 
 // `difftrain sample --model SD_DIR --prompt ...`: StableDiffusionPipeline semantics.
@@ -128,32 +134,31 @@ int run_text_to_image(const SampleArgs& a) {
   lo.eta = a.eta;
   lo.lora = a.lora;
   lo.lora_scale = a.lora_scale;
-  diffusion::TextToImageOptions o;
-  o.prompts = read_prompts(a);
+  diffusion::GenerateRequest request;
+  request.prompts = read_prompts(a);
   if (!a.class_labels.empty()) throw Error("--class_labels is for class-conditional UNets");
-  if (!a.negative_prompt.empty()) o.negative_prompts = {a.negative_prompt};
-  o.guidance_scale = a.guidance_given ? a.guidance_scale : 7.5;
-  o.num_inference_steps = a.num_inference_steps > 0 ? a.num_inference_steps : 50;
-  o.height = a.height;
-  o.width = a.width;
-  o.num_images_per_prompt = a.num_images > 0 ? a.num_images : a.num_images_per_prompt;
-  o.seed = a.seed;
-  o.clip_skip = a.clip_skip - 1;
+  if (!a.negative_prompt.empty()) request.negative_prompts = {a.negative_prompt};
+  if (a.guidance_given) request.guidance_scale = a.guidance_scale;
+  request.num_inference_steps = a.num_inference_steps;
+  request.height = a.height;
+  request.width = a.width;
+  request.num_images = a.num_images > 0 ? a.num_images : a.num_images_per_prompt;
+  request.seed = a.seed;
+  request.clip_skip = a.clip_skip - 1;
   const torch::Device device = parse_sample_device(a.device);
-  auto sd = diffusion::load_stable_diffusion(a.model, lo);
-  sd.text_encoder->to(device);
-  sd.vae->to(device);
-  sd.unet->to(device);
-  if (o.clip_skip >= sd.text_encoder->config().num_hidden_layers) {
+  diffusion::Pipeline pipeline = diffusion::load_stable_diffusion(a.model, lo);
+  diffusion::pipeline_to(pipeline, device);
+  const auto& sd = std::get<diffusion::StableDiffusion>(pipeline);
+  if (request.clip_skip >= sd.text_encoder->config().num_hidden_layers) {
     throw Error("--clip_skip " + std::to_string(a.clip_skip) + " is more than the text encoder's " +
                 std::to_string(sd.text_encoder->config().num_hidden_layers) + " layers");
   }
-  const int64_t total = static_cast<int64_t>(o.prompts.size()) * o.num_images_per_prompt;
+  const auto o = diffusion::resolve_request(pipeline, request);
   log::info(
       "difftrain sample: {} ({}) on {}, scheduler {}, {} steps, guidance {}, {} prompt(s) x {} "
       "image(s), seed {}{}",
       a.model, sd.folder.pipeline_class, device.str(), sd.scheduler->class_name(),
-      o.num_inference_steps, o.guidance_scale, o.prompts.size(), o.num_images_per_prompt, a.seed,
+      o.num_inference_steps, *o.guidance_scale, o.prompts.size(), o.num_images, a.seed,
       a.lora.empty() ? std::string() : fmt::format(", LoRA {} x{}", a.lora, a.lora_scale));
   for (size_t i = 0; i < o.prompts.size(); ++i) {
     const auto enc = sd.tokenizer.encode(o.prompts[i]);
@@ -163,30 +168,10 @@ int run_text_to_image(const SampleArgs& a) {
     }
   }
   const auto start = std::chrono::steady_clock::now();
-  o.on_step = progress_logger(start);
-  auto result = diffusion::text_to_image(sd, o);
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::vector<std::string> labels;
-  for (size_t p = 0; p < o.prompts.size(); ++p) {
-    for (int64_t k = 0; k < o.num_images_per_prompt; ++k) {
-      std::string text = o.prompts[p].substr(0, 28);
-      if (o.prompts[p].size() > 28) text += "...";
-      labels.push_back(o.num_images_per_prompt > 1 ? fmt::format("{} #{}", text, k) : text);
-    }
-  }
-  auto u8 = io::to_uint8_images(result.images.permute({0, 3, 1, 2}));
-  io::save_png(a.output, io::make_grid(u8, labels, a.columns));
-  if (!a.save_tensors.empty()) {
-    io::save_safetensors(a.save_tensors,
-                         {{"images", result.images},
-                          {"latents", result.latents},
-                          {"prompt_embeds", result.prompt_embeds}},
-                         {{"format", "np"}});
-  }
-  log::info("wrote {} ({} images, {:.2f} images/s){}", a.output, total,
-            total / std::max(seconds, 1e-9),
-            a.save_tensors.empty() ? std::string() : " and " + a.save_tensors);
+  request.on_step = progress_logger(start);
+  const auto result = diffusion::generate(pipeline, request);
+  write_outputs(a, result,
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   return 0;
 }
 
@@ -284,59 +269,42 @@ int run_sample() {
                 " is not a text-to-image pipeline (no text_encoder in model_index.json); "
                 "--prompt needs a Stable Diffusion folder");
   }
-  auto folder = diffusion::resolve_pipeline_folder(a.model);
-  std::string kind = a.scheduler;
-  // DDIMPipeline turns whatever scheduler it is given into a DDIMScheduler.
-  if (kind.empty() && folder.pipeline_class == "DDIMPipeline") kind = "ddim";
-  diffusion::SamplerOptions sampler_options;
-  sampler_options.eta = a.eta;
-  auto scheduler = diffusion::load_sampler(folder.scheduler_config, kind, sampler_options);
+  diffusion::UNetPipeline unet_pipeline;
+  unet_pipeline.folder = diffusion::resolve_pipeline_folder(a.model);
+  unet_pipeline.sampler =
+      diffusion::load_pipeline_sampler(unet_pipeline.folder, a.scheduler, a.eta);
+  const std::string scheduler_class = unet_pipeline.sampler->class_name();
 
-  diffusion::SampleOptions o;
-  o.class_labels = parse_labels(a.class_labels);
-  o.num_images = a.num_images > 0
-                     ? a.num_images
-                     : std::max<int64_t>(1, static_cast<int64_t>(o.class_labels.size()));
-  o.num_inference_steps = a.num_inference_steps;
-  o.guidance_scale = a.guidance_scale;
-  o.seed = a.seed;
-  const bool ddim = scheduler->class_name() == "DDIMScheduler";
+  diffusion::GenerateRequest request;
+  request.class_labels = parse_labels(a.class_labels);
+  request.num_images = a.num_images;
+  request.num_inference_steps = a.num_inference_steps;
+  request.guidance_scale = a.guidance_scale;
+  request.seed = a.seed;
+  const bool ddim = scheduler_class == "DDIMScheduler";
   if (!ddim && a.eta != 0.0) {
-    log::warn("--eta applies to DDIM only; ignored for {}", scheduler->class_name());
+    log::warn("--eta applies to DDIM only; ignored for {}", scheduler_class);
   }
-  const bool ddpm = scheduler->class_name() == "DDPMScheduler";
-  const int64_t steps = a.num_inference_steps > 0 ? a.num_inference_steps : (ddpm ? 1000 : 50);
 
   const torch::Device device = parse_sample_device(a.device);
-  models::UNet unet = diffusion::load_unet_with_lora(folder.unet_dir, a.lora, a.lora_scale);
-  unet->to(device);
+  unet_pipeline.unet =
+      diffusion::load_unet_with_lora(unet_pipeline.folder.unet_dir, a.lora, a.lora_scale);
+  const std::string unet_class = unet_pipeline.unet->config().class_name();
+  diffusion::Pipeline pipeline = std::move(unet_pipeline);
+  diffusion::pipeline_to(pipeline, device);
+  const auto o = diffusion::resolve_request(pipeline, request);
   log::info(
       "difftrain sample: model {} ({}) on {}, scheduler {}, {} steps{}, {} images, seed {}{}{}",
-      a.model, unet->config().class_name(), device.str(), scheduler->class_name(), steps,
+      a.model, unet_class, device.str(), scheduler_class, o.num_inference_steps,
       ddim ? fmt::format(" (eta {})", a.eta) : std::string(), o.num_images, a.seed,
       a.guidance_scale > 1 ? fmt::format(", guidance {}", a.guidance_scale) : std::string(),
       a.lora.empty() ? std::string() : fmt::format(", LoRA {} x{}", a.lora, a.lora_scale));
 
   const auto start = std::chrono::steady_clock::now();
-  o.on_step = progress_logger(start);
-  torch::Tensor images = diffusion::sample_images(*unet, *scheduler, o);
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-
-  std::vector<std::string> labels;
-  for (int64_t i = 0; i < o.num_images; ++i) {
-    labels.push_back(o.class_labels.empty()
-                         ? fmt::format("seed {} #{}", a.seed, i)
-                         : fmt::format("class {}", o.class_labels[static_cast<size_t>(i)]));
-  }
-  auto u8 = io::to_uint8_images(images.permute({0, 3, 1, 2}));
-  io::save_png(a.output, io::make_grid(u8, labels, a.columns));
-  if (!a.save_tensors.empty()) {
-    io::save_safetensors(a.save_tensors, {{"images", images}}, {{"format", "np"}});
-  }
-  log::info("wrote {} ({} images, {:.2f} images/s){}", a.output, o.num_images,
-            o.num_images / std::max(seconds, 1e-9),
-            a.save_tensors.empty() ? std::string() : " and " + a.save_tensors);
+  request.on_step = progress_logger(start);
+  const auto result = diffusion::generate(pipeline, request);
+  write_outputs(a, result,
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   return 0;
 }
 

@@ -4,14 +4,13 @@
 
 #include "commands.h"
 #include "difftrain/core/error.h"
+#include "difftrain/diffusion/sd_pipeline.h"
+#include "difftrain/io/prompt_file.h"
 #include "difftrain/models/clip_tokenizer.h"
 
 #include <nlohmann/json.hpp>
 
-#include <filesystem>
-#include <fstream>
 #include <iostream>
-#include <sstream>
 
 namespace difftrain::cli {
 
@@ -24,47 +23,6 @@ struct TokenizeArgs {
   int64_t max_length = 0;
   bool no_padding = false;
 } g_args;
-
-// DIR itself when it holds vocab.json, else DIR/tokenizer (a pipeline folder).
-std::string tokenizer_dir(const std::string& dir) {
-  namespace fs = std::filesystem;
-  if (!fs::is_directory(dir)) {
-    throw Error("--model '" + dir +
-                "' does not exist: give a Stable Diffusion pipeline folder (with tokenizer/) or a "
-                "tokenizer folder (with vocab.json)");
-  }
-  if (fs::exists(fs::path(dir) / "vocab.json")) return dir;
-  const auto sub = (fs::path(dir) / "tokenizer").string();
-  if (fs::is_directory(sub)) return sub;
-  throw Error("--model '" + dir +
-              "' has neither vocab.json nor a tokenizer/ folder: give a Stable Diffusion "
-              "pipeline folder or a CLIP tokenizer folder");
-}
-
-// One prompt per line; every line counts, empty ones too, but a final newline ends the last
-// line rather than starting an empty one.
-std::vector<std::string> read_prompt_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in || std::filesystem::is_directory(path)) {
-    throw Error("cannot read --prompt_file '" + path +
-                "': no such file or not readable; give a text file with one prompt per line");
-  }
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (in.bad()) throw Error("cannot read --prompt_file '" + path + "'");
-  std::string s = text.str();
-  std::vector<std::string> lines;
-  if (s.empty()) return lines;
-  if (s.back() == '\n') s.pop_back();
-  size_t pos = 0;
-  while (true) {
-    const size_t eol = s.find('\n', pos);
-    lines.push_back(s.substr(pos, eol == std::string::npos ? std::string::npos : eol - pos));
-    if (eol == std::string::npos) break;
-    pos = eol + 1;
-  }
-  return lines;
-}
 
 // The first ~40 characters of a prompt, JSON-quoted so that it stays on one line.
 std::string excerpt(const std::string& prompt) {
@@ -114,8 +72,9 @@ int run_tokenize() {
         std::string(has_prompts ? "both --prompt and --prompt_file given" : "no prompt given") +
         ": pass --prompt TEXT (repeatable) or --prompt_file FILE, not both");
   }
-  const auto prompts = has_prompts ? g_args.prompts : read_prompt_file(g_args.prompt_file);
-  auto tokenizer = models::ClipTokenizer::from_folder(tokenizer_dir(g_args.model));
+  const auto prompts = has_prompts ? g_args.prompts : io::read_prompt_file(g_args.prompt_file);
+  auto tokenizer =
+      models::ClipTokenizer::from_folder(diffusion::resolve_tokenizer_dir(g_args.model));
   if (g_args.max_length > 0) tokenizer.set_model_max_length(g_args.max_length);
   const int64_t kept = tokenizer.model_max_length() - 2;
   for (size_t i = 0; i < prompts.size(); ++i) {

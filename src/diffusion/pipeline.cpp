@@ -79,6 +79,45 @@ models::UNet load_unet_with_lora(const std::string& unet_dir, const std::string&
   return unet;
 }
 
+std::string resolve_unet_dir(const std::string& dir) {
+  if (fs::exists(fs::path(dir) / "model_index.json")) return (fs::path(dir) / "unet").string();
+  return dir;
+}
+
+torch::Tensor forward_from_tensors(models::UNetImpl& unet,
+                                   const std::map<std::string, torch::Tensor>& inputs,
+                                   const std::string& source) {
+  for (const auto& [name, t] : inputs) {
+    if (name != "sample" && name != "timestep" && name != "class_labels" &&
+        name != "encoder_hidden_states" && name != "timestep_cond" && name != "out") {
+      log::warn("{}: tensor \"{}\" is not an input of the UNet; ignored", source, name);
+    }
+  }
+  for (const char* required : {"sample", "timestep"}) {
+    if (!inputs.count(required)) {
+      throw Error(source + ": no tensor named \"" + required +
+                  "\"; expected sample [B,C,H,W], timestep [] or [B], and optionally "
+                  "class_labels [B], encoder_hidden_states [B,S,D]");
+    }
+  }
+  models::UNetConditioning cond;
+  auto take = [&](const char* name) {
+    auto it = inputs.find(name);
+    return it == inputs.end() ? torch::Tensor() : it->second;
+  };
+  cond.class_labels = take("class_labels");
+  cond.encoder_hidden_states = take("encoder_hidden_states");
+  cond.timestep_cond = take("timestep_cond");
+  torch::Tensor sample = inputs.at("sample");
+  if (!sample.is_floating_point()) {
+    throw Error(source + ": \"sample\" must be floating point, got " +
+                std::string(c10::toString(sample.scalar_type())));
+  }
+  unet.eval();
+  torch::NoGradGuard no_grad;
+  return unet.forward(sample.to(torch::kFloat32), inputs.at("timestep"), cond);
+}
+
 torch::Tensor sample_images(models::UNetImpl& unet, Sampler& scheduler, const SampleOptions& o) {
   const auto& cfg = unet.config();
   if (unet.needs_encoder_hidden_states()) {

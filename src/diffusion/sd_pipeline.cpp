@@ -81,6 +81,20 @@ StableDiffusionFolder resolve_stable_diffusion_folder(const std::string& dir) {
   return out;
 }
 
+std::string resolve_tokenizer_dir(const std::string& dir) {
+  if (!fs::is_directory(dir)) {
+    throw Error("--model '" + dir +
+                "' does not exist: give a Stable Diffusion pipeline folder (with tokenizer/) or a "
+                "tokenizer folder (with vocab.json)");
+  }
+  if (fs::exists(fs::path(dir) / "vocab.json")) return dir;
+  const auto sub = (fs::path(dir) / "tokenizer").string();
+  if (fs::is_directory(sub)) return sub;
+  throw Error("--model '" + dir +
+              "' has neither vocab.json nor a tokenizer/ folder: give a Stable Diffusion "
+              "pipeline folder or a CLIP tokenizer folder");
+}
+
 StableDiffusionFolder parse_model_index(const std::string& json_text,
                                         const std::string& index_path) {
   nlohmann::json index;

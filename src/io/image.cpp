@@ -385,4 +385,18 @@ torch::Tensor make_grid(const torch::Tensor& images, const std::vector<std::stri
   return grid;
 }
 
+torch::Tensor save_image_grid(const std::string& path, const torch::Tensor& images,
+                              const std::vector<std::string>& labels, int64_t columns,
+                              int64_t padding) {
+  if (!images.defined() || images.dim() != 4) {
+    throw Error("save_image_grid(" + path + "): images are " +
+                (images.defined() ? shape_str(images) : std::string("undefined")) +
+                ": expected float [K, H, W, C] in [0, 1] (Diffusers' output_type \"np\")");
+  }
+  torch::Tensor grid =
+      make_grid(to_uint8_images(images.permute({0, 3, 1, 2})), labels, columns, padding);
+  save_png(path, grid);
+  return grid;
+}
+
 }  // namespace difftrain::io

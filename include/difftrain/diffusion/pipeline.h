@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -32,6 +33,20 @@ PipelineFolder resolve_pipeline_folder(const std::string& dir);
 /// for other components (text encoders).
 models::UNet load_unet_with_lora(const std::string& unet_dir, const std::string& lora_path = "",
                                  double lora_scale = 1.0);
+
+/// The UNet folder of `dir`: dir/unet when `dir` is a pipeline folder (has model_index.json),
+/// else `dir` itself.
+std::string resolve_unet_dir(const std::string& dir);
+
+/// One UNet forward on named tensors, as `difftrain forward` runs it to compare a checkpoint
+/// with Diffusers: "sample" [B, C, H, W] (floating point, run in float32) and "timestep" ([] or
+/// [B]) are required; "class_labels" [B], "encoder_hidden_states" [B, S, D] and
+/// "timestep_cond" are passed when present; "out" is ignored silently and any other name with a
+/// warning. `source` names the tensors' file in messages. Eval mode, no grad. Returns the
+/// UNet's output [B, C_out, H, W].
+torch::Tensor forward_from_tensors(models::UNetImpl& unet,
+                                   const std::map<std::string, torch::Tensor>& inputs,
+                                   const std::string& source);
 
 /// Settings of one sampling run (DDPMPipeline / DDIMPipeline `__call__` arguments).
 struct SampleOptions {

@@ -48,4 +48,14 @@ torch::Tensor to_uint8_images(const torch::Tensor& images);
 torch::Tensor make_grid(const torch::Tensor& images, const std::vector<std::string>& labels = {},
                         int64_t columns = 0, int64_t padding = 2);
 
+/// Writes float images [K, H, W, C] in [0, 1] (channels last, Diffusers' output_type "np", as
+/// diffusion::generate() returns them) to `path` as one labelled PNG grid:
+/// make_grid(to_uint8_images(images.permute({0, 3, 1, 2})), labels, columns, padding), then
+/// save_png (atomic). Returns that grid, uint8 [H', W', 3], e.g. for a TensorBoard image
+/// (Trackers::log_image). The one grid writer of `difftrain sample` and the trainer's
+/// validation.
+torch::Tensor save_image_grid(const std::string& path, const torch::Tensor& images,
+                              const std::vector<std::string>& labels = {}, int64_t columns = 0,
+                              int64_t padding = 2);
+
 }  // namespace difftrain::io
