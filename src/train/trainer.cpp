@@ -1,36 +1,32 @@
+// The Trainer: the loop of `difftrain train`, read top to bottom in run():
+// prepare -> resume -> for each update (accumulate, step, log, checkpoint, validate) -> export.
+// What a model family adds (data, models, loss, validation renders, export) comes from its
+// TrainingTask.
 #include "difftrain/train/trainer.h"
 
+#include "checkpoint_files.h"
 #include "difftrain/accel/accelerator.h"
 #include "difftrain/accel/checkpoint_manifest.h"
 #include "difftrain/accel/trackers.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
-#include "difftrain/data/image_folder.h"
-#include "difftrain/data/mnist.h"
-#include "difftrain/data/sample_rng.h"
+#include "difftrain/data/data_loader.h"
 #include "difftrain/diffusion/ema.h"
-#include "difftrain/diffusion/noise_scheduler.h"
-#include "difftrain/diffusion/pipeline.h"
 #include "difftrain/distributed/process_group.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/image.h"
-#include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"
-#include "difftrain/models/lora_training.h"
-#include "difftrain/models/pretrained.h"
-#include "difftrain/models/unet.h"
 #include "difftrain/optim/adamw.h"
 #include "difftrain/optim/adamw8bit.h"
 #include "difftrain/optim/lr_schedule.h"
-#include "train_parts.h"
 
 #include <torch/torch.h>
 
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <cstdlib>
 #include <filesystem>
-#include <regex>
 
 namespace difftrain::train {
 namespace fs = std::filesystem;
@@ -74,256 +70,477 @@ std::string format_duration(double seconds) {
   return buf;
 }
 
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
 }  // namespace
 
-std::string latest_checkpoint(const std::string& output_dir) {
-  static const std::regex kName(R"(checkpoint-(\d+))");
-  std::vector<std::pair<int64_t, fs::path>> found;
-  std::error_code ec;
-  if (!fs::is_directory(output_dir, ec)) return "";
-  for (const auto& entry : fs::directory_iterator(output_dir, ec)) {
-    std::smatch m;
-    const std::string name = entry.path().filename().string();
-    // `checkpoint-<n>.tmp` (an unfinished save) never matches: a folder only gets its final name
-    // once complete (save_state renames it into place).
-    if (!entry.is_directory() || !std::regex_match(name, m, kName)) continue;
-    if (!fs::exists(entry.path() / "trainer_state.json")) continue;
-    found.emplace_back(std::stoll(m[1].str()), entry.path());
+struct Trainer::State {
+  TrainerOptions o;
+  std::unique_ptr<TrainingTask> task;
+  std::unique_ptr<accel::Accelerator> acc;
+  fs::path out_dir, log_dir;
+
+  std::shared_ptr<data::DataLoader> loader;
+  std::shared_ptr<optim::FlatOptimizer> raw_optimizer;
+  std::shared_ptr<accel::AcceleratedOptimizer> optimizer;
+  std::shared_ptr<optim::LRScheduler> lr_schedule;
+  std::shared_ptr<accel::AcceleratedScheduler> scheduler;
+  std::unique_ptr<diffusion::EMAModel> ema;
+  std::unique_ptr<accel::Trackers> trackers;  // main rank only
+
+  int64_t updates_per_epoch = 0;
+  int64_t total_steps = 0;
+  int64_t global_step = 0;
+  double last_loss = 0.0;
+  bool wrote_run_info = false;
+
+  // ------------------------------------------------------------------ setup
+  void make_accelerator() {
+    accel::AcceleratorOptions ao;
+    if (!o.mixed_precision.empty()) ao.mixed_precision = o.mixed_precision;
+    ao.gradient_accumulation_steps = o.gradient_accumulation_steps;
+    ao.seed = o.seed;
+    ao.sharding = o.sharding;
+    acc = std::make_unique<accel::Accelerator>(ao);
+    for (const auto& w : o.warnings) acc->print("warning: {}", w);
   }
-  std::sort(found.begin(), found.end(),
-            [](const auto& a, const auto& b) { return a.first > b.first; });
-  for (const auto& [step, path] : found) {
-    try {
-      accel::verify_checkpoint(path.string());
-      return path.string();
-    } catch (const Error& e) {
-      log::warn("resume_from_checkpoint latest: skipping {}: {}", path.string(), e.what());
+
+  // The run folder (rank 0's clock names it when not given) and its logs folder.
+  void make_output_folders() {
+    if (o.output_dir.empty()) {
+      auto stamp = torch::tensor({static_cast<int64_t>(std::time(nullptr))}, torch::kInt64);
+      stamp = acc->broadcast(stamp, 0);
+      std::time_t t = static_cast<std::time_t>(stamp.item<int64_t>());
+      char buf[32];
+      std::strftime(buf, sizeof buf, "%Y%m%d-%H%M%S", std::gmtime(&t));
+      o.output_dir = std::string("runs/") + buf;
     }
-  }
-  return "";
-}
-
-void remove_unfinished_checkpoints(const std::string& output_dir) {
-  static const std::regex kTemp(R"(checkpoint-\d+\.tmp)");
-  std::error_code ec;
-  if (!fs::is_directory(output_dir, ec)) return;
-  std::vector<fs::path> stale;
-  for (const auto& entry : fs::directory_iterator(output_dir, ec)) {
-    if (entry.is_directory() && std::regex_match(entry.path().filename().string(), kTemp))
-      stale.push_back(entry.path());
-  }
-  for (const auto& path : stale) {
-    log::warn("removing {}: an unfinished checkpoint left by an interrupted save", path.string());
-    fs::remove_all(path, ec);
-  }
-}
-
-TrainResult run_training(TrainConfig config) {
-  distributed::configure_threads();
-  accel::AcceleratorOptions acc_options;
-  if (!config.mixed_precision.empty()) acc_options.mixed_precision = config.mixed_precision;
-  acc_options.gradient_accumulation_steps = config.gradient_accumulation_steps;
-  acc_options.seed = config.seed;
-  // Sharding from the trainer's own options or config files; otherwise from `difftrain launch`
-  // (its --sharding_strategy / FSDP or DeepSpeed config reach the ranks as DIFFTRAIN_* variables).
-  if (config.sharding_strategy != "NO_SHARD" || !config.deepspeed_config.empty() ||
-      !config.accelerate_config_file.empty()) {
-    acc_options.sharding = config.sharding_options();
-  }
-  accel::Accelerator acc(acc_options);
-  const bool main = acc.is_main_process();
-  for (const auto& w : config.warnings) acc.print("warning: {}", w);
-
-  // ---------------------------------------------------------------- output folder
-  if (config.output_dir.empty()) {
-    // Every rank must agree on the folder: rank 0's clock decides.
-    auto stamp = torch::tensor({static_cast<int64_t>(std::time(nullptr))}, torch::kInt64);
-    stamp = acc.broadcast(stamp, 0);
-    std::time_t t = static_cast<std::time_t>(stamp.item<int64_t>());
-    char buf[32];
-    std::strftime(buf, sizeof buf, "%Y%m%d-%H%M%S", std::gmtime(&t));
-    config.output_dir = std::string("runs/") + buf;
-  }
-  const fs::path out_dir(config.output_dir);
-  const fs::path log_dir = fs::path(config.logging_dir).is_absolute()
-                               ? fs::path(config.logging_dir)
-                               : out_dir / config.logging_dir;
-  if (main) {
-    remove_unfinished_checkpoints(config.output_dir);
-    std::error_code ec;
-    fs::create_directories(log_dir, ec);
-    if (ec) {
-      // The logs folder is created first and lies inside output_dir unless --logging_dir is
-      // absolute: name the folder the user gave.
-      if (fs::path(config.logging_dir).is_absolute()) {
-        throw Error("cannot create --logging_dir '" + log_dir.string() + "': " + ec.message() +
-                    "; pass a writable --logging_dir");
+    out_dir = fs::path(o.output_dir);
+    log_dir =
+        fs::path(o.logging_dir).is_absolute() ? fs::path(o.logging_dir) : out_dir / o.logging_dir;
+    if (acc->is_main_process()) {
+      remove_unfinished_checkpoints(o.output_dir);
+      std::error_code ec;
+      fs::create_directories(log_dir, ec);
+      if (ec) {
+        // The logs folder is created first and lies inside output_dir unless --logging_dir is
+        // absolute: name the folder the user gave.
+        if (fs::path(o.logging_dir).is_absolute()) {
+          throw Error("cannot create --logging_dir '" + log_dir.string() + "': " + ec.message() +
+                      "; pass a writable --logging_dir");
+        }
+        throw Error("cannot create output_dir '" + out_dir.string() + "': " + ec.message() +
+                    "; pass a writable --output_dir");
       }
-      throw Error("cannot create output_dir '" + out_dir.string() + "': " + ec.message() +
-                  "; pass a writable --output_dir");
+    }
+    acc->wait_for_everyone();
+  }
+
+  // The task's models and data, then the loader, optimizer, LR schedule and EMA, prepared.
+  void prepare() {
+    task->build(*acc, o.output_dir);
+    auto trainable = task->trainable();
+
+    data::DataLoaderOptions lo;
+    lo.batch_size = o.train_batch_size;
+    lo.shuffle = true;
+    lo.num_workers = static_cast<int>(o.dataloader_num_workers);
+    lo.seed = o.seed;
+    loader = std::make_shared<data::DataLoader>(task->dataset(), lo);
+
+    double lr = o.learning_rate;
+    if (o.scale_lr) {
+      lr *= static_cast<double>(o.gradient_accumulation_steps * o.train_batch_size *
+                                acc->num_processes());
+    }
+    auto adam = torch::optim::AdamWOptions(lr)
+                    .betas({o.adam_beta1, o.adam_beta2})
+                    .weight_decay(o.adam_weight_decay)
+                    .eps(o.adam_epsilon);
+    std::vector<torch::Tensor> params;
+    std::vector<std::string> names;
+    for (const auto& p : trainable->named_parameters()) {
+      if (!p.value().requires_grad()) continue;
+      params.push_back(p.value());
+      names.push_back(p.key());
+    }
+    if (o.use_8bit_adam) {
+      raw_optimizer = std::make_shared<optim::AdamW8bit>(params, adam);
+    } else {
+      raw_optimizer = std::make_shared<optim::AdamW>(params, adam);
+    }
+    raw_optimizer->set_parameter_names(names);
+
+    acc->prepare_module(*trainable);
+    optimizer = acc->prepare_optimizer(raw_optimizer);
+    loader = acc->prepare_data_loader(loader);
+
+    const int64_t accumulation = o.gradient_accumulation_steps;
+    updates_per_epoch = (loader->size() + accumulation - 1) / accumulation;
+    total_steps =
+        o.max_train_steps > 0 ? o.max_train_steps : o.num_train_epochs * updates_per_epoch;
+
+    optim::LRScheduleOptions so;
+    so.name = o.lr_scheduler;
+    so.num_warmup_steps = o.lr_warmup_steps;
+    so.num_training_steps = total_steps;
+    so.num_cycles = o.lr_num_cycles;
+    so.power = o.lr_power;
+    lr_schedule = std::make_shared<optim::LRScheduler>(*raw_optimizer, so);
+    auto sched = lr_schedule;
+    scheduler =
+        acc->prepare_scheduler([sched] { sched->step(); }, [sched] { return sched->state_dict(); },
+                               [sched](const nlohmann::json& s) { sched->load_state_dict(s); });
+
+    if (o.use_ema) {
+      diffusion::EMAOptions eo;
+      eo.decay = o.ema_max_decay;
+      eo.use_ema_warmup = true;
+      eo.inv_gamma = o.ema_inv_gamma;
+      eo.power = o.ema_power;
+      auto full = acc->summon_full_params();
+      ema = std::make_unique<diffusion::EMAModel>(*trainable, eo);
     }
   }
-  acc.wait_for_everyone();
 
-  // ---------------------------------------------------------------- data, model, objective
-  TrainParts parts = build_parts(config, acc);
-
-  std::string resume_dir;
-  if (!config.resume_from_checkpoint.empty()) {
-    resume_dir = config.resume_from_checkpoint == "latest" ? latest_checkpoint(config.output_dir)
-                                                           : config.resume_from_checkpoint;
-    if (resume_dir.empty()) {
-      acc.print("resume_from_checkpoint latest: no checkpoint in {}; starting a new run",
-                config.output_dir);
-    } else if (!fs::exists(resume_dir)) {
-      throw Error("resume_from_checkpoint '" + resume_dir +
+  // The checkpoint folder to resume from ("" = a new run).
+  std::string resume_dir() const {
+    if (o.resume_from_checkpoint.empty()) return "";
+    const std::string dir = o.resume_from_checkpoint == "latest" ? latest_checkpoint(o.output_dir)
+                                                                 : o.resume_from_checkpoint;
+    if (dir.empty()) {
+      acc->print("resume_from_checkpoint latest: no checkpoint in {}; starting a new run",
+                 o.output_dir);
+    } else if (!fs::exists(dir)) {
+      throw Error("resume_from_checkpoint '" + dir +
                   "' does not exist; pass a checkpoint-<step> folder of an earlier run, or "
                   "latest (the newest one in --output_dir)");
-    } else if (!fs::exists(fs::path(resume_dir) / "trainer_state.json")) {
-      throw Error("resume_from_checkpoint '" + resume_dir +
+    } else if (!fs::exists(fs::path(dir) / "trainer_state.json")) {
+      throw Error("resume_from_checkpoint '" + dir +
                   "' is not a complete difftrain checkpoint (no trainer_state.json); pass a "
                   "checkpoint-<step> folder or latest");
     }
+    return dir;
   }
 
-  print_run_header(config, acc, parts);
-
-  int64_t global_step = 0;
-  if (!resume_dir.empty()) {
-    global_step = load_checkpoint(resume_dir, config, acc, parts);
-    acc.print("resumed from {} at step {} (epoch {}, batch {})", resume_dir, global_step,
-              parts.loader->state().epoch, parts.loader->state().batches_consumed);
+  void print_header() const {
+    if (!acc->is_main_process()) return;
+    log::info("difftrain train: resolved configuration\n{}", o.config.dump(2));
+    log::info(
+        "  examples {} | classes {} | processes {} on {} ({}) | batch per process {} | "
+        "accumulation {} | global batch {}",
+        task->dataset()->size(), task->num_classes(), acc->num_processes(), acc->device().str(),
+        acc->group().backend_name(), o.train_batch_size, o.gradient_accumulation_steps,
+        o.train_batch_size * acc->num_processes() * o.gradient_accumulation_steps);
+    log::info("  updates per epoch {} | total updates {} | {}", updates_per_epoch, total_steps,
+              task->parameter_summary());
   }
 
-  std::unique_ptr<accel::Trackers> trackers;
-  if (main) {
-    std::optional<int64_t> resume_step;
-    if (!resume_dir.empty()) resume_step = global_step;
-    trackers = accel::make_trackers(config.report_to, log_dir.string(),
-                                    (out_dir / "metrics.jsonl").string(), resume_step);
-  }
-
-  // ---------------------------------------------------------------- the loop
-  StopSignals signals;
-  const int64_t total = parts.total_steps;
-  const int64_t world = acc.num_processes();
-  const int64_t global_batch = config.train_batch_size * world * config.gradient_accumulation_steps;
-  auto window_start = std::chrono::steady_clock::now();
-  const auto run_start = window_start;
-  const int64_t first_step = global_step;
-  int64_t window_steps = 0;
-  double window_loss = 0.0;
-  double micro_loss = 0.0;
-  int64_t micro_count = 0;
-  double last_loss = 0.0;
-  bool wrote_run_info = false;
-  bool stopped = false;
-  auto trainable = parts.trainable->parameters();
-
-  while (global_step < total && !stopped) {
-    const int64_t epoch = parts.loader->state().epoch;
-    parts.set_epoch(epoch);
-    parts.trainable->train();
-    for (const auto& batch : *parts.loader) {
-      auto micro = acc.accumulate();
-      torch::Tensor loss;
-      {
-        auto autocast = acc.autocast();
-        loss = training_loss(config, parts, batch, epoch, acc.device());
+  // ------------------------------------------------------------------ checkpoints
+  void save_checkpoint() {
+    const std::string dir = (out_dir / ("checkpoint-" + std::to_string(global_step))).string();
+    acc->save_state(dir, [&](const std::string& temp) {
+      if (!acc->is_main_process()) return;
+      task->write_to_checkpoint(temp);
+      if (ema) {
+        io::save_safetensors((fs::path(temp) / "ema.safetensors").string(), ema->state_tensors(),
+                             {{"format", "pt"}});
+        io::write_file_atomic((fs::path(temp) / "ema.json").string(),
+                              ema->state_meta().dump(2) + "\n");
       }
-      acc.backward(loss);
-      micro_loss += loss.item<double>();
-      ++micro_count;
-      double grad_norm = std::numeric_limits<double>::quiet_NaN();
-      if (acc.sync_gradients()) {
-        if (config.max_grad_norm > 0) {
-          grad_norm = acc.clip_grad_norm_(trainable, config.max_grad_norm);
-        } else {
-          grad_norm = acc.clip_grad_norm_(trainable, std::numeric_limits<double>::infinity());
-        }
+      // Fault injection for the tests: die in the middle of this save.
+      if (const char* kill_at = std::getenv("DIFFTRAIN_FAULT_KILL_IN_SAVE");
+          kill_at != nullptr && std::to_string(global_step) == kill_at) {
+        std::raise(SIGKILL);
       }
-      const double lr_used = parts.current_lr();
-      parts.optimizer->step();
-      parts.scheduler->step();
-      parts.optimizer->zero_grad();
-      if (!acc.sync_gradients()) continue;
-
-      ++global_step;
-      if (parts.ema) {
-        // The EMA reads every parameter: gathered for it under FULL_SHARD.
-        auto full = acc.summon_full_params();
-        parts.ema->step(*parts.trainable);
-      }
-      // One small all-reduce per update: the loss over every rank, and whether any rank was
-      // asked to stop (the launcher signals every rank, but they must stop at the same step).
-      auto agreed = torch::tensor({micro_loss / std::max<int64_t>(micro_count, 1),
-                                   static_cast<double>(g_stop_signal.load() != 0)},
-                                  torch::kFloat64);
-      agreed = acc.reduce(agreed, "sum");
-      last_loss = agreed[0].item<double>() / static_cast<double>(world);
-      stopped = agreed[1].item<double>() > 0;
-      micro_loss = 0.0;
-      micro_count = 0;
-      window_loss += last_loss;
-      ++window_steps;
-
-      if (!wrote_run_info) {
-        write_run_info(config, acc, parts, log_dir);
-        wrote_run_info = true;
-      }
-      if (trackers) {
-        std::map<std::string, double> scalars = {
-            {"loss", last_loss}, {"lr", lr_used}, {"grad_norm", grad_norm}};
-        const double elapsed =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
-        scalars["samples_per_second"] =
-            static_cast<double>((global_step - first_step) * global_batch) /
-            std::max(elapsed, 1e-9);
-        if (acc.mixed_precision() == accel::MixedPrecision::kFp16) {
-          scalars["loss_scale"] = acc.loss_scale();
-        }
-        if (parts.ema) scalars["ema_decay"] = parts.ema->cur_decay_value();
-        trackers->log_scalars(scalars, global_step);
-      }
-      if (main && (global_step % config.logging_steps == 0 || global_step == total)) {
-        const auto now = std::chrono::steady_clock::now();
-        const double seconds = std::chrono::duration<double>(now - window_start).count();
-        const double its = window_steps / std::max(seconds, 1e-9);
-        spdlog::info(
-            "step {}/{} | {:.2f} it/s | {:.1f} samples/s | loss {:.4f} | lr {:.2e} | ETA {}",
-            global_step, total, its, its * global_batch, window_loss / window_steps, lr_used,
-            format_duration((total - global_step) / its));
-        window_start = now;
-        window_steps = 0;
-        window_loss = 0.0;
-      }
-      const bool last = global_step >= total;
-      if (stopped || (config.checkpointing_steps > 0 &&
-                      global_step % config.checkpointing_steps == 0 && !last)) {
-        save_checkpoint(config, acc, parts, global_step);
-      }
-      if (!stopped && config.validation_steps > 0 && global_step % config.validation_steps == 0 &&
-          !last) {
-        run_validation(config, acc, parts, global_step, trackers.get());
-        parts.trainable->train();
-      }
-      if (last || stopped) break;
+      nlohmann::json state = {{"global_step", global_step},
+                              {"num_processes", acc->num_processes()},
+                              {"config", o.config}};
+      // Written last: its presence marks a complete checkpoint.
+      io::write_file_atomic((fs::path(temp) / "trainer_state.json").string(), state.dump(2) + "\n");
+    });
+    acc->print("saved checkpoint {}", dir);
+    if (acc->is_main_process() && o.checkpoints_total_limit) {
+      rotate_checkpoints(o.output_dir, *o.checkpoints_total_limit);
     }
+    acc->wait_for_everyone();
   }
 
-  if (stopped) {
-    if (trackers) trackers->flush();
-    throw Error("training interrupted by a signal at step " + std::to_string(global_step) +
-                "; checkpoint saved, continue with --resume_from_checkpoint latest");
+  // Restores a checkpoint into global_step and every prepared object.
+  void load_checkpoint(const std::string& dir) {
+    const fs::path root(dir);
+    // Every file (trainer_state.json and EMA included) against checksums.json, once, up front.
+    accel::verify_checkpoint(dir);
+    nlohmann::json state;
+    const std::string state_path = (root / "trainer_state.json").string();
+    try {
+      state = nlohmann::json::parse(io::read_file(state_path));
+    } catch (const nlohmann::json::exception& e) {
+      throw Error("'" + state_path + "' is not valid JSON (" + e.what() + ")");
+    }
+    const auto& now = o.config;
+    const auto& saved = state.at("config");
+    for (const auto& key : o.structural_keys) {
+      if (saved.contains(key) && saved[key] != now[key]) {
+        throw Error("cannot resume from " + dir + ": it was trained with --" + key + " " +
+                    saved[key].dump() + " but this run has " + now[key].dump() +
+                    "; use the same value or start a new --output_dir");
+      }
+    }
+    for (const auto& key : o.exactness_keys) {
+      if (saved.contains(key) && saved[key] != now[key]) {
+        acc->print(
+            "warning: resuming with --{} {} (checkpoint: {}); the run will not match an "
+            "uninterrupted one exactly",
+            key, now[key].dump(), saved[key].dump());
+      }
+    }
+    acc->load_state(dir, /*verify=*/false);
+    if (ema) {
+      const auto meta_path = (root / "ema.json").string();
+      if (!fs::exists(meta_path)) throw Error("cannot resume EMA: " + meta_path + " is missing");
+      ema->load_state(nlohmann::json::parse(io::read_file(meta_path)),
+                      io::load_safetensors((root / "ema.safetensors").string()).tensors,
+                      (root / "ema.safetensors").string());
+    }
+    global_step = state.at("global_step").get<int64_t>();
   }
-  if (!wrote_run_info) write_run_info(config, acc, parts, log_dir);
-  save_checkpoint(config, acc, parts, global_step);
-  run_validation(config, acc, parts, global_step, trackers.get());
-  export_final(config, acc, parts);
-  if (trackers) trackers->flush();
-  acc.print("done: {} updates, final loss {:.4f}, output in {}", global_step, last_loss,
-            config.output_dir);
-  return {config.output_dir, global_step, last_loss};
+
+  // ------------------------------------------------------------------ logs
+  void write_run_info() {
+    // Measured by the Accelerator: what this rank holds (shards under sharding), plus the frozen
+    // weights the task keeps outside it.
+    const auto mem = acc->memory();
+    const int64_t frozen = mem.frozen_param_bytes + task->frozen_bytes();
+    nlohmann::json info = {
+        {"config", o.config},
+        {"rank", acc->process_index()},
+        {"world_size", acc->num_processes()},
+        {"threads", at::get_num_threads()},
+        {"device", acc->device().str()},
+        {"versions", {{"difftrain", DIFFTRAIN_VERSION}, {"libtorch", TORCH_VERSION}}},
+        {"examples", task->dataset()->size()},
+        {"total_steps", total_steps},
+        {"state_bytes",
+         {{"param_bytes", mem.param_bytes},
+          {"param_peak_bytes", mem.param_peak_bytes},
+          {"grad_bytes", mem.grad_bytes},
+          {"grad_peak_bytes", mem.grad_peak_bytes},
+          {"optimizer_bytes", mem.optimizer_bytes},
+          {"frozen_param_bytes", frozen}}},
+        {"sharding", accel::to_string(acc->sharding().strategy)}};
+    std::error_code ec;
+    fs::create_directories(log_dir, ec);
+    io::write_file_atomic(
+        (log_dir / ("run_info.rank" + std::to_string(acc->process_index()) + ".json")).string(),
+        info.dump(2) + "\n");
+    wrote_run_info = true;
+  }
+
+  // ------------------------------------------------------------------ validation
+  // num_validation_images split across ranks (no rank waits idle in a collective while rank 0
+  // samples), rendered with the EMA weights when EMA is on, gathered into one grid on the main
+  // rank: samples/step-<step>.png and a TensorBoard image.
+  void validate() {
+    const int64_t K = o.num_validation_images;
+    if (K == 0) return;
+    const std::string unavailable = task->validation_unavailable();
+    if (!unavailable.empty()) {
+      acc->print("validation skipped: {}", unavailable);
+      return;
+    }
+    std::vector<int64_t> all(K);
+    for (int64_t i = 0; i < K; ++i) all[i] = i;
+    const auto mine = acc->split_between_processes(all, /*apply_padding=*/true);
+    const auto range = acc->split_range(K);
+    auto trainable = task->trainable();
+    auto full = acc->summon_full_params();  // sampling and the EMA swap read every parameter
+    if (ema) ema->store(*trainable), ema->copy_to(*trainable);
+    torch::Tensor images;  // [k, H, W, C]
+    {
+      // Under bf16 the frozen LoRA base is bf16 and the adapters fp32: autocast joins them.
+      auto autocast = acc->autocast();
+      images = task->render_validation(mine, range.first).images;
+    }
+    if (ema) ema->restore(*trainable);
+    trainable->train();
+    auto gathered = acc->gather(images.contiguous());
+    if (!acc->is_main_process()) return;
+    // Each rank's block is its range padded to the same length; keep the real images in order.
+    const auto per_rank = static_cast<int64_t>(mine.size());
+    std::vector<torch::Tensor> keep;
+    for (int r = 0; r < acc->num_processes(); ++r) {
+      const int64_t count = K / acc->num_processes() + (r < K % acc->num_processes() ? 1 : 0);
+      if (count > 0) keep.push_back(gathered.narrow(0, r * per_rank, count));
+    }
+    const fs::path dir = out_dir / "samples";
+    fs::create_directories(dir);
+    char name[64];
+    std::snprintf(name, sizeof name, "step-%06lld.png", static_cast<long long>(global_step));
+    auto grid = io::save_image_grid((dir / name).string(), torch::cat(keep),
+                                    task->validation_labels(K), task->validation_columns());
+    if (trackers) trackers->log_image("validation", grid, global_step);
+    log::info("validation samples{}: {}", task->validation_note(), (dir / name).string());
+  }
+
+  // ------------------------------------------------------------------ export
+  void export_final() {
+    auto full = acc->summon_full_params();
+    if (acc->is_main_process()) {
+      if (ema) ema->copy_to(*task->trainable());  // the export uses EMA weights
+      task->export_to(out_dir);
+    }
+    acc->wait_for_everyone();
+  }
+
+  // ------------------------------------------------------------------ the loop
+  TrainResult train() {
+    StopSignals signals;
+    const int64_t world = acc->num_processes();
+    const int64_t global_batch = o.train_batch_size * world * o.gradient_accumulation_steps;
+    auto window_start = Clock::now();
+    const auto run_start = window_start;
+    const int64_t first_step = global_step;
+    int64_t window_steps = 0;
+    double window_loss = 0.0, micro_loss = 0.0;
+    int64_t micro_count = 0;
+    bool stopped = false;
+    auto trainable = task->trainable();
+    auto params = trainable->parameters();
+
+    while (global_step < total_steps && !stopped) {
+      const int64_t epoch = loader->state().epoch;
+      task->set_epoch(epoch);
+      trainable->train();
+      for (const auto& batch : *loader) {
+        // accumulate: one micro-batch's forward and backward
+        auto micro = acc->accumulate();
+        torch::Tensor loss;
+        {
+          auto autocast = acc->autocast();
+          loss = task->loss(batch, epoch, acc->device());
+        }
+        acc->backward(loss);
+        micro_loss += loss.item<double>();
+        ++micro_count;
+        // step: clip (the norm is logged even without clipping), update, schedule
+        double grad_norm = std::numeric_limits<double>::quiet_NaN();
+        if (acc->sync_gradients()) {
+          grad_norm = acc->clip_grad_norm_(params, o.max_grad_norm > 0
+                                                       ? o.max_grad_norm
+                                                       : std::numeric_limits<double>::infinity());
+        }
+        const double lr_used = lr_schedule->get_last_lr().at(0);
+        optimizer->step();
+        scheduler->step();
+        optimizer->zero_grad();
+        if (!acc->sync_gradients()) continue;
+
+        ++global_step;
+        if (ema) {
+          // The EMA reads every parameter: gathered for it under FULL_SHARD.
+          auto full = acc->summon_full_params();
+          ema->step(*trainable);
+        }
+        // One small all-reduce per update: the loss over every rank, and whether any rank was
+        // asked to stop (the launcher signals every rank, but they must stop at the same step).
+        auto agreed = torch::tensor({micro_loss / std::max<int64_t>(micro_count, 1),
+                                     static_cast<double>(g_stop_signal.load() != 0)},
+                                    torch::kFloat64);
+        agreed = acc->reduce(agreed, "sum");
+        last_loss = agreed[0].item<double>() / static_cast<double>(world);
+        stopped = agreed[1].item<double>() > 0;
+        micro_loss = 0.0;
+        micro_count = 0;
+        window_loss += last_loss;
+        ++window_steps;
+
+        // log
+        if (!wrote_run_info) write_run_info();
+        if (trackers) {
+          std::map<std::string, double> scalars = {
+              {"loss", last_loss}, {"lr", lr_used}, {"grad_norm", grad_norm}};
+          scalars["samples_per_second"] =
+              static_cast<double>((global_step - first_step) * global_batch) /
+              std::max(seconds_since(run_start), 1e-9);
+          if (acc->mixed_precision() == accel::MixedPrecision::kFp16) {
+            scalars["loss_scale"] = acc->loss_scale();
+          }
+          if (ema) scalars["ema_decay"] = ema->cur_decay_value();
+          trackers->log_scalars(scalars, global_step);
+        }
+        if (acc->is_main_process() &&
+            (global_step % o.logging_steps == 0 || global_step == total_steps)) {
+          const double its = window_steps / std::max(seconds_since(window_start), 1e-9);
+          log::info(
+              "step {}/{} | {:.2f} it/s | {:.1f} samples/s | loss {:.4f} | lr {:.2e} | ETA {}",
+              global_step, total_steps, its, its * global_batch, window_loss / window_steps,
+              lr_used, format_duration((total_steps - global_step) / its));
+          window_start = Clock::now();
+          window_steps = 0;
+          window_loss = 0.0;
+        }
+        // checkpoint, validate (the last step's come after the loop)
+        const bool last = global_step >= total_steps;
+        if (stopped ||
+            (o.checkpointing_steps > 0 && global_step % o.checkpointing_steps == 0 && !last)) {
+          save_checkpoint();
+        }
+        if (!stopped && o.validation_steps > 0 && global_step % o.validation_steps == 0 && !last) {
+          validate();
+          trainable->train();
+        }
+        if (last || stopped) break;
+      }
+    }
+
+    if (stopped) {
+      if (trackers) trackers->flush();
+      throw Error("training interrupted by a signal at step " + std::to_string(global_step) +
+                  "; checkpoint saved, continue with --resume_from_checkpoint latest");
+    }
+    if (!wrote_run_info) write_run_info();
+    save_checkpoint();
+    validate();
+    export_final();
+    if (trackers) trackers->flush();
+    acc->print("done: {} updates, final loss {:.4f}, output in {}", global_step, last_loss,
+               o.output_dir);
+    return {o.output_dir, global_step, last_loss};
+  }
+};
+
+Trainer::Trainer(TrainerOptions options, std::unique_ptr<TrainingTask> task)
+    : s_(std::make_unique<State>()) {
+  s_->o = std::move(options);
+  s_->task = std::move(task);
+}
+
+Trainer::~Trainer() = default;
+
+TrainResult Trainer::run() {
+  State& s = *s_;
+  distributed::configure_threads();
+  s.make_accelerator();
+  s.make_output_folders();
+  s.prepare();
+  const std::string resume_dir = s.resume_dir();
+  s.print_header();
+  if (!resume_dir.empty()) {
+    s.load_checkpoint(resume_dir);
+    s.acc->print("resumed from {} at step {} (epoch {}, batch {})", resume_dir, s.global_step,
+                 s.loader->state().epoch, s.loader->state().batches_consumed);
+  }
+  if (s.acc->is_main_process()) {
+    std::optional<int64_t> resume_step;
+    if (!resume_dir.empty()) resume_step = s.global_step;
+    s.trackers = accel::make_trackers(s.o.report_to, s.log_dir.string(),
+                                      (s.out_dir / "metrics.jsonl").string(), resume_step);
+  }
+  return s.train();
 }
 
 }  // namespace difftrain::train

@@ -1,13 +1,65 @@
 #pragma once
 // `difftrain train`: the ready-made trainer (Diffusers' train_unconditional.py and
-// train_text_to_image_lora.py on the Accelerator). One call runs a whole training job on the
-// process group of `difftrain launch` (or a single process). See docs/TRAINING.md.
+// train_text_to_image_lora.py on the Accelerator). The Trainer owns the loop (prepare -> resume ->
+// for each update: accumulate, step, log, checkpoint, validate -> export); a TrainingTask
+// (training_task.h) supplies what is specific to a model family. See docs/TRAINING.md and
+// docs/ARCHITECTURE.md.
+#include "difftrain/accel/sharding.h"
 #include "difftrain/train/train_config.h"
+#include "difftrain/train/training_task.h"
+
+#include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 namespace difftrain::train {
+
+/// The loop's settings: made once from a TrainConfig by trainer_options().
+struct TrainerOptions {
+  // Accelerator
+  std::string mixed_precision;  ///< "" = the launcher's / environment's
+  int64_t gradient_accumulation_steps = 1;
+  uint64_t seed = 0;
+  std::optional<accel::ShardingOptions> sharding;  ///< unset: from `difftrain launch`
+  // data loader
+  int64_t train_batch_size = 16;  ///< per process
+  int64_t dataloader_num_workers = 0;
+  // optimizer and schedule
+  double learning_rate = 1e-3;
+  bool scale_lr = false;  ///< times accumulation x batch x processes
+  bool use_8bit_adam = false;
+  double adam_beta1 = 0.95, adam_beta2 = 0.999, adam_weight_decay = 1e-6, adam_epsilon = 1e-8;
+  double max_grad_norm = 1.0;  ///< <= 0: no clipping (the norm is still logged)
+  std::string lr_scheduler = "cosine";
+  int64_t lr_warmup_steps = 100;
+  double lr_num_cycles = 1.0;
+  double lr_power = 1.0;
+  int64_t max_train_steps = 1200;  ///< 0 = num_train_epochs decides
+  int64_t num_train_epochs = 1;
+  // EMA (Diffusers' EMAModel with warmup)
+  bool use_ema = true;
+  double ema_max_decay = 0.9999, ema_inv_gamma = 1.0, ema_power = 0.75;
+  // outputs
+  std::string output_dir;  ///< "" = runs/<UTC time>
+  std::string logging_dir = "logs";
+  std::string report_to = "all";
+  int64_t logging_steps = 20;
+  int64_t checkpointing_steps = 400;  ///< 0 = only at the end
+  std::optional<int64_t> checkpoints_total_limit;
+  std::string resume_from_checkpoint;  ///< a checkpoint folder or "latest"
+  int64_t validation_steps = 400;      ///< 0 = only at the end
+  int64_t num_validation_images = 20;
+  /// The resolved run configuration: printed first, stored in run_info and every checkpoint.
+  nlohmann::json config;
+  /// Keys of `config` a resume must not change (refused), and keys whose change only breaks
+  /// bit-exact continuation (a warning).
+  std::vector<std::string> structural_keys, exactness_keys;
+  std::vector<std::string> warnings;  ///< printed at start
+};
 
 /// What a finished run produced.
 struct TrainResult {
@@ -16,12 +68,31 @@ struct TrainResult {
   double last_loss = 0.0;   ///< mean loss of the last update over every rank
 };
 
-/// Runs the training job `config` describes: builds the dataset, the UNet (fresh, pretrained, or
-/// pretrained with LoRA adapters), the optimizer, LR schedule, noise scheduler and EMA, prepares
-/// them on an Accelerator, resumes if asked, trains to max_train_steps (or num_train_epochs),
-/// checkpoints, validates, logs, and exports the final pipeline folder or LoRA file. Every rank
-/// calls it. Throws difftrain::Error for bad input (before any training where it can be known)
-/// and when interrupted by SIGINT/SIGTERM (after writing a checkpoint).
+/// The loop's settings from a validated TrainConfig (the one place flags become options).
+TrainerOptions trainer_options(const TrainConfig& config);
+/// The task's settings from a validated TrainConfig.
+TaskOptions task_options(const TrainConfig& config);
+
+/// Runs a training job: every rank constructs one and calls run().
+class Trainer {
+ public:
+  Trainer(TrainerOptions options, std::unique_ptr<TrainingTask> task);
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  /// Builds the Accelerator and the task, prepares, resumes if asked, trains to max_train_steps
+  /// (or num_train_epochs), checkpoints, validates, logs, and exports. Throws difftrain::Error
+  /// for bad input (before any training where it can be known) and when interrupted by
+  /// SIGINT/SIGTERM (after writing a checkpoint).
+  TrainResult run();
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
+/// Runs the training job `config` describes (Trainer + make_training_task). Every rank calls it.
 TrainResult run_training(TrainConfig config);
 
 /// The newest complete checkpoint-<step> folder under `output_dir` that verifies against its

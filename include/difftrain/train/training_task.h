@@ -1,0 +1,175 @@
+#pragma once
+// What differs between model families in `difftrain train`: the dataset and its collation, the
+// models to build or load and which of them train, the loss of a batch, validation renders and
+// the export. The Trainer (trainer.h) owns the loop, the optimizer, the schedules, EMA,
+// checkpoints and logs, and talks to the model family only through a TrainingTask.
+//
+// Two tasks exist today, chosen once from the options (make_training_task):
+//   - unconditional / class-conditional UNet (Diffusers' train_unconditional.py), and
+//   - Stable-Diffusion text-to-image, LoRA and DreamBooth (train_text_to_image(_lora).py,
+//     train_dreambooth_lora.py).
+// A new family (SDXL, a flow-matching transformer) is one more TrainingTask. See
+// docs/ARCHITECTURE.md.
+
+#include "difftrain/accel/accelerator.h"
+#include "difftrain/data/dataset.h"
+
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace difftrain::train {
+
+/// The training data (Diffusers' --dataset_name/--train_data_dir and preprocessing flags).
+struct DataOptions {
+  std::string dataset = "fashion_mnist";  ///< fashion_mnist | mnist | imagefolder
+  std::string train_data_dir;             ///< "" = the dataset's default folder
+  int64_t resolution = 32;
+  bool center_crop = false;
+  bool random_flip = false;
+  bool skip_bad_images = false;
+  std::string caption_column = "text";  ///< metadata.jsonl field holding a caption
+  std::optional<int64_t> only_class;    ///< MNIST-like data: one class only
+  int64_t max_train_samples = 0;        ///< 0 = all
+  uint64_t seed = 0;                    ///< augmentation streams
+};
+
+/// The model to train: a fresh UNet (built-in or --model_config_name_or_path) or a pretrained
+/// Diffusers folder.
+struct ModelOptions {
+  std::string pretrained_model_name_or_path;
+  std::string model_config_name_or_path;
+  std::string variant;                    ///< weights variant, e.g. fp16
+  std::optional<bool> class_conditional;  ///< default: when the dataset has labels
+  double class_dropout_prob = 0.0;        ///< labels replaced by the null class
+  bool gradient_checkpointing = false;
+};
+
+/// The denoising objective (noise scheduler and loss flags of Diffusers' scripts).
+struct NoiseOptions {
+  std::string prediction_type = "epsilon";  ///< epsilon | v_prediction | sample
+  int64_t ddpm_num_steps = 1000;            ///< when the pretrained folder has no scheduler
+  std::string ddpm_beta_schedule = "linear";
+  std::optional<double> snr_gamma;  ///< min-SNR weighting
+  double noise_offset = 0.0;
+  double input_perturbation = 0.0;
+  uint64_t seed = 0;  ///< per-sample noise / timestep streams
+};
+
+/// LoRA fine-tuning (PEFT LoraConfig on the UNet, and on the text encoder with
+/// train_text_encoder).
+struct LoraOptions {
+  bool enabled = false;
+  int64_t rank = 4;
+  double alpha = 4.0;
+  double dropout = 0.0;
+  std::vector<std::string> target_modules = {"to_q", "to_k", "to_v", "to_out.0"};
+  std::string format = "diffusers";  ///< diffusers | peft | kohya (the exported file)
+  bool train_text_encoder = false;
+  std::vector<std::string> text_encoder_target_modules;
+};
+
+/// Validation renders.
+struct ValidationOptions {
+  int64_t num_images = 20;
+  int64_t inference_steps = 50;
+  double guidance_scale = 1.0;
+  std::string scheduler = "ddim";  ///< sampler name (diffusion::sampler_names())
+  std::string prompt;              ///< text-to-image only ("" = no validation renders)
+  std::string negative_prompt;
+  uint64_t seed = 0;
+};
+
+/// Text-to-image and DreamBooth options.
+struct TextOptions {
+  std::string instance_prompt;  ///< one caption for every image
+  bool with_prior_preservation = false;
+  std::string class_data_dir;
+  std::string class_prompt;
+  double prior_loss_weight = 1.0;
+  int64_t num_class_images = 100;
+  bool cache_latents = false;
+  std::string cache_dir;  ///< "" = <output_dir>/cache
+  int64_t clip_skip = 1;  ///< kohya numbering: 1 = last layer
+};
+
+/// Everything a task is built from; made once from a TrainConfig by task_options().
+struct TaskOptions {
+  DataOptions data;
+  ModelOptions model;
+  NoiseOptions noise;
+  LoraOptions lora;
+  ValidationOptions validation;
+  TextOptions text;
+  int64_t encode_batch_size = 16;  ///< images per VAE call when caching latents
+};
+
+/// This rank's share of a validation grid.
+struct ValidationImages {
+  torch::Tensor images;  ///< [k, H, W, C] float32 in [0, 1]
+};
+
+/// One model family's side of a training run. The Trainer calls, in order: build() on every
+/// rank, then loss() for every micro-batch, render_validation() when validating,
+/// write_to_checkpoint() inside each save, and export_to() at the end.
+class TrainingTask {
+ public:
+  virtual ~TrainingTask() = default;
+
+  /// Short name for logs ("unconditional", "text-to-image").
+  virtual std::string name() const = 0;
+
+  /// Builds or loads the models on acc.device() (frozen ones in bf16 under bf16 mixed
+  /// precision), the dataset, and what trains (the UNet, or LoRA adapters). Every rank calls it;
+  /// it may use collectives (e.g. to split class-image generation). Throws difftrain::Error for
+  /// bad input.
+  /// `output_dir` is the run's folder (caches default to a folder under it).
+  virtual void build(accel::Accelerator& acc, const std::string& output_dir) = 0;
+
+  /// The training examples (each carries "index" and the tensors loss() reads).
+  virtual std::shared_ptr<data::Dataset> dataset() const = 0;
+  /// Sets the augmentation epoch of the dataset.
+  virtual void set_epoch(int64_t epoch) = 0;
+  /// Labels of the dataset (0: unlabelled); for the run header.
+  virtual int64_t num_classes() const { return 0; }
+
+  /// What is trained, prepared by the Accelerator, optimised and checkpointed.
+  virtual std::shared_ptr<torch::nn::Module> trainable() const = 0;
+  /// The run header's parameter count, e.g. "parameters 1234 (trainable 56, LoRA)".
+  virtual std::string parameter_summary() const = 0;
+  /// Bytes held by frozen weights the Accelerator does not prepare (run_info.json).
+  virtual int64_t frozen_bytes() const = 0;
+
+  /// The loss of one micro-batch (a scalar), under the Accelerator's autocast. `epoch` keys the
+  /// per-sample random streams.
+  virtual torch::Tensor loss(const data::Batch& batch, int64_t epoch, torch::Device device) = 0;
+
+  /// Why this run cannot render validation images ("" when it can).
+  virtual std::string validation_unavailable() const { return ""; }
+  /// Renders images `mine` (indices into 0..K-1; `begin` is the first index of this rank's
+  /// range) with the current weights. Every rank calls it with its share.
+  virtual ValidationImages render_validation(const std::vector<int64_t>& mine, int64_t begin) = 0;
+  /// Labels of the K images of a validation grid, and its columns (0: about square).
+  virtual std::vector<std::string> validation_labels(int64_t K) const = 0;
+  virtual int64_t validation_columns() const { return 0; }
+  /// What the validation log line adds after "validation samples" (e.g. the prompt).
+  virtual std::string validation_note() const { return ""; }
+
+  /// Adds the task's files (e.g. config.json) to a checkpoint being written in `dir`; called on
+  /// the main rank inside Accelerator::save_state.
+  virtual void write_to_checkpoint(const std::filesystem::path& dir) const = 0;
+  /// Writes the final artefact (a Diffusers pipeline folder or a LoRA file) into `out_dir`,
+  /// weights already holding the EMA average when EMA is used. Main rank only.
+  virtual void export_to(const std::filesystem::path& out_dir) = 0;
+};
+
+/// The task `options` describe: text-to-image when pretrained_model_name_or_path is a Stable
+/// Diffusion folder, else the UNet task. Nothing is loaded until build().
+std::unique_ptr<TrainingTask> make_training_task(const TaskOptions& options);
+
+}  // namespace difftrain::train

@@ -1,0 +1,191 @@
+// What the diffusion tasks share: noise scheduler, LoRA, the denoising loss, checkpoint config
+// files and the LoRA export.
+#include "diffusion_task.h"
+
+#include "difftrain/core/error.h"
+#include "difftrain/core/log.h"
+#include "difftrain/data/sample_rng.h"
+#include "difftrain/diffusion/scheduler_config.h"
+#include "difftrain/diffusion/sd_pipeline.h"
+#include "difftrain/io/atomic_file.h"
+#include "difftrain/io/lora_format.h"
+
+#include <torch/torch.h>
+
+#include <filesystem>
+
+namespace difftrain::train {
+namespace fs = std::filesystem;
+namespace {
+
+// What a text-to-image LoRA run trains when the text encoder trains too: both adapter sets,
+// under "unet" and "text_encoder", prepared, optimised and checkpointed as one module.
+class TextToImageLoraImpl : public torch::nn::Module {
+ public:
+  TextToImageLoraImpl(models::LoraLayers unet, models::LoraLayers text_encoder) {
+    register_module("unet", std::move(unet));
+    register_module("text_encoder", std::move(text_encoder));
+  }
+};
+TORCH_MODULE(TextToImageLora);
+
+int64_t frozen_bytes_of(const torch::nn::Module& m) {
+  int64_t n = 0;
+  for (const auto& p : m.parameters())
+    n += p.requires_grad() ? 0 : p.numel() * static_cast<int64_t>(p.element_size());
+  return n;
+}
+
+}  // namespace
+
+data::ImageFolderOptions image_folder_options(const DataOptions& d, const std::string& dir,
+                                              int channels) {
+  data::ImageFolderOptions o;
+  o.dir = dir;
+  o.resolution = d.resolution;
+  o.center_crop = d.center_crop;
+  o.random_flip = d.random_flip;
+  o.skip_bad_images = d.skip_bad_images;
+  o.seed = d.seed;
+  o.caption_column = d.caption_column;
+  o.channels = channels;
+  return o;
+}
+
+void DiffusionTask::build_noise_scheduler() {
+  diffusion::SchedulerConfig sc;
+  bool have_scheduler = false;
+  if (!o_.model.pretrained_model_name_or_path.empty()) {
+    const fs::path p(o_.model.pretrained_model_name_or_path);
+    for (const auto& f : {p / "scheduler" / "scheduler_config.json", p / "scheduler_config.json"}) {
+      if (fs::exists(f)) {
+        sc = diffusion::SchedulerConfig::load(f.string());
+        have_scheduler = true;
+        break;
+      }
+    }
+  }
+  if (!have_scheduler) {
+    sc.num_train_timesteps = o_.noise.ddpm_num_steps;
+    sc.beta_schedule = diffusion::parse_beta_schedule(o_.noise.ddpm_beta_schedule);
+  }
+  sc.prediction_type = diffusion::parse_prediction_type(o_.noise.prediction_type);
+  sc.class_name = "DDPMScheduler";
+  noise_scheduler_ = diffusion::make_scheduler(sc, "ddpm");
+}
+
+void DiffusionTask::build_trainable(accel::Accelerator& acc, torch::nn::Module* text_encoder) {
+  if (o_.lora.enabled) {
+    for (auto& p : unet_->parameters()) p.set_requires_grad(false);
+    unet_->to(acc.device());
+    models::LoraConfig lc;
+    lc.rank = o_.lora.rank;
+    lc.alpha = o_.lora.alpha;
+    lc.dropout = o_.lora.dropout;
+    lc.target_modules = o_.lora.target_modules;
+    lora_ = models::LoraLayers(*unet_, lc);
+    trainable_ = lora_.ptr();
+    if (o_.lora.train_text_encoder && text_encoder != nullptr) {
+      models::LoraConfig tc = lc;
+      tc.target_modules = o_.lora.text_encoder_target_modules;
+      text_lora_ = models::LoraLayers(*text_encoder, tc);
+      trainable_ = TextToImageLora(lora_, text_lora_).ptr();
+    }
+  } else {
+    trainable_ = unet_.ptr();
+  }
+  if (acc.mixed_precision() == accel::MixedPrecision::kBf16) {
+    if (o_.lora.enabled) unet_->to(torch::kBFloat16);
+    for (auto* m : frozen_modules()) m->to(torch::kBFloat16);
+  }
+}
+
+std::string DiffusionTask::parameter_summary() const {
+  int64_t trainable = 0, total = 0;
+  for (const auto& p : unet_->parameters()) total += p.numel();
+  for (const auto& p : trainable_->parameters()) trainable += p.requires_grad() ? p.numel() : 0;
+  if (o_.lora.enabled) total += trainable;
+  return fmt::format("parameters {} (trainable {}{})", total, trainable,
+                     o_.lora.enabled ? ", LoRA" : "");
+}
+
+int64_t DiffusionTask::frozen_bytes() const {
+  int64_t n = o_.lora.enabled ? frozen_bytes_of(*unet_) : 0;
+  for (const auto* m : frozen_modules()) n += frozen_bytes_of(*m);
+  return n;
+}
+
+void DiffusionTask::write_to_checkpoint(const fs::path& dir) const {
+  if (o_.lora.enabled) return;
+  // With the weights (consolidated by `difftrain merge-weights`), a Diffusers UNet folder.
+  io::write_file_atomic((dir / "config.json").string(), unet_->config().to_json().dump(2) + "\n");
+  io::write_file_atomic(
+      (dir / "scheduler_config.json").string(),
+      diffusion::dump_python_json(noise_scheduler_->config().to_json(), 2) + "\n");
+}
+
+torch::Tensor DiffusionTask::denoising_losses(const torch::Tensor& x0,
+                                              const std::vector<int64_t>& keys, int64_t epoch,
+                                              torch::Device device,
+                                              const models::UNetConditioning& cond) {
+  const auto& n = o_.noise;
+  const int64_t T = noise_scheduler_->num_train_timesteps();
+  std::vector<torch::Tensor> noises, timesteps, perturb;
+  auto shape = x0.sizes().slice(1).vec();
+  for (int64_t key : keys) {
+    auto gn = data::sample_generator(n.seed, epoch, key, data::SampleStream::kNoise);
+    auto noise = torch::randn(shape, gn, torch::kFloat32);
+    if (n.noise_offset > 0) {
+      noise = noise + n.noise_offset * torch::randn({shape[0], 1, 1}, gn, torch::kFloat32);
+    }
+    noises.push_back(noise);
+    auto gt = data::sample_generator(n.seed, epoch, key, data::SampleStream::kTimestep);
+    timesteps.push_back(torch::randint(0, T, {1}, gt, torch::kInt64));
+    if (n.input_perturbation > 0) {
+      auto gp = data::sample_generator(n.seed, epoch, key, data::SampleStream::kPerturbation);
+      perturb.push_back(torch::randn(shape, gp, torch::kFloat32));
+    }
+  }
+  auto noise = torch::stack(noises).to(device);
+  auto t = torch::cat(timesteps).to(device);
+  // Diffusers: input perturbation noises the input with a perturbed noise, but the target keeps
+  // the original noise.
+  auto noisy = noise_scheduler_->add_noise(
+      x0,
+      n.input_perturbation > 0 ? noise + n.input_perturbation * torch::stack(perturb).to(device)
+                               : noise,
+      t);
+  auto pred = unet_->forward(noisy, t, cond).to(torch::kFloat32);
+  auto target = noise_scheduler_->training_target(x0, noise, t).to(torch::kFloat32);
+  auto per_sample = (pred - target).pow(2).mean({1, 2, 3});
+  if (!n.snr_gamma) return per_sample;
+  auto weights = diffusion::min_snr_weights(noise_scheduler_->snr(t), *n.snr_gamma,
+                                            noise_scheduler_->config().prediction_type);
+  return per_sample * weights.to(per_sample.dtype());
+}
+
+void DiffusionTask::export_lora(const fs::path& out) const {
+  const auto format = o_.lora.format == "kohya"  ? io::LoraFormat::kKohya
+                      : o_.lora.format == "peft" ? io::LoraFormat::kPeft
+                                                 : io::LoraFormat::kDiffusers;
+  const auto path = out / "pytorch_lora_weights.safetensors";
+  io::LoraWeights weights = lora_->to_lora_weights("unet");
+  if (text_lora_) {
+    auto te = text_lora_->to_lora_weights("text_encoder");
+    weights.components["text_encoder"] = te.components["text_encoder"];
+  }
+  io::write_lora(path.string(), weights, format,
+                 {{"difftrain_rank", std::to_string(o_.lora.rank)},
+                  {"difftrain_lora_alpha", std::to_string(o_.lora.alpha)}});
+  log::info("LoRA weights ({} format): {}", o_.lora.format, path.string());
+}
+
+std::unique_ptr<TrainingTask> make_training_task(const TaskOptions& options) {
+  const auto& pretrained = options.model.pretrained_model_name_or_path;
+  if (!pretrained.empty() && diffusion::is_stable_diffusion_folder(pretrained)) {
+    return make_text_to_image_task(options);
+  }
+  return make_unet_task(options);
+}
+
+}  // namespace difftrain::train

@@ -1,0 +1,70 @@
+#pragma once
+// What the diffusion tasks share: the UNet being trained, the DDPM noise scheduler, the
+// denoising loss with per-sample random streams, LoRA adapters, the checkpoint's config files
+// and the LoRA export. UNetTask (unet_task.cpp) and TextToImageTask (text_to_image_task.cpp)
+// derive from it; SDXL will too.
+#include "difftrain/data/image_folder.h"
+#include "difftrain/diffusion/noise_scheduler.h"
+#include "difftrain/models/lora_training.h"
+#include "difftrain/models/unet.h"
+#include "difftrain/train/training_task.h"
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace difftrain::train {
+
+/// The image-folder options of the run (resolution, crops, flips, seed, captions) for `dir`.
+data::ImageFolderOptions image_folder_options(const DataOptions& o, const std::string& dir,
+                                              int channels);
+
+class DiffusionTask : public TrainingTask {
+ public:
+  explicit DiffusionTask(TaskOptions options) : o_(std::move(options)) {}
+
+  std::shared_ptr<data::Dataset> dataset() const override { return dataset_; }
+  void set_epoch(int64_t epoch) override { set_epoch_(epoch); }
+  std::shared_ptr<torch::nn::Module> trainable() const override { return trainable_; }
+  std::string parameter_summary() const override;
+  int64_t frozen_bytes() const override;
+  void write_to_checkpoint(const std::filesystem::path& dir) const override;
+
+ protected:
+  /// DDPMScheduler for training: the pretrained folder's scheduler config when it has one, else
+  /// the flags' (ddpm_num_steps, ddpm_beta_schedule); prediction_type from the flags.
+  void build_noise_scheduler();
+  /// What trains: LoRA adapters on the UNet (and on `text_encoder` with train_text_encoder,
+  /// both under one module) or the whole UNet. Then, under bf16, the frozen weights (the LoRA
+  /// base and frozen_modules()) move to bf16: half the memory, while what trains stays fp32.
+  void build_trainable(accel::Accelerator& acc, torch::nn::Module* text_encoder);
+  /// Frozen modules besides the UNet (the VAE, the text encoder).
+  virtual std::vector<torch::nn::Module*> frozen_modules() const { return {}; }
+
+  /// Diffusers' objective on x0 [B, C, H, W] with each sample's noise, timestep and input
+  /// perturbation drawn from its own stream `keys[i]`: the per-sample loss [B] (mean over C, H,
+  /// W; min-SNR weighted with snr_gamma), float32.
+  torch::Tensor denoising_losses(const torch::Tensor& x0, const std::vector<int64_t>& keys,
+                                 int64_t epoch, torch::Device device,
+                                 const models::UNetConditioning& cond);
+
+  /// Writes pytorch_lora_weights.safetensors (UNet adapters, plus the text encoder's) in `out`.
+  void export_lora(const std::filesystem::path& out) const;
+
+  TaskOptions o_;
+  std::shared_ptr<data::Dataset> dataset_;
+  std::function<void(int64_t)> set_epoch_;
+  models::UNet unet_{nullptr};
+  models::LoraLayers lora_{nullptr};
+  models::LoraLayers text_lora_{nullptr};  ///< adapters on the text encoder, else null
+  std::shared_ptr<torch::nn::Module> trainable_;
+  std::shared_ptr<diffusion::NoiseScheduler> noise_scheduler_;
+};
+
+/// The unconditional / class-conditional UNet task (Diffusers' train_unconditional.py).
+std::unique_ptr<TrainingTask> make_unet_task(TaskOptions options);
+/// The Stable-Diffusion text-to-image / DreamBooth task.
+std::unique_ptr<TrainingTask> make_text_to_image_task(TaskOptions options);
+
+}  // namespace difftrain::train

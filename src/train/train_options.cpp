@@ -1,0 +1,155 @@
+// The one place a TrainConfig (flags, YAML, Accelerate/DeepSpeed files, environment: merged by
+// train_config.cpp) becomes the library's options: the Trainer's and the task's.
+#include "difftrain/train/trainer.h"
+
+namespace difftrain::train {
+
+TrainerOptions trainer_options(const TrainConfig& c) {
+  TrainerOptions o;
+  o.mixed_precision = c.mixed_precision;
+  o.gradient_accumulation_steps = c.gradient_accumulation_steps;
+  o.seed = c.seed;
+  // Sharding from the trainer's own options or config files; otherwise from `difftrain launch`
+  // (its --sharding_strategy / FSDP or DeepSpeed config reach the ranks as DIFFTRAIN_* variables).
+  if (c.sharding_strategy != "NO_SHARD" || !c.deepspeed_config.empty() ||
+      !c.accelerate_config_file.empty()) {
+    o.sharding = c.sharding_options();
+  }
+  o.train_batch_size = c.train_batch_size;
+  o.dataloader_num_workers = c.dataloader_num_workers;
+  o.learning_rate = c.learning_rate;
+  o.scale_lr = c.scale_lr;
+  o.use_8bit_adam = c.use_8bit_adam;
+  o.adam_beta1 = c.adam_beta1;
+  o.adam_beta2 = c.adam_beta2;
+  o.adam_weight_decay = c.adam_weight_decay;
+  o.adam_epsilon = c.adam_epsilon;
+  o.max_grad_norm = c.max_grad_norm;
+  o.lr_scheduler = c.lr_scheduler;
+  o.lr_warmup_steps = c.lr_warmup_steps;
+  o.lr_num_cycles = c.lr_num_cycles;
+  o.lr_power = c.lr_power;
+  o.max_train_steps = c.max_train_steps;
+  o.num_train_epochs = c.num_train_epochs;
+  o.use_ema = c.use_ema;
+  o.ema_max_decay = c.ema_max_decay;
+  o.ema_inv_gamma = c.ema_inv_gamma;
+  o.ema_power = c.ema_power;
+  o.output_dir = c.output_dir;
+  o.logging_dir = c.logging_dir;
+  o.report_to = c.report_to;
+  o.logging_steps = c.logging_steps;
+  o.checkpointing_steps = c.checkpointing_steps;
+  o.checkpoints_total_limit = c.checkpoints_total_limit;
+  o.resume_from_checkpoint = c.resume_from_checkpoint;
+  o.validation_steps = c.validation_steps;
+  o.num_validation_images = c.num_validation_images;
+  o.config = c.to_json();
+  // Options whose change makes a checkpoint a different run: refused at resume.
+  o.structural_keys = {"model_config_name_or_path",
+                       "pretrained_model_name_or_path",
+                       "dataset",
+                       "resolution",
+                       "class_conditional",
+                       "lora",
+                       "rank",
+                       "lora_alpha",
+                       "lora_target_modules",
+                       "use_ema",
+                       "use_8bit_adam",
+                       "prediction_type",
+                       "ddpm_num_steps",
+                       "ddpm_beta_schedule",
+                       "only_class",
+                       "max_train_samples",
+                       "class_dropout_prob",
+                       "caption_column",
+                       "instance_prompt",
+                       "with_prior_preservation",
+                       "class_prompt",
+                       "train_text_encoder",
+                       "text_encoder_lora_target_modules",
+                       "clip_skip"};
+  // Options whose change breaks bit-exact continuation: a warning.
+  o.exactness_keys = {"train_batch_size",
+                      "gradient_accumulation_steps",
+                      "seed",
+                      "learning_rate",
+                      "lr_scheduler",
+                      "lr_warmup_steps",
+                      "max_train_steps",
+                      "noise_offset",
+                      "snr_gamma",
+                      "mixed_precision",
+                      "random_flip"};
+  o.warnings = c.warnings;
+  return o;
+}
+
+TaskOptions task_options(const TrainConfig& c) {
+  TaskOptions o;
+  o.data.dataset = c.dataset;
+  o.data.train_data_dir = c.train_data_dir;
+  o.data.resolution = c.resolution;
+  o.data.center_crop = c.center_crop;
+  o.data.random_flip = c.random_flip;
+  o.data.skip_bad_images = c.skip_bad_images;
+  o.data.caption_column = c.caption_column;
+  o.data.only_class = c.only_class;
+  o.data.max_train_samples = c.max_train_samples;
+  o.data.seed = c.seed;
+
+  o.model.pretrained_model_name_or_path = c.pretrained_model_name_or_path;
+  o.model.model_config_name_or_path = c.model_config_name_or_path;
+  o.model.variant = c.variant;
+  o.model.class_conditional = c.class_conditional;
+  o.model.class_dropout_prob = c.class_dropout_prob;
+  o.model.gradient_checkpointing = c.gradient_checkpointing;
+
+  o.noise.prediction_type = c.prediction_type;
+  o.noise.ddpm_num_steps = c.ddpm_num_steps;
+  o.noise.ddpm_beta_schedule = c.ddpm_beta_schedule;
+  o.noise.snr_gamma = c.snr_gamma;
+  o.noise.noise_offset = c.noise_offset;
+  o.noise.input_perturbation = c.input_perturbation;
+  o.noise.seed = c.seed;
+
+  o.lora.enabled = c.lora;
+  o.lora.rank = c.rank;
+  o.lora.alpha = c.lora_alpha.value_or(static_cast<double>(c.rank));
+  o.lora.dropout = c.lora_dropout;
+  o.lora.target_modules = c.lora_target_modules;
+  o.lora.format = c.lora_format;
+  o.lora.train_text_encoder = c.train_text_encoder;
+  o.lora.text_encoder_target_modules = c.text_encoder_lora_target_modules;
+
+  o.validation.num_images = c.num_validation_images;
+  o.validation.inference_steps = c.validation_inference_steps;
+  o.validation.guidance_scale = c.guidance_scale;
+  o.validation.scheduler = c.validation_scheduler;
+  o.validation.prompt = c.validation_prompt;
+  o.validation.negative_prompt = c.validation_negative_prompt;
+  o.validation.seed = c.seed;
+
+  o.text.instance_prompt = c.instance_prompt;
+  o.text.with_prior_preservation = c.with_prior_preservation;
+  o.text.class_data_dir = c.class_data_dir;
+  o.text.class_prompt = c.class_prompt;
+  o.text.prior_loss_weight = c.prior_loss_weight;
+  o.text.num_class_images = c.num_class_images;
+  o.text.cache_latents = c.cache_latents;
+  o.text.cache_dir = c.cache_dir;
+  o.text.clip_skip = c.clip_skip;
+
+  o.encode_batch_size = c.train_batch_size;
+  return o;
+}
+
+TrainResult run_training(TrainConfig config) {
+  auto trainer_opts = trainer_options(config);
+  auto task = make_training_task(task_options(config));
+  Trainer trainer(std::move(trainer_opts), std::move(task));
+  return trainer.run();
+}
+
+}  // namespace difftrain::train
