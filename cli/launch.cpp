@@ -1,22 +1,19 @@
 #include "commands.h"
-#include "difftrain/accel/sharding.h"
-#include "difftrain/accel/sharding_config.h"
-#include "difftrain/core/error.h"
-#include "difftrain/launch/config.h"
 #include "difftrain/launch/launcher.h"
+#include "difftrain/launch/resolve.h"
 
 #include <algorithm>
-#include <filesystem>
 #include <iostream>
+#include <map>
+#include <string>
+#include <vector>
 
 namespace difftrain::cli {
 
 namespace {
 
-launch::LaunchOptions g_options;
-std::string g_config_file;
-std::string g_sharding_strategy;
-std::string g_deepspeed_config_file;
+launch::LaunchFlags g_flags_in;
+launch::LaunchOptions& g_options = g_flags_in.options;
 CLI::App* g_cmd = nullptr;
 std::map<std::string, CLI::Option*> g_flags;
 std::vector<std::string> g_after_dashes;
@@ -32,69 +29,6 @@ CLI::Option* flag(const std::string& name, T& target, const std::string& help,
                                    target, help);
   g_flags[name] = option;
   return option;
-}
-
-bool given(const std::string& name) { return g_flags.at(name)->count() > 0; }
-
-// Sharding for the ranks: from the config file (distributed_type FSDP / DEEPSPEED), then
-// --deepspeed_config_file, then --sharding_strategy; passed on as DIFFTRAIN_* variables. What
-// those files ask for and cannot be honoured is printed here, once.
-void take_sharding(const std::string& config_path) {
-  accel::ExternalTrainingConfig ext;
-  auto print = [](const std::vector<std::string>& warnings, const std::string& skip) {
-    for (const auto& w : warnings) {
-      if (!skip.empty() && w.rfind(skip, 0) == 0) {
-        // "FILE: key=value: why" about a top-level key (no dot): load_config() has reported it.
-        const std::string rest = w.substr(skip.size());
-        const auto eq = rest.find('=');
-        if (eq != std::string::npos && eq < rest.find(':') &&
-            rest.substr(0, eq).find('.') == std::string::npos) {
-          continue;
-        }
-      }
-      std::cerr << "difftrain launch: warning: " << w << "\n";
-    }
-  };
-  if (!config_path.empty()) {
-    ext = accel::read_accelerate_config(config_path);
-    print(ext.warnings, config_path + ": ");
-  }
-  if (!g_deepspeed_config_file.empty()) {
-    const accel::ExternalTrainingConfig ds = accel::read_deepspeed_config(g_deepspeed_config_file);
-    print(ds.warnings, "");
-    if (ds.sharding_set) {
-      ext.sharding = ds.sharding;
-      ext.sharding_set = true;
-    }
-    if (ds.mixed_precision) ext.mixed_precision = ds.mixed_precision;
-    if (ds.gradient_accumulation_steps)
-      ext.gradient_accumulation_steps = ds.gradient_accumulation_steps;
-    if (ds.gradient_clipping) ext.gradient_clipping = ds.gradient_clipping;
-    if (ds.train_micro_batch_size_per_gpu) {
-      ext.train_micro_batch_size_per_gpu = ds.train_micro_batch_size_per_gpu;
-    }
-  }
-  if (given("sharding_strategy")) {
-    ext.sharding.strategy =
-        accel::parse_sharding_strategy(g_sharding_strategy, "--sharding_strategy");
-    ext.sharding_set = true;
-  }
-  if (ext.sharding_set) {
-    for (const auto& [name, value] : accel::sharding_env(ext.sharding)) {
-      g_options.extra_env[name] = value;
-    }
-  }
-  if (ext.mixed_precision && !given("mixed_precision")) {
-    g_options.mixed_precision = *ext.mixed_precision;
-  }
-  if (ext.gradient_accumulation_steps && !given("gradient_accumulation_steps")) {
-    g_options.gradient_accumulation_steps = static_cast<int>(*ext.gradient_accumulation_steps);
-  }
-  if (ext.gradient_clipping || ext.train_micro_batch_size_per_gpu) {
-    std::cerr << "difftrain launch: note: gradient_clipping and train_micro_batch_size_per_gpu "
-                 "are training options the ranks do not get from the launcher: give the same "
-                 "file to `difftrain train --deepspeed_config` (or --accelerate_config_file)\n";
-  }
 }
 
 }  // namespace
@@ -130,13 +64,13 @@ CLI::App* add_launch_command(CLI::App& app) {
   g_cmd->add_flag_callback(
       "--cpu", []() { g_options.extra_env["DIFFTRAIN_BACKEND"] = "gloo"; },
       "Run on the CPU with Gloo even in a CUDA build (Accelerate's --cpu)");
-  flag("sharding_strategy", g_sharding_strategy,
+  flag("sharding_strategy", g_flags_in.sharding_strategy,
        "NO_SHARD | SHARD_OPTIMIZER | SHARD_GRAD_OP | FULL_SHARD (or zero0..zero3): passed on as "
        "DIFFTRAIN_SHARDING_STRATEGY (with the DIFFTRAIN_FSDP_* defaults)");
-  flag("deepspeed_config_file", g_deepspeed_config_file,
+  flag("deepspeed_config_file", g_flags_in.deepspeed_config_file,
        "DeepSpeed JSON config: its ZeRO stage, fp16/bf16 and gradient_accumulation_steps are "
        "passed on to the ranks (wins over the config file's)");
-  auto* config = g_cmd->add_option("--config_file,--config-file", g_config_file,
+  auto* config = g_cmd->add_option("--config_file,--config-file", g_flags_in.config_file,
                                    "Launch config YAML (difftrain's or Accelerate's); default: "
                                    "the one `difftrain config` wrote, if any");
   (void)config;
@@ -178,33 +112,12 @@ void take_launch_program_after_dashes(std::vector<std::string>& args) {
 int run_launch() {
   g_options.command = g_cmd->remaining();
   if (g_options.command.empty()) g_options.command = g_after_dashes;
-  // Fill what the flags left unset from the config file.
-  std::string path = g_config_file;
-  if (path.empty() && std::filesystem::exists(launch::default_config_path())) {
-    path = launch::default_config_path();
+  for (const auto& [name, option] : g_flags) {
+    if (option->count() > 0) g_flags_in.given.insert(name);
   }
-  if (!path.empty()) {
-    const launch::LaunchConfig c = launch::load_config(path);
-    for (const auto& note : c.notes)
-      std::cerr << "difftrain launch: config " << path << ": " << note << "\n";
-    auto take = [&](const std::string& name, auto& target, const auto& value) {
-      if (value && !given(name)) target = *value;
-    };
-    take("num_processes", g_options.num_processes, c.num_processes);
-    take("num_machines", g_options.num_machines, c.num_machines);
-    take("machine_rank", g_options.machine_rank, c.machine_rank);
-    take("main_process_ip", g_options.main_process_ip, c.main_process_ip);
-    take("main_process_port", g_options.main_process_port, c.main_process_port);
-    take("num_cpu_threads_per_process", g_options.num_cpu_threads_per_process,
-         c.num_cpu_threads_per_process);
-    take("mixed_precision", g_options.mixed_precision, c.mixed_precision);
-    take("gradient_accumulation_steps", g_options.gradient_accumulation_steps,
-         c.gradient_accumulation_steps);
-    take("max_restarts", g_options.max_restarts, c.max_restarts);
-    take("log_dir", g_options.log_dir, c.log_dir);
-  }
-  take_sharding(path);
-  return launch::run(g_options);
+  const launch::LaunchOptions options = launch::resolve_launch_options(
+      g_flags_in, [](const std::string& line) { std::cerr << line << "\n"; });
+  return launch::run(options);
 }
 
 }  // namespace difftrain::cli

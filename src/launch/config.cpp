@@ -5,6 +5,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -46,8 +47,8 @@ const std::map<std::string, IgnoredKey>& ignored_keys() {
       {"command_file", {"", "TPU pod option"}},
       {"num_gpus", {"", "difftrain counts processes, not GPUs"}},
       {"dynamo_config", {"", "torch.compile does not exist in LibTorch"}},
-      // Read by accel::read_accelerate_config() in `difftrain launch`, which reports what it
-      // cannot honour in them.
+      // Read by accel::parse_accelerate_sections() in `difftrain launch` (launch/resolve.cpp),
+      // which reports what it cannot honour in them.
       {"fsdp_config", {"", ""}},
       {"deepspeed_config", {"", ""}},
       {"megatron_lm_config", {"", "Megatron-LM is not supported"}},
@@ -143,6 +144,11 @@ LaunchConfig parse_config(const std::string& yaml_text, const std::string& origi
       config.compute_environment = read_value<std::string>(value, key, origin);
     } else if (key == "distributed_type") {
       config.distributed_type = read_value<std::string>(value, key, origin);
+      if (config.distributed_type) {
+        config.accelerate_distributed_type = *config.distributed_type;
+        for (auto& c : config.accelerate_distributed_type)
+          c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+      }
     } else if (key == "mixed_precision") {
       config.mixed_precision = read_value<std::string>(value, key, origin);
     } else if (key == "num_processes") {
@@ -240,7 +246,7 @@ void validate_config(const LaunchConfig& c, const std::string& origin) {
   if (c.max_restarts && *c.max_restarts < 0) fail("max_restarts must be 0 or more");
 }
 
-LaunchConfig load_config(const std::string& path) {
+std::string read_config_text(const std::string& path) {
   std::ifstream in(path);
   if (!in) {
     throw Error("config file " + path +
@@ -249,7 +255,11 @@ LaunchConfig load_config(const std::string& path) {
   }
   std::stringstream text;
   text << in.rdbuf();
-  return parse_config(text.str(), path);
+  return text.str();
+}
+
+LaunchConfig load_config(const std::string& path) {
+  return parse_config(read_config_text(path), path);
 }
 
 std::string config_to_yaml(const LaunchConfig& c) {

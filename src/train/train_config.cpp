@@ -1,5 +1,6 @@
 #include "difftrain/train/train_config.h"
 
+#include "difftrain/accel/config_merge.h"
 #include "difftrain/accel/sharding.h"
 #include "difftrain/accel/sharding_config.h"
 #include "difftrain/core/error.h"
@@ -314,59 +315,81 @@ void apply_yaml(TrainConfig& config, const std::string& path, std::set<std::stri
   }
 }
 
-std::string join(const std::vector<std::string>& items) {
-  std::string out;
-  for (const auto& i : items) out += (out.empty() ? "" : ",") + i;
-  return out;
+// An option a DeepSpeed / Accelerate file may fill, under accel::external_config_layer()'s name.
+struct ExternalField {
+  const char* name;
+  std::function<nlohmann::json(const TrainConfig&)> get;
+  std::function<void(TrainConfig&, const nlohmann::json&)> set;
+};
+
+template <typename T>
+ExternalField external_field(const char* name, T TrainConfig::*m) {
+  return {name, [m](const TrainConfig& c) { return nlohmann::json(c.*m); },
+          [m](TrainConfig& c, const nlohmann::json& v) { c.*m = v.get<T>(); }};
 }
 
-// Fills the options `file` sets that the YAML and flags (`given`) did not; an explicit option
-// that differs from the file's value wins, with a warning.
-void apply_external(TrainConfig& c, const accel::ExternalTrainingConfig& ext,
-                    const std::string& file, const std::set<std::string>& given) {
-  c.warnings.insert(c.warnings.end(), ext.warnings.begin(), ext.warnings.end());
-  // `said`: the file states this value (a sharding field at ShardingOptions' default may just be
-  // unmentioned, so it is not worth a warning).
-  auto fill = [&](const std::string& name, auto& field, const auto& value, bool said = true) {
-    if (given.count(name)) {
-      if (said && field != value) {
-        c.warnings.push_back(fmt::format("--{}={} (set explicitly) wins over {} from {}", name,
-                                         nlohmann::json(field).dump(), nlohmann::json(value).dump(),
-                                         file));
-      }
-      return;
-    }
-    field = value;
+const std::vector<ExternalField>& external_fields() {
+  static const std::vector<ExternalField> fields = {
+      external_field("sharding_strategy", &TrainConfig::sharding_strategy),
+      external_field("fsdp_auto_wrap_policy", &TrainConfig::fsdp_auto_wrap_policy),
+      external_field("fsdp_transformer_layer_cls_to_wrap",
+                     &TrainConfig::fsdp_transformer_layer_cls_to_wrap),
+      external_field("fsdp_min_num_params", &TrainConfig::fsdp_min_num_params),
+      external_field("fsdp_forward_prefetch", &TrainConfig::fsdp_forward_prefetch),
+      external_field("fsdp_backward_prefetch", &TrainConfig::fsdp_backward_prefetch),
+      external_field("mixed_precision", &TrainConfig::mixed_precision),
+      external_field("gradient_accumulation_steps", &TrainConfig::gradient_accumulation_steps),
+      external_field("max_grad_norm", &TrainConfig::max_grad_norm),
+      external_field("train_batch_size", &TrainConfig::train_batch_size),
   };
-  if (ext.sharding_set) {
-    const accel::ShardingOptions& s = ext.sharding;
-    std::string strategy = accel::to_string(s.strategy);
-    if (given.count("sharding_strategy")) {
+  return fields;
+}
+
+// The configs users already have, an Accelerate file then a DeepSpeed file (more specific, so
+// it wins), under the options set explicitly (`given`: the YAML and the flags), by the one merge
+// (accel::merge_settings(): config files <- flags): a file fills what was not given; an explicit
+// option that differs from a value the file states wins, with a warning. The environment the
+// launcher sets (DIFFTRAIN_MIXED_PRECISION, DIFFTRAIN_SHARDING_STRATEGY, ...) is read later by the
+// Accelerator, for what this leaves unset.
+void apply_external(TrainConfig& c, const std::set<std::string>& given) {
+  std::vector<std::pair<std::string, accel::ExternalTrainingConfig>> files;
+  auto add = [&](const std::string& path, accel::ExternalTrainingConfig ext) {
+    if (ext.sharding_set && given.count("sharding_strategy")) {
       // Compare canonical names, so "zero3" and FULL_SHARD agree.
       c.sharding_strategy = accel::to_string(
           accel::parse_sharding_strategy(c.sharding_strategy, "--sharding_strategy"));
     }
-    fill("sharding_strategy", c.sharding_strategy, strategy);
-    const accel::ShardingOptions d;
-    fill("fsdp_auto_wrap_policy", c.fsdp_auto_wrap_policy, s.auto_wrap.policy,
-         s.auto_wrap.policy != d.auto_wrap.policy);
-    fill("fsdp_transformer_layer_cls_to_wrap", c.fsdp_transformer_layer_cls_to_wrap,
-         join(s.auto_wrap.classes), !s.auto_wrap.classes.empty());
-    fill("fsdp_min_num_params", c.fsdp_min_num_params, s.auto_wrap.min_num_params,
-         s.auto_wrap.min_num_params != d.auto_wrap.min_num_params);
-    fill("fsdp_forward_prefetch", c.fsdp_forward_prefetch, s.forward_prefetch,
-         s.forward_prefetch != d.forward_prefetch);
-    fill("fsdp_backward_prefetch", c.fsdp_backward_prefetch, s.backward_prefetch,
-         s.backward_prefetch != d.backward_prefetch);
+    files.emplace_back(path, std::move(ext));
+  };
+  if (!c.accelerate_config_file.empty()) {
+    add(c.accelerate_config_file, accel::read_accelerate_config(c.accelerate_config_file));
   }
-  if (ext.mixed_precision) fill("mixed_precision", c.mixed_precision, *ext.mixed_precision);
-  if (ext.gradient_accumulation_steps) {
-    fill("gradient_accumulation_steps", c.gradient_accumulation_steps,
-         *ext.gradient_accumulation_steps);
+  if (!c.deepspeed_config.empty()) {
+    add(c.deepspeed_config, accel::read_deepspeed_config(c.deepspeed_config));
   }
-  if (ext.gradient_clipping) fill("max_grad_norm", c.max_grad_norm, *ext.gradient_clipping);
-  if (ext.train_micro_batch_size_per_gpu) {
-    fill("train_batch_size", c.train_batch_size, *ext.train_micro_batch_size_per_gpu);
+  if (files.empty()) return;
+  std::vector<accel::SettingLayer> layers;
+  for (const auto& [path, ext] : files) layers.push_back(accel::external_config_layer(ext, path));
+  accel::SettingLayer explicit_options;
+  explicit_options.source = accel::SettingSource::kFlag;
+  explicit_options.origin = "flags";
+  for (const auto& f : external_fields()) {
+    if (given.count(f.name)) explicit_options.set(f.name, f.get(c));
+  }
+  layers.push_back(std::move(explicit_options));
+  const accel::MergedSettings merged = accel::merge_settings(layers);
+  for (size_t i = 0; i < files.size(); ++i) {
+    const auto& [path, ext] = files[i];
+    c.warnings.insert(c.warnings.end(), ext.warnings.begin(), ext.warnings.end());
+    for (const auto& o : merged.overrides) {
+      if (o.layer != i) continue;
+      c.warnings.push_back(fmt::format("--{}={} (set explicitly) wins over {} from {}", o.name,
+                                       o.value.dump(), o.overridden.dump(), path));
+    }
+  }
+  for (const auto& f : external_fields()) {
+    const accel::MergedSetting* s = merged.find(f.name);
+    if (s != nullptr && s->source == accel::SettingSource::kConfigFile) f.set(c, s->value);
   }
 }
 
@@ -557,14 +580,7 @@ TrainConfig parse_train_config(const std::vector<std::string>& args) {
     }
   }
   // Configs users already have: an Accelerate file, then a DeepSpeed file (more specific).
-  if (!config.accelerate_config_file.empty()) {
-    apply_external(config, accel::read_accelerate_config(config.accelerate_config_file),
-                   config.accelerate_config_file, given);
-  }
-  if (!config.deepspeed_config.empty()) {
-    apply_external(config, accel::read_deepspeed_config(config.deepspeed_config),
-                   config.deepspeed_config, given);
-  }
+  apply_external(config, given);
   config.sharding_strategy = accel::to_string(
       accel::parse_sharding_strategy(config.sharding_strategy, "--sharding_strategy"));
   std::transform(config.fsdp_auto_wrap_policy.begin(), config.fsdp_auto_wrap_policy.end(),

@@ -3,6 +3,9 @@
 // DEEPSPEED sections) read into difftrain's sharding options and the few training settings
 // they carry. Everything such a file asks for that difftrain cannot honour is reported, one line
 // per key, in `warnings`; nothing is dropped silently. See docs/SHARDING.md for the key table.
+// The DeepSpeed reader is src/accel/deepspeed_config.cpp, the Accelerate reader (and
+// sharding_env()) src/accel/accelerate_config.cpp; how their values are merged with flags is
+// difftrain/accel/config_merge.h.
 
 #include "difftrain/accel/sharding.h"
 
@@ -62,6 +65,28 @@ ExternalTrainingConfig parse_accelerate_config(const std::string& yaml_text,
 /// parse_accelerate_config() of the file at `path` (deepspeed_config_file relative to the
 /// file's folder).
 ExternalTrainingConfig read_accelerate_config(const std::string& path);
+
+/// The top-level values of an Accelerate config that its fsdp_config / deepspeed_config
+/// sections depend on, as a caller that reads the top level itself (launch::load_config(), for
+/// `difftrain launch`) read them.
+struct AccelerateTopLevel {
+  /// distributed_type upper-cased ("NO" when absent); the sections are used under FSDP /
+  /// DEEPSPEED only.
+  std::string distributed_type = "NO";
+  std::optional<std::string> mixed_precision;  ///< "no" | "fp16" | "bf16"
+  std::optional<int64_t> gradient_accumulation_steps;
+};
+
+/// Only the fsdp_config and deepspeed_config sections of an Accelerate config YAML, for a caller
+/// that has read its top-level keys itself (`top`): the result is what
+/// parse_accelerate_config() gives for the same text, without the warnings about top-level
+/// keys (those are the caller's to report; this includes the two saying that a
+/// deepspeed_config_file's fp16/bf16 or gradient_accumulation_steps differs from the top-level
+/// value, which then wins as usual), so that every key is read once.
+ExternalTrainingConfig parse_accelerate_sections(const std::string& yaml_text,
+                                                 const std::string& origin,
+                                                 const AccelerateTopLevel& top,
+                                                 const std::string& base_dir = "");
 
 /// The environment variables ShardingOptions::from_env() reads, as {name, value}, in the
 /// order DIFFTRAIN_SHARDING_STRATEGY, DIFFTRAIN_FSDP_AUTO_WRAP_POLICY,

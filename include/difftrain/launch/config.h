@@ -24,6 +24,12 @@ struct LaunchConfig {
   std::optional<int> max_restarts;
   std::optional<std::string> log_dir;
 
+  /// distributed_type as Accelerate reads it: upper-cased, "NO" when absent, and kept also when
+  /// `distributed_type` above is not (FSDP, DEEPSPEED, unsupported types). The fsdp_config /
+  /// deepspeed_config sections are read under it by accel::parse_accelerate_sections() (see
+  /// launch/resolve.h). Not written by config_to_yaml().
+  std::string accelerate_distributed_type = "NO";
+
   /// One line per key that was read but cannot be honoured (or is unknown), with the reason.
   /// Never silently dropped: `difftrain launch` prints these as warnings.
   std::vector<std::string> notes;
@@ -32,8 +38,15 @@ struct LaunchConfig {
 /// $XDG_CACHE_HOME/difftrain/default_config.yaml (default ~/.cache/difftrain/...).
 std::string default_config_path();
 
-/// Reads a difftrain or Accelerate config YAML. Throws difftrain::Error naming the path (and the
-/// line, for YAML syntax errors, or the key, for a bad value) and how to fix it.
+/// The text of the config file at `path`; throws difftrain::Error naming the path when it
+/// cannot be read ("... cannot be read: no such file: check the path or create it with
+/// `difftrain config`").
+std::string read_config_text(const std::string& path);
+
+/// Reads a difftrain or Accelerate config YAML: parse_config(read_config_text(path), path). Only
+/// the top-level keys; an Accelerate file's fsdp_config / deepspeed_config sections are
+/// accel::parse_accelerate_sections()'s. Throws difftrain::Error naming the path (and the line,
+/// for YAML syntax errors, or the key, for a bad value) and how to fix it.
 LaunchConfig load_config(const std::string& path);
 
 /// Parses YAML text; `origin` names it in errors.
