@@ -35,7 +35,8 @@ int64_t parse_accumulation(const std::string& text, const char* source) {
 }
 
 // Rank 0's values of `tensors`, in place on every rank: one broadcast per dtype and device.
-void broadcast_coalesced(const std::vector<torch::Tensor>& tensors, distributed::ProcessGroup& group) {
+void broadcast_coalesced(const std::vector<torch::Tensor>& tensors,
+                         distributed::ProcessGroup& group) {
   if (group.size() == 1 || tensors.empty()) return;
   torch::NoGradGuard no_grad;
   std::map<std::string, std::vector<torch::Tensor>> by_kind;
@@ -67,11 +68,11 @@ AccumulateGuard::~AccumulateGuard() { accelerator_.end_micro_step(); }
 
 FullParameters::FullParameters(Accelerator& accelerator) : accelerator_(accelerator) {
   accelerator_.state_->finish_reduction();
-  for (auto& s : accelerator_.state_->sharded) s->gather_full_parameters();
+  for (auto& g : accelerator_.state_->grad_syncs) g->gather_full_parameters();
 }
 
 FullParameters::~FullParameters() {
-  for (auto& s : accelerator_.state_->sharded) s->release_full_parameters();
+  for (auto& g : accelerator_.state_->grad_syncs) g->release_full_parameters();
 }
 
 MainProcessFirst::MainProcessFirst(Accelerator& accelerator) : accelerator_(accelerator) {
@@ -174,7 +175,7 @@ void Accelerator::prepare_module(torch::nn::Module& module) {
   tensors.insert(tensors.end(), buffers.begin(), buffers.end());
   broadcast_coalesced(tensors, *group_);
   buffers_.insert(buffers_.end(), buffers.begin(), buffers.end());
-  engine_of_model_.push_back(nullptr);
+  grad_sync_of_model_.push_back(nullptr);
 
   if (num_processes() == 1) return;
   std::vector<std::pair<std::string, torch::Tensor>> named;
@@ -184,29 +185,34 @@ void Accelerator::prepare_module(torch::nn::Module& module) {
     trainable = trainable || item.value().requires_grad();
   }
   if (!trainable) return;  // a frozen model: nothing to reduce
+  // The one place that picks the engine; everything after goes through GradSync.
+  std::unique_ptr<GradSync> engine;
   if (sharding_.strategy != ShardingStrategy::kNoShard) {
-    state_->sharded.push_back(std::make_unique<ShardedModel>(module, sharding_, *group_));
-    state_->sharded.back()->set_sync(state_->sync_gradients);
-    engine_of_model_.back() = state_->sharded.back().get();
-    return;
+    engine = std::make_unique<ShardedModel>(module, sharding_, *group_);
+  } else {
+    ReducerOptions ropts;
+    ropts.bucket_cap_mb = options_.ddp.bucket_cap_mb;
+    ropts.find_unused_parameters = options_.ddp.find_unused_parameters;
+    ropts.overlap = options_.ddp.overlap;
+    engine = std::make_unique<Reducer>(std::move(named), *group_, ropts);
   }
-  ReducerOptions ropts;
-  ropts.bucket_cap_mb = options_.ddp.bucket_cap_mb;
-  ropts.find_unused_parameters = options_.ddp.find_unused_parameters;
-  ropts.overlap = options_.ddp.overlap;
-  state_->reducers.push_back(std::make_unique<Reducer>(std::move(named), *group_, ropts));
-  state_->reducers.back()->set_sync(state_->sync_gradients);
+  engine->set_sync(state_->sync_gradients);
+  grad_sync_of_model_.back() = engine.get();
+  state_->grad_syncs.push_back(std::move(engine));
 }
 
 std::shared_ptr<AcceleratedOptimizer> Accelerator::prepare_optimizer(
     std::shared_ptr<torch::optim::Optimizer> optimizer) {
   if (!optimizer) throw Error("prepare() got a null optimizer");
+  // Sharded models replace the optimizer over their parameters by one over this rank's shards.
   ShardedModel* engine = nullptr;
-  for (auto& s : state_->sharded) {
-    if (s->has_shard_optimizer()) continue;
-    for (const auto& g : optimizer->param_groups()) {
-      for (const auto& p : g.params())
-        engine = engine ? engine : (s->contains(p) ? s.get() : nullptr);
+  for (auto& g : state_->grad_syncs) {
+    ShardedModel* s = g->sharded_model();
+    if (!s || s->has_shard_optimizer()) continue;
+    for (const auto& group : optimizer->param_groups()) {
+      for (const auto& p : group.params()) {
+        if (!engine && s->contains(p)) engine = s;
+      }
     }
     if (engine) break;
   }
@@ -227,7 +233,7 @@ std::shared_ptr<AcceleratedOptimizer> Accelerator::prepare_optimizer(
   } else {
     prepared = std::make_shared<AcceleratedOptimizer>(std::move(optimizer), state_);
   }
-  engine_of_optimizer_.push_back(engine);
+  shard_engine_of_optimizer_.push_back(engine);
   const auto params = prepared->parameters();
   state_->optimizer_params.insert(state_->optimizer_params.end(), params.begin(), params.end());
   ++state_->num_optimizers;
@@ -295,8 +301,7 @@ void Accelerator::begin_micro_step() {
   }
   const bool end_of_data = loader && position >= common;
   state_->sync_gradients = state_->micro_step >= state_->window || end_of_data;
-  for (auto& r : state_->reducers) r->set_sync(state_->sync_gradients);
-  for (auto& s : state_->sharded) s->set_sync(state_->sync_gradients);
+  for (auto& g : state_->grad_syncs) g->set_sync(state_->sync_gradients);
 }
 
 void Accelerator::end_micro_step() {}
@@ -315,8 +320,7 @@ void Accelerator::backward(const torch::Tensor& loss) {
   torch::Tensor scaled = loss;
   if (state_->window > 1) scaled = scaled / static_cast<double>(state_->window);
   if (state_->scaler) scaled = state_->scaler->scale(scaled);
-  for (auto& r : state_->reducers) r->prepare_for_backward(scaled);
-  for (auto& s : state_->sharded) s->prepare_for_backward();
+  for (auto& g : state_->grad_syncs) g->prepare_for_backward(scaled);
   {
     AutocastDisabledGuard no_autocast;
     scaled.backward();
@@ -334,25 +338,26 @@ double Accelerator::clip_grad_norm_(const std::vector<torch::Tensor>& params, do
     state_->update_scaler();
     state_->scaler->unscale_(state_->optimizer_params.empty() ? params : state_->optimizer_params);
   }
-  if (!state_->sharded.empty()) {
-    // The gradients live in shards: the global norm is a reduction of every rank's part.
-    const bool inf = std::isinf(norm_type);
-    double part = 0;
-    for (const auto& s : state_->sharded) {
-      const double p = s->local_grad_norm_part(norm_type);
-      part = inf ? std::max(part, p) : part + p;
-    }
-    auto total = torch::tensor({part}, torch::kDouble);
-    distributed::all_reduce(total, inf ? distributed::ReduceOp::kMax : distributed::ReduceOp::kSum, *group_);
-    const double norm =
-        inf ? total.item<double>() : std::pow(total.item<double>(), 1.0 / norm_type);
-    const double coef = max_norm / (norm + 1e-6);
-    if (coef < 1.0) {
-      for (auto& s : state_->sharded) s->scale_grads(coef);
-    }
-    return norm;
+  // Whole gradients, identical on every rank (DDP, one process): torch's clip over the caller's
+  // parameters is already the global norm.
+  if (!gradients_sharded()) return torch::nn::utils::clip_grad_norm_(params, max_norm, norm_type);
+  // Gradient shards: the global norm is a reduction of every rank's part, and the clip
+  // coefficient applies to what each engine holds.
+  const bool inf = std::isinf(norm_type);
+  double part = 0;
+  for (const auto& g : state_->grad_syncs) {
+    const double p = g->grad_norm_part(norm_type);
+    part = inf ? std::max(part, p) : part + p;
   }
-  return torch::nn::utils::clip_grad_norm_(params, max_norm, norm_type);
+  auto total = torch::tensor({part}, torch::kDouble);
+  distributed::all_reduce(total, inf ? distributed::ReduceOp::kMax : distributed::ReduceOp::kSum,
+                          *group_);
+  const double norm = inf ? total.item<double>() : std::pow(total.item<double>(), 1.0 / norm_type);
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1.0) {
+    for (auto& g : state_->grad_syncs) g->scale_grads(coef);
+  }
+  return norm;
 }
 
 void Accelerator::clip_grad_value_(const std::vector<torch::Tensor>& params, double clip_value) {
@@ -361,9 +366,11 @@ void Accelerator::clip_grad_value_(const std::vector<torch::Tensor>& params, dou
     state_->update_scaler();
     state_->scaler->unscale_(state_->optimizer_params.empty() ? params : state_->optimizer_params);
   }
-  for (auto& s : state_->sharded) s->clamp_grads(clip_value);
-  if (!state_->sharded.empty()) return;
-  torch::nn::utils::clip_grad_value_(params, clip_value);
+  if (!gradients_sharded()) {
+    torch::nn::utils::clip_grad_value_(params, clip_value);
+    return;
+  }
+  for (auto& g : state_->grad_syncs) g->clamp_grads(clip_value);
 }
 
 double Accelerator::loss_scale() const {
@@ -374,27 +381,50 @@ double Accelerator::loss_scale() const {
 
 // ------------------------------------------------------------------ processes
 
+bool Accelerator::gradients_sharded() const {
+  for (const auto& g : state_->grad_syncs) {
+    if (g->shards_gradients()) return true;
+  }
+  return false;
+}
+
+ShardedModel* Accelerator::sharded_engine_of_model(size_t index) const {
+  if (index >= grad_sync_of_model_.size() || !grad_sync_of_model_[index]) return nullptr;
+  return grad_sync_of_model_[index]->sharded_model();
+}
+
+ShardedModel* Accelerator::sharded_engine_of_optimizer(size_t index) const {
+  return index < shard_engine_of_optimizer_.size() ? shard_engine_of_optimizer_[index] : nullptr;
+}
+
+std::vector<ShardedModel*> Accelerator::sharded_models() const {
+  std::vector<ShardedModel*> out;
+  for (const auto& g : state_->grad_syncs) {
+    if (auto* s = g->sharded_model()) out.push_back(s);
+  }
+  return out;
+}
+
+std::vector<Reducer*> Accelerator::reducers() const {
+  std::vector<Reducer*> out;
+  for (const auto& g : state_->grad_syncs) {
+    if (auto* r = dynamic_cast<Reducer*>(g.get())) out.push_back(r);
+  }
+  return out;
+}
+
 StateMemory Accelerator::memory() const {
   StateMemory m;
   for (size_t i = 0; i < prepared_modules_.size(); ++i) {
-    if (i < engine_of_model_.size() && engine_of_model_[i]) {
-      const auto e = engine_of_model_[i]->memory();
-      m.param_bytes += e.param_bytes;
-      m.param_peak_bytes += e.param_peak_bytes;
-      m.grad_bytes += e.grad_bytes;
-      m.grad_peak_bytes += e.grad_peak_bytes;
-      m.frozen_param_bytes += e.frozen_param_bytes;
-      continue;
-    }
-    for (const auto& p : prepared_modules_[i]->parameters()) {
-      const int64_t bytes = p.numel() * static_cast<int64_t>(p.element_size());
-      if (!p.requires_grad()) {
-        m.frozen_param_bytes += bytes;
-        continue;
-      }
-      m.param_bytes += bytes;
-      m.grad_bytes += bytes;  // DDP's buckets (or the optimizer's gradient slots) hold them all
-    }
+    GradSync* engine = i < grad_sync_of_model_.size() ? grad_sync_of_model_[i] : nullptr;
+    const StateMemory e =
+        engine ? engine->memory() : replicated_memory(prepared_modules_[i]->parameters());
+    m.param_bytes += e.param_bytes;
+    m.param_peak_bytes += e.param_peak_bytes;
+    m.grad_bytes += e.grad_bytes;
+    m.grad_peak_bytes += e.grad_peak_bytes;
+    m.frozen_param_bytes += e.frozen_param_bytes;
+    // Optimizer state is counted once below, from the prepared optimizers.
   }
   m.param_peak_bytes = std::max(m.param_peak_bytes, m.param_bytes);
   m.grad_peak_bytes = std::max(m.grad_peak_bytes, m.grad_bytes);
@@ -669,7 +699,7 @@ void Accelerator::load_state_dict(const nlohmann::json& j) {
       loaders_[i].position = -1;
     }
   }
-  for (auto& r : state_->reducers) r->set_sync(state_->sync_gradients);
+  for (auto& g : state_->grad_syncs) g->set_sync(state_->sync_gradients);
 }
 
 }  // namespace difftrain::accel

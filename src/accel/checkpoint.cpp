@@ -102,14 +102,15 @@ void Accelerator::save_state(const std::string& dir,
   state_->finish_reduction();
   try {
     // Sharded models and optimizers: every rank writes its own shard, in parallel.
-    for (size_t i = 0; i < models_.size() && i < engine_of_model_.size(); ++i) {
-      if (engine_of_model_[i]) save_sharded_model(i, *engine_of_model_[i], temp.string());
+    for (size_t i = 0; i < models_.size(); ++i) {
+      if (auto* engine = sharded_engine_of_model(i)) save_sharded_model(i, *engine, temp.string());
     }
-    for (size_t i = 0; i < optimizers_.size() && i < engine_of_optimizer_.size(); ++i) {
+    for (size_t i = 0; i < optimizers_.size(); ++i) {
       auto opt = optimizers_[i].lock();
-      if (!opt || !engine_of_optimizer_[i]) continue;
+      auto* engine = sharded_engine_of_optimizer(i);
+      if (!opt || !engine) continue;
       auto* flat = dynamic_cast<optim::FlatOptimizer*>(&opt->optimizer());
-      if (flat) save_sharded_optimizer(i, *engine_of_optimizer_[i], *flat, temp.string());
+      if (flat) save_sharded_optimizer(i, *engine, *flat, temp.string());
     }
     if (is_main_process()) {
       for (size_t i = 0; i < models_.size(); ++i) {
@@ -119,14 +120,14 @@ void Accelerator::save_state(const std::string& dir,
                       " was prepared by reference or no longer exists; prepare it through its "
                       "module holder or a shared_ptr");
         }
-        if (i < engine_of_model_.size() && engine_of_model_[i]) continue;
+        if (sharded_engine_of_model(i)) continue;
         io::save_safetensors((temp / (indexed("model", i) + ".safetensors")).string(),
                              module_tensors(*model), {{"format", "pt"}});
       }
       for (size_t i = 0; i < optimizers_.size(); ++i) {
         auto opt = optimizers_[i].lock();
         if (!opt) continue;
-        if (i < engine_of_optimizer_.size() && engine_of_optimizer_[i]) continue;
+        if (sharded_engine_of_optimizer(i)) continue;
         auto* flat = dynamic_cast<optim::FlatOptimizer*>(&opt->optimizer());
         if (!flat) {
           throw Error("save_state: prepared optimizer " + std::to_string(i) +
@@ -224,8 +225,8 @@ void Accelerator::load_state(const std::string& dir, bool verify) {
                   " was prepared by reference or no longer exists; prepare it through its module "
                   "holder or a shared_ptr");
     }
-    if (i < engine_of_model_.size() && engine_of_model_[i]) {
-      load_sharded_model(i, *engine_of_model_[i], dir);
+    if (auto* engine = sharded_engine_of_model(i)) {
+      load_sharded_model(i, *engine, dir);
     } else {
       load_module(*model, dir, indexed("model", i));
     }
@@ -238,7 +239,7 @@ void Accelerator::load_state(const std::string& dir, bool verify) {
       throw Error("load_state: prepared optimizer " + std::to_string(i) +
                   " is not a difftrain optimizer");
     const bool saved_sharded = io::has_sharded_tensors(dir, indexed("optimizer", i));
-    ShardedModel* engine = i < engine_of_optimizer_.size() ? engine_of_optimizer_[i] : nullptr;
+    ShardedModel* engine = sharded_engine_of_optimizer(i);
     if (engine) {
       if (!saved_sharded) {
         throw Error("load_state: '" + dir + "' holds unsharded optimizer state but this run uses " +

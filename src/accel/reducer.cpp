@@ -2,12 +2,12 @@
 
 #include "difftrain/core/error.h"
 
-#include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/utils/lambda_post_hook.h>
-#include <torch/csrc/autograd/variable.h>
+#include <torch/csrc/autograd/function.h>
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cmath>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -35,7 +35,10 @@ Reducer::Reducer(std::vector<std::pair<std::string, torch::Tensor>> params,
                             options_.bucket_cap_mb, options_.first_bucket_cap_mb));
   }
   for (auto& [name, tensor] : params) {
-    if (!tensor.requires_grad()) continue;  // frozen: never communicated
+    if (!tensor.requires_grad()) {
+      frozen_.push_back(tensor);  // frozen: never communicated
+      continue;
+    }
     Param p;
     p.name = name;
     p.tensor = tensor;
@@ -83,27 +86,18 @@ Reducer::Reducer(std::vector<std::pair<std::string, torch::Tensor>> params,
 
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
-    p.accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
-    if (!p.accumulator) {
+    p.hook = GradReadyHook(p.tensor, [this, i] { on_grad_ready(i); });
+    if (!p.hook.attached()) {
       throw Error(
           fmt::format("parameter '{}' is not a leaf tensor that requires grad; DDP can "
                       "only reduce gradients of leaf parameters",
                       p.name));
     }
-    p.hook_key =
-        p.accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-            [this, i](const torch::autograd::variable_list& outputs,
-                      const torch::autograd::variable_list&) {
-              on_grad_ready(i);
-              return outputs;
-            }));
   }
 }
 
 Reducer::~Reducer() {
-  for (auto& p : params_) {
-    if (p.accumulator) p.accumulator->del_post_hook(p.hook_key);
-  }
+  for (auto& p : params_) p.hook.remove();
   // Collectives still in flight keep their buffers alive through their Work objects.
 }
 
@@ -164,7 +158,7 @@ void Reducer::prepare_for_backward(const torch::Tensor& loss) {
     }
   }
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (!seen.count(params_[i].accumulator.get())) {
+    if (!seen.count(params_[i].hook.accumulator())) {
       bind_grad(i);
       mark_ready(i);
     }
@@ -179,7 +173,7 @@ void Reducer::on_grad_ready(size_t index) {
   if (!callback_queued_) {
     callback_queued_ = true;
     in_backward_ = true;
-    torch::autograd::Engine::get_default_engine().queue_callback([this]() { on_backward_end(); });
+    queue_after_backward([this]() { on_backward_end(); });
   }
   bind_grad(index);
   if (params_[index].ready) {
@@ -261,6 +255,41 @@ void Reducer::zero_grad() {
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < params_.size(); ++i) bind_grad(i);
   for (auto& b : buckets_) b.flat.zero_();
+}
+
+double Reducer::grad_norm_part(double norm_type) const {
+  double acc = 0;
+  for (const auto& p : params_) {
+    const auto& g = p.tensor.grad();
+    if (!g.defined()) continue;
+    if (std::isinf(norm_type)) {
+      acc = std::max(acc, g.abs().max().item<double>());
+    } else {
+      acc += g.to(torch::kDouble).norm(norm_type).pow(norm_type).item<double>();
+    }
+  }
+  return acc;
+}
+
+void Reducer::scale_grads(double factor) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : params_) {
+    if (p.tensor.grad().defined()) p.tensor.mutable_grad().mul_(factor);
+  }
+}
+
+void Reducer::clamp_grads(double value) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : params_) {
+    if (p.tensor.grad().defined()) p.tensor.mutable_grad().clamp_(-value, value);
+  }
+}
+
+StateMemory Reducer::memory() const {
+  std::vector<torch::Tensor> tensors;
+  for (const auto& p : params_) tensors.push_back(p.tensor);
+  tensors.insert(tensors.end(), frozen_.begin(), frozen_.end());
+  return replicated_memory(tensors);
 }
 
 std::vector<std::vector<std::string>> Reducer::bucket_names() const {

@@ -4,9 +4,6 @@
 #include "difftrain/core/log.h"
 
 #include <c10/util/strides.h>
-#include <torch/csrc/autograd/engine.h>
-#include <torch/csrc/autograd/utils/lambda_post_hook.h>
-#include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
 #include <fmt/format.h>
@@ -67,8 +64,7 @@ struct ShardedModel::Param {
   torch::Tensor tensor;
   size_t unit = 0;
   int64_t offset = 0;  // in the unit's flat buffer
-  std::shared_ptr<torch::autograd::Node> accumulator;
-  uintptr_t hook_key = 0;
+  GradReadyHook hook;
   bool ready = false;
 };
 
@@ -187,18 +183,11 @@ ShardedModel::ShardedModel(torch::nn::Module& module, const ShardingOptions& opt
   mem_.grad_peak_bytes = mem_.grad_bytes;
   for (size_t i = 0; i < params_.size(); ++i) {
     auto& p = params_[i];
-    p.accumulator = torch::autograd::impl::grad_accumulator(p.tensor);
-    if (!p.accumulator) {
+    p.hook = GradReadyHook(p.tensor, [this, i] { on_grad_ready(i); });
+    if (!p.hook.attached()) {
       throw Error(
           fmt::format("sharding: parameter '{}' is not a leaf tensor that requires grad", p.name));
     }
-    p.hook_key =
-        p.accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
-            [this, i](const torch::autograd::variable_list& outputs,
-                      const torch::autograd::variable_list&) {
-              on_grad_ready(i);
-              return outputs;
-            }));
   }
   log::info(
       "sharding: {} over {} ranks, {} unit(s), largest {} elements, shard {} elements",
@@ -218,9 +207,7 @@ ShardedModel::ShardedModel(torch::nn::Module& module, const ShardingOptions& opt
 ShardedModel::~ShardedModel() {
   hooks_->engine_ = nullptr;
   for (const auto* m : hooked_modules_) core::set_forward_hooks(*m, nullptr);
-  for (auto& p : params_) {
-    if (p.accumulator) p.accumulator->del_post_hook(p.hook_key);
-  }
+  for (auto& p : params_) p.hook.remove();
 }
 
 void ShardedModel::track(int64_t& current, int64_t& peak, int64_t delta) {
@@ -333,7 +320,7 @@ void ShardedModel::pre_backward(size_t u) {
   in_backward_ = true;
   if (!callback_queued_) {
     callback_queued_ = true;
-    torch::autograd::Engine::get_default_engine().queue_callback([this]() { on_backward_end(); });
+    queue_after_backward([this]() { on_backward_end(); });
   }
   wait_gather(u);
   if (options_.strategy != ShardingStrategy::kShardOptimizer) bind_grads(u);
@@ -381,7 +368,7 @@ void ShardedModel::on_grad_ready(size_t i) {
   if (!callback_queued_) {
     callback_queued_ = true;
     in_backward_ = true;
-    torch::autograd::Engine::get_default_engine().queue_callback([this]() { on_backward_end(); });
+    queue_after_backward([this]() { on_backward_end(); });
   }
   bind_grads(u);
   if (p.ready) {
@@ -400,11 +387,12 @@ void ShardedModel::unit_done(size_t u) {
     unit.reduce_launched = true;
     ++stats_.reduce_scatters;
     if (options_.strategy == ShardingStrategy::kShardOptimizer) {
-      unit.allreduce_work = distributed::all_reduce_async(unit.full_grad, distributed::ReduceOp::kMean, group_);
+      unit.allreduce_work =
+          distributed::all_reduce_async(unit.full_grad, distributed::ReduceOp::kMean, group_);
     } else {
       unit.reduce_out = torch::empty({unit.shard}, unit.full_grad.options());
       unit.reduce_work = distributed::reduce_scatter_async(unit.full_grad, unit.reduce_out,
-                                                    distributed::ReduceOp::kMean, group_);
+                                                           distributed::ReduceOp::kMean, group_);
     }
     // At most kInFlight reductions outstanding: the oldest one is finished (its full gradient
     // freed under SHARD_GRAD_OP / FULL_SHARD) before more start, so gradient memory stays near
@@ -464,7 +452,7 @@ void ShardedModel::set_sync(bool sync) {
   sync_ = sync;
 }
 
-void ShardedModel::prepare_for_backward() {
+void ShardedModel::prepare_for_backward(const torch::Tensor&) {
   if (pass_active_) finish();
 }
 
@@ -496,7 +484,7 @@ void ShardedModel::zero_grad() {
   }
 }
 
-double ShardedModel::local_grad_norm_part(double norm_type) const {
+double ShardedModel::grad_norm_part(double norm_type) const {
   double acc = 0;
   for (const auto& s : shard_tensors_) {
     const auto& g = s.grad();
@@ -627,7 +615,8 @@ void ShardedModel::after_step() {
   for (size_t u = 0; u < units_.size(); ++u) {
     auto& unit = *units_[u];
     if (!unit.gathered) continue;  // gathered again before its next use
-    works.push_back(distributed::all_gather_into_async(unit.full, shard_tensors_[u].detach(), group_));
+    works.push_back(
+        distributed::all_gather_into_async(unit.full, shard_tensors_[u].detach(), group_));
     ++stats_.gathers;
   }
   for (auto& w : works) w.wait();

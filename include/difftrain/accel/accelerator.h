@@ -1,8 +1,11 @@
 #pragma once
 
 #include "difftrain/accel/accelerated_optimizer.h"
+#include "difftrain/accel/grad_sync.h"
 #include "difftrain/accel/gradient_state.h"
 #include "difftrain/accel/precision.h"
+#include "difftrain/accel/reducer.h"
+#include "difftrain/accel/sharded_model.h"
 #include "difftrain/accel/sharding.h"
 #include "difftrain/core/log.h"
 #include "difftrain/data/data_loader.h"
@@ -320,15 +323,16 @@ class Accelerator {
   /// export): outside it, parameters of sharded units have no memory.
   FullParameters summon_full_params() { return FullParameters(*this); }
   /// Bytes of training state on this rank (parameters, gradients, optimizer state; see
-  /// StateMemory), summed over prepared models and optimizers.
+  /// StateMemory), summed over prepared models (each model's GradSync::memory(), or its
+  /// parameters when it has no engine) and prepared optimizers.
   StateMemory memory() const;
-  /// For tests and benchmarks: the sharding engines of the prepared models.
-  const std::vector<std::unique_ptr<ShardedModel>>& sharded_models() const {
-    return state_->sharded;
-  }
-
-  /// For tests and benchmarks: the reducers of the prepared models.
-  const std::vector<std::unique_ptr<Reducer>>& reducers() const { return state_->reducers; }
+  /// The gradient-sync engines of the prepared models, in prepare order: one per model with
+  /// trainable parameters when there is more than one process (see GradSync).
+  const std::vector<std::unique_ptr<GradSync>>& grad_syncs() const { return state_->grad_syncs; }
+  /// For tests and benchmarks: the engines of grad_syncs() that are sharding engines.
+  std::vector<ShardedModel*> sharded_models() const;
+  /// For tests and benchmarks: the engines of grad_syncs() that are DDP reducers.
+  std::vector<Reducer*> reducers() const;
 
  private:
   friend class AccumulateGuard;
@@ -339,6 +343,12 @@ class Accelerator {
                               const std::string& temp_dir);
   void load_sharded_optimizer(size_t index, ShardedModel& engine, optim::FlatOptimizer& opt,
                               const std::string& dir);
+  // The sharding engine of prepared model / optimizer `index`, or null (checkpoints save and load
+  // sharded models and shard optimizers per rank).
+  ShardedModel* sharded_engine_of_model(size_t index) const;
+  ShardedModel* sharded_engine_of_optimizer(size_t index) const;
+  // Whether some engine holds gradient shards (the norm and clipping then go through GradSync).
+  bool gradients_sharded() const;
   void init();
   void begin_micro_step();
   void end_micro_step();
@@ -395,8 +405,11 @@ class Accelerator {
   int64_t accumulation_steps_ = 1;
   ShardingOptions sharding_;
   std::shared_ptr<GradientState> state_;
-  std::vector<ShardedModel*> engine_of_model_;      // per prepared model; null when not sharded
-  std::vector<ShardedModel*> engine_of_optimizer_;  // per prepared optimizer; null likewise
+  // Per prepared model: its engine in state_->grad_syncs, null when it has none (one process, or
+  // a frozen model).
+  std::vector<GradSync*> grad_sync_of_model_;
+  // Per prepared optimizer: the sharding engine whose shard optimizer replaced it, or null.
+  std::vector<ShardedModel*> shard_engine_of_optimizer_;
   std::vector<std::weak_ptr<AcceleratedOptimizer>> optimizers_;
   std::vector<std::weak_ptr<AcceleratedScheduler>> schedulers_;
   struct LoaderSeen {

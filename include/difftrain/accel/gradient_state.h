@@ -1,8 +1,7 @@
 #pragma once
 
+#include "difftrain/accel/grad_sync.h"
 #include "difftrain/accel/precision.h"
-#include "difftrain/accel/reducer.h"
-#include "difftrain/accel/sharded_model.h"
 
 #include <cstdint>
 #include <memory>
@@ -11,7 +10,7 @@
 namespace difftrain::accel {
 
 /// What the Accelerator and the objects it prepared share about the current step
-/// (Accelerate's `GradientState` plus the loss scaler and the DDP reducers).
+/// (Accelerate's `GradientState` plus the loss scaler and the gradient-sync engines).
 struct GradientState {
   /// True on the micro-step whose backward synchronises gradients (Accelerate's
   /// `accelerator.sync_gradients`). True until the first accumulate(); afterwards it keeps the
@@ -27,10 +26,9 @@ struct GradientState {
   MixedPrecision mixed_precision = MixedPrecision::kNo;
   /// fp16 loss scaler; null unless mixed_precision is fp16.
   std::unique_ptr<GradScaler> scaler;
-  /// One reducer per prepared model that has trainable parameters (world size > 1).
-  std::vector<std::unique_ptr<Reducer>> reducers;
-  /// One sharding engine per prepared model under a sharding strategy (world size > 1).
-  std::vector<std::unique_ptr<ShardedModel>> sharded;
+  /// One gradient-sync engine per prepared model that has trainable parameters (world size > 1):
+  /// a DDP Reducer, or a ShardedModel under a sharding strategy.
+  std::vector<std::unique_ptr<GradSync>> grad_syncs;
   /// Whether the scaler was updated after the last unscale (it is updated once per
   /// synchronising step, before the next backward, however many optimizers stepped).
   bool scaler_updated = true;
@@ -49,8 +47,7 @@ struct GradientState {
 
   /// Waits for every gradient all-reduce in flight.
   void finish_reduction() {
-    for (auto& r : reducers) r->finish();
-    for (auto& s : sharded) s->finish();
+    for (auto& g : grad_syncs) g->finish();
   }
 };
 

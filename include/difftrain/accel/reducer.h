@@ -1,8 +1,8 @@
 #pragma once
 
+#include "difftrain/accel/grad_sync.h"
 #include "difftrain/distributed/collectives.h"
 
-#include <torch/csrc/autograd/function.h>
 #include <torch/types.h>
 
 #include <cstdint>
@@ -33,12 +33,12 @@ struct ReducerOptions {
 /// One flat gradient bucket: gradients of consecutive parameters (in reverse registration
 /// order) are views into `flat`.
 struct GradBucket {
-  torch::Tensor flat;            ///< [numel] of one dtype on one device
-  std::vector<size_t> params;    ///< indices into the reducer's parameter list
-  std::vector<int64_t> offsets;  ///< element offset of each parameter in `flat`
-  size_t pending = 0;            ///< parameters still waiting for their gradient this pass
-  bool launched = false;         ///< all-reduce started this pass
-  distributed::PendingAllReduce work;   ///< the all-reduce in flight
+  torch::Tensor flat;                  ///< [numel] of one dtype on one device
+  std::vector<size_t> params;          ///< indices into the reducer's parameter list
+  std::vector<int64_t> offsets;        ///< element offset of each parameter in `flat`
+  size_t pending = 0;                  ///< parameters still waiting for their gradient this pass
+  bool launched = false;               ///< all-reduce started this pass
+  distributed::PendingAllReduce work;  ///< the all-reduce in flight
 };
 
 /// Counters for tests and benchmarks.
@@ -59,33 +59,47 @@ struct ReducerStats {
 /// order so every rank issues the same collective sequence. finish() waits for all of them.
 /// With `set_sync(false)` (accumulation micro-steps, Accelerate's `no_sync`) hooks do nothing
 /// and gradients accumulate locally. Frozen parameters (requires_grad false) are never touched.
-class Reducer {
+/// The Accelerator drives it through GradSync; every rank holds every averaged gradient
+/// (shards_gradients() false).
+class Reducer final : public GradSync {
  public:
   /// `params` are (name, parameter) pairs in registration order; names appear in errors.
-  Reducer(std::vector<std::pair<std::string, torch::Tensor>> params, distributed::ProcessGroup& group,
-          ReducerOptions options = {});
-  ~Reducer();
+  Reducer(std::vector<std::pair<std::string, torch::Tensor>> params,
+          distributed::ProcessGroup& group, ReducerOptions options = {});
+  ~Reducer() override;
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
 
   /// Whether the next backward passes synchronise (false = accumulate locally, no traffic).
-  void set_sync(bool sync);
+  void set_sync(bool sync) override;
   bool sync() const { return sync_; }
 
   /// Call before `loss.backward()` on a synchronising step: starts a pass and, with
   /// find_unused_parameters, marks parameters outside `loss`'s graph ready.
-  void prepare_for_backward(const torch::Tensor& loss);
+  void prepare_for_backward(const torch::Tensor& loss) override;
 
   /// Waits for every bucket of the current pass (a no-op when none is in flight). After it,
   /// every trainable parameter's gradient is the mean over ranks. Throws difftrain::Error when
   /// a collective fails or the pass is incomplete.
-  void finish();
+  void finish() override;
 
   /// True while a synchronising pass has started and finish() has not run.
   bool pass_in_flight() const { return pass_active_; }
 
   /// Sets every trainable gradient to zero in place (keeps the bucket views).
-  void zero_grad();
+  void zero_grad() override;
+
+  /// False: after finish() every rank holds every averaged gradient.
+  bool shards_gradients() const override { return false; }
+  /// Sum of |g|^norm_type (max |g| for inf) over the trainable parameters' gradients: the whole
+  /// norm on every rank.
+  double grad_norm_part(double norm_type) const override;
+  /// Multiplies every trainable gradient by `factor` in place.
+  void scale_grads(double factor) override;
+  /// Clamps every trainable gradient to [-value, value] in place.
+  void clamp_grads(double value) override;
+  /// replicated_memory() of the parameters it was given (trainable and frozen).
+  StateMemory memory() const override;
 
   /// Parameter names of each bucket, bucket 0 first (reduced first).
   std::vector<std::vector<std::string>> bucket_names() const;
@@ -104,8 +118,7 @@ class Reducer {
   struct Param {
     std::string name;
     torch::Tensor tensor;
-    std::shared_ptr<torch::autograd::Node> accumulator;  // kept alive so the hook stays
-    uintptr_t hook_key = 0;
+    GradReadyHook hook;
     size_t bucket = 0;
     torch::Tensor view;  // the parameter's slot in its bucket, shaped like the parameter
     bool ready = false;
@@ -114,6 +127,7 @@ class Reducer {
   distributed::ProcessGroup& group_;
   ReducerOptions options_;
   std::vector<Param> params_;
+  std::vector<torch::Tensor> frozen_;  // given but not trained: only for memory()
   std::vector<GradBucket> buckets_;
   size_t next_bucket_ = 0;
   bool sync_ = true;

@@ -3,6 +3,7 @@
 // model's trainable parameters, cut into wrapped units, each unit one flat buffer padded to a
 // multiple of the world size, of which each rank owns a contiguous 1/N shard.
 
+#include "difftrain/accel/grad_sync.h"
 #include "difftrain/accel/sharding.h"
 #include "difftrain/core/forward_hooks.h"
 #include "difftrain/distributed/collectives.h"
@@ -17,18 +18,6 @@
 #include <vector>
 
 namespace difftrain::accel {
-
-/// Bytes of training state held on this rank (what run_info.rank<r>.json's state_bytes report).
-/// "Peak" values are the most held at once since construction; the others are what is held now
-/// (between steps: after the optimizer step).
-struct StateMemory {
-  int64_t param_bytes = 0;  ///< trainable parameters (full buffers + master shards)
-  int64_t param_peak_bytes = 0;
-  int64_t grad_bytes = 0;  ///< gradients (full buffers + shards)
-  int64_t grad_peak_bytes = 0;
-  int64_t optimizer_bytes = 0;     ///< optimizer state (moments, scales)
-  int64_t frozen_param_bytes = 0;  ///< parameters that do not train (replicated)
-};
 
 /// Counters for tests and benchmarks.
 struct ShardingStats {
@@ -52,23 +41,31 @@ struct ShardingStats {
 /// under SHARD_OPTIMIZER, reduce-scatter otherwise), overlapped with the rest of backward.
 /// finish() waits and leaves this rank's gradient shard in shard_parameters()[u].grad(); under
 /// SHARD_GRAD_OP / FULL_SHARD the full gradient buffers are then freed.
-class ShardedModel {
+///
+/// The Accelerator drives it through GradSync: each rank holds its shard of the averaged
+/// gradients (shards_gradients() true), and sharded_model() gives the Accelerator the rest of
+/// this class (shard optimizer, sharded checkpoints).
+class ShardedModel final : public GradSync {
  public:
   ShardedModel(torch::nn::Module& module, const ShardingOptions& options,
                distributed::ProcessGroup& group);
-  ~ShardedModel();
+  ~ShardedModel() override;
   ShardedModel(const ShardedModel&) = delete;
   ShardedModel& operator=(const ShardedModel&) = delete;
 
   /// Whether the coming backward passes reduce (false: accumulate locally; see sync_each_batch).
-  void set_sync(bool sync);
-  /// Before `loss.backward()`: starts a pass.
-  void prepare_for_backward();
+  void set_sync(bool sync) override;
+  /// Before `loss.backward()`: finishes a pass nobody waited for (`loss` is not needed: units
+  /// that get no gradient are found at the end of backward).
+  void prepare_for_backward(const torch::Tensor& loss) override;
   /// Waits for every reduction of the pass, leaves the gradient shards, frees what the strategy
   /// frees. A no-op with nothing in flight.
-  void finish();
+  void finish() override;
   /// Zeroes gradient shards and any full gradient buffer.
-  void zero_grad();
+  void zero_grad() override;
+  /// True: after finish() each rank holds its gradient shards (shard_parameters()[u].grad()).
+  bool shards_gradients() const override { return true; }
+  ShardedModel* sharded_model() override { return this; }
 
   /// Replaces `user` (a difftrain optimizer over this model's trainable parameters) by an
   /// optimizer of the same type and hyperparameters over this rank's shards, and releases the
@@ -88,17 +85,17 @@ class ShardedModel {
   /// stay resident.
   void after_step();
 
-  /// Squared 2-norm (or max abs for inf) of this rank's gradient shards, for a global norm.
-  double local_grad_norm_part(double norm_type) const;
+  /// Sum of |g|^norm_type (max |g| for inf) over this rank's gradient shards, for a global norm.
+  double grad_norm_part(double norm_type) const override;
   /// Multiplies every gradient shard by `factor`.
-  void scale_grads(double factor);
+  void scale_grads(double factor) override;
   /// Clamps every gradient shard to [-v, v].
-  void clamp_grads(double v);
+  void clamp_grads(double v) override;
 
   /// Gathers every unit (collective) and keeps them gathered until release_full_parameters():
   /// for code that reads the whole model (EMA, validation, export). Nested calls count.
-  void gather_full_parameters();
-  void release_full_parameters();
+  void gather_full_parameters() override;
+  void release_full_parameters() override;
 
   /// The shard parameters (one per unit, [S_u]; the shard optimizer's parameters).
   const std::vector<torch::Tensor>& shard_parameters() const { return shard_tensors_; }
@@ -125,8 +122,8 @@ class ShardedModel {
   /// After shards were overwritten (load): re-gathers resident full buffers.
   void shards_changed();
 
-  /// Bytes held on this rank.
-  StateMemory memory() const;
+  /// Bytes held on this rank (optimizer_bytes: the shard optimizer's state).
+  StateMemory memory() const override;
   const ShardingStats& stats() const { return stats_; }
 
  private:
