@@ -71,7 +71,8 @@ void load_module(torch::nn::Module& module, const std::string& dir, const std::s
 
 // Every rank learns whether every rank succeeded; a failing rank rethrows its own error, the
 // others name it. Keeps ranks from waiting at a barrier for a rank that gave up.
-void agree(distributed::ProcessGroup& group, const std::exception_ptr& error, const std::string& what) {
+void agree(distributed::ProcessGroup& group, const std::exception_ptr& error,
+           const std::string& what) {
   auto flag = torch::tensor({error ? group.rank() + 1 : 0}, torch::kInt64);
   distributed::all_reduce(flag, distributed::ReduceOp::kMax, group);
   if (error) std::rethrow_exception(error);

@@ -4,9 +4,25 @@
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
+#include <cmath>
 #include <utility>
 
 namespace difftrain::accel {
+
+double grad_norm_part_of(const std::vector<torch::Tensor>& tensors, double norm_type) {
+  double acc = 0;
+  for (const auto& t : tensors) {
+    const auto& g = t.grad();
+    if (!g.defined()) continue;
+    if (std::isinf(norm_type)) {
+      acc = std::max(acc, g.abs().max().item<double>());
+    } else {
+      acc += g.to(torch::kDouble).norm(norm_type).pow(norm_type).item<double>();
+    }
+  }
+  return acc;
+}
 
 StateMemory replicated_memory(const std::vector<torch::Tensor>& params) {
   StateMemory m;

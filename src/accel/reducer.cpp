@@ -258,17 +258,10 @@ void Reducer::zero_grad() {
 }
 
 double Reducer::grad_norm_part(double norm_type) const {
-  double acc = 0;
-  for (const auto& p : params_) {
-    const auto& g = p.tensor.grad();
-    if (!g.defined()) continue;
-    if (std::isinf(norm_type)) {
-      acc = std::max(acc, g.abs().max().item<double>());
-    } else {
-      acc += g.to(torch::kDouble).norm(norm_type).pow(norm_type).item<double>();
-    }
-  }
-  return acc;
+  std::vector<torch::Tensor> tensors;
+  tensors.reserve(params_.size());
+  for (const auto& p : params_) tensors.push_back(p.tensor);
+  return grad_norm_part_of(tensors, norm_type);
 }
 
 void Reducer::scale_grads(double factor) {

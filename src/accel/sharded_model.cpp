@@ -485,17 +485,7 @@ void ShardedModel::zero_grad() {
 }
 
 double ShardedModel::grad_norm_part(double norm_type) const {
-  double acc = 0;
-  for (const auto& s : shard_tensors_) {
-    const auto& g = s.grad();
-    if (!g.defined()) continue;
-    if (std::isinf(norm_type)) {
-      acc = std::max(acc, g.abs().max().item<double>());
-    } else {
-      acc += g.to(torch::kDouble).norm(norm_type).pow(norm_type).item<double>();
-    }
-  }
-  return acc;
+  return grad_norm_part_of(shard_tensors_, norm_type);
 }
 
 void ShardedModel::scale_grads(double factor) {

@@ -96,7 +96,8 @@ Coordinator::Coordinator(const std::string& host, int port, int num_machines, in
                     "the launcher of machine 0 started, is the port open? ({})",
                     machine_rank, host, port, join_timeout.count() / 1000.0, first_line(e)));
   }
-  main_->set("launch/machine/" + std::to_string(machine_rank), distributed::to_bytes(distributed::host_name()));
+  main_->set("launch/machine/" + std::to_string(machine_rank),
+             distributed::to_bytes(distributed::host_name()));
   const auto deadline = Clock::now() + join_timeout;
   while (true) {
     std::string missing;

@@ -210,7 +210,8 @@ class Supervisor {
       }
       store_dir_ = buffer.data();
       master_addr_ = "127.0.0.1";
-      master_port_ = o_.main_process_port > 0 ? o_.main_process_port : distributed::find_free_port();
+      master_port_ =
+          o_.main_process_port > 0 ? o_.main_process_port : distributed::find_free_port();
     } else {
       master_addr_ = o_.main_process_ip;
       master_port_ = o_.main_process_port;

@@ -27,7 +27,8 @@ std::string expect_close(const torch::Tensor& got, const torch::Tensor& want, do
   return "";
 }
 
-std::string check_all_reduce(distributed::ProcessGroup& g, distributed::ReduceOp op, torch::Dtype dtype) {
+std::string check_all_reduce(distributed::ProcessGroup& g, distributed::ReduceOp op,
+                             torch::Dtype dtype) {
   const int w = g.size(), r = g.rank();
   auto t = (torch::arange(6, torch::kDouble) + r).to(dtype);
   distributed::all_reduce(t, op, g);
@@ -97,7 +98,8 @@ std::string check_gradient_all_reduce(distributed::ProcessGroup& g) {
   const auto shard_x = x.slice(0, g.rank() * per_rank, (g.rank() + 1) * per_rank);
   const auto shard_y = y.slice(0, g.rank() * per_rank, (g.rank() + 1) * per_rank);
   torch::mse_loss(model->forward(shard_x), shard_y).backward();
-  for (auto& p : model->parameters()) distributed::all_reduce(p.mutable_grad(), distributed::ReduceOp::kMean, g);
+  for (auto& p : model->parameters())
+    distributed::all_reduce(p.mutable_grad(), distributed::ReduceOp::kMean, g);
   // Reference: the full batch on one process, in float64.
   auto weight = model->weight.detach().to(torch::kDouble).requires_grad_(true);
   auto bias = model->bias.detach().to(torch::kDouble).requires_grad_(true);
@@ -131,8 +133,10 @@ int run_checks(distributed::ProcessGroup& g, std::ostream& out) {
        [](auto& g) { return check_all_reduce(g, distributed::ReduceOp::kMin, torch::kFloat); }},
       {"broadcast of a model from rank 0", check_broadcast_model},
       {"all_gather", check_all_gather},
-      {"reduce_scatter sum", [](auto& g) { return check_reduce_scatter(g, distributed::ReduceOp::kSum); }},
-      {"reduce_scatter max", [](auto& g) { return check_reduce_scatter(g, distributed::ReduceOp::kMax); }},
+      {"reduce_scatter sum",
+       [](auto& g) { return check_reduce_scatter(g, distributed::ReduceOp::kSum); }},
+      {"reduce_scatter max",
+       [](auto& g) { return check_reduce_scatter(g, distributed::ReduceOp::kMax); }},
       {"barrier",
        [](auto& g) {
          distributed::barrier(g);

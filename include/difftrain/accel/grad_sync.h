@@ -31,6 +31,11 @@ struct StateMemory {
 /// gradient for each), the others as frozen. Peaks equal the current values; optimizer_bytes 0.
 StateMemory replicated_memory(const std::vector<torch::Tensor>& params);
 
+/// The sum over `tensors`' defined gradients of |g|^norm_type in double, in order (the largest
+/// |g| when norm_type is infinite): what GradSync::grad_norm_part returns for the tensors an
+/// engine holds gradients on.
+double grad_norm_part_of(const std::vector<torch::Tensor>& tensors, double norm_type);
+
 /// What one prepared model's gradient synchronisation does, whatever the engine (flashlight's
 /// `Reducer` add()/finalize(); torch's DDP Reducer and FSDP's FlatParamHandle): one per prepared
 /// model with trainable parameters when there is more than one process. The Accelerator keeps
