@@ -9,6 +9,10 @@
 //   bench_unet_step --config unet_config.json [--batch 8] [--resolution 64] [--text_len 77]
 //                   [--mixed_precision no|bf16|fp16] [--lora_rank 0] [--steps 20] [--warmup 5]
 //                   [--device auto|cpu|cuda] [--gradient_checkpointing 0|1] [--seed 0]
+//                   [--profile trace.json]
+//
+// --profile records the timed steps with LibTorch's autograd profiler into a Chrome trace;
+// bench/py/op_profile.py sums it per operator (where a step's time goes).
 //
 // Prints one JSON line: samples/s over the timed steps, ms per step, the peak memory (CUDA: the
 // caching allocator's peak allocated bytes, torch.cuda.max_memory_allocated; CPU: peak RSS),
@@ -22,6 +26,7 @@
 #include "difftrain/models/unet.h"
 #include "difftrain/optim/adamw.h"
 
+#include <torch/csrc/autograd/profiler_legacy.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
@@ -37,6 +42,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <memory>
 #include <string>
 
 namespace {
@@ -152,8 +158,14 @@ int run(int argc, char** argv) {
 #endif
   const auto start = std::chrono::steady_clock::now();
   torch::Tensor loss;
-  for (int64_t i = 0; i < steps; ++i) loss = step();
-  synchronize(device);
+  {
+    std::unique_ptr<torch::autograd::profiler::RecordProfile> profile;
+    if (!get("profile", "").empty()) {
+      profile = std::make_unique<torch::autograd::profiler::RecordProfile>(get("profile", ""));
+    }
+    for (int64_t i = 0; i < steps; ++i) loss = step();
+    synchronize(device);
+  }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 

@@ -27,6 +27,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 
 namespace difftrain::train {
 namespace fs = std::filesystem;
@@ -405,6 +406,10 @@ struct Trainer::State {
     const auto run_start = window_start;
     const int64_t first_step = global_step;
     int64_t window_steps = 0;
+    // The training loop's own speed, as the Python peer (bench/vs_peer.sh) times it: the updates
+    // after the first kTimingSkip (warm-up: first-touch allocations, oneDNN kernel creation).
+    constexpr int64_t kTimingSkip = 2;
+    std::optional<Clock::time_point> timed_start;
     double window_loss = 0.0, micro_loss = 0.0;
     int64_t micro_count = 0;
     bool stopped = false;
@@ -483,6 +488,7 @@ struct Trainer::State {
           window_steps = 0;
           window_loss = 0.0;
         }
+        if (global_step == first_step + kTimingSkip) timed_start = Clock::now();
         // checkpoint, validate (the last step's come after the loop)
         const bool last = global_step >= total_steps;
         if (stopped ||
@@ -503,9 +509,30 @@ struct Trainer::State {
                   "; checkpoint saved, continue with --resume_from_checkpoint latest");
     }
     if (!wrote_run_info) write_run_info();
+    if (timed_start && global_step > first_step + kTimingSkip) {
+      const double seconds = seconds_since(*timed_start);
+      const int64_t timed = global_step - first_step - kTimingSkip;
+      acc->print(
+          "timing: training loop {:.2f} samples/s, {:.1f} ms per update (updates {}-{}, {:.3f} s; "
+          "the first {} are warm-up)",
+          static_cast<double>(timed * global_batch) / seconds, 1000.0 * seconds / timed,
+          first_step + kTimingSkip + 1, global_step, seconds, kTimingSkip);
+    }
+    auto phase_start = Clock::now();
+    auto phase = [&phase_start] {
+      const double s = seconds_since(phase_start);
+      phase_start = Clock::now();
+      return s;
+    };
     save_checkpoint();
+    const double checkpoint_s = phase();
     validate();
+    const double validation_s = phase();
     export_final();
+    const double export_s = phase();
+    acc->print("timing: end of run {:.2f} s (last checkpoint {:.2f} s, validation {:.2f} s, "
+               "export {:.2f} s)",
+               checkpoint_s + validation_s + export_s, checkpoint_s, validation_s, export_s);
     if (trackers) trackers->flush();
     acc->print("done: {} updates, final loss {:.4f}, output in {}", global_step, last_loss,
                o.output_dir);
