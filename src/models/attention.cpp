@@ -1,6 +1,7 @@
 #include "difftrain/models/attention.h"
 
 #include "difftrain/core/error.h"
+#include "difftrain/models/fused_ops.h"
 #include "difftrain/models/layers.h"
 
 #include <torch/nn/functional/activation.h>
@@ -33,6 +34,8 @@ torch::Tensor multi_head_attention(const torch::Tensor& q, const torch::Tensor& 
               " heads");
   const int64_t d = inner / heads;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  // float32 on the CPU: one fused kernel on the projected layout (upcasting is a no-op there).
+  if (torch::Tensor fused = fused_attention(q, k, v, heads, scale); fused.defined()) return fused;
   // [B, N, h*d] -> [B*h, N, d], as Diffusers' head_to_batch_dim.
   auto split = [&](const torch::Tensor& t, int64_t len) {
     return t.reshape({B, len, heads, d}).permute({0, 2, 1, 3}).reshape({B * heads, len, d});
@@ -89,10 +92,16 @@ torch::Tensor AttentionImpl::forward_impl(const torch::Tensor& x, const torch::T
   int64_t B = 0, C = 0, H = 0, W = 0;
   if (spatial) {
     B = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
-    h = x.view({B, C, H * W}).transpose(1, 2);
+    // A view for contiguous and channels-last maps alike ([B, N, C] is then contiguous).
+    h = x.flatten(2).transpose(1, 2);
   }
   TORCH_CHECK(h.dim() == 3, "Attention expects [B, N, C] or [B, C, H, W], got ", x.sizes());
-  if (!group_norm_.is_empty()) h = group_norm_(h.transpose(1, 2)).transpose(1, 2);
+  if (!group_norm_.is_empty()) {
+    const auto& gn = group_norm_->options;
+    h = group_norm_silu(h.transpose(1, 2), gn.num_groups(), group_norm_->weight, group_norm_->bias,
+                        gn.eps(), /*silu=*/false)
+            .transpose(1, 2);
+  }
   if (options.cross_attention_dim() > 0) {
     TORCH_CHECK(context.defined(), "cross-attention needs encoder_hidden_states [B, S, ",
                 options.cross_attention_dim(), "]");

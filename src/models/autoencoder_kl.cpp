@@ -2,6 +2,7 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/io/safetensors.h"
+#include "difftrain/models/fused_ops.h"
 #include "difftrain/models/pretrained.h"
 #include "json_fields.h"
 
@@ -177,7 +178,7 @@ torch::Tensor VaeEncoderImpl::forward(const torch::Tensor& x) {
   for (auto& block : down_blocks_) h = block(h, none).first;
   h = mid_block_(h, none);
   // Diffusers' Encoder/Decoder use SiLU here whatever act_fn says (it applies to the resnets).
-  return conv_out_(torch::silu(conv_norm_out_(h)));
+  return conv_out_(group_norm_act(*conv_norm_out_, "silu", h));
 }
 
 // ------------------------------------------------------------------ decoder
@@ -215,7 +216,7 @@ torch::Tensor VaeDecoderImpl::forward(const torch::Tensor& z) {
   h = h.to(conv_out_->weight.scalar_type());
   std::vector<torch::Tensor> no_skips;
   for (auto& block : up_blocks_) h = block->forward(h, no_skips, none, {});
-  return conv_out_(torch::silu(conv_norm_out_(h)));
+  return conv_out_(group_norm_act(*conv_norm_out_, "silu", h));
 }
 
 // ------------------------------------------------------------------ AutoencoderKL

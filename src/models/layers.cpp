@@ -1,6 +1,7 @@
 #include "difftrain/models/layers.h"
 
 #include "difftrain/core/error.h"
+#include "difftrain/models/fused_ops.h"
 
 #include <torch/autograd.h>
 #include <torch/nn/functional/activation.h>
@@ -182,7 +183,7 @@ ResnetBlock2DImpl::ResnetBlock2DImpl(const ResnetBlock2DOptions& o) : options(o)
 torch::Tensor ResnetBlock2DImpl::forward_impl(const torch::Tensor& x, const torch::Tensor& temb) {
   const std::string& act = options.non_linearity();
   torch::Tensor input = x;
-  torch::Tensor h = activation(act, norm1_(x));
+  torch::Tensor h = group_norm_act(*norm1_, act, x);
   if (options.up()) {
     if (h.size(0) >= 64) {
       input = input.contiguous();
@@ -206,13 +207,12 @@ torch::Tensor ResnetBlock2DImpl::forward_impl(const torch::Tensor& x, const torc
   if (options.time_embedding_norm() == "scale_shift") {
     TORCH_CHECK(t.defined(), "ResnetBlock2D with scale_shift needs a time embedding");
     auto chunks = t.chunk(2, 1);
-    h = norm2_(h);
-    h = h * (1 + chunks[0]) + chunks[1];
+    h = group_norm_act(*norm2_, "", h);
+    h = activation(act, h * (1 + chunks[0]) + chunks[1]);
   } else {
     if (t.defined()) h = h + t;
-    h = norm2_(h);
+    h = group_norm_act(*norm2_, act, h);
   }
-  h = activation(act, h);
   if (options.dropout() > 0)
     h = F::dropout(h, F::DropoutFuncOptions().p(options.dropout()).training(is_training()));
   h = conv2_(h);

@@ -1,5 +1,7 @@
 #include "difftrain/models/unet.h"
 
+#include "difftrain/models/fused_ops.h"
+
 #include "difftrain/core/error.h"
 
 #include <algorithm>
@@ -283,7 +285,14 @@ torch::Tensor UNetImpl::forward_impl(const torch::Tensor& sample_in, const torch
   const int64_t factor = int64_t{1} << num_upsamplers_;
   const bool forward_upsample_size = sample.size(2) % factor != 0 || sample.size(3) % factor != 0;
 
+  // Channels-last activations on the CPU (float32, fused kernels on): oneDNN's convolutions run
+  // without reorders and the fused GroupNorm keeps the layout. The output is contiguous again.
+  const bool channels_last = use_channels_last(sample);
+  if (channels_last) sample = sample.contiguous(at::MemoryFormat::ChannelsLast);
   torch::Tensor x = conv_in_(sample);
+  // With one input channel the sample is contiguous and channels-last at once, and oneDNN answers
+  // contiguous: the layout is set again on conv_in's output.
+  if (channels_last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
   std::vector<torch::Tensor> skips{x};
   for (auto& block : down_blocks_) {
     auto [out, states] = block->forward(x, in);
@@ -301,9 +310,9 @@ torch::Tensor UNetImpl::forward_impl(const torch::Tensor& sample_in, const torch
     }
     x = block->forward(x, skips, in, upsample_size);
   }
-  x = conv_norm_out_(x);
-  x = activation(c.kind == UNetKind::kUNet2DCondition ? c.act_fn : "silu", x);
+  x = group_norm_act(*conv_norm_out_, c.kind == UNetKind::kUNet2DCondition ? c.act_fn : "silu", x);
   x = conv_out_(x);
+  if (channels_last) x = leave_channels_last(x);
   if (c.kind == UNetKind::kUNet2D && c.time_embedding_type == "fourier") {
     x = x / timesteps.to(x.scalar_type()).reshape({B, 1, 1, 1});
   }

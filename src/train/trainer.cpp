@@ -530,9 +530,10 @@ struct Trainer::State {
     const double validation_s = phase();
     export_final();
     const double export_s = phase();
-    acc->print("timing: end of run {:.2f} s (last checkpoint {:.2f} s, validation {:.2f} s, "
-               "export {:.2f} s)",
-               checkpoint_s + validation_s + export_s, checkpoint_s, validation_s, export_s);
+    acc->print(
+        "timing: end of run {:.2f} s (last checkpoint {:.2f} s, validation {:.2f} s, "
+        "export {:.2f} s)",
+        checkpoint_s + validation_s + export_s, checkpoint_s, validation_s, export_s);
     if (trackers) trackers->flush();
     acc->print("done: {} updates, final loss {:.4f}, output in {}", global_step, last_loss,
                o.output_dir);

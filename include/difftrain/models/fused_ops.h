@@ -1,0 +1,54 @@
+#pragma once
+// Fused CPU kernels for the UNet's hot spots, with their own backward: multi-head attention that
+// never stores the [B*heads, N, S] probability matrix, and GroupNorm followed by SiLU in one pass.
+// They run for float32 CPU tensors only; anything else (CUDA, bf16, fp16, float64) takes LibTorch's
+// ops, so callers may call them unconditionally. The results equal LibTorch's to float rounding
+// (tests/unit/fused_ops_test.cpp checks them against a float64 recomputation).
+//
+// On by default; DIFFTRAIN_FUSED_KERNELS=0 in the environment (or set_fused_kernels_enabled(false))
+// turns them off, for an A/B comparison or to rule them out.
+#include <torch/nn/modules/normalization.h>
+#include <torch/types.h>
+
+#include <string>
+
+namespace difftrain::models {
+
+/// Whether the fused kernels (and channels-last UNet activations on the CPU) are used.
+bool fused_kernels_enabled();
+/// Overrides DIFFTRAIN_FUSED_KERNELS for this process (tests, benchmarks).
+void set_fused_kernels_enabled(bool enabled);
+/// The instruction set the kernels were dispatched to on this CPU: "avx2" or "generic".
+std::string fused_kernels_isa();
+
+/// softmax(scale * q k^T) v per head, on Diffusers' projected layout (heads side by side):
+/// q: [B, N, heads*d], k, v: [B, S, heads*d] -> [B, N, heads*d]. Differentiable in q, k and v.
+/// Fused for float32 CPU tensors with heads of at most 64 channels; otherwise an undefined tensor
+/// is returned and the caller uses its own path.
+torch::Tensor fused_attention(const torch::Tensor& q, const torch::Tensor& k,
+                              const torch::Tensor& v, int64_t heads, double scale);
+
+/// group_norm(x, groups, weight, bias, eps), then silu when `silu`. x: [N, C, *] in contiguous or
+/// channels-last memory (the output keeps x's layout); weight, bias: [C] or undefined.
+/// Differentiable in x, weight and bias. Fused for float32 CPU tensors when enabled; otherwise
+/// LibTorch's group_norm (and silu).
+torch::Tensor group_norm_silu(const torch::Tensor& x, int64_t groups, const torch::Tensor& weight,
+                              const torch::Tensor& bias, double eps, bool silu);
+
+/// The GroupNorm module `norm` applied to x, then the activation `act` (a name models::activation
+/// knows, or "" for none): group_norm_silu when act is silu/swish or empty, so ResnetBlock2D's
+/// `nonlinearity(norm(x))` is one fused pass. x: [N, C, *].
+torch::Tensor group_norm_act(const torch::nn::GroupNormImpl& norm, const std::string& act,
+                             const torch::Tensor& x);
+
+/// Whether a UNet runs its activations in channels-last memory for this input: float32 on the
+/// CPU with the fused kernels on and DIFFTRAIN_CHANNELS_LAST=1 (the fused GroupNorm keeps the
+/// layout; LibTorch's own CPU GroupNorm would copy back to contiguous). Off by default: it did
+/// not speed up a training step here (docs/PERFORMANCE.md).
+bool use_channels_last(const torch::Tensor& sample);
+
+/// x.contiguous() (x: [B, C, H, W] channels-last) whose backward hands the gradient on in
+/// channels-last memory, so the network's backward stays channels-last too.
+torch::Tensor leave_channels_last(const torch::Tensor& x);
+
+}  // namespace difftrain::models

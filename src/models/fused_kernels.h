@@ -1,0 +1,54 @@
+#pragma once
+// The CPU float32 kernels behind models/fused_ops.h, compiled twice from fused_kernels_impl.h:
+// once for the build's baseline CPU (namespace generic) and, where the compiler and Sleef allow,
+// with AVX2 + FMA (namespace avx2, fused_kernels_avx2.cpp). fused_ops.cpp picks one at run time
+// from the CPU's features. Every pointer is a dense float32 buffer; shapes are stated per function.
+#include <cstdint>
+
+namespace difftrain::models::kernels {
+
+/// Multi-head attention on the projected layout, heads side by side as Diffusers' to_q output:
+/// q: [B, N, heads*d], k, v: [B, S, heads*d], o: [B, N, heads*d], lse: [B, heads, N] (the log of
+/// each softmax row's normaliser, kept for the backward). o = softmax(scale q k^T) v per head.
+struct AttentionShape {
+  int64_t batch, queries, keys, heads, head_dim;
+  float scale;
+};
+
+/// GroupNorm over x viewed as [N, C, L] (L = product of the spatial sizes). channels_last: the
+/// memory is [N, L, C] (PyTorch's channels_last / a transposed [B, L, C] sequence); else [N, C, L].
+struct GroupNormShape {
+  int64_t batch, channels, length, groups;
+  bool channels_last;
+  float eps;
+  bool silu;  ///< y = silu(group_norm(x)) instead of group_norm(x)
+};
+
+#define DIFFTRAIN_FUSED_KERNEL_DECLS                                                               \
+  void attention_forward(const AttentionShape& s, const float* q, const float* k, const float* v,  \
+                         float* o, float* lse);                                                    \
+  /* dq, dk, dv are overwritten. */                                                                \
+  void attention_backward(const AttentionShape& s, const float* q, const float* k, const float* v, \
+                          const float* o, const float* lse, const float* dout, float* dq,          \
+                          float* dk, float* dv);                                                   \
+  /* mean, rstd: [N, groups] */                                                                    \
+  void group_norm_forward(const GroupNormShape& s, const float* x, const float* gamma,             \
+                          const float* beta, float* y, float* mean, float* rstd);                  \
+  /* dx: [N, C, L] in x's layout; dgamma, dbeta: [C] (overwritten) */                              \
+  void group_norm_backward(const GroupNormShape& s, const float* dy, const float* x,               \
+                           const float* mean, const float* rstd, const float* gamma,               \
+                           const float* beta, float* dx, float* dgamma, float* dbeta);
+
+namespace generic {
+DIFFTRAIN_FUSED_KERNEL_DECLS
+}  // namespace generic
+
+#ifdef DIFFTRAIN_HAVE_AVX2_KERNELS
+namespace avx2 {
+DIFFTRAIN_FUSED_KERNEL_DECLS
+}  // namespace avx2
+#endif
+
+#undef DIFFTRAIN_FUSED_KERNEL_DECLS
+
+}  // namespace difftrain::models::kernels

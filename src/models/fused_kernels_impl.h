@@ -1,0 +1,468 @@
+// The body of the fused CPU kernels (fused_kernels.h), written once with ATen's vectorised type
+// at::vec::Vectorized<float> and compiled per instruction set: fused_kernels_generic.cpp and
+// fused_kernels_avx2.cpp include it inside their own namespace. No include guard on purpose.
+//
+// Attention works one query row at a time over all keys: the row's scores (S floats) stay in L1/L2
+// instead of a [B*heads, N, S] matrix in memory, and every inner loop runs over S contiguous
+// floats (keys and values are transposed per head first, d x S). The backward recomputes the
+// probabilities from the saved log-normaliser (as flash attention does) instead of storing them.
+// GroupNorm(+SiLU) reads x once for the statistics and once for the output; its backward needs
+// x, mean and rstd only (the plain path keeps the normalised tensor and the SiLU input as well).
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = Vec::size();
+
+namespace {
+
+float horizontal_sum(const Vec& v) {
+  float lanes[kLanes];
+  v.store(lanes);
+  float s = 0.f;
+  for (int64_t i = 0; i < kLanes; ++i) s += lanes[i];
+  return s;
+}
+
+// y[0:n] += alpha * x[0:n]
+void axpy(float alpha, const float* x, float* y, int64_t n) {
+  const Vec a(alpha);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    at::vec::fmadd(a, Vec::loadu(x + i), Vec::loadu(y + i)).store(y + i);
+  }
+  for (; i < n; ++i) y[i] += alpha * x[i];
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  Vec acc(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
+  float s = horizontal_sum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+float row_max(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  if (n >= kLanes) {
+    Vec acc = Vec::loadu(x);
+    for (i = kLanes; i + kLanes <= n; i += kLanes) acc = at::vec::maximum(acc, Vec::loadu(x + i));
+    float lanes[kLanes];
+    acc.store(lanes);
+    for (int64_t l = 0; l < kLanes; ++l) m = std::max(m, lanes[l]);
+  }
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+// x[0:n] = exp(x - shift); returns the sum of the new values.
+float exp_shifted(float* x, int64_t n, float shift) {
+  const Vec s(shift);
+  Vec acc(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Vec e = (Vec::loadu(x + i) - s).exp();
+    e.store(x + i);
+    acc = acc + e;
+  }
+  float sum = horizontal_sum(acc);
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - shift);
+    sum += x[i];
+  }
+  return sum;
+}
+
+// dst[c * rows + r] = src[r * stride + c] for r < rows, c < cols (one head's keys -> d x S).
+void transpose_head(const float* src, int64_t stride, int64_t rows, int64_t cols, float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* s = src + r * stride;
+    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = s[c];
+  }
+}
+
+// scores[0:S] = scale * q_i . k_j for every key j (kt: d x S)
+void score_row(const float* qi, const float* kt, int64_t d, int64_t S, float scale, float* scores) {
+  std::fill(scores, scores + S, 0.f);
+  for (int64_t c = 0; c < d; ++c) axpy(qi[c] * scale, kt + c * S, scores, S);
+}
+
+Vec silu(const Vec& z) { return z / (Vec(1.f) + (Vec(0.f) - z).exp()); }
+
+}  // namespace
+
+void attention_forward(const AttentionShape& s, const float* q, const float* k, const float* v,
+                       float* o, float* lse) {
+  const int64_t B = s.batch, N = s.queries, S = s.keys, H = s.heads, d = s.head_dim;
+  const int64_t inner = H * d;
+  const int64_t block = 32;  // queries per task: enough tasks for every thread, few transposes
+  const int64_t blocks = (N + block - 1) / block;
+  at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> kt(d * S), vt(d * S), row(S);
+    int64_t cached = -1;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / blocks, b = bh / H, h = bh % H;
+      if (bh != cached) {
+        transpose_head(k + b * S * inner + h * d, inner, S, d, kt.data());
+        transpose_head(v + b * S * inner + h * d, inner, S, d, vt.data());
+        cached = bh;
+      }
+      const int64_t first = (task % blocks) * block, last = std::min(N, first + block);
+      for (int64_t i = first; i < last; ++i) {
+        const float* qi = q + (b * N + i) * inner + h * d;
+        score_row(qi, kt.data(), d, S, s.scale, row.data());
+        const float m = row_max(row.data(), S);
+        const float sum = exp_shifted(row.data(), S, m);
+        lse[bh * N + i] = m + std::log(sum);
+        const float inv = 1.f / sum;
+        float* oi = o + (b * N + i) * inner + h * d;
+        for (int64_t c = 0; c < d; ++c) oi[c] = dot(row.data(), vt.data() + c * S, S) * inv;
+      }
+    }
+  });
+}
+
+void attention_backward(const AttentionShape& s, const float* q, const float* k, const float* v,
+                        const float* o, const float* lse, const float* dout, float* dq, float* dk,
+                        float* dv) {
+  const int64_t B = s.batch, N = s.queries, S = s.keys, H = s.heads, d = s.head_dim;
+  const int64_t inner = H * d;
+  // One task per (batch, head): dk and dv sum over every query of the head.
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> kt(d * S), vt(d * S), dkt(d * S), dvt(d * S), p(S), ds(S);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      transpose_head(k + b * S * inner + h * d, inner, S, d, kt.data());
+      transpose_head(v + b * S * inner + h * d, inner, S, d, vt.data());
+      std::fill(dkt.begin(), dkt.end(), 0.f);
+      std::fill(dvt.begin(), dvt.end(), 0.f);
+      for (int64_t i = 0; i < N; ++i) {
+        const int64_t row = (b * N + i) * inner + h * d;
+        const float *qi = q + row, *oi = o + row, *doi = dout + row;
+        // p = softmax row, recomputed; dp_j = do_i . v_j; ds = p * (dp - do_i . o_i)
+        score_row(qi, kt.data(), d, S, s.scale, p.data());
+        exp_shifted(p.data(), S, lse[bh * N + i]);
+        std::fill(ds.begin(), ds.end(), 0.f);
+        for (int64_t c = 0; c < d; ++c) axpy(doi[c], vt.data() + c * S, ds.data(), S);
+        const float di_scalar = dot(doi, oi, d);
+        const Vec di(di_scalar);
+        int64_t j = 0;
+        for (; j + kLanes <= S; j += kLanes) {
+          (Vec::loadu(p.data() + j) * (Vec::loadu(ds.data() + j) - di)).store(ds.data() + j);
+        }
+        for (; j < S; ++j) ds[j] = p[j] * (ds[j] - di_scalar);
+        float* dqi = dq + row;
+        for (int64_t c = 0; c < d; ++c) {
+          dqi[c] = s.scale * dot(ds.data(), kt.data() + c * S, S);
+          axpy(s.scale * qi[c], ds.data(), dkt.data() + c * S, S);
+          axpy(doi[c], p.data(), dvt.data() + c * S, S);
+        }
+      }
+      for (int64_t j = 0; j < S; ++j) {
+        float* dkj = dk + (b * S + j) * inner + h * d;
+        float* dvj = dv + (b * S + j) * inner + h * d;
+        for (int64_t c = 0; c < d; ++c) {
+          dkj[c] = dkt[c * S + j];
+          dvj[c] = dvt[c * S + j];
+        }
+      }
+    }
+  });
+}
+
+namespace {
+
+// Per-channel sums over the L positions of one sample in channels-last memory ([L, C]):
+// sum[c] += f(x[l, c]) for every l, accumulated in float blocks of 64 rows, then in double.
+template <typename F>
+void channel_sums_cl(const float* x, int64_t L, int64_t C, double* sum, F f) {
+  std::vector<float> part(C);
+  for (int64_t l0 = 0; l0 < L; l0 += 64) {
+    std::fill(part.begin(), part.end(), 0.f);
+    const int64_t l1 = std::min(L, l0 + 64);
+    for (int64_t l = l0; l < l1; ++l) {
+      const float* row = x + l * C;
+      int64_t c = 0;
+      for (; c + kLanes <= C; c += kLanes) {
+        (Vec::loadu(part.data() + c) + f(Vec::loadu(row + c), c)).store(part.data() + c);
+      }
+      for (; c < C; ++c) {
+        float lane[kLanes] = {row[c]};
+        float out[kLanes];
+        f(Vec::loadu(lane, 1), c).store(out);
+        part[c] += out[0];
+      }
+    }
+    for (int64_t c = 0; c < C; ++c) sum[c] += part[c];
+  }
+}
+
+double sum_shifted_squares(const float* x, int64_t n, float mean) {
+  const Vec m(mean);
+  Vec acc(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Vec t = Vec::loadu(x + i) - m;
+    acc = at::vec::fmadd(t, t, acc);
+  }
+  double s = horizontal_sum(acc);
+  for (; i < n; ++i) s += (x[i] - mean) * (x[i] - mean);
+  return s;
+}
+
+double plain_sum(const float* x, int64_t n) {
+  Vec acc(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) acc = acc + Vec::loadu(x + i);
+  double s = horizontal_sum(acc);
+  for (; i < n; ++i) s += x[i];
+  return s;
+}
+
+// y[0:n] = x * a + b (then silu)
+void scale_shift(const float* x, const float* a, const float* b, float* y, int64_t n, bool act) {
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    Vec z = at::vec::fmadd(Vec::loadu(x + i), Vec::loadu(a + i), Vec::loadu(b + i));
+    if (act) z = silu(z);
+    z.store(y + i);
+  }
+  for (; i < n; ++i) {
+    const float z = x[i] * a[i] + b[i];
+    y[i] = act ? z / (1.f + std::exp(-z)) : z;
+  }
+}
+
+void scale_shift(const float* x, float a, float b, float* y, int64_t n, bool act) {
+  const Vec va(a), vb(b);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    Vec z = at::vec::fmadd(Vec::loadu(x + i), va, vb);
+    if (act) z = silu(z);
+    z.store(y + i);
+  }
+  for (; i < n; ++i) {
+    const float z = x[i] * a + b;
+    y[i] = act ? z / (1.f + std::exp(-z)) : z;
+  }
+}
+
+// dz = dy * silu'(x * a + b), written to out (out may alias dy).
+void silu_grad(const float* dy, const float* x, float a, float b, float* out, int64_t n) {
+  const Vec va(a), vb(b), one(1.f), zero(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Vec z = at::vec::fmadd(Vec::loadu(x + i), va, vb);
+    const Vec sig = one / (one + (zero - z).exp());
+    (Vec::loadu(dy + i) * sig * (one + z * (one - sig))).store(out + i);
+  }
+  for (; i < n; ++i) {
+    const float z = x[i] * a + b;
+    const float sig = 1.f / (1.f + std::exp(-z));
+    out[i] = dy[i] * sig * (1.f + z * (1.f - sig));
+  }
+}
+
+void silu_grad(const float* dy, const float* x, const float* a, const float* b, float* out,
+               int64_t n) {
+  const Vec one(1.f), zero(0.f);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    const Vec z = at::vec::fmadd(Vec::loadu(x + i), Vec::loadu(a + i), Vec::loadu(b + i));
+    const Vec sig = one / (one + (zero - z).exp());
+    (Vec::loadu(dy + i) * sig * (one + z * (one - sig))).store(out + i);
+  }
+  for (; i < n; ++i) {
+    const float z = x[i] * a[i] + b[i];
+    const float sig = 1.f / (1.f + std::exp(-z));
+    out[i] = dy[i] * sig * (1.f + z * (1.f - sig));
+  }
+}
+
+// Per sample n: a_c = rstd_g * gamma_c, b_c = beta_c - mean_g * a_c for every channel c.
+void affine_coefficients(const GroupNormShape& s, int64_t n, const float* mean, const float* rstd,
+                         const float* gamma, const float* beta, float* a, float* b) {
+  const int64_t C = s.channels, cpg = C / s.groups;
+  for (int64_t c = 0; c < C; ++c) {
+    const int64_t g = c / cpg;
+    const float r = rstd[n * s.groups + g], m = mean[n * s.groups + g];
+    a[c] = r * (gamma ? gamma[c] : 1.f);
+    b[c] = (beta ? beta[c] : 0.f) - m * a[c];
+  }
+}
+
+}  // namespace
+
+void group_norm_forward(const GroupNormShape& s, const float* x, const float* gamma,
+                        const float* beta, float* y, float* mean, float* rstd) {
+  const int64_t N = s.batch, C = s.channels, L = s.length, G = s.groups, cpg = C / G;
+  const double count = static_cast<double>(cpg * L);
+  if (!s.channels_last) {
+    // [N, C, L]: group (n, g) is one contiguous block of cpg * L floats.
+    at::parallel_for(0, N * G, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t ng = begin; ng < end; ++ng) {
+        const float* block = x + ng * cpg * L;
+        const float m = static_cast<float>(plain_sum(block, cpg * L) / count);
+        const double var = sum_shifted_squares(block, cpg * L, m) / count;
+        mean[ng] = m;
+        rstd[ng] = static_cast<float>(1.0 / std::sqrt(var + s.eps));
+      }
+    });
+    at::parallel_for(0, N * C, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t nc = begin; nc < end; ++nc) {
+        const int64_t n = nc / C, c = nc % C, ng = n * G + c / cpg;
+        const float a = rstd[ng] * (gamma ? gamma[c] : 1.f);
+        const float b = (beta ? beta[c] : 0.f) - mean[ng] * a;
+        scale_shift(x + nc * L, a, b, y + nc * L, L, s.silu);
+      }
+    });
+    return;
+  }
+  // [N, L, C]: per-channel sums over the positions, then per group.
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> sum(C);
+    std::vector<float> channel_mean(C), a(C), b(C);
+    for (int64_t n = begin; n < end; ++n) {
+      const float* xn = x + n * L * C;
+      std::fill(sum.begin(), sum.end(), 0.0);
+      channel_sums_cl(xn, L, C, sum.data(), [](const Vec& v, int64_t) { return v; });
+      for (int64_t g = 0; g < G; ++g) {
+        double t = 0;
+        for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) t += sum[c];
+        mean[n * G + g] = static_cast<float>(t / count);
+        for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) channel_mean[c] = mean[n * G + g];
+      }
+      std::fill(sum.begin(), sum.end(), 0.0);
+      channel_sums_cl(xn, L, C, sum.data(), [&](const Vec& v, int64_t c) {
+        const Vec t = v - Vec::loadu(channel_mean.data() + c, std::min<int64_t>(kLanes, C - c));
+        return t * t;
+      });
+      for (int64_t g = 0; g < G; ++g) {
+        double t = 0;
+        for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) t += sum[c];
+        rstd[n * G + g] = static_cast<float>(1.0 / std::sqrt(t / count + s.eps));
+      }
+      affine_coefficients(s, n, mean, rstd, gamma, beta, a.data(), b.data());
+      for (int64_t l = 0; l < L; ++l) {
+        scale_shift(xn + l * C, a.data(), b.data(), y + (n * L + l) * C, C, s.silu);
+      }
+    }
+  });
+}
+
+void group_norm_backward(const GroupNormShape& s, const float* dy, const float* x,
+                         const float* mean, const float* rstd, const float* gamma,
+                         const float* beta, float* dx, float* dgamma, float* dbeta) {
+  const int64_t N = s.batch, C = s.channels, L = s.length, G = s.groups, cpg = C / G;
+  const double count = static_cast<double>(cpg * L);
+  // ds[n, c] = sum_l dz * x, db[n, c] = sum_l dz, with dz = dy (times silu' when fused), which is
+  // first written to dx and then turned into dx in place.
+  std::vector<double> ds(N * C, 0.0), db(N * C, 0.0);
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> a(C), b(C), scale(C), c2(G), c3(G);
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t base = n * C * L;
+      affine_coefficients(s, n, mean, rstd, gamma, beta, a.data(), b.data());
+      if (!s.channels_last) {
+        for (int64_t c = 0; c < C; ++c) {
+          const int64_t off = base + c * L;
+          if (s.silu) {
+            silu_grad(dy + off, x + off, a[c], b[c], dx + off, L);
+          } else {
+            std::copy(dy + off, dy + off + L, dx + off);
+          }
+          ds[n * C + c] = dot(dx + off, x + off, L);
+          db[n * C + c] = plain_sum(dx + off, L);
+        }
+      } else {
+        for (int64_t l = 0; l < L; ++l) {
+          const int64_t off = base + l * C;
+          if (s.silu) {
+            silu_grad(dy + off, x + off, a.data(), b.data(), dx + off, C);
+          } else {
+            std::copy(dy + off, dy + off + C, dx + off);
+          }
+        }
+        const float* dzn = dx + base;
+        const float* xn = x + base;
+        channel_sums_cl(dzn, L, C, db.data() + n * C, [](const Vec& v, int64_t) { return v; });
+        // ds = sum over positions of dz * x
+        std::vector<float> part(C);
+        for (int64_t l0 = 0; l0 < L; l0 += 64) {
+          std::fill(part.begin(), part.end(), 0.f);
+          for (int64_t l = l0; l < std::min(L, l0 + 64); ++l) {
+            const float *dzr = dzn + l * C, *xr = xn + l * C;
+            int64_t c = 0;
+            for (; c + kLanes <= C; c += kLanes) {
+              at::vec::fmadd(Vec::loadu(dzr + c), Vec::loadu(xr + c), Vec::loadu(part.data() + c))
+                  .store(part.data() + c);
+            }
+            for (; c < C; ++c) part[c] += dzr[c] * xr[c];
+          }
+          for (int64_t c = 0; c < C; ++c) ds[n * C + c] += part[c];
+        }
+      }
+      // dx = dz * rstd * gamma + x * c2 + c3 (per group), as ATen's GroupNorm backward.
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t ng = n * G + g;
+        double sum_a = 0, sum_b = 0;
+        for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) {
+          const double gm = gamma ? gamma[c] : 1.0;
+          sum_a += gm * ds[n * C + c];
+          sum_b += gm * db[n * C + c];
+        }
+        const double r = rstd[ng], m = mean[ng];
+        const double k2 = (sum_b * m - sum_a) * r * r * r / count;
+        c2[g] = static_cast<float>(k2);
+        c3[g] = static_cast<float>(-k2 * m - sum_b * r / count);
+        for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) {
+          scale[c] = static_cast<float>(r * (gamma ? gamma[c] : 1.0));
+        }
+      }
+      if (!s.channels_last) {
+        for (int64_t c = 0; c < C; ++c) {
+          const int64_t off = base + c * L, g = c / cpg;
+          const Vec sc(scale[c]), k2(c2[g]), k3(c3[g]);
+          int64_t i = 0;
+          for (; i + kLanes <= L; i += kLanes) {
+            const Vec t = at::vec::fmadd(Vec::loadu(x + off + i), k2, k3);
+            at::vec::fmadd(Vec::loadu(dx + off + i), sc, t).store(dx + off + i);
+          }
+          for (; i < L; ++i) dx[off + i] = dx[off + i] * scale[c] + x[off + i] * c2[g] + c3[g];
+        }
+      } else {
+        std::vector<float> k2c(C), k3c(C);
+        for (int64_t c = 0; c < C; ++c) k2c[c] = c2[c / cpg], k3c[c] = c3[c / cpg];
+        for (int64_t l = 0; l < L; ++l) {
+          const int64_t off = base + l * C;
+          int64_t c = 0;
+          for (; c + kLanes <= C; c += kLanes) {
+            const Vec t = at::vec::fmadd(Vec::loadu(x + off + c), Vec::loadu(k2c.data() + c),
+                                         Vec::loadu(k3c.data() + c));
+            at::vec::fmadd(Vec::loadu(dx + off + c), Vec::loadu(scale.data() + c), t)
+                .store(dx + off + c);
+          }
+          for (; c < C; ++c) dx[off + c] = dx[off + c] * scale[c] + x[off + c] * k2c[c] + k3c[c];
+        }
+      }
+    }
+  });
+  for (int64_t c = 0; c < C; ++c) {
+    double dg = 0, dbt = 0;
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t ng = n * G + c / cpg;
+      dg += (ds[n * C + c] - mean[ng] * db[n * C + c]) * rstd[ng];
+      dbt += db[n * C + c];
+    }
+    if (dgamma) dgamma[c] = static_cast<float>(dg);
+    if (dbeta) dbeta[c] = static_cast<float>(dbt);
+  }
+}

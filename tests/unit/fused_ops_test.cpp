@@ -1,0 +1,241 @@
+// The fused CPU kernels (models/fused_ops.h) against float64 recomputations with LibTorch's own
+// ops: attention and GroupNorm(+SiLU) outputs and every gradient, on shapes that are not multiples
+// of the vector width, in contiguous and channels-last memory; then whole UNets with the kernels on
+// (channels-last activations) against the same UNets with them off.
+#include "difftrain/models/fused_ops.h"
+
+#include "difftrain/models/attention.h"
+#include "difftrain/models/unet.h"
+#include "difftrain/models/unet_config.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+
+namespace {
+
+using namespace difftrain;
+
+double max_abs_diff(const torch::Tensor& a, const torch::Tensor& b) {
+  return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
+}
+
+// Restores the process-wide switch after a test flips it.
+struct FusedSwitch {
+  bool before = models::fused_kernels_enabled();
+  ~FusedSwitch() { models::set_fused_kernels_enabled(before); }
+};
+
+// softmax(scale q k^T) v per head in float64: q [B, N, h*d], k, v [B, S, h*d]
+torch::Tensor reference_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                  const torch::Tensor& v, int64_t heads) {
+  const int64_t B = q.size(0), N = q.size(1), S = k.size(1), d = q.size(2) / heads;
+  auto split = [&](const torch::Tensor& t, int64_t len) {
+    return t.reshape({B, len, heads, d}).permute({0, 2, 1, 3});
+  };
+  auto p = torch::softmax(
+      torch::matmul(split(q, N), split(k, S).transpose(-1, -2)) / std::sqrt(static_cast<double>(d)),
+      -1);
+  return torch::matmul(p, split(v, S)).permute({0, 2, 1, 3}).reshape({B, N, heads * d});
+}
+
+struct AttentionCase {
+  int64_t B, N, S, heads, d;
+};
+
+TEST(FusedOps, AttentionAndItsGradientsMatchFloat64) {
+  FusedSwitch restore;
+  models::set_fused_kernels_enabled(true);
+  std::printf("fused kernels: %s\n", models::fused_kernels_isa().c_str());
+  // Widths that are and are not multiples of 8 lanes; self- and cross-attention lengths.
+  for (const auto& c : {AttentionCase{2, 37, 37, 3, 5}, AttentionCase{1, 16, 77, 2, 8},
+                        AttentionCase{2, 64, 64, 2, 32}, AttentionCase{3, 9, 1, 1, 64}}) {
+    torch::manual_seed(7);
+    const int64_t inner = c.heads * c.d;
+    auto q = torch::randn({c.B, c.N, inner}).requires_grad_();
+    auto k = torch::randn({c.B, c.S, inner}).requires_grad_();
+    auto v = torch::randn({c.B, c.S, inner}).requires_grad_();
+    auto out = models::fused_attention(q, k, v, c.heads, 1.0 / std::sqrt(double(c.d)));
+    ASSERT_TRUE(out.defined());
+    auto grad = torch::randn_like(out);
+    auto grads = torch::autograd::grad({out}, {q, k, v}, {grad});
+
+    auto q64 = q.detach().to(torch::kFloat64).requires_grad_();
+    auto k64 = k.detach().to(torch::kFloat64).requires_grad_();
+    auto v64 = v.detach().to(torch::kFloat64).requires_grad_();
+    auto ref = reference_attention(q64, k64, v64, c.heads);
+    auto ref_grads = torch::autograd::grad({ref}, {q64, k64, v64}, {grad.to(torch::kFloat64)});
+    const double tol = 2e-5;
+    const double d_out = max_abs_diff(out, ref), d_q = max_abs_diff(grads[0], ref_grads[0]),
+                 d_k = max_abs_diff(grads[1], ref_grads[1]),
+                 d_v = max_abs_diff(grads[2], ref_grads[2]);
+    std::printf(
+        "attention B%lld N%lld S%lld h%lld d%lld: max |diff| out %.2e dq %.2e dk %.2e dv %.2e"
+        " (tol %.0e)\n",
+        static_cast<long long>(c.B), static_cast<long long>(c.N), static_cast<long long>(c.S),
+        static_cast<long long>(c.heads), static_cast<long long>(c.d), d_out, d_q, d_k, d_v, tol);
+    EXPECT_LT(d_out, tol);
+    EXPECT_LT(d_q, tol);
+    EXPECT_LT(d_k, tol);
+    EXPECT_LT(d_v, tol);
+  }
+}
+
+TEST(FusedOps, AttentionDeclinesWhatItDoesNotCover) {
+  FusedSwitch restore;
+  models::set_fused_kernels_enabled(true);
+  auto q = torch::randn({1, 4, 16});
+  EXPECT_FALSE(models::fused_attention(q.to(torch::kFloat64), q.to(torch::kFloat64),
+                                       q.to(torch::kFloat64), 2, 0.25)
+                   .defined());
+  EXPECT_FALSE(models::fused_attention(q.to(torch::kBFloat16), q.to(torch::kBFloat16),
+                                       q.to(torch::kBFloat16), 2, 0.25)
+                   .defined());
+  auto wide = torch::randn({1, 4, 128});
+  EXPECT_FALSE(models::fused_attention(wide, wide, wide, 1, 0.1).defined());  // d 128 > 64
+  models::set_fused_kernels_enabled(false);
+  EXPECT_FALSE(models::fused_attention(q, q, q, 2, 0.25).defined());
+}
+
+TEST(FusedOps, GroupNormSiluAndItsGradientsMatchFloat64InBothLayouts) {
+  FusedSwitch restore;
+  models::set_fused_kernels_enabled(true);
+  struct Layout {
+    const char* name;
+    std::function<torch::Tensor(const torch::Tensor&)> make;  // float32 [N, C, *] in that memory
+  };
+  const std::vector<Layout> layouts = {
+      {"contiguous 4-d", [](const torch::Tensor& t) { return t.contiguous(); }},
+      {"channels-last 4-d",
+       [](const torch::Tensor& t) { return t.contiguous(at::MemoryFormat::ChannelsLast); }},
+      {"transposed 3-d", [](const torch::Tensor& t) {
+         // [N, C, H*W] as the transpose of a contiguous [N, H*W, C] (Attention's group_norm)
+         return t.flatten(2).transpose(1, 2).contiguous().transpose(1, 2);
+       }}};
+  for (const auto& layout : layouts) {
+    for (bool silu : {true, false}) {
+      for (bool affine : {true, false}) {
+        torch::manual_seed(3);
+        const int64_t N = 3, C = 12, G = 4, H = 5, W = 7;
+        auto base = torch::randn({N, C, H, W}) * 2 + 0.5;
+        auto x = layout.make(base).detach().requires_grad_();
+        torch::Tensor w, b;
+        if (affine) {
+          w = (torch::randn({C}) * 0.5 + 1).requires_grad_();
+          b = (torch::randn({C}) * 0.3).requires_grad_();
+        }
+        auto y = models::group_norm_silu(x, G, w, b, 1e-5, silu);
+        if (std::string(layout.name) != "transposed 3-d") {
+          EXPECT_EQ(y.strides(), x.strides()) << layout.name << ": the output keeps x's layout";
+        }
+        auto grad = torch::randn(y.sizes());
+        std::vector<torch::Tensor> inputs{x};
+        if (affine) inputs.push_back(w), inputs.push_back(b);
+        auto grads = torch::autograd::grad({y}, inputs, {grad});
+
+        std::vector<torch::Tensor> inputs64;
+        for (const auto& t : inputs) {
+          inputs64.push_back(t.detach().to(torch::kFloat64).contiguous().requires_grad_());
+        }
+        auto ref = torch::group_norm(inputs64[0], G, affine ? inputs64[1] : torch::Tensor(),
+                                     affine ? inputs64[2] : torch::Tensor(), 1e-5);
+        if (silu) ref = torch::silu(ref);
+        auto ref_grads = torch::autograd::grad({ref}, inputs64, {grad.to(torch::kFloat64)});
+        const double tol = 2e-5;
+        double worst = max_abs_diff(y, ref);
+        for (size_t i = 0; i < grads.size(); ++i) {
+          worst = std::max(worst, max_abs_diff(grads[i], ref_grads[i]) /
+                                      std::max(1.0, ref_grads[i].abs().max().item<double>()));
+        }
+        std::printf(
+            "group_norm %s silu %d affine %d: max |diff| (grads relative to their max) "
+            "%.2e (tol %.0e)\n",
+            layout.name, silu, affine, worst, tol);
+        EXPECT_LT(worst, tol) << layout.name;
+      }
+    }
+  }
+}
+
+TEST(FusedOps, GroupNormFallsBackOutsideFloat32Cpu) {
+  FusedSwitch restore;
+  models::set_fused_kernels_enabled(true);
+  auto x = torch::randn({2, 8, 3, 3}, torch::kFloat64);
+  auto y = models::group_norm_silu(x, 4, torch::Tensor(), torch::Tensor(), 1e-5, true);
+  EXPECT_TRUE(torch::allclose(y, torch::silu(torch::group_norm(x, 4))));
+  EXPECT_EQ(y.scalar_type(), torch::kFloat64);
+}
+
+// A whole UNet with the kernels on (channels-last activations, fused GroupNorm+SiLU, fused
+// attention) against the same weights with them off: outputs and every parameter gradient.
+void expect_unet_matches_unfused(const nlohmann::json& config, const models::UNetConditioning& cond,
+                                 int64_t batch, int64_t channels, int64_t size) {
+  FusedSwitch restore;
+  torch::manual_seed(11);
+  models::UNet unet(models::UNetConfig::from_json(config, "test config"));
+  auto x = torch::randn({batch, channels, size, size});
+  auto t = torch::randint(1000, {batch}, torch::kLong);
+  auto run = [&](bool fused) {
+    models::set_fused_kernels_enabled(fused);
+    unet->zero_grad();
+    auto out = unet->forward(x, t, cond);
+    EXPECT_TRUE(out.is_contiguous());
+    (out * out).sum().backward();
+    std::vector<torch::Tensor> g;
+    for (const auto& p : unet->parameters()) g.push_back(p.grad().clone());
+    return std::make_pair(out.detach(), g);
+  };
+  auto [out_fused, grads_fused] = run(true);
+  auto [out_plain, grads_plain] = run(false);
+  double grad_rel = 0;
+  for (size_t i = 0; i < grads_fused.size(); ++i) {
+    const double scale = std::max(1e-3, grads_plain[i].abs().max().item<double>());
+    grad_rel = std::max(grad_rel, max_abs_diff(grads_fused[i], grads_plain[i]) / scale);
+  }
+  const double d_out = max_abs_diff(out_fused, out_plain);
+  std::printf(
+      "UNet fused vs plain: max |out diff| %.2e (tol 1e-4), max grad diff relative to the "
+      "tensor's max %.2e (tol 1e-3), %zu parameters\n",
+      d_out, grad_rel, grads_fused.size());
+  EXPECT_LT(d_out, 1e-4);
+  EXPECT_LT(grad_rel, 1e-3);
+}
+
+TEST(FusedOps, UNet2DModelWithKernelsMatchesWithout) {
+  const nlohmann::json config = {{"_class_name", "UNet2DModel"},
+                                 {"sample_size", 16},
+                                 {"in_channels", 3},
+                                 {"out_channels", 3},
+                                 {"layers_per_block", 1},
+                                 {"block_out_channels", {16, 32}},
+                                 {"down_block_types", {"DownBlock2D", "AttnDownBlock2D"}},
+                                 {"up_block_types", {"AttnUpBlock2D", "UpBlock2D"}},
+                                 {"norm_num_groups", 8},
+                                 {"attention_head_dim", 8},
+                                 {"num_class_embeds", 4}};
+  models::UNetConditioning cond;
+  cond.class_labels = torch::tensor({0, 3}, torch::kLong);
+  expect_unet_matches_unfused(config, cond, 2, 3, 16);
+}
+
+TEST(FusedOps, UNet2DConditionModelWithKernelsMatchesWithout) {
+  const nlohmann::json config = {{"_class_name", "UNet2DConditionModel"},
+                                 {"sample_size", 8},
+                                 {"in_channels", 4},
+                                 {"out_channels", 4},
+                                 {"layers_per_block", 1},
+                                 {"block_out_channels", {16, 32}},
+                                 {"down_block_types", {"CrossAttnDownBlock2D", "DownBlock2D"}},
+                                 {"up_block_types", {"UpBlock2D", "CrossAttnUpBlock2D"}},
+                                 {"norm_num_groups", 8},
+                                 {"cross_attention_dim", 24},
+                                 {"attention_head_dim", 4}};
+  models::UNetConditioning cond;
+  torch::manual_seed(5);
+  cond.encoder_hidden_states = torch::randn({2, 7, 24});
+  expect_unet_matches_unfused(config, cond, 2, 4, 8);
+}
+
+}  // namespace
