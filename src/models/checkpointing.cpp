@@ -18,6 +18,16 @@ struct CheckpointState : torch::CustomClassHolder {
   at::Tensor rng_state;
 };
 
+thread_local int t_checkpoint_depth = 0;
+
+// Marks this thread as running a checkpointed function (see in_checkpointed_function()).
+struct CheckpointedScope {
+  CheckpointedScope() { ++t_checkpoint_depth; }
+  ~CheckpointedScope() { --t_checkpoint_depth; }
+  CheckpointedScope(const CheckpointedScope&) = delete;
+  CheckpointedScope& operator=(const CheckpointedScope&) = delete;
+};
+
 std::vector<torch::Tensor> expand(const CheckpointState& state, const variable_list& compact) {
   std::vector<torch::Tensor> full;
   size_t next = 0;
@@ -35,6 +45,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     variable_list inputs = inputs_ref.vec();
     ctx->save_for_backward(inputs);
     ctx->saved_data["state"] = c10::IValue::make_capsule(state);
+    CheckpointedScope scope;
     return {state->fn(expand(*state, inputs))};
   }
 
@@ -55,6 +66,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     }
     {
       torch::AutoGradMode enable(true);
+      CheckpointedScope scope;
       out = state->fn(expand(*state, detached));
     }
     {
@@ -73,6 +85,8 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
 };
 
 }  // namespace
+
+bool in_checkpointed_function() { return t_checkpoint_depth > 0; }
 
 torch::Tensor checkpoint(const CheckpointedFn& fn, const std::vector<torch::Tensor>& inputs) {
   if (!torch::GradMode::is_enabled()) return fn(inputs);

@@ -2,6 +2,8 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/core/torch_compat.h"
+#include "difftrain/models/checkpointing.h"
+#include "difftrain/models/winograd_conv.h"
 
 #include <torch/nn/functional/conv.h>
 #include <torch/nn/functional/dropout.h>
@@ -90,8 +92,28 @@ void LinearImpl::set_lora(LoraAdapter adapter) {
   lora_ = std::move(adapter);
 }
 
+// Winograd (models/winograd_conv.h) for a 3x3, stride-1 layer in a training step: the module in
+// train mode with grad mode on, or inside a checkpointed function (whose forward runs without
+// grad; both its passes then agree). An undefined result otherwise (eval mode, no_grad
+// inference, sampling), or where it does not apply.
+torch::Tensor Conv2dImpl::winograd_forward(const torch::Tensor& x) {
+  const auto& o = options;
+  const auto* pad = compat::variant_get_if<torch::ExpandingArray<2>>(&o.padding());
+  const bool training_step =
+      is_training() && (torch::GradMode::is_enabled() || in_checkpointed_function());
+  if (!training_step || pad == nullptr || (*pad)->at(0) != (*pad)->at(1) ||
+      (*o.kernel_size())[0] != 3 || (*o.kernel_size())[1] != 3 || (*o.stride())[0] != 1 ||
+      (*o.stride())[1] != 1 || (*o.dilation())[0] != 1 || (*o.dilation())[1] != 1 ||
+      o.groups() != 1 ||
+      compat::variant_get_if<torch::enumtype::kZeros>(&o.padding_mode()) == nullptr) {
+    return {};
+  }
+  return winograd_conv2d(x, weight, bias, (*pad)->at(0));
+}
+
 torch::Tensor Conv2dImpl::forward(const torch::Tensor& x) {
-  torch::Tensor y = torch::nn::Conv2dImpl::forward(x);
+  torch::Tensor y = winograd_forward(x);
+  if (!y.defined()) y = torch::nn::Conv2dImpl::forward(x);
   if (lora_.is_empty()) return y;
   return y + lora_->forward(x);
 }

@@ -214,12 +214,10 @@ int64_t measure_activation_bytes(models::UNetImpl& unet, const MemoryEstimateOpt
   auto cond = make_conditioning(unet, batch_size, options.encoder_sequence_length);
   auto x = torch::randn({batch_size, c.in_channels, h, w});
   auto t = torch::randint(0, 1000, {batch_size}, torch::kInt64);
-  // Warm-up on the same shapes without a graph: thread pools, oneDNN's primitive cache (keyed by
-  // shape) and autocast state allocate once and stay, which is not activation memory.
-  {
-    torch::NoGradGuard no_grad;
-    training_forward(unet, mp, x, t, cond);
-  }
+  // Warm-up on the same shapes, its graph dropped: thread pools, oneDNN's primitive caches (keyed
+  // by shape; the Winograd convolutions only build theirs while recording a graph) and autocast
+  // state allocate once and stay, which is not activation memory.
+  training_forward(unet, mp, x, t, cond);
   const auto started = std::chrono::steady_clock::now();
   const int64_t before = live_heap_bytes();
   auto out = training_forward(unet, mp, x, t, cond);

@@ -21,4 +21,9 @@ using CheckpointedFn = std::function<torch::Tensor(const std::vector<torch::Tens
 /// under `enable_gradient_checkpointing()`.
 torch::Tensor checkpoint(const CheckpointedFn& fn, const std::vector<torch::Tensor>& inputs);
 
+/// True on this thread while checkpoint() runs its function, in the forward (no graph) and in the
+/// recomputation during backward. Layers with a training-only algorithm (Conv2d's Winograd path,
+/// models/winograd_conv.h) take it in both, so the recomputation reproduces the forward exactly.
+bool in_checkpointed_function();
+
 }  // namespace difftrain::models

@@ -83,6 +83,7 @@ class Conv2dImpl : public torch::nn::Conv2dImpl {
   const LoraAdapter& lora() const { return lora_; }
 
  private:
+  torch::Tensor winograd_forward(const torch::Tensor& x);
   LoraAdapter lora_{nullptr};
 };
 TORCH_MODULE(Conv2d);

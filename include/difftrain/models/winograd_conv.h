@@ -1,0 +1,41 @@
+#pragma once
+// 3x3 stride-1 convolutions through oneDNN's Winograd F(4x4, 3x3) kernels, forward and both
+// backwards, for float32 CPU tensors. A Winograd convolution does about a quarter of the
+// multiplications of a direct one; on an AVX-512 CPU it halves the time of a UNet's 3x3 layers
+// (docs/PERFORMANCE.md). LibTorch calls oneDNN's direct algorithm only.
+//
+// Results differ from a direct convolution by float rounding (relative 1e-6 to 1e-5 per layer;
+// tests/unit/winograd_conv_test.cpp checks against float64), so Conv2d takes this path only in a
+// training step: train mode with grad mode on, or inside a checkpointed function
+// (models/linear.cpp). Eval mode, no_grad inference and sampling keep LibTorch's direct
+// convolution, whose numbers match Diffusers'.
+//
+// Available where difftrain was built with oneDNN (Debian's libdnnl-dev) and oneDNN has a Winograd
+// implementation for this CPU (it needs AVX-512); on by default there, DIFFTRAIN_WINOGRAD=0 in the
+// environment (or set_winograd_conv_enabled(false)) turns it off.
+#include <torch/types.h>
+
+#include <string>
+
+namespace difftrain::models {
+
+/// Whether this build and CPU can run oneDNN's Winograd convolution (probed once).
+bool winograd_conv_available();
+/// Whether Conv2d uses it: available, and not turned off (DIFFTRAIN_WINOGRAD=0).
+bool winograd_conv_enabled();
+/// Overrides DIFFTRAIN_WINOGRAD for this process (tests, benchmarks).
+void set_winograd_conv_enabled(bool enabled);
+/// One line for `difftrain env` and logs: "oneDNN 2.6.3, Winograd: on" or why it is off.
+std::string winograd_conv_status();
+
+/// conv2d(x, weight, bias, stride 1, padding, dilation 1, groups 1) by Winograd F(4x4, 3x3).
+/// x: [N, C, H, W] float32 CPU; weight: [O, C, 3, 3]; bias: [O] or undefined; padding 0 or 1 ->
+/// [N, O, H + 2 padding - 2, W + 2 padding - 2], differentiable in x, weight and bias.
+/// C and O must be multiples of 16 (oneDNN's vector width; others would be padded up and run
+/// slower than the direct algorithm). Returns an undefined tensor when the path does not apply
+/// (not enabled, other dtype or device, other geometry or channel counts); the caller then uses
+/// torch::conv2d.
+torch::Tensor winograd_conv2d(const torch::Tensor& x, const torch::Tensor& weight,
+                              const torch::Tensor& bias, int64_t padding);
+
+}  // namespace difftrain::models

@@ -1,0 +1,308 @@
+#include "difftrain/models/winograd_conv.h"
+
+#include <torch/autograd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#if defined(DIFFTRAIN_HAVE_DNNL)
+#include <oneapi/dnnl/dnnl.hpp>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+#endif
+
+namespace difftrain::models {
+
+namespace {
+
+std::atomic<int> g_enabled{-1};  // -1: not read from the environment yet
+
+bool env_enabled() {
+  int v = g_enabled.load();
+  if (v < 0) {
+    const char* env = std::getenv("DIFFTRAIN_WINOGRAD");
+    v = env != nullptr && std::strcmp(env, "0") == 0 ? 0 : 1;
+    g_enabled.store(v);
+  }
+  return v == 1;
+}
+
+}  // namespace
+
+void set_winograd_conv_enabled(bool enabled) { g_enabled.store(enabled ? 1 : 0); }
+
+#if !defined(DIFFTRAIN_HAVE_DNNL)
+
+bool winograd_conv_available() { return false; }
+bool winograd_conv_enabled() { return false; }
+std::string winograd_conv_status() { return "Winograd: off (built without oneDNN)"; }
+torch::Tensor winograd_conv2d(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+                              int64_t) {
+  return {};
+}
+
+#else
+
+namespace {
+
+using dnnl::memory;
+using Tag = memory::format_tag;
+constexpr auto kF32 = memory::data_type::f32;
+// oneDNN pads other channel counts up to its 16-float vectors; measured here, a 1-channel input
+// (a UNet's conv_in) then runs 6x slower than the direct algorithm, so only full vectors qualify.
+constexpr int64_t kChannelMultiple = 16;
+
+dnnl::engine& cpu_engine() {
+  static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
+  return engine;
+}
+
+// The geometry a set of primitives is made for.
+struct Shape {
+  int64_t n, c, h, w, o, pad;
+  bool bias;
+  auto key() const { return std::tie(n, c, h, w, o, pad, bias); }
+  bool operator<(const Shape& other) const { return key() < other.key(); }
+  std::vector<int64_t> to_list() const { return {n, c, h, w, o, pad, bias ? 1 : 0}; }
+  static Shape from_list(const std::vector<int64_t>& v) {
+    return {v.at(0), v.at(1), v.at(2), v.at(3), v.at(4), v.at(5), v.at(6) != 0};
+  }
+};
+
+// Forward, backward-data and backward-weights primitives of one shape, with user-managed
+// scratchpads so that threads (thread-ranks in the tests) can run them at the same time.
+struct Prims {
+  memory::desc src_plain, weights_plain, dst_plain, bias_plain;
+  dnnl::convolution_forward::primitive_desc fwd_pd;
+  dnnl::convolution_backward_data::primitive_desc bwd_data_pd;
+  dnnl::convolution_backward_weights::primitive_desc bwd_weights_pd;
+  dnnl::convolution_forward fwd;
+  dnnl::convolution_backward_data bwd_data;
+  dnnl::convolution_backward_weights bwd_weights;
+};
+
+std::unique_ptr<Prims> make_prims(const Shape& s) {
+  const memory::dims src{s.n, s.c, s.h, s.w}, wei{s.o, s.c, 3, 3}, bias{s.o};
+  const memory::dims dst{s.n, s.o, s.h + 2 * s.pad - 2, s.w + 2 * s.pad - 2};
+  const memory::dims strides{1, 1}, pad{s.pad, s.pad};
+  const memory::desc src_any(src, kF32, Tag::any), wei_any(wei, kF32, Tag::any),
+      dst_any(dst, kF32, Tag::any), bias_md(bias, kF32, Tag::x);
+  const auto alg = dnnl::algorithm::convolution_winograd;
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  auto& eng = cpu_engine();
+  auto p = std::make_unique<Prims>();
+  p->src_plain = memory::desc(src, kF32, Tag::nchw);
+  p->weights_plain = memory::desc(wei, kF32, Tag::oihw);
+  p->dst_plain = memory::desc(dst, kF32, Tag::nchw);
+  p->bias_plain = bias_md;
+  const auto fwd_prop = dnnl::prop_kind::forward_training;
+#if DNNL_VERSION_MAJOR >= 3
+  const memory::desc no_bias;
+  p->fwd_pd = dnnl::convolution_forward::primitive_desc(eng, fwd_prop, alg, src_any, wei_any,
+                                                        s.bias ? bias_md : no_bias, dst_any,
+                                                        strides, pad, pad, attr);
+  p->bwd_data_pd = dnnl::convolution_backward_data::primitive_desc(
+      eng, alg, src_any, wei_any, dst_any, strides, pad, pad, p->fwd_pd, attr);
+  p->bwd_weights_pd = dnnl::convolution_backward_weights::primitive_desc(
+      eng, alg, src_any, wei_any, s.bias ? bias_md : no_bias, dst_any, strides, pad, pad, p->fwd_pd,
+      attr);
+#else
+  auto fwd_desc = s.bias ? dnnl::convolution_forward::desc(fwd_prop, alg, src_any, wei_any, bias_md,
+                                                           dst_any, strides, pad, pad)
+                         : dnnl::convolution_forward::desc(fwd_prop, alg, src_any, wei_any, dst_any,
+                                                           strides, pad, pad);
+  p->fwd_pd = dnnl::convolution_forward::primitive_desc(fwd_desc, attr, eng);
+  p->bwd_data_pd = dnnl::convolution_backward_data::primitive_desc(
+      dnnl::convolution_backward_data::desc(alg, src_any, wei_any, dst_any, strides, pad, pad),
+      attr, eng, p->fwd_pd);
+  auto bwd_weights_desc = s.bias ? dnnl::convolution_backward_weights::desc(
+                                       alg, src_any, wei_any, bias_md, dst_any, strides, pad, pad)
+                                 : dnnl::convolution_backward_weights::desc(
+                                       alg, src_any, wei_any, dst_any, strides, pad, pad);
+  p->bwd_weights_pd =
+      dnnl::convolution_backward_weights::primitive_desc(bwd_weights_desc, attr, eng, p->fwd_pd);
+#endif
+  p->fwd = dnnl::convolution_forward(p->fwd_pd);
+  p->bwd_data = dnnl::convolution_backward_data(p->bwd_data_pd);
+  p->bwd_weights = dnnl::convolution_backward_weights(p->bwd_weights_pd);
+  return p;
+}
+
+// The primitives for a shape, made once; nullptr when oneDNN has no Winograd kernel for it
+// (for example channel counts that are not a multiple of the SIMD width, or a CPU without
+// AVX-512). Bounded: a run with many shapes (aspect-ratio buckets) starts over past 256; the
+// shared pointers keep primitives in use alive across that.
+std::shared_ptr<const Prims> prims_for(const Shape& s) {
+  static std::mutex mutex;
+  static std::map<Shape, std::shared_ptr<const Prims> > cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(s);
+  if (it != cache.end()) return it->second;
+  if (cache.size() >= 256) cache.clear();
+  std::shared_ptr<const Prims> p;
+  try {
+    p = make_prims(s);
+  } catch (const dnnl::error&) {
+    p.reset();  // unsupported here: the caller falls back to torch::conv2d
+  }
+  return cache.emplace(s, std::move(p)).first->second;
+}
+
+torch::Tensor bytes(size_t n) { return torch::empty({static_cast<int64_t>(n)}, torch::kUInt8); }
+
+// Runs primitives on one stream, keeping the temporary buffers alive until it is done.
+class Runner {
+ public:
+  Runner() : stream_(cpu_engine()) {}
+
+  // A plain tensor as oneDNN memory (t must be contiguous and stay alive).
+  memory wrap(const memory::desc& md, const torch::Tensor& t) {
+    return memory(md, cpu_engine(), t.data_ptr());
+  }
+  // `in` in the layout `want`: itself when the layouts agree, else a reordered copy.
+  memory as(const memory::desc& want, memory in) {
+    if (want == in.get_desc()) return in;
+    memory out = fresh(want);
+    dnnl::reorder(in, out).execute(stream_, in, out);
+    return out;
+  }
+  memory fresh(const memory::desc& md) {
+    keep_.push_back(bytes(md.get_size()));
+    return memory(md, cpu_engine(), keep_.back().data_ptr());
+  }
+  // Runs `prim`, writing its output argument `out_arg` (layout `produced`) into `target`.
+  void run(const dnnl::primitive& prim, std::unordered_map<int, memory> args,
+           const memory::desc& scratch, int out_arg, const memory::desc& produced, memory target) {
+    memory out = produced == target.get_desc() ? target : fresh(produced);
+    args.insert({out_arg, out});
+    if (scratch.get_size() > 0) args.insert({DNNL_ARG_SCRATCHPAD, fresh(scratch)});
+    prim.execute(stream_, args);
+    if (out != target) dnnl::reorder(out, target).execute(stream_, out, target);
+  }
+  void wait() { stream_.wait(); }
+
+ private:
+  dnnl::stream stream_;
+  std::vector<torch::Tensor> keep_;
+};
+
+class WinogradConv : public torch::autograd::Function<WinogradConv> {
+ public:
+  // x: [N, C, H, W], weight: [O, C, 3, 3], bias: [O] or [0] (none) -> [N, O, H', W']
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, const torch::Tensor& bias,
+                               const std::vector<int64_t>& shape) {
+    const auto p = prims_for(Shape::from_list(shape));
+    ctx->saved_data["shape"] = shape;
+    ctx->save_for_backward({x, weight});
+    const Shape s = Shape::from_list(shape);
+    auto y = torch::empty({s.n, s.o, s.h + 2 * s.pad - 2, s.w + 2 * s.pad - 2}, x.options());
+    torch::NoGradGuard no_grad;
+    Runner r;
+    std::unordered_map<int, memory> args{
+        {DNNL_ARG_SRC, r.as(p->fwd_pd.src_desc(), r.wrap(p->src_plain, x))},
+        {DNNL_ARG_WEIGHTS, r.as(p->fwd_pd.weights_desc(), r.wrap(p->weights_plain, weight))}};
+    if (bias.numel() > 0) args.insert({DNNL_ARG_BIAS, r.wrap(p->bias_plain, bias)});
+    r.run(p->fwd, std::move(args), p->fwd_pd.scratchpad_desc(), DNNL_ARG_DST, p->fwd_pd.dst_desc(),
+          r.wrap(p->dst_plain, y));
+    r.wait();
+    return y;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const Shape shape = Shape::from_list(ctx->saved_data["shape"].toIntVector());
+    const bool has_bias = shape.bias;
+    const auto p = prims_for(shape);
+    const auto saved = ctx->get_saved_variables();
+    const auto& x = saved[0];
+    const auto& weight = saved[1];
+    const auto gy = grads[0].contiguous();
+    torch::Tensor gx, gw, gb;
+    Runner r;
+    const memory gy_plain = r.wrap(p->dst_plain, gy);
+    if (ctx->needs_input_grad(0)) {
+      gx = torch::empty_like(x);
+      const auto& pd = p->bwd_data_pd;
+      r.run(p->bwd_data,
+            {{DNNL_ARG_DIFF_DST, r.as(pd.diff_dst_desc(), gy_plain)},
+             {DNNL_ARG_WEIGHTS, r.as(pd.weights_desc(), r.wrap(p->weights_plain, weight))}},
+            pd.scratchpad_desc(), DNNL_ARG_DIFF_SRC, pd.diff_src_desc(), r.wrap(p->src_plain, gx));
+    }
+    if (ctx->needs_input_grad(1) || (has_bias && ctx->needs_input_grad(2))) {
+      gw = torch::empty_like(weight);
+      const auto& pd = p->bwd_weights_pd;
+      std::unordered_map<int, memory> args{
+          {DNNL_ARG_SRC, r.as(pd.src_desc(), r.wrap(p->src_plain, x))},
+          {DNNL_ARG_DIFF_DST, r.as(pd.diff_dst_desc(), gy_plain)}};
+      if (has_bias) {
+        gb = torch::empty({weight.size(0)}, weight.options());
+        args.insert({DNNL_ARG_DIFF_BIAS, r.wrap(p->bias_plain, gb)});
+      }
+      r.run(p->bwd_weights, std::move(args), pd.scratchpad_desc(), DNNL_ARG_DIFF_WEIGHTS,
+            pd.diff_weights_desc(), r.wrap(p->weights_plain, gw));
+    }
+    r.wait();
+    if (!ctx->needs_input_grad(1)) gw = torch::Tensor();
+    return {gx, gw, gb, torch::Tensor()};
+  }
+};
+
+bool probe() {
+  try {
+    // The smallest layer oneDNN's AVX-512 Winograd kernels take: 16 channels in and out.
+    return prims_for(Shape{1, 16, 8, 8, 16, 1, true}) != nullptr;
+  } catch (...) {
+    return false;
+  }
+}
+
+}  // namespace
+
+bool winograd_conv_available() {
+  static const bool available = probe();
+  return available;
+}
+
+bool winograd_conv_enabled() { return env_enabled() && winograd_conv_available(); }
+
+std::string winograd_conv_status() {
+  const auto* v = dnnl::version();
+  std::string s = "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." +
+                  std::to_string(v->patch) + ", Winograd: ";
+  if (!winograd_conv_available()) return s + "off (no oneDNN Winograd kernel for this CPU)";
+  return s + (env_enabled() ? "on" : "off (DIFFTRAIN_WINOGRAD=0)");
+}
+
+torch::Tensor winograd_conv2d(const torch::Tensor& x, const torch::Tensor& weight,
+                              const torch::Tensor& bias, int64_t padding) {
+  const auto is_f32_cpu = [](const torch::Tensor& t) {
+    return t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.layout() == torch::kStrided;
+  };
+  if (!winograd_conv_enabled() || !is_f32_cpu(x) || !is_f32_cpu(weight) || x.dim() != 4 ||
+      weight.dim() != 4 || weight.size(2) != 3 || weight.size(3) != 3 ||
+      weight.size(1) != x.size(1) || (padding != 0 && padding != 1) ||
+      x.size(2) + 2 * padding < 3 || x.size(3) + 2 * padding < 3 || x.numel() == 0 ||
+      x.size(1) % kChannelMultiple != 0 || weight.size(0) % kChannelMultiple != 0) {
+    return {};
+  }
+  if (bias.defined() && (!is_f32_cpu(bias) || bias.dim() != 1 || bias.size(0) != weight.size(0))) {
+    return {};
+  }
+  const Shape s{x.size(0),      x.size(1), x.size(2),     x.size(3),
+                weight.size(0), padding,   bias.defined()};
+  if (prims_for(s) == nullptr) return {};
+  const auto b = bias.defined() ? bias.contiguous() : torch::empty({0}, weight.options());
+  return WinogradConv::apply(x.contiguous(), weight.contiguous(), b, s.to_list());
+}
+
+#endif
+
+}  // namespace difftrain::models

@@ -1,0 +1,154 @@
+// oneDNN's Winograd convolution (models/winograd_conv.h) against float64 recomputations with
+// LibTorch's conv2d: output and every gradient, with and without bias and padding, on
+// non-square maps whose sides are not multiples of the 4x4 output tile; the cases where it must
+// decline; Conv2d taking it only while autograd records; and threads using one shape at once.
+// On a CPU without a oneDNN Winograd kernel the same tests check that nothing takes the path.
+#include "difftrain/models/winograd_conv.h"
+
+#include "difftrain/models/linear.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using namespace difftrain;
+
+// Restores the process-wide switch after a test flips it.
+struct WinogradSwitch {
+  bool before = models::winograd_conv_enabled();
+  ~WinogradSwitch() { models::set_winograd_conv_enabled(before); }
+};
+
+// max |a - b| / max |b|: Winograd's error grows with the magnitude of the sums, not per element.
+double rel_diff(const torch::Tensor& a, const torch::Tensor& b) {
+  const auto bd = b.to(torch::kFloat64);
+  return (a.to(torch::kFloat64) - bd).abs().max().item<double>() /
+         std::max(bd.abs().max().item<double>(), 1e-30);
+}
+
+struct ConvCase {
+  int64_t n, c, h, w, o, pad;
+  bool bias;
+};
+
+TEST(WinogradConv, OutputAndGradientsMatchFloat64) {
+  WinogradSwitch restore;
+  models::set_winograd_conv_enabled(true);
+  std::printf("%s\n", models::winograd_conv_status().c_str());
+  for (const auto& c : {ConvCase{2, 16, 8, 8, 32, 1, true}, ConvCase{3, 32, 13, 10, 16, 0, false},
+                        ConvCase{1, 48, 5, 7, 16, 1, true}, ConvCase{2, 64, 32, 32, 64, 1, true}}) {
+    torch::manual_seed(3);
+    auto x = torch::randn({c.n, c.c, c.h, c.w}).requires_grad_();
+    auto w = (torch::randn({c.o, c.c, 3, 3}) * 0.1).requires_grad_();
+    auto b = c.bias ? torch::randn({c.o}).requires_grad_() : torch::Tensor();
+    auto y = models::winograd_conv2d(x, w, b, c.pad);
+    if (!models::winograd_conv_available()) {
+      EXPECT_FALSE(y.defined()) << "no Winograd kernel on this CPU, yet a result came back";
+      continue;
+    }
+    ASSERT_TRUE(y.defined()) << "Winograd declined " << c.c << "->" << c.o;
+    auto xd = x.detach().to(torch::kFloat64).requires_grad_();
+    auto wd = w.detach().to(torch::kFloat64).requires_grad_();
+    auto bd = c.bias ? b.detach().to(torch::kFloat64).requires_grad_() : torch::Tensor();
+    auto ref = torch::conv2d(xd, wd, bd, 1, c.pad);
+    ASSERT_EQ(y.sizes(), ref.sizes());
+    auto gy = torch::randn(y.sizes());
+    y.backward(gy);
+    ref.backward(gy.to(torch::kFloat64));
+    const double dy = rel_diff(y, ref), dx = rel_diff(x.grad(), xd.grad()),
+                 dw = rel_diff(w.grad(), wd.grad());
+    const double db = c.bias ? rel_diff(b.grad(), bd.grad()) : 0.0;
+    std::printf(
+        "%ldx%ldx%ldx%ld -> %ld pad %ld: relative max diff y %.2e dx %.2e dw %.2e db %.2e\n", c.n,
+        c.c, c.h, c.w, c.o, c.pad, dy, dx, dw, db);
+    // float32 direct convolutions land near 1e-7; Winograd F(4x4, 3x3) near 1e-6.
+    EXPECT_LT(dy, 2e-5);
+    EXPECT_LT(dx, 2e-5);
+    EXPECT_LT(dw, 2e-5);
+    EXPECT_LT(db, 2e-5);
+  }
+}
+
+TEST(WinogradConv, DeclinesWhatItDoesNotCompute) {
+  WinogradSwitch restore;
+  models::set_winograd_conv_enabled(true);
+  auto x = torch::randn({2, 16, 8, 8});
+  auto w = torch::randn({16, 16, 3, 3});
+  EXPECT_FALSE(
+      models::winograd_conv2d(x.to(torch::kFloat64), w.to(torch::kFloat64), {}, 1).defined());
+  EXPECT_FALSE(models::winograd_conv2d(x, torch::randn({16, 16, 1, 1}), {}, 0).defined());
+  EXPECT_FALSE(models::winograd_conv2d(x, w, {}, 2).defined());
+  EXPECT_FALSE(models::winograd_conv2d(x.slice(1, 0, 8), w, {}, 1).defined());  // channels differ
+  EXPECT_FALSE(models::winograd_conv2d(x, w, torch::randn({3}), 1).defined());  // bias size
+  // A channel count oneDNN has no Winograd kernel for (the UNet's 1-channel input): declined,
+  // not an error.
+  EXPECT_FALSE(
+      models::winograd_conv2d(torch::randn({2, 1, 8, 8}), torch::randn({16, 1, 3, 3}), {}, 1)
+          .defined());
+  models::set_winograd_conv_enabled(false);
+  EXPECT_FALSE(models::winograd_conv2d(x, w, {}, 1).defined());
+}
+
+TEST(WinogradConv, Conv2dTakesItOnlyWhileTraining) {
+  WinogradSwitch restore;
+  models::set_winograd_conv_enabled(true);
+  torch::manual_seed(5);
+  models::Conv2d conv(torch::nn::Conv2dOptions(32, 32, 3).padding(1));
+  auto x = torch::randn({2, 32, 12, 12});
+  const auto direct = torch::conv2d(x, conv->weight, conv->bias, 1, 1);
+  {
+    torch::NoGradGuard no_grad;  // sampling: LibTorch's direct convolution, bit for bit
+    EXPECT_TRUE(torch::equal(conv->forward(x), direct));
+  }
+  auto y = conv->forward(x);  // train mode, grad mode on: a training step
+  const double d = rel_diff(y, direct);
+  std::printf("Conv2d training forward vs direct: relative max diff %.2e\n", d);
+  EXPECT_LT(d, 2e-5);
+  if (models::winograd_conv_available()) {
+    EXPECT_FALSE(torch::equal(y, direct)) << "the Winograd path was not taken";
+  } else {
+    EXPECT_TRUE(torch::equal(y, direct));
+  }
+  conv->eval();  // eval mode with grad on (say, a gradient-based guidance): direct as well
+  EXPECT_TRUE(torch::equal(conv->forward(x), direct));
+  conv->train();
+  // Strided layers (downsamplers) keep the direct convolution.
+  models::Conv2d down(torch::nn::Conv2dOptions(32, 32, 3).stride(2).padding(1));
+  EXPECT_TRUE(torch::equal(down->forward(x), torch::conv2d(x, down->weight, down->bias, 2, 1)));
+}
+
+TEST(WinogradConv, ThreadsShareAShapeAndGetTheSerialResult) {
+  WinogradSwitch restore;
+  models::set_winograd_conv_enabled(true);
+  torch::manual_seed(9);
+  auto w = torch::randn({16, 32, 3, 3}).requires_grad_();
+  std::vector<torch::Tensor> xs;
+  for (int i = 0; i < 3; ++i) xs.push_back(torch::randn({2, 32, 9, 9}));
+  auto one = [&](const torch::Tensor& x) {
+    auto y = models::winograd_conv2d(x, w, {}, 1);
+    if (!y.defined()) y = torch::conv2d(x, w, {}, 1, 1);
+    return torch::autograd::grad({y.square().sum()}, {w})[0];
+  };
+  std::vector<torch::Tensor> serial, threaded(xs.size());
+  for (const auto& x : xs) serial.push_back(one(x));
+  std::vector<std::thread> threads;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    threads.emplace_back([&, i] {
+      torch::set_num_threads(1);
+      threaded[i] = one(xs[i]);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < xs.size(); ++i) {
+    const double d = rel_diff(threaded[i], serial[i]);
+    std::printf("thread %zu: relative max diff %.2e\n", i, d);
+    EXPECT_LT(d, 1e-6);
+  }
+}
+
+}  // namespace
