@@ -1,8 +1,11 @@
 #include "commands.h"
 #include "difftrain/distributed/process_group.h"
 #include "difftrain/launch/env_report.h"
+#include "difftrain/models/fused_ops.h"
+#include "difftrain/models/winograd_conv.h"
 
 #include <iostream>
+#include <string>
 
 namespace difftrain::cli {
 
@@ -23,8 +26,20 @@ CLI::App* add_env_command(CLI::App& app) {
 
 int run_env() {
   distributed::configure_threads();
-  std::cout << "Copy-and-paste the text below in your bug report.\n\n"
-            << launch::environment_report(g_probe_seconds);
+  std::string report = launch::environment_report(g_probe_seconds);
+  // The model-level CPU paths, right under the CPU line (the launch layer does not see models).
+  const std::string kernels = "- CPU kernels: fused attention and GroupNorm+SiLU " +
+                              std::string(models::fused_kernels_enabled() ? "on" : "off") + " (" +
+                              models::fused_kernels_isa() + "); " + models::winograd_conv_status() +
+                              "\n";
+  const auto cpu = report.find("- CPU: ");
+  const auto eol = cpu == std::string::npos ? std::string::npos : report.find('\n', cpu);
+  if (eol == std::string::npos) {
+    report += kernels;
+  } else {
+    report.insert(eol + 1, kernels);
+  }
+  std::cout << "Copy-and-paste the text below in your bug report.\n\n" << report;
   return 0;
 }
 

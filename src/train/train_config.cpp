@@ -202,6 +202,7 @@ const std::vector<Option>& options() {
       DT_OPTION(resume_from_checkpoint),
       DT_OPTION(validation_steps),
       DT_OPTION(num_validation_images),
+      DT_OPTION(final_validation),
       DT_OPTION(guidance_scale),
       DT_OPTION(validation_inference_steps),
       DT_OPTION(validation_scheduler),
@@ -459,6 +460,8 @@ void TrainConfig::validate() const {
           "--checkpoints_total_limit must be at least 1");
   require(validation_steps >= 0, "--validation_steps must be >= 0 (0: only at the end)");
   require(num_validation_images >= 0, "--num_validation_images must be >= 0");
+  require(final_validation == "auto" || final_validation == "always" || final_validation == "never",
+          "--final_validation must be auto, always or never, got '" + final_validation + "'");
   require(validation_inference_steps >= 1, "--validation_inference_steps must be at least 1");
   if (!validation_scheduler.empty()) {
     // Built once from a default config, so a typo fails before training, not at the first

@@ -44,6 +44,8 @@ TrainerOptions trainer_options(const TrainConfig& c) {
   o.resume_from_checkpoint = c.resume_from_checkpoint;
   o.validation_steps = c.validation_steps;
   o.num_validation_images = c.num_validation_images;
+  o.final_validation = c.final_validation;
+  o.validation_prompt_given = !c.validation_prompt.empty();
   o.config = c.to_json();
   // Options whose change makes a checkpoint a different run: refused at resume.
   o.structural_keys = {"model_config_name_or_path",

@@ -345,6 +345,21 @@ struct Trainer::State {
   // num_validation_images split across ranks (no rank waits idle in a collective while rank 0
   // samples), rendered with the EMA weights when EMA is on, gathered into one grid on the main
   // rank: samples/step-<step>.png and a TensorBoard image.
+  // --final_validation auto: a run shorter than one validation period (a smoke test, a benchmark)
+  // skips the images after its last update, which would cost more than the training itself.
+  bool final_validation_wanted() {
+    if (o.final_validation == "never" || o.num_validation_images == 0) return false;
+    if (o.final_validation == "always" || o.validation_steps == 0 || o.validation_prompt_given ||
+        total_steps >= o.validation_steps) {
+      return true;
+    }
+    acc->print(
+        "final validation skipped: the run has {} updates, fewer than --validation_steps {} "
+        "(--final_validation always renders it)",
+        total_steps, o.validation_steps);
+    return false;
+  }
+
   void validate() {
     const int64_t K = o.num_validation_images;
     if (K == 0) return;
@@ -526,7 +541,7 @@ struct Trainer::State {
     };
     save_checkpoint();
     const double checkpoint_s = phase();
-    validate();
+    if (final_validation_wanted()) validate();
     const double validation_s = phase();
     export_final();
     const double export_s = phase();

@@ -177,6 +177,43 @@ TEST(TrainCommand, MetricsRunInfoEventsAndRotation) {
   EXPECT_EQ(s.exit_code, 0) << s.log();
 }
 
+// --final_validation: a run shorter than one validation period skips the images after its last
+// update under the default `auto` (and says so), renders them with `always`, and a run of at
+// least validation_steps updates renders them under `auto`.
+TEST(TrainCommand, FinalValidationFollowsTheRunLength) {
+  const auto dir = make_temp_dir("train_final_validation");
+  const std::vector<std::string> common = {"--max_train_steps",
+                                           "2",
+                                           "--use_ema",
+                                           "false",
+                                           "--checkpointing_steps",
+                                           "0",
+                                           "--num_validation_images",
+                                           "2",
+                                           "--validation_inference_steps",
+                                           "2",
+                                           "--validation_steps",
+                                           "5"};
+  const auto short_run = train(train_cmd(dir, dir + "/auto", common));
+  ASSERT_EQ(short_run.exit_code, 0) << short_run.log();
+  EXPECT_FALSE(fs::exists(dir + "/auto/samples/step-000002.png")) << short_run.log();
+  EXPECT_NE(short_run.log().find("final validation skipped: the run has 2 updates, fewer than "
+                                 "--validation_steps 5"),
+            std::string::npos)
+      << short_run.log();
+  auto forced_cmd = train_cmd(dir, dir + "/always", common);
+  forced_cmd.insert(forced_cmd.end(), {"--final_validation", "always"});
+  const auto forced = train(forced_cmd);
+  ASSERT_EQ(forced.exit_code, 0) << forced.log();
+  EXPECT_TRUE(fs::exists(dir + "/always/samples/step-000002.png")) << forced.log();
+  auto long_cmd = train_cmd(dir, dir + "/long", common);
+  long_cmd.insert(long_cmd.end(), {"--validation_steps", "2"});
+  const auto long_run = train(long_cmd);
+  ASSERT_EQ(long_run.exit_code, 0) << long_run.log();
+  EXPECT_TRUE(fs::exists(dir + "/long/samples/step-000002.png")) << long_run.log();
+  EXPECT_EQ(long_run.log().find("final validation skipped"), std::string::npos);
+}
+
 TEST(TrainCommand, KillDuringSaveKeepsThePreviousCheckpoint) {
   const auto dir = make_temp_dir("train_kill");
   const std::string out = dir + "/out";

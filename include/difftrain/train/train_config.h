@@ -75,6 +75,10 @@ struct TrainConfig {
   // -- validation and logging
   int64_t validation_steps = 400;  ///< 0 = only at the end
   int64_t num_validation_images = 20;
+  /// Validation after the last update: "auto" renders it when the run trained at least
+  /// validation_steps updates, validation_steps is 0, or a validation prompt was given (a short
+  /// smoke run skips it and says so); "always"; "never".
+  std::string final_validation = "auto";
   double guidance_scale = 1.0;
   int64_t validation_inference_steps = 50;  ///< sampler steps of validation sampling
   /// The validation sampler: a diffusion::sampler_names() name or Diffusers scheduler class, built

@@ -53,6 +53,8 @@ struct TrainerOptions {
   std::string resume_from_checkpoint;  ///< a checkpoint folder or "latest"
   int64_t validation_steps = 400;      ///< 0 = only at the end
   int64_t num_validation_images = 20;
+  std::string final_validation = "auto";  ///< auto | always | never (TrainConfig)
+  bool validation_prompt_given = false;   ///< text-to-image: --validation_prompt was set
   /// The resolved run configuration: printed first, stored in run_info and every checkpoint.
   nlohmann::json config;
   /// Keys of `config` a resume must not change (refused), and keys whose change only breaks
