@@ -7,6 +7,7 @@
 //
 //   build/bench/bench_conv [--batch 16] [--rounds 5] [--steps 10]
 
+#include "difftrain/distributed/process_group.h"
 #include "difftrain/models/linear.h"
 #include "difftrain/models/winograd_conv.h"
 
@@ -55,6 +56,8 @@ double time_step(difftrain::models::Conv2d& conv, const torch::Tensor& x, int64_
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Threads and glibc's allocator as every difftrain program sets them (OMP_NUM_THREADS).
+  difftrain::distributed::configure_threads();
   int64_t batch = 16, rounds = 5, steps = 10;
   for (int i = 1; i + 1 < argc; i += 2) {
     const int64_t v = std::stoll(argv[i + 1]);

@@ -11,7 +11,9 @@
 // convolution, whose numbers match Diffusers'.
 //
 // Available where difftrain was built with oneDNN (Debian's libdnnl-dev) and oneDNN has a Winograd
-// implementation for this CPU (it needs AVX-512); on by default there, DIFFTRAIN_WINOGRAD=0 in the
+// implementation for this CPU: oneDNN 2.x (Debian 12, LibTorch 1.13) on AVX-512 CPUs; oneDNN 3.x
+// (Debian 13, LibTorch 2.6) has no f32 Winograd kernels, so there the path always declines. On by
+// default where available; DIFFTRAIN_WINOGRAD=0 in the
 // environment (or set_winograd_conv_enabled(false)) turns it off.
 #include <torch/types.h>
 
