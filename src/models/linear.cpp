@@ -92,15 +92,16 @@ void LinearImpl::set_lora(LoraAdapter adapter) {
   lora_ = std::move(adapter);
 }
 
-// Winograd (models/winograd_conv.h) for a 3x3, stride-1 layer in a training step: the module in
-// train mode with grad mode on, or inside a checkpointed function (whose forward runs without
-// grad; both its passes then agree). An undefined result otherwise (eval mode, no_grad
-// inference, sampling), or where it does not apply.
+// Winograd (models/winograd_conv.h) for a 3x3, stride-1 layer in a training step: grad mode on,
+// or inside a checkpointed function (whose forward runs without grad; both its passes then
+// agree). An undefined result otherwise (no_grad inference, sampling), or where it does not
+// apply.
 torch::Tensor Conv2dImpl::winograd_forward(const torch::Tensor& x) {
   const auto& o = options;
   const auto* pad = compat::variant_get_if<torch::ExpandingArray<2>>(&o.padding());
-  const bool training_step =
-      is_training() && (torch::GradMode::is_enabled() || in_checkpointed_function());
+  // Not keyed on train/eval mode: a run that resumes from a checkpoint must compute exactly what
+  // an uninterrupted one does, whatever mode its frozen modules happen to be left in.
+  const bool training_step = torch::GradMode::is_enabled() || in_checkpointed_function();
   if (!training_step || pad == nullptr || (*pad)->at(0) != (*pad)->at(1) ||
       (*o.kernel_size())[0] != 3 || (*o.kernel_size())[1] != 3 || (*o.stride())[0] != 1 ||
       (*o.stride())[1] != 1 || (*o.dilation())[0] != 1 || (*o.dilation())[1] != 1 ||

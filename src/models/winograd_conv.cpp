@@ -37,10 +37,11 @@ bool env_enabled() {
 
 void set_winograd_conv_enabled(bool enabled) { g_enabled.store(enabled ? 1 : 0); }
 
+bool winograd_conv_enabled() { return env_enabled() && winograd_conv_available(); }
+
 #if !defined(DIFFTRAIN_HAVE_DNNL)
 
 bool winograd_conv_available() { return false; }
-bool winograd_conv_enabled() { return false; }
 std::string winograd_conv_status() { return "Winograd: off (built without oneDNN)"; }
 torch::Tensor winograd_conv2d(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
                               int64_t) {
@@ -270,8 +271,6 @@ bool winograd_conv_available() {
   static const bool available = probe();
   return available;
 }
-
-bool winograd_conv_enabled() { return env_enabled() && winograd_conv_available(); }
 
 std::string winograd_conv_status() {
   const auto* v = dnnl::version();

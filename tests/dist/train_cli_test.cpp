@@ -360,6 +360,8 @@ TEST(TrainCommand, ValidationSamplesWithTheChosenSampler) {
                                     "3",
                                     "--validation_scheduler",
                                     sampler,
+                                    "--final_validation",
+                                    "always",
                                     "--output_dir",
                                     out};
   };

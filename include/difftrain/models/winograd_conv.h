@@ -6,8 +6,8 @@
 //
 // Results differ from a direct convolution by float rounding (relative 1e-6 to 1e-5 per layer;
 // tests/unit/winograd_conv_test.cpp checks against float64), so Conv2d takes this path only in a
-// training step: train mode with grad mode on, or inside a checkpointed function
-// (models/linear.cpp). Eval mode, no_grad inference and sampling keep LibTorch's direct
+// training step: grad mode on, or inside a checkpointed function
+// (models/linear.cpp). no_grad inference and sampling keep LibTorch's direct
 // convolution, whose numbers match Diffusers'.
 //
 // Available where difftrain was built with oneDNN (Debian's libdnnl-dev) and oneDNN has a Winograd
