@@ -229,11 +229,12 @@ class WinogradConv : public torch::autograd::Function<WinogradConv> {
     torch::Tensor gx, gw, gb;
     Runner r;
     const memory gy_plain = r.wrap(p->dst_plain, gy);
+    memory gy_data;  // gy as backward-data wanted it: reused by backward-weights when it agrees
     if (ctx->needs_input_grad(0)) {
       gx = torch::empty_like(x);
       const auto& pd = p->bwd_data_pd;
       r.run(p->bwd_data,
-            {{DNNL_ARG_DIFF_DST, r.as(pd.diff_dst_desc(), gy_plain)},
+            {{DNNL_ARG_DIFF_DST, gy_data = r.as(pd.diff_dst_desc(), gy_plain)},
              {DNNL_ARG_WEIGHTS, r.as(pd.weights_desc(), r.wrap(p->weights_plain, weight))}},
             pd.scratchpad_desc(), DNNL_ARG_DIFF_SRC, pd.diff_src_desc(), r.wrap(p->src_plain, gx));
     }
@@ -242,7 +243,9 @@ class WinogradConv : public torch::autograd::Function<WinogradConv> {
       const auto& pd = p->bwd_weights_pd;
       std::unordered_map<int, memory> args{
           {DNNL_ARG_SRC, r.as(pd.src_desc(), r.wrap(p->src_plain, x))},
-          {DNNL_ARG_DIFF_DST, r.as(pd.diff_dst_desc(), gy_plain)}};
+          {DNNL_ARG_DIFF_DST, gy_data && gy_data.get_desc() == pd.diff_dst_desc()
+                                  ? gy_data
+                                  : r.as(pd.diff_dst_desc(), gy_plain)}};
       if (has_bias) {
         gb = torch::empty({weight.size(0)}, weight.options());
         args.insert({DNNL_ARG_DIFF_BIAS, r.wrap(p->bias_plain, gb)});
