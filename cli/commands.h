@@ -8,6 +8,11 @@ namespace difftrain::cli {
 
 CLI::App* add_launch_command(CLI::App& app);
 int run_launch();
+
+/// The whole command line, as main() runs it (argv[0] is the program); `difftrain launch` also
+/// runs it in forked ranks (launch::LaunchOptions::self_main).
+int run_cli(int argc, char** argv);
+
 /// Takes `PROGRAM ARGS...` after a `--` of `difftrain launch` out of `args` (CLI11 would read them
 /// as its own positionals) and keeps them for run_launch().
 void take_launch_program_after_dashes(std::vector<std::string>& args);

@@ -115,8 +115,9 @@ int run_launch() {
   for (const auto& [name, option] : g_flags) {
     if (option->count() > 0) g_flags_in.given.insert(name);
   }
-  const launch::LaunchOptions options = launch::resolve_launch_options(
+  launch::LaunchOptions options = launch::resolve_launch_options(
       g_flags_in, [](const std::string& line) { std::cerr << line << "\n"; });
+  options.self_main = run_cli;
   return launch::run(options);
 }
 

@@ -9,7 +9,9 @@
 
 #include <iostream>
 
-int main(int argc, char** argv) {
+namespace difftrain::cli {
+
+int run_cli(int argc, char** argv) {
   difftrain::log::init();
   CLI::App app{"difftrain: distributed training of diffusion models on LibTorch", "difftrain"};
   app.set_version_flag("--version", std::string("difftrain ") + DIFFTRAIN_VERSION);
@@ -63,3 +65,7 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+
+}  // namespace difftrain::cli
+
+int main(int argc, char** argv) { return difftrain::cli::run_cli(argc, argv); }

@@ -4,6 +4,7 @@
 #include "difftrain/core/error.h"
 #include "difftrain/distributed/net.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <netdb.h>
 #include <poll.h>
@@ -13,12 +14,15 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <ATen/Parallel.h>
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <iostream>
@@ -182,6 +186,46 @@ std::string resolve_program(const std::string& name) {
               name + ") or install it");
 }
 
+// ------------------------------------------------------------------ ranks without exec
+
+bool same_file(const std::string& a, const std::string& b) {
+  struct stat sa {
+  }, sb{};
+  return stat(a.c_str(), &sa) == 0 && stat(b.c_str(), &sb) == 0 && sa.st_dev == sb.st_dev &&
+         sa.st_ino == sb.st_ino;
+}
+
+// Threads of this process: fork() copies only the calling one, so a rank may run on in the
+// forked copy only when there is no other (no lock held by a thread that will not exist there).
+int thread_count() {
+  DIR* dir = opendir("/proc/self/task");
+  if (dir == nullptr) return -1;
+  int n = 0;
+  while (const dirent* e = readdir(dir)) {
+    if (e->d_name[0] != '.') ++n;
+  }
+  closedir(dir);
+  return n;
+}
+
+// In a forked rank that will not exec: close what exec would have closed (the launcher's
+// close-on-exec pipes of other ranks, its signal pipe), keep what exec keeps.
+void close_cloexec_descriptors() {
+  DIR* dir = opendir("/proc/self/fd");
+  if (dir == nullptr) return;
+  std::vector<int> doomed;
+  const int own = dirfd(dir);
+  while (const dirent* e = readdir(dir)) {
+    if (e->d_name[0] == '.') continue;
+    const int fd = std::atoi(e->d_name);
+    if (fd <= STDERR_FILENO || fd == own) continue;
+    const int flags = fcntl(fd, F_GETFD);
+    if (flags >= 0 && (flags & FD_CLOEXEC) != 0) doomed.push_back(fd);
+  }
+  closedir(dir);
+  for (int fd : doomed) close(fd);
+}
+
 // ------------------------------------------------------------------ the group
 
 struct Failure {
@@ -195,6 +239,11 @@ class Supervisor {
   Supervisor(const LaunchOptions& options, std::string program, Coordinator* coordinator)
       : o_(options), program_(std::move(program)), coordinator_(coordinator) {
     local_processes_ = o_.num_processes / o_.num_machines;
+    const char* exec_env = std::getenv("DIFFTRAIN_LAUNCH_EXEC");
+    const bool exec_wanted =
+        exec_env != nullptr && *exec_env != '\0' && std::string(exec_env) != "0";
+    self_program_ = o_.self_main && !exec_wanted && same_file(program_, "/proc/self/exe") &&
+                    thread_count() == 1;
     threads_ = o_.num_cpu_threads_per_process > 0 ? o_.num_cpu_threads_per_process
                                                   : default_threads_per_process(local_processes_);
     if (o_.num_machines == 1) {
@@ -260,10 +309,12 @@ class Supervisor {
         "per process; mixed_precision={}, gradient_accumulation_steps={}, max_restarts={}\n",
         o_.num_processes, o_.num_machines, local_processes_, o_.machine_rank, threads_,
         o_.mixed_precision, o_.gradient_accumulation_steps, o_.max_restarts);
-    text += fmt::format("difftrain launch: rendezvous {}; program: {}{}\n",
-                        store_dir_.empty() ? fmt::format("tcp {}:{}", master_addr_, master_port_)
-                                           : "private file store in " + store_dir_,
-                        program_, o_.log_dir.empty() ? "" : "; logs in " + o_.log_dir);
+    text += fmt::format(
+        "difftrain launch: rendezvous {}; program: {}{}{}\n",
+        store_dir_.empty() ? fmt::format("tcp {}:{}", master_addr_, master_port_)
+                           : "private file store in " + store_dir_,
+        program_, self_program_ ? " (ranks start as forks of this launcher, without exec)" : "",
+        o_.log_dir.empty() ? "" : "; logs in " + o_.log_dir);
     write_all(STDERR_FILENO, text);
   }
 
@@ -392,6 +443,11 @@ class Supervisor {
       argv.push_back(const_cast<char*>(o_.command[i].c_str()));
     argv.push_back(nullptr);
     const pid_t parent = getpid();
+    const bool in_process = self_program_ && thread_count() == 1;
+    // Buffered output would otherwise be written twice, by the launcher and by the forked rank.
+    std::cout.flush();
+    std::cerr.flush();
+    std::fflush(nullptr);
     // Until the child has dropped the launcher's handlers, a signal sent to it (e.g. the SIGTERM
     // of a group being stopped) would run our handler there and land in the launcher's
     // self-pipe, looking like a signal to the launcher. Signals stay blocked across fork().
@@ -415,6 +471,24 @@ class Supervisor {
       if (getppid() != parent) _exit(125);
       dup2(out_pipe[1], STDOUT_FILENO);
       dup2(err_pipe[1], STDERR_FILENO);
+      if (in_process) {
+        // The launcher is this program and has no other thread: run its main() here with the
+        // rank's environment and argv, as exec would, minus the program's start-up.
+        close_cloexec_descriptors();
+        environ = envp.data();
+        // What OMP_NUM_THREADS does at an exec'd program's start: the OpenMP runtime read the
+        // launcher's environment when it was loaded.
+        at::set_num_threads(threads_);
+        int rc = 1;
+        try {
+          rc = o_.self_main(static_cast<int>(argv.size() - 1), argv.data());
+        } catch (const std::exception& e) {
+          std::cerr << "difftrain: error: " << e.what() << std::endl;
+        }
+        std::cout.flush();
+        std::cerr.flush();
+        std::exit(rc);
+      }
       execve(argv[0], argv.data(), envp.data());
       const char* reason = std::strerror(errno);
       const char prefix[] = "difftrain launch: exec failed: ";
@@ -580,6 +654,7 @@ class Supervisor {
 
   const LaunchOptions& o_;
   std::string program_;
+  bool self_program_ = false;  // ranks are forked copies running o_.self_main (no exec)
   Coordinator* coordinator_;
   int local_processes_ = 1;
   int threads_ = 1;

@@ -131,6 +131,41 @@ TEST(Launch, RanksGetTheTorchrunAndDifftrainEnvironment) {
       << d.log();
 }
 
+// `difftrain launch ... difftrain CMD`: the ranks are forks of the launcher that run difftrain's
+// main() without exec (no second LibTorch start-up). They must behave as exec'd ranks do.
+TEST(Launch, DifftrainRanksAreForksOfTheLauncherAndBehaveAsExecdOnes) {
+  const std::string forked = "(ranks start as forks of this launcher, without exec)";
+  for (const bool exec : {false, true}) {
+    SCOPED_TRACE(exec ? "DIFFTRAIN_LAUNCH_EXEC=1" : "forked ranks");
+    auto env = test_env({{"OMP_NUM_THREADS", "2"}});
+    if (exec) env["DIFFTRAIN_LAUNCH_EXEC"] = "1";
+    const auto check =
+        run({kDifftrain, "launch", "--num_processes", "2", kDifftrain, "test"}, env, 120);
+    ASSERT_EQ(check.exit_code, 0) << check.log();
+    EXPECT_EQ(check.err.find(forked) != std::string::npos, !exec) << check.log();
+    EXPECT_NE(check.out.find("[rank 0] difftrain test: 11 passed, 0 failed on 2 rank(s)"),
+              std::string::npos)
+        << check.log();
+    // The rank's environment and thread count are the launcher's choice, not the launcher's own.
+    const auto info =
+        run({kDifftrain, "launch", "--num_processes", "2", "--num_cpu_threads_per_process", "1",
+             "--mixed_precision", "bf16", kDifftrain, "env"},
+            env, 120);
+    ASSERT_EQ(info.exit_code, 0) << info.log();
+    for (const char* line : {"[rank 0] - threads: intra-op 1 (at::get_num_threads)",
+                             "[rank 1] - threads: intra-op 1 (at::get_num_threads)"}) {
+      EXPECT_NE(info.out.find(line), std::string::npos) << line << "\n" << info.log();
+    }
+    // A failing rank's error is printed once, prefixed, and its exit code returned.
+    const auto bad = run({kDifftrain, "launch", "--num_processes", "2", kDifftrain, "train",
+                          "--dataset", "imagefolder", "--train_data_dir", "/nonexistent/folder"},
+                         env, 120);
+    EXPECT_EQ(bad.exit_code, 1) << bad.log();
+    EXPECT_EQ(count(bad.err, "[rank 0] difftrain: error:"), 1u) << bad.log();
+    EXPECT_NE(bad.err.find("/nonexistent/folder"), std::string::npos) << bad.log();
+  }
+}
+
 TEST(Launch, OneMachineJobsUseLoopbackOnly) {
   const auto r = run(launch({"--num_processes", "3"}, {"sockets"}), test_env(), 60);
   ASSERT_EQ(r.exit_code, 0) << r.log();  // the worker exits 1 if any socket is off loopback

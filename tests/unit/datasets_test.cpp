@@ -129,6 +129,32 @@ TEST(Idx, TruncatedAndExtraBytesAreErrors) {
   EXPECT_HAS(error_of([&] { read_idx(dir + "/extra.gz"); }), "3 bytes follow the 144 values");
 }
 
+// Whole-buffer decompression (libdeflate) takes only clean single-member files; the others go
+// through zlib's streaming reader, which reads several members and names bad data.
+TEST(Idx, MultiMemberAndCorruptGzip) {
+  const auto dir = temp_dir("idx_members");
+  const auto images = random_bytes({6, 5, 4}, 4);
+  const std::string bytes = idx_bytes(images);
+  auto slurp = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  write_gz(dir + "/a.gz", bytes.substr(0, 50));
+  write_gz(dir + "/b.gz", bytes.substr(50));
+  write_raw(dir + "/two.gz", slurp(dir + "/a.gz") + slurp(dir + "/b.gz"));
+  EXPECT_TRUE(torch::equal(read_idx(dir + "/two.gz"), images));
+  write_gz(dir + "/one.gz", bytes);
+  const auto read = read_idx(dir + "/one.gz");
+  EXPECT_TRUE(torch::equal(read, images));
+  EXPECT_TRUE(read.is_contiguous());
+  // A wrong CRC-32 in the trailer: the data decompress, but do not check.
+  std::string crc = slurp(dir + "/one.gz");
+  crc[crc.size() - 8] = static_cast<char>(crc[crc.size() - 8] ^ 0x55);
+  write_raw(dir + "/crc.gz", crc);
+  EXPECT_HAS(error_of([&] { read_idx(dir + "/crc.gz"); }),
+             dir + "/crc.gz: corrupt gzip data (zlib: ");
+}
+
 TEST(Idx, BadFilesNameThePath) {
   const auto dir = temp_dir("idx_bad");
   EXPECT_EQ(error_of([&] { read_idx(dir + "/nope.gz"); }),
