@@ -2,6 +2,9 @@
 
 #include "difftrain/core/error.h"
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <fmt/format.h>
 #include <torch/torch.h>
 #include <zlib.h>
@@ -244,6 +247,99 @@ torch::Tensor read_idx(const std::string& path) {
   unsigned char extra = 0;
   if (reader.read(&extra, 1) != 0) {
     throw size_error(numel + 1 + reader.count_remaining(kExtraCounted - 1));
+  }
+  return data;
+}
+
+namespace {
+
+bool is_gzip(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::array<unsigned char, 2> m{};
+  in.read(reinterpret_cast<char*>(m.data()), 2);
+  return in.gcount() == 2 && m[0] == 0x1f && m[1] == 0x8b;
+}
+
+// FNV-1a, 64 bit: a name for the cached copy, not a security measure.
+uint64_t fnv1a(const std::string& text) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : text) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+bool write_idx_file(const std::string& path, const torch::Tensor& data) {
+  std::string header = {'\0', '\0', '\x08', static_cast<char>(data.dim())};
+  for (const int64_t d : data.sizes()) {
+    for (int shift = 24; shift >= 0; shift -= 8) header.push_back(static_cast<char>(d >> shift));
+  }
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(header.data(), static_cast<std::streamsize>(header.size()));
+  out.write(reinterpret_cast<const char*>(data.data_ptr<uint8_t>()), data.numel());
+  out.close();
+  return static_cast<bool>(out);
+}
+
+}  // namespace
+
+torch::Tensor read_idx_cached(const std::string& path, const std::string& cache_dir,
+                              const std::function<void(const std::string&)>& note) {
+  struct stat st {};
+  if (cache_dir.empty() || stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode) || !is_gzip(path)) {
+    return read_idx(path);
+  }
+  std::error_code ec;
+  const std::string absolute = fs::absolute(path, ec).lexically_normal().string();
+  const std::string key =
+      fmt::format("{}|{}|{}.{:09}", absolute, st.st_size, st.st_mtim.tv_sec, st.st_mtim.tv_nsec);
+  std::string stem = fs::path(path).filename().string();
+  if (stem.size() > 3 && stem.compare(stem.size() - 3, 3, ".gz") == 0) stem.resize(stem.size() - 3);
+  const fs::path dir = fs::path(cache_dir) / "datasets";
+  const fs::path copy = dir / fmt::format("{}-{:016x}", stem, fnv1a(key));
+  // Only a folder of this user's (a shared temp folder could hold someone else's planted copy).
+  auto ours = [](const fs::path& p) {
+    struct stat s {};
+    return lstat(p.c_str(), &s) == 0 && S_ISDIR(s.st_mode) && s.st_uid == ::geteuid();
+  };
+  if (!fs::exists(dir, ec)) {
+    fs::create_directories(cache_dir, ec);
+    if (!ec) fs::create_directory(dir, ec);
+    if (!ec) fs::permissions(dir, fs::perms::owner_all, ec);
+  }
+  if (!ours(cache_dir) || !ours(dir)) {
+    if (note) {
+      note(fmt::format("dataset cache: {} is not a folder of this user's; reading the gzip file",
+                       dir.string()));
+    }
+    return read_idx(path);
+  }
+  if (fs::is_regular_file(copy, ec)) {
+    try {
+      return read_idx(copy.string());
+    } catch (const Error&) {
+      fs::remove(copy, ec);  // damaged: read the original and write it again
+    }
+  }
+  auto data = read_idx(path);
+  const std::string tmp = copy.string() + fmt::format(".tmp{}", static_cast<long long>(::getpid()));
+  if (write_idx_file(tmp, data)) {
+    fs::rename(tmp, copy, ec);
+    if (!ec) {
+      if (note) {
+        note(
+            fmt::format("dataset cache: wrote an uncompressed copy of {} to {} ({:.1f} MB; later "
+                        "runs read it instead; DIFFTRAIN_DATASET_CACHE=0 turns this off)",
+                        path, copy.string(), static_cast<double>(data.numel()) / 1e6));
+      }
+      return data;
+    }
+  }
+  fs::remove(tmp, ec);
+  if (note) {
+    note(fmt::format("dataset cache: cannot write {} ({}); reading the gzip file on every run",
+                     copy.string(), ec ? ec.message() : std::string(std::strerror(errno))));
   }
   return data;
 }

@@ -1,6 +1,7 @@
 #include "difftrain/data/mnist.h"
 
 #include "difftrain/core/error.h"
+#include "difftrain/core/log.h"
 #include "difftrain/data/idx.h"
 #include "difftrain/data/sample_rng.h"
 
@@ -68,8 +69,9 @@ MnistDataset::MnistDataset(MnistOptions options) : options_(std::move(options)) 
   const std::string prefix = options_.split == "train" ? "train" : "t10k";
   const auto images_path = find_idx(dir, prefix + "-images-idx3-ubyte");
   const auto labels_path = find_idx(dir, prefix + "-labels-idx1-ubyte");
-  auto images = read_idx(images_path);
-  auto labels = read_idx(labels_path);
+  auto note = [](const std::string& line) { log::info("{}", line); };
+  auto images = read_idx_cached(images_path, options_.cache_dir, note);
+  auto labels = read_idx_cached(labels_path, options_.cache_dir, note);
   if (images.dim() != 3) {
     throw Error(fmt::format("{}: holds an array of shape {}; expected images [N, H, W]",
                             images_path, fmt::join(images.sizes(), "x")));

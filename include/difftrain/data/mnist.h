@@ -39,6 +39,9 @@ struct MnistOptions {
   int64_t limit = 0;
   /// Keep only the examples with this label.
   std::optional<int64_t> only_class;
+  /// Where uncompressed copies of gzip files are kept (read_idx_cached); "" reads the files each
+  /// time. The trainer passes <user_cache_dir()> unless DIFFTRAIN_DATASET_CACHE=0.
+  std::string cache_dir;
 };
 
 /// MNIST-format images as a Dataset. Example i:
