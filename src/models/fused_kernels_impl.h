@@ -29,16 +29,6 @@ float horizontal_sum(const Vec& v) {
   return s;
 }
 
-// y[0:n] += alpha * x[0:n]
-void axpy(float alpha, const float* x, float* y, int64_t n) {
-  const Vec a(alpha);
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    at::vec::fmadd(a, Vec::loadu(x + i), Vec::loadu(y + i)).store(y + i);
-  }
-  for (; i < n; ++i) y[i] += alpha * x[i];
-}
-
 float dot(const float* a, const float* b, int64_t n) {
   Vec acc(0.f);
   int64_t i = 0;
@@ -89,24 +79,127 @@ void transpose_head(const float* src, int64_t stride, int64_t rows, int64_t cols
   }
 }
 
-// scores[0:S] = scale * q_i . k_j for every key j (kt: d x S)
-void score_row(const float* qi, const float* kt, int64_t d, int64_t S, float scale, float* scores) {
-  std::fill(scores, scores + S, 0.f);
-  for (int64_t c = 0; c < d; ++c) axpy(qi[c] * scale, kt + c * S, scores, S);
+// Register-tiled products on small row-major blocks, vectorised along contiguous rows; the
+// attention kernels below are written with them (a one-row-at-a-time axpy form streams the
+// accumulators through memory once per row and runs several times slower for narrow heads).
+
+// C[M x N] = (accumulate ? C : 0) + alpha * A[M x K] . B[K x N]  (B rows contiguous along N).
+template <int MR>
+void gemm_nn_rows(int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const float* B,
+                  int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  const Vec va(alpha);
+  int64_t n = 0;
+  for (; n + 2 * kLanes <= N; n += 2 * kLanes) {
+    Vec acc[MR][2];
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = Vec(0.f);
+    for (int64_t k = 0; k < K; ++k) {
+      const Vec b0 = Vec::loadu(B + k * ldb + n), b1 = Vec::loadu(B + k * ldb + n + kLanes);
+      for (int r = 0; r < MR; ++r) {
+        const Vec a(A[r * lda + k]);
+        acc[r][0] = at::vec::fmadd(a, b0, acc[r][0]);
+        acc[r][1] = at::vec::fmadd(a, b1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      float* c = C + r * ldc + n;
+      for (int h = 0; h < 2; ++h) {
+        const Vec old = accumulate ? Vec::loadu(c + h * kLanes) : Vec(0.f);
+        at::vec::fmadd(va, acc[r][h], old).store(c + h * kLanes);
+      }
+    }
+  }
+  for (; n + kLanes <= N; n += kLanes) {
+    Vec acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = Vec(0.f);
+    for (int64_t k = 0; k < K; ++k) {
+      const Vec b0 = Vec::loadu(B + k * ldb + n);
+      for (int r = 0; r < MR; ++r) acc[r] = at::vec::fmadd(Vec(A[r * lda + k]), b0, acc[r]);
+    }
+    for (int r = 0; r < MR; ++r) {
+      float* c = C + r * ldc + n;
+      const Vec old = accumulate ? Vec::loadu(c) : Vec(0.f);
+      at::vec::fmadd(va, acc[r], old).store(c);
+    }
+  }
+  for (; n < N; ++n) {
+    for (int r = 0; r < MR; ++r) {
+      float sum = 0.f;
+      for (int64_t k = 0; k < K; ++k) sum += A[r * lda + k] * B[k * ldb + n];
+      float& c = C[r * ldc + n];
+      c = (accumulate ? c : 0.f) + alpha * sum;
+    }
+  }
+}
+
+void gemm_nn(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+             const float* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4)
+    gemm_nn_rows<4>(N, K, alpha, A + m * lda, lda, B, ldb, C + m * ldc, ldc, accumulate);
+  for (; m < M; ++m)
+    gemm_nn_rows<1>(N, K, alpha, A + m * lda, lda, B, ldb, C + m * ldc, ldc, accumulate);
+}
+
+// C[M x N] = alpha * A[M x K] . Bt[N x K]^T  (rows of both contiguous along K).
+template <int MR, int NR>
+void gemm_nt_tile(int64_t K, float alpha, const float* A, int64_t lda, const float* Bt, int64_t ldb,
+                  float* C, int64_t ldc) {
+  Vec acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NR; ++c) acc[r][c] = Vec(0.f);
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    Vec b[NR];
+    for (int c = 0; c < NR; ++c) b[c] = Vec::loadu(Bt + c * ldb + k);
+    for (int r = 0; r < MR; ++r) {
+      const Vec a = Vec::loadu(A + r * lda + k);
+      for (int c = 0; c < NR; ++c) acc[r][c] = at::vec::fmadd(a, b[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int c = 0; c < NR; ++c) {
+      float sum = horizontal_sum(acc[r][c]);
+      for (int64_t t = k; t < K; ++t) sum += A[r * lda + t] * Bt[c * ldb + t];
+      C[r * ldc + c] = alpha * sum;
+    }
+  }
+}
+
+void gemm_nt(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+             const float* Bt, int64_t ldb, float* C, int64_t ldc) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) {
+    int64_t n = 0;
+    for (; n + 2 <= N; n += 2)
+      gemm_nt_tile<4, 2>(K, alpha, A + m * lda, lda, Bt + n * ldb, ldb, C + m * ldc + n, ldc);
+    for (; n < N; ++n)
+      gemm_nt_tile<4, 1>(K, alpha, A + m * lda, lda, Bt + n * ldb, ldb, C + m * ldc + n, ldc);
+  }
+  for (; m < M; ++m) {
+    int64_t n = 0;
+    for (; n + 2 <= N; n += 2)
+      gemm_nt_tile<1, 2>(K, alpha, A + m * lda, lda, Bt + n * ldb, ldb, C + m * ldc + n, ldc);
+    for (; n < N; ++n)
+      gemm_nt_tile<1, 1>(K, alpha, A + m * lda, lda, Bt + n * ldb, ldb, C + m * ldc + n, ldc);
+  }
 }
 
 Vec silu(const Vec& z) { return z / (Vec(1.f) + (Vec(0.f) - z).exp()); }
 
 }  // namespace
 
+// Attention over one (batch, head) at a time in blocks of query rows: a block's scores [rows x S]
+// stay in cache (never the whole [B*heads, N, S] matrix); keys and values are transposed per head
+// (d x S) so that every product runs along contiguous memory.
 void attention_forward(const AttentionShape& s, const float* q, const float* k, const float* v,
                        float* o, float* lse) {
   const int64_t B = s.batch, N = s.queries, S = s.keys, H = s.heads, d = s.head_dim;
   const int64_t inner = H * d;
   const int64_t block = 32;  // queries per task: enough tasks for every thread, few transposes
   const int64_t blocks = (N + block - 1) / block;
+  const float scale = static_cast<float>(s.scale);
   at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kt(d * S), vt(d * S), row(S);
+    std::vector<float> kt(d * S), vt(d * S), p(block * S);
     int64_t cached = -1;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, b = bh / H, h = bh % H;
@@ -115,16 +208,21 @@ void attention_forward(const AttentionShape& s, const float* q, const float* k, 
         transpose_head(v + b * S * inner + h * d, inner, S, d, vt.data());
         cached = bh;
       }
-      const int64_t first = (task % blocks) * block, last = std::min(N, first + block);
-      for (int64_t i = first; i < last; ++i) {
-        const float* qi = q + (b * N + i) * inner + h * d;
-        score_row(qi, kt.data(), d, S, s.scale, row.data());
-        const float m = row_max(row.data(), S);
-        const float sum = exp_shifted(row.data(), S, m);
-        lse[bh * N + i] = m + std::log(sum);
-        const float inv = 1.f / sum;
-        float* oi = o + (b * N + i) * inner + h * d;
-        for (int64_t c = 0; c < d; ++c) oi[c] = dot(row.data(), vt.data() + c * S, S) * inv;
+      const int64_t first = (task % blocks) * block, rows = std::min(N, first + block) - first;
+      const float* qb = q + (b * N + first) * inner + h * d;
+      gemm_nn(rows, S, d, scale, qb, inner, kt.data(), S, p.data(), S, false);
+      std::vector<float> inv(rows);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* row = p.data() + r * S;
+        const float m = row_max(row, S);
+        const float sum = exp_shifted(row, S, m);
+        lse[bh * N + first + r] = m + std::log(sum);
+        inv[r] = 1.f / sum;
+      }
+      float* ob = o + (b * N + first) * inner + h * d;
+      gemm_nt(rows, d, S, 1.f, p.data(), S, vt.data(), S, ob, inner);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < d; ++c) ob[r * inner + c] *= inv[r];
       }
     }
   });
@@ -135,36 +233,44 @@ void attention_backward(const AttentionShape& s, const float* q, const float* k,
                         float* dv) {
   const int64_t B = s.batch, N = s.queries, S = s.keys, H = s.heads, d = s.head_dim;
   const int64_t inner = H * d;
+  const int64_t block = 64;
+  const float scale = static_cast<float>(s.scale);
   // One task per (batch, head): dk and dv sum over every query of the head.
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kt(d * S), vt(d * S), dkt(d * S), dvt(d * S), p(S), ds(S);
+    std::vector<float> kt(d * S), vt(d * S), dkt(d * S), dvt(d * S), p(block * S), ds(block * S),
+        qt(d * block), dot_t(d * block);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       transpose_head(k + b * S * inner + h * d, inner, S, d, kt.data());
       transpose_head(v + b * S * inner + h * d, inner, S, d, vt.data());
       std::fill(dkt.begin(), dkt.end(), 0.f);
       std::fill(dvt.begin(), dvt.end(), 0.f);
-      for (int64_t i = 0; i < N; ++i) {
-        const int64_t row = (b * N + i) * inner + h * d;
-        const float *qi = q + row, *oi = o + row, *doi = dout + row;
-        // p = softmax row, recomputed; dp_j = do_i . v_j; ds = p * (dp - do_i . o_i)
-        score_row(qi, kt.data(), d, S, s.scale, p.data());
-        exp_shifted(p.data(), S, lse[bh * N + i]);
-        std::fill(ds.begin(), ds.end(), 0.f);
-        for (int64_t c = 0; c < d; ++c) axpy(doi[c], vt.data() + c * S, ds.data(), S);
-        const float di_scalar = dot(doi, oi, d);
-        const Vec di(di_scalar);
-        int64_t j = 0;
-        for (; j + kLanes <= S; j += kLanes) {
-          (Vec::loadu(p.data() + j) * (Vec::loadu(ds.data() + j) - di)).store(ds.data() + j);
+      for (int64_t first = 0; first < N; first += block) {
+        const int64_t rows = std::min(N, first + block) - first;
+        const int64_t at_row = (b * N + first) * inner + h * d;
+        const float *qb = q + at_row, *ob = o + at_row, *dob = dout + at_row;
+        // p = the block's softmax rows, recomputed from the saved log-normaliser
+        gemm_nn(rows, S, d, scale, qb, inner, kt.data(), S, p.data(), S, false);
+        for (int64_t r = 0; r < rows; ++r)
+          exp_shifted(p.data() + r * S, S, lse[bh * N + first + r]);
+        // ds = p * (do . v_j - do . o)
+        gemm_nn(rows, S, d, 1.f, dob, inner, vt.data(), S, ds.data(), S, false);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float di_scalar = dot(dob + r * inner, ob + r * inner, d);
+          const Vec di(di_scalar);
+          float *pr = p.data() + r * S, *dsr = ds.data() + r * S;
+          int64_t j = 0;
+          for (; j + kLanes <= S; j += kLanes) {
+            (Vec::loadu(pr + j) * (Vec::loadu(dsr + j) - di)).store(dsr + j);
+          }
+          for (; j < S; ++j) dsr[j] = pr[j] * (dsr[j] - di_scalar);
         }
-        for (; j < S; ++j) ds[j] = p[j] * (ds[j] - di_scalar);
-        float* dqi = dq + row;
-        for (int64_t c = 0; c < d; ++c) {
-          dqi[c] = s.scale * dot(ds.data(), kt.data() + c * S, S);
-          axpy(s.scale * qi[c], ds.data(), dkt.data() + c * S, S);
-          axpy(doi[c], p.data(), dvt.data() + c * S, S);
-        }
+        // dq = scale * ds . k;  dk^T += scale * q^T . ds;  dv^T += do^T . p
+        gemm_nt(rows, d, S, scale, ds.data(), S, kt.data(), S, dq + at_row, inner);
+        transpose_head(qb, inner, rows, d, qt.data());
+        transpose_head(dob, inner, rows, d, dot_t.data());
+        gemm_nn(d, S, rows, scale, qt.data(), rows, ds.data(), S, dkt.data(), S, true);
+        gemm_nn(d, S, rows, 1.f, dot_t.data(), rows, p.data(), S, dvt.data(), S, true);
       }
       for (int64_t j = 0; j < S; ++j) {
         float* dkj = dk + (b * S + j) * inner + h * d;

@@ -49,9 +49,11 @@ TEST(FusedOps, AttentionAndItsGradientsMatchFloat64) {
   FusedSwitch restore;
   models::set_fused_kernels_enabled(true);
   std::printf("fused kernels: %s\n", models::fused_kernels_isa().c_str());
-  // Widths that are and are not multiples of 8 lanes; self- and cross-attention lengths.
+  // Widths that are and are not multiples of 8 lanes; self- and cross-attention lengths; more
+  // queries than one block of the kernels (32 forward, 64 backward), with a partial last block.
   for (const auto& c : {AttentionCase{2, 37, 37, 3, 5}, AttentionCase{1, 16, 77, 2, 8},
-                        AttentionCase{2, 64, 64, 2, 32}, AttentionCase{3, 9, 1, 1, 64}}) {
+                        AttentionCase{2, 64, 64, 2, 32}, AttentionCase{3, 9, 1, 1, 64},
+                        AttentionCase{1, 150, 83, 2, 12}}) {
     torch::manual_seed(7);
     const int64_t inner = c.heads * c.d;
     auto q = torch::randn({c.B, c.N, inner}).requires_grad_();
