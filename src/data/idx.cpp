@@ -2,6 +2,8 @@
 
 #include "difftrain/core/error.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -141,6 +143,21 @@ torch::Tensor inflate_whole(const std::string& path, int64_t total) {
 #endif
 }
 
+// A raw file's payload mapped copy-on-write (MAP_PRIVATE): no copy, and only the pages a run
+// touches are read (from the page cache when the file was read before). Undefined if mmap fails.
+torch::Tensor map_payload(const std::string& path, int64_t header_bytes, int64_t numel,
+                          const std::vector<int64_t>& dims) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return {};
+  const auto length = static_cast<size_t>(header_bytes + numel);
+  void* base = ::mmap(nullptr, length, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  if (base == MAP_FAILED) return {};
+  return torch::from_blob(
+      static_cast<uint8_t*>(base) + header_bytes, dims,
+      [base, length](void*) { ::munmap(base, length); }, torch::kUInt8);
+}
+
 constexpr int kMaxIdxDims = 8;
 // deflate's largest expansion (~1032:1): a gzip file of n bytes holds at most this many times n.
 constexpr int64_t kMaxDeflateRatio = 1032;
@@ -149,7 +166,11 @@ constexpr int64_t kExtraCounted = int64_t{1} << 20;
 
 }  // namespace
 
-torch::Tensor read_idx(const std::string& path) {
+namespace {
+
+// read_idx; map_raw: a raw file's payload is mapped rather than read (only for files that are
+// replaced by rename and never rewritten in place: a file cut short under a mapping faults).
+torch::Tensor read_idx_impl(const std::string& path, bool map_raw) {
   std::error_code ec;
   const auto status = fs::status(path, ec);
   if (!fs::exists(status)) {
@@ -229,6 +250,11 @@ torch::Tensor read_idx(const std::string& path) {
   if (raw) {
     const auto file_bytes = static_cast<int64_t>(fs::file_size(path, ec));
     if (!ec && file_bytes - header_bytes != numel) throw size_error(file_bytes - header_bytes);
+    if (!ec && numel > 0 && map_raw) {
+      if (auto mapped = map_payload(path, header_bytes, numel, dims); mapped.defined()) {
+        return mapped;
+      }
+    }
   } else if (gzip_isize(path) != static_cast<uint32_t>(header_bytes + numel) ||
              numel > kMaxDeflateRatio * static_cast<int64_t>(fs::file_size(path, ec))) {
     // The gzip trailer disagrees (a cut-off or multi-member stream), or the header declares more
@@ -250,6 +276,10 @@ torch::Tensor read_idx(const std::string& path) {
   }
   return data;
 }
+
+}  // namespace
+
+torch::Tensor read_idx(const std::string& path) { return read_idx_impl(path, false); }
 
 namespace {
 
@@ -317,7 +347,7 @@ torch::Tensor read_idx_cached(const std::string& path, const std::string& cache_
   }
   if (fs::is_regular_file(copy, ec)) {
     try {
-      return read_idx(copy.string());
+      return read_idx_impl(copy.string(), true);  // copies are only ever replaced by rename
     } catch (const Error&) {
       fs::remove(copy, ec);  // damaged: read the original and write it again
     }
