@@ -184,6 +184,15 @@ void gemm_nt(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64
   }
 }
 
+// dst[r * d + c] = scale * src[r * stride + c]: a block of query rows, scaled as the scores want
+// (the same rounding in the forward and in the backward's recomputation).
+void scaled_rows(const float* src, int64_t stride, int64_t rows, int64_t d, float scale,
+                 float* dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < d; ++c) dst[r * d + c] = src[r * stride + c] * scale;
+  }
+}
+
 Vec silu(const Vec& z) { return z / (Vec(1.f) + (Vec(0.f) - z).exp()); }
 
 }  // namespace
@@ -199,7 +208,7 @@ void attention_forward(const AttentionShape& s, const float* q, const float* k, 
   const int64_t blocks = (N + block - 1) / block;
   const float scale = static_cast<float>(s.scale);
   at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kt(d * S), vt(d * S), p(block * S);
+    std::vector<float> kt(d * S), vt(d * S), p(block * S), qs(block * d);
     int64_t cached = -1;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, b = bh / H, h = bh % H;
@@ -209,8 +218,8 @@ void attention_forward(const AttentionShape& s, const float* q, const float* k, 
         cached = bh;
       }
       const int64_t first = (task % blocks) * block, rows = std::min(N, first + block) - first;
-      const float* qb = q + (b * N + first) * inner + h * d;
-      gemm_nn(rows, S, d, scale, qb, inner, kt.data(), S, p.data(), S, false);
+      scaled_rows(q + (b * N + first) * inner + h * d, inner, rows, d, scale, qs.data());
+      gemm_nn(rows, S, d, 1.f, qs.data(), d, kt.data(), S, p.data(), S, false);
       std::vector<float> inv(rows);
       for (int64_t r = 0; r < rows; ++r) {
         float* row = p.data() + r * S;
@@ -238,7 +247,7 @@ void attention_backward(const AttentionShape& s, const float* q, const float* k,
   // One task per (batch, head): dk and dv sum over every query of the head.
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> kt(d * S), vt(d * S), dkt(d * S), dvt(d * S), p(block * S), ds(block * S),
-        qt(d * block), dot_t(d * block);
+        qt(d * block), dot_t(d * block), qs(block * d);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, h = bh % H;
       transpose_head(k + b * S * inner + h * d, inner, S, d, kt.data());
@@ -250,7 +259,8 @@ void attention_backward(const AttentionShape& s, const float* q, const float* k,
         const int64_t at_row = (b * N + first) * inner + h * d;
         const float *qb = q + at_row, *ob = o + at_row, *dob = dout + at_row;
         // p = the block's softmax rows, recomputed from the saved log-normaliser
-        gemm_nn(rows, S, d, scale, qb, inner, kt.data(), S, p.data(), S, false);
+        scaled_rows(qb, inner, rows, d, scale, qs.data());
+        gemm_nn(rows, S, d, 1.f, qs.data(), d, kt.data(), S, p.data(), S, false);
         for (int64_t r = 0; r < rows; ++r)
           exp_shifted(p.data() + r * S, S, lse[bh * N + first + r]);
         // ds = p * (do . v_j - do . o)
