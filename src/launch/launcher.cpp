@@ -476,6 +476,10 @@ class Supervisor {
         // rank's environment and argv, as exec would, minus the program's start-up.
         close_cloexec_descriptors();
         environ = envp.data();
+        // /proc/<pid>/environ and cmdline still show the launcher's (the kernel keeps the
+        // original image's); the name names the rank for ps, top and tests.
+        const std::string name = "difftrain-r" + std::to_string(r.global_rank);
+        prctl(PR_SET_NAME, name.substr(0, 15).c_str());
         // What OMP_NUM_THREADS does at an exec'd program's start: the OpenMP runtime read the
         // launcher's environment when it was loaded.
         at::set_num_threads(threads_);

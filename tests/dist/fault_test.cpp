@@ -62,7 +62,8 @@ int64_t metric_lines(const std::string& out) {
   return n;
 }
 
-// The pid of rank `rank` among the launcher's children (their RANK variable), or -1.
+// The pid of rank `rank` among the launcher's children, or -1: their RANK variable when they were
+// exec'd, their name (difftrain-r<rank>) when they are forks of the launcher running difftrain.
 pid_t rank_pid(pid_t launcher, int rank) {
   for (const auto& entry : fs::directory_iterator("/proc")) {
     const std::string name = entry.path().filename().string();
@@ -77,6 +78,9 @@ pid_t rank_pid(pid_t launcher, int rank) {
     pid_t ppid = 0;
     rest >> state >> ppid;
     if (ppid != launcher) continue;
+    std::string comm;
+    std::getline(std::ifstream(entry.path() / "comm"), comm);
+    if (comm == "difftrain-r" + std::to_string(rank)) return static_cast<pid_t>(std::stol(name));
     std::ifstream env(entry.path() / "environ", std::ios::binary);
     const std::string want = "RANK=" + std::to_string(rank);
     for (std::string var; std::getline(env, var, '\0');) {
