@@ -1,6 +1,7 @@
 #include "difftrain/launch/launcher.h"
 
 #include "coordinator.h"
+#include "difftrain/core/env.h"
 #include "difftrain/core/error.h"
 #include "difftrain/distributed/net.h"
 
@@ -239,11 +240,8 @@ class Supervisor {
   Supervisor(const LaunchOptions& options, std::string program, Coordinator* coordinator)
       : o_(options), program_(std::move(program)), coordinator_(coordinator) {
     local_processes_ = o_.num_processes / o_.num_machines;
-    const char* exec_env = std::getenv("DIFFTRAIN_LAUNCH_EXEC");
-    const bool exec_wanted =
-        exec_env != nullptr && *exec_env != '\0' && std::string(exec_env) != "0";
-    self_program_ = o_.self_main && !exec_wanted && same_file(program_, "/proc/self/exe") &&
-                    thread_count() == 1;
+    self_program_ = o_.self_main && !env_switch("DIFFTRAIN_LAUNCH_EXEC", false) &&
+                    same_file(program_, "/proc/self/exe") && thread_count() == 1;
     threads_ = o_.num_cpu_threads_per_process > 0 ? o_.num_cpu_threads_per_process
                                                   : default_threads_per_process(local_processes_);
     if (o_.num_machines == 1) {

@@ -208,7 +208,7 @@ void attention_forward(const AttentionShape& s, const float* q, const float* k, 
   const int64_t blocks = (N + block - 1) / block;
   const float scale = static_cast<float>(s.scale);
   at::parallel_for(0, B * H * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> kt(d * S), vt(d * S), p(block * S), qs(block * d);
+    std::vector<float> kt(d * S), vt(d * S), p(block * S), qs(block * d), inv(block);
     int64_t cached = -1;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / blocks, b = bh / H, h = bh % H;
@@ -220,7 +220,6 @@ void attention_forward(const AttentionShape& s, const float* q, const float* k, 
       const int64_t first = (task % blocks) * block, rows = std::min(N, first + block) - first;
       scaled_rows(q + (b * N + first) * inner + h * d, inner, rows, d, scale, qs.data());
       gemm_nn(rows, S, d, 1.f, qs.data(), d, kt.data(), S, p.data(), S, false);
-      std::vector<float> inv(rows);
       for (int64_t r = 0; r < rows; ++r) {
         float* row = p.data() + r * S;
         const float m = row_max(row, S);

@@ -1,5 +1,7 @@
 #include "difftrain/models/fused_ops.h"
 
+#include "difftrain/core/env.h"
+
 #include "difftrain/models/layers.h"
 #include "fused_kernels.h"
 
@@ -7,7 +9,6 @@
 #include <torch/nn/functional/activation.h>
 #include <torch/nn/functional/normalization.h>
 
-#include <atomic>
 #include <cstdlib>
 #include <cstring>
 
@@ -42,7 +43,7 @@ const KernelTable& kernel_table() {
 constexpr int64_t kMaxFusedHeadDim = 64;
 
 // -1: not read yet; 0 off; 1 on
-std::atomic<int> g_enabled{-1};
+EnvSwitch g_enabled("DIFFTRAIN_FUSED_KERNELS", true);
 
 bool fusable(const torch::Tensor& t) {
   return t.defined() && t.device().is_cpu() && t.scalar_type() == torch::kFloat32 &&
@@ -164,17 +165,9 @@ bool channels_innermost(const torch::Tensor& x) {
 
 }  // namespace
 
-bool fused_kernels_enabled() {
-  int v = g_enabled.load();
-  if (v < 0) {
-    const char* env = std::getenv("DIFFTRAIN_FUSED_KERNELS");
-    v = env != nullptr && std::strcmp(env, "0") == 0 ? 0 : 1;
-    g_enabled.store(v);
-  }
-  return v == 1;
-}
+bool fused_kernels_enabled() { return g_enabled.get(); }
 
-void set_fused_kernels_enabled(bool enabled) { g_enabled.store(enabled ? 1 : 0); }
+void set_fused_kernels_enabled(bool enabled) { g_enabled.set(enabled); }
 
 std::string fused_kernels_isa() { return kernel_table().isa; }
 

@@ -1,10 +1,8 @@
 #include "difftrain/models/winograd_conv.h"
 
-#include <torch/autograd.h>
+#include "difftrain/core/env.h"
 
-#include <atomic>
-#include <cstdlib>
-#include <cstring>
+#include <torch/autograd.h>
 
 #if defined(DIFFTRAIN_HAVE_DNNL)
 #include <oneapi/dnnl/dnnl.hpp>
@@ -21,23 +19,13 @@ namespace difftrain::models {
 
 namespace {
 
-std::atomic<int> g_enabled{-1};  // -1: not read from the environment yet
-
-bool env_enabled() {
-  int v = g_enabled.load();
-  if (v < 0) {
-    const char* env = std::getenv("DIFFTRAIN_WINOGRAD");
-    v = env != nullptr && std::strcmp(env, "0") == 0 ? 0 : 1;
-    g_enabled.store(v);
-  }
-  return v == 1;
-}
+EnvSwitch g_enabled("DIFFTRAIN_WINOGRAD", true);
 
 }  // namespace
 
-void set_winograd_conv_enabled(bool enabled) { g_enabled.store(enabled ? 1 : 0); }
+void set_winograd_conv_enabled(bool enabled) { g_enabled.set(enabled); }
 
-bool winograd_conv_enabled() { return env_enabled() && winograd_conv_available(); }
+bool winograd_conv_enabled() { return g_enabled.get() && winograd_conv_available(); }
 
 #if !defined(DIFFTRAIN_HAVE_DNNL)
 
@@ -280,7 +268,7 @@ std::string winograd_conv_status() {
   std::string s = "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." +
                   std::to_string(v->patch) + ", Winograd: ";
   if (!winograd_conv_available()) return s + "off (no oneDNN Winograd kernel for this CPU)";
-  return s + (env_enabled() ? "on" : "off (DIFFTRAIN_WINOGRAD=0)");
+  return s + (g_enabled.get() ? "on" : "off (DIFFTRAIN_WINOGRAD=0)");
 }
 
 torch::Tensor winograd_conv2d(const torch::Tensor& x, const torch::Tensor& weight,

@@ -3,6 +3,7 @@
 // training scheduler, a DDPMPipeline folder at the end.
 #include "diffusion_task.h"
 
+#include "difftrain/core/env.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/core/paths.h"
@@ -228,8 +229,7 @@ class UNetTask final : public DiffusionTask {
       o.random_flip = d.random_flip;
       o.seed = d.seed;
       o.only_class = d.only_class;
-      const char* cache = std::getenv("DIFFTRAIN_DATASET_CACHE");
-      if (cache == nullptr || std::string(cache) != "0") o.cache_dir = user_cache_dir();
+      if (env_switch("DIFFTRAIN_DATASET_CACHE", true)) o.cache_dir = user_cache_dir();
       auto ds = std::make_shared<data::MnistDataset>(o);
       num_classes_ = ds->num_classes();
       if (d.dataset == "fashion_mnist")
