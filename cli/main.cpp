@@ -3,6 +3,7 @@
 
 #include "commands.h"
 #include "difftrain/core/error.h"
+#include "difftrain/core/exit.h"
 #include "difftrain/core/log.h"
 
 #include <c10/util/Exception.h>
@@ -68,4 +69,5 @@ int run_cli(int argc, char** argv) {
 
 }  // namespace difftrain::cli
 
-int main(int argc, char** argv) { return difftrain::cli::run_cli(argc, argv); }
+// Everything run_cli made is gone when it returns: skip the static destructors (exit.h).
+int main(int argc, char** argv) { difftrain::exit_process(difftrain::cli::run_cli(argc, argv)); }

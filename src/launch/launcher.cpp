@@ -3,6 +3,7 @@
 #include "coordinator.h"
 #include "difftrain/core/env.h"
 #include "difftrain/core/error.h"
+#include "difftrain/core/exit.h"
 #include "difftrain/distributed/net.h"
 
 #include <dirent.h>
@@ -487,9 +488,8 @@ class Supervisor {
         } catch (const std::exception& e) {
           std::cerr << "difftrain: error: " << e.what() << std::endl;
         }
-        std::cout.flush();
-        std::cerr.flush();
-        std::exit(rc);
+        // The launcher's static objects are not this rank's to destroy (as after exec).
+        exit_process(rc);
       }
       execve(argv[0], argv.data(), envp.data());
       const char* reason = std::strerror(errno);

@@ -74,6 +74,50 @@ TEST(WinogradConv, OutputAndGradientsMatchFloat64) {
   }
 }
 
+// The forward keeps the input only when a weight or bias gradient is wanted; every mix of frozen
+// and trainable tensors, and a second backward over a retained graph, must give LibTorch's
+// gradients.
+TEST(WinogradConv, FrozenTensorsAndARetainedGraphGiveTheReferenceGradients) {
+  WinogradSwitch restore;
+  models::set_winograd_conv_enabled(true);
+  if (!models::winograd_conv_available()) GTEST_SKIP() << "no oneDNN Winograd kernel on this CPU";
+  struct Wants {
+    bool x, w, b;
+  };
+  for (const auto& want :
+       {Wants{true, true, true}, Wants{true, false, false}, Wants{false, true, false},
+        Wants{true, false, true}, Wants{false, false, true}}) {
+    torch::manual_seed(5);
+    auto x = torch::randn({2, 32, 12, 9}).requires_grad_(want.x);
+    auto w = (torch::randn({16, 32, 3, 3}) * 0.1).requires_grad_(want.w);
+    auto b = torch::randn({16}).requires_grad_(want.b);
+    auto y = models::winograd_conv2d(x, w, b, 1);
+    ASSERT_TRUE(y.defined());
+    auto xd = x.detach().to(torch::kFloat64).requires_grad_(want.x);
+    auto wd = w.detach().to(torch::kFloat64).requires_grad_(want.w);
+    auto bd = b.detach().to(torch::kFloat64).requires_grad_(want.b);
+    auto ref = torch::conv2d(xd, wd, bd, 1, 1);
+    const auto gy = torch::randn(y.sizes());
+    for (int pass = 1; pass <= 2; ++pass) {  // the second accumulates onto the first
+      y.backward(gy, /*retain_graph=*/true);
+      ref.backward(gy.to(torch::kFloat64), /*retain_graph=*/true);
+      const auto label = "wants x/w/b " + std::to_string(want.x) + std::to_string(want.w) +
+                         std::to_string(want.b) + ", backward " + std::to_string(pass);
+      EXPECT_EQ(x.grad().defined(), want.x) << label;
+      EXPECT_EQ(w.grad().defined(), want.w) << label;
+      if (want.x) {
+        EXPECT_LT(rel_diff(x.grad(), xd.grad()), 2e-5) << label;
+      }
+      if (want.w) {
+        EXPECT_LT(rel_diff(w.grad(), wd.grad()), 2e-5) << label;
+      }
+      if (want.b) {
+        EXPECT_LT(rel_diff(b.grad(), bd.grad()), 2e-5) << label;
+      }
+    }
+  }
+}
+
 TEST(WinogradConv, DeclinesWhatItDoesNotCompute) {
   WinogradSwitch restore;
   models::set_winograd_conv_enabled(true);
