@@ -6,7 +6,7 @@
 # ordered probe really names scripts/link_order's libraries first when the build applied it.
 #   bash tests/link_order_check.sh ORDERED_PROBE NATURAL_PROBE APPLIED(ON|OFF)
 set -euo pipefail
-ordered="$1" natural="$2" applied="$3"
+ordered="$1" natural="$2" rsp="${3:-}"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 bindings() {  # "<from library> <symbol> <to library>" for every binding made by a library
@@ -47,12 +47,15 @@ if [[ "$(cut -d' ' -f1,2 "$work/a")" != "$(cut -d' ' -f1,2 "$work/b")" ]]; then
 fi
 moved="$(wc -l <"$work/moved")"
 needed() { readelf -d "$1" | awk '/NEEDED/ {gsub(/[\[\]]/, "", $5); print $5}'; }
-if [[ "$applied" == ON ]]; then
-  first="$(needed "$ordered" | sed -n 2p)"
-  natural_second="$(needed "$natural" | sed -n 2p)"
-  if [[ "$first" == "$natural_second" ]]; then
-    echo "link_order_check: the build says it reordered, yet both probes name the same libraries first" >&2
+applied=no
+if [[ -n "$rsp" ]] && grep -q '^/' "$rsp"; then
+  applied="$(grep -c '^/' "$rsp")"
+  want="$(grep '^/' "$rsp" | while read -r lib; do
+    readelf -dW "$lib" | awk '/SONAME/ {gsub(/[\[\]]/, "", $5); print $5}'
+  done)"
+  if [[ "$(needed "$ordered" | head -n "$applied")" != "$want" ]]; then
+    echo "link_order_check: $ordered does not name $rsp's $applied libraries first" >&2
     exit 1
   fi
 fi
-echo "link_order_check: $count bindings; $moved go to another copy of a weak (inline) definition, none to another definition (libraries reordered: $applied)"
+echo "link_order_check: $count bindings; $moved go to another copy of a weak (inline) definition, none to another definition (libraries named first: $applied)"
