@@ -80,7 +80,6 @@ TEST(WinogradConv, OutputAndGradientsMatchFloat64) {
 TEST(WinogradConv, FrozenTensorsAndARetainedGraphGiveTheReferenceGradients) {
   WinogradSwitch restore;
   models::set_winograd_conv_enabled(true);
-  if (!models::winograd_conv_available()) GTEST_SKIP() << "no oneDNN Winograd kernel on this CPU";
   struct Wants {
     bool x, w, b;
   };
@@ -92,6 +91,10 @@ TEST(WinogradConv, FrozenTensorsAndARetainedGraphGiveTheReferenceGradients) {
     auto w = (torch::randn({16, 32, 3, 3}) * 0.1).requires_grad_(want.w);
     auto b = torch::randn({16}).requires_grad_(want.b);
     auto y = models::winograd_conv2d(x, w, b, 1);
+    if (!models::winograd_conv_available()) {  // oneDNN 3.x, or a CPU without AVX-512
+      EXPECT_FALSE(y.defined()) << "no Winograd kernel on this CPU, yet a result came back";
+      continue;
+    }
     ASSERT_TRUE(y.defined());
     auto xd = x.detach().to(torch::kFloat64).requires_grad_(want.x);
     auto wd = w.detach().to(torch::kFloat64).requires_grad_(want.w);
