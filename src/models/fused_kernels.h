@@ -15,13 +15,24 @@ struct AttentionShape {
   float scale;
 };
 
-/// GroupNorm over x viewed as [N, C, L] (L = product of the spatial sizes). channels_last: the
-/// memory is [N, L, C] (PyTorch's channels_last / a transposed [B, L, C] sequence); else [N, C, L].
+/// GroupNorm over x viewed as [N, C, L] (L = product of the spatial sizes). The memory is
+/// [N, C, L] by default; [N, L, C] with channels_last (PyTorch's channels_last / a transposed
+/// [B, L, C] sequence); [N, C / block, L, block] with block > 0 (oneDNN's nChw16c for block 16, the
+/// layout its convolutions compute in; C a multiple of block). x, y, dy and dx share the layout.
 struct GroupNormShape {
   int64_t batch, channels, length, groups;
   bool channels_last;
   float eps;
   bool silu;  ///< y = silu(group_norm(x)) instead of group_norm(x)
+  int64_t block = 0;
+};
+
+/// A 3x3 stride-1 convolution with few output channels (a UNet's or VAE's conv_out: 1 to 4),
+/// zero padding `pad` on every side: x [N, C, H, W], weight [O, C, 3, 3], y [N, O, H + 2 pad - 2,
+/// W + 2 pad - 2]. oneDNN's direct kernels vectorise over output channels and reach a tenth of
+/// their speed at O = 1; these vectorise along the rows instead.
+struct SmallConvShape {
+  int64_t batch, in_channels, out_channels, height, width, pad;
 };
 
 #define DIFFTRAIN_FUSED_KERNEL_DECLS                                                               \
@@ -37,7 +48,16 @@ struct GroupNormShape {
   /* dx: [N, C, L] in x's layout; dgamma, dbeta: [C] (overwritten) */                              \
   void group_norm_backward(const GroupNormShape& s, const float* dy, const float* x,               \
                            const float* mean, const float* rstd, const float* gamma,               \
-                           const float* beta, float* dx, float* dgamma, float* dbeta);
+                           const float* beta, float* dx, float* dgamma, float* dbeta);             \
+  /* bias may be null */                                                                           \
+  void small_conv_forward(const SmallConvShape& s, const float* x, const float* weight,            \
+                          const float* bias, float* y);                                            \
+  /* gx: [N, C, H, W], overwritten */                                                              \
+  void small_conv_backward_data(const SmallConvShape& s, const float* gy, const float* weight,     \
+                                float* gx);                                                        \
+  /* gw: [O, C, 3, 3], gb: [O] or null, overwritten */                                             \
+  void small_conv_backward_weights(const SmallConvShape& s, const float* gy, const float* x,       \
+                                   float* gw, float* gb);
 
 namespace generic {
 DIFFTRAIN_FUSED_KERNEL_DECLS

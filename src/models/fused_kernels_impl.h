@@ -420,7 +420,7 @@ void group_norm_forward(const GroupNormShape& s, const float* x, const float* ga
                         const float* beta, float* y, float* mean, float* rstd) {
   const int64_t N = s.batch, C = s.channels, L = s.length, G = s.groups, cpg = C / G;
   const double count = static_cast<double>(cpg * L);
-  if (!s.channels_last) {
+  if (!s.channels_last && s.block == 0) {
     // [N, C, L]: group (n, g) is one contiguous block of cpg * L floats.
     at::parallel_for(0, N * G, 1, [&](int64_t begin, int64_t end) {
       for (int64_t ng = begin; ng < end; ++ng) {
@@ -441,14 +441,19 @@ void group_norm_forward(const GroupNormShape& s, const float* x, const float* ga
     });
     return;
   }
-  // [N, L, C]: per-channel sums over the positions, then per group.
+  // [N, L, C] or [N, C / B, L, B]: slabs of B channels, each [L, B] (channels-last is one slab
+  // of B = C). Per-channel sums over the positions, then per group.
+  const int64_t B = s.block > 0 ? s.block : C, slabs = C / B;
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> sum(C);
     std::vector<float> channel_mean(C), a(C), b(C);
     for (int64_t n = begin; n < end; ++n) {
       const float* xn = x + n * L * C;
       std::fill(sum.begin(), sum.end(), 0.0);
-      channel_sums_cl(xn, L, C, sum.data(), [](const Vec& v, int64_t) { return v; });
+      for (int64_t k = 0; k < slabs; ++k) {
+        channel_sums_cl(xn + k * L * B, L, B, sum.data() + k * B,
+                        [](const Vec& v, int64_t) { return v; });
+      }
       for (int64_t g = 0; g < G; ++g) {
         double t = 0;
         for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) t += sum[c];
@@ -456,18 +461,24 @@ void group_norm_forward(const GroupNormShape& s, const float* x, const float* ga
         for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) channel_mean[c] = mean[n * G + g];
       }
       std::fill(sum.begin(), sum.end(), 0.0);
-      channel_sums_cl(xn, L, C, sum.data(), [&](const Vec& v, int64_t c) {
-        const Vec t = v - Vec::loadu(channel_mean.data() + c, std::min<int64_t>(kLanes, C - c));
-        return t * t;
-      });
+      for (int64_t k = 0; k < slabs; ++k) {
+        const float* slab_mean = channel_mean.data() + k * B;
+        channel_sums_cl(xn + k * L * B, L, B, sum.data() + k * B, [&](const Vec& v, int64_t c) {
+          const Vec t = v - Vec::loadu(slab_mean + c, std::min<int64_t>(kLanes, B - c));
+          return t * t;
+        });
+      }
       for (int64_t g = 0; g < G; ++g) {
         double t = 0;
         for (int64_t c = g * cpg; c < (g + 1) * cpg; ++c) t += sum[c];
         rstd[n * G + g] = static_cast<float>(1.0 / std::sqrt(t / count + s.eps));
       }
       affine_coefficients(s, n, mean, rstd, gamma, beta, a.data(), b.data());
-      for (int64_t l = 0; l < L; ++l) {
-        scale_shift(xn + l * C, a.data(), b.data(), y + (n * L + l) * C, C, s.silu);
+      for (int64_t k = 0; k < slabs; ++k) {
+        for (int64_t l = 0; l < L; ++l) {
+          const int64_t row = (k * L + l) * B;
+          scale_shift(xn + row, a.data() + k * B, b.data() + k * B, y + n * L * C + row, B, s.silu);
+        }
       }
     }
   });
@@ -481,12 +492,15 @@ void group_norm_backward(const GroupNormShape& s, const float* dy, const float* 
   // ds[n, c] = sum_l dz * x, db[n, c] = sum_l dz, with dz = dy (times silu' when fused), which is
   // first written to dx and then turned into dx in place.
   std::vector<double> ds(N * C, 0.0), db(N * C, 0.0);
+  // [N, L, C] or [N, C / B, L, B]: slabs of B channels, each [L, B] (as in the forward).
+  const bool blocked = s.channels_last || s.block > 0;
+  const int64_t B = s.block > 0 ? s.block : C, slabs = C / B;
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> a(C), b(C), scale(C), c2(G), c3(G);
     for (int64_t n = begin; n < end; ++n) {
       const int64_t base = n * C * L;
       affine_coefficients(s, n, mean, rstd, gamma, beta, a.data(), b.data());
-      if (!s.channels_last) {
+      if (!blocked) {
         for (int64_t c = 0; c < C; ++c) {
           const int64_t off = base + c * L;
           if (s.silu) {
@@ -498,31 +512,37 @@ void group_norm_backward(const GroupNormShape& s, const float* dy, const float* 
           db[n * C + c] = plain_sum(dx + off, L);
         }
       } else {
-        for (int64_t l = 0; l < L; ++l) {
-          const int64_t off = base + l * C;
-          if (s.silu) {
-            silu_grad(dy + off, x + off, a.data(), b.data(), dx + off, C);
-          } else {
-            std::copy(dy + off, dy + off + C, dx + off);
+        for (int64_t k = 0; k < slabs; ++k) {
+          for (int64_t l = 0; l < L; ++l) {
+            const int64_t off = base + (k * L + l) * B;
+            if (s.silu) {
+              silu_grad(dy + off, x + off, a.data() + k * B, b.data() + k * B, dx + off, B);
+            } else {
+              std::copy(dy + off, dy + off + B, dx + off);
+            }
           }
         }
-        const float* dzn = dx + base;
-        const float* xn = x + base;
-        channel_sums_cl(dzn, L, C, db.data() + n * C, [](const Vec& v, int64_t) { return v; });
-        // ds = sum over positions of dz * x
-        std::vector<float> part(C);
-        for (int64_t l0 = 0; l0 < L; l0 += 64) {
-          std::fill(part.begin(), part.end(), 0.f);
-          for (int64_t l = l0; l < std::min(L, l0 + 64); ++l) {
-            const float *dzr = dzn + l * C, *xr = xn + l * C;
-            int64_t c = 0;
-            for (; c + kLanes <= C; c += kLanes) {
-              at::vec::fmadd(Vec::loadu(dzr + c), Vec::loadu(xr + c), Vec::loadu(part.data() + c))
-                  .store(part.data() + c);
+        for (int64_t k = 0; k < slabs; ++k) {
+          const float* dzk = dx + base + k * L * B;
+          const float* xk = x + base + k * L * B;
+          double* dbk = db.data() + n * C + k * B;
+          double* dsk = ds.data() + n * C + k * B;
+          channel_sums_cl(dzk, L, B, dbk, [](const Vec& v, int64_t) { return v; });
+          // ds = sum over positions of dz * x
+          std::vector<float> part(B);
+          for (int64_t l0 = 0; l0 < L; l0 += 64) {
+            std::fill(part.begin(), part.end(), 0.f);
+            for (int64_t l = l0; l < std::min(L, l0 + 64); ++l) {
+              const float *dzr = dzk + l * B, *xr = xk + l * B;
+              int64_t c = 0;
+              for (; c + kLanes <= B; c += kLanes) {
+                at::vec::fmadd(Vec::loadu(dzr + c), Vec::loadu(xr + c), Vec::loadu(part.data() + c))
+                    .store(part.data() + c);
+              }
+              for (; c < B; ++c) part[c] += dzr[c] * xr[c];
             }
-            for (; c < C; ++c) part[c] += dzr[c] * xr[c];
+            for (int64_t c = 0; c < B; ++c) dsk[c] += part[c];
           }
-          for (int64_t c = 0; c < C; ++c) ds[n * C + c] += part[c];
         }
       }
       // dx = dz * rstd * gamma + x * c2 + c3 (per group), as ATen's GroupNorm backward.
@@ -542,7 +562,7 @@ void group_norm_backward(const GroupNormShape& s, const float* dy, const float* 
           scale[c] = static_cast<float>(r * (gamma ? gamma[c] : 1.0));
         }
       }
-      if (!s.channels_last) {
+      if (!blocked) {
         for (int64_t c = 0; c < C; ++c) {
           const int64_t off = base + c * L, g = c / cpg;
           const Vec sc(scale[c]), k2(c2[g]), k3(c3[g]);
@@ -556,16 +576,19 @@ void group_norm_backward(const GroupNormShape& s, const float* dy, const float* 
       } else {
         std::vector<float> k2c(C), k3c(C);
         for (int64_t c = 0; c < C; ++c) k2c[c] = c2[c / cpg], k3c[c] = c3[c / cpg];
-        for (int64_t l = 0; l < L; ++l) {
-          const int64_t off = base + l * C;
-          int64_t c = 0;
-          for (; c + kLanes <= C; c += kLanes) {
-            const Vec t = at::vec::fmadd(Vec::loadu(x + off + c), Vec::loadu(k2c.data() + c),
-                                         Vec::loadu(k3c.data() + c));
-            at::vec::fmadd(Vec::loadu(dx + off + c), Vec::loadu(scale.data() + c), t)
-                .store(dx + off + c);
+        for (int64_t k = 0; k < slabs; ++k) {
+          const float *k2 = k2c.data() + k * B, *k3 = k3c.data() + k * B,
+                      *sc = scale.data() + k * B;
+          for (int64_t l = 0; l < L; ++l) {
+            const int64_t off = base + (k * L + l) * B;
+            int64_t c = 0;
+            for (; c + kLanes <= B; c += kLanes) {
+              const Vec t =
+                  at::vec::fmadd(Vec::loadu(x + off + c), Vec::loadu(k2 + c), Vec::loadu(k3 + c));
+              at::vec::fmadd(Vec::loadu(dx + off + c), Vec::loadu(sc + c), t).store(dx + off + c);
+            }
+            for (; c < B; ++c) dx[off + c] = dx[off + c] * sc[c] + x[off + c] * k2[c] + k3[c];
           }
-          for (; c < C; ++c) dx[off + c] = dx[off + c] * scale[c] + x[off + c] * k2c[c] + k3c[c];
         }
       }
     }
@@ -579,5 +602,126 @@ void group_norm_backward(const GroupNormShape& s, const float* dy, const float* 
     }
     if (dgamma) dgamma[c] = static_cast<float>(dg);
     if (dbeta) dbeta[c] = static_cast<float>(dbt);
+  }
+}
+
+namespace {
+
+// y[0:n] += a * x[0:n]
+void axpy(float a, const float* x, float* y, int64_t n) {
+  const Vec va(a);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    at::vec::fmadd(va, Vec::loadu(x + i), Vec::loadu(y + i)).store(y + i);
+  }
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+// The output columns [lo, hi) whose input column ow + dx lies inside a row of `width`.
+struct ColumnRange {
+  int64_t lo, hi;
+};
+ColumnRange valid_columns(int64_t out_width, int64_t width, int64_t dx) {
+  return {std::max<int64_t>(0, -dx), std::min(out_width, width - dx)};
+}
+
+}  // namespace
+
+void small_conv_forward(const SmallConvShape& s, const float* x, const float* weight,
+                        const float* bias, float* y) {
+  const int64_t C = s.in_channels, O = s.out_channels, H = s.height, W = s.width, p = s.pad;
+  const int64_t OH = H + 2 * p - 2, OW = W + 2 * p - 2;
+  at::parallel_for(0, s.batch * O, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t no = begin; no < end; ++no) {
+      const int64_t n = no / O, o = no % O;
+      float* yp = y + no * OH * OW;
+      std::fill(yp, yp + OH * OW, bias ? bias[o] : 0.f);
+      for (int64_t c = 0; c < C; ++c) {
+        const float* xp = x + (n * C + c) * H * W;
+        const float* wp = weight + (o * C + c) * 9;
+        for (int64_t oh = 0; oh < OH; ++oh) {
+          for (int64_t kh = 0; kh < 3; ++kh) {
+            const int64_t ih = oh + kh - p;
+            if (ih < 0 || ih >= H) continue;
+            for (int64_t kw = 0; kw < 3; ++kw) {
+              const auto r = valid_columns(OW, W, kw - p);
+              if (r.hi > r.lo) {
+                axpy(wp[kh * 3 + kw], xp + ih * W + r.lo + kw - p, yp + oh * OW + r.lo,
+                     r.hi - r.lo);
+              }
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+void small_conv_backward_data(const SmallConvShape& s, const float* gy, const float* weight,
+                              float* gx) {
+  const int64_t C = s.in_channels, O = s.out_channels, H = s.height, W = s.width, p = s.pad;
+  const int64_t OH = H + 2 * p - 2, OW = W + 2 * p - 2;
+  at::parallel_for(0, s.batch * C, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nc = begin; nc < end; ++nc) {
+      const int64_t n = nc / C, c = nc % C;
+      float* gxp = gx + nc * H * W;
+      std::fill(gxp, gxp + H * W, 0.f);
+      for (int64_t o = 0; o < O; ++o) {
+        const float* gyp = gy + (n * O + o) * OH * OW;
+        const float* wp = weight + (o * C + c) * 9;
+        for (int64_t oh = 0; oh < OH; ++oh) {
+          for (int64_t kh = 0; kh < 3; ++kh) {
+            const int64_t ih = oh + kh - p;
+            if (ih < 0 || ih >= H) continue;
+            for (int64_t kw = 0; kw < 3; ++kw) {
+              const auto r = valid_columns(OW, W, kw - p);
+              if (r.hi > r.lo) {
+                axpy(wp[kh * 3 + kw], gyp + oh * OW + r.lo, gxp + ih * W + r.lo + kw - p,
+                     r.hi - r.lo);
+              }
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+void small_conv_backward_weights(const SmallConvShape& s, const float* gy, const float* x,
+                                 float* gw, float* gb) {
+  const int64_t N = s.batch, C = s.in_channels, O = s.out_channels, H = s.height, W = s.width,
+                p = s.pad;
+  const int64_t OH = H + 2 * p - 2, OW = W + 2 * p - 2;
+  // gw[o, c, kh, kw] = sum over n and output positions of gy * the input under that tap; each
+  // row's dot product in float, rows summed in double.
+  at::parallel_for(0, O * C, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t oc = begin; oc < end; ++oc) {
+      const int64_t o = oc / C, c = oc % C;
+      double acc[9] = {};
+      for (int64_t n = 0; n < N; ++n) {
+        const float* gyp = gy + (n * O + o) * OH * OW;
+        const float* xp = x + (n * C + c) * H * W;
+        for (int64_t oh = 0; oh < OH; ++oh) {
+          for (int64_t kh = 0; kh < 3; ++kh) {
+            const int64_t ih = oh + kh - p;
+            if (ih < 0 || ih >= H) continue;
+            for (int64_t kw = 0; kw < 3; ++kw) {
+              const auto r = valid_columns(OW, W, kw - p);
+              if (r.hi > r.lo) {
+                acc[kh * 3 + kw] +=
+                    dot(gyp + oh * OW + r.lo, xp + ih * W + r.lo + kw - p, r.hi - r.lo);
+              }
+            }
+          }
+        }
+      }
+      for (int k = 0; k < 9; ++k) gw[oc * 9 + k] = static_cast<float>(acc[k]);
+    }
+  });
+  if (gb == nullptr) return;
+  for (int64_t o = 0; o < O; ++o) {
+    double t = 0;
+    for (int64_t n = 0; n < N; ++n) t += plain_sum(gy + (n * O + o) * OH * OW, OH * OW);
+    gb[o] = static_cast<float>(t);
   }
 }

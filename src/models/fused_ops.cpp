@@ -21,18 +21,25 @@ struct KernelTable {
   decltype(&kernels::generic::attention_backward) attention_backward;
   decltype(&kernels::generic::group_norm_forward) group_norm_forward;
   decltype(&kernels::generic::group_norm_backward) group_norm_backward;
+  decltype(&kernels::generic::small_conv_forward) small_conv_forward;
+  decltype(&kernels::generic::small_conv_backward_data) small_conv_backward_data;
+  decltype(&kernels::generic::small_conv_backward_weights) small_conv_backward_weights;
   const char* isa;
 };
 
 KernelTable pick_kernels() {
 #if defined(DIFFTRAIN_HAVE_AVX2_KERNELS) && (defined(__x86_64__) || defined(__i386__))
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    return {kernels::avx2::attention_forward, kernels::avx2::attention_backward,
-            kernels::avx2::group_norm_forward, kernels::avx2::group_norm_backward, "avx2"};
+    return {kernels::avx2::attention_forward,           kernels::avx2::attention_backward,
+            kernels::avx2::group_norm_forward,          kernels::avx2::group_norm_backward,
+            kernels::avx2::small_conv_forward,          kernels::avx2::small_conv_backward_data,
+            kernels::avx2::small_conv_backward_weights, "avx2"};
   }
 #endif
-  return {kernels::generic::attention_forward, kernels::generic::attention_backward,
-          kernels::generic::group_norm_forward, kernels::generic::group_norm_backward, "generic"};
+  return {kernels::generic::attention_forward,           kernels::generic::attention_backward,
+          kernels::generic::group_norm_forward,          kernels::generic::group_norm_backward,
+          kernels::generic::small_conv_forward,          kernels::generic::small_conv_backward_data,
+          kernels::generic::small_conv_backward_weights, "generic"};
 }
 
 const KernelTable& kernel_table() {
@@ -41,6 +48,10 @@ const KernelTable& kernel_table() {
 }
 
 constexpr int64_t kMaxFusedHeadDim = 64;
+constexpr int64_t kChannelBlock = 16;
+// Up to a latent's 4 channels; measured on AVX-512 (oneDNN 2.6), oneDNN's direct convolution is
+// faster again from 16 output channels.
+constexpr int64_t kSmallConvMaxOutChannels = 4;
 
 // -1: not read yet; 0 off; 1 on
 EnvSwitch g_enabled("DIFFTRAIN_FUSED_KERNELS", true);
@@ -90,12 +101,13 @@ class FusedAttention : public torch::autograd::Function<FusedAttention> {
   }
 };
 
-// x viewed as [N, C, L]; channels_last: its memory is [N, L, C].
+// x viewed as [N, C, L]; channels_last: its memory is [N, L, C]; block > 0: x is
+// [N, C / block, *, block].
 kernels::GroupNormShape group_norm_shape(const torch::Tensor& x, int64_t groups, double eps,
-                                         bool silu, bool channels_last) {
-  const int64_t N = x.size(0), C = x.size(1);
+                                         bool silu, bool channels_last, int64_t block) {
+  const int64_t N = x.size(0), C = block > 0 ? x.size(1) * block : x.size(1);
   const int64_t L = C == 0 || N == 0 ? 0 : x.numel() / (N * C);
-  return {N, C, L, groups, channels_last, static_cast<float>(eps), silu};
+  return {N, C, L, groups, channels_last, static_cast<float>(eps), silu, block};
 }
 
 // weight and bias without affine are empty tensors (autograd::Function takes no undefined input).
@@ -105,11 +117,13 @@ const float* data_or_null(const torch::Tensor& t) {
 
 class FusedGroupNorm : public torch::autograd::Function<FusedGroupNorm> {
  public:
-  // x: [N, C, *] dense (contiguous or channels-last, said by channels_last)
+  // x: [N, C, *] dense (contiguous or channels-last, said by channels_last), or with block > 0
+  // [N, C / block, *, block] contiguous
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& weight, const torch::Tensor& bias,
-                               int64_t groups, double eps, bool silu, bool channels_last) {
-    const auto s = group_norm_shape(x, groups, eps, silu, channels_last);
+                               int64_t groups, double eps, bool silu, bool channels_last,
+                               int64_t block) {
+    const auto s = group_norm_shape(x, groups, eps, silu, channels_last, block);
     auto y = torch::empty_like(x);  // keeps x's strides (dense either way)
     auto mean = torch::empty({s.batch, groups}, x.options());
     auto rstd = torch::empty({s.batch, groups}, x.options());
@@ -123,6 +137,7 @@ class FusedGroupNorm : public torch::autograd::Function<FusedGroupNorm> {
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["silu"] = silu;
     ctx->saved_data["channels_last"] = channels_last;
+    ctx->saved_data["block"] = block;
     return y;
   }
 
@@ -130,9 +145,9 @@ class FusedGroupNorm : public torch::autograd::Function<FusedGroupNorm> {
     const auto saved = ctx->get_saved_variables();
     const auto &x = saved[0], &w = saved[1], &b = saved[2], &mean = saved[3], &rstd = saved[4];
     const bool channels_last = ctx->saved_data["channels_last"].toBool();
-    const auto s =
-        group_norm_shape(x, ctx->saved_data["groups"].toInt(), ctx->saved_data["eps"].toDouble(),
-                         ctx->saved_data["silu"].toBool(), channels_last);
+    const auto s = group_norm_shape(
+        x, ctx->saved_data["groups"].toInt(), ctx->saved_data["eps"].toDouble(),
+        ctx->saved_data["silu"].toBool(), channels_last, ctx->saved_data["block"].toInt());
     // The incoming gradient in x's memory layout ([N, *, C] memory when channels_last).
     const auto dy_dense =
         channels_last ? grads[0].movedim(1, -1).contiguous().movedim(-1, 1) : grads[0].contiguous();
@@ -144,7 +159,14 @@ class FusedGroupNorm : public torch::autograd::Function<FusedGroupNorm> {
                                        data_or_null(w), data_or_null(b), dx.data_ptr<float>(),
                                        dw.defined() ? dw.data_ptr<float>() : nullptr,
                                        db.defined() ? db.data_ptr<float>() : nullptr);
-    return {dx, dw, db, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {dx,
+            dw,
+            db,
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor(),
+            torch::Tensor()};
   }
 };
 
@@ -155,6 +177,58 @@ class ContiguousChannelsLastGrad : public torch::autograd::Function<ContiguousCh
   static torch::Tensor forward(AutogradContext*, const torch::Tensor& x) { return x.contiguous(); }
   static variable_list backward(AutogradContext*, variable_list grads) {
     return {grads[0].contiguous(at::MemoryFormat::ChannelsLast)};
+  }
+};
+
+kernels::SmallConvShape small_conv_shape(const torch::Tensor& x, const torch::Tensor& weight,
+                                         int64_t padding) {
+  return {x.size(0), x.size(1), weight.size(0), x.size(2), x.size(3), padding};
+}
+
+class SmallConv : public torch::autograd::Function<SmallConv> {
+ public:
+  // x: [N, C, H, W], weight: [O, C, 3, 3], bias: [O] or [0] (none), all contiguous
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, const torch::Tensor& bias,
+                               int64_t padding) {
+    const auto s = small_conv_shape(x, weight, padding);
+    auto y = torch::empty(
+        {s.batch, s.out_channels, s.height + 2 * padding - 2, s.width + 2 * padding - 2},
+        x.options());
+    kernel_table().small_conv_forward(s, x.data_ptr<float>(), weight.data_ptr<float>(),
+                                      data_or_null(bias), y.data_ptr<float>());
+    // The input only for the weight and bias gradients (frozen layers do not keep it).
+    const bool needs_x = weight.requires_grad() || (bias.numel() > 0 && bias.requires_grad());
+    ctx->save_for_backward({needs_x ? x : torch::Tensor(), weight});
+    ctx->saved_data["padding"] = padding;
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["bias"] = bias.numel() > 0;
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto &x = saved[0], &weight = saved[1];
+    const auto xs = ctx->saved_data["x_sizes"].toIntVector();
+    const int64_t padding = ctx->saved_data["padding"].toInt();
+    const kernels::SmallConvShape s{xs[0], xs[1], weight.size(0), xs[2], xs[3], padding};
+    const auto gy = grads[0].contiguous();
+    torch::Tensor gx, gw, gb;
+    if (ctx->needs_input_grad(0)) {
+      gx = torch::empty(xs, weight.options());
+      kernel_table().small_conv_backward_data(s, gy.data_ptr<float>(), weight.data_ptr<float>(),
+                                              gx.data_ptr<float>());
+    }
+    const bool has_bias = ctx->saved_data["bias"].toBool();
+    if (ctx->needs_input_grad(1) || (has_bias && ctx->needs_input_grad(2))) {
+      gw = torch::empty_like(weight);
+      if (has_bias) gb = torch::empty({weight.size(0)}, weight.options());
+      kernel_table().small_conv_backward_weights(s, gy.data_ptr<float>(), x.data_ptr<float>(),
+                                                 gw.data_ptr<float>(),
+                                                 gb.defined() ? gb.data_ptr<float>() : nullptr);
+      if (!ctx->needs_input_grad(1)) gw = torch::Tensor();
+    }
+    return {gx, gw, gb, torch::Tensor()};
   }
 };
 
@@ -196,9 +270,40 @@ torch::Tensor group_norm_silu(const torch::Tensor& x, int64_t groups, const torc
   const auto none = torch::empty({0}, x.options());
   const auto& w = weight.defined() ? weight : none;
   const auto& b = bias.defined() ? bias : none;
-  if (x.is_contiguous()) return FusedGroupNorm::apply(x, w, b, groups, eps, silu, false);
-  if (channels_innermost(x)) return FusedGroupNorm::apply(x, w, b, groups, eps, silu, true);
-  return FusedGroupNorm::apply(x.contiguous(), w, b, groups, eps, silu, false);
+  if (x.is_contiguous()) return FusedGroupNorm::apply(x, w, b, groups, eps, silu, false, 0);
+  if (channels_innermost(x)) return FusedGroupNorm::apply(x, w, b, groups, eps, silu, true, 0);
+  return FusedGroupNorm::apply(x.contiguous(), w, b, groups, eps, silu, false, 0);
+}
+
+torch::Tensor group_norm_silu_blocked(const torch::Tensor& x, int64_t groups,
+                                      const torch::Tensor& weight, const torch::Tensor& bias,
+                                      double eps, bool silu) {
+  if (!fused_kernels_enabled() || !fusable(x) || x.dim() < 3 || x.size(-1) != kChannelBlock ||
+      groups <= 0 || (x.size(1) * kChannelBlock) % groups != 0 ||
+      (weight.defined() && (!fusable(weight) || weight.numel() != x.size(1) * kChannelBlock)) ||
+      (bias.defined() && (!fusable(bias) || bias.numel() != x.size(1) * kChannelBlock))) {
+    return {};
+  }
+  const auto none = torch::empty({0}, x.options());
+  return FusedGroupNorm::apply(x.contiguous(), weight.defined() ? weight : none,
+                               bias.defined() ? bias : none, groups, eps, silu, false,
+                               kChannelBlock);
+}
+
+torch::Tensor small_out_conv2d(const torch::Tensor& x, const torch::Tensor& weight,
+                               const torch::Tensor& bias, int64_t padding) {
+  if (!fused_kernels_enabled() || !fusable(x) || !fusable(weight) || x.dim() != 4 ||
+      weight.dim() != 4 || weight.size(0) > kSmallConvMaxOutChannels || weight.size(2) != 3 ||
+      weight.size(3) != 3 || weight.size(1) != x.size(1) || (padding != 0 && padding != 1) ||
+      x.size(2) + 2 * padding < 3 || x.size(3) + 2 * padding < 3 || x.numel() == 0 ||
+      weight.numel() == 0) {
+    return {};
+  }
+  if (bias.defined() && (!fusable(bias) || bias.dim() != 1 || bias.size(0) != weight.size(0))) {
+    return {};
+  }
+  const auto b = bias.defined() ? bias.contiguous() : torch::empty({0}, weight.options());
+  return SmallConv::apply(x.contiguous(), weight.contiguous(), b, padding);
 }
 
 torch::Tensor group_norm_act(const torch::nn::GroupNormImpl& norm, const std::string& act,

@@ -2,6 +2,7 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/models/fused_ops.h"
+#include "difftrain/models/winograd_conv.h"
 
 #include <torch/autograd.h>
 #include <torch/nn/functional/activation.h>
@@ -180,7 +181,51 @@ ResnetBlock2DImpl::ResnetBlock2DImpl(const ResnetBlock2DOptions& o) : options(o)
   }
 }
 
+// A float32 CPU training step through Winograd convolutions computes in oneDNN's blocked layout
+// nChw16c; a plain tensor is converted into it before each convolution (and its backwards) and
+// back after, about 15% of the default UNet's step. Between conv1 and conv2 everything (the time
+// embedding's add, GroupNorm + SiLU) also runs in that layout here, so conv1's output and conv2's
+// input stay blocked: five of the ten conversions per block go (docs/PERFORMANCE.md). Same maths
+// as forward_impl, to float rounding (GroupNorm sums in another order).
+torch::Tensor ResnetBlock2DImpl::forward_blocked(const torch::Tensor& x_in,
+                                                 const torch::Tensor& temb) {
+  const auto& o = options;
+  const std::string& act = o.non_linearity();
+  const bool silu = act == "silu" || act == "swish";
+  if (!silu || o.up() || o.down() || o.time_embedding_norm() == "scale_shift" ||
+      (o.dropout() > 0 && is_training()) || !winograd_blocked_layout_enabled() ||
+      !fused_kernels_enabled() || x_in.dim() != 4 || !x_in.device().is_cpu() ||
+      x_in.scalar_type() != torch::kFloat32 || use_channels_last(x_in)) {
+    return {};
+  }
+  // (An attention block's output is channels-last memory: one copy here saves the five.)
+  const torch::Tensor x = x_in.contiguous();
+  const int64_t n = x.size(0), out = o.out_channels(), H = x.size(2), W = x.size(3);
+  if (!conv1_->blocked_applies(x.sizes()) || !conv2_->blocked_applies({n, out, H, W})) {
+    return {};
+  }
+  constexpr int64_t kBlock = 16;  // winograd_conv2d's blocks (both channel counts divide)
+  torch::Tensor h = group_norm_act(*norm1_, act, x);
+  h = conv1_->forward_blocked(h, /*x_blocked=*/false, /*y_blocked=*/true);
+  if (!time_emb_proj_.is_empty() && temb.defined()) {
+    torch::Tensor t = o.skip_time_act() ? temb : activation(act, temb);
+    t = time_emb_proj_(t);
+    h = h + t.reshape({t.size(0), out / kBlock, 1, 1, kBlock});
+  }
+  const auto& gn = norm2_->options;
+  h = group_norm_silu_blocked(h, gn.num_groups(), norm2_->weight, norm2_->bias, gn.eps(), true);
+  if (!h.defined()) throw Error("ResnetBlock2D: the fused GroupNorm declined a blocked input");
+  h = conv2_->forward_blocked(h, /*x_blocked=*/true, /*y_blocked=*/false);
+  torch::Tensor input = conv_shortcut_.is_empty() ? x : conv_shortcut_(x);
+  torch::Tensor result = input + h;
+  if (o.output_scale_factor() != 1.0) result = result / o.output_scale_factor();
+  return result;
+}
+
 torch::Tensor ResnetBlock2DImpl::forward_impl(const torch::Tensor& x, const torch::Tensor& temb) {
+  torch::Tensor y = forward_blocked(x, temb);
+  last_forward_blocked_ = y.defined();
+  if (y.defined()) return y;
   const std::string& act = options.non_linearity();
   torch::Tensor input = x;
   torch::Tensor h = group_norm_act(*norm1_, act, x);

@@ -3,6 +3,7 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/torch_compat.h"
 #include "difftrain/models/checkpointing.h"
+#include "difftrain/models/fused_ops.h"
 #include "difftrain/models/winograd_conv.h"
 
 #include <torch/nn/functional/conv.h>
@@ -92,11 +93,12 @@ void LinearImpl::set_lora(LoraAdapter adapter) {
   lora_ = std::move(adapter);
 }
 
-// Winograd (models/winograd_conv.h) for a 3x3, stride-1 layer in a training step: grad mode on,
-// or inside a checkpointed function (whose forward runs without grad; both its passes then
-// agree). An undefined result otherwise (no_grad inference, sampling), or where it does not
-// apply.
-torch::Tensor Conv2dImpl::winograd_forward(const torch::Tensor& x) {
+// Winograd (models/winograd_conv.h), or for 1-4 output channels the row-vectorised kernel
+// (models/fused_ops.h), for a 3x3, stride-1 layer in a training step: grad mode on, or inside a
+// checkpointed function (whose forward runs without grad; both its passes then agree). Not
+// otherwise (no_grad inference and sampling keep LibTorch's convolution, whose numbers match
+// Diffusers'), nor where the layer does not qualify.
+int64_t Conv2dImpl::fast_path_padding() const {
   const auto& o = options;
   const auto* pad = compat::variant_get_if<torch::ExpandingArray<2>>(&o.padding());
   // Not keyed on train/eval mode: a run that resumes from a checkpoint must compute exactly what
@@ -107,13 +109,31 @@ torch::Tensor Conv2dImpl::winograd_forward(const torch::Tensor& x) {
       (*o.stride())[1] != 1 || (*o.dilation())[0] != 1 || (*o.dilation())[1] != 1 ||
       o.groups() != 1 ||
       compat::variant_get_if<torch::enumtype::kZeros>(&o.padding_mode()) == nullptr) {
-    return {};
+    return -1;
   }
-  return winograd_conv2d(x, weight, bias, (*pad)->at(0));
+  return (*pad)->at(0);
+}
+
+bool Conv2dImpl::blocked_applies(torch::IntArrayRef x_sizes) const {
+  const int64_t pad = fast_path_padding();
+  return pad >= 0 && lora_.is_empty() && winograd_conv_applies(x_sizes, weight, bias, pad);
+}
+
+torch::Tensor Conv2dImpl::forward_blocked(const torch::Tensor& x, bool x_blocked, bool y_blocked) {
+  const int64_t pad = fast_path_padding();
+  torch::Tensor y;
+  if (pad >= 0 && lora_.is_empty()) y = winograd_conv2d(x, weight, bias, pad, x_blocked, y_blocked);
+  if (!y.defined()) throw Error("Conv2d::forward_blocked: the blocked-layout path does not apply");
+  return y;
 }
 
 torch::Tensor Conv2dImpl::forward(const torch::Tensor& x) {
-  torch::Tensor y = winograd_forward(x);
+  torch::Tensor y;
+  const int64_t pad = fast_path_padding();
+  if (pad >= 0) {
+    y = winograd_conv2d(x, weight, bias, pad);
+    if (!y.defined()) y = small_out_conv2d(x, weight, bias, pad);
+  }
   if (!y.defined()) y = torch::nn::Conv2dImpl::forward(x);
   if (lora_.is_empty()) return y;
   return y + lora_->forward(x);

@@ -2,6 +2,7 @@
 
 #include "difftrain/core/env.h"
 
+#include <c10/util/accumulate.h>
 #include <torch/autograd.h>
 
 #if defined(DIFFTRAIN_HAVE_DNNL)
@@ -20,8 +21,13 @@ namespace difftrain::models {
 namespace {
 
 EnvSwitch g_enabled("DIFFTRAIN_WINOGRAD", true);
+EnvSwitch g_blocked("DIFFTRAIN_WINOGRAD_BLOCKED", true);
 
 }  // namespace
+
+void set_winograd_blocked_layout_enabled(bool enabled) { g_blocked.set(enabled); }
+
+bool winograd_blocked_layout_enabled() { return g_blocked.get(); }
 
 void set_winograd_conv_enabled(bool enabled) { g_enabled.set(enabled); }
 
@@ -31,8 +37,12 @@ bool winograd_conv_enabled() { return g_enabled.get() && winograd_conv_available
 
 bool winograd_conv_available() { return false; }
 std::string winograd_conv_status() { return "Winograd: off (built without oneDNN)"; }
+bool winograd_conv_applies(torch::IntArrayRef, const torch::Tensor&, const torch::Tensor&,
+                           int64_t) {
+  return false;
+}
 torch::Tensor winograd_conv2d(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
-                              int64_t) {
+                              int64_t, bool, bool) {
   return {};
 }
 
@@ -68,6 +78,7 @@ struct Shape {
 // scratchpads so that threads (thread-ranks in the tests) can run them at the same time.
 struct Prims {
   memory::desc src_plain, weights_plain, dst_plain, bias_plain;
+  memory::desc src_blocked, dst_blocked;  // nChw16c: [N, C / 16, H, W, 16]
   dnnl::convolution_forward::primitive_desc fwd_pd;
   dnnl::convolution_backward_data::primitive_desc bwd_data_pd;
   dnnl::convolution_backward_weights::primitive_desc bwd_weights_pd;
@@ -90,6 +101,8 @@ std::unique_ptr<Prims> make_prims(const Shape& s) {
   p->src_plain = memory::desc(src, kF32, Tag::nchw);
   p->weights_plain = memory::desc(wei, kF32, Tag::oihw);
   p->dst_plain = memory::desc(dst, kF32, Tag::nchw);
+  p->src_blocked = memory::desc(src, kF32, Tag::nChw16c);
+  p->dst_blocked = memory::desc(dst, kF32, Tag::nChw16c);
   p->bias_plain = bias_md;
   const auto fwd_prop = dnnl::prop_kind::forward_training;
 #if DNNL_VERSION_MAJOR >= 3
@@ -184,14 +197,22 @@ class Runner {
 
 class WinogradConv : public torch::autograd::Function<WinogradConv> {
  public:
-  // x: [N, C, H, W], weight: [O, C, 3, 3], bias: [O] or [0] (none) -> [N, O, H', W']
+  // x: [N, C, H, W] (or [N, C / 16, H, W, 16] when x_blocked), weight: [O, C, 3, 3], bias: [O]
+  // or [0] (none) -> [N, O, H', W'] (or [N, O / 16, H', W', 16] when y_blocked)
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& weight, const torch::Tensor& bias,
-                               const std::vector<int64_t>& shape) {
+                               const std::vector<int64_t>& shape, bool x_blocked, bool y_blocked) {
     const auto p = prims_for(Shape::from_list(shape));
     ctx->saved_data["shape"] = shape;
+    ctx->saved_data["x_blocked"] = x_blocked;
+    ctx->saved_data["y_blocked"] = y_blocked;
     const Shape s = Shape::from_list(shape);
-    auto y = torch::empty({s.n, s.o, s.h + 2 * s.pad - 2, s.w + 2 * s.pad - 2}, x.options());
+    const int64_t oh = s.h + 2 * s.pad - 2, ow = s.w + 2 * s.pad - 2;
+    auto y = y_blocked ? torch::empty({s.n, s.o / kChannelMultiple, oh, ow, kChannelMultiple},
+                                      x.options())
+                       : torch::empty({s.n, s.o, oh, ow}, x.options());
+    const auto& src_md = x_blocked ? p->src_blocked : p->src_plain;
+    const auto& dst_md = y_blocked ? p->dst_blocked : p->dst_plain;
     torch::NoGradGuard no_grad;
     Runner r;
     // The backward reads the input only for the weight (and bias) gradient: a frozen layer
@@ -201,11 +222,11 @@ class WinogradConv : public torch::autograd::Function<WinogradConv> {
     const bool needs_src = weight.requires_grad() || (bias.numel() > 0 && bias.requires_grad());
     ctx->save_for_backward({needs_src ? x : torch::Tensor(), weight});
     std::unordered_map<int, memory> args{
-        {DNNL_ARG_SRC, r.as(p->fwd_pd.src_desc(), r.wrap(p->src_plain, x))},
+        {DNNL_ARG_SRC, r.as(p->fwd_pd.src_desc(), r.wrap(src_md, x))},
         {DNNL_ARG_WEIGHTS, r.as(p->fwd_pd.weights_desc(), r.wrap(p->weights_plain, weight))}};
     if (bias.numel() > 0) args.insert({DNNL_ARG_BIAS, r.wrap(p->bias_plain, bias)});
     r.run(p->fwd, std::move(args), p->fwd_pd.scratchpad_desc(), DNNL_ARG_DST, p->fwd_pd.dst_desc(),
-          r.wrap(p->dst_plain, y));
+          r.wrap(dst_md, y));
     r.wait();
     return y;
   }
@@ -215,27 +236,33 @@ class WinogradConv : public torch::autograd::Function<WinogradConv> {
     const Shape shape = Shape::from_list(ctx->saved_data["shape"].toIntVector());
     const bool has_bias = shape.bias;
     const auto p = prims_for(shape);
+    const bool x_blocked = ctx->saved_data["x_blocked"].toBool();
+    const auto& src_md = x_blocked ? p->src_blocked : p->src_plain;
+    const auto& dst_md = ctx->saved_data["y_blocked"].toBool() ? p->dst_blocked : p->dst_plain;
     const auto saved = ctx->get_saved_variables();
     const auto& x = saved[0];  // undefined when neither weight nor bias wants a gradient
     const auto& weight = saved[1];
     const auto gy = grads[0].contiguous();
     torch::Tensor gx, gw, gb;
     Runner r;
-    const memory gy_plain = r.wrap(p->dst_plain, gy);
+    const memory gy_plain = r.wrap(dst_md, gy);  // in y's layout
     memory gy_data;  // gy as backward-data wanted it: reused by backward-weights when it agrees
     if (ctx->needs_input_grad(0)) {
-      gx = torch::empty({shape.n, shape.c, shape.h, shape.w}, weight.options());
+      gx = x_blocked ? torch::empty({shape.n, shape.c / kChannelMultiple, shape.h, shape.w,
+                                     kChannelMultiple},
+                                    weight.options())
+                     : torch::empty({shape.n, shape.c, shape.h, shape.w}, weight.options());
       const auto& pd = p->bwd_data_pd;
       r.run(p->bwd_data,
             {{DNNL_ARG_DIFF_DST, gy_data = r.as(pd.diff_dst_desc(), gy_plain)},
              {DNNL_ARG_WEIGHTS, r.as(pd.weights_desc(), r.wrap(p->weights_plain, weight))}},
-            pd.scratchpad_desc(), DNNL_ARG_DIFF_SRC, pd.diff_src_desc(), r.wrap(p->src_plain, gx));
+            pd.scratchpad_desc(), DNNL_ARG_DIFF_SRC, pd.diff_src_desc(), r.wrap(src_md, gx));
     }
     if (ctx->needs_input_grad(1) || (has_bias && ctx->needs_input_grad(2))) {
       gw = torch::empty_like(weight);
       const auto& pd = p->bwd_weights_pd;
       std::unordered_map<int, memory> args{
-          {DNNL_ARG_SRC, r.as(pd.src_desc(), r.wrap(p->src_plain, x))},
+          {DNNL_ARG_SRC, r.as(pd.src_desc(), r.wrap(src_md, x))},
           {DNNL_ARG_DIFF_DST, gy_data && gy_data.get_desc() == pd.diff_dst_desc()
                                   ? gy_data
                                   : r.as(pd.diff_dst_desc(), gy_plain)}};
@@ -248,7 +275,7 @@ class WinogradConv : public torch::autograd::Function<WinogradConv> {
     }
     r.wait();
     if (!ctx->needs_input_grad(1)) gw = torch::Tensor();
-    return {gx, gw, gb, torch::Tensor()};
+    return {gx, gw, gb, torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -276,26 +303,45 @@ std::string winograd_conv_status() {
   return s + (g_enabled.get() ? "on" : "off (DIFFTRAIN_WINOGRAD=0)");
 }
 
-torch::Tensor winograd_conv2d(const torch::Tensor& x, const torch::Tensor& weight,
-                              const torch::Tensor& bias, int64_t padding) {
-  const auto is_f32_cpu = [](const torch::Tensor& t) {
-    return t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.layout() == torch::kStrided;
-  };
-  if (!winograd_conv_enabled() || !is_f32_cpu(x) || !is_f32_cpu(weight) || x.dim() != 4 ||
-      weight.dim() != 4 || weight.size(2) != 3 || weight.size(3) != 3 ||
-      weight.size(1) != x.size(1) || (padding != 0 && padding != 1) ||
-      x.size(2) + 2 * padding < 3 || x.size(3) + 2 * padding < 3 || x.numel() == 0 ||
-      x.size(1) % kChannelMultiple != 0 || weight.size(0) % kChannelMultiple != 0) {
-    return {};
+namespace {
+
+bool is_f32_cpu(const torch::Tensor& t) {
+  return t.device().is_cpu() && t.scalar_type() == torch::kFloat && t.layout() == torch::kStrided;
+}
+
+}  // namespace
+
+bool winograd_conv_applies(torch::IntArrayRef x_sizes, const torch::Tensor& weight,
+                           const torch::Tensor& bias, int64_t padding) {
+  if (!winograd_conv_enabled() || !is_f32_cpu(weight) || x_sizes.size() != 4 || weight.dim() != 4 ||
+      weight.size(2) != 3 || weight.size(3) != 3 || weight.size(1) != x_sizes[1] ||
+      (padding != 0 && padding != 1) || x_sizes[2] + 2 * padding < 3 ||
+      x_sizes[3] + 2 * padding < 3 || c10::multiply_integers(x_sizes) == 0 ||
+      x_sizes[1] % kChannelMultiple != 0 || weight.size(0) % kChannelMultiple != 0) {
+    return false;
   }
   if (bias.defined() && (!is_f32_cpu(bias) || bias.dim() != 1 || bias.size(0) != weight.size(0))) {
-    return {};
+    return false;
   }
-  const Shape s{x.size(0),      x.size(1), x.size(2),     x.size(3),
-                weight.size(0), padding,   bias.defined()};
-  if (prims_for(s) == nullptr) return {};
+  const Shape s{x_sizes[0],     x_sizes[1], x_sizes[2],    x_sizes[3],
+                weight.size(0), padding,    bias.defined()};
+  return prims_for(s) != nullptr;
+}
+
+torch::Tensor winograd_conv2d(const torch::Tensor& x, const torch::Tensor& weight,
+                              const torch::Tensor& bias, int64_t padding, bool x_blocked,
+                              bool y_blocked) {
+  if (!is_f32_cpu(x) || x.dim() != (x_blocked ? 5 : 4)) return {};
+  if (x_blocked && x.size(4) != kChannelMultiple) return {};
+  const std::vector<int64_t> sizes =
+      x_blocked
+          ? std::vector<int64_t>{x.size(0), x.size(1) * kChannelMultiple, x.size(2), x.size(3)}
+          : x.sizes().vec();
+  if (!winograd_conv_applies(sizes, weight, bias, padding)) return {};
+  const Shape s{sizes[0], sizes[1], sizes[2], sizes[3], weight.size(0), padding, bias.defined()};
   const auto b = bias.defined() ? bias.contiguous() : torch::empty({0}, weight.options());
-  return WinogradConv::apply(x.contiguous(), weight.contiguous(), b, s.to_list());
+  return WinogradConv::apply(x.contiguous(), weight.contiguous(), b, s.to_list(), x_blocked,
+                             y_blocked);
 }
 
 #endif

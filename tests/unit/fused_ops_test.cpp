@@ -5,6 +5,7 @@
 #include "difftrain/models/fused_ops.h"
 
 #include "difftrain/models/attention.h"
+#include "difftrain/models/linear.h"
 #include "difftrain/models/unet.h"
 #include "difftrain/models/unet_config.h"
 
@@ -159,6 +160,138 @@ TEST(FusedOps, GroupNormSiluAndItsGradientsMatchFloat64InBothLayouts) {
       }
     }
   }
+}
+
+// The blocked layout of the Winograd convolutions ([N, C / 16, H, W, 16]): several groups per
+// 16-channel block, one group per block, and groups spanning blocks, against float64.
+TEST(FusedOps, GroupNormSiluInTheBlockedLayoutMatchesFloat64) {
+  FusedSwitch restore;
+  models::set_fused_kernels_enabled(true);
+  auto to_blocked = [](const torch::Tensor& t) {
+    return t.reshape({t.size(0), t.size(1) / 16, 16, t.size(2), t.size(3)})
+        .permute({0, 1, 3, 4, 2})
+        .contiguous();
+  };
+  struct Case {
+    int64_t C, G;
+    bool silu, affine;
+  };
+  for (const auto& c : {Case{32, 8, true, true}, Case{48, 3, true, false}, Case{64, 2, false, true},
+                        Case{16, 1, true, true}}) {
+    torch::manual_seed(4);
+    const int64_t N = 3, H = 5, W = 7;
+    auto plain = torch::randn({N, c.C, H, W}) * 2 + 0.5;
+    auto x = to_blocked(plain).requires_grad_();
+    torch::Tensor w, b;
+    if (c.affine) {
+      w = (torch::randn({c.C}) * 0.5 + 1).requires_grad_();
+      b = (torch::randn({c.C}) * 0.3).requires_grad_();
+    }
+    auto y = models::group_norm_silu_blocked(x, c.G, w, b, 1e-5, c.silu);
+    ASSERT_TRUE(y.defined());
+    ASSERT_EQ(y.sizes(), x.sizes());
+    auto grad_plain = torch::randn({N, c.C, H, W});
+    std::vector<torch::Tensor> inputs{x};
+    if (c.affine) inputs.push_back(w), inputs.push_back(b);
+    auto grads = torch::autograd::grad({y}, inputs, {to_blocked(grad_plain)});
+
+    auto x64 = plain.to(torch::kFloat64).requires_grad_();
+    std::vector<torch::Tensor> inputs64{x64};
+    if (c.affine) {
+      inputs64.push_back(w.detach().to(torch::kFloat64).requires_grad_());
+      inputs64.push_back(b.detach().to(torch::kFloat64).requires_grad_());
+    }
+    auto ref = torch::group_norm(x64, c.G, c.affine ? inputs64[1] : torch::Tensor(),
+                                 c.affine ? inputs64[2] : torch::Tensor(), 1e-5);
+    if (c.silu) ref = torch::silu(ref);
+    auto ref_grads = torch::autograd::grad({ref}, inputs64, {grad_plain.to(torch::kFloat64)});
+    ref_grads[0] = to_blocked(ref_grads[0]);
+    double worst = max_abs_diff(y, to_blocked(ref));
+    for (size_t i = 0; i < grads.size(); ++i) {
+      worst = std::max(worst, max_abs_diff(grads[i], ref_grads[i]) /
+                                  std::max(1.0, ref_grads[i].abs().max().item<double>()));
+    }
+    std::printf("group_norm blocked C %ld G %ld silu %d affine %d: max |diff| %.2e (tol 2e-5)\n",
+                c.C, c.G, c.silu, c.affine, worst);
+    EXPECT_LT(worst, 2e-5);
+  }
+  // Not a blocked tensor (16 channels innermost), or the kernels off: declined.
+  EXPECT_FALSE(models::group_norm_silu_blocked(torch::randn({2, 2, 3, 3, 8}), 2, {}, {}, 1e-5, true)
+                   .defined());
+  models::set_fused_kernels_enabled(false);
+  EXPECT_FALSE(
+      models::group_norm_silu_blocked(torch::randn({2, 2, 3, 3, 16}), 2, {}, {}, 1e-5, true)
+          .defined());
+}
+
+// The row-vectorised 3x3 convolution for 1-4 output channels (conv_out) against float64: output
+// and every gradient, with and without padding and bias, on widths that are not multiples of the
+// vector width; frozen tensors; what it declines; Conv2d taking it only in a training step.
+TEST(FusedOps, SmallOutputConvolutionMatchesFloat64) {
+  FusedSwitch restore;
+  models::set_fused_kernels_enabled(true);
+  struct Case {
+    int64_t n, c, h, w, o, pad;
+    bool bias;
+  };
+  for (const auto& c : {Case{2, 32, 12, 13, 1, 1, true}, Case{3, 5, 7, 9, 3, 0, false},
+                        Case{1, 16, 3, 20, 4, 1, true}, Case{2, 8, 1, 1, 2, 1, true}}) {
+    torch::manual_seed(6);
+    auto x = torch::randn({c.n, c.c, c.h, c.w}).requires_grad_();
+    auto w = (torch::randn({c.o, c.c, 3, 3}) * 0.2).requires_grad_();
+    auto b = c.bias ? torch::randn({c.o}).requires_grad_() : torch::Tensor();
+    auto y = models::small_out_conv2d(x, w, b, c.pad);
+    ASSERT_TRUE(y.defined());
+    std::vector<torch::Tensor> inputs{x, w};
+    if (c.bias) inputs.push_back(b);
+    std::vector<torch::Tensor> inputs64;
+    for (const auto& t : inputs) {
+      inputs64.push_back(t.detach().to(torch::kFloat64).requires_grad_());
+    }
+    auto ref =
+        torch::conv2d(inputs64[0], inputs64[1], c.bias ? inputs64[2] : torch::Tensor(), 1, c.pad);
+    ASSERT_EQ(y.sizes(), ref.sizes());
+    auto gy = torch::randn(y.sizes());
+    auto grads = torch::autograd::grad({y}, inputs, {gy});
+    auto ref_grads = torch::autograd::grad({ref}, inputs64, {gy.to(torch::kFloat64)});
+    double worst = max_abs_diff(y, ref) / std::max(1.0, ref.abs().max().item<double>());
+    for (size_t i = 0; i < grads.size(); ++i) {
+      worst = std::max(worst, max_abs_diff(grads[i], ref_grads[i]) /
+                                  std::max(1.0, ref_grads[i].abs().max().item<double>()));
+    }
+    std::printf("small conv %ldx%ldx%ldx%ld -> %ld pad %ld: relative max diff %.2e (tol 1e-5)\n",
+                c.n, c.c, c.h, c.w, c.o, c.pad, worst);
+    EXPECT_LT(worst, 1e-5);
+  }
+  // Frozen weight and bias (LoRA): only the input's gradient, and the input not kept.
+  {
+    auto x = torch::randn({2, 8, 6, 6}).requires_grad_();
+    auto w = torch::randn({1, 8, 3, 3});
+    auto y = models::small_out_conv2d(x, w, {}, 1);
+    auto gx = torch::autograd::grad({y.sum()}, {x})[0];
+    auto x64 = x.detach().to(torch::kFloat64).requires_grad_();
+    auto gx64 = torch::autograd::grad({torch::conv2d(x64, w.to(torch::kFloat64), {}, 1, 1).sum()},
+                                      {x64})[0];
+    EXPECT_LT(max_abs_diff(gx, gx64), 1e-5);
+  }
+  auto x = torch::randn({2, 8, 6, 6});
+  EXPECT_FALSE(models::small_out_conv2d(x, torch::randn({5, 8, 3, 3}), {}, 1).defined());
+  EXPECT_FALSE(models::small_out_conv2d(x, torch::randn({1, 8, 1, 1}), {}, 0).defined());
+  EXPECT_FALSE(models::small_out_conv2d(x, torch::randn({1, 8, 3, 3}), {}, 2).defined());
+  EXPECT_FALSE(models::small_out_conv2d(x, torch::randn({1, 4, 3, 3}), {}, 1).defined());
+  EXPECT_FALSE(models::small_out_conv2d(x.to(torch::kFloat64),
+                                        torch::randn({1, 8, 3, 3}, torch::kFloat64), {}, 1)
+                   .defined());
+  // Conv2d: the kernel in a training step; LibTorch's convolution, bit for bit, under no_grad.
+  models::Conv2d conv(torch::nn::Conv2dOptions(8, 1, 3).padding(1));
+  const auto direct = torch::conv2d(x, conv->weight, conv->bias, 1, 1);
+  const auto trained = conv->forward(x);
+  EXPECT_TRUE(torch::equal(trained, models::small_out_conv2d(x, conv->weight, conv->bias, 1)));
+  EXPECT_LT(max_abs_diff(trained, direct), 1e-5);
+  torch::NoGradGuard no_grad;
+  EXPECT_TRUE(torch::equal(conv->forward(x), direct));
+  models::set_fused_kernels_enabled(false);
+  EXPECT_FALSE(models::small_out_conv2d(x, conv->weight, conv->bias, 1).defined());
 }
 
 TEST(FusedOps, GroupNormFallsBackOutsideFloat32Cpu) {

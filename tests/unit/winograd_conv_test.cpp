@@ -1,10 +1,14 @@
 // oneDNN's Winograd convolution (models/winograd_conv.h) against float64 recomputations with
 // LibTorch's conv2d: output and every gradient, with and without bias and padding, on
 // non-square maps whose sides are not multiples of the 4x4 output tile; the cases where it must
-// decline; Conv2d taking it only while autograd records; and threads using one shape at once.
+// decline; Conv2d taking it only while autograd records; threads using one shape at once; the
+// blocked-layout variants (bit for bit the plain path's numbers) and ResnetBlock2D running between
+// its convolutions in that layout.
 // On a CPU without a oneDNN Winograd kernel the same tests check that nothing takes the path.
 #include "difftrain/models/winograd_conv.h"
 
+#include "difftrain/models/fused_ops.h"
+#include "difftrain/models/layers.h"
 #include "difftrain/models/linear.h"
 
 #include <gtest/gtest.h>
@@ -193,6 +197,120 @@ TEST(WinogradConv, ThreadsShareAShapeAndGetTheSerialResult) {
     std::printf("thread %zu: relative max diff %.2e\n", i, d);
     EXPECT_LT(d, 1e-6);
   }
+}
+
+// [N, C, H, W] <-> oneDNN's nChw16c as a [N, C / 16, H, W, 16] tensor.
+torch::Tensor to_blocked(const torch::Tensor& t) {
+  return t.reshape({t.size(0), t.size(1) / 16, 16, t.size(2), t.size(3)})
+      .permute({0, 1, 3, 4, 2})
+      .contiguous();
+}
+torch::Tensor from_blocked(const torch::Tensor& t) {
+  return t.permute({0, 1, 4, 2, 3}).reshape({t.size(0), t.size(1) * 16, t.size(2), t.size(3)});
+}
+
+// Either side in the blocked layout: the same numbers as the plain path, bit for bit (a layout
+// conversion is exact, and the kernels see the same memory), forward and every gradient.
+TEST(WinogradConv, BlockedInputsAndOutputsGiveThePlainPathsNumbers) {
+  WinogradSwitch restore;
+  models::set_winograd_conv_enabled(true);
+  torch::manual_seed(21);
+  const auto x = torch::randn({2, 32, 11, 9});
+  const auto w = (torch::randn({48, 32, 3, 3}) * 0.1).requires_grad_();
+  const auto b = torch::randn({48}).requires_grad_();
+  const auto gy = torch::randn({2, 48, 11, 9});
+  auto xp = x.clone().requires_grad_();
+  const auto plain = models::winograd_conv2d(xp, w, b, 1);
+  if (!models::winograd_conv_available()) {
+    EXPECT_FALSE(plain.defined());
+    EXPECT_FALSE(models::winograd_conv2d(to_blocked(x), w, b, 1, true, true).defined());
+    return;
+  }
+  ASSERT_TRUE(plain.defined());
+  const auto plain_grads = torch::autograd::grad({plain}, {xp, w, b}, {gy});
+  for (bool x_blocked : {false, true}) {
+    for (bool y_blocked : {false, true}) {
+      auto xi = (x_blocked ? to_blocked(x) : x.clone()).requires_grad_();
+      auto y = models::winograd_conv2d(xi, w, b, 1, x_blocked, y_blocked);
+      const auto label =
+          "x_blocked " + std::to_string(x_blocked) + ", y_blocked " + std::to_string(y_blocked);
+      ASSERT_TRUE(y.defined()) << label;
+      ASSERT_EQ(y.dim(), y_blocked ? 5 : 4) << label;
+      EXPECT_TRUE(torch::equal(y_blocked ? from_blocked(y) : y, plain)) << label;
+      const auto grads = torch::autograd::grad({y}, {xi, w, b}, {y_blocked ? to_blocked(gy) : gy});
+      EXPECT_TRUE(torch::equal(x_blocked ? from_blocked(grads[0]) : grads[0], plain_grads[0]))
+          << label;
+      EXPECT_TRUE(torch::equal(grads[1], plain_grads[1])) << label;
+      EXPECT_TRUE(torch::equal(grads[2], plain_grads[2])) << label;
+    }
+  }
+  // A blocked input must really be one: 16 channels innermost.
+  EXPECT_FALSE(models::winograd_conv2d(x.unsqueeze(-1), w, b, 1, true, false).defined());
+}
+
+// Restores the blocked-layout switch.
+struct BlockedSwitch {
+  bool before = models::winograd_blocked_layout_enabled();
+  ~BlockedSwitch() { models::set_winograd_blocked_layout_enabled(before); }
+};
+
+// ResnetBlock2D in a training step runs between its convolutions in the blocked layout; its
+// output and every gradient agree with the plain path to float rounding (GroupNorm sums in another
+// order), with and without a channel change, a time embedding, and a channels-last input (an
+// attention block's output).
+TEST(WinogradConv, ResnetBlockInTheBlockedLayoutMatchesThePlainOne) {
+  WinogradSwitch restore_winograd;
+  BlockedSwitch restore_blocked;
+  models::set_winograd_conv_enabled(true);
+  const bool fused_before = models::fused_kernels_enabled();
+  models::set_fused_kernels_enabled(true);
+  struct Case {
+    int64_t in, out, temb, groups;
+    bool channels_last;
+  };
+  for (const auto& c :
+       {Case{32, 32, 24, 8, false}, Case{48, 32, 0, 16, false}, Case{32, 64, 24, 2, true}}) {
+    torch::manual_seed(7);
+    models::ResnetBlock2D block(
+        models::ResnetBlock2DOptions(c.in, c.out).temb_channels(c.temb).groups(c.groups));
+    for (auto& p : block->parameters()) {  // non-trivial norms and biases
+      torch::NoGradGuard no_grad;
+      p.add_(torch::randn(p.sizes()) * 0.1);
+    }
+    auto x = torch::randn({2, c.in, 10, 7});
+    if (c.channels_last) x = x.contiguous(at::MemoryFormat::ChannelsLast);
+    const auto temb = c.temb > 0 ? torch::randn({2, c.temb}) : torch::Tensor();
+    const auto gy = torch::randn({2, c.out, 10, 7});
+    auto run = [&](bool blocked) {
+      models::set_winograd_blocked_layout_enabled(blocked);
+      auto xi = x.clone().requires_grad_();
+      auto y = block->forward(xi, temb);
+      std::vector<torch::Tensor> inputs{xi};
+      for (const auto& p : block->parameters()) inputs.push_back(p);
+      auto grads = torch::autograd::grad({y}, inputs, {gy});
+      grads.insert(grads.begin(), y.detach());
+      return grads;
+    };
+    const auto plain = run(false);
+    EXPECT_FALSE(block->last_forward_blocked());
+    const auto blocked = run(true);
+    const auto label = std::to_string(c.in) + "->" + std::to_string(c.out) + " groups " +
+                       std::to_string(c.groups) + (c.channels_last ? " channels-last" : "");
+    EXPECT_EQ(block->last_forward_blocked(), models::winograd_conv_available()) << label;
+    double worst = 0;
+    for (size_t i = 0; i < plain.size(); ++i)
+      worst = std::max(worst, rel_diff(blocked[i], plain[i]));
+    std::printf(
+        "ResnetBlock2D %s blocked vs plain: relative max diff %.2e (output and %zu grads)\n",
+        label.c_str(), worst, plain.size() - 1);
+    EXPECT_LT(worst, 1e-5) << label;
+    {
+      torch::NoGradGuard no_grad;  // sampling keeps the plain path
+      block->forward(x, temb);
+      EXPECT_FALSE(block->last_forward_blocked()) << label;
+    }
+  }
+  models::set_fused_kernels_enabled(fused_before);
 }
 
 }  // namespace

@@ -35,6 +35,21 @@ torch::Tensor fused_attention(const torch::Tensor& q, const torch::Tensor& k,
 torch::Tensor group_norm_silu(const torch::Tensor& x, int64_t groups, const torch::Tensor& weight,
                               const torch::Tensor& bias, double eps, bool silu);
 
+/// group_norm_silu on x in oneDNN's blocked channel layout (nChw16c), the layout the Winograd
+/// convolutions compute in: x [N, C / 16, *, 16], channel c of [n, h, w] at [n, c / 16, h, w,
+/// c % 16]; weight, bias: [C] or undefined. The output has x's layout; differentiable in x, weight
+/// and bias. Undefined where the fused kernels do not apply (off, not float32 on the CPU).
+torch::Tensor group_norm_silu_blocked(const torch::Tensor& x, int64_t groups,
+                                      const torch::Tensor& weight, const torch::Tensor& bias,
+                                      double eps, bool silu);
+
+/// conv2d(x, weight, bias, stride 1, padding) for a 3x3 layer with 1 to 4 output channels (a
+/// UNet's or VAE's conv_out), vectorised along the rows: x [N, C, H, W] float32 CPU, weight
+/// [O, C, 3, 3], bias [O] or undefined, padding 0 or 1. Differentiable in x, weight and bias.
+/// Undefined where it does not apply (kernels off, other dtype, device or geometry).
+torch::Tensor small_out_conv2d(const torch::Tensor& x, const torch::Tensor& weight,
+                               const torch::Tensor& bias, int64_t padding);
+
 /// The GroupNorm module `norm` applied to x, then the activation `act` (a name models::activation
 /// knows, or "" for none): group_norm_silu when act is silu/swish or empty, so ResnetBlock2D's
 /// `nonlinearity(norm(x))` is one fused pass. x: [N, C, *].

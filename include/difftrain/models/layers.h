@@ -121,14 +121,21 @@ class ResnetBlock2DImpl : public torch::nn::Module, public core::HookableModule 
   /// x: [B, C_in, H, W], temb: [B, temb_channels] or undefined -> [B, C_out, H', W']
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& temb);
   std::string hook_class_name() const override { return "ResnetBlock2D"; }
+  /// Whether the last forward ran between its convolutions in oneDNN's blocked layout (a float32
+  /// CPU training step with the Winograd path and fused kernels on; layers.cpp). For tests.
+  bool last_forward_blocked() const { return last_forward_blocked_; }
 
   ResnetBlock2DOptions options;
 
  private:
   torch::Tensor forward_impl(const torch::Tensor& x, const torch::Tensor& temb);
+  // The same block with conv1's output, norm2 and conv2's input in oneDNN's blocked layout, or
+  // an undefined tensor where that path does not apply (layers.cpp).
+  torch::Tensor forward_blocked(const torch::Tensor& x, const torch::Tensor& temb);
   torch::nn::GroupNorm norm1_{nullptr}, norm2_{nullptr};
   Conv2d conv1_{nullptr}, conv2_{nullptr}, conv_shortcut_{nullptr};
   Linear time_emb_proj_{nullptr};
+  bool last_forward_blocked_ = false;
 };
 TORCH_MODULE(ResnetBlock2D);
 

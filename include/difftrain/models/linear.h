@@ -82,8 +82,18 @@ class Conv2dImpl : public torch::nn::Conv2dImpl {
   void set_lora(LoraAdapter adapter);
   const LoraAdapter& lora() const { return lora_; }
 
+  /// Whether forward_blocked applies to an input of these plain sizes ([B, in, H, W]): a training
+  /// step (grad mode on, or a checkpointed function), a 3x3 stride-1 layer without an adapter,
+  /// and a Winograd kernel for it (models/winograd_conv.h).
+  bool blocked_applies(torch::IntArrayRef x_sizes) const;
+  /// forward(x) with the input and/or output in oneDNN's blocked layout ([B, C / 16, H, W, 16],
+  /// see winograd_conv2d); only where blocked_applies said so.
+  torch::Tensor forward_blocked(const torch::Tensor& x, bool x_blocked, bool y_blocked);
+
  private:
-  torch::Tensor winograd_forward(const torch::Tensor& x);
+  // The padding a Winograd or small-output convolution would use in a training step, or -1
+  // where neither applies to this layer.
+  int64_t fast_path_padding() const;
   LoraAdapter lora_{nullptr};
 };
 TORCH_MODULE(Conv2d);

@@ -27,6 +27,12 @@ bool winograd_conv_available();
 bool winograd_conv_enabled();
 /// Overrides DIFFTRAIN_WINOGRAD for this process (tests, benchmarks).
 void set_winograd_conv_enabled(bool enabled);
+/// Whether ResnetBlock2D may keep the activations between its two convolutions in the Winograd
+/// kernels' blocked layout where they take the Winograd path (fewer conversions, same maths to
+/// float rounding): on by default; DIFFTRAIN_WINOGRAD_BLOCKED=0 in the environment turns it off.
+bool winograd_blocked_layout_enabled();
+/// Overrides DIFFTRAIN_WINOGRAD_BLOCKED for this process (tests, benchmarks).
+void set_winograd_blocked_layout_enabled(bool enabled);
 /// One line for `difftrain env` and logs: "oneDNN 2.6.3, Winograd: on" or why it is off.
 std::string winograd_conv_status();
 
@@ -37,7 +43,18 @@ std::string winograd_conv_status();
 /// slower than the direct algorithm). Returns an undefined tensor when the path does not apply
 /// (not enabled, other dtype or device, other geometry or channel counts); the caller then uses
 /// torch::conv2d.
+///
+/// x_blocked / y_blocked: the input / output (and so its gradient) is in oneDNN's blocked layout
+/// nChw16c, the one its kernels compute in, as a [N, C / 16, H, W, 16] tensor (channel c at
+/// [n, c / 16, h, w, c % 16]): a caller whose neighbouring ops work in that layout too
+/// (group_norm_silu_blocked) saves the conversions a plain tensor costs on each side.
 torch::Tensor winograd_conv2d(const torch::Tensor& x, const torch::Tensor& weight,
-                              const torch::Tensor& bias, int64_t padding);
+                              const torch::Tensor& bias, int64_t padding, bool x_blocked = false,
+                              bool y_blocked = false);
+
+/// Whether winograd_conv2d applies to an input of these (plain [N, C, H, W]) sizes with this
+/// weight, bias and padding: enabled, float32 CPU, geometry and a oneDNN kernel for it.
+bool winograd_conv_applies(torch::IntArrayRef x_sizes, const torch::Tensor& weight,
+                           const torch::Tensor& bias, int64_t padding);
 
 }  // namespace difftrain::models
