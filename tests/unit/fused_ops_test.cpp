@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
+#include <limits>
 
 namespace {
 
@@ -292,6 +293,24 @@ TEST(FusedOps, SmallOutputConvolutionMatchesFloat64) {
   EXPECT_TRUE(torch::equal(conv->forward(x), direct));
   models::set_fused_kernels_enabled(false);
   EXPECT_FALSE(models::small_out_conv2d(x, conv->weight, conv->bias, 1).defined());
+}
+
+// The kernels' inline exp at the ends of the float range: SiLU of +-200 (exp overflowing and
+// underflowing), and a NaN input staying NaN rather than being clamped into a number.
+TEST(FusedOps, SiluSurvivesHugeInputsAndKeepsNaN) {
+  FusedSwitch restore;
+  models::set_fused_kernels_enabled(true);
+  auto x = torch::randn({2, 16, 4, 4});
+  auto gamma = torch::full({16}, 200.f);
+  auto y = models::group_norm_silu(x, 4, gamma, torch::Tensor(), 1e-5, true);
+  auto ref = torch::silu(torch::group_norm(x.to(torch::kFloat64), 4, gamma.to(torch::kFloat64),
+                                           torch::Tensor(), 1e-5));
+  EXPECT_TRUE(torch::isfinite(y).all().item<bool>());
+  EXPECT_LT(max_abs_diff(y, ref) / ref.abs().max().item<double>(), 1e-5);
+  x[1][3][2][2] = std::numeric_limits<float>::quiet_NaN();
+  y = models::group_norm_silu(x, 4, gamma, torch::Tensor(), 1e-5, true);
+  EXPECT_TRUE(torch::isnan(y[1][3]).all().item<bool>()) << "NaN must propagate through the group";
+  EXPECT_TRUE(torch::isfinite(y[0]).all().item<bool>());
 }
 
 TEST(FusedOps, GroupNormFallsBackOutsideFloat32Cpu) {
