@@ -644,12 +644,24 @@ void axpy(float a, const float* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
-// The output columns [lo, hi) whose input column ow + dx lies inside a row of `width`.
-struct ColumnRange {
-  int64_t lo, hi;
-};
-ColumnRange valid_columns(int64_t out_width, int64_t width, int64_t dx) {
-  return {std::max<int64_t>(0, -dx), std::min(out_width, width - dx)};
+// Every (output row, kernel tap) pair of a 3x3 stride-1 convolution over one plane, as
+// f(tap, output offset, input offset, length): the run of an output row whose input under tap
+// (kh, kw) = (tap / 3, tap % 3) lies inside the input (zero padding elsewhere), in a fixed order.
+template <typename F>
+void for_each_tap(const SmallConvShape& s, F f) {
+  const int64_t H = s.height, W = s.width, p = s.pad;
+  const int64_t OH = H + 2 * p - 2, OW = W + 2 * p - 2;
+  for (int64_t oh = 0; oh < OH; ++oh) {
+    for (int64_t kh = 0; kh < 3; ++kh) {
+      const int64_t ih = oh + kh - p;
+      if (ih < 0 || ih >= H) continue;
+      for (int64_t kw = 0; kw < 3; ++kw) {
+        const int64_t dx = kw - p;
+        const int64_t lo = std::max<int64_t>(0, -dx), hi = std::min(OW, W - dx);
+        if (hi > lo) f(kh * 3 + kw, oh * OW + lo, ih * W + lo + dx, hi - lo);
+      }
+    }
+  }
 }
 
 }  // namespace
@@ -666,19 +678,9 @@ void small_conv_forward(const SmallConvShape& s, const float* x, const float* we
       for (int64_t c = 0; c < C; ++c) {
         const float* xp = x + (n * C + c) * H * W;
         const float* wp = weight + (o * C + c) * 9;
-        for (int64_t oh = 0; oh < OH; ++oh) {
-          for (int64_t kh = 0; kh < 3; ++kh) {
-            const int64_t ih = oh + kh - p;
-            if (ih < 0 || ih >= H) continue;
-            for (int64_t kw = 0; kw < 3; ++kw) {
-              const auto r = valid_columns(OW, W, kw - p);
-              if (r.hi > r.lo) {
-                axpy(wp[kh * 3 + kw], xp + ih * W + r.lo + kw - p, yp + oh * OW + r.lo,
-                     r.hi - r.lo);
-              }
-            }
-          }
-        }
+        for_each_tap(s, [&](int64_t tap, int64_t out, int64_t in, int64_t len) {
+          axpy(wp[tap], xp + in, yp + out, len);
+        });
       }
     }
   });
@@ -696,19 +698,9 @@ void small_conv_backward_data(const SmallConvShape& s, const float* gy, const fl
       for (int64_t o = 0; o < O; ++o) {
         const float* gyp = gy + (n * O + o) * OH * OW;
         const float* wp = weight + (o * C + c) * 9;
-        for (int64_t oh = 0; oh < OH; ++oh) {
-          for (int64_t kh = 0; kh < 3; ++kh) {
-            const int64_t ih = oh + kh - p;
-            if (ih < 0 || ih >= H) continue;
-            for (int64_t kw = 0; kw < 3; ++kw) {
-              const auto r = valid_columns(OW, W, kw - p);
-              if (r.hi > r.lo) {
-                axpy(wp[kh * 3 + kw], gyp + oh * OW + r.lo, gxp + ih * W + r.lo + kw - p,
-                     r.hi - r.lo);
-              }
-            }
-          }
-        }
+        for_each_tap(s, [&](int64_t tap, int64_t out, int64_t in, int64_t len) {
+          axpy(wp[tap], gyp + out, gxp + in, len);
+        });
       }
     }
   });
@@ -728,19 +720,9 @@ void small_conv_backward_weights(const SmallConvShape& s, const float* gy, const
       for (int64_t n = 0; n < N; ++n) {
         const float* gyp = gy + (n * O + o) * OH * OW;
         const float* xp = x + (n * C + c) * H * W;
-        for (int64_t oh = 0; oh < OH; ++oh) {
-          for (int64_t kh = 0; kh < 3; ++kh) {
-            const int64_t ih = oh + kh - p;
-            if (ih < 0 || ih >= H) continue;
-            for (int64_t kw = 0; kw < 3; ++kw) {
-              const auto r = valid_columns(OW, W, kw - p);
-              if (r.hi > r.lo) {
-                acc[kh * 3 + kw] +=
-                    dot(gyp + oh * OW + r.lo, xp + ih * W + r.lo + kw - p, r.hi - r.lo);
-              }
-            }
-          }
-        }
+        for_each_tap(s, [&](int64_t tap, int64_t out, int64_t in, int64_t len) {
+          acc[tap] += dot(gyp + out, xp + in, len);
+        });
       }
       for (int k = 0; k < 9; ++k) gw[oc * 9 + k] = static_cast<float>(acc[k]);
     }
