@@ -346,6 +346,10 @@ ProcessGroup* g_default = nullptr;
 std::mutex g_default_mutex;
 }  // namespace
 
+void set_intra_op_threads(int threads) {
+  if (at::get_num_threads() != threads) at::set_num_threads(threads);
+}
+
 int configure_threads(int local_processes) {
   const char* value = std::getenv("DIFFTRAIN_NUM_THREADS");
   if (value == nullptr || *value == '\0') value = std::getenv("OMP_NUM_THREADS");
@@ -353,7 +357,7 @@ int configure_threads(int local_processes) {
     // Nothing said: share this machine's cores among its ranks (LibTorch would otherwise keep
     // whatever its OpenMP runtime guessed, often a single thread).
     const unsigned cores = std::thread::hardware_concurrency();
-    at::set_num_threads(
+    set_intra_op_threads(
         std::max(1, static_cast<int>(cores == 0 ? 1 : cores) / std::max(1, local_processes)));
   } else {
     char* end = nullptr;
@@ -362,7 +366,7 @@ int configure_threads(int local_processes) {
       throw Error(std::string("DIFFTRAIN_NUM_THREADS/OMP_NUM_THREADS='") + value +
                   "' is not a positive thread count");
     }
-    at::set_num_threads(static_cast<int>(threads));
+    set_intra_op_threads(static_cast<int>(threads));
   }
   configure_allocator();
   return at::get_num_threads();

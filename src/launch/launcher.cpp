@@ -5,6 +5,7 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/exit.h"
 #include "difftrain/distributed/net.h"
+#include "difftrain/distributed/process_group.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -481,7 +482,7 @@ class Supervisor {
         prctl(PR_SET_NAME, name.substr(0, 15).c_str());
         // What OMP_NUM_THREADS does at an exec'd program's start: the OpenMP runtime read the
         // launcher's environment when it was loaded.
-        at::set_num_threads(threads_);
+        distributed::set_intra_op_threads(threads_);
         int rc = 1;
         try {
           rc = o_.self_main(static_cast<int>(argv.size() - 1), argv.data());

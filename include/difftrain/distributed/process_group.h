@@ -99,6 +99,13 @@ ProcessGroup& default_group();
 /// True once init_process_group() succeeded.
 bool is_initialized();
 
+/// at::set_num_threads(threads) unless LibTorch already runs that many. Each call of
+/// at::set_num_threads also re-creates LibTorch's pthreadpool (kept for QNNPACK/XNNPACK, which
+/// training never uses), whose new threads spin for about 30 ms before they sleep; and once it has
+/// been called, the first parallel region of every new thread calls it again. A rank set up with
+/// three calls lost 100+ ms of CPU to those spinning threads during its first micro-batch.
+void set_intra_op_threads(int threads);
+
 /// Sets LibTorch's intra-op thread count: DIFFTRAIN_NUM_THREADS (set by `difftrain launch`), else
 /// OMP_NUM_THREADS, else cores / `local_processes`. Returns the thread count in force.
 int configure_threads(int local_processes = 1);
