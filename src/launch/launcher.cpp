@@ -17,7 +17,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <ATen/Parallel.h>
 #include <fmt/format.h>
 
 #include <algorithm>
