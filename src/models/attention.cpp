@@ -102,6 +102,10 @@ torch::Tensor AttentionImpl::forward_impl(const torch::Tensor& x, const torch::T
                         gn.eps(), /*silu=*/false)
             .transpose(1, 2);
   }
+  // One copy into [B, N, C] rows: on a transposed view LibTorch's linear falls back to matmul's
+  // batched path, which expands the weight and runs one small GEMM per sample (forward and both
+  // backward products), three times over (to_q, to_k, to_v).
+  if (!h.is_contiguous()) h = h.contiguous();
   if (options.cross_attention_dim() > 0) {
     TORCH_CHECK(context.defined(), "cross-attention needs encoder_hidden_states [B, S, ",
                 options.cross_attention_dim(), "]");

@@ -183,9 +183,11 @@ ResnetBlock2DImpl::ResnetBlock2DImpl(const ResnetBlock2DOptions& o) : options(o)
 
 // A float32 CPU training step through Winograd convolutions computes in oneDNN's blocked layout
 // nChw16c; a plain tensor is converted into it before each convolution (and its backwards) and
-// back after, about 15% of the default UNet's step. Between conv1 and conv2 everything (the time
-// embedding's add, GroupNorm + SiLU) also runs in that layout here, so conv1's output and conv2's
-// input stay blocked: five of the ten conversions per block go (docs/PERFORMANCE.md). Same maths
+// back after, about 15% of the default UNet's step. Here the whole block runs in that layout: the
+// input is converted once, then norm1, conv1, the time embedding's add, norm2, conv2, the 1x1
+// conv_shortcut (oneDNN's direct kernel) and the residual add stay blocked, and the sum is
+// converted back once: two conversions per block each way instead of four (six with a shortcut,
+// whose LibTorch convolution converts its own input and output) (docs/PERFORMANCE.md). Same maths
 // as forward_impl, to float rounding (GroupNorm sums in another order).
 torch::Tensor ResnetBlock2DImpl::forward_blocked(const torch::Tensor& x_in,
                                                  const torch::Tensor& temb) {
@@ -198,28 +200,37 @@ torch::Tensor ResnetBlock2DImpl::forward_blocked(const torch::Tensor& x_in,
       x_in.scalar_type() != torch::kFloat32 || use_channels_last(x_in)) {
     return {};
   }
-  // (An attention block's output is channels-last memory: one copy here saves the five.)
+  // (An attention block's output is channels-last memory: one copy here saves the conversions.)
   const torch::Tensor x = x_in.contiguous();
   const int64_t n = x.size(0), out = o.out_channels(), H = x.size(2), W = x.size(3);
-  if (!conv1_->blocked_applies(x.sizes()) || !conv2_->blocked_applies({n, out, H, W})) {
+  if (!conv1_->blocked_applies(x.sizes()) || !conv2_->blocked_applies({n, out, H, W}) ||
+      (conv_shortcut_.is_empty() ? x.size(1) != out
+                                 : !conv_shortcut_->blocked_applies(x.sizes()))) {
     return {};
   }
   constexpr int64_t kBlock = 16;  // winograd_conv2d's blocks (both channel counts divide)
-  torch::Tensor h = group_norm_act(*norm1_, act, x);
-  h = conv1_->forward_blocked(h, /*x_blocked=*/false, /*y_blocked=*/true);
+  const torch::Tensor xb = to_channel_blocks(x);
+  const auto& gn1 = norm1_->options;
+  torch::Tensor h =
+      group_norm_silu_blocked(xb, gn1.num_groups(), norm1_->weight, norm1_->bias, gn1.eps(), true);
+  if (!h.defined()) throw Error("ResnetBlock2D: the fused GroupNorm declined a blocked input");
+  h = conv1_->forward_blocked(h, /*x_blocked=*/true, /*y_blocked=*/true);
   if (!time_emb_proj_.is_empty() && temb.defined()) {
     torch::Tensor t = o.skip_time_act() ? temb : activation(act, temb);
     t = time_emb_proj_(t);
     h = h + t.reshape({t.size(0), out / kBlock, 1, 1, kBlock});
   }
-  const auto& gn = norm2_->options;
-  h = group_norm_silu_blocked(h, gn.num_groups(), norm2_->weight, norm2_->bias, gn.eps(), true);
+  const auto& gn2 = norm2_->options;
+  h = group_norm_silu_blocked(h, gn2.num_groups(), norm2_->weight, norm2_->bias, gn2.eps(), true);
   if (!h.defined()) throw Error("ResnetBlock2D: the fused GroupNorm declined a blocked input");
-  h = conv2_->forward_blocked(h, /*x_blocked=*/true, /*y_blocked=*/false);
-  torch::Tensor input = conv_shortcut_.is_empty() ? x : conv_shortcut_(x);
+  h = conv2_->forward_blocked(h, /*x_blocked=*/true, /*y_blocked=*/true);
+  const torch::Tensor input = conv_shortcut_.is_empty()
+                                  ? xb
+                                  : conv_shortcut_->forward_blocked(xb, /*x_blocked=*/true,
+                                                                    /*y_blocked=*/true);
   torch::Tensor result = input + h;
   if (o.output_scale_factor() != 1.0) result = result / o.output_scale_factor();
-  return result;
+  return from_channel_blocks(result);
 }
 
 torch::Tensor ResnetBlock2DImpl::forward_impl(const torch::Tensor& x, const torch::Tensor& temb) {

@@ -115,13 +115,32 @@ int64_t Conv2dImpl::fast_path_padding() const {
 }
 
 bool Conv2dImpl::blocked_applies(torch::IntArrayRef x_sizes) const {
+  if (is_pointwise()) {
+    const bool training_step = torch::GradMode::is_enabled() || in_checkpointed_function();
+    return training_step && lora_.is_empty() &&
+           pointwise_conv_blocked_applies(x_sizes, weight, bias);
+  }
   const int64_t pad = fast_path_padding();
   return pad >= 0 && lora_.is_empty() && winograd_conv_applies(x_sizes, weight, bias, pad);
 }
 
+bool Conv2dImpl::is_pointwise() const {
+  const auto& o = options;
+  const auto* pad = compat::variant_get_if<torch::ExpandingArray<2>>(&o.padding());
+  return pad != nullptr && (*pad)->at(0) == 0 && (*pad)->at(1) == 0 && (*o.kernel_size())[0] == 1 &&
+         (*o.kernel_size())[1] == 1 && (*o.stride())[0] == 1 && (*o.stride())[1] == 1 &&
+         o.groups() == 1;
+}
+
 torch::Tensor Conv2dImpl::forward_blocked(const torch::Tensor& x, bool x_blocked, bool y_blocked) {
-  const int64_t pad = fast_path_padding();
   torch::Tensor y;
+  if (is_pointwise()) {
+    if (x_blocked && y_blocked && lora_.is_empty()) y = pointwise_conv2d_blocked(x, weight, bias);
+    if (!y.defined())
+      throw Error("Conv2d::forward_blocked: the blocked-layout path does not apply");
+    return y;
+  }
+  const int64_t pad = fast_path_padding();
   if (pad >= 0 && lora_.is_empty()) y = winograd_conv2d(x, weight, bias, pad, x_blocked, y_blocked);
   if (!y.defined()) throw Error("Conv2d::forward_blocked: the blocked-layout path does not apply");
   return y;

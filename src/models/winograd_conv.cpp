@@ -45,6 +45,33 @@ torch::Tensor winograd_conv2d(const torch::Tensor&, const torch::Tensor&, const 
                               int64_t, bool, bool) {
   return {};
 }
+bool pointwise_conv_blocked_applies(torch::IntArrayRef, const torch::Tensor&,
+                                    const torch::Tensor&) {
+  return false;
+}
+torch::Tensor pointwise_conv2d_blocked(const torch::Tensor&, const torch::Tensor&,
+                                       const torch::Tensor&) {
+  return {};
+}
+// Without oneDNN nothing computes in the blocked layout; the conversions still work (LibTorch's
+// strided copies, differentiable as they are).
+torch::Tensor to_channel_blocks(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 4 && x.size(1) % 16 == 0 && x.scalar_type() == torch::kFloat,
+              "to_channel_blocks: expected a float32 [N, C, H, W] tensor with C a multiple of 16, "
+              "got ",
+              x.sizes(), " ", x.scalar_type());
+  return x.reshape({x.size(0), x.size(1) / 16, 16, x.size(2), x.size(3)})
+      .permute({0, 1, 3, 4, 2})
+      .contiguous();
+}
+torch::Tensor from_channel_blocks(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 5 && x.size(4) == 16 && x.scalar_type() == torch::kFloat,
+              "from_channel_blocks: expected a float32 [N, C / 16, H, W, 16] tensor, got ",
+              x.sizes(), " ", x.scalar_type());
+  return x.permute({0, 1, 4, 2, 3})
+      .reshape({x.size(0), x.size(1) * 16, x.size(2), x.size(3)})
+      .contiguous();
+}
 
 #else
 
@@ -62,15 +89,19 @@ dnnl::engine& cpu_engine() {
   return engine;
 }
 
-// The geometry a set of primitives is made for.
+// The geometry a set of primitives is made for: a k x k (3: Winograd, 1: oneDNN's direct 1x1
+// kernel) stride-1 convolution.
 struct Shape {
   int64_t n, c, h, w, o, pad;
   bool bias;
-  auto key() const { return std::tie(n, c, h, w, o, pad, bias); }
+  int64_t k = 3;
+  int64_t oh() const { return h + 2 * pad - k + 1; }
+  int64_t ow() const { return w + 2 * pad - k + 1; }
+  auto key() const { return std::tie(n, c, h, w, o, pad, bias, k); }
   bool operator<(const Shape& other) const { return key() < other.key(); }
-  std::vector<int64_t> to_list() const { return {n, c, h, w, o, pad, bias ? 1 : 0}; }
+  std::vector<int64_t> to_list() const { return {n, c, h, w, o, pad, bias ? 1 : 0, k}; }
   static Shape from_list(const std::vector<int64_t>& v) {
-    return {v.at(0), v.at(1), v.at(2), v.at(3), v.at(4), v.at(5), v.at(6) != 0};
+    return {v.at(0), v.at(1), v.at(2), v.at(3), v.at(4), v.at(5), v.at(6) != 0, v.at(7)};
   }
 };
 
@@ -88,12 +119,16 @@ struct Prims {
 };
 
 std::unique_ptr<Prims> make_prims(const Shape& s) {
-  const memory::dims src{s.n, s.c, s.h, s.w}, wei{s.o, s.c, 3, 3}, bias{s.o};
-  const memory::dims dst{s.n, s.o, s.h + 2 * s.pad - 2, s.w + 2 * s.pad - 2};
+  const memory::dims src{s.n, s.c, s.h, s.w}, wei{s.o, s.c, s.k, s.k}, bias{s.o};
+  const memory::dims dst{s.n, s.o, s.oh(), s.ow()};
   const memory::dims strides{1, 1}, pad{s.pad, s.pad};
-  const memory::desc src_any(src, kF32, Tag::any), wei_any(wei, kF32, Tag::any),
-      dst_any(dst, kF32, Tag::any), bias_md(bias, kF32, Tag::x);
-  const auto alg = dnnl::algorithm::convolution_winograd;
+  // A 1x1 layer runs in the blocked layout its neighbours use (no reorders); Winograd picks its
+  // own.
+  const Tag act_tag = s.k == 1 ? Tag::nChw16c : Tag::any;
+  const memory::desc src_any(src, kF32, act_tag), wei_any(wei, kF32, Tag::any),
+      dst_any(dst, kF32, act_tag), bias_md(bias, kF32, Tag::x);
+  const auto alg =
+      s.k == 1 ? dnnl::algorithm::convolution_direct : dnnl::algorithm::convolution_winograd;
   dnnl::primitive_attr attr;
   attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
   auto& eng = cpu_engine();
@@ -207,7 +242,7 @@ class WinogradConv : public torch::autograd::Function<WinogradConv> {
     ctx->saved_data["x_blocked"] = x_blocked;
     ctx->saved_data["y_blocked"] = y_blocked;
     const Shape s = Shape::from_list(shape);
-    const int64_t oh = s.h + 2 * s.pad - 2, ow = s.w + 2 * s.pad - 2;
+    const int64_t oh = s.oh(), ow = s.ow();
     auto y = y_blocked ? torch::empty({s.n, s.o / kChannelMultiple, oh, ow, kChannelMultiple},
                                       x.options())
                        : torch::empty({s.n, s.o, oh, ow}, x.options());
@@ -342,6 +377,85 @@ torch::Tensor winograd_conv2d(const torch::Tensor& x, const torch::Tensor& weigh
   const auto b = bias.defined() ? bias.contiguous() : torch::empty({0}, weight.options());
   return WinogradConv::apply(x.contiguous(), weight.contiguous(), b, s.to_list(), x_blocked,
                              y_blocked);
+}
+
+bool pointwise_conv_blocked_applies(torch::IntArrayRef x_sizes, const torch::Tensor& weight,
+                                    const torch::Tensor& bias) {
+  if (!winograd_conv_enabled() || !is_f32_cpu(weight) || x_sizes.size() != 4 || weight.dim() != 4 ||
+      weight.size(2) != 1 || weight.size(3) != 1 || weight.size(1) != x_sizes[1] ||
+      c10::multiply_integers(x_sizes) == 0 || x_sizes[1] % kChannelMultiple != 0 ||
+      weight.size(0) % kChannelMultiple != 0) {
+    return false;
+  }
+  if (bias.defined() && (!is_f32_cpu(bias) || bias.dim() != 1 || bias.size(0) != weight.size(0))) {
+    return false;
+  }
+  Shape s{x_sizes[0], x_sizes[1], x_sizes[2], x_sizes[3], weight.size(0), 0, bias.defined()};
+  s.k = 1;
+  return prims_for(s) != nullptr;
+}
+
+torch::Tensor pointwise_conv2d_blocked(const torch::Tensor& x, const torch::Tensor& weight,
+                                       const torch::Tensor& bias) {
+  if (!is_f32_cpu(x) || x.dim() != 5 || x.size(4) != kChannelMultiple) return {};
+  const std::vector<int64_t> sizes{x.size(0), x.size(1) * kChannelMultiple, x.size(2), x.size(3)};
+  if (!pointwise_conv_blocked_applies(sizes, weight, bias)) return {};
+  Shape s{sizes[0], sizes[1], sizes[2], sizes[3], weight.size(0), 0, bias.defined()};
+  s.k = 1;
+  const auto b = bias.defined() ? bias.contiguous() : torch::empty({0}, weight.options());
+  return WinogradConv::apply(x.contiguous(), weight.contiguous(), b, s.to_list(), true, true);
+}
+
+namespace {
+
+// [N, C, H, W] <-> [N, C / 16, H, W, 16] by oneDNN's reorder (its JIT kernels move the 16-float
+// vectors about twice as fast as a strided LibTorch copy); each direction's gradient is the other.
+torch::Tensor reorder_channel_blocks(const torch::Tensor& x, bool to_blocked) {
+  const auto src = x.contiguous();
+  const int64_t n = src.size(0), c = to_blocked ? src.size(1) : src.size(1) * kChannelMultiple;
+  const int64_t h = src.size(2), w = src.size(3);
+  const memory::dims dims{n, c, h, w};
+  const memory::desc plain(dims, kF32, Tag::nchw), blocked(dims, kF32, Tag::nChw16c);
+  auto y = to_blocked
+               ? torch::empty({n, c / kChannelMultiple, h, w, kChannelMultiple}, src.options())
+               : torch::empty({n, c, h, w}, src.options());
+  memory in(to_blocked ? plain : blocked, cpu_engine(), src.data_ptr());
+  memory out(to_blocked ? blocked : plain, cpu_engine(), y.data_ptr());
+  dnnl::stream stream(cpu_engine());
+  dnnl::reorder(in, out).execute(stream, in, out);
+  stream.wait();
+  return y;
+}
+
+class ChannelBlocks : public torch::autograd::Function<ChannelBlocks> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               bool to_blocked) {
+    ctx->saved_data["to_blocked"] = to_blocked;
+    torch::NoGradGuard no_grad;
+    return reorder_channel_blocks(x, to_blocked);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {reorder_channel_blocks(grads[0], !ctx->saved_data["to_blocked"].toBool()),
+            torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor to_channel_blocks(const torch::Tensor& x) {
+  TORCH_CHECK(is_f32_cpu(x) && x.dim() == 4 && x.size(1) % kChannelMultiple == 0,
+              "to_channel_blocks: expected a float32 CPU [N, C, H, W] tensor with C a multiple of ",
+              kChannelMultiple, ", got ", x.sizes(), " ", x.scalar_type());
+  return ChannelBlocks::apply(x, true);
+}
+
+torch::Tensor from_channel_blocks(const torch::Tensor& x) {
+  TORCH_CHECK(is_f32_cpu(x) && x.dim() == 5 && x.size(4) == kChannelMultiple,
+              "from_channel_blocks: expected a float32 CPU [N, C / ", kChannelMultiple, ", H, W, ",
+              kChannelMultiple, "] tensor, got ", x.sizes(), " ", x.scalar_type());
+  return ChannelBlocks::apply(x, false);
 }
 
 #endif

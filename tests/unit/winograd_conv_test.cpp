@@ -248,6 +248,75 @@ TEST(WinogradConv, BlockedInputsAndOutputsGiveThePlainPathsNumbers) {
   EXPECT_FALSE(models::winograd_conv2d(x.unsqueeze(-1), w, b, 1, true, false).defined());
 }
 
+// The layout conversions are exact and each one's gradient is the other.
+TEST(WinogradConv, ChannelBlocksConvertBothWaysExactly) {
+  torch::manual_seed(5);
+  const auto x = torch::randn({3, 48, 5, 7});
+  auto xi = x.clone().requires_grad_();
+  const auto xb = models::to_channel_blocks(xi);
+  ASSERT_EQ(xb.sizes(), (std::vector<int64_t>{3, 3, 5, 7, 16}));
+  EXPECT_TRUE(torch::equal(xb, to_blocked(x)));
+  EXPECT_TRUE(torch::equal(models::from_channel_blocks(xb), x));
+  const auto gyb = torch::randn({3, 3, 5, 7, 16});
+  const auto gx = torch::autograd::grad({xb}, {xi}, {gyb})[0];
+  EXPECT_TRUE(torch::equal(gx, from_blocked(gyb)));
+  auto bi = to_blocked(x).requires_grad_();
+  const auto y = models::from_channel_blocks(bi);
+  const auto gy = torch::randn({3, 48, 5, 7});
+  EXPECT_TRUE(torch::equal(torch::autograd::grad({y}, {bi}, {gy})[0], to_blocked(gy)));
+  // Not a multiple of 16 channels, not float32: a clear error.
+  EXPECT_THROW(models::to_channel_blocks(torch::randn({1, 20, 2, 2})), c10::Error);
+  EXPECT_THROW(models::to_channel_blocks(torch::randn({1, 16, 2, 2}, torch::kFloat64)), c10::Error);
+}
+
+// A ResnetBlock2D's 1x1 conv_shortcut in the blocked layout: output and all three gradients
+// against a float64 recomputation; declines what it does not compute.
+TEST(WinogradConv, PointwiseBlockedConvolutionMatchesFloat64) {
+  WinogradSwitch restore;
+  models::set_winograd_conv_enabled(true);
+  torch::manual_seed(9);
+  const auto x = torch::randn({2, 48, 6, 5});
+  const auto w = (torch::randn({32, 48, 1, 1}) * 0.2).requires_grad_();
+  const auto b = torch::randn({32}).requires_grad_();
+  if (!models::winograd_conv_available()) {
+    EXPECT_FALSE(models::pointwise_conv2d_blocked(to_blocked(x), w, b).defined());
+    return;
+  }
+  for (bool with_bias : {true, false}) {
+    const auto bias = with_bias ? b : torch::Tensor();
+    auto xi = to_blocked(x).requires_grad_();
+    const auto y = models::pointwise_conv2d_blocked(xi, w, bias);
+    ASSERT_TRUE(y.defined());
+    ASSERT_EQ(y.sizes(), (std::vector<int64_t>{2, 2, 6, 5, 16}));
+    const auto gy = torch::randn({2, 32, 6, 5});
+    std::vector<torch::Tensor> inputs{xi, w};
+    if (with_bias) inputs.push_back(b);
+    const auto grads = torch::autograd::grad({y}, inputs, {to_blocked(gy)});
+    // float64 reference
+    auto x64 = x.to(torch::kFloat64).requires_grad_();
+    auto w64 = w.detach().to(torch::kFloat64).requires_grad_();
+    auto b64 = b.detach().to(torch::kFloat64).requires_grad_();
+    const auto y64 = torch::conv2d(x64, w64, with_bias ? b64 : torch::Tensor());
+    std::vector<torch::Tensor> inputs64{x64, w64};
+    if (with_bias) inputs64.push_back(b64);
+    const auto ref = torch::autograd::grad({y64}, inputs64, {gy.to(torch::kFloat64)});
+    double worst = rel_diff(from_blocked(y), y64);
+    worst = std::max(worst, rel_diff(from_blocked(grads[0]), ref[0]));
+    for (size_t i = 1; i < ref.size(); ++i) worst = std::max(worst, rel_diff(grads[i], ref[i]));
+    std::printf("pointwise blocked conv (bias %d) vs float64: relative max diff %.2e\n",
+                with_bias ? 1 : 0, worst);
+    EXPECT_LT(worst, 1e-5);
+  }
+  // Channel counts off the 16-float vectors, a 3x3 weight, a plain input, or the switch off.
+  EXPECT_FALSE(
+      models::pointwise_conv2d_blocked(to_blocked(x), torch::randn({24, 48, 1, 1}), b).defined());
+  EXPECT_FALSE(
+      models::pointwise_conv2d_blocked(to_blocked(x), torch::randn({32, 48, 3, 3}), b).defined());
+  EXPECT_FALSE(models::pointwise_conv2d_blocked(x, w, b).defined());
+  models::set_winograd_conv_enabled(false);
+  EXPECT_FALSE(models::pointwise_conv2d_blocked(to_blocked(x), w, b).defined());
+}
+
 // Restores the blocked-layout switch.
 struct BlockedSwitch {
   bool before = models::winograd_blocked_layout_enabled();

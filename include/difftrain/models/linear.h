@@ -83,14 +83,17 @@ class Conv2dImpl : public torch::nn::Conv2dImpl {
   const LoraAdapter& lora() const { return lora_; }
 
   /// Whether forward_blocked applies to an input of these plain sizes ([B, in, H, W]): a training
-  /// step (grad mode on, or a checkpointed function), a 3x3 stride-1 layer without an adapter,
-  /// and a Winograd kernel for it (models/winograd_conv.h).
+  /// step (grad mode on, or a checkpointed function), a layer without an adapter, and either a
+  /// 3x3 stride-1 layer with a Winograd kernel for it, or a 1x1 stride-1 unpadded one
+  /// (pointwise_conv2d_blocked; both sides blocked) (models/winograd_conv.h).
   bool blocked_applies(torch::IntArrayRef x_sizes) const;
   /// forward(x) with the input and/or output in oneDNN's blocked layout ([B, C / 16, H, W, 16],
-  /// see winograd_conv2d); only where blocked_applies said so.
+  /// see winograd_conv2d); only where blocked_applies said so (a 1x1 layer: both blocked).
   torch::Tensor forward_blocked(const torch::Tensor& x, bool x_blocked, bool y_blocked);
 
  private:
+  // A 1x1, stride-1, unpadded, ungrouped layer.
+  bool is_pointwise() const;
   // The padding a Winograd or small-output convolution would use in a training step, or -1
   // where neither applies to this layer.
   int64_t fast_path_padding() const;

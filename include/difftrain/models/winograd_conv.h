@@ -57,4 +57,22 @@ torch::Tensor winograd_conv2d(const torch::Tensor& x, const torch::Tensor& weigh
 bool winograd_conv_applies(torch::IntArrayRef x_sizes, const torch::Tensor& weight,
                            const torch::Tensor& bias, int64_t padding);
 
+/// conv2d(x, weight, bias) of a 1x1, stride-1, unpadded layer (a ResnetBlock2D's conv_shortcut)
+/// with input and output in the blocked layout: x [N, C / 16, H, W, 16], weight [O, C, 1, 1],
+/// bias [O] or undefined -> [N, O / 16, H, W, 16], differentiable in all three; oneDNN's direct
+/// 1x1 kernel, so the numbers are a direct convolution's. Undefined where it does not apply
+/// (pointwise_conv_blocked_applies).
+torch::Tensor pointwise_conv2d_blocked(const torch::Tensor& x, const torch::Tensor& weight,
+                                       const torch::Tensor& bias);
+/// Whether pointwise_conv2d_blocked applies to an input of these plain sizes ([N, C, H, W]): the
+/// Winograd path enabled (it is the blocked layout's switch too), float32 CPU, a 1x1 weight and
+/// channel counts that are multiples of 16.
+bool pointwise_conv_blocked_applies(torch::IntArrayRef x_sizes, const torch::Tensor& weight,
+                                    const torch::Tensor& bias);
+
+/// [N, C, H, W] -> [N, C / 16, H, W, 16] (the blocked layout above; C a multiple of 16) and back,
+/// differentiable, by oneDNN's reorder (LibTorch's strided copy in a build without oneDNN).
+torch::Tensor to_channel_blocks(const torch::Tensor& x);
+torch::Tensor from_channel_blocks(const torch::Tensor& x);
+
 }  // namespace difftrain::models
