@@ -429,6 +429,112 @@ void silu_grad(const float* dy, const float* x, const float* a, const float* b, 
   }
 }
 
+// Slabs of the blocked layout: rows of exactly kSlabVecs vectors (16 channels), walked with the
+// per-channel values and accumulators held in registers (the generic [L, C] loops above keep
+// them in memory, one dependent load and store per row).
+constexpr int kSlabVecs = static_cast<int>(16 / kLanes);
+constexpr int64_t kSlabWidth = kSlabVecs * kLanes;
+static_assert(kSlabVecs >= 1 && kSlabWidth == 16, "a blocked slab row is 16 floats");
+
+// sum[c] += f(x[l, c], v) over the L rows of a [L, 16] slab (v: the vector index of c), in float
+// over blocks of 64 rows (two rows at a time, two accumulators), then in double.
+template <typename F>
+void slab_sums(const float* x, int64_t L, double* sum, F f) {
+  for (int64_t l0 = 0; l0 < L; l0 += 64) {
+    Vec acc0[kSlabVecs], acc1[kSlabVecs];
+    for (int v = 0; v < kSlabVecs; ++v) acc0[v] = acc1[v] = Vec(0.f);
+    const int64_t l1 = std::min(L, l0 + 64);
+    int64_t l = l0;
+    for (; l + 2 <= l1; l += 2) {
+      const float* r = x + l * kSlabWidth;
+      for (int v = 0; v < kSlabVecs; ++v) {
+        acc0[v] = acc0[v] + f(Vec::loadu(r + v * kLanes), v);
+        acc1[v] = acc1[v] + f(Vec::loadu(r + kSlabWidth + v * kLanes), v);
+      }
+    }
+    for (; l < l1; ++l) {
+      for (int v = 0; v < kSlabVecs; ++v) {
+        acc0[v] = acc0[v] + f(Vec::loadu(x + l * kSlabWidth + v * kLanes), v);
+      }
+    }
+    for (int v = 0; v < kSlabVecs; ++v) {
+      float out[kLanes];
+      (acc0[v] + acc1[v]).store(out);
+      for (int64_t i = 0; i < kLanes; ++i) sum[v * kLanes + i] += out[i];
+    }
+  }
+}
+
+// y = x * a + b per channel (then SiLU when act) over a [L, 16] slab.
+void slab_scale_shift(const float* x, int64_t L, const float* a, const float* b, float* y,
+                      bool act) {
+  Vec va[kSlabVecs], vb[kSlabVecs];
+  for (int v = 0; v < kSlabVecs; ++v)
+    va[v] = Vec::loadu(a + v * kLanes), vb[v] = Vec::loadu(b + v * kLanes);
+  for (int64_t l = 0; l < L; ++l) {
+    for (int v = 0; v < kSlabVecs; ++v) {
+      const int64_t i = l * kSlabWidth + v * kLanes;
+      Vec z = at::vec::fmadd(Vec::loadu(x + i), va[v], vb[v]);
+      if (act) z = silu(z);
+      z.store(y + i);
+    }
+  }
+}
+
+// One pass over a [L, 16] slab of the backward: dz = dy (times silu'(x * a + b) when silu) into
+// dz_out (may alias dy), db[c] += sum_l dz, ds[c] += sum_l dz * x (float over 64 rows, then
+// double).
+void slab_grad_sums(const float* dy, const float* x, int64_t L, const float* a, const float* b,
+                    bool silu, float* dz_out, double* db, double* ds) {
+  Vec va[kSlabVecs], vb[kSlabVecs];
+  for (int v = 0; v < kSlabVecs; ++v)
+    va[v] = Vec::loadu(a + v * kLanes), vb[v] = Vec::loadu(b + v * kLanes);
+  const Vec one(1.f), zero(0.f);
+  for (int64_t l0 = 0; l0 < L; l0 += 64) {
+    Vec sdb[kSlabVecs], sds[kSlabVecs];
+    for (int v = 0; v < kSlabVecs; ++v) sdb[v] = sds[v] = Vec(0.f);
+    const int64_t l1 = std::min(L, l0 + 64);
+    for (int64_t l = l0; l < l1; ++l) {
+      for (int v = 0; v < kSlabVecs; ++v) {
+        const int64_t i = l * kSlabWidth + v * kLanes;
+        const Vec xv = Vec::loadu(x + i);
+        Vec dz = Vec::loadu(dy + i);
+        if (silu) {
+          const Vec z = at::vec::fmadd(xv, va[v], vb[v]);
+          const Vec sig = one / (one + fast_exp(zero - z));
+          dz = dz * sig * (one + z * (one - sig));
+        }
+        dz.store(dz_out + i);
+        sdb[v] = sdb[v] + dz;
+        sds[v] = at::vec::fmadd(dz, xv, sds[v]);
+      }
+    }
+    for (int v = 0; v < kSlabVecs; ++v) {
+      float tb[kLanes], ts[kLanes];
+      sdb[v].store(tb);
+      sds[v].store(ts);
+      for (int64_t i = 0; i < kLanes; ++i) db[v * kLanes + i] += tb[i], ds[v * kLanes + i] += ts[i];
+    }
+  }
+}
+
+// dx = dz * sc + x * k2 + k3 per channel over a [L, 16] slab (dx holds dz on entry).
+void slab_grad_finish(float* dx, const float* x, int64_t L, const float* sc, const float* k2,
+                      const float* k3) {
+  Vec vs[kSlabVecs], v2[kSlabVecs], v3[kSlabVecs];
+  for (int v = 0; v < kSlabVecs; ++v) {
+    vs[v] = Vec::loadu(sc + v * kLanes), v2[v] = Vec::loadu(k2 + v * kLanes),
+    v3[v] = Vec::loadu(k3 + v * kLanes);
+  }
+  for (int64_t l = 0; l < L; ++l) {
+    for (int v = 0; v < kSlabVecs; ++v) {
+      const int64_t i = l * kSlabWidth + v * kLanes;
+      const Vec t = at::vec::fmadd(Vec::loadu(x + i), v2[v], v3[v]);
+      at::vec::fmadd(Vec::loadu(dx + i), vs[v], t).store(dx + i);
+    }
+  }
+}
+
 // Per sample n: a_c = rstd_g * gamma_c, b_c = beta_c - mean_g * a_c for every channel c.
 void affine_coefficients(const GroupNormShape& s, int64_t n, const float* mean, const float* rstd,
                          const float* gamma, const float* beta, float* a, float* b) {
@@ -476,10 +582,15 @@ void group_norm_forward(const GroupNormShape& s, const float* x, const float* ga
     std::vector<float> channel_mean(C), a(C), b(C);
     for (int64_t n = begin; n < end; ++n) {
       const float* xn = x + n * L * C;
+      const bool slab16 = B == kSlabWidth;
       std::fill(sum.begin(), sum.end(), 0.0);
       for (int64_t k = 0; k < slabs; ++k) {
-        channel_sums_cl(xn + k * L * B, L, B, sum.data() + k * B,
-                        [](const Vec& v, int64_t) { return v; });
+        if (slab16) {
+          slab_sums(xn + k * L * B, L, sum.data() + k * B, [](const Vec& v, int) { return v; });
+        } else {
+          channel_sums_cl(xn + k * L * B, L, B, sum.data() + k * B,
+                          [](const Vec& v, int64_t) { return v; });
+        }
       }
       for (int64_t g = 0; g < G; ++g) {
         double t = 0;
@@ -490,6 +601,15 @@ void group_norm_forward(const GroupNormShape& s, const float* x, const float* ga
       std::fill(sum.begin(), sum.end(), 0.0);
       for (int64_t k = 0; k < slabs; ++k) {
         const float* slab_mean = channel_mean.data() + k * B;
+        if (slab16) {
+          Vec mv[kSlabVecs];
+          for (int v = 0; v < kSlabVecs; ++v) mv[v] = Vec::loadu(slab_mean + v * kLanes);
+          slab_sums(xn + k * L * B, L, sum.data() + k * B, [&](const Vec& x_v, int v) {
+            const Vec t = x_v - mv[v];
+            return t * t;
+          });
+          continue;
+        }
         channel_sums_cl(xn + k * L * B, L, B, sum.data() + k * B, [&](const Vec& v, int64_t c) {
           const Vec t = v - Vec::loadu(slab_mean + c, std::min<int64_t>(kLanes, B - c));
           return t * t;
@@ -502,6 +622,11 @@ void group_norm_forward(const GroupNormShape& s, const float* x, const float* ga
       }
       affine_coefficients(s, n, mean, rstd, gamma, beta, a.data(), b.data());
       for (int64_t k = 0; k < slabs; ++k) {
+        if (slab16) {
+          slab_scale_shift(xn + k * L * B, L, a.data() + k * B, b.data() + k * B,
+                           y + n * L * C + k * L * B, s.silu);
+          continue;
+        }
         for (int64_t l = 0; l < L; ++l) {
           const int64_t row = (k * L + l) * B;
           scale_shift(xn + row, a.data() + k * B, b.data() + k * B, y + n * L * C + row, B, s.silu);
@@ -537,6 +662,12 @@ void group_norm_backward(const GroupNormShape& s, const float* dy, const float* 
           }
           ds[n * C + c] = dot(dx + off, x + off, L);
           db[n * C + c] = plain_sum(dx + off, L);
+        }
+      } else if (B == kSlabWidth) {
+        for (int64_t k = 0; k < slabs; ++k) {
+          const int64_t off = base + k * L * B;
+          slab_grad_sums(dy + off, x + off, L, a.data() + k * B, b.data() + k * B, s.silu, dx + off,
+                         db.data() + n * C + k * B, ds.data() + n * C + k * B);
         }
       } else {
         for (int64_t k = 0; k < slabs; ++k) {
@@ -606,6 +737,10 @@ void group_norm_backward(const GroupNormShape& s, const float* dy, const float* 
         for (int64_t k = 0; k < slabs; ++k) {
           const float *k2 = k2c.data() + k * B, *k3 = k3c.data() + k * B,
                       *sc = scale.data() + k * B;
+          if (B == kSlabWidth) {
+            slab_grad_finish(dx + base + k * L * B, x + base + k * L * B, L, sc, k2, k3);
+            continue;
+          }
           for (int64_t l = 0; l < L; ++l) {
             const int64_t off = base + (k * L + l) * B;
             int64_t c = 0;

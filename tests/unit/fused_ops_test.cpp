@@ -180,7 +180,7 @@ TEST(FusedOps, GroupNormSiluInTheBlockedLayoutMatchesFloat64) {
   for (const auto& c : {Case{32, 8, true, true}, Case{48, 3, true, false}, Case{64, 2, false, true},
                         Case{16, 1, true, true}}) {
     torch::manual_seed(4);
-    const int64_t N = 3, H = 5, W = 7;
+    const int64_t N = 3, H = 9, W = 11;  // 99 positions: past a 64-row block, odd
     auto plain = torch::randn({N, c.C, H, W}) * 2 + 0.5;
     auto x = to_blocked(plain).requires_grad_();
     torch::Tensor w, b;
