@@ -218,7 +218,7 @@ torch::Tensor ResnetBlock2DImpl::forward_blocked(const torch::Tensor& x_in,
   if (!time_emb_proj_.is_empty() && temb.defined()) {
     torch::Tensor t = o.skip_time_act() ? temb : activation(act, temb);
     t = time_emb_proj_(t);
-    h = h + t.reshape({t.size(0), out / kBlock, 1, 1, kBlock});
+    h.add_(t.reshape({t.size(0), out / kBlock, 1, 1, kBlock}));  // (conv1 keeps no output)
   }
   const auto& gn2 = norm2_->options;
   h = group_norm_silu_blocked(h, gn2.num_groups(), norm2_->weight, norm2_->bias, gn2.eps(), true);
@@ -228,9 +228,11 @@ torch::Tensor ResnetBlock2DImpl::forward_blocked(const torch::Tensor& x_in,
                                   ? xb
                                   : conv_shortcut_->forward_blocked(xb, /*x_blocked=*/true,
                                                                     /*y_blocked=*/true);
-  torch::Tensor result = input + h;
-  if (o.output_scale_factor() != 1.0) result = result / o.output_scale_factor();
-  return from_channel_blocks(result);
+  // In place: nothing keeps conv2's output for its backward, and a fresh 4 MB result costs its
+  // first-touch writes.
+  h.add_(input);
+  if (o.output_scale_factor() != 1.0) h.div_(o.output_scale_factor());
+  return from_channel_blocks(h);
 }
 
 torch::Tensor ResnetBlock2DImpl::forward_impl(const torch::Tensor& x, const torch::Tensor& temb) {

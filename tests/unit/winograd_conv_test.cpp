@@ -340,8 +340,10 @@ TEST(WinogradConv, ResnetBlockInTheBlockedLayoutMatchesThePlainOne) {
   for (const auto& c :
        {Case{32, 32, 24, 8, false}, Case{48, 32, 0, 16, false}, Case{32, 64, 24, 2, true}}) {
     torch::manual_seed(7);
-    models::ResnetBlock2D block(
-        models::ResnetBlock2DOptions(c.in, c.out).temb_channels(c.temb).groups(c.groups));
+    models::ResnetBlock2D block(models::ResnetBlock2DOptions(c.in, c.out)
+                                    .temb_channels(c.temb)
+                                    .groups(c.groups)
+                                    .output_scale_factor(c.channels_last ? 2.0 : 1.0));
     for (auto& p : block->parameters()) {  // non-trivial norms and biases
       torch::NoGradGuard no_grad;
       p.add_(torch::randn(p.sizes()) * 0.1);
