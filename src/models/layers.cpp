@@ -189,8 +189,7 @@ ResnetBlock2DImpl::ResnetBlock2DImpl(const ResnetBlock2DOptions& o) : options(o)
 // converted back once: two conversions per block each way instead of four (six with a shortcut,
 // whose LibTorch convolution converts its own input and output) (docs/PERFORMANCE.md). Same maths
 // as forward_impl, to float rounding (GroupNorm sums in another order).
-torch::Tensor ResnetBlock2DImpl::forward_blocked(const torch::Tensor& x_in,
-                                                 const torch::Tensor& temb) {
+bool ResnetBlock2DImpl::blocked_applies(const torch::Tensor& x_in, torch::IntArrayRef sizes) const {
   const auto& o = options;
   const std::string& act = o.non_linearity();
   const bool silu = act == "silu" || act == "swish";
@@ -198,18 +197,20 @@ torch::Tensor ResnetBlock2DImpl::forward_blocked(const torch::Tensor& x_in,
       (o.dropout() > 0 && is_training()) || !winograd_blocked_layout_enabled() ||
       !fused_kernels_enabled() || x_in.dim() != 4 || !x_in.device().is_cpu() ||
       x_in.scalar_type() != torch::kFloat32 || use_channels_last(x_in)) {
-    return {};
+    return false;
   }
-  // (An attention block's output is channels-last memory: one copy here saves the conversions.)
-  const torch::Tensor x = x_in.contiguous();
-  const int64_t n = x.size(0), out = o.out_channels(), H = x.size(2), W = x.size(3);
-  if (!conv1_->blocked_applies(x.sizes()) || !conv2_->blocked_applies({n, out, H, W}) ||
-      (conv_shortcut_.is_empty() ? x.size(1) != out
-                                 : !conv_shortcut_->blocked_applies(x.sizes()))) {
-    return {};
-  }
+  if (sizes.size() != 4) return false;
+  const int64_t n = sizes[0], out = o.out_channels(), H = sizes[2], W = sizes[3];
+  return conv1_->blocked_applies(sizes) && conv2_->blocked_applies({n, out, H, W}) &&
+         (conv_shortcut_.is_empty() ? sizes[1] == out : conv_shortcut_->blocked_applies(sizes));
+}
+
+torch::Tensor ResnetBlock2DImpl::forward_blocked(const torch::Tensor& xb,
+                                                 const torch::Tensor& temb) {
+  const auto& o = options;
+  const std::string& act = o.non_linearity();
+  const int64_t out = o.out_channels();
   constexpr int64_t kBlock = 16;  // winograd_conv2d's blocks (both channel counts divide)
-  const torch::Tensor xb = to_channel_blocks(x);
   const auto& gn1 = norm1_->options;
   torch::Tensor h =
       group_norm_silu_blocked(xb, gn1.num_groups(), norm1_->weight, norm1_->bias, gn1.eps(), true);
@@ -236,9 +237,9 @@ torch::Tensor ResnetBlock2DImpl::forward_blocked(const torch::Tensor& x_in,
 }
 
 torch::Tensor ResnetBlock2DImpl::forward_impl(const torch::Tensor& x, const torch::Tensor& temb) {
-  torch::Tensor y = forward_blocked(x, temb);
-  last_forward_blocked_ = y.defined();
-  if (y.defined()) return y;
+  // (An attention block's output is channels-last memory: to_channel_blocks reads either.)
+  last_forward_blocked_ = blocked_applies(x, x.sizes());
+  if (last_forward_blocked_) return forward_blocked(to_channel_blocks(x.contiguous()), temb);
   const std::string& act = options.non_linearity();
   torch::Tensor input = x;
   torch::Tensor h = group_norm_act(*norm1_, act, x);
@@ -283,6 +284,21 @@ torch::Tensor ResnetBlock2DImpl::forward_impl(const torch::Tensor& x, const torc
 torch::Tensor ResnetBlock2DImpl::forward(const torch::Tensor& x, const torch::Tensor& temb) {
   core::ForwardScope scope(*this);
   return scope.output(forward_impl(x, temb));
+}
+
+torch::Tensor ResnetBlock2DImpl::forward_cat(const torch::Tensor& x, const torch::Tensor& skip,
+                                             const torch::Tensor& temb) {
+  const bool parts_fit = x.dim() == 4 && skip.dim() == 4 && x.size(0) == skip.size(0) &&
+                         x.size(2) == skip.size(2) && x.size(3) == skip.size(3) &&
+                         x.size(1) % 16 == 0 && skip.size(1) % 16 == 0 &&
+                         x.scalar_type() == skip.scalar_type() && x.device() == skip.device();
+  if (!parts_fit ||
+      !blocked_applies(x, {x.size(0), x.size(1) + skip.size(1), x.size(2), x.size(3)})) {
+    return forward(torch::cat({x, skip}, 1), temb);
+  }
+  core::ForwardScope scope(*this);
+  last_forward_blocked_ = true;
+  return scope.output(forward_blocked(cat_to_channel_blocks(x, skip), temb));
 }
 
 }  // namespace difftrain::models

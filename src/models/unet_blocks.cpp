@@ -193,10 +193,16 @@ torch::Tensor UpBlockImpl::forward_impl(torch::Tensor x, std::vector<torch::Tens
   for (size_t i = 0; i < resnets_.size(); ++i) {
     if (takes_skips_) {
       TORCH_CHECK(!skips.empty(), "UpBlock: ran out of skip connections");
-      x = torch::cat({x, skips.back()}, 1);
+      torch::Tensor skip = std::move(skips.back());
       skips.pop_back();
+      if (!in.gradient_checkpointing) {
+        x = resnets_[i]->forward_cat(x, skip, in.temb);  // no plain concatenation where blocked
+      } else {
+        x = run_resnet(resnets_[i], torch::cat({x, skip}, 1), in);
+      }
+    } else {
+      x = run_resnet(resnets_[i], x, in);
     }
-    x = run_resnet(resnets_[i], x, in);
     if (!attentions_.empty()) x = run_attention(attentions_[i], x, in);
   }
   if (!upsample_.is_empty()) x = upsample_(x, upsample_size);

@@ -64,6 +64,9 @@ torch::Tensor to_channel_blocks(const torch::Tensor& x) {
       .permute({0, 1, 3, 4, 2})
       .contiguous();
 }
+torch::Tensor cat_to_channel_blocks(const torch::Tensor& a, const torch::Tensor& b) {
+  return torch::cat({to_channel_blocks(a), to_channel_blocks(b)}, 1);
+}
 torch::Tensor from_channel_blocks(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 5 && x.size(4) == 16 && x.scalar_type() == torch::kFloat,
               "from_channel_blocks: expected a float32 [N, C / 16, H, W, 16] tensor, got ",
@@ -442,7 +445,73 @@ class ChannelBlocks : public torch::autograd::Function<ChannelBlocks> {
   }
 };
 
+// The concatenation along channels of two plain [N, C_i, H, W] parts, written straight into one
+// blocked [N, (C_a + C_b) / 16, H, W, 16] tensor: each part is reordered into the channel blocks it
+// occupies (a oneDNN sub-memory of the output), so the plain concatenation is never written; the
+// backward reorders each part's channel blocks of the gradient back to a plain tensor.
+class CatChannelBlocks : public torch::autograd::Function<CatChannelBlocks> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& a,
+                               const torch::Tensor& b) {
+    torch::NoGradGuard no_grad;
+    const std::vector<torch::Tensor> parts{a, b};
+    const int64_t n = parts[0].size(0), h = parts[0].size(2), w = parts[0].size(3);
+    std::vector<int64_t> channels;
+    int64_t total = 0;
+    for (const auto& p : parts) channels.push_back(p.size(1)), total += p.size(1);
+    ctx->saved_data["channels"] = channels;
+    auto y =
+        torch::empty({n, total / kChannelMultiple, h, w, kChannelMultiple}, parts[0].options());
+    const memory::desc whole({n, total, h, w}, kF32, Tag::nChw16c);
+    memory out_all(whole, cpu_engine(), y.data_ptr());
+    dnnl::stream stream(cpu_engine());
+    int64_t offset = 0;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const auto src = parts[i].contiguous();
+      const memory::dims dims{n, channels[i], h, w};
+      memory in(memory::desc(dims, kF32, Tag::nchw), cpu_engine(), src.data_ptr());
+      memory out(whole.submemory_desc(dims, {0, offset, 0, 0}), cpu_engine(), y.data_ptr());
+      dnnl::reorder(in, out).execute(stream, in, out);
+      offset += channels[i];
+    }
+    stream.wait();
+    return y;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto channels = ctx->saved_data["channels"].toIntVector();
+    const auto gy = grads[0].contiguous();
+    const int64_t n = gy.size(0), h = gy.size(2), w = gy.size(3);
+    const memory::desc whole({n, gy.size(1) * kChannelMultiple, h, w}, kF32, Tag::nChw16c);
+    dnnl::stream stream(cpu_engine());
+    torch::autograd::variable_list out;
+    int64_t offset = 0;
+    for (size_t i = 0; i < channels.size(); ++i) {
+      const memory::dims dims{n, channels[i], h, w};
+      auto g = torch::empty({n, channels[i], h, w}, gy.options());
+      memory in(whole.submemory_desc(dims, {0, offset, 0, 0}), cpu_engine(), gy.data_ptr());
+      memory dst(memory::desc(dims, kF32, Tag::nchw), cpu_engine(), g.data_ptr());
+      dnnl::reorder(in, dst).execute(stream, in, dst);
+      out.push_back(g);
+      offset += channels[i];
+    }
+    stream.wait();
+    return out;
+  }
+};
+
 }  // namespace
+
+torch::Tensor cat_to_channel_blocks(const torch::Tensor& a, const torch::Tensor& b) {
+  for (const auto& p : {a, b}) {
+    TORCH_CHECK(is_f32_cpu(p) && p.dim() == 4 && p.size(1) % kChannelMultiple == 0 &&
+                    p.size(0) == a.size(0) && p.size(2) == a.size(2) && p.size(3) == a.size(3),
+                "cat_to_channel_blocks: expected float32 CPU [N, C_i, H, W] tensors of one N, H, "
+                "W with each C_i a multiple of ",
+                kChannelMultiple, ", got ", p.sizes(), " ", p.scalar_type());
+  }
+  return CatChannelBlocks::apply(a, b);
+}
 
 torch::Tensor to_channel_blocks(const torch::Tensor& x) {
   TORCH_CHECK(is_f32_cpu(x) && x.dim() == 4 && x.size(1) % kChannelMultiple == 0,

@@ -269,6 +269,27 @@ TEST(WinogradConv, ChannelBlocksConvertBothWaysExactly) {
   EXPECT_THROW(models::to_channel_blocks(torch::randn({1, 16, 2, 2}, torch::kFloat64)), c10::Error);
 }
 
+// Concatenating straight into channel blocks is the plain concatenation converted, bit for bit,
+// and each part gets its slice of the gradient.
+TEST(WinogradConv, CatIntoChannelBlocksEqualsCatThenConvert) {
+  torch::manual_seed(6);
+  const auto a = torch::randn({2, 32, 5, 7}), b = torch::randn({2, 16, 5, 7});
+  auto ai = a.clone().requires_grad_(), bi = b.clone().requires_grad_();
+  const auto y = models::cat_to_channel_blocks(ai, bi);
+  ASSERT_EQ(y.sizes(), (std::vector<int64_t>{2, 3, 5, 7, 16}));
+  EXPECT_TRUE(torch::equal(y, to_blocked(torch::cat({a, b}, 1))));
+  const auto gy = torch::randn({2, 3, 5, 7, 16});
+  const auto grads = torch::autograd::grad({y}, {ai, bi}, {gy});
+  const auto plain = from_blocked(gy);
+  EXPECT_TRUE(torch::equal(grads[0], plain.narrow(1, 0, 32)));
+  EXPECT_TRUE(torch::equal(grads[1], plain.narrow(1, 32, 16)));
+  // A channels-last part reads the same; parts off the 16-channel blocks are an error.
+  EXPECT_TRUE(torch::equal(
+      models::cat_to_channel_blocks(a.contiguous(at::MemoryFormat::ChannelsLast), b), y));
+  EXPECT_THROW(models::cat_to_channel_blocks(a, torch::randn({2, 8, 5, 7})), c10::Error);
+  EXPECT_THROW(models::cat_to_channel_blocks(a, torch::randn({2, 16, 5, 6})), c10::Error);
+}
+
 // A ResnetBlock2D's 1x1 conv_shortcut in the blocked layout: output and all three gradients
 // against a float64 recomputation; declines what it does not compute.
 TEST(WinogradConv, PointwiseBlockedConvolutionMatchesFloat64) {
@@ -382,6 +403,40 @@ TEST(WinogradConv, ResnetBlockInTheBlockedLayoutMatchesThePlainOne) {
     }
   }
   models::set_fused_kernels_enabled(fused_before);
+}
+
+// An up block's call: forward_cat(x, skip) is forward(cat(x, skip)), output and every gradient
+// bit for bit, blocked or not.
+TEST(WinogradConv, ResnetBlockForwardCatEqualsForwardOfTheConcatenation) {
+  WinogradSwitch restore_winograd;
+  models::set_winograd_conv_enabled(true);
+  torch::manual_seed(8);
+  models::ResnetBlock2D block(models::ResnetBlock2DOptions(48, 32).temb_channels(24).groups(8));
+  const auto x = torch::randn({2, 32, 6, 5}), skip = torch::randn({2, 16, 6, 5});
+  const auto temb = torch::randn({2, 24});
+  const auto gy = torch::randn({2, 32, 6, 5});
+  auto run = [&](bool cat_call) {
+    auto xi = x.clone().requires_grad_(), si = skip.clone().requires_grad_();
+    auto y =
+        cat_call ? block->forward_cat(xi, si, temb) : block->forward(torch::cat({xi, si}, 1), temb);
+    std::vector<torch::Tensor> inputs{xi, si};
+    for (const auto& p : block->parameters()) inputs.push_back(p);
+    auto grads = torch::autograd::grad({y}, inputs, {gy});
+    grads.insert(grads.begin(), y.detach());
+    return grads;
+  };
+  const auto plain = run(false);
+  const bool blocked = block->last_forward_blocked();
+  EXPECT_EQ(blocked, models::winograd_conv_available());
+  const auto fused = run(true);
+  EXPECT_EQ(block->last_forward_blocked(), blocked);
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_TRUE(torch::equal(fused[i], plain[i])) << i;
+  // Parts off the 16-channel blocks take the plain concatenation.
+  models::ResnetBlock2D odd(models::ResnetBlock2DOptions(40, 32).temb_channels(24).groups(8));
+  const auto x8 = torch::randn({2, 8, 6, 5}), s32 = torch::randn({2, 32, 6, 5});
+  EXPECT_TRUE(torch::allclose(odd->forward_cat(x8, s32, temb),
+                              odd->forward(torch::cat({x8, s32}, 1), temb)));
+  EXPECT_FALSE(odd->last_forward_blocked());
 }
 
 }  // namespace

@@ -120,6 +120,11 @@ class ResnetBlock2DImpl : public torch::nn::Module, public core::HookableModule 
   explicit ResnetBlock2DImpl(const ResnetBlock2DOptions& options);
   /// x: [B, C_in, H, W], temb: [B, temb_channels] or undefined -> [B, C_out, H', W']
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& temb);
+  /// forward(torch::cat({x, skip}, 1), temb), as a UNet's up block calls it; in the blocked
+  /// layout (a float32 CPU training step) the two parts are converted straight into the blocked
+  /// input, and the plain concatenation is never written.
+  torch::Tensor forward_cat(const torch::Tensor& x, const torch::Tensor& skip,
+                            const torch::Tensor& temb);
   std::string hook_class_name() const override { return "ResnetBlock2D"; }
   /// Whether the last forward ran between its convolutions in oneDNN's blocked layout (a float32
   /// CPU training step with the Winograd path and fused kernels on; layers.cpp). For tests.
@@ -129,9 +134,12 @@ class ResnetBlock2DImpl : public torch::nn::Module, public core::HookableModule 
 
  private:
   torch::Tensor forward_impl(const torch::Tensor& x, const torch::Tensor& temb);
-  // The same block with conv1's output, norm2 and conv2's input in oneDNN's blocked layout, or
-  // an undefined tensor where that path does not apply (layers.cpp).
-  torch::Tensor forward_blocked(const torch::Tensor& x, const torch::Tensor& temb);
+  // Whether the whole block can run in oneDNN's blocked layout for a plain input of these sizes
+  // with x's dtype and device (layers.cpp).
+  bool blocked_applies(const torch::Tensor& x, torch::IntArrayRef sizes) const;
+  // The block on its input already in the blocked layout ([B, C_in / 16, H, W, 16]), returning a
+  // plain output; only where blocked_applies said so.
+  torch::Tensor forward_blocked(const torch::Tensor& xb, const torch::Tensor& temb);
   torch::nn::GroupNorm norm1_{nullptr}, norm2_{nullptr};
   Conv2d conv1_{nullptr}, conv2_{nullptr}, conv_shortcut_{nullptr};
   Linear time_emb_proj_{nullptr};

@@ -74,5 +74,9 @@ bool pointwise_conv_blocked_applies(torch::IntArrayRef x_sizes, const torch::Ten
 /// differentiable, by oneDNN's reorder (LibTorch's strided copy in a build without oneDNN).
 torch::Tensor to_channel_blocks(const torch::Tensor& x);
 torch::Tensor from_channel_blocks(const torch::Tensor& x);
+/// to_channel_blocks(torch::cat({a, b}, 1)) without writing the plain concatenation: each
+/// [N, C_i, H, W] part (C_i a multiple of 16, one N, H, W) is converted straight into its channel
+/// blocks of the result; differentiable in both.
+torch::Tensor cat_to_channel_blocks(const torch::Tensor& a, const torch::Tensor& b);
 
 }  // namespace difftrain::models
