@@ -1,12 +1,19 @@
 #include "difftrain/distributed/collectives.h"
 
 #include "difftrain/core/error.h"
+#include "difftrain/distributed/shm_allreduce.h"
 
 #include <fmt/format.h>
 
 namespace difftrain::distributed {
 
 namespace {
+
+// Float sums and means of a group on one machine go through shared memory (ShmAllReduce).
+bool uses_shm(const torch::Tensor& tensor, ReduceOp op, const ProcessGroup& group) {
+  return group.shm() != nullptr && (op == ReduceOp::kSum || op == ReduceOp::kMean) &&
+         ShmAllReduce::accepts(tensor);
+}
 
 c10d::ReduceOp to_c10d(ReduceOp op) {
   switch (op) {
@@ -53,11 +60,15 @@ void all_reduce(torch::Tensor& tensor, ReduceOp op, ProcessGroup& group) {
   if (group.size() == 1) return;
   // Gloo needs contiguous memory; reduce a contiguous copy and write it back if we made one.
   torch::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
-  std::vector<torch::Tensor> tensors{buffer};
-  c10d::AllreduceOptions opts;
-  opts.reduceOp = to_c10d(op);
-  group.wait(group.backend().allreduce(tensors, opts),
-             std::string("all_reduce(") + to_string(op) + ")");
+  if (uses_shm(buffer, op, group)) {
+    group.wait(group.shm()->launch(buffer), std::string("all_reduce(") + to_string(op) + ")");
+  } else {
+    std::vector<torch::Tensor> tensors{buffer};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = to_c10d(op);
+    group.wait(group.backend().allreduce(tensors, opts),
+               std::string("all_reduce(") + to_string(op) + ")");
+  }
   if (op == ReduceOp::kMean) buffer.div_(group.size());
   if (!buffer.is_same(tensor)) tensor.copy_(buffer);
 }
@@ -85,6 +96,9 @@ PendingAllReduce all_reduce_async(torch::Tensor tensor, ReduceOp op, ProcessGrou
                             group.describe()));
   }
   if (group.size() == 1) return {};
+  if (uses_shm(tensor, op, group)) {
+    return PendingAllReduce(group.shm()->launch(tensor), &group, tensor, op);
+  }
   std::vector<torch::Tensor> tensors{tensor};
   c10d::AllreduceOptions opts;
   opts.reduceOp = to_c10d(op);

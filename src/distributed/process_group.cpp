@@ -4,6 +4,7 @@
 #include "difftrain/core/log.h"
 #include "difftrain/core/torch_compat.h"
 #include "difftrain/distributed/net.h"
+#include "difftrain/distributed/shm_allreduce.h"
 #include "difftrain/distributed/store_util.h"
 
 #include <ATen/Parallel.h>
@@ -262,6 +263,14 @@ void ProcessGroup::connect_backend() {
         fmt::format("{} could not connect the gloo group (bound to {}, rendezvous {}): {}: "
                     "check that every machine can reach the others' addresses",
                     describe(), bind_address_, info_.store_description(), first_line(e)));
+  }
+  try {
+    shm_ = ShmAllReduce::create(*store_, info_.rank, info_.world_size, options_.collective_timeout);
+  } catch (const std::exception& e) {
+    throw Error(
+        fmt::format("{} could not agree on the shared-memory all-reduce through the "
+                    "rendezvous {}: {}",
+                    describe(), info_.store_description(), first_line(e)));
   }
 }
 

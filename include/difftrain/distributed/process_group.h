@@ -13,6 +13,8 @@
 
 namespace difftrain::distributed {
 
+class ShmAllReduce;
+
 /// Options of a process group. Environment overrides: DIFFTRAIN_JOIN_TIMEOUT and
 /// DIFFTRAIN_COLLECTIVE_TIMEOUT (seconds), DIFFTRAIN_BACKEND (gloo | nccl).
 struct ProcessGroupOptions {
@@ -69,6 +71,10 @@ class ProcessGroup {
 
   /// "rank 1/4".
   std::string describe() const;
+  /// The shared-memory all-reduce when every rank runs on this machine (Gloo groups only;
+  /// DIFFTRAIN_SHM_ALLREDUCE=0 turns it off), else nullptr. Float sums and means of contiguous
+  /// CPU tensors go through it; everything else through backend().
+  ShmAllReduce* shm() const { return shm_.get(); }
 
  private:
   void open_store();
@@ -84,6 +90,7 @@ class ProcessGroup {
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<compat::C10dBackend> backend_;
   int failures_ = 0;
+  std::unique_ptr<ShmAllReduce> shm_;
 };
 
 /// Joins the job this process belongs to (detect_rendezvous() + ProcessGroup) once, makes it the
