@@ -32,13 +32,23 @@ constexpr int64_t kSegmentAlign = 16;  // elements: rank segments start on 64-by
 
 using Clock = std::chrono::steady_clock;
 
+std::string namespace_of(const char* link) {
+  char target[128] = {0};
+  const ssize_t n = ::readlink(link, target, sizeof(target) - 1);
+  return n > 0 ? std::string(target, static_cast<size_t>(n)) : std::string("?");
+}
+
+// One kernel (boot id) and one network and IPC namespace: ranks in other network namespaces are
+// treated as other machines even on this kernel (containers, and the two-machine tests made of
+// namespaces, whose link must be what carries their collectives).
 std::string machine_id() {
   char host[256] = {0};
   ::gethostname(host, sizeof(host) - 1);
   std::string boot;
   std::ifstream in("/proc/sys/kernel/random/boot_id");
   std::getline(in, boot);
-  return std::string(host) + "/" + boot;
+  return std::string(host) + "/" + boot + "/" + namespace_of("/proc/self/ns/net") + "/" +
+         namespace_of("/proc/self/ns/ipc");
 }
 
 bool env_disabled() {
