@@ -45,10 +45,12 @@ struct SmallConvShape {
   /* mean, rstd: [N, groups] */                                                                    \
   void group_norm_forward(const GroupNormShape& s, const float* x, const float* gamma,             \
                           const float* beta, float* y, float* mean, float* rstd);                  \
-  /* dx: [N, C, L] in x's layout; dgamma, dbeta: [C] (overwritten) */                              \
+  /* dx: [N, C, L] in x's layout; dgamma, dbeta: [C] (overwritten); dx_add: null, or (blocked */   \
+  /* layout of 16 only) a gradient in x's layout added to dx in the last pass                  */  \
   void group_norm_backward(const GroupNormShape& s, const float* dy, const float* x,               \
                            const float* mean, const float* rstd, const float* gamma,               \
-                           const float* beta, float* dx, float* dgamma, float* dbeta);             \
+                           const float* beta, float* dx, float* dgamma, float* dbeta,              \
+                           const float* dx_add);                                                   \
   /* bias may be null */                                                                           \
   void small_conv_forward(const SmallConvShape& s, const float* x, const float* weight,            \
                           const float* bias, float* y);                                            \

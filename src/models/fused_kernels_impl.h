@@ -534,7 +534,8 @@ void group_norm_forward(const GroupNormShape& s, const float* x, const float* ga
 
 void group_norm_backward(const GroupNormShape& s, const float* dy, const float* x,
                          const float* mean, const float* rstd, const float* gamma,
-                         const float* beta, float* dx, float* dgamma, float* dbeta) {
+                         const float* beta, float* dx, float* dgamma, float* dbeta,
+                         const float* dx_add) {
   const int64_t N = s.batch, C = s.channels, L = s.length, G = s.groups, cpg = C / G;
   const double count = static_cast<double>(cpg * L);
   // ds[n, c] = sum_l dz * x, db[n, c] = sum_l dz, with dz = dy (times silu' when fused), which is
@@ -543,6 +544,9 @@ void group_norm_backward(const GroupNormShape& s, const float* dy, const float* 
   // [N, L, C] or [N, C / B, L, B]: slabs of B channels, each [L, B] (as in the forward).
   const bool blocked = s.channels_last || s.block > 0;
   const int64_t B = s.block > 0 ? s.block : C, slabs = C / B;
+  // dx_add is taken where it is fused: the blocked layout's 16-channel slabs.
+  TORCH_CHECK(dx_add == nullptr || (s.block > 0 && B == kSlabWidth),
+              "group_norm_backward: dx_add needs the blocked layout of ", kSlabWidth, " channels");
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> a(C), b(C), scale(C), c2(G), c3(G);
     for (int64_t n = begin; n < end; ++n) {
@@ -634,7 +638,8 @@ void group_norm_backward(const GroupNormShape& s, const float* dy, const float* 
           const float *k2 = k2c.data() + k * B, *k3 = k3c.data() + k * B,
                       *sc = scale.data() + k * B;
           if (B == kSlabWidth) {
-            slab_grad_finish(dx + base + k * L * B, x + base + k * L * B, L, sc, k2, k3);
+            slab_grad_finish(dx + base + k * L * B, x + base + k * L * B, L, sc, k2, k3,
+                             dx_add ? dx_add + base + k * L * B : nullptr);
             continue;
           }
           for (int64_t l = 0; l < L; ++l) {

@@ -94,17 +94,28 @@ void slab_grad_sums(const float* dy, const float* x, int64_t L, const float* a, 
 
 // dx = dz * sc + x * k2 + k3 per channel over a [L, 16] slab (dx holds dz on entry).
 void slab_grad_finish(float* dx, const float* x, int64_t L, const float* sc, const float* k2,
-                      const float* k3) {
+                      const float* k3, const float* add) {
   Vec vs[kSlabVecs], v2[kSlabVecs], v3[kSlabVecs];
   for (int v = 0; v < kSlabVecs; ++v) {
     vs[v] = Vec::loadu(sc + v * kLanes), v2[v] = Vec::loadu(k2 + v * kLanes),
     v3[v] = Vec::loadu(k3 + v * kLanes);
   }
+  if (add == nullptr) {
+    for (int64_t l = 0; l < L; ++l) {
+      for (int v = 0; v < kSlabVecs; ++v) {
+        const int64_t i = l * kSlabWidth + v * kLanes;
+        const Vec t = at::vec::fmadd(Vec::loadu(x + i), v2[v], v3[v]);
+        at::vec::fmadd(Vec::loadu(dx + i), vs[v], t).store(dx + i);
+      }
+    }
+    return;
+  }
+  // The other consumer's gradient added as autograd would have (one rounding after the finish).
   for (int64_t l = 0; l < L; ++l) {
     for (int v = 0; v < kSlabVecs; ++v) {
       const int64_t i = l * kSlabWidth + v * kLanes;
       const Vec t = at::vec::fmadd(Vec::loadu(x + i), v2[v], v3[v]);
-      at::vec::fmadd(Vec::loadu(dx + i), vs[v], t).store(dx + i);
+      (at::vec::fmadd(Vec::loadu(dx + i), vs[v], t) + Vec::loadu(add + i)).store(dx + i);
     }
   }
 }

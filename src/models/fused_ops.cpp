@@ -115,58 +115,90 @@ const float* data_or_null(const torch::Tensor& t) {
   return t.defined() && t.numel() > 0 ? t.data_ptr<float>() : nullptr;
 }
 
+// The fused GroupNorm (+ SiLU) forward and backward, shared by the two Functions below.
+// x: [N, C, *] dense (contiguous or channels-last, said by channels_last), or with block > 0
+// [N, C / block, *, block] contiguous
+torch::Tensor group_norm_forward_saving(AutogradContext* ctx, const torch::Tensor& x,
+                                        const torch::Tensor& weight, const torch::Tensor& bias,
+                                        int64_t groups, double eps, bool silu, bool channels_last,
+                                        int64_t block) {
+  const auto s = group_norm_shape(x, groups, eps, silu, channels_last, block);
+  auto y = torch::empty_like(x);  // keeps x's strides (dense either way)
+  auto mean = torch::empty({s.batch, groups}, x.options());
+  auto rstd = torch::empty({s.batch, groups}, x.options());
+  auto w = weight.contiguous();
+  auto b = bias.contiguous();
+  kernel_table().group_norm_forward(s, x.data_ptr<float>(), data_or_null(w), data_or_null(b),
+                                    y.data_ptr<float>(), mean.data_ptr<float>(),
+                                    rstd.data_ptr<float>());
+  ctx->save_for_backward({x, w, b, mean, rstd});
+  ctx->saved_data["groups"] = groups;
+  ctx->saved_data["eps"] = eps;
+  ctx->saved_data["silu"] = silu;
+  ctx->saved_data["channels_last"] = channels_last;
+  ctx->saved_data["block"] = block;
+  return y;
+}
+
+// {dx, dweight, dbias}; dx_add (undefined, or a gradient in x's layout) is added to dx.
+variable_list group_norm_backward_saved(AutogradContext* ctx, const torch::Tensor& dy,
+                                        const torch::Tensor& dx_add) {
+  const auto saved = ctx->get_saved_variables();
+  const auto &x = saved[0], &w = saved[1], &b = saved[2], &mean = saved[3], &rstd = saved[4];
+  const bool channels_last = ctx->saved_data["channels_last"].toBool();
+  const auto s = group_norm_shape(
+      x, ctx->saved_data["groups"].toInt(), ctx->saved_data["eps"].toDouble(),
+      ctx->saved_data["silu"].toBool(), channels_last, ctx->saved_data["block"].toInt());
+  // The incoming gradients in x's memory layout ([N, *, C] memory when channels_last).
+  const auto dense = [&](const torch::Tensor& g) {
+    return channels_last ? g.movedim(1, -1).contiguous().movedim(-1, 1) : g.contiguous();
+  };
+  const auto dy_dense = dense(dy.defined() ? dy : torch::zeros_like(x));
+  const auto add_dense = dx_add.defined() ? dense(dx_add) : torch::Tensor();
+  auto dx = torch::empty_like(x);
+  auto dw = w.numel() > 0 ? torch::empty_like(w) : torch::Tensor();
+  auto db = b.numel() > 0 ? torch::empty_like(b) : torch::Tensor();
+  kernel_table().group_norm_backward(
+      s, dy_dense.data_ptr<float>(), x.data_ptr<float>(), mean.data_ptr<float>(),
+      rstd.data_ptr<float>(), data_or_null(w), data_or_null(b), dx.data_ptr<float>(),
+      dw.defined() ? dw.data_ptr<float>() : nullptr, db.defined() ? db.data_ptr<float>() : nullptr,
+      add_dense.defined() ? add_dense.data_ptr<float>() : nullptr);
+  return {dx, dw, db};
+}
+
 class FusedGroupNorm : public torch::autograd::Function<FusedGroupNorm> {
  public:
-  // x: [N, C, *] dense (contiguous or channels-last, said by channels_last), or with block > 0
-  // [N, C / block, *, block] contiguous
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
                                const torch::Tensor& weight, const torch::Tensor& bias,
                                int64_t groups, double eps, bool silu, bool channels_last,
                                int64_t block) {
-    const auto s = group_norm_shape(x, groups, eps, silu, channels_last, block);
-    auto y = torch::empty_like(x);  // keeps x's strides (dense either way)
-    auto mean = torch::empty({s.batch, groups}, x.options());
-    auto rstd = torch::empty({s.batch, groups}, x.options());
-    auto w = weight.contiguous();
-    auto b = bias.contiguous();
-    kernel_table().group_norm_forward(s, x.data_ptr<float>(), data_or_null(w), data_or_null(b),
-                                      y.data_ptr<float>(), mean.data_ptr<float>(),
-                                      rstd.data_ptr<float>());
-    ctx->save_for_backward({x, w, b, mean, rstd});
-    ctx->saved_data["groups"] = groups;
-    ctx->saved_data["eps"] = eps;
-    ctx->saved_data["silu"] = silu;
-    ctx->saved_data["channels_last"] = channels_last;
-    ctx->saved_data["block"] = block;
-    return y;
+    return group_norm_forward_saving(ctx, x, weight, bias, groups, eps, silu, channels_last, block);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const auto &x = saved[0], &w = saved[1], &b = saved[2], &mean = saved[3], &rstd = saved[4];
-    const bool channels_last = ctx->saved_data["channels_last"].toBool();
-    const auto s = group_norm_shape(
-        x, ctx->saved_data["groups"].toInt(), ctx->saved_data["eps"].toDouble(),
-        ctx->saved_data["silu"].toBool(), channels_last, ctx->saved_data["block"].toInt());
-    // The incoming gradient in x's memory layout ([N, *, C] memory when channels_last).
-    const auto dy_dense =
-        channels_last ? grads[0].movedim(1, -1).contiguous().movedim(-1, 1) : grads[0].contiguous();
-    auto dx = torch::empty_like(x);
-    auto dw = w.numel() > 0 ? torch::empty_like(w) : torch::Tensor();
-    auto db = b.numel() > 0 ? torch::empty_like(b) : torch::Tensor();
-    kernel_table().group_norm_backward(s, dy_dense.data_ptr<float>(), x.data_ptr<float>(),
-                                       mean.data_ptr<float>(), rstd.data_ptr<float>(),
-                                       data_or_null(w), data_or_null(b), dx.data_ptr<float>(),
-                                       dw.defined() ? dw.data_ptr<float>() : nullptr,
-                                       db.defined() ? db.data_ptr<float>() : nullptr);
-    return {dx,
-            dw,
-            db,
-            torch::Tensor(),
-            torch::Tensor(),
-            torch::Tensor(),
-            torch::Tensor(),
-            torch::Tensor()};
+    auto g = group_norm_backward_saved(ctx, grads[0], torch::Tensor());
+    g.resize(8);  // groups, eps, silu, channels_last, block: no gradient
+    return g;
+  }
+};
+
+// The same GroupNorm on a blocked x, also handing x on as a second output: when x's other
+// consumer (a residual add, a shortcut convolution) takes that output, both gradients come back
+// to this node and the backward adds them in its last pass. Otherwise autograd would add them
+// itself: a separate read of both and a new tensor per ResnetBlock2D.
+class FusedGroupNormPassInput : public torch::autograd::Function<FusedGroupNormPassInput> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, const torch::Tensor& bias,
+                               int64_t groups, double eps, bool silu, int64_t block) {
+    auto y = group_norm_forward_saving(ctx, x, weight, bias, groups, eps, silu, false, block);
+    return {y, x};  // (autograd hands x on as a view with this node's history)
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto g = group_norm_backward_saved(ctx, grads[0], grads[1]);
+    g.resize(7);  // groups, eps, silu, block: no gradient
+    return g;
   }
 };
 
@@ -275,19 +307,35 @@ torch::Tensor group_norm_silu(const torch::Tensor& x, int64_t groups, const torc
   return FusedGroupNorm::apply(x.contiguous(), w, b, groups, eps, silu, false, 0);
 }
 
+namespace {
+bool group_norm_silu_blocked_applies(const torch::Tensor& x, int64_t groups,
+                                     const torch::Tensor& weight, const torch::Tensor& bias) {
+  return fused_kernels_enabled() && fusable(x) && x.dim() >= 3 && x.size(-1) == kChannelBlock &&
+         groups > 0 && (x.size(1) * kChannelBlock) % groups == 0 &&
+         (!weight.defined() || (fusable(weight) && weight.numel() == x.size(1) * kChannelBlock)) &&
+         (!bias.defined() || (fusable(bias) && bias.numel() == x.size(1) * kChannelBlock));
+}
+}  // namespace
+
 torch::Tensor group_norm_silu_blocked(const torch::Tensor& x, int64_t groups,
                                       const torch::Tensor& weight, const torch::Tensor& bias,
                                       double eps, bool silu) {
-  if (!fused_kernels_enabled() || !fusable(x) || x.dim() < 3 || x.size(-1) != kChannelBlock ||
-      groups <= 0 || (x.size(1) * kChannelBlock) % groups != 0 ||
-      (weight.defined() && (!fusable(weight) || weight.numel() != x.size(1) * kChannelBlock)) ||
-      (bias.defined() && (!fusable(bias) || bias.numel() != x.size(1) * kChannelBlock))) {
-    return {};
-  }
+  if (!group_norm_silu_blocked_applies(x, groups, weight, bias)) return {};
   const auto none = torch::empty({0}, x.options());
   return FusedGroupNorm::apply(x.contiguous(), weight.defined() ? weight : none,
                                bias.defined() ? bias : none, groups, eps, silu, false,
                                kChannelBlock);
+}
+
+std::pair<torch::Tensor, torch::Tensor> group_norm_silu_blocked_pass_input(
+    const torch::Tensor& x, int64_t groups, const torch::Tensor& weight, const torch::Tensor& bias,
+    double eps, bool silu) {
+  if (!group_norm_silu_blocked_applies(x, groups, weight, bias)) return {};
+  const auto none = torch::empty({0}, x.options());
+  auto out = FusedGroupNormPassInput::apply(x.contiguous(), weight.defined() ? weight : none,
+                                            bias.defined() ? bias : none, groups, eps, silu,
+                                            kChannelBlock);
+  return {out[0], out[1]};
 }
 
 torch::Tensor small_out_conv2d(const torch::Tensor& x, const torch::Tensor& weight,

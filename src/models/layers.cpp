@@ -212,8 +212,10 @@ torch::Tensor ResnetBlock2DImpl::forward_blocked(const torch::Tensor& xb,
   const int64_t out = o.out_channels();
   constexpr int64_t kBlock = 16;  // winograd_conv2d's blocks (both channel counts divide)
   const auto& gn1 = norm1_->options;
-  torch::Tensor h =
-      group_norm_silu_blocked(xb, gn1.num_groups(), norm1_->weight, norm1_->bias, gn1.eps(), true);
+  // xb feeds norm1 and the residual (or the shortcut): the residual takes norm1's pass-through,
+  // so norm1's backward adds both gradients in its last pass.
+  auto [h, xb_residual] = group_norm_silu_blocked_pass_input(xb, gn1.num_groups(), norm1_->weight,
+                                                             norm1_->bias, gn1.eps(), true);
   if (!h.defined()) throw Error("ResnetBlock2D: the fused GroupNorm declined a blocked input");
   h = conv1_->forward_blocked(h, /*x_blocked=*/true, /*y_blocked=*/true);
   if (!time_emb_proj_.is_empty() && temb.defined()) {
@@ -225,10 +227,10 @@ torch::Tensor ResnetBlock2DImpl::forward_blocked(const torch::Tensor& xb,
   h = group_norm_silu_blocked(h, gn2.num_groups(), norm2_->weight, norm2_->bias, gn2.eps(), true);
   if (!h.defined()) throw Error("ResnetBlock2D: the fused GroupNorm declined a blocked input");
   h = conv2_->forward_blocked(h, /*x_blocked=*/true, /*y_blocked=*/true);
-  const torch::Tensor input = conv_shortcut_.is_empty()
-                                  ? xb
-                                  : conv_shortcut_->forward_blocked(xb, /*x_blocked=*/true,
-                                                                    /*y_blocked=*/true);
+  const torch::Tensor input =
+      conv_shortcut_.is_empty()
+          ? xb_residual
+          : conv_shortcut_->forward_blocked(xb_residual, /*x_blocked=*/true, /*y_blocked=*/true);
   // In place: nothing keeps conv2's output for its backward, and a fresh 4 MB result costs its
   // first-touch writes.
   h.add_(input);

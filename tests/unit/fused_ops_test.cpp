@@ -225,6 +225,49 @@ TEST(FusedOps, GroupNormSiluInTheBlockedLayoutMatchesFloat64) {
           .defined());
 }
 
+// The pass-through variant: x' (the second output) feeding x's other consumer gives the same
+// bits as using x twice (autograd then adds the two gradients itself), for the output and every
+// gradient; and it works when only one of its outputs is used.
+TEST(FusedOps, GroupNormPassInputEqualsUsingTheInputTwice) {
+  FusedSwitch restore;
+  models::set_fused_kernels_enabled(true);
+  torch::manual_seed(12);
+  const int64_t N = 2, C = 48, H = 7, W = 9;
+  const auto x0 = torch::randn({N, C / 16, H, W, 16}) * 1.5 + 0.2;
+  const auto w0 = torch::randn({C}) * 0.5 + 1, b0 = torch::randn({C}) * 0.3;
+  const auto gy = torch::randn({N, C / 16, H, W, 16});
+  const auto gskip = torch::randn({N, C / 16, H, W, 16});
+  // loss = <y, gy> + <skip * 0.75, gskip>, skip being x itself or the pass-through
+  auto run = [&](int mode) {  // 0: x twice, 1: pass-through, 2: pass-through, y only
+    auto x = x0.clone().requires_grad_(), w = w0.clone().requires_grad_(),
+         b = b0.clone().requires_grad_();
+    torch::Tensor y, skip;
+    if (mode == 0) {
+      y = models::group_norm_silu_blocked(x, 4, w, b, 1e-5, true), skip = x;
+    } else {
+      std::tie(y, skip) = models::group_norm_silu_blocked_pass_input(x, 4, w, b, 1e-5, true);
+    }
+    EXPECT_TRUE(torch::equal(skip, x0));
+    auto loss = (y * gy).sum();
+    if (mode != 2) loss = loss + (skip * 0.75 * gskip).sum();
+    auto grads = torch::autograd::grad({loss}, {x, w, b});
+    grads.insert(grads.begin(), y.detach());
+    return grads;
+  };
+  const auto twice = run(0), passed = run(1), y_only = run(2);
+  const char* names[] = {"y", "dx", "dweight", "dbias"};
+  for (size_t i = 0; i < twice.size(); ++i) {
+    EXPECT_TRUE(torch::equal(twice[i], passed[i]))
+        << names[i] << " max |diff| " << (twice[i] - passed[i]).abs().max().item<double>();
+  }
+  // Without the second consumer: dx is GroupNorm's alone.
+  EXPECT_LT((y_only[1] - (twice[1] - gskip * 0.75)).abs().max().item<double>(), 1e-5);
+  EXPECT_TRUE(torch::equal(y_only[2], twice[2]));
+  models::set_fused_kernels_enabled(false);
+  EXPECT_FALSE(
+      models::group_norm_silu_blocked_pass_input(x0, 4, w0, b0, 1e-5, true).first.defined());
+}
+
 // The row-vectorised 3x3 convolution for 1-4 output channels (conv_out) against float64: output
 // and every gradient, with and without padding and bias, on widths that are not multiples of the
 // vector width; frozen tensors; what it declines; Conv2d taking it only in a training step.

@@ -11,6 +11,7 @@
 #include <torch/types.h>
 
 #include <string>
+#include <utility>
 
 namespace difftrain::models {
 
@@ -42,6 +43,15 @@ torch::Tensor group_norm_silu(const torch::Tensor& x, int64_t groups, const torc
 torch::Tensor group_norm_silu_blocked(const torch::Tensor& x, int64_t groups,
                                       const torch::Tensor& weight, const torch::Tensor& bias,
                                       double eps, bool silu);
+
+/// group_norm_silu_blocked(x, ...) and x itself, as {y, x'}: x' is x (a view) whose gradient
+/// comes back to the GroupNorm's node, which adds it to its own input gradient in its last pass.
+/// For an x with a second consumer (ResnetBlock2D: norm1 and the residual or shortcut): that
+/// consumer takes x', and autograd's separate sum of the two gradients goes. Same numbers as
+/// using x twice. Both undefined where group_norm_silu_blocked does not apply.
+std::pair<torch::Tensor, torch::Tensor> group_norm_silu_blocked_pass_input(
+    const torch::Tensor& x, int64_t groups, const torch::Tensor& weight, const torch::Tensor& bias,
+    double eps, bool silu);
 
 /// conv2d(x, weight, bias, stride 1, padding) for a 3x3 layer with 1 to 4 output channels (a
 /// UNet's or VAE's conv_out), vectorised along the rows: x [N, C, H, W] float32 CPU, weight
