@@ -51,12 +51,6 @@ std::string machine_id() {
          namespace_of("/proc/self/ns/ipc");
 }
 
-bool env_disabled() {
-  const char* v = std::getenv("DIFFTRAIN_SHM_ALLREDUCE");
-  return v != nullptr &&
-         (std::strcmp(v, "0") == 0 || std::strcmp(v, "false") == 0 || std::strcmp(v, "off") == 0);
-}
-
 std::string get_string(c10d::Store& store, const std::string& key) {
   const auto bytes = store.get(key);
   return std::string(bytes.begin(), bytes.end());
@@ -99,7 +93,7 @@ std::unique_ptr<ShmAllReduce> ShmAllReduce::create(c10d::Store& store, int rank,
                                                    std::chrono::milliseconds timeout,
                                                    int64_t chunk_bytes) {
   // 1. Agree that every rank is on this machine and willing.
-  const std::string me = env_disabled() || world > kMaxWorld ? "no" : machine_id();
+  const std::string me = !enabled_by_environment() || world > kMaxWorld ? "no" : machine_id();
   store.set("shm/host/" + std::to_string(rank), to_bytes(me));
   bool usable = true;
   for (int r = 0; r < world; ++r) {
@@ -180,6 +174,12 @@ ShmAllReduce::~ShmAllReduce() {
   cv_.notify_all();
   if (worker_.joinable()) worker_.join();
   ::munmap(base_, static_cast<size_t>(segment_bytes_));
+}
+
+bool ShmAllReduce::enabled_by_environment() {
+  const char* v = std::getenv("DIFFTRAIN_SHM_ALLREDUCE");
+  return v == nullptr ||
+         (std::strcmp(v, "0") != 0 && std::strcmp(v, "false") != 0 && std::strcmp(v, "off") != 0);
 }
 
 bool ShmAllReduce::accepts(const torch::Tensor& tensor) {

@@ -1,5 +1,6 @@
 #include "difftrain/launch/env_report.h"
 
+#include "difftrain/distributed/shm_allreduce.h"
 #include "difftrain/launch/config.h"
 #include "difftrain/launch/cuda_info.h"
 #include "difftrain/launch/launcher.h"
@@ -157,8 +158,15 @@ std::string environment_report(double probe_seconds) {
   out << fmt::format("- CUDA devices: {}{}\n", cuda.devices.size(),
                      cuda.devices.empty() ? " (training runs on the CPU)" : "");
   for (const auto& line : cuda.devices) out << "    " << line << "\n";
-  out << fmt::format("- collectives backend: {}\n",
-                     cuda.difftrain_cuda && !cuda.devices.empty() ? "nccl" : "gloo");
+  const bool nccl = cuda.difftrain_cuda && !cuda.devices.empty();
+  const bool shm_off = !distributed::ShmAllReduce::enabled_by_environment();
+  out << fmt::format("- collectives backend: {}{}\n", nccl ? "nccl" : "gloo",
+                     nccl ? ""
+                     : shm_off
+                         ? "; ranks on one machine all-reduce through Gloo too "
+                           "(DIFFTRAIN_SHM_ALLREDUCE=0)"
+                         : "; float all-reduces of ranks on one machine through shared memory "
+                           "(DIFFTRAIN_SHM_ALLREDUCE=0: Gloo)");
   const std::string path = default_config_path();
   out << "- default config (" << path << "): ";
   std::ifstream config(path);

@@ -44,6 +44,8 @@ class ShmAllReduce {
   ShmAllReduce(const ShmAllReduce&) = delete;
   ShmAllReduce& operator=(const ShmAllReduce&) = delete;
 
+  /// False when DIFFTRAIN_SHM_ALLREDUCE is 0, false or off in this process's environment.
+  static bool enabled_by_environment();
   /// Whether `tensor` can go this way: a contiguous float32 or float64 CPU tensor.
   static bool accepts(const torch::Tensor& tensor);
   /// Starts an in-place sum of `tensor` over the ranks; wait on the returned Work.
