@@ -266,6 +266,12 @@ void ProcessGroup::connect_backend() {
   }
   try {
     shm_ = ShmAllReduce::create(*store_, info_.rank, info_.world_size, options_.collective_timeout);
+    if (shm_) {
+      log::info(
+          "all {} ranks are on this machine: float all-reduces go through shared memory "
+          "({:.0f} MiB segment; DIFFTRAIN_SHM_ALLREDUCE=0 keeps Gloo)",
+          info_.world_size, shm_->segment_bytes() / 1048576.0);
+    }
   } catch (const std::exception& e) {
     throw Error(
         fmt::format("{} could not agree on the shared-memory all-reduce through the "

@@ -115,7 +115,9 @@ std::unique_ptr<ShmAllReduce> ShmAllReduce::create(c10d::Store& store, int rank,
     std::random_device seed;
     name = fmt::format("/difftrain-{}-{:08x}", ::getpid(), seed());
     fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-    if (fd >= 0 && ::ftruncate(fd, bytes) != 0) {
+    // Reserve the pages now: a tmpfs smaller than the segment (a container's 64 MiB /dev/shm)
+    // then fails here, and the group keeps Gloo, instead of a SIGBUS at the first touch.
+    if (fd >= 0 && (::ftruncate(fd, bytes) != 0 || ::posix_fallocate(fd, 0, bytes) != 0)) {
       ::close(fd);
       ::shm_unlink(name.c_str());
       fd = -1;
