@@ -170,9 +170,8 @@ ShmAllReduce::ShmAllReduce(int rank, int world, std::chrono::milliseconds timeou
 ShmAllReduce::~ShmAllReduce() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    stop_ = true;
+    stopping_ = true;  // also ends a barrier that waits for a peer
   }
-  stopping_ = true;
   cv_.notify_all();
   if (worker_.joinable()) worker_.join();
   ::munmap(base_, static_cast<size_t>(segment_bytes_));
@@ -208,13 +207,13 @@ void ShmAllReduce::run() {
     std::shared_ptr<Job> job;
     {
       std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stopping, nothing left
       job = std::move(queue_.front());
       queue_.pop_front();
     }
     try {
-      if (stop_) throw Error("the process group is shutting down");
+      if (stopping_) throw Error("the process group is shutting down");
       if (!broken_.empty()) throw Error(broken_);
       reduce(job->tensor);
       job->work->done(nullptr);

@@ -53,9 +53,8 @@ class ShmAllReduce {
   /// Bytes of the shared segment (every rank maps the same one).
   int64_t segment_bytes() const { return segment_bytes_; }
 
-  struct Header;
-
  private:
+  struct Header;
   ShmAllReduce(int rank, int world, std::chrono::milliseconds timeout, int64_t chunk_bytes,
                void* base, int64_t bytes);
   struct Job;
@@ -77,9 +76,8 @@ class ShmAllReduce {
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Job>> queue_;
-  bool stop_ = false;
-  std::atomic<bool> stopping_{false};
-  std::string broken_;  // set once a collective failed: later ones fail at once
+  std::atomic<bool> stopping_{false};  // set under mutex_ by the destructor
+  std::string broken_;                 // set once a collective failed: later ones fail at once
   std::thread worker_;
 };
 
