@@ -89,7 +89,8 @@ torch::Tensor forward_from_tensors(models::UNetImpl& unet,
                                    const std::string& source) {
   for (const auto& [name, t] : inputs) {
     if (name != "sample" && name != "timestep" && name != "class_labels" &&
-        name != "encoder_hidden_states" && name != "timestep_cond" && name != "out") {
+        name != "encoder_hidden_states" && name != "timestep_cond" && name != "text_embeds" && name != "time_ids" &&
+        name != "out") {
       log::warn("{}: tensor \"{}\" is not an input of the UNet; ignored", source, name);
     }
   }
@@ -108,6 +109,8 @@ torch::Tensor forward_from_tensors(models::UNetImpl& unet,
   cond.class_labels = take("class_labels");
   cond.encoder_hidden_states = take("encoder_hidden_states");
   cond.timestep_cond = take("timestep_cond");
+  cond.text_embeds = take("text_embeds");
+  cond.time_ids = take("time_ids");
   torch::Tensor sample = inputs.at("sample");
   if (!sample.is_floating_point()) {
     throw Error(source + ": \"sample\" must be floating point, got " +

@@ -74,6 +74,15 @@ ClipTextConfig parse_clip_text_config(const std::string& json_text, const std::s
   c.bos_token_id = r.integer("bos_token_id", c.bos_token_id);
   c.eos_token_id = r.integer("eos_token_id", c.eos_token_id);
   c.pad_token_id = r.integer("pad_token_id", c.pad_token_id);
+  bool with_projection = false;
+  if (root.contains("architectures") && root["architectures"].is_array()) {
+    for (const auto& a : root["architectures"]) {
+      with_projection = with_projection || (a.is_string() && a.get<std::string>() ==
+                                                                 "CLIPTextModelWithProjection");
+    }
+  }
+  c.with_projection = with_projection;
+  c.projection_dim = r.integer_at_least("projection_dim", c.projection_dim, 1);
   if (c.hidden_size % c.num_attention_heads != 0) {
     r.fail("hidden_size", "(" + std::to_string(c.hidden_size) +
                               ") must be divisible by num_attention_heads (" +
@@ -154,9 +163,15 @@ ClipTextModelImpl::ClipTextModelImpl(const ClipTextConfig& config) : config_(con
     layers->push_back(layers_.back());
   }
   final_layer_norm_ = text_model->register_module("final_layer_norm", layer_norm(config));
+  if (config.with_projection) {
+    text_projection_ = register_module(
+        "text_projection",
+        Linear(torch::nn::LinearOptions(config.hidden_size, config.projection_dim).bias(false)));
+  }
 }
 
-ClipTextOutput ClipTextModelImpl::forward(const torch::Tensor& input_ids, int64_t skip) {
+ClipTextOutput ClipTextModelImpl::forward(const torch::Tensor& input_ids, int64_t skip,
+                                          bool output_hidden_states) {
   // input_ids: [B, S] int64 -> last_hidden_state [B, S, W], pooler_output [B, W]
   TORCH_CHECK(input_ids.dim() == 2, "CLIPTextModel: input_ids must be [B, S], got ",
               input_ids.sizes());
@@ -181,11 +196,13 @@ ClipTextOutput ClipTextModelImpl::forward(const torch::Tensor& input_ids, int64_
 
   const size_t keep = static_cast<size_t>(config_.num_hidden_layers - skip);
   torch::Tensor kept;  // the output of layer `keep` (1-based) when skip > 0
+  ClipTextOutput out;
+  if (output_hidden_states) out.hidden_states.push_back(h);
   for (size_t i = 0; i < layers_.size(); ++i) {
     h = layers_[i](h);
     if (i + 1 == keep) kept = h;
+    if (output_hidden_states) out.hidden_states.push_back(h);
   }
-  ClipTextOutput out;
   torch::Tensor last = final_layer_norm_(h);
   out.last_hidden_state = skip > 0 ? final_layer_norm_(kept) : last;
 
@@ -197,12 +214,14 @@ ClipTextOutput ClipTextModelImpl::forward(const torch::Tensor& input_ids, int64_
   const torch::Tensor rows =
       torch::arange(B, torch::TensorOptions().dtype(torch::kLong).device(ids.device()));
   out.pooler_output = last.index({rows, index});
+  if (!text_projection_.is_empty()) out.text_embeds = text_projection_(out.pooler_output);
   return out;
 }
 
 // ------------------------------------------------------------------ loading
 
-ClipTextModel load_clip_text_model(const std::string& dir, const std::string& variant) {
+ClipTextModel load_clip_text_model(const std::string& dir, const std::string& variant,
+                                   bool with_projection) {
   if (!fs::is_directory(dir)) {
     throw Error(dir +
                 ": not a folder; expected a Transformers CLIPTextModel folder (config.json + "
@@ -229,6 +248,7 @@ ClipTextModel load_clip_text_model(const std::string& dir, const std::string& va
                 file);
   }
   ClipTextConfig config = read_clip_text_config((fs::path(dir) / "config.json").string());
+  config.with_projection = config.with_projection || with_projection;
   ClipTextModel model(config);
   io::TensorMap tensors = io::load_safetensors(path.string()).tensors;
   // Older checkpoints save the (unused) position_ids buffer.

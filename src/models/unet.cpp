@@ -91,6 +91,12 @@ UNetImpl::UNetImpl(const UNetConfig& c) : config_(c) {
     class_embedding_linear_ = register_module(
         "class_embedding", Linear(*c.projection_class_embeddings_input_dim, time_embed_dim));
   }
+  if (cond && c.addition_embed_type == "text_time") {
+    // add_time_proj (Timesteps) has no parameters; add_embedding is a TimestepEmbedding (silu).
+    add_embedding_ = register_module(
+        "add_embedding",
+        TimestepEmbedding(*c.projection_class_embeddings_input_dim, time_embed_dim));
+  }
   const int64_t block_temb = c.class_embeddings_concat ? 2 * time_embed_dim : time_embed_dim;
 
   // ---- down
@@ -266,6 +272,38 @@ torch::Tensor UNetImpl::forward_impl(const torch::Tensor& sample_in, const torch
     throw Error(c.class_name() +
                 ": class labels were given but the model has no class "
                 "embedding (num_class_embeds is null)");
+  }
+  if (!add_embedding_.is_empty()) {
+    if (!cond.text_embeds.defined() || !cond.time_ids.defined()) {
+      throw Error(c.class_name() +
+                  ": addition_embed_type \"text_time\" (SDXL) needs text_embeds [B, D] and "
+                  "time_ids [B, 6]; pass both (added_cond_kwargs)");
+    }
+    const int64_t width = *c.addition_time_embed_dim;
+    TORCH_CHECK(cond.text_embeds.dim() == 2 && cond.text_embeds.size(0) == B, c.class_name(),
+                ": text_embeds must be [B=", B, ", D], got ", cond.text_embeds.sizes());
+    TORCH_CHECK(cond.time_ids.dim() == 2 && cond.time_ids.size(0) == B, c.class_name(),
+                ": time_ids must be [B=", B, ", K], got ", cond.time_ids.sizes());
+    TORCH_CHECK(cond.text_embeds.size(1) + cond.time_ids.size(1) * width ==
+                    *c.projection_class_embeddings_input_dim,
+                c.class_name(), ": text_embeds ", cond.text_embeds.sizes(), " and time_ids ",
+                cond.time_ids.sizes(), " give ",
+                cond.text_embeds.size(1) + cond.time_ids.size(1) * width,
+                " features, but projection_class_embeddings_input_dim is ",
+                *c.projection_class_embeddings_input_dim);
+    torch::Tensor time_embeds =
+        timestep_embedding(cond.time_ids.to(sample.device()).reshape({-1}), width,
+                           c.flip_sin_to_cos, c.freq_shift)
+            .reshape({B, -1});
+    torch::Tensor add = torch::cat({cond.text_embeds.to(sample.device(), time_embeds.scalar_type()),
+                                    time_embeds},
+                                   -1)
+                            .to(emb.scalar_type());
+    emb = emb + add_embedding_(add);
+  } else if (cond.text_embeds.defined() || cond.time_ids.defined()) {
+    throw Error(c.class_name() +
+                ": text_embeds / time_ids were given but the model has no added conditioning "
+                "(addition_embed_type is null)");
   }
   if (c.time_embedding_act_fn) emb = activation(*c.time_embedding_act_fn, emb);
 

@@ -247,11 +247,24 @@ UNetConfig UNetConfig::from_json(const nlohmann::json& j, const std::string& sou
                "\"" + *c.class_embed_type + "\" needs projection_class_embeddings_input_dim");
       }
     }
-    // Features of other pipelines (SDXL, Kandinsky, GLIGEN...) that difftrain does not build.
-    if (r.has("addition_embed_type")) {
-      r.fail("addition_embed_type", "is \"" + r.string("addition_embed_type", "") +
-                                        "\"; supported: null (SDXL-style added embeddings are "
-                                        "not implemented)");
+    // SDXL's added conditioning; the other kinds (Kandinsky's "text", "image", ...) are not built.
+    c.addition_embed_type = r.opt_string("addition_embed_type");
+    if (c.addition_embed_type) {
+      r.choice("addition_embed_type", "", {"text_time"});
+      c.addition_time_embed_dim = r.opt_integer("addition_time_embed_dim", std::nullopt);
+      if (!c.addition_time_embed_dim || *c.addition_time_embed_dim <= 0) {
+        r.fail("addition_time_embed_dim", "must be a positive integer for addition_embed_type "
+                                          "\"text_time\"");
+      }
+      if (*c.addition_time_embed_dim % 2 != 0) {
+        r.fail("addition_time_embed_dim", "must be even (sinusoidal embedding)");
+      }
+      if (!c.projection_class_embeddings_input_dim ||
+          *c.projection_class_embeddings_input_dim <= 0) {
+        r.fail("projection_class_embeddings_input_dim",
+               "must be a positive integer for addition_embed_type \"text_time\" (the width of "
+               "cat(text_embeds, time_ids embedding), 2816 for SDXL)");
+      }
     }
     if (r.has("encoder_hid_dim") || r.has("encoder_hid_dim_type")) {
       r.fail("encoder_hid_dim", "is set; supported: null (no encoder projection)");

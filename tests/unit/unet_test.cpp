@@ -212,7 +212,7 @@ TEST(UNet, ConfigErrorsNameTheFieldAndTheChoices) {
   msg = error_of([&] { UNetConfig::from_json(bad, "cfg.json"); });
   EXPECT_NE(msg.find("\"act_fn\" is \"tanh\"; supported: silu"), std::string::npos) << msg;
   bad = base;
-  bad["addition_embed_type"] = "text_time";
+  bad["addition_embed_type"] = "text";
   msg = error_of([&] { UNetConfig::from_json(bad, "cfg.json"); });
   EXPECT_NE(msg.find("addition_embed_type"), std::string::npos) << msg;
   bad = base;

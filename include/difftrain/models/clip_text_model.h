@@ -33,11 +33,16 @@ struct ClipTextConfig {
   int64_t bos_token_id = 49406;
   int64_t eos_token_id = 49407;
   int64_t pad_token_id = 1;
+  /// CLIPTextModelWithProjection (SDXL's text_encoder_2): a bias-free Linear `text_projection`
+  /// hidden_size -> projection_dim applied to the pooled output. False = a plain CLIPTextModel.
+  bool with_projection = false;
+  int64_t projection_dim = 512;
   /// The file the config was read from ("" when built in code), for error messages.
   std::string source;
 };
 
 /// Reads a Transformers `config.json` of a CLIPTextModel (or a CLIPModel's `text_config`).
+/// with_projection is set when `architectures` names CLIPTextModelWithProjection.
 /// Throws difftrain::Error (one line, naming the file and field) for a missing file, invalid
 /// JSON, a field of the wrong type, non-positive sizes, hidden_size not divisible by
 /// num_attention_heads, or an unsupported hidden_act (listing the supported ones).
@@ -75,16 +80,27 @@ struct ClipTextOutput {
   /// (Transformers' rule; for legacy configs with eos_token_id == 2, the position of the largest
   /// id, as Transformers does).
   torch::Tensor pooler_output;
+  /// [B, projection_dim]: text_projection(pooler_output), only for a model with projection
+  /// (CLIPTextModelWithProjection's `text_embeds`; SDXL's pooled prompt embedding).
+  torch::Tensor text_embeds;
+  /// Only with output_hidden_states: Transformers' `hidden_states`, num_hidden_layers + 1 entries
+  /// (the embeddings, then each layer's output, none final-layer-normed). SDXL's prompt embedding
+  /// is hidden_states[-(clip_skip + 2)].
+  std::vector<torch::Tensor> hidden_states;
 };
 
-/// Transformers' `CLIPTextModel`. Children are registered under `text_model` so parameter names
+/// Transformers' `CLIPTextModel`, or `CLIPTextModelWithProjection` when config.with_projection
+/// (then a top-level `text_projection.weight` [projection_dim, hidden_size]). Children are registered under `text_model` so parameter names
 /// equal the Transformers keys; the unused `text_model.embeddings.position_ids` buffer of older
 /// checkpoints is not a parameter (load_clip_text_model ignores it).
 class ClipTextModelImpl : public torch::nn::Module {
  public:
   explicit ClipTextModelImpl(const ClipTextConfig& config);
   /// input_ids: [B, S] int64 with S <= max_position_embeddings; skip in [0, num_hidden_layers).
-  ClipTextOutput forward(const torch::Tensor& input_ids, int64_t skip = 0);
+  ClipTextOutput forward(const torch::Tensor& input_ids, int64_t skip = 0,
+                         bool output_hidden_states = false);
+  /// Whether the model has `text_projection` (CLIPTextModelWithProjection).
+  bool has_projection() const { return !text_projection_.is_empty(); }
   const ClipTextConfig& config() const { return config_; }
   /// The encoder layers in order (for LoRA targeting, hooks and tests).
   const std::vector<ClipEncoderLayer>& layers() const { return layers_; }
@@ -94,6 +110,7 @@ class ClipTextModelImpl : public torch::nn::Module {
   torch::nn::Embedding token_embedding_{nullptr}, position_embedding_{nullptr};
   std::vector<ClipEncoderLayer> layers_;
   torch::nn::LayerNorm final_layer_norm_{nullptr};
+  Linear text_projection_{nullptr};
 };
 TORCH_MODULE(ClipTextModel);
 
@@ -102,6 +119,9 @@ TORCH_MODULE(ClipTextModel);
 /// A `text_model.embeddings.position_ids` entry in the file is ignored. A folder with only
 /// pytorch_model.bin gets an error that says how to convert it. Transformers:
 /// `CLIPTextModel.from_pretrained(dir)`.
-ClipTextModel load_clip_text_model(const std::string& dir, const std::string& variant = "");
+/// `with_projection` builds CLIPTextModelWithProjection whatever config.json's architectures say
+/// (a pipeline's model_index.json names the class).
+ClipTextModel load_clip_text_model(const std::string& dir, const std::string& variant = "",
+                                   bool with_projection = false);
 
 }  // namespace difftrain::models

@@ -24,6 +24,11 @@ struct UNetConditioning {
   torch::Tensor encoder_hidden_states;
   /// [B, time_cond_proj_dim] when the config sets time_cond_proj_dim.
   torch::Tensor timestep_cond;
+  /// addition_embed_type "text_time" (SDXL's added_cond_kwargs): the pooled text embedding
+  /// [B, D] and the micro-conditioning time ids [B, K] (original size, crop top-left, target
+  /// size: K = 6); D + K * addition_time_embed_dim = projection_class_embeddings_input_dim.
+  torch::Tensor text_embeds;
+  torch::Tensor time_ids;
 };
 
 /// A Diffusers UNet. Diffusers: `UNet2DModel` (kind kUNet2D) / `UNet2DConditionModel`
@@ -45,6 +50,8 @@ class UNetImpl : public torch::nn::Module, public core::HookableModule {
   /// their activations.
   void set_gradient_checkpointing(bool on) { gradient_checkpointing_ = on; }
   bool gradient_checkpointing() const { return gradient_checkpointing_; }
+  /// True for a config with addition_embed_type "text_time" (needs text_embeds and time_ids).
+  bool needs_added_conditioning() const { return !add_embedding_.is_empty(); }
   /// True for UNet2DConditionModel with cross-attention blocks (needs encoder_hidden_states).
   bool needs_encoder_hidden_states() const;
 
@@ -63,6 +70,7 @@ class UNetImpl : public torch::nn::Module, public core::HookableModule {
   torch::nn::Embedding class_embedding_table_{nullptr};
   TimestepEmbedding class_embedding_mlp_{nullptr};
   Linear class_embedding_linear_{nullptr};
+  TimestepEmbedding add_embedding_{nullptr};
   std::vector<DownBlock> down_blocks_;
   MidBlock mid_block_{nullptr};
   std::vector<UpBlock> up_blocks_;

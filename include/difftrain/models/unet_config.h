@@ -72,6 +72,11 @@ struct UNetConfig {
   std::optional<int64_t> num_class_embeds;
   std::optional<int64_t> projection_class_embeddings_input_dim;
   bool class_embeddings_concat = false;
+  /// null or "text_time" (SDXL: add_embedding(cat(text_embeds, sinusoid(time_ids))) is added to
+  /// the timestep embedding).
+  std::optional<std::string> addition_embed_type;
+  /// Width of each time id's sinusoidal embedding (256 for SDXL).
+  std::optional<int64_t> addition_time_embed_dim;
   // UNet2DModel only.
   std::string downsample_type = "conv";  ///< "conv" or "resnet"
   std::string upsample_type = "conv";    ///< "conv" or "resnet"
