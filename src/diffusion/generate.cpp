@@ -71,6 +71,13 @@ GenerateResult generate_text_to_image(StableDiffusion& sd, const GenerateRequest
   o.num_images_per_prompt = k;
   o.seed = r.seed;
   o.clip_skip = r.clip_skip;
+  o.guidance_rescale = r.guidance_rescale;
+  o.original_size = r.original_size;
+  o.crops_coords_top_left = r.crops_coords_top_left;
+  o.target_size = r.target_size;
+  o.negative_original_size = r.negative_original_size;
+  o.negative_crops_coords_top_left = r.negative_crops_coords_top_left;
+  o.negative_target_size = r.negative_target_size;
   o.on_step = r.on_step;
   GenerateResult out;
   if (r.seeding == Seeding::kBatch) {
@@ -134,6 +141,7 @@ void pipeline_to(Pipeline& pipeline, const torch::Device& device) {
   }
   auto& sd = std::get<StableDiffusion>(pipeline);
   sd.text_encoder->to(device);
+  if (sd.is_xl()) sd.text_encoder_2->to(device);
   sd.vae->to(device);
   sd.unet->to(device);
 }
@@ -160,7 +168,8 @@ GenerateRequest resolve_request(const Pipeline& pipeline, GenerateRequest r) {
   }
   if (r.num_images == 0) r.num_images = 1;
   if (r.num_inference_steps == 0) r.num_inference_steps = 50;
-  if (!r.guidance_scale) r.guidance_scale = 7.5;
+  // StableDiffusionPipeline's default guidance is 7.5, StableDiffusionXLPipeline's 5.
+  if (!r.guidance_scale) r.guidance_scale = std::get<StableDiffusion>(pipeline).is_xl() ? 5.0 : 7.5;
   return r;
 }
 

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <optional>
 #include <set>
 
 namespace difftrain::diffusion {
@@ -74,6 +75,11 @@ StableDiffusionFolder resolve_stable_diffusion_folder(const std::string& dir) {
   out.vae_dir = require_dir(root, "vae", "AutoencoderKL");
   out.text_encoder_dir = require_dir(root, "text_encoder", "CLIPTextModel");
   out.tokenizer_dir = require_dir(root, "tokenizer", "CLIPTokenizer");
+  if (out.xl) {
+    out.text_encoder_2_dir =
+        require_dir(root, "text_encoder_2", "CLIPTextModelWithProjection");
+    out.tokenizer_2_dir = require_dir(root, "tokenizer_2", "CLIPTokenizer");
+  }
   out.scheduler_config = (root / "scheduler" / "scheduler_config.json").string();
   if (!fs::is_regular_file(out.scheduler_config)) {
     throw Error(out.scheduler_config + ": no such file; the pipeline's scheduler/ needs it");
@@ -114,7 +120,16 @@ StableDiffusionFolder parse_model_index(const std::string& json_text,
       {"vae", {"AutoencoderKL"}},
       {"text_encoder", {"CLIPTextModel"}},
       {"tokenizer", {"CLIPTokenizer", "CLIPTokenizerFast"}},
+      {"text_encoder_2", {"CLIPTextModelWithProjection"}},
+      {"tokenizer_2", {"CLIPTokenizer", "CLIPTokenizerFast"}},
   };
+  if (index.contains("force_zeros_for_empty_prompt")) {
+    if (!index["force_zeros_for_empty_prompt"].is_boolean()) {
+      throw Error(index_path + ": force_zeros_for_empty_prompt must be true or false, got " +
+                  index["force_zeros_for_empty_prompt"].dump());
+    }
+    out.force_zeros_for_empty_prompt = index["force_zeros_for_empty_prompt"].get<bool>();
+  }
   std::set<std::string> seen;
   for (const auto& [name, value] : index.items()) {
     if (name.empty() || name[0] == '_' || value.is_boolean()) continue;  // requires_safety_checker
@@ -136,8 +151,8 @@ StableDiffusionFolder parse_model_index(const std::string& json_text,
       throw Error(
           index_path + ": component \"" + name + "\" (" + cls +
           ") is not supported; difftrain runs Stable Diffusion 1.x/2.x folders "
-          "(unet, vae, text_encoder, tokenizer, scheduler)" +
-          (name == "text_encoder_2" ? " — SDXL's second text encoder is not supported" : ""));
+          "(unet, vae, text_encoder, tokenizer, scheduler) and SDXL folders (the same plus "
+          "text_encoder_2, tokenizer_2)");
     }
     if (cls.empty()) {
       throw Error(index_path + ": component \"" + name +
@@ -151,6 +166,13 @@ StableDiffusionFolder parse_model_index(const std::string& json_text,
     }
     seen.insert(name);
   }
+  if (seen.count("text_encoder_2") != seen.count("tokenizer_2")) {
+    throw Error(index_path + ": lists " +
+                (seen.count("text_encoder_2") ? "text_encoder_2 but no tokenizer_2"
+                                              : "tokenizer_2 but no text_encoder_2") +
+                "; an SDXL folder has both (StableDiffusionXLPipeline)");
+  }
+  out.xl = seen.count("text_encoder_2") > 0;
   for (const char* need : {"unet", "vae", "text_encoder", "tokenizer", "scheduler"}) {
     if (!seen.count(need)) {
       throw Error(index_path + ": no \"" + std::string(need) +
@@ -177,7 +199,18 @@ StableDiffusion load_stable_diffusion(const std::string& dir,
   sd.text_encoder = models::load_clip_text_model(sd.folder.text_encoder_dir, options.variant);
   const int64_t positions = sd.text_encoder->config().max_position_embeddings;
   if (sd.tokenizer.model_max_length() > positions) sd.tokenizer.set_model_max_length(positions);
-  sd.vae = models::load_autoencoder_kl(sd.folder.vae_dir, options.variant);
+  if (sd.folder.xl) {
+    sd.tokenizer_2 = models::ClipTokenizer::from_folder(sd.folder.tokenizer_2_dir);
+    sd.text_encoder_2 = models::load_clip_text_model(sd.folder.text_encoder_2_dir, options.variant,
+                                                     /*with_projection=*/true);
+    const int64_t positions_2 = sd.text_encoder_2->config().max_position_embeddings;
+    if (sd.tokenizer_2.model_max_length() > positions_2) {
+      sd.tokenizer_2.set_model_max_length(positions_2);
+    }
+  }
+  if (!options.vae.empty()) log::info("VAE from {} instead of {}", options.vae, sd.folder.vae_dir);
+  sd.vae = models::load_autoencoder_kl(options.vae.empty() ? sd.folder.vae_dir : options.vae,
+                                       options.vae.empty() ? options.variant : "");
   sd.unet = models::load_unet(sd.folder.unet_dir, options.variant);
   if (!sd.unet->needs_encoder_hidden_states()) {
     throw Error(sd.folder.unet_dir +
@@ -185,14 +218,32 @@ StableDiffusion load_stable_diffusion(const std::string& dir,
                 "embeddings; expected a UNet2DConditionModel");
   }
   const auto& ucfg = sd.unet->config();
-  if (ucfg.cross_attention_dim.empty() ||
-      ucfg.cross_attention_dim[0] != sd.text_encoder->config().hidden_size) {
+  const int64_t text_width =
+      sd.text_encoder->config().hidden_size +
+      (sd.is_xl() ? sd.text_encoder_2->config().hidden_size : 0);
+  if (ucfg.cross_attention_dim.empty() || ucfg.cross_attention_dim[0] != text_width) {
     throw Error(sd.folder.unet_dir + ": cross_attention_dim " +
                 (ucfg.cross_attention_dim.empty() ? std::string("null")
                                                   : std::to_string(ucfg.cross_attention_dim[0])) +
-                " differs from the text encoder's hidden_size " +
-                std::to_string(sd.text_encoder->config().hidden_size) +
-                "; the folder mixes models");
+                " differs from the text encoder" + (sd.is_xl() ? "s' hidden_size sum " : "'s hidden_size ") +
+                std::to_string(text_width) + "; the folder mixes models");
+  }
+  if (sd.is_xl() != sd.unet->needs_added_conditioning()) {
+    throw Error(sd.folder.unet_dir +
+                (sd.is_xl() ? ": the UNet has no addition_embed_type \"text_time\", but the "
+                              "folder is SDXL (text_encoder_2); the folder mixes models"
+                            : ": the UNet has addition_embed_type \"text_time\" (SDXL), but "
+                              "model_index.json lists no text_encoder_2"));
+  }
+  if (sd.is_xl()) {
+    const int64_t want = sd.text_encoder_2->config().projection_dim +
+                         6 * ucfg.addition_time_embed_dim.value_or(0);
+    if (ucfg.projection_class_embeddings_input_dim.value_or(0) != want) {
+      throw Error(sd.folder.unet_dir + ": projection_class_embeddings_input_dim " +
+                  std::to_string(ucfg.projection_class_embeddings_input_dim.value_or(0)) +
+                  " differs from text_encoder_2's projection_dim + 6 x addition_time_embed_dim = " +
+                  std::to_string(want) + "; the folder mixes models");
+    }
   }
   if (ucfg.in_channels != sd.vae->config().latent_channels) {
     throw Error(sd.folder.unet_dir + ": in_channels " + std::to_string(ucfg.in_channels) +
@@ -207,6 +258,11 @@ StableDiffusion load_stable_diffusion(const std::string& dir,
     if (lora.count("text_encoder") > 0) {
       te_merged = models::merge_lora(*sd.text_encoder, lora, options.lora_scale, "text_encoder")
                       .modules_merged;
+    }
+    if (sd.is_xl() && lora.count("text_encoder_2") > 0) {
+      te_merged +=
+          models::merge_lora(*sd.text_encoder_2, lora, options.lora_scale, "text_encoder_2")
+              .modules_merged;
     }
     log::info("LoRA {} ({} format): merged into {} UNet and {} text encoder modules, scale {}",
               options.lora, io::to_string(lora.format), u.modules_merged, te_merged,
@@ -228,6 +284,79 @@ torch::Tensor encode_prompts(const models::ClipTokenizer& tokenizer,
   torch::NoGradGuard no_grad;
   torch::Tensor ids = tokenizer.encode_batch(prompts).to(device);
   return text_encoder.forward(ids, clip_skip).last_hidden_state;
+}
+
+XlPromptEmbeds encode_ids_xl(models::ClipTextModelImpl& text_encoder,
+                             models::ClipTextModelImpl& text_encoder_2, const torch::Tensor& ids,
+                             const torch::Tensor& ids_2, int64_t clip_skip) {
+  // encode_prompt: hidden_states[-(clip_skip + 2)] of each encoder, before final_layer_norm;
+  // the pooled embedding is the last encoder's text_embeds.
+  auto pick = [clip_skip](models::ClipTextModelImpl& te, const torch::Tensor& input) {
+    const int64_t layers = te.config().num_hidden_layers;
+    if (clip_skip < 0 || clip_skip + 1 > layers) {
+      throw Error("clip_skip " + std::to_string(clip_skip) + " needs more than the text encoder's " +
+                  std::to_string(layers) + " layers");
+    }
+    auto out = te.forward(input, 0, /*output_hidden_states=*/true);
+    auto& states = out.hidden_states;
+    return std::make_pair(states[states.size() - static_cast<size_t>(clip_skip) - 2],
+                          out.text_embeds);
+  };
+  auto first = pick(text_encoder, ids);
+  auto second = pick(text_encoder_2, ids_2.to(first.first.device()));
+  if (!second.second.defined()) {
+    throw Error("text_encoder_2 has no text_projection; SDXL's second encoder is a "
+                "CLIPTextModelWithProjection");
+  }
+  XlPromptEmbeds out;
+  out.embeds = torch::cat({first.first, second.first.to(first.first.device())}, -1);
+  out.pooled = second.second.to(first.first.device());
+  return out;
+}
+
+XlPromptEmbeds encode_prompts_xl(const models::ClipTokenizer& tokenizer,
+                                 models::ClipTextModelImpl& text_encoder,
+                                 const models::ClipTokenizer& tokenizer_2,
+                                 models::ClipTextModelImpl& text_encoder_2,
+                                 const std::vector<std::string>& prompts, int64_t clip_skip,
+                                 bool with_grad) {
+  const auto params = text_encoder.parameters();
+  const torch::Device device = params.empty() ? torch::Device(torch::kCPU) : params[0].device();
+  std::optional<torch::NoGradGuard> no_grad;
+  if (!with_grad) no_grad.emplace();
+  return encode_ids_xl(text_encoder, text_encoder_2, tokenizer.encode_batch(prompts).to(device),
+                       tokenizer_2.encode_batch(prompts).to(device), clip_skip);
+}
+
+torch::Tensor xl_time_ids(const std::vector<int64_t>& original_size,
+                          const std::vector<int64_t>& crops_coords_top_left,
+                          const std::vector<int64_t>& target_size) {
+  auto check = [](const std::vector<int64_t>& v, const char* name) {
+    if (v.size() != 2) {
+      throw Error(std::string("--") + name + " takes two integers (" +
+                  (std::string(name).find("crops") != std::string::npos ? "top left"
+                                                                         : "height width") +
+                  "), got " + std::to_string(v.size()));
+    }
+  };
+  check(original_size, "original_size");
+  check(crops_coords_top_left, "crops_coords_top_left");
+  check(target_size, "target_size");
+  std::vector<float> row;
+  for (const auto* v : {&original_size, &crops_coords_top_left, &target_size}) {
+    for (int64_t x : *v) row.push_back(static_cast<float>(x));
+  }
+  return torch::tensor(row, torch::kFloat32).reshape({1, 6});
+}
+
+torch::Tensor rescale_noise_cfg(const torch::Tensor& noise_cfg, const torch::Tensor& noise_pred_text,
+                                double guidance_rescale) {
+  std::vector<int64_t> dims;
+  for (int64_t d = 1; d < noise_pred_text.dim(); ++d) dims.push_back(d);
+  const torch::Tensor std_text = noise_pred_text.std(dims, /*unbiased=*/true, /*keepdim=*/true);
+  const torch::Tensor std_cfg = noise_cfg.std(dims, /*unbiased=*/true, /*keepdim=*/true);
+  const torch::Tensor rescaled = noise_cfg * (std_text / std_cfg);
+  return guidance_rescale * rescaled + (1 - guidance_rescale) * noise_cfg;
 }
 
 TextToImageResult text_to_image(StableDiffusion& sd, const TextToImageOptions& o) {
@@ -271,14 +400,59 @@ TextToImageResult text_to_image(StableDiffusion& sd, const TextToImageOptions& o
   sd.vae->eval();
   torch::NoGradGuard no_grad;
 
-  // encode_prompt: embeddings repeated K times per prompt (prompt-major), negatives first.
-  torch::Tensor cond = encode_prompts(sd.tokenizer, *sd.text_encoder, o.prompts, o.clip_skip)
-                           .repeat_interleave(k, 0);
-  torch::Tensor embeds = cond;
-  if (guided) {
-    torch::Tensor uncond = encode_prompts(sd.tokenizer, *sd.text_encoder, negatives, o.clip_skip)
-                               .repeat_interleave(k, 0);
-    embeds = torch::cat({uncond, cond});
+  if (o.guidance_rescale < 0 || o.guidance_rescale > 1) {
+    throw Error("--guidance_rescale must be in [0, 1], got " + std::to_string(o.guidance_rescale));
+  }
+  torch::Tensor embeds, pooled, time_ids;
+  if (sd.is_xl()) {
+    sd.text_encoder_2->eval();
+    // StableDiffusionXLPipeline.encode_prompt, then _get_add_time_ids.
+    const XlPromptEmbeds positive =
+        encode_prompts_xl(sd.tokenizer, *sd.text_encoder, sd.tokenizer_2, *sd.text_encoder_2,
+                          o.prompts, o.clip_skip);
+    embeds = positive.embeds.repeat_interleave(k, 0);
+    pooled = positive.pooled.repeat_interleave(k, 0);
+    auto or_default = [](const std::vector<int64_t>& v, std::vector<int64_t> fallback) {
+      return v.empty() ? fallback : v;
+    };
+    const std::vector<int64_t> hw = {height, width};
+    const auto original = or_default(o.original_size, hw);
+    const auto crops = or_default(o.crops_coords_top_left, {0, 0});
+    const auto target = or_default(o.target_size, hw);
+    time_ids = xl_time_ids(original, crops, target).repeat({n * k, 1});
+    if (guided) {
+      torch::Tensor negative_embeds, negative_pooled;
+      if (o.negative_prompts.empty() && sd.folder.force_zeros_for_empty_prompt) {
+        negative_embeds = torch::zeros_like(positive.embeds);
+        negative_pooled = torch::zeros_like(positive.pooled);
+      } else {
+        // Diffusers takes hidden_states[-2] for the negatives whatever clip_skip is.
+        const XlPromptEmbeds negative = encode_prompts_xl(
+            sd.tokenizer, *sd.text_encoder, sd.tokenizer_2, *sd.text_encoder_2, negatives, 0);
+        negative_embeds = negative.embeds;
+        negative_pooled = negative.pooled;
+      }
+      const torch::Tensor negative_time_ids =
+          xl_time_ids(or_default(o.negative_original_size, original),
+                      or_default(o.negative_crops_coords_top_left, crops),
+                      or_default(o.negative_target_size, target))
+              .repeat({n * k, 1});
+      embeds = torch::cat({negative_embeds.repeat_interleave(k, 0), embeds});
+      pooled = torch::cat({negative_pooled.repeat_interleave(k, 0), pooled});
+      time_ids = torch::cat({negative_time_ids, time_ids});
+    }
+    pooled = pooled.to(device, dtype);
+    time_ids = time_ids.to(device, dtype);
+  } else {
+    // encode_prompt: embeddings repeated K times per prompt (prompt-major), negatives first.
+    torch::Tensor cond = encode_prompts(sd.tokenizer, *sd.text_encoder, o.prompts, o.clip_skip)
+                             .repeat_interleave(k, 0);
+    embeds = cond;
+    if (guided) {
+      torch::Tensor uncond = encode_prompts(sd.tokenizer, *sd.text_encoder, negatives, o.clip_skip)
+                                 .repeat_interleave(k, 0);
+      embeds = torch::cat({uncond, cond});
+    }
   }
   embeds = embeds.to(device, dtype);
 
@@ -302,6 +476,8 @@ TextToImageResult text_to_image(StableDiffusion& sd, const TextToImageOptions& o
   const int64_t steps = timesteps.size(0);
   models::UNetConditioning uc;
   uc.encoder_hidden_states = embeds;
+  uc.text_embeds = pooled;
+  uc.time_ids = time_ids;
   for (int64_t i = 0; i < steps; ++i) {
     const double t = sd.scheduler->timestep(i);
     torch::Tensor eps;
@@ -309,6 +485,7 @@ TextToImageResult text_to_image(StableDiffusion& sd, const TextToImageOptions& o
       const torch::Tensor x_in = sd.scheduler->scale_model_input(torch::cat({x, x}), t);
       auto parts = sd.unet->forward(x_in, timesteps[i], uc).chunk(2, 0);
       eps = parts[0] + o.guidance_scale * (parts[1] - parts[0]);
+      if (o.guidance_rescale > 0) eps = rescale_noise_cfg(eps, parts[1], o.guidance_rescale);
     } else {
       eps = sd.unet->forward(sd.scheduler->scale_model_input(x, t), timesteps[i], uc);
     }
@@ -318,9 +495,21 @@ TextToImageResult text_to_image(StableDiffusion& sd, const TextToImageOptions& o
   TextToImageResult out;
   out.latents = x.to(torch::kCPU, torch::kFloat32);
   out.prompt_embeds = embeds.to(torch::kCPU, torch::kFloat32);
+  if (pooled.defined()) {
+    out.pooled_prompt_embeds = pooled.to(torch::kCPU, torch::kFloat32);
+    out.add_time_ids = time_ids.to(torch::kCPU, torch::kFloat32);
+  }
   const auto vae_params = sd.vae->parameters();
-  const auto vae_dtype = vae_params.empty() ? torch::kFloat32 : vae_params[0].scalar_type();
+  auto vae_dtype = vae_params.empty() ? torch::kFloat32 : vae_params[0].scalar_type();
+  // SDXL's VAE overflows in float16 (black images): its config says force_upcast, and the
+  // pipeline decodes in float32 then (upcast_vae), and back afterwards.
+  const bool upcast = sd.is_xl() && vae_dtype == torch::kFloat16 && sd.vae->config().force_upcast;
+  if (upcast) {
+    sd.vae->to(torch::kFloat32);
+    vae_dtype = torch::kFloat32;
+  }
   torch::Tensor decoded = sd.vae->decode(sd.vae->unscale_latents(x.to(vae_dtype)));
+  if (upcast) sd.vae->to(torch::kFloat16);
   out.images = (decoded.to(torch::kCPU, torch::kFloat32) / 2 + 0.5)
                    .clamp(0, 1)
                    .permute({0, 2, 3, 1})

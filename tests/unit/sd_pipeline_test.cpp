@@ -132,7 +132,7 @@ TEST(SdPipeline, FolderChecks) {
   index["text_encoder_2"] = {"transformers", "CLIPTextModelWithProjection"};
   EXPECT_NE(error_of([&] {
               diffusion::resolve_stable_diffusion_folder(folder_with_index("sd_xl", index));
-            }).find("SDXL"),
+            }).find("no tokenizer_2"),
             std::string::npos);
 
   index = fixture_index();

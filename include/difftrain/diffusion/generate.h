@@ -78,7 +78,7 @@ struct GenerateRequest {
   /// Denoising steps; 0 = the pipeline's default (UNet: DDPMScheduler 1000, every other sampler
   /// 50; text-to-image 50).
   int64_t num_inference_steps = 0;
-  /// Classifier-free guidance scale (> 1 guides); unset = the default (text-to-image 7.5, UNet
+  /// Classifier-free guidance scale (> 1 guides); unset = the default (SD 7.5, SDXL 5, UNet
   /// pipelines 1, i.e. none). UNet guidance is against the null class (num_class_embeds - 1).
   std::optional<double> guidance_scale;
   /// Image size in pixels; 0 = the model's (UNet sample_size, times the VAE factor for SD).
@@ -86,6 +86,12 @@ struct GenerateRequest {
   /// Text-to-image: Diffusers' clip_skip, embeddings from that many layers before the last (0 =
   /// last; kohya's and `difftrain sample --clip_skip`'s N is this + 1).
   int64_t clip_skip = 0;
+  /// Text-to-image: Diffusers' guidance_rescale (0 = off).
+  double guidance_rescale = 0.0;
+  /// SDXL only (see TextToImageOptions): micro-conditioning pairs, empty = the defaults.
+  std::vector<int64_t> original_size, crops_coords_top_left, target_size;
+  std::vector<int64_t> negative_original_size, negative_crops_coords_top_left,
+      negative_target_size;
   uint64_t seed = 0;
   Seeding seeding = Seeding::kBatch;
   /// Called after each denoising step with (step from 1, number of steps); with kPerImage, once

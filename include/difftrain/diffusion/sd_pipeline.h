@@ -1,7 +1,8 @@
 #pragma once
 // Stable Diffusion 1.x/2.x folders (Diffusers' StableDiffusionPipeline layout: model_index.json,
-// unet/, vae/, text_encoder/, tokenizer/, scheduler/) and text-to-image sampling with the
-// pipeline's order of operations, so the same seed gives Diffusers' images.
+// unet/, vae/, text_encoder/, tokenizer/, scheduler/) and SDXL folders
+// (StableDiffusionXLPipeline: text_encoder_2/ and tokenizer_2/ too), and text-to-image sampling
+// with each pipeline's order of operations, so the same seed gives Diffusers' images.
 
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/models/autoencoder_kl.h"
@@ -22,6 +23,14 @@ struct StableDiffusionFolder {
   std::string root;
   std::string pipeline_class;  ///< model_index.json's _class_name
   std::string unet_dir, vae_dir, text_encoder_dir, tokenizer_dir;
+  /// SDXL (StableDiffusionXLPipeline): text_encoder_2 (CLIPTextModelWithProjection) and
+  /// tokenizer_2; empty for SD-1.x/2.x.
+  std::string text_encoder_2_dir, tokenizer_2_dir;
+  /// model_index.json lists text_encoder_2 and tokenizer_2.
+  bool xl = false;
+  /// SDXL's force_zeros_for_empty_prompt (model_index.json; Diffusers' default true): with no
+  /// negative prompt, the negative embeddings are zeros instead of the encoding of "".
+  bool force_zeros_for_empty_prompt = true;
   std::string scheduler_config;  ///< scheduler/scheduler_config.json
   std::string scheduler_class;   ///< model_index.json's scheduler class, e.g. "PNDMScheduler"
   /// One line per listed component that is present but not used (safety_checker,
@@ -40,9 +49,10 @@ std::string resolve_tokenizer_dir(const std::string& dir);
 /// Reads `dir`/model_index.json and checks every component it lists: unet
 /// (UNet2DConditionModel), vae (AutoencoderKL), text_encoder (CLIPTextModel), tokenizer
 /// (CLIPTokenizer / CLIPTokenizerFast with vocab.json + merges.txt) and scheduler are required;
+/// SDXL's text_encoder_2 (CLIPTextModelWithProjection) and tokenizer_2 come together;
 /// safety_checker, feature_extractor and image_encoder are ignored with a note; anything else
-/// (text_encoder_2 of SDXL, an unknown class) throws difftrain::Error naming the component, its
-/// class and what is supported. Missing sub-folders are errors naming the path.
+/// (an unknown component or class) throws difftrain::Error naming the component, its class and
+/// what is supported. Missing sub-folders are errors naming the path.
 StableDiffusionFolder resolve_stable_diffusion_folder(const std::string& dir);
 
 /// The component checks of resolve_stable_diffusion_folder() on model_index.json text already in
@@ -66,6 +76,9 @@ struct StableDiffusionLoadOptions {
   /// load_lora_weights + fuse_lora(lora_scale)).
   std::string lora;
   double lora_scale = 1.0;
+  /// A separate AutoencoderKL folder used instead of the pipeline's vae/ (Diffusers'
+  /// --pretrained_vae_model_name_or_path, e.g. SDXL's fp16-safe VAE); "" = vae/.
+  std::string vae;
 };
 
 /// The loaded parts of a Stable Diffusion pipeline (float32, CPU).
@@ -76,6 +89,10 @@ struct StableDiffusion {
   models::AutoencoderKL vae{nullptr};
   models::UNet unet{nullptr};
   std::unique_ptr<Sampler> scheduler;
+  /// SDXL only (undefined / empty for SD-1.x/2.x).
+  models::ClipTokenizer tokenizer_2;
+  models::ClipTextModel text_encoder_2{nullptr};
+  bool is_xl() const { return !text_encoder_2.is_empty(); }
 };
 
 /// Loads every part of the folder (see resolve_stable_diffusion_folder) and merges the LoRA.
@@ -90,6 +107,40 @@ StableDiffusion load_stable_diffusion(const std::string& dir,
 torch::Tensor encode_prompts(const models::ClipTokenizer& tokenizer,
                              models::ClipTextModelImpl& text_encoder,
                              const std::vector<std::string>& prompts, int64_t clip_skip = 0);
+
+/// SDXL's prompt encoding (StableDiffusionXLPipeline.encode_prompt for one prompt list).
+struct XlPromptEmbeds {
+  /// [N, L, D1 + D2]: cat(text_encoder hidden_states[-(clip_skip + 2)], text_encoder_2's, -1).
+  torch::Tensor embeds;
+  /// [N, projection_dim]: text_encoder_2's text_embeds.
+  torch::Tensor pooled;
+};
+
+/// Each prompt through tokenizer/text_encoder and tokenizer_2/text_encoder_2 (padded and
+/// truncated to each tokenizer's model_max_length), on text_encoder's device; no grad unless
+/// `with_grad` (text-encoder training).
+XlPromptEmbeds encode_prompts_xl(const models::ClipTokenizer& tokenizer,
+                                 models::ClipTextModelImpl& text_encoder,
+                                 const models::ClipTokenizer& tokenizer_2,
+                                 models::ClipTextModelImpl& text_encoder_2,
+                                 const std::vector<std::string>& prompts, int64_t clip_skip = 0,
+                                 bool with_grad = false);
+/// The same from token ids already made ([N, L] each), as training with cached ids does.
+XlPromptEmbeds encode_ids_xl(models::ClipTextModelImpl& text_encoder,
+                             models::ClipTextModelImpl& text_encoder_2, const torch::Tensor& ids,
+                             const torch::Tensor& ids_2, int64_t clip_skip = 0);
+
+/// SDXL's micro-conditioning: [original_size (h, w), crops_coords_top_left (top, left),
+/// target_size (h, w)] as one row [1, 6] float32 (`_get_add_time_ids`).
+torch::Tensor xl_time_ids(const std::vector<int64_t>& original_size,
+                          const std::vector<int64_t>& crops_coords_top_left,
+                          const std::vector<int64_t>& target_size);
+
+/// Diffusers' rescale_noise_cfg (Lin et al., "Common Diffusion Noise Schedules and Sample Steps
+/// are Flawed", 3.4): noise_cfg rescaled to the per-sample std of noise_pred_text, mixed with
+/// the unrescaled one by guidance_rescale in [0, 1].
+torch::Tensor rescale_noise_cfg(const torch::Tensor& noise_cfg, const torch::Tensor& noise_pred_text,
+                                double guidance_rescale);
 
 /// Settings of one text-to-image run (StableDiffusionPipeline.__call__ arguments).
 struct TextToImageOptions {
@@ -106,6 +157,14 @@ struct TextToImageOptions {
   uint64_t seed = 0;
   /// Diffusers' clip_skip: text embeddings from that many layers before the last (0 = last).
   int64_t clip_skip = 0;
+  /// Diffusers' guidance_rescale (0 = off): see rescale_noise_cfg.
+  double guidance_rescale = 0.0;
+  /// SDXL micro-conditioning, each a pair (h, w) / (top, left); empty = Diffusers' default
+  /// ((height, width), (0, 0), (height, width)). The negative_* ones default to the positive
+  /// ones.
+  std::vector<int64_t> original_size, crops_coords_top_left, target_size;
+  std::vector<int64_t> negative_original_size, negative_crops_coords_top_left,
+      negative_target_size;
   /// Initial latents [N * num_images_per_prompt, C, h, w] instead of drawing them (tests).
   torch::Tensor latents;
   /// Called after each step with (step index from 1, number of steps).
@@ -119,14 +178,20 @@ struct TextToImageResult {
   torch::Tensor images;
   torch::Tensor latents;        ///< final latents [N * K, C, h, w]
   torch::Tensor prompt_embeds;  ///< [2 N K, L, D] with CFG (negative rows first), else [N K, L, D]
+  /// SDXL only: the pooled embeddings [2 N K, P] and time ids [2 N K, 6], in prompt_embeds' order.
+  torch::Tensor pooled_prompt_embeds, add_time_ids;
 };
 
 /// StableDiffusionPipeline.__call__'s order of operations: encode prompt and negative prompt,
 /// draw latents from a CPU generator seeded with `seed` (randn, float32) times
 /// init_noise_sigma, then per timestep the UNet on cat([x, x]) with cat([negative, prompt])
 /// embeddings, guidance eps_u + g (eps_c - eps_u), the scheduler step (DDIM with eta and the same
-/// generator), and finally vae.decode(latents / scaling_factor) mapped to [0, 1]. Models run in
-/// eval mode under no-grad. Throws difftrain::Error for sizes the models cannot take.
+/// generator), and finally vae.decode(latents / scaling_factor) mapped to [0, 1]. For SDXL,
+/// StableDiffusionXLPipeline.__call__'s: encode_prompt with both encoders (zero negatives when
+/// force_zeros_for_empty_prompt and no negative prompt), add_time_ids, text_embeds and time_ids
+/// passed to the UNet, guidance_rescale, and a VAE decode in float32 when force_upcast and the
+/// VAE is float16. Models run in eval mode under no-grad. Throws difftrain::Error for sizes the
+/// models cannot take.
 TextToImageResult text_to_image(StableDiffusion& sd, const TextToImageOptions& options);
 
 }  // namespace difftrain::diffusion

@@ -1,0 +1,227 @@
+// StableDiffusionXLPipeline folders and text-to-image against the Diffusers 0.31 reference
+// (tests/golden/sdxl/tiny_sdxl: Euler 8 steps, guidance 5, seed 42, negative prompt given).
+
+#include "difftrain/diffusion/generate.h"
+#include "difftrain/diffusion/sd_pipeline.h"
+#include "difftrain/io/atomic_file.h"
+#include "difftrain/io/safetensors.h"
+#include "test_util.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+
+namespace difftrain {
+namespace {
+
+namespace fs = std::filesystem;
+using test::error_of;
+using test::max_abs;
+
+const std::string kXl = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/sdxl/tiny_sdxl";
+
+const std::vector<std::string> kPrompts = {"a photo of a cat",
+                                           "an astronaut riding a horse on mars, highly detailed"};
+
+// The fixture's call: height = width = 32, guidance 5, 8 steps, seed 42, the negative prompt.
+diffusion::TextToImageOptions fixture_call() {
+  diffusion::TextToImageOptions o;
+  o.prompts = kPrompts;
+  o.negative_prompts = {"blurry, low quality"};
+  o.guidance_scale = 5.0;
+  o.num_inference_steps = 8;
+  o.height = o.width = 32;
+  o.seed = 42;
+  return o;
+}
+
+// Compares a run with a txt2img reference file (tolerances of the fixture README).
+void expect_matches_reference(const diffusion::TextToImageResult& out,
+                              const std::map<std::string, torch::Tensor>& ref) {
+  // prompt_embeds: [negative rows; positive rows].
+  const auto embeds = torch::cat({ref.at("negative_prompt_embeds"), ref.at("prompt_embeds")});
+  const auto pooled =
+      torch::cat({ref.at("negative_pooled_prompt_embeds"), ref.at("pooled_prompt_embeds")});
+  EXPECT_LE(max_abs(out.prompt_embeds, embeds), 1e-4);
+  EXPECT_LE(max_abs(out.pooled_prompt_embeds, pooled), 1e-4);
+  EXPECT_EQ(max_abs(out.add_time_ids, ref.at("add_time_ids")), 0.0);
+  const double scale = ref.at("latents_final").abs().max().item<double>();
+  const double latents = max_abs(out.latents, ref.at("latents_final"));
+  const double images = max_abs(out.images, ref.at("images"));
+  std::cout << "latents_final " << latents << " (|ref| max " << scale << "), images " << images
+            << "\n";
+  EXPECT_LE(latents, 1e-4 * scale);
+  EXPECT_LE(images, 1e-4);
+  EXPECT_EQ(out.images.sizes(), ref.at("images").sizes());
+}
+
+TEST(SdxlPipeline, FolderIsRecognised) {
+  auto f = diffusion::resolve_stable_diffusion_folder(kXl);
+  EXPECT_TRUE(f.xl);
+  EXPECT_TRUE(f.force_zeros_for_empty_prompt);
+  EXPECT_EQ(f.pipeline_class, "StableDiffusionXLPipeline");
+  EXPECT_EQ(f.scheduler_class, "EulerDiscreteScheduler");
+  EXPECT_EQ(fs::path(f.text_encoder_2_dir).filename(), "text_encoder_2");
+  EXPECT_EQ(fs::path(f.tokenizer_2_dir).filename(), "tokenizer_2");
+}
+
+TEST(SdxlPipeline, Txt2ImgMatchesDiffusers) {
+  auto ref = io::load_safetensors(kXl + "/txt2img_seed42.safetensors").tensors;
+  auto sd = diffusion::load_stable_diffusion(kXl);
+  ASSERT_TRUE(sd.is_xl());
+  EXPECT_EQ(sd.scheduler->class_name(), "EulerDiscreteScheduler");
+  // The tokenizers' ids equal the reference's exactly.
+  EXPECT_TRUE(torch::equal(sd.tokenizer.encode_batch(kPrompts), ref.at("input_ids")));
+  EXPECT_TRUE(torch::equal(sd.tokenizer_2.encode_batch(kPrompts), ref.at("input_ids_2")));
+
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(42);
+  EXPECT_EQ(max_abs(at::randn({2, 4, 16, 16}, gen, torch::kFloat32), ref.at("latents_init")), 0.0);
+
+  auto out = diffusion::text_to_image(sd, fixture_call());
+  EXPECT_LE(max_abs(sd.scheduler->timesteps(), ref.at("timesteps")), 0.0);
+  EXPECT_NEAR(sd.scheduler->init_noise_sigma(), ref.at("init_noise_sigma").item<double>(), 1e-5);
+  expect_matches_reference(out, ref);
+}
+
+TEST(SdxlPipeline, GenerateDefaultsToGuidanceFiveAndTheFolderSize) {
+  diffusion::Pipeline pipe = diffusion::load_stable_diffusion(kXl);
+  diffusion::GenerateRequest r;
+  r.prompts = {kPrompts[0]};
+  const auto resolved = diffusion::resolve_request(pipe, r);
+  EXPECT_EQ(*resolved.guidance_scale, 5.0);
+  r.num_inference_steps = 2;
+  auto out = diffusion::generate(pipe, r);
+  // sample_size 16 x VAE factor 2.
+  EXPECT_EQ(out.images.sizes(), (c10::IntArrayRef{1, 32, 32, 3}));
+}
+
+TEST(SdxlPipeline, NoNegativePromptGivesZeroNegativesWhenTheFolderSaysSo) {
+  auto sd = diffusion::load_stable_diffusion(kXl);
+  auto o = fixture_call();
+  o.negative_prompts.clear();
+  o.num_inference_steps = 1;
+  auto out = diffusion::text_to_image(sd, o);
+  EXPECT_EQ(out.prompt_embeds.narrow(0, 0, 2).abs().max().item<double>(), 0.0);
+  EXPECT_EQ(out.pooled_prompt_embeds.narrow(0, 0, 2).abs().max().item<double>(), 0.0);
+  EXPECT_GT(out.prompt_embeds.narrow(0, 2, 2).abs().max().item<double>(), 0.0);
+
+  // With force_zeros_for_empty_prompt false the negatives are the encoding of "".
+  sd.folder.force_zeros_for_empty_prompt = false;
+  auto empty = diffusion::text_to_image(sd, o);
+  auto expect = diffusion::encode_prompts_xl(sd.tokenizer, *sd.text_encoder, sd.tokenizer_2,
+                                             *sd.text_encoder_2, {"", ""});
+  EXPECT_EQ(max_abs(empty.prompt_embeds.narrow(0, 0, 2), expect.embeds), 0.0);
+  EXPECT_EQ(max_abs(empty.pooled_prompt_embeds.narrow(0, 0, 2), expect.pooled), 0.0);
+}
+
+TEST(SdxlPipeline, MicroConditioningReachesTheTimeIds) {
+  auto sd = diffusion::load_stable_diffusion(kXl);
+  auto o = fixture_call();
+  o.num_inference_steps = 1;
+  o.original_size = {1024, 768};
+  o.crops_coords_top_left = {16, 8};
+  o.target_size = {64, 48};
+  o.negative_original_size = {512, 512};
+  auto out = diffusion::text_to_image(sd, o);
+  const auto ids = out.add_time_ids;
+  ASSERT_EQ(ids.sizes(), (c10::IntArrayRef{4, 6}));
+  auto row = [&](int64_t i) {
+    auto r = ids[i].to(torch::kLong);
+    return std::vector<int64_t>(r.data_ptr<int64_t>(), r.data_ptr<int64_t>() + 6);
+  };
+  EXPECT_EQ(row(0), (std::vector<int64_t>{512, 512, 16, 8, 64, 48}));  // negative
+  EXPECT_EQ(row(3), (std::vector<int64_t>{1024, 768, 16, 8, 64, 48}));
+  // And it changes the image against the default call.
+  auto base = diffusion::text_to_image(sd, [] {
+    auto c = fixture_call();
+    c.num_inference_steps = 1;
+    return c;
+  }());
+  EXPECT_GT(max_abs(out.latents, base.latents), 1e-3);
+  o.crops_coords_top_left = {1, 2, 3};
+  EXPECT_NE(error_of([&] { diffusion::text_to_image(sd, o); }).find("crops_coords_top_left"),
+            std::string::npos);
+}
+
+TEST(SdxlPipeline, GuidanceRescaleMatchesAFloat64Recomputation) {
+  torch::manual_seed(3);
+  auto cfg = torch::randn({2, 4, 5, 5}, torch::kFloat64);
+  auto text = torch::randn({2, 4, 5, 5}, torch::kFloat64) * 3;
+  auto got = diffusion::rescale_noise_cfg(cfg.to(torch::kFloat32), text.to(torch::kFloat32), 0.7);
+  for (int64_t b = 0; b < 2; ++b) {
+    // Sample std with Bessel's correction, per sample over C, H, W.
+    auto std_of = [](const torch::Tensor& t) {
+      const double mean = t.mean().item<double>();
+      return std::sqrt((t - mean).pow(2).sum().item<double>() / (t.numel() - 1));
+    };
+    const double ratio = std_of(text[b]) / std_of(cfg[b]);
+    auto want = 0.7 * cfg[b] * ratio + 0.3 * cfg[b];
+    EXPECT_LE(max_abs(got[b], want), 1e-5);
+  }
+  auto sd = diffusion::load_stable_diffusion(kXl);
+  auto o = fixture_call();
+  o.num_inference_steps = 2;
+  auto plain = diffusion::text_to_image(sd, o);
+  o.guidance_rescale = 0.7;
+  auto rescaled = diffusion::text_to_image(sd, o);
+  EXPECT_GT(max_abs(plain.latents, rescaled.latents), 1e-3);
+  o.guidance_rescale = 1.5;
+  EXPECT_NE(error_of([&] { diffusion::text_to_image(sd, o); }).find("guidance_rescale"),
+            std::string::npos);
+}
+
+TEST(SdxlPipeline, BrokenFoldersAreNamed) {
+  auto index = test::read_json(kXl + "/model_index.json");
+  auto make = [&](const std::string& stem, const nlohmann::json& idx,
+                  const std::vector<std::string>& parts) {
+    const std::string dir = test::temp_dir(stem);
+    for (const auto& part : parts) {
+      fs::create_directory_symlink(fs::path(kXl) / part, fs::path(dir) / part);
+    }
+    io::write_file_atomic(dir + "/model_index.json", idx.dump(2));
+    return dir;
+  };
+  const std::vector<std::string> all = {"unet",           "vae",         "text_encoder",
+                                        "text_encoder_2", "tokenizer",   "tokenizer_2",
+                                        "scheduler"};
+  // No tokenizer_2 listed.
+  auto bad = index;
+  bad.erase("tokenizer_2");
+  auto msg = error_of([&] { diffusion::resolve_stable_diffusion_folder(make("xl_a", bad, all)); });
+  EXPECT_NE(msg.find("no tokenizer_2"), std::string::npos) << msg;
+  // text_encoder_2 listed but its folder is missing.
+  msg = error_of([&] {
+    diffusion::resolve_stable_diffusion_folder(
+        make("xl_b", index, {"unet", "vae", "text_encoder", "tokenizer", "tokenizer_2",
+                             "scheduler"}));
+  });
+  EXPECT_NE(msg.find("text_encoder_2"), std::string::npos) << msg;
+  // A text_encoder_2 of the wrong class.
+  bad = index;
+  bad["text_encoder_2"] = {"transformers", "T5EncoderModel"};
+  msg = error_of([&] { diffusion::resolve_stable_diffusion_folder(make("xl_c", bad, all)); });
+  EXPECT_NE(msg.find("T5EncoderModel"), std::string::npos) << msg;
+  bad = index;
+  bad["force_zeros_for_empty_prompt"] = "yes";
+  msg = error_of([&] { diffusion::resolve_stable_diffusion_folder(make("xl_d", bad, all)); });
+  EXPECT_NE(msg.find("force_zeros_for_empty_prompt"), std::string::npos) << msg;
+}
+
+TEST(SdxlPipeline, AFloat16VaeDecodesInFloat32WhenForceUpcast) {
+  auto sd = diffusion::load_stable_diffusion(kXl);
+  auto o = fixture_call();
+  o.num_inference_steps = 2;
+  auto ref = diffusion::text_to_image(sd, o);
+  sd.vae->to(torch::kFloat16);
+  auto out = diffusion::text_to_image(sd, o);
+  // Decoded with float16 weights made float32 again: close to the float32 run, finite, and the
+  // VAE is float16 again afterwards.
+  EXPECT_TRUE(torch::isfinite(out.images).all().item<bool>());
+  EXPECT_LE(max_abs(out.images, ref.images), 5e-3);
+  EXPECT_EQ(sd.vae->parameters()[0].scalar_type(), torch::kFloat16);
+}
+
+}  // namespace
+}  // namespace difftrain
