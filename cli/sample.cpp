@@ -52,6 +52,11 @@ struct SampleArgs {
   int64_t clip_skip = 1;
   std::string variant;
   std::string device = "auto";
+  double guidance_rescale = 0.0;
+  std::string vae;
+  std::vector<int64_t> original_size, crops_coords_top_left, target_size;
+  std::vector<int64_t> negative_original_size, negative_crops_coords_top_left,
+      negative_target_size;
   bool guidance_given = false;
 } g_args;
 
@@ -134,6 +139,7 @@ int run_text_to_image(const SampleArgs& a) {
   lo.eta = a.eta;
   lo.lora = a.lora;
   lo.lora_scale = a.lora_scale;
+  lo.vae = a.vae;
   diffusion::GenerateRequest request;
   request.prompts = read_prompts(a);
   if (!a.class_labels.empty()) throw Error("--class_labels is for class-conditional UNets");
@@ -145,10 +151,25 @@ int run_text_to_image(const SampleArgs& a) {
   request.num_images = a.num_images > 0 ? a.num_images : a.num_images_per_prompt;
   request.seed = a.seed;
   request.clip_skip = a.clip_skip - 1;
+  request.guidance_rescale = a.guidance_rescale;
+  request.original_size = a.original_size;
+  request.crops_coords_top_left = a.crops_coords_top_left;
+  request.target_size = a.target_size;
+  request.negative_original_size = a.negative_original_size;
+  request.negative_crops_coords_top_left = a.negative_crops_coords_top_left;
+  request.negative_target_size = a.negative_target_size;
   const torch::Device device = parse_sample_device(a.device);
   diffusion::Pipeline pipeline = diffusion::load_stable_diffusion(a.model, lo);
   diffusion::pipeline_to(pipeline, device);
   const auto& sd = std::get<diffusion::StableDiffusion>(pipeline);
+  const bool micro = !a.original_size.empty() || !a.crops_coords_top_left.empty() ||
+                     !a.target_size.empty() || !a.negative_original_size.empty() ||
+                     !a.negative_crops_coords_top_left.empty() || !a.negative_target_size.empty();
+  if (micro && !sd.is_xl()) {
+    throw Error("--original_size, --crops_coords_top_left and --target_size are SDXL's "
+                "micro-conditioning; " +
+                a.model + " is a Stable Diffusion 1.x/2.x folder");
+  }
   if (request.clip_skip >= sd.text_encoder->config().num_hidden_layers) {
     throw Error("--clip_skip " + std::to_string(a.clip_skip) + " is more than the text encoder's " +
                 std::to_string(sd.text_encoder->config().num_hidden_layers) + " layers");
@@ -251,6 +272,27 @@ CLI::App* add_sample_command(CLI::App& app) {
                   "Text embeddings from this CLIP layer counted from the end, as kohya: 1 = last "
                   "(default), 2 = penultimate")
       ->check(CLI::Range(int64_t{1}, int64_t{64}));
+  cmd->add_option("--guidance_rescale", g_args.guidance_rescale,
+                  "Rescale the guided noise to the text prediction's std by this fraction "
+                  "(Diffusers' guidance_rescale, 0 = off; 0.7 for zero-terminal-SNR models)")
+      ->check(CLI::Range(0.0, 1.0));
+  auto pair = [&](const char* name, std::vector<int64_t>& into, const char* help) {
+    cmd->add_option(name, into, help)->expected(2)->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
+  };
+  pair("--original_size", g_args.original_size,
+       "SDXL: the size the image claims to come from, H W (default: --height --width)");
+  pair("--crops_coords_top_left", g_args.crops_coords_top_left,
+       "SDXL: the crop's top-left corner, TOP LEFT (default 0 0)");
+  pair("--target_size", g_args.target_size, "SDXL: the target size, H W (default: the output's)");
+  pair("--negative_original_size", g_args.negative_original_size,
+       "SDXL: original size of the negative conditioning (default: --original_size)");
+  pair("--negative_crops_coords_top_left", g_args.negative_crops_coords_top_left,
+       "SDXL: crop corner of the negative conditioning (default: --crops_coords_top_left)");
+  pair("--negative_target_size", g_args.negative_target_size,
+       "SDXL: target size of the negative conditioning (default: --target_size)");
+  cmd->add_option("--pretrained_vae_model_name_or_path,--vae", g_args.vae,
+                  "An AutoencoderKL folder used instead of the pipeline's vae/ (e.g. SDXL's "
+                  "fp16-safe VAE)");
   cmd->add_option("--variant", g_args.variant, "Weights variant, e.g. fp16");
   cmd->add_option("--device", g_args.device,
                   "Where to run: auto (the first CUDA device if one is visible, else the CPU), "
