@@ -461,13 +461,18 @@ std::string kohya_name(const std::string& module) {
 }
 
 void resolve_kohya_names(LoraWeights& lora, const std::string& component,
-                         const std::vector<std::string>& module_names) {
+                         const std::vector<std::string>& module_names,
+                         const std::map<std::string, std::string>& aliases) {
   auto it = lora.components.find(component);
   if (it == lora.components.end()) return;
   std::unordered_map<std::string, std::string> by_name;
   std::unordered_map<std::string, std::string> clash;  // kohya name → a second module
   for (const auto& m : module_names) {
     auto [pos, inserted] = by_name.emplace(kohya_name(m), m);
+    if (!inserted && pos->second != m) clash.emplace(pos->first, m);
+  }
+  for (const auto& [alias, m] : aliases) {
+    auto [pos, inserted] = by_name.emplace(kohya_name(alias), m);
     if (!inserted && pos->second != m) clash.emplace(pos->first, m);
   }
   std::unordered_map<std::string, const LoraTarget*> dotted;  // module → its Diffusers/PEFT target

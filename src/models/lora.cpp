@@ -1,5 +1,8 @@
 #include "difftrain/models/lora.h"
 
+#include "difftrain/models/sgm_names.h"
+#include "difftrain/models/unet.h"
+
 #include "difftrain/core/error.h"
 
 #include <torch/torch.h>
@@ -74,7 +77,12 @@ LoraMergeSummary merge_lora(torch::nn::Module& model, const io::LoraWeights& lor
   for (const auto& t : lora.targets(component)) {
     if (t.resolved) continue;
     resolved = lora;
-    io::resolve_kohya_names(resolved, component, lora_module_names(model));
+    const auto names = lora_module_names(model);
+    // kohya's SDXL files name UNet modules in Stability's SGM layout.
+    const auto* unet = dynamic_cast<const UNetImpl*>(&model);
+    io::resolve_kohya_names(resolved, component, names,
+                            unet != nullptr ? sgm_aliases(unet->config(), names)
+                                            : std::map<std::string, std::string>{});
     source = &resolved;
     break;
   }

@@ -121,8 +121,11 @@ std::string kohya_name(const std::string& module);
 /// are left alone, so this is a no-op for Diffusers and PEFT files. Throws difftrain::Error naming
 /// the key when no module matches ("is this LoRA for a different model?"), when two modules
 /// share the underscore form, or when the module also has Diffusers or PEFT keys in the file.
+/// `aliases` maps other dotted names of modules (kohya SDXL's SGM paths, models/sgm_names.h) to
+/// their paths in `module_names`; a kohya name matching an alias resolves to that module.
 void resolve_kohya_names(LoraWeights& lora, const std::string& component,
-                         const std::vector<std::string>& module_names);
+                         const std::vector<std::string>& module_names,
+                         const std::map<std::string, std::string>& aliases = {});
 
 /// The tensors of a LoRA file in `format` holding `lora`, keyed as the tools of that format write
 /// them; read back with parse_lora(), every target gives the same models::lora_delta() (up to one
