@@ -1,10 +1,22 @@
 // `difftrain lora merge`: a model folder with a LoRA file folded into its UNet, written as a new
-// folder of the same layout. The work is models::merge_lora_into_folder; this file only parses.
+// folder of the same layout (the work is models::merge_lora_into_folder). `difftrain lora
+// convert`: a LoRA file rewritten in another key layout (Diffusers, PEFT, kohya; kohya SDXL with
+// SGM names), kohya names resolved against a model folder's weight names.
 
 #include "commands.h"
 #include "difftrain/core/log.h"
 #include "difftrain/distributed/process_group.h"
+#include "difftrain/core/error.h"
+#include "difftrain/io/lora_format.h"
 #include "difftrain/models/lora_folder.h"
+#include "difftrain/models/pretrained.h"
+#include "difftrain/models/sgm_names.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
 
 namespace difftrain::cli {
 
@@ -19,6 +31,73 @@ struct LoraMergeArgs {
 } g_args;
 
 CLI::App* g_merge = nullptr;
+CLI::App* g_convert = nullptr;
+
+struct LoraConvertArgs {
+  std::string input, output, to, model;
+} g_convert_args;
+
+// The module names of the safetensors weights `path` (keys ending in .weight), from its header.
+std::vector<std::string> weight_module_names(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  uint64_t n = 0;
+  if (!in.read(reinterpret_cast<char*>(&n), 8) || n > (uint64_t{1} << 30)) {
+    throw Error(path + ": not a safetensors file (bad header length)");
+  }
+  std::string header(n, '\0');
+  if (!in.read(header.data(), static_cast<std::streamsize>(n))) {
+    throw Error(path + ": truncated safetensors header");
+  }
+  std::vector<std::string> names;
+  try {
+    const nlohmann::json parsed = nlohmann::json::parse(header);
+    for (const auto& item : parsed.items()) {
+      const std::string& key = item.key();
+      if (key.size() > 7 && key.compare(key.size() - 7, 7, ".weight") == 0) {
+        names.push_back(key.substr(0, key.size() - 7));
+      }
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(path + ": the safetensors header is not valid JSON (" + e.what() + ")");
+  }
+  return names;
+}
+
+int run_lora_convert() {
+  const auto& a = g_convert_args;
+  io::LoraFormat format = io::LoraFormat::kDiffusers;
+  if (a.to == "peft") format = io::LoraFormat::kPeft;
+  if (a.to == "kohya") format = io::LoraFormat::kKohya;
+  io::LoraWeights lora = io::read_lora(a.input);
+  const std::string read_format = io::to_string(lora.format);
+  if (!a.model.empty()) {
+    // kohya names resolve against the model's weight names (read from the headers only), the
+    // UNet's also through their SGM names; an SDXL UNet is written with SGM names in kohya form.
+    namespace fs = std::filesystem;
+    const bool pipeline = fs::exists(fs::path(a.model) / "model_index.json");
+    const std::string unet_dir = pipeline ? (fs::path(a.model) / "unet").string() : a.model;
+    const auto config = models::UNetConfig::load((fs::path(unet_dir) / "config.json").string());
+    const auto unet_names = weight_module_names(models::weights_path(unet_dir));
+    io::resolve_kohya_names(lora, "unet", unet_names, models::sgm_aliases(config, unet_names));
+    for (const char* te : {"text_encoder", "text_encoder_2"}) {
+      const fs::path dir = fs::path(a.model) / te;
+      if (pipeline && lora.count(te) > 0 && fs::is_directory(dir)) {
+        io::resolve_kohya_names(lora, te, weight_module_names((dir / "model.safetensors").string()));
+      }
+    }
+    if (format == io::LoraFormat::kKohya && config.addition_embed_type) {
+      lora = models::with_sgm_unet_names(lora, config);
+    }
+  }
+  io::write_lora(a.output, lora, format);
+  std::string counts;
+  for (const auto& [component, targets] : lora.components) {
+    counts += (counts.empty() ? "" : ", ") + std::to_string(targets.size()) + " " + component;
+  }
+  log::info("difftrain lora convert: {} ({}) -> {} ({}): {} targets", a.input, read_format,
+            a.output, a.to, counts);
+  return 0;
+}
 
 }  // namespace
 
@@ -45,12 +124,25 @@ CLI::App* add_lora_command(CLI::App& app) {
   g_merge->add_option("--variant", g_args.variant,
                       "UNet weights variant to read and write, e.g. fp16 "
                       "(diffusion_pytorch_model.fp16.safetensors)");
+  g_convert = cmd->add_subcommand(
+      "convert",
+      "Rewrite a LoRA file in another key layout: diffusers (save_lora_weights), peft or kohya "
+      "(kohya SDXL files name the UNet's modules in SGM form, input_blocks_4_1_...)");
+  g_convert->add_option("--input", g_convert_args.input, "LoRA file to read")->required();
+  g_convert->add_option("--output", g_convert_args.output, "LoRA file to write")->required();
+  g_convert->add_option("--to", g_convert_args.to, "diffusers, peft or kohya")
+      ->required()
+      ->check(CLI::IsMember({"diffusers", "peft", "kohya"}));
+  g_convert->add_option("--model", g_convert_args.model,
+                        "The model folder the LoRA is for (pipeline or UNet folder): resolves "
+                        "kohya names, and makes kohya output for SDXL use SGM names");
   return cmd;
 }
 
 int run_lora() {
   distributed::configure_threads();
-  if (!g_merge->parsed()) return 0;  // CLI11 requires a subcommand; merge is the only one
+  if (g_convert->parsed()) return run_lora_convert();
+  if (!g_merge->parsed()) return 0;
   models::LoraFolderMergeOptions options;
   options.lora_scale = g_args.lora_scale;
   options.variant = g_args.variant;

@@ -118,6 +118,14 @@ int64_t DataLoader::total_batch_size() const {
 
 std::vector<int64_t> DataLoader::epoch_order(int64_t epoch) const {
   const int64_t n = dataset_->size();
+  if (options_.sampler) {
+    auto order = options_.sampler(epoch);
+    if (static_cast<int64_t>(order.size()) != n) {
+      throw Error("DataLoader: the sampler gave " + std::to_string(order.size()) +
+                  " indices for a dataset of " + std::to_string(n));
+    }
+    return order;
+  }
   torch::Tensor order;
   if (options_.shuffle) {
     auto generator = at::detail::createCPUGenerator(options_.seed + static_cast<uint64_t>(epoch));

@@ -327,6 +327,24 @@ ImageFolderDataset::ImageFolderDataset(ImageFolderOptions options) : options_(st
   }
 }
 
+void ImageFolderDataset::set_target_sizes(std::vector<std::array<int64_t, 2>> sizes) {
+  if (!sizes.empty() && static_cast<int64_t>(sizes.size()) != size()) {
+    throw Error(fmt::format("{}: {} target sizes for {} images; give one per image", options_.dir,
+                            sizes.size(), size()));
+  }
+  for (const auto& s : sizes) {
+    if (s[0] < 1 || s[1] < 1) {
+      throw Error(fmt::format("{}: target size {}x{} is not positive", options_.dir, s[0], s[1]));
+    }
+  }
+  target_sizes_ = std::move(sizes);
+}
+
+std::array<int64_t, 2> ImageFolderDataset::target_size(int64_t index) const {
+  if (target_sizes_.empty()) return {options_.resolution, options_.resolution};
+  return target_sizes_[static_cast<size_t>(index)];
+}
+
 void ImageFolderDataset::check_index(int64_t index) const {
   if (index < 0 || index >= size()) {
     throw Error(fmt::format("ImageFolderDataset index {} is out of range: expected 0 <= index < {}",
@@ -366,11 +384,13 @@ Example ImageFolderDataset::get(int64_t index) const {
   }
   // [H, W, C] uint8 → [1, C, H, W] float in [0, 255]
   auto x = image.permute({2, 0, 1}).to(torch::kFloat).unsqueeze(0);
-  const int64_t r = options_.resolution;
+  const auto [th, tw] = target_size(index);
   const int64_t h = x.size(2), w = x.size(3);
-  // torchvision Resize(r): the shorter side becomes r, the longer int(r * long / short).
-  const int64_t new_h = w <= h ? r * h / w : r;
-  const int64_t new_w = w <= h ? r : r * w / h;
+  // Cover th x tw: torchvision Resize(r) for a square (the shorter side becomes r, the longer
+  // int(r * long / short)); for a bucket the side that fits tighter becomes exact.
+  const bool width_exact = h * tw >= w * th;
+  const int64_t new_h = width_exact ? tw * h / w : th;
+  const int64_t new_w = width_exact ? tw : th * w / h;
   if (new_h != h || new_w != w) {
     namespace F = torch::nn::functional;
     x = F::interpolate(x, F::InterpolateFuncOptions()
@@ -385,17 +405,26 @@ Example ImageFolderDataset::get(int64_t index) const {
   }
   int64_t top = 0, left = 0;
   if (options_.center_crop) {
-    top = round_half_even(static_cast<double>(new_h - r) / 2.0);
-    left = round_half_even(static_cast<double>(new_w - r) / 2.0);
+    top = round_half_even(static_cast<double>(new_h - th) / 2.0);
+    left = round_half_even(static_cast<double>(new_w - tw) / 2.0);
   } else {
     // torchvision RandomCrop.get_params: top, then left.
-    top = torch::randint(0, new_h - r + 1, {1}, *gen, torch::kLong).item<int64_t>();
-    left = torch::randint(0, new_w - r + 1, {1}, *gen, torch::kLong).item<int64_t>();
+    top = torch::randint(0, new_h - th + 1, {1}, *gen, torch::kLong).item<int64_t>();
+    left = torch::randint(0, new_w - tw + 1, {1}, *gen, torch::kLong).item<int64_t>();
   }
-  x = x.squeeze(0).narrow(1, top, r).narrow(2, left, r);
-  if (options_.random_flip && torch::rand({1}, *gen).item<float>() < 0.5f) x = x.flip({2});
+  x = x.squeeze(0).narrow(1, top, th).narrow(2, left, tw);
+  bool flipped = false;
+  if (options_.random_flip && torch::rand({1}, *gen).item<float>() < 0.5f) {
+    x = x.flip({2});
+    flipped = true;
+  }
+  // SDXL's crop coordinates are those of the flipped image when it is flipped (Diffusers flips
+  // before cropping).
+  const int64_t crop_left = flipped ? new_w - tw - left : left;
   Example example{{"pixel_values", x.div(255.0).mul(2.0).sub(1.0).contiguous()},
-                  {"index", torch::tensor(index, torch::kLong)}};
+                  {"index", torch::tensor(index, torch::kLong)},
+                  {"original_size", torch::tensor({h, w}, torch::kLong)},
+                  {"crop_top_left", torch::tensor({top, crop_left}, torch::kLong)}};
   if (!labels_.empty())
     example.emplace("class_labels", torch::tensor(labels_[index], torch::kLong));
   return example;

@@ -8,8 +8,11 @@
 #include <algorithm>
 #include <cctype>
 #include <climits>
+#include <cstring>
+#include <cerrno>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <sstream>
 
@@ -397,6 +400,30 @@ torch::Tensor save_image_grid(const std::string& path, const torch::Tensor& imag
       make_grid(to_uint8_images(images.permute({0, 3, 1, 2})), labels, columns, padding);
   save_png(path, grid);
   return grid;
+}
+
+std::array<int64_t, 2> image_size(const std::string& path) {
+  // The header is at the start, except for JPEGs whose EXIF block comes first: read a prefix,
+  // then the whole file when the prefix does not hold the size.
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    throw Error("cannot read image '" + path + "': " + std::strerror(errno) +
+                "; check the path (metadata.jsonl file_name) and its permissions");
+  }
+  std::string bytes(256 * 1024, '\0');
+  in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  bytes.resize(static_cast<size_t>(in.gcount()));
+  int w = 0, h = 0, c = 0;
+  auto info = [&](const std::string& b) {
+    return stbi_info_from_memory(reinterpret_cast<const stbi_uc*>(b.data()),
+                                 static_cast<int>(b.size()), &w, &h, &c) != 0;
+  };
+  if (!info(bytes) && !(in.gcount() == 256 * 1024 && info(read_file(path)))) {
+    std::string reason = stbi_failure_reason() ? stbi_failure_reason() : "unknown error";
+    throw Error("cannot load image '" + path + "': " + reason +
+                " (not a PNG, JPEG or BMP file?); convert it to PNG");
+  }
+  return {int64_t{h}, int64_t{w}};
 }
 
 }  // namespace difftrain::io

@@ -52,6 +52,9 @@ LoraLayersImpl::LoraLayersImpl(torch::nn::Module& model, const LoraConfig& confi
     for (size_t i = 0; i < config.target_modules.size(); ++i) {
       if (lora_target_matches(name, {config.target_modules[i]})) used[i] = match = true;
     }
+    for (const auto& prefix : config.exclude_prefixes) {
+      if (name == prefix || name.rfind(prefix + ".", 0) == 0) match = false;
+    }
     if (!match) continue;
     LoraAdapter adapter{nullptr};
     if (linear != nullptr) {

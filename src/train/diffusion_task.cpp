@@ -9,6 +9,8 @@
 #include "difftrain/diffusion/sd_pipeline.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/lora_format.h"
+#include "difftrain/models/clip_text_model.h"
+#include "difftrain/models/sgm_names.h"
 
 #include <torch/torch.h>
 
@@ -22,9 +24,12 @@ namespace {
 // under "unet" and "text_encoder", prepared, optimised and checkpointed as one module.
 class TextToImageLoraImpl : public torch::nn::Module {
  public:
-  TextToImageLoraImpl(models::LoraLayers unet, models::LoraLayers text_encoder) {
+  TextToImageLoraImpl(models::LoraLayers unet, models::LoraLayers text_encoder,
+                      models::LoraLayers text_encoder_2) {
     register_module("unet", std::move(unet));
     register_module("text_encoder", std::move(text_encoder));
+    // SDXL's second encoder; SD-1.x/2.x runs keep the two-child layout of their checkpoints.
+    if (!text_encoder_2.is_empty()) register_module("text_encoder_2", std::move(text_encoder_2));
   }
 };
 TORCH_MODULE(TextToImageLora);
@@ -74,7 +79,8 @@ void DiffusionTask::build_noise_scheduler() {
   noise_scheduler_ = diffusion::make_scheduler(sc, "ddpm");
 }
 
-void DiffusionTask::build_trainable(accel::Accelerator& acc, torch::nn::Module* text_encoder) {
+void DiffusionTask::build_trainable(accel::Accelerator& acc, torch::nn::Module* text_encoder,
+                                    torch::nn::Module* text_encoder_2) {
   if (o_.lora.enabled) {
     for (auto& p : unet_->parameters()) p.set_requires_grad(false);
     unet_->to(acc.device());
@@ -88,8 +94,20 @@ void DiffusionTask::build_trainable(accel::Accelerator& acc, torch::nn::Module* 
     if (o_.lora.train_text_encoder && text_encoder != nullptr) {
       models::LoraConfig tc = lc;
       tc.target_modules = o_.lora.text_encoder_target_modules;
+      if (text_encoder_2 != nullptr) {
+        // SDXL reads text_encoder's hidden_states[-(skip + 2)]: its layers after that one (and
+        // none of text_encoder_2's, whose pooled output comes from the last) never reach the loss.
+        text_lora_2_ = models::LoraLayers(*text_encoder_2, tc);
+        const auto* te = dynamic_cast<const models::ClipTextModelImpl*>(text_encoder);
+        if (te != nullptr) {
+          const int64_t layers = te->config().num_hidden_layers;
+          for (int64_t i = layers - 1 - (o_.text.clip_skip - 1); i < layers; ++i) {
+            tc.exclude_prefixes.push_back("text_model.encoder.layers." + std::to_string(i));
+          }
+        }
+      }
       text_lora_ = models::LoraLayers(*text_encoder, tc);
-      trainable_ = TextToImageLora(lora_, text_lora_).ptr();
+      trainable_ = TextToImageLora(lora_, text_lora_, text_lora_2_).ptr();
     }
   } else {
     trainable_ = unet_.ptr();
@@ -173,6 +191,15 @@ void DiffusionTask::export_lora(const fs::path& out) const {
   if (text_lora_) {
     auto te = text_lora_->to_lora_weights("text_encoder");
     weights.components["text_encoder"] = te.components["text_encoder"];
+  }
+  if (text_lora_2_) {
+    auto te = text_lora_2_->to_lora_weights("text_encoder_2");
+    weights.components["text_encoder_2"] = te.components["text_encoder_2"];
+  }
+  // kohya's SDXL files name the UNet's modules in Stability's SGM layout (sd-scripts' SDXL
+  // model), as kohya-trained SDXL LoRAs do.
+  if (format == io::LoraFormat::kKohya && unet_->needs_added_conditioning()) {
+    weights = models::with_sgm_unet_names(weights, unet_->config());
   }
   io::write_lora(path.string(), weights, format,
                  {{"difftrain_rank", std::to_string(o_.lora.rank)},

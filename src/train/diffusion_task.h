@@ -38,7 +38,9 @@ class DiffusionTask : public TrainingTask {
   /// What trains: LoRA adapters on the UNet (and on `text_encoder` with train_text_encoder,
   /// both under one module) or the whole UNet. Then, under bf16, the frozen weights (the LoRA
   /// base and frozen_modules()) move to bf16: half the memory, while what trains stays fp32.
-  void build_trainable(accel::Accelerator& acc, torch::nn::Module* text_encoder);
+  /// SDXL: `text_encoder_2` gets its own adapters too (under "text_encoder_2").
+  void build_trainable(accel::Accelerator& acc, torch::nn::Module* text_encoder,
+                       torch::nn::Module* text_encoder_2 = nullptr);
   /// Frozen modules besides the UNet (the VAE, the text encoder).
   virtual std::vector<torch::nn::Module*> frozen_modules() const { return {}; }
 
@@ -49,7 +51,8 @@ class DiffusionTask : public TrainingTask {
                                  int64_t epoch, torch::Device device,
                                  const models::UNetConditioning& cond);
 
-  /// Writes pytorch_lora_weights.safetensors (UNet adapters, plus the text encoder's) in `out`.
+  /// Writes pytorch_lora_weights.safetensors (UNet adapters, plus the text encoders') in `out`;
+  /// kohya format for an SDXL UNet uses SGM module names.
   void export_lora(const std::filesystem::path& out) const;
 
   TaskOptions o_;
@@ -58,6 +61,7 @@ class DiffusionTask : public TrainingTask {
   models::UNet unet_{nullptr};
   models::LoraLayers lora_{nullptr};
   models::LoraLayers text_lora_{nullptr};  ///< adapters on the text encoder, else null
+  models::LoraLayers text_lora_2_{nullptr};  ///< SDXL: adapters on text_encoder_2, else null
   std::shared_ptr<torch::nn::Module> trainable_;
   std::shared_ptr<diffusion::NoiseScheduler> noise_scheduler_;
 };

@@ -1,11 +1,15 @@
 // The Stable-Diffusion text-to-image task (Diffusers' train_text_to_image(_lora).py and
-// train_dreambooth_lora.py): a Stable Diffusion folder's frozen VAE and text encoder, captioned
-// images (metadata.jsonl, or one instance prompt, plus DreamBooth class images), the latent and
-// text-embedding cache, validation renders from a prompt, and the final pipeline folder or LoRA.
+// train_dreambooth_lora.py) and its SDXL form (train_text_to_image_lora_sdxl.py,
+// train_dreambooth_lora_sdxl.py): a pipeline folder's frozen VAE and text encoder(s), captioned
+// images (metadata.jsonl, or one instance prompt, plus DreamBooth class images), optionally in
+// aspect-ratio buckets, the latent and text-embedding cache, validation renders from a prompt,
+// and the final pipeline folder or LoRA. SDXL adds the second tokenizer and encoder, the pooled
+// embedding and per-image time ids (original size, crop corner, target size).
 #include "diffusion_task.h"
 
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
+#include "difftrain/data/buckets.h"
 #include "difftrain/data/image_folder.h"
 #include "difftrain/data/sample_rng.h"
 #include "difftrain/diffusion/generate.h"
@@ -80,23 +84,35 @@ class TextImageDataset : public data::Dataset {
     std::shared_ptr<data::ImageFolderDataset> images;
     std::vector<std::string> captions;  // one per image
     torch::Tensor mean, logvar;         // cached posteriors [N, C, h, w], or undefined
+    torch::Tensor geometry;             // with the cache: [N, 4] original h, w, crop top, left
   };
 
-  TextImageDataset(Half instance, std::optional<Half> cls, const models::ClipTokenizer& tokenizer)
-      : instance_(std::move(instance)), class_(std::move(cls)), tokenizer_(tokenizer) {}
+  /// `tokenizer_2`: SDXL's second tokenizer (examples then carry "input_ids_2").
+  TextImageDataset(Half instance, std::optional<Half> cls, const models::ClipTokenizer& tokenizer,
+                   std::optional<models::ClipTokenizer> tokenizer_2)
+      : instance_(std::move(instance)),
+        class_(std::move(cls)),
+        tokenizer_(tokenizer),
+        tokenizer_2_(std::move(tokenizer_2)) {}
 
   int64_t size() const override {
+    if (!slot_image_.empty()) return static_cast<int64_t>(slot_image_.size());
     const int64_t n = instance_.images->size();
     return class_ ? std::max(n, class_->images->size()) : n;
   }
 
+  // Example `index` is a slot: with buckets, slot i shows image slot_image_[i].
   data::Example get(int64_t index) const override {
     data::Example ex;
     ex["index"] = torch::tensor(index, torch::kInt64);
-    add(ex, "", instance_, index % instance_.images->size());
+    const int64_t image = slot_image_.empty() ? index : slot_image_.at(static_cast<size_t>(index));
+    add(ex, "", instance_, image % instance_.images->size());
     if (class_) add(ex, "class_", *class_, index % class_->images->size());
     return ex;
   }
+
+  /// Aspect-ratio buckets: the slots (BucketLayout) replace the plain indices.
+  void set_slots(std::vector<int64_t> slot_image) { slot_image_ = std::move(slot_image); }
 
   void set_epoch(int64_t epoch) {
     instance_.images->set_epoch(epoch);
@@ -105,29 +121,41 @@ class TextImageDataset : public data::Dataset {
 
   Half& instance() { return instance_; }
   std::optional<Half>& class_half() { return class_; }
-  /// Cached text embeddings by caption (empty: tokenise instead).
-  std::map<std::string, torch::Tensor> embeddings;
+  /// Cached text embeddings by caption (empty: tokenise instead), and SDXL's pooled ones.
+  std::map<std::string, torch::Tensor> embeddings, pooled;
 
  private:
   void add(data::Example& ex, const std::string& prefix, const Half& half, int64_t i) const {
     if (half.mean.defined()) {
       ex[prefix + "latent_mean"] = half.mean[i];
       ex[prefix + "latent_logvar"] = half.logvar[i];
+      ex[prefix + "original_size"] = half.geometry[i].narrow(0, 0, 2);
+      ex[prefix + "crop_top_left"] = half.geometry[i].narrow(0, 2, 2);
     } else {
-      ex[prefix + "pixel_values"] = half.images->get(i).at("pixel_values");
+      auto image = half.images->get(i);
+      ex[prefix + "pixel_values"] = image.at("pixel_values");
+      ex[prefix + "original_size"] = image.at("original_size");
+      ex[prefix + "crop_top_left"] = image.at("crop_top_left");
     }
     const std::string& caption = half.captions[static_cast<size_t>(i)];
     auto it = embeddings.find(caption);
     if (it != embeddings.end()) {
       ex[prefix + "prompt_embeds"] = it->second;
+      if (tokenizer_2_) ex[prefix + "pooled_prompt_embeds"] = pooled.at(caption);
     } else {
       ex[prefix + "input_ids"] = torch::tensor(tokenizer_.encode(caption).input_ids, torch::kInt64);
+      if (tokenizer_2_) {
+        ex[prefix + "input_ids_2"] =
+            torch::tensor(tokenizer_2_->encode(caption).input_ids, torch::kInt64);
+      }
     }
   }
 
   Half instance_;
   std::optional<Half> class_;
   models::ClipTokenizer tokenizer_;
+  std::optional<models::ClipTokenizer> tokenizer_2_;
+  std::vector<int64_t> slot_image_;  // empty: example i is image i
 };
 
 int64_t count_images(const fs::path& dir) {
@@ -145,10 +173,11 @@ int64_t count_images(const fs::path& dir) {
 }
 
 // The latents [B, C, h, w] (scaled for the UNet) and text embeddings [B, L, D] of one half of a
-// batch.
+// batch; for SDXL also the pooled embeddings [B, P] and time ids [B, 6].
 struct EncodedBatch {
   torch::Tensor latents;
   torch::Tensor embeds;
+  torch::Tensor pooled, time_ids;
 };
 
 // The class half of example `index` draws its per-sample randomness under this key (DreamBooth).
@@ -158,7 +187,14 @@ class TextToImageTask final : public DiffusionTask {
  public:
   using DiffusionTask::DiffusionTask;
 
-  std::string name() const override { return "text-to-image"; }
+  std::string name() const override { return folder_.xl ? "sdxl" : "text-to-image"; }
+
+  std::function<std::vector<int64_t>(int64_t)> sampler() const override {
+    if (!buckets_) return {};
+    auto layout = buckets_;
+    const uint64_t seed = o_.data.seed;
+    return [layout, seed](int64_t epoch) { return layout->epoch_order(seed, epoch); };
+  }
 
   // Loads the folder's tokenizer, text encoder, VAE and UNet, builds the captioned dataset
   // (generating missing class images first with prior preservation) and, with cache_latents,
@@ -192,12 +228,38 @@ class TextToImageTask final : public DiffusionTask {
                   " layers");
     }
     skip_ = t.clip_skip - 1;
-    vae_ = models::load_autoencoder_kl(folder_.vae_dir, o_.model.variant);
+    if (folder_.xl) {
+      // SDXL: the second tokenizer and CLIPTextModelWithProjection; the prompt embedding is
+      // hidden_states[-(clip_skip + 2)] of both, so one layer fewer can be skipped.
+      tokenizer_2_ = models::ClipTokenizer::from_folder(folder_.tokenizer_2_dir);
+      text_encoder_2_ = models::load_clip_text_model(folder_.text_encoder_2_dir, o_.model.variant,
+                                                     /*with_projection=*/true);
+      const auto& t2 = text_encoder_2_->config();
+      if (tokenizer_2_->model_max_length() > t2.max_position_embeddings)
+        tokenizer_2_->set_model_max_length(t2.max_position_embeddings);
+      const int64_t layers = std::min(tcfg.num_hidden_layers, t2.num_hidden_layers);
+      if (t.clip_skip >= layers) {
+        throw Error("--clip_skip " + std::to_string(t.clip_skip) +
+                    " is too large for SDXL, whose prompt embedding is already the penultimate "
+                    "layer: at most " +
+                    std::to_string(layers - 1) + " for these text encoders");
+      }
+    }
+    if (!o_.model.vae.empty()) acc.print("VAE from {}", o_.model.vae);
+    vae_ = models::load_autoencoder_kl(o_.model.vae.empty() ? folder_.vae_dir : o_.model.vae,
+                                       o_.model.vae.empty() ? o_.model.variant : "");
     unet_ = models::load_unet(folder_.unet_dir, o_.model.variant);
     if (!unet_->needs_encoder_hidden_states()) {
       throw Error(folder_.unet_dir +
                   ": the UNet has no cross-attention; a text-to-image "
                   "pipeline needs a UNet2DConditionModel");
+    }
+    if (folder_.xl != unet_->needs_added_conditioning()) {
+      throw Error(folder_.unet_dir + (folder_.xl
+                                          ? ": an SDXL folder's UNet needs addition_embed_type "
+                                            "\"text_time\"; the folder mixes models"
+                                          : ": the UNet has SDXL's addition_embed_type "
+                                            "\"text_time\" but the folder has no text_encoder_2"));
     }
     for (auto& p : text_encoder_->parameters()) p.set_requires_grad(false);
     for (auto& p : vae_->parameters()) p.set_requires_grad(false);
@@ -205,6 +267,11 @@ class TextToImageTask final : public DiffusionTask {
     vae_->to(acc.device());
     vae_->eval();
     text_encoder_->eval();
+    if (folder_.xl) {
+      for (auto& p : text_encoder_2_->parameters()) p.set_requires_grad(false);
+      text_encoder_2_->to(acc.device());
+      text_encoder_2_->eval();
+    }
     const int64_t factor = vae_->config().downsample_factor();
     if (d.resolution % factor != 0) {
       const int64_t below = d.resolution / factor * factor;
@@ -216,7 +283,8 @@ class TextToImageTask final : public DiffusionTask {
     build_dataset(acc, output_dir);
     if (o_.model.gradient_checkpointing) unet_->set_gradient_checkpointing(true);
     build_noise_scheduler();
-    build_trainable(acc, text_encoder_.ptr().get());
+    build_trainable(acc, text_encoder_.ptr().get(),
+                    folder_.xl ? text_encoder_2_.ptr().get() : nullptr);
   }
 
   // Latents and caption embeddings of the batch (plus the DreamBooth class half, weighted by
@@ -228,6 +296,8 @@ class TextToImageTask final : public DiffusionTask {
     if (!prior_) {
       models::UNetConditioning cond;
       cond.encoder_hidden_states = inst.embeds;
+      cond.text_embeds = inst.pooled;
+      cond.time_ids = inst.time_ids;
       return denoising_losses(inst.latents, keys, epoch, device, cond).mean();
     }
     std::vector<int64_t> class_keys;
@@ -237,6 +307,10 @@ class TextToImageTask final : public DiffusionTask {
     all.insert(all.end(), class_keys.begin(), class_keys.end());
     models::UNetConditioning cond;
     cond.encoder_hidden_states = torch::cat({inst.embeds, cls.embeds});
+    if (folder_.xl) {
+      cond.text_embeds = torch::cat({inst.pooled, cls.pooled});
+      cond.time_ids = torch::cat({inst.time_ids, cls.time_ids});
+    }
     auto losses =
         denoising_losses(torch::cat({inst.latents, cls.latents}), all, epoch, device, cond);
     const int64_t B = static_cast<int64_t>(keys.size());
@@ -281,7 +355,9 @@ class TextToImageTask final : public DiffusionTask {
     models::save_unet(*unet_, (out / "unet").string());
     // The frozen parts and the scheduler as they came, and the source's model_index.json.
     const fs::path src(folder_.root);
-    for (const char* part : {"vae", "text_encoder", "tokenizer", "scheduler"}) {
+    std::vector<std::string> parts = {"vae", "text_encoder", "tokenizer", "scheduler"};
+    if (folder_.xl) parts.insert(parts.end(), {"text_encoder_2", "tokenizer_2"});
+    for (const auto& part : parts) {
       std::error_code ec;
       fs::remove_all(out / part, ec);
       fs::copy(src / part, out / part, fs::copy_options::recursive, ec);
@@ -297,7 +373,9 @@ class TextToImageTask final : public DiffusionTask {
 
  protected:
   std::vector<torch::nn::Module*> frozen_modules() const override {
-    return {vae_.ptr().get(), text_encoder_.ptr().get()};
+    std::vector<torch::nn::Module*> out = {vae_.ptr().get(), text_encoder_.ptr().get()};
+    if (folder_.xl) out.push_back(text_encoder_2_.ptr().get());
+    return out;
   }
 
  private:
@@ -307,6 +385,10 @@ class TextToImageTask final : public DiffusionTask {
     sd.folder = folder_;
     sd.tokenizer = tokenizer_;
     sd.text_encoder = text_encoder_;
+    if (folder_.xl) {
+      sd.tokenizer_2 = *tokenizer_2_;
+      sd.text_encoder_2 = text_encoder_2_;
+    }
     sd.vae = vae_;
     sd.unet = unet_;
     sd.scheduler = diffusion::make_sampler(scheduler.to_json(), sampler, "the training scheduler");
@@ -314,13 +396,13 @@ class TextToImageTask final : public DiffusionTask {
   }
 
   // A text-to-image request for `prompt` at the run's resolution, with the validation steps and
-  // guidance (1 means the pipeline's 7.5), image i of it from seed + i.
+  // guidance (1 means the pipeline's: 7.5, SDXL 5), image i of it from seed + i.
   diffusion::GenerateRequest render_request(const std::string& prompt) const {
     const auto& v = o_.validation;
     diffusion::GenerateRequest r;
     r.prompts = {prompt};
     r.num_inference_steps = v.inference_steps;
-    r.guidance_scale = v.guidance_scale > 1 ? v.guidance_scale : 7.5;
+    r.guidance_scale = v.guidance_scale > 1 ? v.guidance_scale : (folder_.xl ? 5.0 : 7.5);
     r.height = r.width = o_.data.resolution;
     r.clip_skip = skip_;
     r.seeding = diffusion::Seeding::kPerImage;
@@ -366,10 +448,56 @@ class TextToImageTask final : public DiffusionTask {
       cls = std::move(h);
     }
 
-    auto ds = std::make_shared<TextImageDataset>(std::move(inst), std::move(cls), tokenizer_);
+    std::shared_ptr<data::ImageFolderDataset> instance_images = inst.images;
+    auto ds = std::make_shared<TextImageDataset>(std::move(inst), std::move(cls), tokenizer_,
+                                                 tokenizer_2_);
+    if (d.resolution_buckets) assign_buckets(acc, *instance_images, *ds);
     if (t.cache_latents) fill_cache(acc, *ds, output_dir);
     set_epoch_ = [ds](int64_t e) { ds->set_epoch(e); };
     dataset_ = ds;
+  }
+
+  // Aspect-ratio buckets: each image to the bucket nearest its shape (sizes from the file
+  // headers), the dataset laid out in slots so every global batch comes from one bucket.
+  void assign_buckets(accel::Accelerator& acc, data::ImageFolderDataset& images,
+                      TextImageDataset& ds) {
+    const auto& d = o_.data;
+    if (o_.text.with_prior_preservation) {
+      throw Error(
+          "--resolution_buckets with --with_prior_preservation is not supported: a batch holds "
+          "instance and class images together, so they would need one size; train DreamBooth "
+          "with square crops");
+    }
+    if (o_.text.cache_latents) {
+      throw Error(
+          "--resolution_buckets with --cache_latents is not supported yet (the cache holds one "
+          "latent size); drop one of them");
+    }
+    const int64_t factor = vae_->config().downsample_factor();
+    if (d.bucket_step % factor != 0) {
+      throw Error("--bucket_step " + std::to_string(d.bucket_step) + " is not a multiple of " +
+                  std::to_string(factor) + " (the VAE's downsampling factor)");
+    }
+    data::BucketOptions bo;
+    bo.resolution = d.resolution;
+    bo.step = d.bucket_step;
+    bo.min_side = d.bucket_min_side;
+    bo.max_side = d.bucket_max_side;
+    std::vector<std::array<int64_t, 2>> sizes;
+    for (int64_t i = 0; i < images.size(); ++i) sizes.push_back(io::image_size(images.file(i)));
+    const int64_t group =
+        acc.options().split_batches
+            ? d.train_batch_size
+            : d.train_batch_size * static_cast<int64_t>(acc.num_processes());
+    buckets_ = std::make_shared<data::BucketLayout>(data::make_buckets(bo), sizes, group);
+    images.set_target_sizes(buckets_->image_targets());
+    std::vector<int64_t> slots;
+    for (int64_t k = 0; k < buckets_->num_slots(); ++k) slots.push_back(buckets_->image_of_slot(k));
+    ds.set_slots(std::move(slots));
+    std::string lines;
+    for (const auto& line : buckets_->summary()) lines += (lines.empty() ? "" : ", ") + line;
+    acc.print("aspect-ratio buckets: {} image(s) in {} slot(s) ({}), batches of one bucket", images.size(),
+              buckets_->num_slots(), lines);
   }
 
   // DreamBooth: the class folder needs num_class_images images; the missing ones are drawn from
@@ -435,6 +563,19 @@ class TextToImageTask final : public DiffusionTask {
       const std::string key = vae_key + folder_stamp(data_dir);
       const fs::path file = dir / (name + "-" + hex(fnv1a(key)) + ".safetensors");
       std::tie(half.mean, half.logvar) = cached_latents(acc, *half.images, file);
+      // The cache needs centre crops without flips: each image's geometry is fixed.
+      std::vector<int64_t> geometry;
+      for (int64_t i = 0; i < half.images->size(); ++i) {
+        const auto size = io::image_size(half.images->file(i));
+        const auto [th, tw] = half.images->target_size(i);
+        const bool width_exact = size[0] * tw >= size[1] * th;
+        const int64_t new_h = width_exact ? tw * size[0] / size[1] : th;
+        const int64_t new_w = width_exact ? tw : th * size[1] / size[0];
+        geometry.insert(geometry.end(),
+                        {size[0], size[1], static_cast<int64_t>(std::nearbyint((new_h - th) / 2.0)),
+                         static_cast<int64_t>(std::nearbyint((new_w - tw) / 2.0))});
+      }
+      half.geometry = torch::tensor(geometry, torch::kInt64).view({-1, 4});
     };
     cache_half(ds.instance(), "latents", d.train_data_dir);
     if (ds.class_half()) cache_half(*ds.class_half(), "class-latents", t.class_data_dir);
@@ -445,21 +586,32 @@ class TextToImageTask final : public DiffusionTask {
     std::string key = "embeds-v1;" + io::read_file(folder_.text_encoder_dir + "/config.json") +
                       folder_stamp(folder_.text_encoder_dir) + folder_stamp(folder_.tokenizer_dir) +
                       std::to_string(skip_);
+    if (folder_.xl) {
+      key += "xl;" + folder_stamp(folder_.text_encoder_2_dir) + folder_stamp(folder_.tokenizer_2_dir);
+    }
     for (const auto& s : unique) key += "\n" + s;
     const fs::path file = dir / ("text-embeddings-" + hex(fnv1a(key)) + ".safetensors");
     const std::vector<std::string> captions(unique.begin(), unique.end());
     if (!fs::exists(file) && acc.is_main_process()) {
       torch::NoGradGuard no_grad;
       auto autocast = acc.autocast();
-      std::vector<torch::Tensor> rows;
+      std::vector<torch::Tensor> rows, pooled;
       for (size_t s = 0; s < captions.size(); s += 64) {
         std::vector<std::string> chunk(captions.begin() + s,
                                        captions.begin() + std::min(captions.size(), s + 64));
-        rows.push_back(diffusion::encode_prompts(tokenizer_, *text_encoder_, chunk, skip_)
-                           .to(torch::kCPU, torch::kFloat32));
+        if (folder_.xl) {
+          auto e = diffusion::encode_prompts_xl(tokenizer_, *text_encoder_, *tokenizer_2_,
+                                                *text_encoder_2_, chunk, skip_);
+          rows.push_back(e.embeds.to(torch::kCPU, torch::kFloat32));
+          pooled.push_back(e.pooled.to(torch::kCPU, torch::kFloat32));
+        } else {
+          rows.push_back(diffusion::encode_prompts(tokenizer_, *text_encoder_, chunk, skip_)
+                             .to(torch::kCPU, torch::kFloat32));
+        }
       }
-      io::save_safetensors(file.string(), {{"embeds", torch::cat(rows)}},
-                           {{"captions", nlohmann::json(captions).dump()}});
+      io::TensorMap tensors = {{"embeds", torch::cat(rows)}};
+      if (folder_.xl) tensors["pooled"] = torch::cat(pooled);
+      io::save_safetensors(file.string(), tensors, {{"captions", nlohmann::json(captions).dump()}});
       log::info("cache_latents: encoded {} caption(s) into {}", captions.size(), file.string());
     }
     acc.wait_for_everyone();
@@ -468,6 +620,11 @@ class TextToImageTask final : public DiffusionTask {
     const auto embeds = st.tensors.at("embeds").clone();
     for (size_t i = 0; i < stored.size(); ++i)
       ds.embeddings[stored[i].get<std::string>()] = embeds[static_cast<int64_t>(i)];
+    if (folder_.xl) {
+      const auto pooled = st.tensors.at("pooled").clone();
+      for (size_t i = 0; i < stored.size(); ++i)
+        ds.pooled[stored[i].get<std::string>()] = pooled[static_cast<int64_t>(i)];
+    }
   }
 
   // Every rank encodes its share of the images, the main rank assembles one file, every rank
@@ -565,8 +722,34 @@ class TextToImageTask final : public DiffusionTask {
       z.push_back(mean[k] + (0.5 * logvar[k]).exp() * torch::randn(shape, g, torch::kFloat32));
     }
     out.latents = vae_->scale_latents(torch::stack(z)).to(device);
+    if (folder_.xl) {
+      // add_time_ids per image: original (h, w), crop (top, left), target (h, w) = the trained
+      // size (Diffusers' compute_time_ids with target_size = the resolution).
+      const int64_t factor = vae_->config().downsample_factor();
+      const auto target = torch::tensor({out.latents.size(2) * factor, out.latents.size(3) * factor},
+                                        torch::kInt64)
+                              .expand({out.latents.size(0), 2});
+      out.time_ids = torch::cat({batch.at(prefix + "original_size").to(torch::kCPU),
+                                 batch.at(prefix + "crop_top_left").to(torch::kCPU), target},
+                                1)
+                         .to(device, torch::kFloat32);
+    }
     if (batch.count(prefix + "prompt_embeds")) {
       out.embeds = batch.at(prefix + "prompt_embeds").to(device, torch::kFloat32);
+      if (folder_.xl) out.pooled = batch.at(prefix + "pooled_prompt_embeds").to(device, torch::kFloat32);
+    } else if (folder_.xl) {
+      const auto te_device = module_device(*text_encoder_);
+      const auto ids = batch.at(prefix + "input_ids").to(te_device);
+      const auto ids_2 = batch.at(prefix + "input_ids_2").to(te_device);
+      diffusion::XlPromptEmbeds e;
+      if (o_.lora.train_text_encoder) {
+        e = diffusion::encode_ids_xl(*text_encoder_, *text_encoder_2_, ids, ids_2, skip_);
+      } else {
+        torch::NoGradGuard no_grad;
+        e = diffusion::encode_ids_xl(*text_encoder_, *text_encoder_2_, ids, ids_2, skip_);
+      }
+      out.embeds = e.embeds.to(device);
+      out.pooled = e.pooled.to(device);
     } else {
       const auto ids = batch.at(prefix + "input_ids").to(module_device(*text_encoder_));
       if (o_.lora.train_text_encoder) {
@@ -583,6 +766,9 @@ class TextToImageTask final : public DiffusionTask {
   diffusion::StableDiffusionFolder folder_;
   models::ClipTokenizer tokenizer_;
   models::ClipTextModel text_encoder_{nullptr};
+  std::optional<models::ClipTokenizer> tokenizer_2_;  // SDXL
+  models::ClipTextModel text_encoder_2_{nullptr};     // SDXL
+  std::shared_ptr<data::BucketLayout> buckets_;       // --resolution_buckets
   models::AutoencoderKL vae_{nullptr};
   int64_t skip_ = 0;    // Diffusers' clip_skip (kohya's --clip_skip minus 1)
   bool prior_ = false;  // DreamBooth prior preservation: batches carry class_* entries too

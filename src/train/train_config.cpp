@@ -157,10 +157,15 @@ const std::vector<Option>& options() {
       DT_OPTION(model_config_name_or_path),
       DT_OPTION(pretrained_model_name_or_path),
       DT_OPTION(variant),
+      DT_OPTION(pretrained_vae_model_name_or_path),
       DT_OPTION(dataset),
       DT_OPTION(train_data_dir),
       DT_OPTION(resolution),
       DT_OPTION(center_crop),
+      DT_OPTION(resolution_buckets),
+      DT_OPTION(bucket_step),
+      DT_OPTION(bucket_min_side),
+      DT_OPTION(bucket_max_side),
       DT_OPTION(random_flip),
       DT_OPTION(class_conditional),
       DT_OPTION(class_dropout_prob),
@@ -494,6 +499,10 @@ void TrainConfig::validate() const {
     require(!lora_alpha || *lora_alpha > 0, "--lora_alpha must be positive");
     require(lora_dropout >= 0 && lora_dropout < 1, "--lora_dropout must be in [0, 1)");
   }
+  require(bucket_step >= 1, "--bucket_step must be >= 1, got " + std::to_string(bucket_step));
+  require(bucket_min_side >= 0 && bucket_max_side >= 0,
+          "--bucket_min_side and --bucket_max_side must be >= 0 (0 = resolution / 2 and 2 x "
+          "resolution)");
   require(clip_skip >= 1,
           "--clip_skip counts as kohya does: 1 = the last layer, 2 = the one "
           "before; got " +

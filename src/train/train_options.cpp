@@ -52,6 +52,10 @@ TrainerOptions trainer_options(const TrainConfig& c) {
                        "pretrained_model_name_or_path",
                        "dataset",
                        "resolution",
+                       "resolution_buckets",
+                       "bucket_step",
+                       "bucket_min_side",
+                       "bucket_max_side",
                        "class_conditional",
                        "lora",
                        "rank",
@@ -95,6 +99,11 @@ TaskOptions task_options(const TrainConfig& c) {
   o.data.resolution = c.resolution;
   o.data.center_crop = c.center_crop;
   o.data.random_flip = c.random_flip;
+  o.data.resolution_buckets = c.resolution_buckets;
+  o.data.bucket_step = c.bucket_step;
+  o.data.bucket_min_side = c.bucket_min_side;
+  o.data.bucket_max_side = c.bucket_max_side;
+  o.data.train_batch_size = c.train_batch_size;
   o.data.skip_bad_images = c.skip_bad_images;
   o.data.caption_column = c.caption_column;
   o.data.only_class = c.only_class;
@@ -104,6 +113,7 @@ TaskOptions task_options(const TrainConfig& c) {
   o.model.pretrained_model_name_or_path = c.pretrained_model_name_or_path;
   o.model.model_config_name_or_path = c.model_config_name_or_path;
   o.model.variant = c.variant;
+  o.model.vae = c.pretrained_vae_model_name_or_path;
   o.model.class_conditional = c.class_conditional;
   o.model.class_dropout_prob = c.class_dropout_prob;
   o.model.gradient_checkpointing = c.gradient_checkpointing;

@@ -150,6 +150,7 @@ struct Trainer::State {
     lo.shuffle = true;
     lo.num_workers = static_cast<int>(o.dataloader_num_workers);
     lo.seed = o.seed;
+    lo.sampler = task->sampler();
     loader = std::make_shared<data::DataLoader>(task->dataset(), lo);
 
     double lr = o.learning_rate;

@@ -3,6 +3,7 @@
 
 #include "train_util.h"
 
+#include "difftrain/io/image.h"
 #include "difftrain/io/lora_format.h"
 
 #include <gtest/gtest.h>
@@ -94,6 +95,155 @@ TEST(SdxlCli, SampleMatchesDiffusersReference) {
                 {}, 60);
   EXPECT_NE(sd.exit_code, 0);
   EXPECT_NE(sd.err.find("SDXL's micro-conditioning"), std::string::npos) << sd.log();
+}
+
+// Twelve images of three shapes (32x32, 24x48 wide, 48x24 tall): a coloured square on grey,
+// captioned with its colour and shape.
+std::string make_mixed_aspect_folder(const std::string& dir) {
+  fs::create_directories(dir);
+  std::ofstream meta(dir + "/metadata.jsonl");
+  const std::vector<std::pair<std::string, std::array<float, 3>>> colours = {
+      {"red", {1, -1, -1}}, {"green", {-1, 1, -1}}, {"blue", {-1, -1, 1}}, {"yellow", {1, 1, -1}}};
+  const std::vector<std::pair<std::string, std::array<int64_t, 2>>> shapes = {
+      {"square", {32, 32}}, {"wide", {24, 48}}, {"tall", {48, 24}}};
+  for (int i = 0; i < 12; ++i) {
+    const auto& [shape, hw] = shapes[static_cast<size_t>(i % 3)];
+    const auto& [name, rgb] = colours[static_cast<size_t>(i % 4)];
+    auto img = torch::zeros({3, hw[0], hw[1]});
+    for (int ch = 0; ch < 3; ++ch) {
+      img[ch].narrow(0, hw[0] / 4, hw[0] / 2).narrow(1, hw[1] / 4, hw[1] / 2).fill_(rgb[ch]);
+    }
+    const std::string file = "img" + std::to_string(i) + ".png";
+    io::save_png(dir + "/" + file, io::to_uint8_images(img.unsqueeze(0))[0]);
+    meta << nlohmann::json({{"file_name", file}, {"text", "a " + name + " " + shape + " picture"}})
+                .dump()
+         << "\n";
+  }
+  return dir;
+}
+
+std::vector<std::string> xl_train_cmd(const std::string& data, const std::string& out,
+                                      std::vector<std::string> extra) {
+  std::vector<std::string> cmd = {
+      "train",           "--pretrained_model_name_or_path", kXl, "--dataset", "imagefolder",
+      "--train_data_dir", data, "--resolution", "32", "--resolution_buckets", "--bucket_step",
+      "16", "--center_crop", "--lora", "--rank", "4", "--learning_rate", "1e-2",
+      "--lr_scheduler", "constant", "--lr_warmup_steps", "0", "--train_batch_size", "1",
+      "--use_ema", "false", "--num_validation_images", "0", "--logging_steps", "1",
+      "--output_dir", out};
+  cmd.insert(cmd.end(), extra.begin(), extra.end());
+  return cmd;
+}
+
+std::vector<double> losses(const std::string& out) {
+  std::ifstream in(out + "/metrics.jsonl");
+  std::vector<double> v;
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("loss")) v.push_back(j["loss"].get<double>());
+  }
+  return v;
+}
+
+TEST(SdxlCli, LoraWithTextEncodersOnTwoRanksInBucketsLowersLossAndExports) {
+  const std::string dir = make_temp_dir("sdxl_lora");
+  const std::string data = make_mixed_aspect_folder(dir + "/data");
+  const std::string out = dir + "/run";
+  auto r = train(xl_train_cmd(data, out,
+                              {"--max_train_steps", "40", "--train_text_encoder",
+                               "--snr_gamma", "5",
+                               "--noise_offset", "0.05"}),
+                 2, 600);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  // Three buckets for the three shapes, each holding its four images.
+  EXPECT_NE(r.err.find("aspect-ratio buckets: 12 image(s)"), std::string::npos) << r.log();
+  EXPECT_NE(r.err.find("16x48: 4 image(s)"), std::string::npos) << r.log();
+  EXPECT_NE(r.err.find("48x16: 4 image(s)"), std::string::npos) << r.log();
+  auto l = losses(out);
+  ASSERT_EQ(l.size(), 40u);
+  double first = 0, last = 0;
+  for (int i = 0; i < 10; ++i) first += l[static_cast<size_t>(i)] / 10, last += l[l.size() - 1 - i] / 10;
+  std::cout << "SDXL loss: first 10 " << first << ", last 10 " << last << "\n";
+  EXPECT_LT(last, 0.9 * first);
+
+  // The export holds all three components in Diffusers' layout.
+  auto weights = io::read_lora(out + "/pytorch_lora_weights.safetensors");
+  EXPECT_EQ(weights.count("unet"), 4u * 2u * 12u);  // q,k,v,out of attn1+attn2 in 12 transformer blocks
+  EXPECT_EQ(weights.count("text_encoder"), 4u * 1u);  // layer 0 only: hidden_states[-2] is its output
+  EXPECT_EQ(weights.count("text_encoder_2"), 4u * 3u);  // of 3 layers
+  const std::vector<std::string> prompt = {"--prompt", "a red wide picture", "--height", "16",
+                                           "--width", "48", "--num_inference_steps", "4", "--seed",
+                                           "0"};
+  auto base = sample_xl(dir, "base", prompt);
+  ASSERT_EQ(base.exit_code, 0) << base.log();
+  auto with_lora = prompt;
+  with_lora.insert(with_lora.end(), {"--lora", out + "/pytorch_lora_weights.safetensors"});
+  auto tuned = sample_xl(dir, "tuned", with_lora);
+  ASSERT_EQ(tuned.exit_code, 0) << tuned.log();
+  EXPECT_NE(tuned.err.find("merged into 96 UNet and 16 text encoder modules"), std::string::npos)
+      << tuned.log();
+  const double changed = tensor_diff(images_of(dir, "tuned"), images_of(dir, "base"));
+  std::cout << "SDXL LoRA changes the images by " << changed << "\n";
+  EXPECT_GT(changed, 1e-3);
+
+  // The same weights written as kohya (SGM names) and PEFT give the same images.
+  for (const auto& [format, tag] : std::vector<std::pair<io::LoraFormat, std::string>>{
+           {io::LoraFormat::kKohya, "kohya"}, {io::LoraFormat::kPeft, "peft"}}) {
+    io::LoraWeights w = weights;
+    if (format == io::LoraFormat::kKohya) {
+      // Through `difftrain lora convert`, as a user would.
+      auto conv = run({kDifftrain, "lora", "convert", "--input",
+                       out + "/pytorch_lora_weights.safetensors", "--output",
+                       dir + "/" + tag + ".safetensors", "--to", tag, "--model", kXl},
+                      {}, 60);
+      ASSERT_EQ(conv.exit_code, 0) << conv.log();
+      auto t = io::load_safetensors(dir + "/" + tag + ".safetensors").tensors;
+      EXPECT_TRUE(t.count("lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q.lora_down.weight"))
+          << conv.log();
+      EXPECT_TRUE(t.count("lora_te2_text_model_encoder_layers_0_self_attn_q_proj.alpha"));
+    } else {
+      io::write_lora(dir + "/" + tag + ".safetensors", w, format);
+    }
+    auto again = prompt;
+    again.insert(again.end(), {"--lora", dir + "/" + tag + ".safetensors"});
+    ASSERT_EQ(sample_xl(dir, tag, again).exit_code, 0);
+    EXPECT_LE(tensor_diff(images_of(dir, tag), images_of(dir, "tuned")), 1e-5) << tag;
+  }
+}
+
+TEST(SdxlCli, ResumeWithBucketsIsExact) {
+  const std::string dir = make_temp_dir("sdxl_resume");
+  const std::string data = make_mixed_aspect_folder(dir + "/data");
+  auto cmd = [&](const std::string& out, const std::string& steps) {
+    return xl_train_cmd(data, out,
+                        {"--max_train_steps", steps, "--checkpointing_steps", "3",
+                         "--train_text_encoder", "--random_flip", "--train_batch_size", "2"});
+  };
+  auto straight = train(cmd(dir + "/straight", "6"), 2, 600);
+  ASSERT_EQ(straight.exit_code, 0) << straight.log();
+  auto first = train(cmd(dir + "/resumed", "3"), 2, 600);
+  ASSERT_EQ(first.exit_code, 0) << first.log();
+  auto c = cmd(dir + "/resumed", "6");
+  c.insert(c.end(), {"--resume_from_checkpoint", "latest"});
+  auto second = train(c, 2, 600);
+  ASSERT_EQ(second.exit_code, 0) << second.log();
+  EXPECT_NE(second.err.find("resumed from"), std::string::npos) << second.log();
+  const double d = max_abs_diff(
+      io::load_safetensors(dir + "/straight/pytorch_lora_weights.safetensors").tensors,
+      io::load_safetensors(dir + "/resumed/pytorch_lora_weights.safetensors").tensors);
+  std::cout << "SDXL resumed vs straight (buckets): " << d << "\n";
+  EXPECT_EQ(d, 0.0);
+  EXPECT_EQ(losses(dir + "/straight").back(), losses(dir + "/resumed").back());
+
+  // Buckets with prior preservation are refused with the reason.
+  auto bad = train(xl_train_cmd(data, dir + "/bad",
+                                {"--max_train_steps", "1", "--with_prior_preservation",
+                                 "--class_data_dir", dir + "/class", "--class_prompt", "x",
+                                 "--instance_prompt", "y"}));
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("--resolution_buckets with --with_prior_preservation"), std::string::npos)
+      << bad.log();
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <iterator>
 #include <memory>
 #include <vector>
@@ -32,6 +33,10 @@ struct DataLoaderOptions {
   uint64_t seed = 0;
   /// Turns a batch's examples into a Batch (torch `collate_fn`); empty means default_collate.
   CollateFn collate;
+  /// A custom sampler (torch `sampler`): the order of epoch e, dataset->size() indices; set, it
+  /// replaces `shuffle` (aspect-ratio buckets, data/buckets.h). It must depend on e alone so
+  /// every rank and every resume sees the same order.
+  std::function<std::vector<int64_t>(int64_t epoch)> sampler;
 };
 
 /// A checkpointable position: the epoch, and how many batches this rank has consumed in it

@@ -5,6 +5,7 @@
 #include "difftrain/data/dataset.h"
 
 #include <cstdint>
+#include <array>
 #include <optional>
 #include <string>
 #include <vector>
@@ -54,8 +55,13 @@ struct ImageFolderOptions {
 /// Example i:
 ///   "pixel_values" float32 [C, R, R] in [-1, 1] (C = channels),
 ///   "class_labels" int64 [] (only when the folder has labels),
-///   "index"        int64 [] (i).
-/// get(i) decodes the file, resizes its shorter side to R (bilinear with antialiasing, the longer
+///   "index"        int64 [] (i),
+///   "original_size"  int64 [2] (the file's height, width),
+///   "crop_top_left"  int64 [2] (top, left of the crop in the resized image, as seen after the
+///                    flip: SDXL's crops_coords_top_left).
+/// After set_target_sizes() the output of image i is H_i x W_i instead of R x R: the image is resized to
+/// cover it (the side that fits tighter becomes exact, the other floor(side * scale)), then
+/// cropped as below. Without, get(i) decodes the file, resizes its shorter side to R (bilinear with antialiasing, the longer
 /// side to floor(long * R / short) as torchvision's `Resize(R)`), crops R x R (centre: offsets
 /// round-half-to-even((size - R) / 2) as torchvision; random: top then left drawn with
 /// randint(0, size - R + 1)), flips when random_flip and rand() < 0.5, and maps p to
@@ -82,6 +88,12 @@ class ImageFolderDataset : public Dataset {
   /// The epoch set_epoch selected (0 at first).
   int64_t epoch() const { return epoch_; }
 
+  /// Per image {height, width} of its output (aspect-ratio buckets, data/buckets.h) instead of
+  /// resolution x resolution; empty restores the square. Throws difftrain::Error unless there is
+  /// one entry per image, each side >= 1. Call it before loading, like set_epoch().
+  void set_target_sizes(std::vector<std::array<int64_t, 2>> sizes);
+  /// The output size of image `index`: its target size, or {resolution, resolution}.
+  std::array<int64_t, 2> target_size(int64_t index) const;
   /// The path of image `index` (dir joined with its relative path).
   std::string file(int64_t index) const;
   /// Its path relative to dir, '/'-separated (metadata.jsonl's file_name).
@@ -110,6 +122,7 @@ class ImageFolderDataset : public Dataset {
   std::vector<std::optional<std::string>> captions_;  // one per file
   std::vector<std::string> class_names_;
   std::vector<std::string> skipped_files_;
+  std::vector<std::array<int64_t, 2>> target_sizes_;  // empty: square
   int64_t epoch_ = 0;
 };
 

@@ -7,6 +7,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <array>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,11 @@ void save_png(const std::string& path, const torch::Tensor& image);
 /// corrupt or unsupported file (e.g. WebP, 16-bit PNM), or one wider or taller than 16384 pixels,
 /// throws a one-line difftrain::Error naming the path.
 torch::Tensor load_image(const std::string& path, int channels = 3);
+
+/// {height, width} of the image file at `path` from its header, without decoding the pixels
+/// (the size load_image would return). Throws a one-line difftrain::Error naming the path for a
+/// missing, unreadable or unrecognised file.
+std::array<int64_t, 2> image_size(const std::string& path);
 
 /// Decodes image bytes already in memory (as load_image); `name` is used in errors.
 torch::Tensor decode_image(const std::string& bytes, const std::string& name, int channels = 3);

@@ -27,6 +27,9 @@ struct LoraConfig {
   /// A layer is targeted when its dotted name equals an entry or ends with "." + entry (PEFT's
   /// rule for a list), e.g. "to_q" or "attn1.to_out.0".
   std::vector<std::string> target_modules = {"to_q", "to_k", "to_v", "to_out.0"};
+  /// Layers under these dotted prefixes get no adapter even when targeted (e.g. the encoder
+  /// layers after the one SDXL's prompt embedding is taken from, which the loss never reaches).
+  std::vector<std::string> exclude_prefixes;
 };
 
 /// The adapters of one model. Construction freezes nothing and changes no weight: it attaches a

@@ -20,12 +20,21 @@ struct TrainConfig {
   // -- model
   std::string model_config_name_or_path;      ///< config.json of a fresh UNet ("" = built-in)
   std::string pretrained_model_name_or_path;  ///< a local Diffusers folder to start from
-  std::string variant;                        ///< weights variant, e.g. fp16
+  std::string variant;
+  /// An AutoencoderKL folder used instead of the pipeline's vae/ (Diffusers'
+  /// --pretrained_vae_model_name_or_path; SDXL's fp16-safe VAE).
+  std::string pretrained_vae_model_name_or_path;                        ///< weights variant, e.g. fp16
   // -- data
   std::string dataset = "fashion_mnist";  ///< fashion_mnist | mnist | imagefolder
   std::string train_data_dir;             ///< dataset folder ("" = the dataset's default)
   int64_t resolution = 32;
   bool center_crop = false;
+  /// Aspect-ratio buckets (data/buckets.h) instead of square crops: each image is trained at
+  /// the bucket of about resolution x resolution pixels nearest its shape.
+  bool resolution_buckets = false;
+  int64_t bucket_step = 64;      ///< bucket sides are multiples of this
+  int64_t bucket_min_side = 0;   ///< 0 = resolution / 2
+  int64_t bucket_max_side = 0;   ///< 0 = 2 x resolution
   bool random_flip = false;
   /// Condition on class labels; unset: yes for a fresh UNet on a labelled dataset.
   std::optional<bool> class_conditional;

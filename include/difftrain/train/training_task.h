@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -32,6 +33,9 @@ struct DataOptions {
   int64_t resolution = 32;
   bool center_crop = false;
   bool random_flip = false;
+  bool resolution_buckets = false;  ///< aspect-ratio buckets (data/buckets.h)
+  int64_t bucket_step = 64, bucket_min_side = 0, bucket_max_side = 0;
+  int64_t train_batch_size = 1;     ///< per rank; a bucket fills whole global batches
   bool skip_bad_images = false;
   std::string caption_column = "text";  ///< metadata.jsonl field holding a caption
   std::optional<int64_t> only_class;    ///< MNIST-like data: one class only
@@ -45,6 +49,7 @@ struct ModelOptions {
   std::string pretrained_model_name_or_path;
   std::string model_config_name_or_path;
   std::string variant;                    ///< weights variant, e.g. fp16
+  std::string vae;                        ///< a separate VAE folder ("" = the pipeline's vae/)
   std::optional<bool> class_conditional;  ///< default: when the dataset has labels
   double class_dropout_prob = 0.0;        ///< labels replaced by the null class
   bool gradient_checkpointing = false;
@@ -133,6 +138,10 @@ class TrainingTask {
 
   /// The training examples (each carries "index" and the tensors loss() reads).
   virtual std::shared_ptr<data::Dataset> dataset() const = 0;
+  /// The order of the dataset in epoch e when it is not a plain shuffle (aspect-ratio buckets:
+  /// every global batch from one bucket); empty = torch's randperm from seed + e. It must be a
+  /// function of e alone (every rank, every resume).
+  virtual std::function<std::vector<int64_t>(int64_t)> sampler() const { return {}; }
   /// Sets the augmentation epoch of the dataset.
   virtual void set_epoch(int64_t epoch) = 0;
   /// Labels of the dataset (0: unlabelled); for the run header.
