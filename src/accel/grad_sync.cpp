@@ -1,5 +1,7 @@
 #include "difftrain/accel/grad_sync.h"
 
+#include "difftrain/core/nested_backward.h"
+
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -73,7 +75,10 @@ void GradReadyHook::remove() {
 }
 
 void queue_after_backward(std::function<void()> callback) {
-  torch::autograd::Engine::get_default_engine().queue_callback(std::move(callback));
+  // From a checkpoint's nested backward, the callback belongs to the outer pass.
+  core::when_back_in_outer_backward([callback = std::move(callback)]() mutable {
+    torch::autograd::Engine::get_default_engine().queue_callback(std::move(callback));
+  });
 }
 
 }  // namespace difftrain::accel

@@ -1,5 +1,7 @@
 #include "difftrain/models/checkpointing.h"
 
+#include "difftrain/core/nested_backward.h"
+
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/ivalue.h>
 #include <torch/autograd.h>
@@ -74,6 +76,7 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
       gen.set_state(outer_rng);
     }
     if (out.requires_grad() && grad_outputs[0].defined()) {
+      core::NestedBackwardScope nested;
       torch::autograd::backward({out}, {grad_outputs[0]});
     }
     variable_list grads;

@@ -152,7 +152,7 @@ TEST(SdxlCli, LoraWithTextEncodersOnTwoRanksInBucketsLowersLossAndExports) {
   const std::string out = dir + "/run";
   auto r = train(xl_train_cmd(data, out,
                               {"--max_train_steps", "40", "--train_text_encoder",
-                               "--snr_gamma", "5",
+                               "--gradient_checkpointing", "--snr_gamma", "5",
                                "--noise_offset", "0.05"}),
                  2, 600);
   ASSERT_EQ(r.exit_code, 0) << r.log();

@@ -126,7 +126,8 @@ class GradReadyHook {
 
 /// Runs `callback` once the running backward pass has finished (autograd's queue_callback):
 /// where an engine checks for parameters that got no gradient and launches what is left.
-/// Call it only from inside backward (a gradient hook).
+/// Call it only from inside backward (a gradient hook). From inside a gradient checkpoint's
+/// nested backward it is queued on the outer pass (core/nested_backward.h).
 void queue_after_backward(std::function<void()> callback);
 
 }  // namespace difftrain::accel
