@@ -10,6 +10,8 @@
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
@@ -244,6 +246,78 @@ TEST(SdxlCli, ResumeWithBucketsIsExact) {
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.err.find("--resolution_buckets with --with_prior_preservation"), std::string::npos)
       << bad.log();
+}
+
+// DreamBooth with prior preservation (class images drawn from the SDXL pipeline itself), bf16
+// with the frozen base in bf16, and cached latents and prompt embeddings (both encoders' states
+// and the pooled one) training like the uncached run.
+TEST(SdxlCli, DreamBoothBf16AndCachedEmbeddings) {
+  const std::string dir = make_temp_dir("sdxl_dreambooth");
+  const std::string data = make_mixed_aspect_folder(dir + "/data");
+  auto square = [&](const std::string& out, std::vector<std::string> extra) {
+    auto c = xl_train_cmd(data, out, extra);
+    // Square centre crops (no buckets): DreamBooth and the latent cache need one size.
+    c.erase(std::find(c.begin(), c.end(), "--resolution_buckets"));
+    c.erase(std::find(c.begin(), c.end(), "--bucket_step"),
+            std::find(c.begin(), c.end(), "--bucket_step") + 2);
+    return c;
+  };
+  auto db = train(square(dir + "/db", {"--max_train_steps", "3", "--instance_prompt",
+                                       "a photo of sks picture", "--with_prior_preservation",
+                                       "--class_data_dir", dir + "/class", "--class_prompt",
+                                       "a photo of a picture", "--num_class_images", "2",
+                                       "--validation_inference_steps", "2", "--mixed_precision",
+                                       "bf16", "--validation_prompt", "a photo of sks picture",
+                                       "--num_validation_images", "1"}),
+                  2, 600);
+  ASSERT_EQ(db.exit_code, 0) << db.log();
+  EXPECT_NE(db.err.find("generating 2 class image(s)"), std::string::npos) << db.log();
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir + "/class"), fs::directory_iterator()), 2);
+  EXPECT_TRUE(fs::exists(dir + "/db/samples/step-000003.png")) << db.log();
+  for (double l : losses(dir + "/db")) EXPECT_TRUE(std::isfinite(l));
+
+  // A small learning rate keeps Adam from amplifying rounding on near-zero gradients.
+  auto plain = train(square(dir + "/plain", {"--max_train_steps", "3", "--learning_rate", "1e-4"}));
+  ASSERT_EQ(plain.exit_code, 0) << plain.log();
+  auto cached = train(square(dir + "/cached", {"--max_train_steps", "3", "--cache_latents",
+                                               "--learning_rate", "1e-4"}));
+  ASSERT_EQ(cached.exit_code, 0) << cached.log();
+  EXPECT_NE(cached.err.find("cache_latents: encoded 12 image(s)"), std::string::npos)
+      << cached.log();
+  EXPECT_NE(cached.err.find("caption(s)"), std::string::npos) << cached.log();
+  // The same tolerance as the SD-1.x cache test: batched vs single encoder rounding only.
+  const double d =
+      max_abs_diff(io::load_safetensors(dir + "/plain/pytorch_lora_weights.safetensors").tensors,
+                   io::load_safetensors(dir + "/cached/pytorch_lora_weights.safetensors").tensors);
+  std::cout << "SDXL cached vs uncached: " << d << "\n";
+  EXPECT_LE(d, 1e-4);
+}
+
+// Full fine-tuning of the SDXL UNet with EMA exports a StableDiffusionXLPipeline folder (both
+// encoders and tokenizers copied) that `difftrain sample` loads.
+TEST(SdxlCli, FullFineTuningExportsAnSdxlPipeline) {
+  const std::string dir = make_temp_dir("sdxl_full");
+  const std::string data = make_mixed_aspect_folder(dir + "/data");
+  auto c = xl_train_cmd(data, dir + "/full", {"--max_train_steps", "2", "--learning_rate", "1e-4"});
+  c.erase(std::find(c.begin(), c.end(), "--lora"));
+  c.erase(std::find(c.begin(), c.end(), "--rank"), std::find(c.begin(), c.end(), "--rank") + 2);
+  *(std::find(c.begin(), c.end(), "--use_ema") + 1) = "true";
+  auto r = train(c, 2, 600);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  for (const char* part : {"unet", "vae", "text_encoder", "text_encoder_2", "tokenizer",
+                           "tokenizer_2", "scheduler"}) {
+    EXPECT_TRUE(fs::is_directory(dir + "/full/" + part)) << part;
+  }
+  auto s = run({kDifftrain, "sample", "--model", dir + "/full", "--prompt", "a red wide picture",
+                "--height", "16", "--width", "48", "--num_inference_steps", "2", "--output",
+                dir + "/full.png", "--save_tensors", dir + "/full.safetensors"},
+               {}, 120);
+  ASSERT_EQ(s.exit_code, 0) << s.log();
+  EXPECT_NE(s.err.find("StableDiffusionXLPipeline"), std::string::npos) << s.log();
+  // The trained UNet differs from the fixture's.
+  auto base = io::load_safetensors(kXl + "/unet/diffusion_pytorch_model.safetensors").tensors;
+  auto tuned = io::load_safetensors(dir + "/full/unet/diffusion_pytorch_model.safetensors").tensors;
+  EXPECT_GT(max_abs_diff(base, tuned), 0.0);
 }
 
 }  // namespace
