@@ -3,6 +3,7 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/io/safetensors.h"
+#include "difftrain/models/clip_text_model.h"
 #include "difftrain/models/lora.h"
 #include "difftrain/models/pretrained.h"
 
@@ -135,10 +136,30 @@ LoraFolderMergeSummary merge_lora_into_folder(const std::string& model_dir,
   summary.unet_dir = (fs::path(model_dir) / unet_rel).string();
   const io::LoraWeights lora = io::read_lora(lora_path, options.read);
   summary.format = lora.format;
+  // A pipeline's text encoders take their targets too (Diffusers' fuse_lora fuses them).
+  const bool pipeline = !unet_rel.empty();
+  std::map<std::string, io::TensorMap> merged_encoders;  // component -> its new model.safetensors
   for (const auto& [component, targets] : lora.components) {
-    if (component != "unet" && !targets.empty()) {
+    if (component == "unet" || targets.empty()) continue;
+    const fs::path dir = fs::path(model_dir) / component;
+    const bool encoder = component == "text_encoder" || component == "text_encoder_2";
+    const fs::path file = dir / (options.variant.empty() ? "model.safetensors"
+                                                         : "model." + options.variant + ".safetensors");
+    if (!pipeline || !encoder || !fs::is_regular_file(file)) {
       summary.skipped_components[component] = static_cast<int64_t>(targets.size());
+      continue;
     }
+    ClipTextModel te =
+        load_clip_text_model(dir.string(), options.variant, component == "text_encoder_2");
+    summary.text_encoder_modules_merged +=
+        merge_lora(*te, lora, options.lora_scale, component).modules_merged;
+    // Every tensor of the file again, the merged ones in the file's dtype.
+    io::TensorMap tensors = io::load_safetensors(file.string()).tensors;
+    const auto params = te->named_parameters(/*recurse=*/true);
+    for (auto& [name, t] : tensors) {
+      if (const torch::Tensor* p = params.find(name)) t = p->detach().to(t.scalar_type()).contiguous();
+    }
+    merged_encoders[component] = std::move(tensors);
   }
   if (lora.count("unet") == 0) {
     throw Error("LoRA file '" + lora_path +
@@ -165,6 +186,20 @@ LoraFolderMergeSummary merge_lora_into_folder(const std::string& model_dir,
     summary.files_copied = copy_except_unet(from, staging, unet_rel, fs::path(weights).filename(),
                                             summary.skipped_files);
     save_unet(*unet, (staging / unet_rel).string(), options.variant);
+    for (const auto& [component, tensors] : merged_encoders) {
+      const std::string name = options.variant.empty() ? "model.safetensors"
+                                                       : "model." + options.variant + ".safetensors";
+      io::save_safetensors((staging / component / name).string(), tensors, {{"format", "pt"}});
+      // Other weight files of the encoder hold it without the LoRA.
+      for (const auto& e : fs::directory_iterator(staging / component)) {
+        const std::string f = e.path().filename().string();
+        if (f != name && (f.rfind("model", 0) == 0 || f.rfind("pytorch_model", 0) == 0) &&
+            f != "model_index.json") {
+          summary.skipped_files.push_back((fs::path(component) / f).string());
+          fs::remove(e.path());
+        }
+      }
+    }
     fs::rename(staging, out);  // replaces an empty output folder
   } catch (const fs::filesystem_error& e) {
     std::error_code ignored;
@@ -178,15 +213,20 @@ LoraFolderMergeSummary merge_lora_into_folder(const std::string& model_dir,
   }
   summary.weights_written = (out / unet_rel / fs::path(weights).filename()).string();
 
-  log::info("LoRA {} ({} format): merged into {} UNet modules with lora_scale {}; wrote {}",
-            lora_path, io::to_string(lora.format), summary.modules_merged, options.lora_scale,
-            output_dir);
+  log::info("LoRA {} ({} format): merged into {} UNet modules{} with lora_scale {}; wrote {}",
+            lora_path, io::to_string(lora.format), summary.modules_merged,
+            merged_encoders.empty()
+                ? std::string()
+                : fmt::format(" and {} text encoder modules", summary.text_encoder_modules_merged),
+            options.lora_scale, output_dir);
   for (const auto& [component, n] : summary.skipped_components) {
-    log::warn("LoRA {}: {} targets for the {} were not merged (only the UNet is)", lora_path, n,
-              component);
+    log::warn(
+        "LoRA {}: {} targets for the {} were not merged (a UNet folder, or no {}/model.safetensors "
+        "in the pipeline)",
+        lora_path, n, component, component);
   }
   for (const auto& file : summary.skipped_files) {
-    log::warn("{}: not copied: it holds the UNet without the LoRA; merge that variant separately",
+    log::warn("{}: not copied: it holds the model without the LoRA; merge that variant separately",
               (fs::path(model_dir) / file).string());
   }
   return summary;

@@ -7,6 +7,7 @@
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/clip_text_model.h"
 #include "difftrain/models/lora.h"
+#include "difftrain/models/lora_folder.h"
 #include "difftrain/models/pretrained.h"
 #include "difftrain/models/sgm_names.h"
 #include "difftrain/models/unet.h"
@@ -227,6 +228,38 @@ TEST(SdxlLora, Txt2ImgWithEitherFileMatchesDiffusers) {
                                                      ref.at("prompt_embeds")})),
               1e-4)
         << file;
+  }
+}
+
+TEST(SdxlLora, MergedFolderSamplesAsTheUnmergedLora) {
+  // `difftrain lora merge` on an SDXL folder with the kohya SGM file: UNet and both encoders.
+  const std::string out = test::temp_dir("sdxl_lora_merge") + "/merged";
+  const auto summary =
+      models::merge_lora_into_folder(kXl, kLora + "/kohya_sgm_lora.safetensors", out);
+  EXPECT_EQ(summary.modules_merged, 132);  // 162 layers, 30 of them in the encoders
+  EXPECT_EQ(summary.text_encoder_modules_merged, 2 * 6 + 3 * 6);
+  EXPECT_TRUE(summary.skipped_components.empty());
+  auto ref = io::load_safetensors(kLora + "/txt2img_lora_seed42.safetensors").tensors;
+  auto sd = diffusion::load_stable_diffusion(out);
+  diffusion::TextToImageOptions o;
+  o.prompts = {"a photo of a cat", "an astronaut riding a horse on mars, highly detailed"};
+  o.negative_prompts = {"blurry, low quality"};
+  o.guidance_scale = 5.0;
+  o.num_inference_steps = 8;
+  o.height = o.width = 32;
+  o.seed = 42;
+  auto merged = diffusion::text_to_image(sd, o);
+  const double scale = ref.at("latents_final").abs().max().item<double>();
+  EXPECT_LE(max_abs(merged.latents, ref.at("latents_final")), 1e-4 * scale);
+  EXPECT_LE(max_abs(merged.images, ref.at("images")), 1e-4);
+  // The encoders' files keep every tensor name of the input.
+  for (const char* te : {"text_encoder", "text_encoder_2"}) {
+    auto a = io::load_safetensors(kXl + "/" + te + "/model.safetensors").tensors;
+    auto b = io::load_safetensors(out + "/" + te + "/model.safetensors").tensors;
+    EXPECT_EQ(a.size(), b.size()) << te;
+    EXPECT_GT(max_abs(a.at("text_model.encoder.layers.0.self_attn.q_proj.weight"),
+                      b.at("text_model.encoder.layers.0.self_attn.q_proj.weight")),
+              0.0);
   }
 }
 

@@ -31,7 +31,10 @@ struct LoraFolderMergeSummary {
   std::string weights_written;  ///< the merged UNet weights file in the output folder
   io::LoraFormat format = io::LoraFormat::kDiffusers;  ///< the LoRA file's format
   int64_t modules_merged = 0;                          ///< UNet weights changed
-  /// Targets of other components (text encoders) by component: not merged, warned about.
+  /// Text-encoder weights changed (a pipeline's text_encoder and SDXL's text_encoder_2).
+  int64_t text_encoder_modules_merged = 0;
+  /// Targets of components not merged (text encoders of a UNet folder, other components), by
+  /// component: warned about.
   std::map<std::string, int64_t> skipped_components;
   /// UNet weight files of the input other than the one merged (other variants, .bin, shards),
   /// relative to `model_dir`: not copied, since they hold the UNet without the LoRA.
@@ -44,14 +47,16 @@ struct LoraFolderMergeSummary {
 /// lora_adapter_metadata or a PEFT adapter_config.json beside it; or a folder holding
 /// adapter_model.safetensors or pytorch_lora_weights.safetensors; io::read_lora) folded into the
 /// UNet's weights (merge_lora, component
-/// "unet", `options.lora_scale`). `model_dir` is a pipeline folder (model_index.json + unet/ +
+/// "unet", `options.lora_scale`) and, in a pipeline folder, into text_encoder/ and SDXL's
+/// text_encoder_2/ (their model[.variant].safetensors rewritten with every tensor, merged ones in
+/// the file's dtype; their other weight files dropped, as the UNet's). `model_dir` is a pipeline folder (model_index.json + unet/ +
 /// other components) or a UNet folder (config.json + diffusion_pytorch_model.safetensors); no
 /// scheduler is needed. The output has the same layout: the merged UNet saved with save_unet
 /// (config.json + weights named as read, in the dtype the input file had when all its floating
 /// tensors share one, else float32; the merge itself is in float32), and every other file and
 /// folder copied unchanged (symlinks followed), except the UNet's other weight files (see
-/// LoraFolderMergeSummary::skipped_files). LoRA targets of other components are not merged; they
-/// are counted and logged as a warning. The output is built in a sibling folder
+/// LoraFolderMergeSummary::skipped_files). LoRA targets of other components (and text-encoder
+/// targets for a UNet folder) are not merged; they are counted and logged as a warning. The output is built in a sibling folder
 /// `<output_dir>.partial-<pid>` and renamed into place at the end, so a failed merge leaves no
 /// output. Throws difftrain::Error naming the path when: `model_dir` is not a model folder, the
 /// LoRA file is missing or invalid (read_lora's errors), `output_dir` is empty, exists and is not
