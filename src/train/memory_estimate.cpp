@@ -1,5 +1,8 @@
 #include "difftrain/train/memory_estimate.h"
 
+#include "difftrain/models/autoencoder_kl.h"
+#include "difftrain/models/clip_text_model.h"
+
 #include "difftrain/accel/precision.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
@@ -73,6 +76,13 @@ models::UNetConditioning make_conditioning(const models::UNetImpl& unet, int64_t
   if (unet.needs_encoder_hidden_states()) {
     const int64_t dim = c.cross_attention_dim.empty() ? 1 : c.cross_attention_dim[0];
     cond.encoder_hidden_states = torch::zeros({batch, sequence_length, dim});
+  }
+  if (unet.needs_added_conditioning()) {
+    // SDXL: 6 time ids, the pooled text embedding fills the rest of add_embedding's input.
+    const int64_t ids = 6 * c.addition_time_embed_dim.value_or(0);
+    cond.text_embeds =
+        torch::zeros({batch, c.projection_class_embeddings_input_dim.value_or(ids) - ids});
+    cond.time_ids = torch::full({batch, 6}, 1024.0);
   }
   return cond;
 }
@@ -235,6 +245,32 @@ int64_t measure_activation_bytes(models::UNetImpl& unet, const MemoryEstimateOpt
   return bytes;
 }
 
+std::vector<std::pair<std::string, int64_t>> pipeline_frozen_params(const std::string& model_path) {
+  std::vector<std::pair<std::string, int64_t>> out;
+  const fs::path root(model_path);
+  if (!fs::is_directory(root) || !fs::exists(root / "model_index.json")) return out;
+  auto count = [](const torch::nn::Module& m) {
+    int64_t n = 0;
+    for (const auto& p : m.parameters()) n += p.numel();
+    return n;
+  };
+  // Built from the configs alone (random weights), as the UNet is.
+  torch::NoGradGuard no_grad;
+  for (const char* te : {"text_encoder", "text_encoder_2"}) {
+    const fs::path config = root / te / "config.json";
+    if (!fs::is_regular_file(config)) continue;
+    auto c = models::read_clip_text_config(config.string());
+    if (std::string(te) == "text_encoder_2") c.with_projection = true;
+    out.emplace_back(te, count(*models::ClipTextModel(c)));
+  }
+  const fs::path vae = root / "vae" / "config.json";
+  if (fs::is_regular_file(vae)) {
+    out.emplace_back("vae",
+                     count(*models::AutoencoderKL(models::read_autoencoder_kl_config(vae.string()))));
+  }
+  return out;
+}
+
 std::string resolve_unet_config_path(const std::string& model_path) {
   const fs::path p(model_path);
   if (fs::is_directory(p)) {
@@ -281,6 +317,16 @@ std::vector<MemoryEstimate> estimate_memory(
     MemoryEstimateOptions o = options;
     o.strategy = s;
     out.push_back(estimate_state_memory(*trainable, o, options.lora ? unet.get() : nullptr));
+  }
+  // A text-to-image pipeline also holds its frozen text encoder(s) and VAE on every rank, in
+  // bf16 under bf16 as the trainer keeps them.
+  const auto frozen = pipeline_frozen_params(model_path);
+  for (const auto& [name, n] : frozen) {
+    log::info("frozen {}: {} parameters", name, n);
+    for (auto& e : out) {
+      e.frozen_params += n;
+      e.frozen_param_bytes += n * (options.mixed_precision == "bf16" ? 2 : 4);
+    }
   }
   const int64_t activations = measure_activation_bytes(*unet, options, 1) * options.batch_size;
   for (auto& e : out) e.activation_bytes = activations;

@@ -4,6 +4,9 @@
 // activations growing linearly with the batch and with the resolution.
 
 #include "difftrain/train/memory_estimate.h"
+#include "difftrain/models/pretrained.h"
+#include "difftrain/models/clip_text_model.h"
+#include "difftrain/models/autoencoder_kl.h"
 #include "difftrain/accel/sharding.h"
 #include "difftrain/core/error.h"
 #include "difftrain/models/lora_training.h"
@@ -305,6 +308,43 @@ TEST(MemoryEstimate, ReadsTheInputsTheTrainerReadsAndScalesActivationsByBatch) {
             }).find("NoSuchBlock"),
             std::string::npos);
   fs::remove_all(dir);
+}
+
+TEST(MemoryEstimate, SdxlPipelineCountsBothEncodersAndTheVaeAsFrozen) {
+  const std::string xl = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/sdxl/tiny_sdxl";
+  // The loaded models' parameter counts.
+  auto numel = [](const torch::nn::Module& m) {
+    int64_t n = 0;
+    for (const auto& p : m.parameters()) n += p.numel();
+    return n;
+  };
+  const int64_t te1 = numel(*difftrain::models::load_clip_text_model(xl + "/text_encoder"));
+  const int64_t te2 = numel(*difftrain::models::load_clip_text_model(xl + "/text_encoder_2"));
+  const int64_t vae = numel(*difftrain::models::load_autoencoder_kl(xl + "/vae"));
+  const int64_t unet = numel(*difftrain::models::load_unet(xl + "/unet"));
+  const auto frozen = difftrain::train::pipeline_frozen_params(xl);
+  ASSERT_EQ(frozen.size(), 3u);
+  EXPECT_EQ(frozen[0].second, te1);
+  EXPECT_EQ(frozen[1].second, te2);
+  EXPECT_EQ(frozen[2].second, vae);
+
+  MemoryEstimateOptions o;
+  o.lora = true;
+  o.resolution = 8;
+  const auto fp32 = difftrain::train::estimate_memory(xl, o);
+  EXPECT_EQ(fp32.frozen_params, unet + te1 + te2 + vae);
+  EXPECT_EQ(fp32.frozen_param_bytes, 4 * (unet + te1 + te2 + vae));
+  EXPECT_GT(fp32.activation_bytes, 0);
+  o.mixed_precision = "bf16";
+  const auto bf16 = difftrain::train::estimate_memory(xl, o);
+  EXPECT_EQ(bf16.frozen_param_bytes, 2 * (unet + te1 + te2 + vae));
+  EXPECT_EQ(bf16.trainable_params, fp32.trainable_params);
+  // Full fine-tuning: the UNet trains, the encoders and the VAE stay frozen.
+  o.lora = false;
+  o.mixed_precision = "no";
+  const auto full = difftrain::train::estimate_memory(xl, o);
+  EXPECT_EQ(full.trainable_params, unet);
+  EXPECT_EQ(full.frozen_params, te1 + te2 + vae);
 }
 
 TEST(MemoryEstimate, JsonAndTablesNameEveryQuantity) {

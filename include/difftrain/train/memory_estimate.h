@@ -108,10 +108,17 @@ int64_t measure_activation_bytes(models::UNetImpl& unet, const MemoryEstimateOpt
 /// Throws difftrain::Error naming the path when there is none.
 std::string resolve_unet_config_path(const std::string& model_path);
 
+/// The frozen parts besides the UNet of a pipeline folder `model_path` and their parameter
+/// counts, from their configs: text_encoder, SDXL's text_encoder_2 (with projection) and vae.
+/// Empty for a UNet folder or config.
+std::vector<std::pair<std::string, int64_t>> pipeline_frozen_params(const std::string& model_path);
+
 /// Builds the UNet of `model_path` (see resolve_unet_config_path; random weights, fp32, nothing
 /// copied), adds LoRA adapters when options.lora as the trainer does (base frozen, alpha = rank),
 /// and returns estimate_state_memory() with activation_bytes measured at batch 1 and scaled to
-/// options.batch_size.
+/// options.batch_size. For a pipeline folder the text encoder(s) and VAE are added to the frozen
+/// parameters (pipeline_frozen_params; bf16 bytes under bf16, else fp32), and an SDXL UNet is
+/// measured with its added conditioning (pooled text embedding and 6 time ids).
 MemoryEstimate estimate_memory(const std::string& model_path, const MemoryEstimateOptions& options);
 
 /// estimate_memory() for each of `strategies` (same model, one activation measurement).
