@@ -58,6 +58,7 @@ void merge_all(XlModels& m, const io::LoraWeights& lora,
 
 struct Outputs {
   torch::Tensor te1_penultimate, te2_penultimate, te2_text_embeds, unet_out;
+  torch::Tensor te1_last, te1_pooled, te2_last, te2_pooled;
 };
 
 Outputs run_models(XlModels& m, const torch::Tensor& ids1, const torch::Tensor& ids2,
@@ -67,8 +68,12 @@ Outputs run_models(XlModels& m, const torch::Tensor& ids1, const torch::Tensor& 
   Outputs o;
   auto a = m.te1->forward(ids1, 0, true);
   o.te1_penultimate = a.hidden_states[a.hidden_states.size() - 2];
+  o.te1_last = a.last_hidden_state;
+  o.te1_pooled = a.pooler_output;
   auto b = m.te2->forward(ids2, 0, true);
   o.te2_penultimate = b.hidden_states[b.hidden_states.size() - 2];
+  o.te2_last = b.last_hidden_state;
+  o.te2_pooled = b.pooler_output;
   o.te2_text_embeds = b.text_embeds;
   models::UNetConditioning cond;
   cond.encoder_hidden_states = unet_in.at(prefix + "encoder_hidden_states");
@@ -157,6 +162,10 @@ TEST(SdxlLora, PeftFixtureWithItsScalesMatchesTheReference) {
     EXPECT_LE(max_abs(o.te2_penultimate, io.at("text_encoder_2.penultimate_hidden_state")), 1e-4);
     EXPECT_LE(max_abs(o.te2_text_embeds, io.at("text_encoder_2.text_embeds")), 1e-4);
     EXPECT_LE(max_abs(o.unet_out, io.at("unet.out")), 1e-4);
+    EXPECT_LE(max_abs(o.te1_last, io.at("text_encoder.last_hidden_state")), 1e-4);
+    EXPECT_LE(max_abs(o.te1_pooled, io.at("text_encoder.pooler_output")), 1e-4);
+    EXPECT_LE(max_abs(o.te2_last, io.at("text_encoder_2.last_hidden_state")), 1e-4);
+    EXPECT_LE(max_abs(o.te2_pooled, io.at("text_encoder_2.pooler_output")), 1e-4);
   };
   {
     // Diffusers' mixed-key file (lora.down/up, lora_A/B, lora_linear_layer) holds no alpha:
