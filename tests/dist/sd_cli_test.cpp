@@ -84,17 +84,6 @@ std::vector<std::string> sd_train_cmd(const std::string& data, const std::string
   return cmd;
 }
 
-std::vector<double> losses(const std::string& out) {
-  std::ifstream in(out + "/metrics.jsonl");
-  std::vector<double> v;
-  std::string line;
-  while (std::getline(in, line)) {
-    auto j = nlohmann::json::parse(line);
-    if (j.contains("loss")) v.push_back(j["loss"].get<double>());
-  }
-  return v;
-}
-
 io::TensorMap lora_file(const std::string& out) {
   return io::load_safetensors(out + "/pytorch_lora_weights.safetensors").tensors;
 }

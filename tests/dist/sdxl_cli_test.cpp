@@ -137,17 +137,6 @@ std::vector<std::string> xl_train_cmd(const std::string& data, const std::string
   return cmd;
 }
 
-std::vector<double> losses(const std::string& out) {
-  std::ifstream in(out + "/metrics.jsonl");
-  std::vector<double> v;
-  std::string line;
-  while (std::getline(in, line)) {
-    auto j = nlohmann::json::parse(line);
-    if (j.contains("loss")) v.push_back(j["loss"].get<double>());
-  }
-  return v;
-}
-
 TEST(SdxlCli, LoraWithTextEncodersOnTwoRanksInBucketsLowersLossAndExports) {
   const std::string dir = make_temp_dir("sdxl_lora");
   const std::string data = make_mixed_aspect_folder(dir + "/data");

@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 #include <fstream>
 #include <string>
@@ -30,6 +31,18 @@ inline double max_abs_diff(const io::TensorMap& a, const io::TensorMap& b) {
         worst, (t.to(torch::kFloat64) - it->second.to(torch::kFloat64)).abs().max().item<double>());
   }
   return worst;
+}
+
+// The "loss" of every line of a run's metrics.jsonl, in order.
+inline std::vector<double> losses(const std::string& out) {
+  std::ifstream in(out + "/metrics.jsonl");
+  std::vector<double> v;
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("loss")) v.push_back(j["loss"].get<double>());
+  }
+  return v;
 }
 
 inline io::TensorMap unet_weights(const std::string& out) {

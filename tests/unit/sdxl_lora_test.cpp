@@ -11,6 +11,7 @@
 #include "difftrain/models/pretrained.h"
 #include "difftrain/models/sgm_names.h"
 #include "difftrain/models/unet.h"
+#include "sdxl_fixture.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
@@ -21,10 +22,12 @@ namespace {
 
 using test::max_abs;
 
-const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/sdxl";
-const std::string kXl = kGolden + "/tiny_sdxl";
+const std::string& kGolden = test::kSdxlGolden;
+const std::string& kXl = test::kTinySdxl;
 const std::string kLora = kGolden + "/tiny_sdxl_lora";
 const std::string kPeft = kGolden + "/tiny_sdxl_lora_peft";
+
+diffusion::TextToImageOptions fixture_call() { return test::sdxl_fixture_call(); }
 
 struct XlModels {
   models::ClipTextModel te1{nullptr}, te2{nullptr};
@@ -222,14 +225,7 @@ TEST(SdxlLora, Txt2ImgWithEitherFileMatchesDiffusers) {
     diffusion::StableDiffusionLoadOptions lo;
     lo.lora = kLora + "/" + file;
     auto sd = diffusion::load_stable_diffusion(kXl, lo);
-    diffusion::TextToImageOptions o;
-    o.prompts = {"a photo of a cat", "an astronaut riding a horse on mars, highly detailed"};
-    o.negative_prompts = {"blurry, low quality"};
-    o.guidance_scale = 5.0;
-    o.num_inference_steps = 8;
-    o.height = o.width = 32;
-    o.seed = 42;
-    auto out = diffusion::text_to_image(sd, o);
+    auto out = diffusion::text_to_image(sd, fixture_call());
     const double scale = ref.at("latents_final").abs().max().item<double>();
     EXPECT_LE(max_abs(out.latents, ref.at("latents_final")), 1e-4 * scale) << file;
     EXPECT_LE(max_abs(out.images, ref.at("images")), 1e-4) << file;
@@ -250,14 +246,7 @@ TEST(SdxlLora, MergedFolderSamplesAsTheUnmergedLora) {
   EXPECT_TRUE(summary.skipped_components.empty());
   auto ref = io::load_safetensors(kLora + "/txt2img_lora_seed42.safetensors").tensors;
   auto sd = diffusion::load_stable_diffusion(out);
-  diffusion::TextToImageOptions o;
-  o.prompts = {"a photo of a cat", "an astronaut riding a horse on mars, highly detailed"};
-  o.negative_prompts = {"blurry, low quality"};
-  o.guidance_scale = 5.0;
-  o.num_inference_steps = 8;
-  o.height = o.width = 32;
-  o.seed = 42;
-  auto merged = diffusion::text_to_image(sd, o);
+  auto merged = diffusion::text_to_image(sd, fixture_call());
   const double scale = ref.at("latents_final").abs().max().item<double>();
   EXPECT_LE(max_abs(merged.latents, ref.at("latents_final")), 1e-4 * scale);
   EXPECT_LE(max_abs(merged.images, ref.at("images")), 1e-4);

@@ -5,6 +5,7 @@
 #include "difftrain/diffusion/sd_pipeline.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/safetensors.h"
+#include "sdxl_fixture.h"
 #include "test_util.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -20,22 +21,9 @@ namespace fs = std::filesystem;
 using test::error_of;
 using test::max_abs;
 
-const std::string kXl = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/sdxl/tiny_sdxl";
-
-const std::vector<std::string> kPrompts = {"a photo of a cat",
-                                           "an astronaut riding a horse on mars, highly detailed"};
-
-// The fixture's call: height = width = 32, guidance 5, 8 steps, seed 42, the negative prompt.
-diffusion::TextToImageOptions fixture_call() {
-  diffusion::TextToImageOptions o;
-  o.prompts = kPrompts;
-  o.negative_prompts = {"blurry, low quality"};
-  o.guidance_scale = 5.0;
-  o.num_inference_steps = 8;
-  o.height = o.width = 32;
-  o.seed = 42;
-  return o;
-}
+const std::string& kXl = test::kTinySdxl;
+const std::vector<std::string>& kPrompts = test::kSdxlPrompts;
+diffusion::TextToImageOptions fixture_call() { return test::sdxl_fixture_call(); }
 
 // Compares a run with a txt2img reference file (tolerances of the fixture README).
 void expect_matches_reference(const diffusion::TextToImageResult& out,
