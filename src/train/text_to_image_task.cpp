@@ -83,7 +83,7 @@ class TextImageDataset : public data::Dataset {
   struct Half {
     std::shared_ptr<data::ImageFolderDataset> images;
     std::vector<std::string> captions;  // one per image
-    torch::Tensor mean, logvar;         // cached posteriors [N, C, h, w], or undefined
+    std::vector<torch::Tensor> mean, logvar;  // cached posteriors [C, h, w] per image, or empty
     torch::Tensor geometry;             // with the cache: [N, 4] original h, w, crop top, left
   };
 
@@ -126,9 +126,9 @@ class TextImageDataset : public data::Dataset {
 
  private:
   void add(data::Example& ex, const std::string& prefix, const Half& half, int64_t i) const {
-    if (half.mean.defined()) {
-      ex[prefix + "latent_mean"] = half.mean[i];
-      ex[prefix + "latent_logvar"] = half.logvar[i];
+    if (!half.mean.empty()) {
+      ex[prefix + "latent_mean"] = half.mean[static_cast<size_t>(i)];
+      ex[prefix + "latent_logvar"] = half.logvar[static_cast<size_t>(i)];
       ex[prefix + "original_size"] = half.geometry[i].narrow(0, 0, 2);
       ex[prefix + "crop_top_left"] = half.geometry[i].narrow(0, 2, 2);
     } else {
@@ -246,8 +246,9 @@ class TextToImageTask final : public DiffusionTask {
       }
     }
     if (!o_.model.vae.empty()) acc.print("VAE from {}", o_.model.vae);
-    vae_ = models::load_autoencoder_kl(o_.model.vae.empty() ? folder_.vae_dir : o_.model.vae,
-                                       o_.model.vae.empty() ? o_.model.variant : "");
+    vae_dir_ = o_.model.vae.empty() ? folder_.vae_dir : o_.model.vae;
+    vae_variant_ = o_.model.vae.empty() ? o_.model.variant : "";
+    vae_ = models::load_autoencoder_kl(vae_dir_, vae_variant_);
     unet_ = models::load_unet(folder_.unet_dir, o_.model.variant);
     if (!unet_->needs_encoder_hidden_states()) {
       throw Error(folder_.unet_dir +
@@ -468,11 +469,6 @@ class TextToImageTask final : public DiffusionTask {
           "instance and class images together, so they would need one size; train DreamBooth "
           "with square crops");
     }
-    if (o_.text.cache_latents) {
-      throw Error(
-          "--resolution_buckets with --cache_latents is not supported yet (the cache holds one "
-          "latent size); drop one of them");
-    }
     const int64_t factor = vae_->config().downsample_factor();
     if (d.bucket_step % factor != 0) {
       throw Error("--bucket_step " + std::to_string(d.bucket_step) + " is not a multiple of " +
@@ -555,9 +551,12 @@ class TextToImageTask final : public DiffusionTask {
     acc.wait_for_everyone();
     // The key changes when the VAE, the images or their preprocessing change.
     const std::string vae_key =
-        "latents-v1;" + io::read_file(folder_.vae_dir + "/config.json") +
-        file_stamp(models::weights_path(folder_.vae_dir, o_.model.variant)) +
-        std::to_string(d.resolution) + ";" + std::to_string(d.center_crop);
+        "latents-v2;" + io::read_file(vae_dir_ + "/config.json") +
+        file_stamp(models::weights_path(vae_dir_, vae_variant_)) + std::to_string(d.resolution) +
+        ";" + std::to_string(d.center_crop) + ";" +
+        (d.resolution_buckets ? fmt::format("buckets {} {} {};", d.bucket_step, d.bucket_min_side,
+                                            d.bucket_max_side)
+                              : std::string());
     auto cache_half = [&](TextImageDataset::Half& half, const std::string& name,
                           const std::string& data_dir) {
       const std::string key = vae_key + folder_stamp(data_dir);
@@ -627,68 +626,70 @@ class TextToImageTask final : public DiffusionTask {
     }
   }
 
-  // Every rank encodes its share of the images, the main rank assembles one file, every rank
-  // loads it. Returns {mean, logvar} [N, C, h, w] float32 on the CPU.
-  std::pair<torch::Tensor, torch::Tensor> cached_latents(accel::Accelerator& acc,
-                                                         const data::ImageFolderDataset& images,
-                                                         const fs::path& file) {
+  // Every rank encodes its share of the images (batched among images of one size), the main
+  // rank assembles one file ("mean.<i>", "logvar.<i>" per image, so bucketed images of several
+  // sizes fit), every rank loads it. Returns per image {mean, logvar} [C, h, w] float32 on the
+  // CPU.
+  std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> cached_latents(
+      accel::Accelerator& acc, const data::ImageFolderDataset& images, const fs::path& file) {
+    const int64_t n = images.size();
     const auto load = [&] {
       auto st = io::load_safetensors(file.string());
-      if (!st.tensors.count("mean") || !st.tensors.count("logvar") ||
-          st.tensors.at("mean").size(0) != images.size()) {
-        throw Error(file.string() + ": not a latent cache of " + std::to_string(images.size()) +
-                    " images; delete it (it is rebuilt)");
+      std::vector<torch::Tensor> mean, logvar;
+      for (int64_t i = 0; i < n; ++i) {
+        const auto m = st.tensors.find("mean." + std::to_string(i));
+        const auto l = st.tensors.find("logvar." + std::to_string(i));
+        if (m == st.tensors.end() || l == st.tensors.end() ||
+            st.tensors.size() != static_cast<size_t>(2 * n)) {
+          throw Error(file.string() + ": not a latent cache of " + std::to_string(n) +
+                      " images; delete it (it is rebuilt)");
+        }
+        mean.push_back(m->second.clone());
+        logvar.push_back(l->second.clone());
       }
-      return std::make_pair(st.tensors.at("mean").clone(), st.tensors.at("logvar").clone());
+      return std::make_pair(mean, logvar);
     };
     if (fs::exists(file)) {
       acc.print("cache_latents: reusing {}", file.string());
       return load();
     }
-    const int64_t n = images.size();
     const int rank = acc.process_index(), world = acc.num_processes();
     const fs::path part = file.string() + ".part" + std::to_string(rank);
     const auto batch = static_cast<size_t>(o_.encode_batch_size);
     {
-      std::vector<int64_t> mine;
-      for (int64_t i = rank; i < n; i += world) mine.push_back(i);
-      std::vector<torch::Tensor> means, logvars;
+      // This rank's images, grouped by output size so each VAE call stacks one shape.
+      std::map<std::array<int64_t, 2>, std::vector<int64_t>> by_size;
+      for (int64_t i = rank; i < n; i += world) by_size[images.target_size(i)].push_back(i);
+      io::TensorMap tensors;
       torch::NoGradGuard no_grad;
       auto autocast = acc.autocast();
       const auto device = module_device(*vae_);
       const auto dtype = module_dtype(*vae_);
-      for (size_t s = 0; s < mine.size(); s += batch) {
-        std::vector<torch::Tensor> px;
-        for (size_t k = s; k < std::min(mine.size(), s + batch); ++k)
-          px.push_back(images.get(mine[k]).at("pixel_values"));
-        auto post = vae_->encode(torch::stack(px).to(device, dtype));
-        means.push_back(post.mean.to(torch::kCPU, torch::kFloat32));
-        logvars.push_back(post.logvar.to(torch::kCPU, torch::kFloat32));
+      for (const auto& [size, mine] : by_size) {
+        for (size_t s = 0; s < mine.size(); s += batch) {
+          std::vector<torch::Tensor> px;
+          const size_t end = std::min(mine.size(), s + batch);
+          for (size_t k = s; k < end; ++k) px.push_back(images.get(mine[k]).at("pixel_values"));
+          auto post = vae_->encode(torch::stack(px).to(device, dtype));
+          const auto mean = post.mean.to(torch::kCPU, torch::kFloat32);
+          const auto logvar = post.logvar.to(torch::kCPU, torch::kFloat32);
+          for (size_t k = s; k < end; ++k) {
+            const auto j = static_cast<int64_t>(k - s);
+            tensors["mean." + std::to_string(mine[k])] = mean[j].clone();
+            tensors["logvar." + std::to_string(mine[k])] = logvar[j].clone();
+          }
+        }
       }
-      io::TensorMap tensors = {{"indices", torch::tensor(mine, torch::kInt64)}};
-      if (!means.empty())
-        tensors["mean"] = torch::cat(means), tensors["logvar"] = torch::cat(logvars);
       io::save_safetensors(part.string(), tensors);
     }
     acc.wait_for_everyone();
     if (acc.is_main_process()) {
-      torch::Tensor mean, logvar;
+      io::TensorMap all;
       for (int r = 0; r < world; ++r) {
-        const fs::path p = file.string() + ".part" + std::to_string(r);
-        auto st = io::load_safetensors(p.string());
-        if (!st.tensors.count("mean")) continue;
-        const auto& idx = st.tensors.at("indices");
-        if (!mean.defined()) {
-          auto shape = st.tensors.at("mean").sizes().vec();
-          shape[0] = n;
-          mean = torch::empty(shape, torch::kFloat32);
-          logvar = torch::empty(shape, torch::kFloat32);
-        }
-        mean.index_copy_(0, idx, st.tensors.at("mean"));
-        logvar.index_copy_(0, idx, st.tensors.at("logvar"));
+        auto st = io::load_safetensors(file.string() + ".part" + std::to_string(r));
+        for (auto& [name, t] : st.tensors) all[name] = t;
       }
-      io::save_safetensors(file.string(), {{"mean", mean}, {"logvar", logvar}},
-                           {{"images", std::to_string(n)}});
+      io::save_safetensors(file.string(), all, {{"images", std::to_string(n)}});
       for (int r = 0; r < world; ++r) fs::remove(file.string() + ".part" + std::to_string(r));
       log::info("cache_latents: encoded {} image(s) into {}", n, file.string());
     }
@@ -770,6 +771,7 @@ class TextToImageTask final : public DiffusionTask {
   models::ClipTextModel text_encoder_2_{nullptr};     // SDXL
   std::shared_ptr<data::BucketLayout> buckets_;       // --resolution_buckets
   models::AutoencoderKL vae_{nullptr};
+  std::string vae_dir_, vae_variant_;  // the VAE read (the pipeline's, or --pretrained_vae_...)
   int64_t skip_ = 0;    // Diffusers' clip_skip (kohya's --clip_skip minus 1)
   bool prior_ = false;  // DreamBooth prior preservation: batches carry class_* entries too
 };

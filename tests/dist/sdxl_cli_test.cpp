@@ -309,5 +309,35 @@ TEST(SdxlCli, FullFineTuningExportsAnSdxlPipeline) {
   EXPECT_GT(max_abs_diff(base, tuned), 0.0);
 }
 
+// Cached latents of bucketed images (several latent sizes in one cache) train like uncached ones;
+// and buckets work for an SD-1.x folder as well.
+TEST(SdxlCli, BucketsWithCachedLatentsAndOnSd1) {
+  const std::string dir = make_temp_dir("sdxl_bucket_cache");
+  const std::string data = make_mixed_aspect_folder(dir + "/data");
+  auto plain = train(xl_train_cmd(data, dir + "/plain", {"--max_train_steps", "3", "--learning_rate", "1e-4"}));
+  ASSERT_EQ(plain.exit_code, 0) << plain.log();
+  auto cached = train(xl_train_cmd(
+      data, dir + "/cached", {"--max_train_steps", "3", "--learning_rate", "1e-4", "--cache_latents"}));
+  ASSERT_EQ(cached.exit_code, 0) << cached.log();
+  EXPECT_NE(cached.err.find("cache_latents: encoded 12 image(s)"), std::string::npos)
+      << cached.log();
+  const double d =
+      max_abs_diff(io::load_safetensors(dir + "/plain/pytorch_lora_weights.safetensors").tensors,
+                   io::load_safetensors(dir + "/cached/pytorch_lora_weights.safetensors").tensors);
+  std::cout << "SDXL bucketed cached vs uncached: " << d << "\n";
+  EXPECT_LE(d, 1e-4);
+  EXPECT_EQ(losses(dir + "/plain").size(), 3u);
+
+  auto sd = xl_train_cmd(data, dir + "/sd", {"--max_train_steps", "2"});
+  *(std::find(sd.begin(), sd.end(), kXl)) =
+      std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/sd/tiny_sd";
+  auto r = train(sd, 2, 300);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  EXPECT_NE(r.err.find("16x48: 4 image(s)"), std::string::npos) << r.log();
+  const auto sd_lora = io::read_lora(dir + "/sd/pytorch_lora_weights.safetensors");
+  EXPECT_GT(sd_lora.count("unet"), 0u);
+  EXPECT_EQ(sd_lora.count("text_encoder_2"), 0u);
+}
+
 }  // namespace
 }  // namespace difftrain::testing
