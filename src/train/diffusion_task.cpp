@@ -210,7 +210,9 @@ void DiffusionTask::export_lora(const fs::path& out) const {
 std::unique_ptr<TrainingTask> make_training_task(const TaskOptions& options) {
   const auto& pretrained = options.model.pretrained_model_name_or_path;
   if (!pretrained.empty() && diffusion::is_stable_diffusion_folder(pretrained)) {
-    return make_text_to_image_task(options);
+    return diffusion::resolve_stable_diffusion_folder(pretrained).xl
+               ? make_sdxl_task(options)
+               : make_text_to_image_task(options);
   }
   return make_unet_task(options);
 }

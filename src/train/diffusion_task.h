@@ -1,8 +1,8 @@
 #pragma once
 // What the diffusion tasks share: the UNet being trained, the DDPM noise scheduler, the
 // denoising loss with per-sample random streams, LoRA adapters, the checkpoint's config files
-// and the LoRA export. UNetTask (unet_task.cpp) and TextToImageTask (text_to_image_task.cpp)
-// derive from it; SDXL will too.
+// and the LoRA export. UNetTask (unet_task.cpp) and TextToImageTask (text_to_image_task.h)
+// derive from it, and SdxlTask (sdxl_task.cpp) from TextToImageTask.
 #include "difftrain/data/image_folder.h"
 #include "difftrain/diffusion/noise_scheduler.h"
 #include "difftrain/models/lora_training.h"
@@ -70,5 +70,7 @@ class DiffusionTask : public TrainingTask {
 std::unique_ptr<TrainingTask> make_unet_task(TaskOptions options);
 /// The Stable-Diffusion text-to-image / DreamBooth task.
 std::unique_ptr<TrainingTask> make_text_to_image_task(TaskOptions options);
+/// Its SDXL form (sdxl_task.cpp).
+std::unique_ptr<TrainingTask> make_sdxl_task(TaskOptions options);
 
 }  // namespace difftrain::train

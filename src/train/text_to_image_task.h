@@ -1,0 +1,782 @@
+#pragma once
+// The Stable-Diffusion text-to-image task (private to src/train): Diffusers'
+// train_text_to_image(_lora).py and train_dreambooth_lora.py on a Stable Diffusion 1.x/2.x
+// folder: the frozen VAE and text encoder, captioned images (metadata.jsonl, or one instance
+// prompt, plus DreamBooth class images), optionally in aspect-ratio buckets, the latent and
+// text-embedding cache, validation renders from a prompt, and the final pipeline folder or LoRA.
+// The text side (tokenizers, encoders, added conditioning) sits behind protected virtual hooks,
+// which SdxlTask (sdxl_task.cpp) overrides for SDXL.
+#include "diffusion_task.h"
+#include "difftrain/core/error.h"
+#include "difftrain/core/log.h"
+#include "difftrain/data/buckets.h"
+#include "difftrain/data/image_folder.h"
+#include "difftrain/data/sample_rng.h"
+#include "difftrain/diffusion/generate.h"
+#include "difftrain/diffusion/scheduler_config.h"
+#include "difftrain/diffusion/sd_pipeline.h"
+#include "difftrain/io/atomic_file.h"
+#include "difftrain/io/image.h"
+#include "difftrain/io/safetensors.h"
+#include "difftrain/models/pretrained.h"
+#include <torch/torch.h>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <functional>
+#include <set>
+
+namespace difftrain::train {
+
+namespace t2i {
+namespace fs = std::filesystem;
+
+/// Adds the token ids of `caption` to an example under `prefix` ("" or "class_").
+using CaptionIds =
+    std::function<void(data::Example&, const std::string& prefix, const std::string& caption)>;
+
+
+// The class half of a DreamBooth batch draws its randomness under keys far from the instance
+// indices, so the two halves never share a stream.
+inline constexpr int64_t kClassKeyOffset = int64_t{1} << 40;
+
+inline uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ULL) {
+  for (unsigned char ch : s) h = (h ^ ch) * 1099511628211ULL;
+  return h;
+}
+
+// What identifies a file's contents cheaply: its path, size and modification time.
+inline std::string file_stamp(const fs::path& p) {
+  std::error_code ec;
+  const auto size = fs::file_size(p, ec);
+  const auto time = fs::last_write_time(p, ec).time_since_epoch().count();
+  return p.string() + ":" + std::to_string(ec ? 0 : size) + ":" + std::to_string(time) + ";";
+}
+
+inline std::string folder_stamp(const fs::path& dir) {
+  std::vector<std::string> entries;
+  std::error_code ec;
+  for (const auto& e : fs::recursive_directory_iterator(dir, ec)) {
+    if (e.is_regular_file()) entries.push_back(file_stamp(e.path()));
+  }
+  std::sort(entries.begin(), entries.end());
+  std::string out;
+  for (const auto& e : entries) out += e;
+  return out;
+}
+
+inline std::string hex(uint64_t v) {
+  char buf[17];
+  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+inline torch::Device module_device(const torch::nn::Module& m) {
+  const auto p = m.parameters();
+  return p.empty() ? torch::Device(torch::kCPU) : p[0].device();
+}
+
+inline torch::Dtype module_dtype(const torch::nn::Module& m) {
+  const auto p = m.parameters();
+  return p.empty() ? torch::kFloat32 : p[0].scalar_type();
+}
+
+// Images plus a caption each: the instance images (metadata.jsonl captions or one prompt), and
+// for DreamBooth the class images with the class prompt. Cached latents / embeddings replace
+// the pixels / token ids when present.
+class TextImageDataset : public data::Dataset {
+ public:
+  struct Half {
+    std::shared_ptr<data::ImageFolderDataset> images;
+    std::vector<std::string> captions;  // one per image
+    std::vector<torch::Tensor> mean, logvar;  // cached posteriors [C, h, w] per image, or empty
+    torch::Tensor geometry;             // with the cache: [N, 4] original h, w, crop top, left
+  };
+
+  /// `caption_ids` adds a caption's token ids to an example (TextToImageTask::caption_ids()).
+  TextImageDataset(Half instance, std::optional<Half> cls, CaptionIds caption_ids)
+      : instance_(std::move(instance)),
+        class_(std::move(cls)),
+        caption_ids_(std::move(caption_ids)) {}
+
+  int64_t size() const override {
+    if (!slot_image_.empty()) return static_cast<int64_t>(slot_image_.size());
+    const int64_t n = instance_.images->size();
+    return class_ ? std::max(n, class_->images->size()) : n;
+  }
+
+  // Example `index` is a slot: with buckets, slot i shows image slot_image_[i].
+  data::Example get(int64_t index) const override {
+    data::Example ex;
+    ex["index"] = torch::tensor(index, torch::kInt64);
+    const int64_t image = slot_image_.empty() ? index : slot_image_.at(static_cast<size_t>(index));
+    add(ex, "", instance_, image % instance_.images->size());
+    if (class_) add(ex, "class_", *class_, index % class_->images->size());
+    return ex;
+  }
+
+  /// Aspect-ratio buckets: the slots (BucketLayout) replace the plain indices.
+  void set_slots(std::vector<int64_t> slot_image) { slot_image_ = std::move(slot_image); }
+
+  void set_epoch(int64_t epoch) {
+    instance_.images->set_epoch(epoch);
+    if (class_) class_->images->set_epoch(epoch);
+  }
+
+  Half& instance() { return instance_; }
+  std::optional<Half>& class_half() { return class_; }
+  /// Cached text embeddings by caption (empty: tokenise instead): the example entries
+  /// ("prompt_embeds", SDXL's "pooled_prompt_embeds") of each caption.
+  std::map<std::string, std::map<std::string, torch::Tensor>> cached_text;
+
+ private:
+  void add(data::Example& ex, const std::string& prefix, const Half& half, int64_t i) const {
+    if (!half.mean.empty()) {
+      ex[prefix + "latent_mean"] = half.mean[static_cast<size_t>(i)];
+      ex[prefix + "latent_logvar"] = half.logvar[static_cast<size_t>(i)];
+      ex[prefix + "original_size"] = half.geometry[i].narrow(0, 0, 2);
+      ex[prefix + "crop_top_left"] = half.geometry[i].narrow(0, 2, 2);
+    } else {
+      auto image = half.images->get(i);
+      ex[prefix + "pixel_values"] = image.at("pixel_values");
+      ex[prefix + "original_size"] = image.at("original_size");
+      ex[prefix + "crop_top_left"] = image.at("crop_top_left");
+    }
+    const std::string& caption = half.captions[static_cast<size_t>(i)];
+    auto it = cached_text.find(caption);
+    if (it != cached_text.end()) {
+      for (const auto& [name, t] : it->second) ex[prefix + name] = t;
+    } else {
+      caption_ids_(ex, prefix, caption);
+    }
+  }
+
+  Half instance_;
+  std::optional<Half> class_;
+  CaptionIds caption_ids_;
+  std::vector<int64_t> slot_image_;  // empty: example i is image i
+};
+
+inline int64_t count_images(const fs::path& dir) {
+  int64_t n = 0;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return 0;
+  for (const auto& e : fs::recursive_directory_iterator(dir, ec)) {
+    std::string ext = e.path().extension().string();
+    std::transform(ext.begin(), ext.end(), ext.begin(),
+                   [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
+    if (e.is_regular_file() && (ext == ".png" || ext == ".jpg" || ext == ".jpeg" || ext == ".bmp"))
+      ++n;
+  }
+  return n;
+}
+
+// The latents [B, C, h, w] (scaled for the UNet) and text embeddings [B, L, D] of one half of a
+// batch; for SDXL also the pooled embeddings [B, P] and time ids [B, 6].
+struct EncodedBatch {
+  torch::Tensor latents;
+  torch::Tensor embeds;
+  torch::Tensor pooled, time_ids;
+};
+
+// The class half of example `index` draws its per-sample randomness under this key (DreamBooth).
+inline int64_t class_key(int64_t index) { return index + kClassKeyOffset; }
+
+class TextToImageTask : public DiffusionTask {
+ public:
+  using DiffusionTask::DiffusionTask;
+
+  std::string name() const override { return "text-to-image"; }
+
+  std::function<std::vector<int64_t>(int64_t)> sampler() const override {
+    if (!buckets_) return {};
+    auto layout = buckets_;
+    const uint64_t seed = o_.data.seed;
+    return [layout, seed](int64_t epoch) { return layout->epoch_order(seed, epoch); };
+  }
+
+  // Loads the folder's tokenizer, text encoder, VAE and UNet, builds the captioned dataset
+  // (generating missing class images first with prior preservation) and, with cache_latents,
+  // fills or reuses the cache. Examples carry "index", "pixel_values" [3, R, R] or the cached
+  // "latent_mean"/"latent_logvar" [C, r, r], and "input_ids" [L] or the cached "prompt_embeds"
+  // [L, D]; with prior preservation the same keys prefixed "class_".
+  void build(accel::Accelerator& acc, const std::string& output_dir) override {
+    const auto& d = o_.data;
+    const auto& t = o_.text;
+    if (d.dataset != "imagefolder") {
+      throw Error(
+          o_.model.pretrained_model_name_or_path +
+          " is a text-to-image pipeline: train it on captioned images with --dataset "
+          "imagefolder --train_data_dir DIR (metadata.jsonl captions or --instance_prompt)");
+    }
+    if (t.cache_latents && (!d.center_crop || d.random_flip)) {
+      throw Error(
+          "--cache_latents encodes each image once, so it needs the same pixels every epoch: add "
+          "--center_crop and drop --random_flip (or train without --cache_latents)");
+    }
+    folder_ = diffusion::resolve_stable_diffusion_folder(o_.model.pretrained_model_name_or_path);
+    for (const auto& note : folder_.notes) acc.print("{}", note);
+    load_text_models(acc);
+    if (!o_.model.vae.empty()) acc.print("VAE from {}", o_.model.vae);
+    vae_dir_ = o_.model.vae.empty() ? folder_.vae_dir : o_.model.vae;
+    vae_variant_ = o_.model.vae.empty() ? o_.model.variant : "";
+    vae_ = models::load_autoencoder_kl(vae_dir_, vae_variant_);
+    unet_ = models::load_unet(folder_.unet_dir, o_.model.variant);
+    if (!unet_->needs_encoder_hidden_states()) {
+      throw Error(folder_.unet_dir +
+                  ": the UNet has no cross-attention; a text-to-image "
+                  "pipeline needs a UNet2DConditionModel");
+    }
+    check_unet();
+    for (auto& p : vae_->parameters()) p.set_requires_grad(false);
+    vae_->to(acc.device());
+    vae_->eval();
+    const int64_t factor = vae_->config().downsample_factor();
+    if (d.resolution % factor != 0) {
+      const int64_t below = d.resolution / factor * factor;
+      throw Error("--resolution " + std::to_string(d.resolution) + " is not a multiple of " +
+                  std::to_string(factor) + " (the VAE's downsampling factor); use " +
+                  (below >= 8 ? std::to_string(below) + " or " : "") +
+                  std::to_string(below + factor));
+    }
+    build_dataset(acc, output_dir);
+    if (o_.model.gradient_checkpointing) unet_->set_gradient_checkpointing(true);
+    build_noise_scheduler();
+    build_trainable(acc, text_encoder_.ptr().get(), second_text_encoder());
+  }
+
+  // Latents and caption embeddings of the batch (plus the DreamBooth class half, weighted by
+  // prior_loss_weight).
+  torch::Tensor loss(const data::Batch& batch, int64_t epoch, torch::Device device) override {
+    const auto index = batch.at("index").to(torch::kCPU);
+    std::vector<int64_t> keys(index.data_ptr<int64_t>(), index.data_ptr<int64_t>() + index.numel());
+    auto inst = encode_batch(batch, "", keys, epoch, device);
+    if (!prior_) {
+      models::UNetConditioning cond;
+      cond.encoder_hidden_states = inst.embeds;
+      cond.text_embeds = inst.pooled;
+      cond.time_ids = inst.time_ids;
+      return denoising_losses(inst.latents, keys, epoch, device, cond).mean();
+    }
+    std::vector<int64_t> class_keys;
+    for (int64_t k : keys) class_keys.push_back(class_key(k));
+    auto cls = encode_batch(batch, "class_", class_keys, epoch, device);
+    std::vector<int64_t> all = keys;
+    all.insert(all.end(), class_keys.begin(), class_keys.end());
+    models::UNetConditioning cond;
+    cond.encoder_hidden_states = torch::cat({inst.embeds, cls.embeds});
+    if (inst.pooled.defined()) cond.text_embeds = torch::cat({inst.pooled, cls.pooled});
+    if (inst.time_ids.defined()) cond.time_ids = torch::cat({inst.time_ids, cls.time_ids});
+    auto losses =
+        denoising_losses(torch::cat({inst.latents, cls.latents}), all, epoch, device, cond);
+    const int64_t B = static_cast<int64_t>(keys.size());
+    return losses.narrow(0, 0, B).mean() +
+           o_.text.prior_loss_weight * losses.narrow(0, B, B).mean();
+  }
+
+  std::string validation_unavailable() const override {
+    return o_.validation.prompt.empty()
+               ? "give --validation_prompt to render images during training"
+               : "";
+  }
+
+  // --validation_prompt rendered once per index i (image i from seed + i). `mine` is this
+  // rank's contiguous range, padded at the end with copies the Trainer discards.
+  ValidationImages render_validation(const std::vector<int64_t>& mine, int64_t /*begin*/) override {
+    const auto& v = o_.validation;
+    const int64_t R = o_.data.resolution;
+    if (mine.empty()) return {torch::zeros({0, R, R, 3})};
+    diffusion::Pipeline pipe = as_pipeline(noise_scheduler_->config(), v.scheduler);
+    diffusion::GenerateRequest r = render_request(v.prompt);
+    r.negative_prompts = {v.negative_prompt};
+    r.num_images = static_cast<int64_t>(mine.size());
+    r.seed = v.seed + static_cast<uint64_t>(mine.front());
+    return {diffusion::generate(pipe, r).images};
+  }
+
+  std::vector<std::string> validation_labels(int64_t K) const override {
+    std::vector<std::string> labels;
+    for (int64_t i = 0; i < K; ++i)
+      labels.push_back("seed " + std::to_string(o_.validation.seed + i));
+    return labels;
+  }
+
+  std::string validation_note() const override { return " (\"" + o_.validation.prompt + "\")"; }
+
+  void export_to(const fs::path& out) override {
+    if (o_.lora.enabled) {
+      export_lora(out);
+      return;
+    }
+    models::save_unet(*unet_, (out / "unet").string());
+    // The frozen parts and the scheduler as they came, and the source's model_index.json.
+    const fs::path src(folder_.root);
+    for (const auto& part : copied_parts()) {
+      std::error_code ec;
+      fs::remove_all(out / part, ec);
+      fs::copy(src / part, out / part, fs::copy_options::recursive, ec);
+      if (ec) {
+        throw Error("cannot copy " + (src / part).string() + " to " + (out / part).string() + ": " +
+                    ec.message());
+      }
+    }
+    io::write_file_atomic((out / "model_index.json").string(),
+                          io::read_file((src / "model_index.json").string()));
+    log::info("pipeline folder ({}): {}", folder_.pipeline_class, out.string());
+  }
+
+ protected:
+  std::vector<torch::nn::Module*> frozen_modules() const override {
+    return {vae_.ptr().get(), text_encoder_.ptr().get()};
+  }
+
+  // ---- The text side. SD-1.x/2.x here; SdxlTask (sdxl_task.cpp) overrides every hook.
+
+  /// Text embeddings of one half of a batch: [B, L, D], and SDXL's pooled ones [B, P].
+  struct TextEmbeddings {
+    torch::Tensor embeds, pooled;
+  };
+
+  /// Loads the tokenizer(s) and text encoder(s) of folder_, frozen, in eval mode on
+  /// acc.device(), and checks --clip_skip against them (sets skip_).
+  virtual void load_text_models(accel::Accelerator& acc) {
+    const auto& t = o_.text;
+    tokenizer_ = models::ClipTokenizer::from_folder(folder_.tokenizer_dir);
+    text_encoder_ = models::load_clip_text_model(folder_.text_encoder_dir, o_.model.variant);
+    const auto& tcfg = text_encoder_->config();
+    if (tokenizer_.model_max_length() > tcfg.max_position_embeddings)
+      tokenizer_.set_model_max_length(tcfg.max_position_embeddings);
+    if (t.clip_skip > tcfg.num_hidden_layers) {
+      throw Error("--clip_skip " + std::to_string(t.clip_skip) +
+                  " is more than the text encoder's " + std::to_string(tcfg.num_hidden_layers) +
+                  " layers");
+    }
+    skip_ = t.clip_skip - 1;
+    freeze(*text_encoder_, acc);
+  }
+
+  /// Refuses a UNet of another family (SDXL's added conditioning in an SD folder).
+  virtual void check_unet() const {
+    if (unet_->needs_added_conditioning()) {
+      throw Error(folder_.unet_dir +
+                  ": the UNet has SDXL's addition_embed_type \"text_time\" but the folder has "
+                  "no text_encoder_2");
+    }
+  }
+
+  /// What the dataset adds for a caption that is not cached: "input_ids" [L].
+  virtual CaptionIds caption_ids() const {
+    auto tokenizer = tokenizer_;
+    return [tokenizer](data::Example& ex, const std::string& prefix, const std::string& caption) {
+      ex[prefix + "input_ids"] = torch::tensor(tokenizer.encode(caption).input_ids, torch::kInt64);
+    };
+  }
+
+  /// Embeddings of a batch half's ids on the text encoder's device, with grad when the text
+  /// encoders train.
+  virtual TextEmbeddings encode_ids(const data::Batch& batch, const std::string& prefix) {
+    const auto ids = batch.at(prefix + "input_ids").to(module_device(*text_encoder_));
+    std::optional<torch::NoGradGuard> no_grad;
+    if (!o_.lora.train_text_encoder) no_grad.emplace();
+    return {text_encoder_->forward(ids, skip_).last_hidden_state, {}};
+  }
+
+  /// The cached entries of each caption (no grad): "prompt_embeds" [N, L, D], and SDXL's
+  /// "pooled_prompt_embeds" [N, P]; float32 on the CPU.
+  virtual std::map<std::string, torch::Tensor> encode_captions(
+      const std::vector<std::string>& captions) {
+    return {{"prompt_embeds", diffusion::encode_prompts(tokenizer_, *text_encoder_, captions, skip_)
+                                  .to(torch::kCPU, torch::kFloat32)}};
+  }
+
+  /// What the text cache's name depends on besides the captions: the encoders' and tokenizers'
+  /// files and clip_skip.
+  virtual std::string text_cache_key() const {
+    return io::read_file(folder_.text_encoder_dir + "/config.json") +
+           folder_stamp(folder_.text_encoder_dir) + folder_stamp(folder_.tokenizer_dir) +
+           std::to_string(skip_);
+  }
+
+  /// The UNet's added conditioning of a batch half whose latents are `latents` (SDXL's time
+  /// ids [B, 6]); undefined for SD-1.x/2.x.
+  virtual torch::Tensor time_ids(const data::Batch& /*batch*/, const std::string& /*prefix*/,
+                                 const torch::Tensor& /*latents*/) const {
+    return {};
+  }
+
+  /// The text parts of the pipeline validation and class images render with.
+  virtual void add_text_models(diffusion::StableDiffusion& sd) const {
+    sd.tokenizer = tokenizer_;
+    sd.text_encoder = text_encoder_;
+  }
+
+  /// The source folder's parts a full fine-tune's export copies unchanged.
+  virtual std::vector<std::string> copied_parts() const {
+    return {"vae", "text_encoder", "tokenizer", "scheduler"};
+  }
+
+  /// The pipeline's own guidance scale (StableDiffusionPipeline's 7.5).
+  virtual double default_guidance() const { return 7.5; }
+
+  /// SDXL's second text encoder (LoRA with train_text_encoder), else null.
+  virtual torch::nn::Module* second_text_encoder() const { return nullptr; }
+
+  /// Frozen (no grad), in eval mode, on acc.device().
+  static void freeze(torch::nn::Module& m, accel::Accelerator& acc) {
+    for (auto& p : m.parameters()) p.set_requires_grad(false);
+    m.to(acc.device());
+    m.eval();
+  }
+
+  diffusion::StableDiffusionFolder folder_;
+  models::ClipTokenizer tokenizer_;
+  models::ClipTextModel text_encoder_{nullptr};
+  models::AutoencoderKL vae_{nullptr};
+  int64_t skip_ = 0;  // Diffusers' clip_skip (kohya's --clip_skip minus 1)
+
+ private:
+  diffusion::StableDiffusion as_pipeline(const diffusion::SchedulerConfig& scheduler,
+                                         const std::string& sampler) {
+    diffusion::StableDiffusion sd;
+    sd.folder = folder_;
+    add_text_models(sd);
+    sd.vae = vae_;
+    sd.unet = unet_;
+    sd.scheduler = diffusion::make_sampler(scheduler.to_json(), sampler, "the training scheduler");
+    return sd;
+  }
+
+  // A text-to-image request for `prompt` at the run's resolution, with the validation steps and
+  // guidance (1 means the pipeline's: 7.5, SDXL 5), image i of it from seed + i.
+  diffusion::GenerateRequest render_request(const std::string& prompt) const {
+    const auto& v = o_.validation;
+    diffusion::GenerateRequest r;
+    r.prompts = {prompt};
+    r.num_inference_steps = v.inference_steps;
+    r.guidance_scale = v.guidance_scale > 1 ? v.guidance_scale : default_guidance();
+    r.height = r.width = o_.data.resolution;
+    r.clip_skip = skip_;
+    r.seeding = diffusion::Seeding::kPerImage;
+    return r;
+  }
+
+  void build_dataset(accel::Accelerator& acc, const std::string& output_dir) {
+    const auto& d = o_.data;
+    const auto& t = o_.text;
+    TextImageDataset::Half inst;
+    inst.images =
+        std::make_shared<data::ImageFolderDataset>(image_folder_options(d, d.train_data_dir, 3));
+    if (inst.images->skipped() > 0) {
+      acc.print("warning: skipped {} unreadable image(s) in {} (--skip_bad_images)",
+                inst.images->skipped(), d.train_data_dir);
+    }
+    for (int64_t i = 0; i < inst.images->size(); ++i) {
+      if (!t.instance_prompt.empty()) {
+        inst.captions.push_back(t.instance_prompt);
+        continue;
+      }
+      auto caption = inst.images->caption(i);
+      if (!caption) {
+        throw Error(inst.images->file(i) + " has no caption: add a \"" + d.caption_column +
+                    "\" field to its line of " + d.train_data_dir +
+                    "/metadata.jsonl (--caption_column), or give every image one "
+                    "--instance_prompt");
+      }
+      inst.captions.push_back(*caption);
+    }
+    if (d.max_train_samples > 0 && d.max_train_samples < inst.images->size()) {
+      acc.print("warning: --max_train_samples is not applied to text-to-image data");
+    }
+
+    std::optional<TextImageDataset::Half> cls;
+    if (t.with_prior_preservation) {
+      prior_ = true;
+      generate_class_images(acc);
+      TextImageDataset::Half h;
+      h.images =
+          std::make_shared<data::ImageFolderDataset>(image_folder_options(d, t.class_data_dir, 3));
+      h.captions.assign(static_cast<size_t>(h.images->size()), t.class_prompt);
+      cls = std::move(h);
+    }
+
+    std::shared_ptr<data::ImageFolderDataset> instance_images = inst.images;
+    auto ds = std::make_shared<TextImageDataset>(std::move(inst), std::move(cls), caption_ids());
+    if (d.resolution_buckets) assign_buckets(acc, *instance_images, *ds);
+    if (t.cache_latents) fill_cache(acc, *ds, output_dir);
+    set_epoch_ = [ds](int64_t e) { ds->set_epoch(e); };
+    dataset_ = ds;
+  }
+
+  // Aspect-ratio buckets: each image to the bucket nearest its shape (sizes from the file
+  // headers), the dataset laid out in slots so every global batch comes from one bucket.
+  void assign_buckets(accel::Accelerator& acc, data::ImageFolderDataset& images,
+                      TextImageDataset& ds) {
+    const auto& d = o_.data;
+    if (o_.text.with_prior_preservation) {
+      throw Error(
+          "--resolution_buckets with --with_prior_preservation is not supported: a batch holds "
+          "instance and class images together, so they would need one size; train DreamBooth "
+          "with square crops");
+    }
+    const int64_t factor = vae_->config().downsample_factor();
+    if (d.bucket_step % factor != 0) {
+      throw Error("--bucket_step " + std::to_string(d.bucket_step) + " is not a multiple of " +
+                  std::to_string(factor) + " (the VAE's downsampling factor)");
+    }
+    data::BucketOptions bo;
+    bo.resolution = d.resolution;
+    bo.step = d.bucket_step;
+    bo.min_side = d.bucket_min_side;
+    bo.max_side = d.bucket_max_side;
+    std::vector<std::array<int64_t, 2>> sizes;
+    for (int64_t i = 0; i < images.size(); ++i) sizes.push_back(io::image_size(images.file(i)));
+    const int64_t group =
+        acc.options().split_batches
+            ? d.train_batch_size
+            : d.train_batch_size * static_cast<int64_t>(acc.num_processes());
+    buckets_ = std::make_shared<data::BucketLayout>(data::make_buckets(bo), sizes, group);
+    images.set_target_sizes(buckets_->image_targets());
+    std::vector<int64_t> slots;
+    for (int64_t k = 0; k < buckets_->num_slots(); ++k) slots.push_back(buckets_->image_of_slot(k));
+    ds.set_slots(std::move(slots));
+    std::string lines;
+    for (const auto& line : buckets_->summary()) lines += (lines.empty() ? "" : ", ") + line;
+    acc.print("aspect-ratio buckets: {} image(s) in {} slot(s) ({}), batches of one bucket", images.size(),
+              buckets_->num_slots(), lines);
+  }
+
+  // DreamBooth: the class folder needs num_class_images images; the missing ones are drawn from
+  // the pretrained pipeline with the class prompt (image i from seed + i), split across ranks.
+  void generate_class_images(accel::Accelerator& acc) {
+    const auto& t = o_.text;
+    const fs::path dir(t.class_data_dir);
+    const int64_t have = count_images(dir);
+    if (have >= t.num_class_images) return;
+    if (fs::exists(dir / "metadata.jsonl")) {
+      throw Error(t.class_data_dir + " has " + std::to_string(have) + " of --num_class_images " +
+                  std::to_string(t.num_class_images) +
+                  " images and a metadata.jsonl; add the images, lower --num_class_images, or "
+                  "remove metadata.jsonl so difftrain can generate the rest");
+    }
+    const int64_t missing = t.num_class_images - have;
+    acc.print("prior preservation: generating {} class image(s) of \"{}\" into {}", missing,
+              t.class_prompt, t.class_data_dir);
+    if (acc.is_main_process()) fs::create_directories(dir);
+    acc.wait_for_everyone();
+    const auto [begin, end] = acc.split_range(missing);
+    if (begin < end) {
+      diffusion::Pipeline pipe =
+          as_pipeline(diffusion::SchedulerConfig::load(folder_.scheduler_config), "ddim");
+      diffusion::GenerateRequest r = render_request(t.class_prompt);
+      r.num_images = end - begin;
+      r.seed = o_.data.seed + static_cast<uint64_t>(have + begin);
+      torch::Tensor images;  // [end - begin, H, W, 3]
+      {
+        auto autocast = acc.autocast();
+        images = diffusion::generate(pipe, r).images;
+      }
+      const auto u8 = io::to_uint8_images(images.permute({0, 3, 1, 2}));
+      for (int64_t j = 0; j < end - begin; ++j) {
+        char name[64];
+        std::snprintf(name, sizeof name, "class_%06lld.png",
+                      static_cast<long long>(have + begin + j));
+        io::save_png((dir / name).string(), u8[j]);
+      }
+    }
+    acc.wait_for_everyone();
+  }
+
+  // The latent cache (and, without train_text_encoder, the text-embedding cache).
+  void fill_cache(accel::Accelerator& acc, TextImageDataset& ds, const std::string& output_dir) {
+    const auto& d = o_.data;
+    const auto& t = o_.text;
+    const fs::path dir =
+        t.cache_dir.empty() ? fs::path(output_dir) / "cache" : fs::path(t.cache_dir);
+    if (acc.is_main_process()) {
+      std::error_code ec;
+      fs::create_directories(dir, ec);
+      if (ec) throw Error("cannot create cache_dir " + dir.string() + ": " + ec.message());
+    }
+    acc.wait_for_everyone();
+    // The key changes when the VAE, the images or their preprocessing change.
+    const std::string vae_key =
+        "latents-v2;" + io::read_file(vae_dir_ + "/config.json") +
+        file_stamp(models::weights_path(vae_dir_, vae_variant_)) + std::to_string(d.resolution) +
+        ";" + std::to_string(d.center_crop) + ";" +
+        (d.resolution_buckets ? fmt::format("buckets {} {} {};", d.bucket_step, d.bucket_min_side,
+                                            d.bucket_max_side)
+                              : std::string());
+    auto cache_half = [&](TextImageDataset::Half& half, const std::string& name,
+                          const std::string& data_dir) {
+      const std::string key = vae_key + folder_stamp(data_dir);
+      const fs::path file = dir / (name + "-" + hex(fnv1a(key)) + ".safetensors");
+      std::tie(half.mean, half.logvar) = cached_latents(acc, *half.images, file);
+      // The cache needs centre crops without flips: each image's geometry is fixed.
+      std::vector<int64_t> geometry;
+      for (int64_t i = 0; i < half.images->size(); ++i) {
+        const auto size = io::image_size(half.images->file(i));
+        const auto [th, tw] = half.images->target_size(i);
+        const bool width_exact = size[0] * tw >= size[1] * th;
+        const int64_t new_h = width_exact ? tw * size[0] / size[1] : th;
+        const int64_t new_w = width_exact ? tw : th * size[1] / size[0];
+        geometry.insert(geometry.end(),
+                        {size[0], size[1], static_cast<int64_t>(std::nearbyint((new_h - th) / 2.0)),
+                         static_cast<int64_t>(std::nearbyint((new_w - tw) / 2.0))});
+      }
+      half.geometry = torch::tensor(geometry, torch::kInt64).view({-1, 4});
+    };
+    cache_half(ds.instance(), "latents", d.train_data_dir);
+    if (ds.class_half()) cache_half(*ds.class_half(), "class-latents", t.class_data_dir);
+
+    if (o_.lora.train_text_encoder) return;
+    std::set<std::string> unique(ds.instance().captions.begin(), ds.instance().captions.end());
+    if (ds.class_half()) unique.insert(t.class_prompt);
+    std::string key = "embeds-v2;" + text_cache_key();
+    for (const auto& s : unique) key += "\n" + s;
+    const fs::path file = dir / ("text-embeddings-" + hex(fnv1a(key)) + ".safetensors");
+    const std::vector<std::string> captions(unique.begin(), unique.end());
+    if (!fs::exists(file) && acc.is_main_process()) {
+      torch::NoGradGuard no_grad;
+      auto autocast = acc.autocast();
+      std::map<std::string, std::vector<torch::Tensor>> rows;
+      for (size_t s = 0; s < captions.size(); s += 64) {
+        std::vector<std::string> chunk(captions.begin() + s,
+                                       captions.begin() + std::min(captions.size(), s + 64));
+        for (auto& [name, t] : encode_captions(chunk)) rows[name].push_back(t);
+      }
+      io::TensorMap tensors;
+      for (auto& [name, list] : rows) tensors[name] = torch::cat(list);
+      io::save_safetensors(file.string(), tensors, {{"captions", nlohmann::json(captions).dump()}});
+      log::info("cache_latents: encoded {} caption(s) into {}", captions.size(), file.string());
+    }
+    acc.wait_for_everyone();
+    auto st = io::load_safetensors(file.string());
+    const auto stored = nlohmann::json::parse(st.metadata.at("captions"));
+    for (const auto& [name, t] : st.tensors) {
+      const auto all = t.clone();
+      for (size_t i = 0; i < stored.size(); ++i) {
+        ds.cached_text[stored[i].get<std::string>()][name] = all[static_cast<int64_t>(i)];
+      }
+    }
+  }
+
+  // Every rank encodes its share of the images (batched among images of one size), the main
+  // rank assembles one file ("mean.<i>", "logvar.<i>" per image, so bucketed images of several
+  // sizes fit), every rank loads it. Returns per image {mean, logvar} [C, h, w] float32 on the
+  // CPU.
+  std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> cached_latents(
+      accel::Accelerator& acc, const data::ImageFolderDataset& images, const fs::path& file) {
+    const int64_t n = images.size();
+    const auto load = [&] {
+      auto st = io::load_safetensors(file.string());
+      std::vector<torch::Tensor> mean, logvar;
+      for (int64_t i = 0; i < n; ++i) {
+        const auto m = st.tensors.find("mean." + std::to_string(i));
+        const auto l = st.tensors.find("logvar." + std::to_string(i));
+        if (m == st.tensors.end() || l == st.tensors.end() ||
+            st.tensors.size() != static_cast<size_t>(2 * n)) {
+          throw Error(file.string() + ": not a latent cache of " + std::to_string(n) +
+                      " images; delete it (it is rebuilt)");
+        }
+        mean.push_back(m->second.clone());
+        logvar.push_back(l->second.clone());
+      }
+      return std::make_pair(mean, logvar);
+    };
+    if (fs::exists(file)) {
+      acc.print("cache_latents: reusing {}", file.string());
+      return load();
+    }
+    const int rank = acc.process_index(), world = acc.num_processes();
+    const fs::path part = file.string() + ".part" + std::to_string(rank);
+    const auto batch = static_cast<size_t>(o_.encode_batch_size);
+    {
+      // This rank's images, grouped by output size so each VAE call stacks one shape.
+      std::map<std::array<int64_t, 2>, std::vector<int64_t>> by_size;
+      for (int64_t i = rank; i < n; i += world) by_size[images.target_size(i)].push_back(i);
+      io::TensorMap tensors;
+      torch::NoGradGuard no_grad;
+      auto autocast = acc.autocast();
+      const auto device = module_device(*vae_);
+      const auto dtype = module_dtype(*vae_);
+      for (const auto& [size, mine] : by_size) {
+        for (size_t s = 0; s < mine.size(); s += batch) {
+          std::vector<torch::Tensor> px;
+          const size_t end = std::min(mine.size(), s + batch);
+          for (size_t k = s; k < end; ++k) px.push_back(images.get(mine[k]).at("pixel_values"));
+          auto post = vae_->encode(torch::stack(px).to(device, dtype));
+          const auto mean = post.mean.to(torch::kCPU, torch::kFloat32);
+          const auto logvar = post.logvar.to(torch::kCPU, torch::kFloat32);
+          for (size_t k = s; k < end; ++k) {
+            const auto j = static_cast<int64_t>(k - s);
+            tensors["mean." + std::to_string(mine[k])] = mean[j].clone();
+            tensors["logvar." + std::to_string(mine[k])] = logvar[j].clone();
+          }
+        }
+      }
+      io::save_safetensors(part.string(), tensors);
+    }
+    acc.wait_for_everyone();
+    if (acc.is_main_process()) {
+      io::TensorMap all;
+      for (int r = 0; r < world; ++r) {
+        auto st = io::load_safetensors(file.string() + ".part" + std::to_string(r));
+        for (auto& [name, t] : st.tensors) all[name] = t;
+      }
+      io::save_safetensors(file.string(), all, {{"images", std::to_string(n)}});
+      for (int r = 0; r < world; ++r) fs::remove(file.string() + ".part" + std::to_string(r));
+      log::info("cache_latents: encoded {} image(s) into {}", n, file.string());
+    }
+    acc.wait_for_everyone();
+    return load();
+  }
+
+  // Latents and text embeddings of one half of a batch (`prefix` "" or "class_"): cached or
+  // encoded now (the VAE and frozen text encoder under no-grad), with each sample's posterior
+  // draw from sample_generator(seed, epoch, key, kLatent).
+  EncodedBatch encode_batch(const data::Batch& batch, const std::string& prefix,
+                            const std::vector<int64_t>& keys, int64_t epoch, torch::Device device) {
+    EncodedBatch out;
+    torch::Tensor mean, logvar;
+    if (batch.count(prefix + "latent_mean")) {
+      mean = batch.at(prefix + "latent_mean").to(torch::kCPU, torch::kFloat32);
+      logvar = batch.at(prefix + "latent_logvar").to(torch::kCPU, torch::kFloat32);
+    } else {
+      torch::NoGradGuard no_grad;
+      const auto& px = batch.at(prefix + "pixel_values");
+      auto post = vae_->encode(px.to(module_device(*vae_), module_dtype(*vae_)));
+      mean = post.mean.to(torch::kCPU, torch::kFloat32);
+      logvar = post.logvar.to(torch::kCPU, torch::kFloat32);
+    }
+    // Each sample's posterior draw comes from its own stream (cached or not, the same numbers).
+    std::vector<torch::Tensor> z;
+    const auto shape = mean.sizes().slice(1).vec();
+    for (size_t i = 0; i < keys.size(); ++i) {
+      auto g = data::sample_generator(o_.noise.seed, epoch, keys[i], data::SampleStream::kLatent);
+      const auto k = static_cast<int64_t>(i);
+      z.push_back(mean[k] + (0.5 * logvar[k]).exp() * torch::randn(shape, g, torch::kFloat32));
+    }
+    out.latents = vae_->scale_latents(torch::stack(z)).to(device);
+    out.time_ids = time_ids(batch, prefix, out.latents);
+    if (out.time_ids.defined()) out.time_ids = out.time_ids.to(device);
+    if (batch.count(prefix + "prompt_embeds")) {
+      out.embeds = batch.at(prefix + "prompt_embeds").to(device, torch::kFloat32);
+      if (batch.count(prefix + "pooled_prompt_embeds")) {
+        out.pooled = batch.at(prefix + "pooled_prompt_embeds").to(device, torch::kFloat32);
+      }
+    } else {
+      auto text = encode_ids(batch, prefix);
+      out.embeds = text.embeds.to(device);
+      if (text.pooled.defined()) out.pooled = text.pooled.to(device);
+    }
+    return out;
+  }
+
+  std::shared_ptr<data::BucketLayout> buckets_;  // --resolution_buckets
+  std::string vae_dir_, vae_variant_;  // the VAE read (the pipeline's, or --pretrained_vae_...)
+  bool prior_ = false;  // DreamBooth prior preservation: batches carry class_* entries too
+};
+
+}  // namespace t2i
+
+}  // namespace difftrain::train
