@@ -214,6 +214,12 @@ class TextToImageTask : public DiffusionTask {
           "--cache_latents encodes each image once, so it needs the same pixels every epoch: add "
           "--center_crop and drop --random_flip (or train without --cache_latents)");
     }
+    if (d.resolution_buckets && t.with_prior_preservation) {
+      throw Error(
+          "--resolution_buckets with --with_prior_preservation is not supported: a batch holds "
+          "instance and class images together, so they would need one size; train DreamBooth "
+          "with square crops");
+    }
     folder_ = diffusion::resolve_stable_diffusion_folder(o_.model.pretrained_model_name_or_path);
     for (const auto& note : folder_.notes) acc.print("{}", note);
     load_text_models(acc);
@@ -512,12 +518,6 @@ class TextToImageTask : public DiffusionTask {
   void assign_buckets(accel::Accelerator& acc, data::ImageFolderDataset& images,
                       TextImageDataset& ds) {
     const auto& d = o_.data;
-    if (o_.text.with_prior_preservation) {
-      throw Error(
-          "--resolution_buckets with --with_prior_preservation is not supported: a batch holds "
-          "instance and class images together, so they would need one size; train DreamBooth "
-          "with square crops");
-    }
     const int64_t factor = vae_->config().downsample_factor();
     if (d.bucket_step % factor != 0) {
       throw Error("--bucket_step " + std::to_string(d.bucket_step) + " is not a multiple of " +
