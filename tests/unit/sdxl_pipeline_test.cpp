@@ -211,5 +211,30 @@ TEST(SdxlPipeline, AFloat16VaeDecodesInFloat32WhenForceUpcast) {
   EXPECT_EQ(sd.vae->parameters()[0].scalar_type(), torch::kFloat16);
 }
 
+TEST(SdxlPipeline, ClipSkipTakesAnEarlierLayerOfBothEncoders) {
+  auto sd = diffusion::load_stable_diffusion(kXl);
+  torch::NoGradGuard no_grad;
+  const auto ids = sd.tokenizer.encode_batch(kPrompts);
+  const auto ids_2 = sd.tokenizer_2.encode_batch(kPrompts);
+  auto a = sd.text_encoder->forward(ids, 0, true);
+  auto b = sd.text_encoder_2->forward(ids_2, 0, true);
+  for (int64_t skip : {0, 1}) {
+    auto e = diffusion::encode_prompts_xl(sd.tokenizer, *sd.text_encoder, sd.tokenizer_2,
+                                          *sd.text_encoder_2, kPrompts, skip);
+    // hidden_states[-(skip + 2)] of each, concatenated; the pooled embedding never moves.
+    const auto want = torch::cat({a.hidden_states[a.hidden_states.size() - 2 - skip],
+                                  b.hidden_states[b.hidden_states.size() - 2 - skip]},
+                                 -1);
+    EXPECT_EQ(max_abs(e.embeds, want), 0.0) << skip;
+    EXPECT_EQ(max_abs(e.pooled, b.text_embeds), 0.0) << skip;
+  }
+  // text_encoder has 2 layers (3 hidden states): clip_skip 1 reaches its embeddings, 2 is too far.
+  EXPECT_NE(error_of([&] {
+              diffusion::encode_prompts_xl(sd.tokenizer, *sd.text_encoder, sd.tokenizer_2,
+                                           *sd.text_encoder_2, kPrompts, 2);
+            }).find("clip_skip 2"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace difftrain

@@ -4,11 +4,12 @@
 // the export. The Trainer (trainer.h) owns the loop, the optimizer, the schedules, EMA,
 // checkpoints and logs, and talks to the model family only through a TrainingTask.
 //
-// Two tasks exist today, chosen once from the options (make_training_task):
-//   - unconditional / class-conditional UNet (Diffusers' train_unconditional.py), and
+// Three tasks exist today, chosen once from the options (make_training_task):
+//   - unconditional / class-conditional UNet (Diffusers' train_unconditional.py),
 //   - Stable-Diffusion text-to-image, LoRA and DreamBooth (train_text_to_image(_lora).py,
-//     train_dreambooth_lora.py).
-// A new family (SDXL, a flow-matching transformer) is one more TrainingTask. See
+//     train_dreambooth_lora.py), and
+//   - SDXL, the same with SDXL's text side (the _sdxl versions of those scripts).
+// A new family (a flow-matching transformer) is one more TrainingTask. See
 // docs/ARCHITECTURE.md.
 
 #include "difftrain/accel/accelerator.h"
