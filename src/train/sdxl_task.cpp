@@ -34,11 +34,12 @@ class SdxlTask final : public t2i::TextToImageTask {
     tokenizer_2_ = models::ClipTokenizer::from_folder(folder_.tokenizer_2_dir);
     text_encoder_2_ = models::load_clip_text_model(folder_.text_encoder_2_dir, o_.model.variant,
                                                    /*with_projection=*/true);
-    for (auto [tok, te] : {std::make_pair(&tokenizer_, &text_encoder_),
-                           std::make_pair(&tokenizer_2_, &text_encoder_2_)}) {
-      const int64_t positions = (*te)->config().max_position_embeddings;
-      if (tok->model_max_length() > positions) tok->set_model_max_length(positions);
-    }
+    auto cap = [](models::ClipTokenizer& tok, const models::ClipTextModel& te) {
+      const int64_t positions = te->config().max_position_embeddings;
+      if (tok.model_max_length() > positions) tok.set_model_max_length(positions);
+    };
+    cap(tokenizer_, text_encoder_);
+    cap(tokenizer_2_, text_encoder_2_);
     // The prompt embedding is already the penultimate layer's output: one layer fewer can be
     // skipped than for SD-1.x.
     const int64_t layers = std::min(text_encoder_->config().num_hidden_layers,
