@@ -4,9 +4,9 @@
 // SGM names), kohya names resolved against a model folder's weight names.
 
 #include "commands.h"
+#include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/distributed/process_group.h"
-#include "difftrain/core/error.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/models/lora_folder.h"
 #include "difftrain/models/pretrained.h"
@@ -82,7 +82,8 @@ int run_lora_convert() {
     for (const char* te : {"text_encoder", "text_encoder_2"}) {
       const fs::path dir = fs::path(a.model) / te;
       if (pipeline && lora.count(te) > 0 && fs::is_directory(dir)) {
-        io::resolve_kohya_names(lora, te, weight_module_names((dir / "model.safetensors").string()));
+        io::resolve_kohya_names(lora, te,
+                                weight_module_names((dir / "model.safetensors").string()));
       }
     }
     if (format == io::LoraFormat::kKohya && config.addition_embed_type) {

@@ -55,8 +55,7 @@ struct SampleArgs {
   double guidance_rescale = 0.0;
   std::string vae;
   std::vector<int64_t> original_size, crops_coords_top_left, target_size;
-  std::vector<int64_t> negative_original_size, negative_crops_coords_top_left,
-      negative_target_size;
+  std::vector<int64_t> negative_original_size, negative_crops_coords_top_left, negative_target_size;
   bool guidance_given = false;
 } g_args;
 
@@ -166,9 +165,10 @@ int run_text_to_image(const SampleArgs& a) {
                      !a.target_size.empty() || !a.negative_original_size.empty() ||
                      !a.negative_crops_coords_top_left.empty() || !a.negative_target_size.empty();
   if (micro && !sd.is_xl()) {
-    throw Error("--original_size, --crops_coords_top_left and --target_size are SDXL's "
-                "micro-conditioning; " +
-                a.model + " is a Stable Diffusion 1.x/2.x folder");
+    throw Error(
+        "--original_size, --crops_coords_top_left and --target_size are SDXL's "
+        "micro-conditioning; " +
+        a.model + " is a Stable Diffusion 1.x/2.x folder");
   }
   if (request.clip_skip >= sd.text_encoder->config().num_hidden_layers) {
     throw Error("--clip_skip " + std::to_string(a.clip_skip) + " is more than the text encoder's " +

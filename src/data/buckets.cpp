@@ -23,8 +23,8 @@ std::vector<std::array<int64_t, 2>> make_buckets(const BucketOptions& o) {
   const int64_t lo = o.min_side > 0 ? round_to_step(o.min_side) : round_to_step(r / 2);
   const int64_t hi = o.max_side > 0 ? round_to_step(o.max_side) : round_to_step(2 * r);
   if (lo > hi) {
-    throw Error(fmt::format("bucket sides: the smallest ({}) is larger than the largest ({})", lo,
-                            hi));
+    throw Error(
+        fmt::format("bucket sides: the smallest ({}) is larger than the largest ({})", lo, hi));
   }
   const int64_t area = r * r;
   std::set<std::array<int64_t, 2>> found;
@@ -49,11 +49,10 @@ int64_t nearest_bucket(const std::vector<std::array<int64_t, 2>>& buckets, int64
   for (size_t i = 0; i < buckets.size(); ++i) {
     const double err = std::abs(
         ratio - std::log(static_cast<double>(buckets[i][0]) / static_cast<double>(buckets[i][1])));
-    const bool better =
-        best < 0 || err < best_err - 1e-12 ||
-        (std::abs(err - best_err) <= 1e-12 &&
-         buckets[i][0] * buckets[i][1] >
-             buckets[static_cast<size_t>(best)][0] * buckets[static_cast<size_t>(best)][1]);
+    const bool better = best < 0 || err < best_err - 1e-12 ||
+                        (std::abs(err - best_err) <= 1e-12 &&
+                         buckets[i][0] * buckets[i][1] > buckets[static_cast<size_t>(best)][0] *
+                                                             buckets[static_cast<size_t>(best)][1]);
     if (better) {
       best = static_cast<int64_t>(i);
       best_err = err;

@@ -89,8 +89,8 @@ torch::Tensor forward_from_tensors(models::UNetImpl& unet,
                                    const std::string& source) {
   for (const auto& [name, t] : inputs) {
     if (name != "sample" && name != "timestep" && name != "class_labels" &&
-        name != "encoder_hidden_states" && name != "timestep_cond" && name != "text_embeds" && name != "time_ids" &&
-        name != "out") {
+        name != "encoder_hidden_states" && name != "timestep_cond" && name != "text_embeds" &&
+        name != "time_ids" && name != "out") {
       log::warn("{}: tensor \"{}\" is not an input of the UNet; ignored", source, name);
     }
   }

@@ -76,8 +76,7 @@ StableDiffusionFolder resolve_stable_diffusion_folder(const std::string& dir) {
   out.text_encoder_dir = require_dir(root, "text_encoder", "CLIPTextModel");
   out.tokenizer_dir = require_dir(root, "tokenizer", "CLIPTokenizer");
   if (out.xl) {
-    out.text_encoder_2_dir =
-        require_dir(root, "text_encoder_2", "CLIPTextModelWithProjection");
+    out.text_encoder_2_dir = require_dir(root, "text_encoder_2", "CLIPTextModelWithProjection");
     out.tokenizer_2_dir = require_dir(root, "tokenizer_2", "CLIPTokenizer");
   }
   out.scheduler_config = (root / "scheduler" / "scheduler_config.json").string();
@@ -148,11 +147,10 @@ StableDiffusionFolder parse_model_index(const std::string& json_text,
     }
     auto it = supported.find(name);
     if (it == supported.end()) {
-      throw Error(
-          index_path + ": component \"" + name + "\" (" + cls +
-          ") is not supported; difftrain runs Stable Diffusion 1.x/2.x folders "
-          "(unet, vae, text_encoder, tokenizer, scheduler) and SDXL folders (the same plus "
-          "text_encoder_2, tokenizer_2)");
+      throw Error(index_path + ": component \"" + name + "\" (" + cls +
+                  ") is not supported; difftrain runs Stable Diffusion 1.x/2.x folders "
+                  "(unet, vae, text_encoder, tokenizer, scheduler) and SDXL folders (the same plus "
+                  "text_encoder_2, tokenizer_2)");
     }
     if (cls.empty()) {
       throw Error(index_path + ": component \"" + name +
@@ -218,14 +216,14 @@ StableDiffusion load_stable_diffusion(const std::string& dir,
                 "embeddings; expected a UNet2DConditionModel");
   }
   const auto& ucfg = sd.unet->config();
-  const int64_t text_width =
-      sd.text_encoder->config().hidden_size +
-      (sd.is_xl() ? sd.text_encoder_2->config().hidden_size : 0);
+  const int64_t text_width = sd.text_encoder->config().hidden_size +
+                             (sd.is_xl() ? sd.text_encoder_2->config().hidden_size : 0);
   if (ucfg.cross_attention_dim.empty() || ucfg.cross_attention_dim[0] != text_width) {
     throw Error(sd.folder.unet_dir + ": cross_attention_dim " +
                 (ucfg.cross_attention_dim.empty() ? std::string("null")
                                                   : std::to_string(ucfg.cross_attention_dim[0])) +
-                " differs from the text encoder" + (sd.is_xl() ? "s' hidden_size sum " : "'s hidden_size ") +
+                " differs from the text encoder" +
+                (sd.is_xl() ? "s' hidden_size sum " : "'s hidden_size ") +
                 std::to_string(text_width) + "; the folder mixes models");
   }
   if (sd.is_xl() != sd.unet->needs_added_conditioning()) {
@@ -236,8 +234,8 @@ StableDiffusion load_stable_diffusion(const std::string& dir,
                               "model_index.json lists no text_encoder_2"));
   }
   if (sd.is_xl()) {
-    const int64_t want = sd.text_encoder_2->config().projection_dim +
-                         6 * ucfg.addition_time_embed_dim.value_or(0);
+    const int64_t want =
+        sd.text_encoder_2->config().projection_dim + 6 * ucfg.addition_time_embed_dim.value_or(0);
     if (ucfg.projection_class_embeddings_input_dim.value_or(0) != want) {
       throw Error(sd.folder.unet_dir + ": projection_class_embeddings_input_dim " +
                   std::to_string(ucfg.projection_class_embeddings_input_dim.value_or(0)) +
@@ -294,8 +292,8 @@ XlPromptEmbeds encode_ids_xl(models::ClipTextModelImpl& text_encoder,
   auto pick = [clip_skip](models::ClipTextModelImpl& te, const torch::Tensor& input) {
     const int64_t layers = te.config().num_hidden_layers;
     if (clip_skip < 0 || clip_skip + 1 > layers) {
-      throw Error("clip_skip " + std::to_string(clip_skip) + " needs more than the text encoder's " +
-                  std::to_string(layers) + " layers");
+      throw Error("clip_skip " + std::to_string(clip_skip) +
+                  " needs more than the text encoder's " + std::to_string(layers) + " layers");
     }
     auto out = te.forward(input, 0, /*output_hidden_states=*/true);
     auto& states = out.hidden_states;
@@ -305,8 +303,9 @@ XlPromptEmbeds encode_ids_xl(models::ClipTextModelImpl& text_encoder,
   auto first = pick(text_encoder, ids);
   auto second = pick(text_encoder_2, ids_2.to(first.first.device()));
   if (!second.second.defined()) {
-    throw Error("text_encoder_2 has no text_projection; SDXL's second encoder is a "
-                "CLIPTextModelWithProjection");
+    throw Error(
+        "text_encoder_2 has no text_projection; SDXL's second encoder is a "
+        "CLIPTextModelWithProjection");
   }
   XlPromptEmbeds out;
   out.embeds = torch::cat({first.first, second.first.to(first.first.device())}, -1);
@@ -333,10 +332,10 @@ torch::Tensor xl_time_ids(const std::vector<int64_t>& original_size,
                           const std::vector<int64_t>& target_size) {
   auto check = [](const std::vector<int64_t>& v, const char* name) {
     if (v.size() != 2) {
-      throw Error(std::string("--") + name + " takes two integers (" +
-                  (std::string(name).find("crops") != std::string::npos ? "top left"
-                                                                         : "height width") +
-                  "), got " + std::to_string(v.size()));
+      throw Error(
+          std::string("--") + name + " takes two integers (" +
+          (std::string(name).find("crops") != std::string::npos ? "top left" : "height width") +
+          "), got " + std::to_string(v.size()));
     }
   };
   check(original_size, "original_size");
@@ -349,8 +348,8 @@ torch::Tensor xl_time_ids(const std::vector<int64_t>& original_size,
   return torch::tensor(row, torch::kFloat32).reshape({1, 6});
 }
 
-torch::Tensor rescale_noise_cfg(const torch::Tensor& noise_cfg, const torch::Tensor& noise_pred_text,
-                                double guidance_rescale) {
+torch::Tensor rescale_noise_cfg(const torch::Tensor& noise_cfg,
+                                const torch::Tensor& noise_pred_text, double guidance_rescale) {
   std::vector<int64_t> dims;
   for (int64_t d = 1; d < noise_pred_text.dim(); ++d) dims.push_back(d);
   const torch::Tensor std_text = noise_pred_text.std(dims, /*unbiased=*/true, /*keepdim=*/true);
@@ -407,9 +406,8 @@ TextToImageResult text_to_image(StableDiffusion& sd, const TextToImageOptions& o
   if (sd.is_xl()) {
     sd.text_encoder_2->eval();
     // StableDiffusionXLPipeline.encode_prompt, then _get_add_time_ids.
-    const XlPromptEmbeds positive =
-        encode_prompts_xl(sd.tokenizer, *sd.text_encoder, sd.tokenizer_2, *sd.text_encoder_2,
-                          o.prompts, o.clip_skip);
+    const XlPromptEmbeds positive = encode_prompts_xl(
+        sd.tokenizer, *sd.text_encoder, sd.tokenizer_2, *sd.text_encoder_2, o.prompts, o.clip_skip);
     embeds = positive.embeds.repeat_interleave(k, 0);
     pooled = positive.pooled.repeat_interleave(k, 0);
     auto or_default = [](const std::vector<int64_t>& v, std::vector<int64_t> fallback) {

@@ -7,10 +7,10 @@
 
 #include <algorithm>
 #include <cctype>
-#include <climits>
-#include <cstring>
 #include <cerrno>
+#include <climits>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>

@@ -77,8 +77,8 @@ ClipTextConfig parse_clip_text_config(const std::string& json_text, const std::s
   bool with_projection = false;
   if (root.contains("architectures") && root["architectures"].is_array()) {
     for (const auto& a : root["architectures"]) {
-      with_projection = with_projection || (a.is_string() && a.get<std::string>() ==
-                                                                 "CLIPTextModelWithProjection");
+      with_projection = with_projection ||
+                        (a.is_string() && a.get<std::string>() == "CLIPTextModelWithProjection");
     }
   }
   c.with_projection = with_projection;

@@ -143,8 +143,9 @@ LoraFolderMergeSummary merge_lora_into_folder(const std::string& model_dir,
     if (component == "unet" || targets.empty()) continue;
     const fs::path dir = fs::path(model_dir) / component;
     const bool encoder = component == "text_encoder" || component == "text_encoder_2";
-    const fs::path file = dir / (options.variant.empty() ? "model.safetensors"
-                                                         : "model." + options.variant + ".safetensors");
+    const fs::path file =
+        dir / (options.variant.empty() ? "model.safetensors"
+                                       : "model." + options.variant + ".safetensors");
     if (!pipeline || !encoder || !fs::is_regular_file(file)) {
       summary.skipped_components[component] = static_cast<int64_t>(targets.size());
       continue;
@@ -157,7 +158,8 @@ LoraFolderMergeSummary merge_lora_into_folder(const std::string& model_dir,
     io::TensorMap tensors = io::load_safetensors(file.string()).tensors;
     const auto params = te->named_parameters(/*recurse=*/true);
     for (auto& [name, t] : tensors) {
-      if (const torch::Tensor* p = params.find(name)) t = p->detach().to(t.scalar_type()).contiguous();
+      if (const torch::Tensor* p = params.find(name))
+        t = p->detach().to(t.scalar_type()).contiguous();
     }
     merged_encoders[component] = std::move(tensors);
   }
@@ -187,8 +189,9 @@ LoraFolderMergeSummary merge_lora_into_folder(const std::string& model_dir,
                                             summary.skipped_files);
     save_unet(*unet, (staging / unet_rel).string(), options.variant);
     for (const auto& [component, tensors] : merged_encoders) {
-      const std::string name = options.variant.empty() ? "model.safetensors"
-                                                       : "model." + options.variant + ".safetensors";
+      const std::string name = options.variant.empty()
+                                   ? "model.safetensors"
+                                   : "model." + options.variant + ".safetensors";
       io::save_safetensors((staging / component / name).string(), tensors, {{"format", "pt"}});
       // Other weight files of the encoder hold it without the LoRA.
       for (const auto& e : fs::directory_iterator(staging / component)) {

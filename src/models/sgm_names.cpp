@@ -27,8 +27,8 @@ std::string join_from(const std::vector<std::string>& parts, size_t from) {
 std::string sgm_resnet_inner(const std::vector<std::string>& parts, size_t from) {
   if (from >= parts.size()) return "";
   static const std::map<std::string, std::string> kInner = {
-      {"norm1", "in_layers.0"},   {"conv1", "in_layers.2"},  {"time_emb_proj", "emb_layers.1"},
-      {"norm2", "out_layers.0"},  {"conv2", "out_layers.3"}, {"conv_shortcut", "skip_connection"}};
+      {"norm1", "in_layers.0"},  {"conv1", "in_layers.2"},  {"time_emb_proj", "emb_layers.1"},
+      {"norm2", "out_layers.0"}, {"conv2", "out_layers.3"}, {"conv_shortcut", "skip_connection"}};
   auto it = kInner.find(parts[from]);
   if (it == kInner.end()) return "";
   const std::string rest = join_from(parts, from + 1);
@@ -52,9 +52,12 @@ bool has_attention(const std::string& block_type) {
 
 std::string sgm_module_name(const UNetConfig& c, const std::string& module) {
   static const std::map<std::string, std::string> kFixed = {
-      {"conv_in", "input_blocks.0.0"},          {"time_embedding.linear_1", "time_embed.0"},
-      {"time_embedding.linear_2", "time_embed.2"}, {"add_embedding.linear_1", "label_emb.0.0"},
-      {"add_embedding.linear_2", "label_emb.0.2"}, {"conv_norm_out", "out.0"},
+      {"conv_in", "input_blocks.0.0"},
+      {"time_embedding.linear_1", "time_embed.0"},
+      {"time_embedding.linear_2", "time_embed.2"},
+      {"add_embedding.linear_1", "label_emb.0.0"},
+      {"add_embedding.linear_2", "label_emb.0.2"},
+      {"conv_norm_out", "out.0"},
       {"conv_out", "out.2"}};
   if (auto it = kFixed.find(module); it != kFixed.end()) return it->second;
   const auto parts = split_dots(module);

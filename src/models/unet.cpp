@@ -291,14 +291,13 @@ torch::Tensor UNetImpl::forward_impl(const torch::Tensor& sample_in, const torch
                 cond.text_embeds.size(1) + cond.time_ids.size(1) * width,
                 " features, but projection_class_embeddings_input_dim is ",
                 *c.projection_class_embeddings_input_dim);
-    torch::Tensor time_embeds =
-        timestep_embedding(cond.time_ids.to(sample.device()).reshape({-1}), width,
-                           c.flip_sin_to_cos, c.freq_shift)
-            .reshape({B, -1});
-    torch::Tensor add = torch::cat({cond.text_embeds.to(sample.device(), time_embeds.scalar_type()),
-                                    time_embeds},
-                                   -1)
-                            .to(emb.scalar_type());
+    torch::Tensor time_embeds = timestep_embedding(cond.time_ids.to(sample.device()).reshape({-1}),
+                                                   width, c.flip_sin_to_cos, c.freq_shift)
+                                    .reshape({B, -1});
+    torch::Tensor add =
+        torch::cat({cond.text_embeds.to(sample.device(), time_embeds.scalar_type()), time_embeds},
+                   -1)
+            .to(emb.scalar_type());
     emb = emb + add_embedding_(add);
   } else if (cond.text_embeds.defined() || cond.time_ids.defined()) {
     throw Error(c.class_name() +

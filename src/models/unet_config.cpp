@@ -253,8 +253,9 @@ UNetConfig UNetConfig::from_json(const nlohmann::json& j, const std::string& sou
       r.choice("addition_embed_type", "", {"text_time"});
       c.addition_time_embed_dim = r.opt_integer("addition_time_embed_dim", std::nullopt);
       if (!c.addition_time_embed_dim || *c.addition_time_embed_dim <= 0) {
-        r.fail("addition_time_embed_dim", "must be a positive integer for addition_embed_type "
-                                          "\"text_time\"");
+        r.fail("addition_time_embed_dim",
+               "must be a positive integer for addition_embed_type "
+               "\"text_time\"");
       }
       if (*c.addition_time_embed_dim % 2 != 0) {
         r.fail("addition_time_embed_dim", "must be even (sinusoidal embedding)");

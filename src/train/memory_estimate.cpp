@@ -265,8 +265,8 @@ std::vector<std::pair<std::string, int64_t>> pipeline_frozen_params(const std::s
   }
   const fs::path vae = root / "vae" / "config.json";
   if (fs::is_regular_file(vae)) {
-    out.emplace_back("vae",
-                     count(*models::AutoencoderKL(models::read_autoencoder_kl_config(vae.string()))));
+    out.emplace_back(
+        "vae", count(*models::AutoencoderKL(models::read_autoencoder_kl_config(vae.string()))));
   }
   return out;
 }

@@ -6,7 +6,12 @@
 // text-embedding cache, validation renders from a prompt, and the final pipeline folder or LoRA.
 // The text side (tokenizers, encoders, added conditioning) sits behind protected virtual hooks,
 // which SdxlTask (sdxl_task.cpp) overrides for SDXL.
-#include "diffusion_task.h"
+#include <torch/torch.h>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <optional>
+#include <set>
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/data/buckets.h"
@@ -19,12 +24,7 @@
 #include "difftrain/io/image.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/pretrained.h"
-#include <torch/torch.h>
-#include <filesystem>
-#include <map>
-#include <optional>
-#include <functional>
-#include <set>
+#include "diffusion_task.h"
 
 namespace difftrain::train {
 
@@ -34,7 +34,6 @@ namespace fs = std::filesystem;
 /// Adds the token ids of `caption` to an example under `prefix` ("" or "class_").
 using CaptionIds =
     std::function<void(data::Example&, const std::string& prefix, const std::string& caption)>;
-
 
 // The class half of a DreamBooth batch draws its randomness under keys far from the instance
 // indices, so the two halves never share a stream.
@@ -88,9 +87,9 @@ class TextImageDataset : public data::Dataset {
  public:
   struct Half {
     std::shared_ptr<data::ImageFolderDataset> images;
-    std::vector<std::string> captions;  // one per image
+    std::vector<std::string> captions;        // one per image
     std::vector<torch::Tensor> mean, logvar;  // cached posteriors [C, h, w] per image, or empty
-    torch::Tensor geometry;             // with the cache: [N, 4] original h, w, crop top, left
+    torch::Tensor geometry;  // with the cache: [N, 4] original h, w, crop top, left
   };
 
   /// `caption_ids` adds a caption's token ids to an example (TextToImageTask::caption_ids()).
@@ -530,10 +529,9 @@ class TextToImageTask : public DiffusionTask {
     bo.max_side = d.bucket_max_side;
     std::vector<std::array<int64_t, 2>> sizes;
     for (int64_t i = 0; i < images.size(); ++i) sizes.push_back(io::image_size(images.file(i)));
-    const int64_t group =
-        acc.options().split_batches
-            ? d.train_batch_size
-            : d.train_batch_size * static_cast<int64_t>(acc.num_processes());
+    const int64_t group = acc.options().split_batches
+                              ? d.train_batch_size
+                              : d.train_batch_size * static_cast<int64_t>(acc.num_processes());
     buckets_ = std::make_shared<data::BucketLayout>(data::make_buckets(bo), sizes, group);
     images.set_target_sizes(buckets_->image_targets());
     std::vector<int64_t> slots;
@@ -541,8 +539,8 @@ class TextToImageTask : public DiffusionTask {
     ds.set_slots(std::move(slots));
     std::string lines;
     for (const auto& line : buckets_->summary()) lines += (lines.empty() ? "" : ", ") + line;
-    acc.print("aspect-ratio buckets: {} image(s) in {} slot(s) ({}), batches of one bucket", images.size(),
-              buckets_->num_slots(), lines);
+    acc.print("aspect-ratio buckets: {} image(s) in {} slot(s) ({}), batches of one bucket",
+              images.size(), buckets_->num_slots(), lines);
   }
 
   // DreamBooth: the class folder needs num_class_images images; the missing ones are drawn from
@@ -603,9 +601,9 @@ class TextToImageTask : public DiffusionTask {
         "latents-v2;" + io::read_file(vae_dir_ + "/config.json") +
         file_stamp(models::weights_path(vae_dir_, vae_variant_)) + std::to_string(d.resolution) +
         ";" + std::to_string(d.center_crop) + ";" +
-        (d.resolution_buckets ? fmt::format("buckets {} {} {};", d.bucket_step, d.bucket_min_side,
-                                            d.bucket_max_side)
-                              : std::string());
+        (d.resolution_buckets
+             ? fmt::format("buckets {} {} {};", d.bucket_step, d.bucket_min_side, d.bucket_max_side)
+             : std::string());
     auto cache_half = [&](TextImageDataset::Half& half, const std::string& name,
                           const std::string& data_dir) {
       const std::string key = vae_key + folder_stamp(data_dir);

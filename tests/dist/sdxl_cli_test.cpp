@@ -29,9 +29,10 @@ double tensor_diff(const torch::Tensor& a, const torch::Tensor& b) {
 
 ProcessResult sample_xl(const std::string& dir, const std::string& name,
                         std::vector<std::string> extra) {
-  std::vector<std::string> argv = {kDifftrain, "sample",   "--model", kXl, "--output",
-                                   dir + "/" + name + ".png", "--save_tensors",
-                                   dir + "/" + name + ".safetensors"};
+  std::vector<std::string> argv = {kDifftrain,       "sample",
+                                   "--model",        kXl,
+                                   "--output",       dir + "/" + name + ".png",
+                                   "--save_tensors", dir + "/" + name + ".safetensors"};
   argv.insert(argv.end(), extra.begin(), extra.end());
   return run(argv, {}, 120);
 }
@@ -74,8 +75,8 @@ TEST(SdxlCli, SampleMatchesDiffusersReference) {
   ASSERT_EQ(sample_xl(dir, "same", same).exit_code, 0);
   EXPECT_EQ(tensor_diff(images_of(dir, "same"), images_of(dir, "base")), 0.0);
   auto other = kCall;
-  other.insert(other.end(), {"--original_size", "1024", "512", "--crops_coords_top_left", "64",
-                             "0", "--guidance_rescale", "0.5"});
+  other.insert(other.end(), {"--original_size", "1024", "512", "--crops_coords_top_left", "64", "0",
+                             "--guidance_rescale", "0.5"});
   ASSERT_EQ(sample_xl(dir, "other", other).exit_code, 0);
   EXPECT_GT(tensor_diff(images_of(dir, "other"), images_of(dir, "base")), 1e-4);
 
@@ -126,13 +127,38 @@ std::string make_mixed_aspect_folder(const std::string& dir) {
 
 std::vector<std::string> xl_train_cmd(const std::string& data, const std::string& out,
                                       std::vector<std::string> extra) {
-  std::vector<std::string> cmd = {
-      "train",           "--pretrained_model_name_or_path", kXl, "--dataset", "imagefolder",
-      "--train_data_dir", data, "--resolution", "32", "--resolution_buckets", "--bucket_step",
-      "16", "--center_crop", "--lora", "--rank", "4", "--learning_rate", "1e-2",
-      "--lr_scheduler", "constant", "--lr_warmup_steps", "0", "--train_batch_size", "1",
-      "--use_ema", "false", "--num_validation_images", "0", "--logging_steps", "1",
-      "--output_dir", out};
+  std::vector<std::string> cmd = {"train",
+                                  "--pretrained_model_name_or_path",
+                                  kXl,
+                                  "--dataset",
+                                  "imagefolder",
+                                  "--train_data_dir",
+                                  data,
+                                  "--resolution",
+                                  "32",
+                                  "--resolution_buckets",
+                                  "--bucket_step",
+                                  "16",
+                                  "--center_crop",
+                                  "--lora",
+                                  "--rank",
+                                  "4",
+                                  "--learning_rate",
+                                  "1e-2",
+                                  "--lr_scheduler",
+                                  "constant",
+                                  "--lr_warmup_steps",
+                                  "0",
+                                  "--train_batch_size",
+                                  "1",
+                                  "--use_ema",
+                                  "false",
+                                  "--num_validation_images",
+                                  "0",
+                                  "--logging_steps",
+                                  "1",
+                                  "--output_dir",
+                                  out};
   cmd.insert(cmd.end(), extra.begin(), extra.end());
   return cmd;
 }
@@ -141,11 +167,11 @@ TEST(SdxlCli, LoraWithTextEncodersOnTwoRanksInBucketsLowersLossAndExports) {
   const std::string dir = make_temp_dir("sdxl_lora");
   const std::string data = make_mixed_aspect_folder(dir + "/data");
   const std::string out = dir + "/run";
-  auto r = train(xl_train_cmd(data, out,
-                              {"--max_train_steps", "40", "--train_text_encoder",
-                               "--gradient_checkpointing", "--snr_gamma", "5",
-                               "--noise_offset", "0.05"}),
-                 2, 600);
+  auto r = train(
+      xl_train_cmd(data, out,
+                   {"--max_train_steps", "40", "--train_text_encoder", "--gradient_checkpointing",
+                    "--snr_gamma", "5", "--noise_offset", "0.05"}),
+      2, 600);
   ASSERT_EQ(r.exit_code, 0) << r.log();
   // Three buckets for the three shapes, each holding its four images.
   EXPECT_NE(r.err.find("aspect-ratio buckets: 12 image(s)"), std::string::npos) << r.log();
@@ -154,18 +180,21 @@ TEST(SdxlCli, LoraWithTextEncodersOnTwoRanksInBucketsLowersLossAndExports) {
   auto l = losses(out);
   ASSERT_EQ(l.size(), 40u);
   double first = 0, last = 0;
-  for (int i = 0; i < 10; ++i) first += l[static_cast<size_t>(i)] / 10, last += l[l.size() - 1 - i] / 10;
+  for (int i = 0; i < 10; ++i)
+    first += l[static_cast<size_t>(i)] / 10, last += l[l.size() - 1 - i] / 10;
   std::cout << "SDXL loss: first 10 " << first << ", last 10 " << last << "\n";
   EXPECT_LT(last, 0.9 * first);
 
   // The export holds all three components in Diffusers' layout.
   auto weights = io::read_lora(out + "/pytorch_lora_weights.safetensors");
-  EXPECT_EQ(weights.count("unet"), 4u * 2u * 12u);  // q,k,v,out of attn1+attn2 in 12 transformer blocks
-  EXPECT_EQ(weights.count("text_encoder"), 4u * 1u);  // layer 0 only: hidden_states[-2] is its output
+  EXPECT_EQ(weights.count("unet"),
+            4u * 2u * 12u);  // q,k,v,out of attn1+attn2 in 12 transformer blocks
+  EXPECT_EQ(weights.count("text_encoder"),
+            4u * 1u);  // layer 0 only: hidden_states[-2] is its output
   EXPECT_EQ(weights.count("text_encoder_2"), 4u * 3u);  // of 3 layers
-  const std::vector<std::string> prompt = {"--prompt", "a red wide picture", "--height", "16",
-                                           "--width", "48", "--num_inference_steps", "4", "--seed",
-                                           "0"};
+  const std::vector<std::string> prompt = {
+      "--prompt", "a red wide picture",    "--height", "16",     "--width",
+      "48",       "--num_inference_steps", "4",        "--seed", "0"};
   auto base = sample_xl(dir, "base", prompt);
   ASSERT_EQ(base.exit_code, 0) << base.log();
   auto with_lora = prompt;
@@ -184,13 +213,14 @@ TEST(SdxlCli, LoraWithTextEncodersOnTwoRanksInBucketsLowersLossAndExports) {
     io::LoraWeights w = weights;
     if (format == io::LoraFormat::kKohya) {
       // Through `difftrain lora convert`, as a user would.
-      auto conv = run({kDifftrain, "lora", "convert", "--input",
-                       out + "/pytorch_lora_weights.safetensors", "--output",
-                       dir + "/" + tag + ".safetensors", "--to", tag, "--model", kXl},
-                      {}, 60);
+      auto conv =
+          run({kDifftrain, "lora", "convert", "--input", out + "/pytorch_lora_weights.safetensors",
+               "--output", dir + "/" + tag + ".safetensors", "--to", tag, "--model", kXl},
+              {}, 60);
       ASSERT_EQ(conv.exit_code, 0) << conv.log();
       auto t = io::load_safetensors(dir + "/" + tag + ".safetensors").tensors;
-      EXPECT_TRUE(t.count("lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q.lora_down.weight"))
+      EXPECT_TRUE(
+          t.count("lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q.lora_down.weight"))
           << conv.log();
       EXPECT_TRUE(t.count("lora_te2_text_model_encoder_layers_0_self_attn_q_proj.alpha"));
     } else {
@@ -220,18 +250,18 @@ TEST(SdxlCli, ResumeWithBucketsIsExact) {
   auto second = train(c, 2, 600);
   ASSERT_EQ(second.exit_code, 0) << second.log();
   EXPECT_NE(second.err.find("resumed from"), std::string::npos) << second.log();
-  const double d = max_abs_diff(
-      io::load_safetensors(dir + "/straight/pytorch_lora_weights.safetensors").tensors,
-      io::load_safetensors(dir + "/resumed/pytorch_lora_weights.safetensors").tensors);
+  const double d =
+      max_abs_diff(io::load_safetensors(dir + "/straight/pytorch_lora_weights.safetensors").tensors,
+                   io::load_safetensors(dir + "/resumed/pytorch_lora_weights.safetensors").tensors);
   std::cout << "SDXL resumed vs straight (buckets): " << d << "\n";
   EXPECT_EQ(d, 0.0);
   EXPECT_EQ(losses(dir + "/straight").back(), losses(dir + "/resumed").back());
 
   // Buckets with prior preservation are refused with the reason.
-  auto bad = train(xl_train_cmd(data, dir + "/bad",
-                                {"--max_train_steps", "1", "--with_prior_preservation",
-                                 "--class_data_dir", dir + "/class", "--class_prompt", "x",
-                                 "--instance_prompt", "y"}));
+  auto bad =
+      train(xl_train_cmd(data, dir + "/bad",
+                         {"--max_train_steps", "1", "--with_prior_preservation", "--class_data_dir",
+                          dir + "/class", "--class_prompt", "x", "--instance_prompt", "y"}));
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.err.find("--resolution_buckets with --with_prior_preservation"), std::string::npos)
       << bad.log();
@@ -251,14 +281,14 @@ TEST(SdxlCli, DreamBoothBf16AndCachedEmbeddings) {
             std::find(c.begin(), c.end(), "--bucket_step") + 2);
     return c;
   };
-  auto db = train(square(dir + "/db", {"--max_train_steps", "3", "--instance_prompt",
-                                       "a photo of sks picture", "--with_prior_preservation",
-                                       "--class_data_dir", dir + "/class", "--class_prompt",
-                                       "a photo of a picture", "--num_class_images", "2",
-                                       "--validation_inference_steps", "2", "--mixed_precision",
-                                       "bf16", "--validation_prompt", "a photo of sks picture",
-                                       "--num_validation_images", "1"}),
-                  2, 600);
+  auto db = train(
+      square(dir + "/db",
+             {"--max_train_steps", "3", "--instance_prompt", "a photo of sks picture",
+              "--with_prior_preservation", "--class_data_dir", dir + "/class", "--class_prompt",
+              "a photo of a picture", "--num_class_images", "2", "--validation_inference_steps",
+              "2", "--mixed_precision", "bf16", "--validation_prompt", "a photo of sks picture",
+              "--num_validation_images", "1"}),
+      2, 600);
   ASSERT_EQ(db.exit_code, 0) << db.log();
   EXPECT_NE(db.err.find("generating 2 class image(s)"), std::string::npos) << db.log();
   EXPECT_EQ(std::distance(fs::directory_iterator(dir + "/class"), fs::directory_iterator()), 2);
@@ -268,8 +298,8 @@ TEST(SdxlCli, DreamBoothBf16AndCachedEmbeddings) {
   // A small learning rate keeps Adam from amplifying rounding on near-zero gradients.
   auto plain = train(square(dir + "/plain", {"--max_train_steps", "3", "--learning_rate", "1e-4"}));
   ASSERT_EQ(plain.exit_code, 0) << plain.log();
-  auto cached = train(square(dir + "/cached", {"--max_train_steps", "3", "--cache_latents",
-                                               "--learning_rate", "1e-4"}));
+  auto cached = train(square(
+      dir + "/cached", {"--max_train_steps", "3", "--cache_latents", "--learning_rate", "1e-4"}));
   ASSERT_EQ(cached.exit_code, 0) << cached.log();
   EXPECT_NE(cached.err.find("cache_latents: encoded 12 image(s)"), std::string::npos)
       << cached.log();
@@ -293,8 +323,8 @@ TEST(SdxlCli, FullFineTuningExportsAnSdxlPipeline) {
   *(std::find(c.begin(), c.end(), "--use_ema") + 1) = "true";
   auto r = train(c, 2, 600);
   ASSERT_EQ(r.exit_code, 0) << r.log();
-  for (const char* part : {"unet", "vae", "text_encoder", "text_encoder_2", "tokenizer",
-                           "tokenizer_2", "scheduler"}) {
+  for (const char* part :
+       {"unet", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"}) {
     EXPECT_TRUE(fs::is_directory(dir + "/full/" + part)) << part;
   }
   auto s = run({kDifftrain, "sample", "--model", dir + "/full", "--prompt", "a red wide picture",
@@ -314,10 +344,12 @@ TEST(SdxlCli, FullFineTuningExportsAnSdxlPipeline) {
 TEST(SdxlCli, BucketsWithCachedLatentsAndOnSd1) {
   const std::string dir = make_temp_dir("sdxl_bucket_cache");
   const std::string data = make_mixed_aspect_folder(dir + "/data");
-  auto plain = train(xl_train_cmd(data, dir + "/plain", {"--max_train_steps", "3", "--learning_rate", "1e-4"}));
+  auto plain = train(
+      xl_train_cmd(data, dir + "/plain", {"--max_train_steps", "3", "--learning_rate", "1e-4"}));
   ASSERT_EQ(plain.exit_code, 0) << plain.log();
-  auto cached = train(xl_train_cmd(
-      data, dir + "/cached", {"--max_train_steps", "3", "--learning_rate", "1e-4", "--cache_latents"}));
+  auto cached =
+      train(xl_train_cmd(data, dir + "/cached",
+                         {"--max_train_steps", "3", "--learning_rate", "1e-4", "--cache_latents"}));
   ASSERT_EQ(cached.exit_code, 0) << cached.log();
   EXPECT_NE(cached.err.find("cache_latents: encoded 12 image(s)"), std::string::npos)
       << cached.log();

@@ -28,9 +28,9 @@ TEST(Buckets, SdxlSizesAtTenTwentyFour) {
   EXPECT_EQ(b.front(), (Size{512, 2048}));
   EXPECT_EQ(b.back(), (Size{2048, 512}));
   const std::set<Size> all(b.begin(), b.end());
-  for (const Size s : {Size{1024, 1024}, Size{960, 1088}, Size{896, 1152}, Size{832, 1216},
-                       Size{768, 1344}, Size{704, 1472}, Size{640, 1600}, Size{576, 1792},
-                       Size{512, 1984}, Size{1216, 832}}) {
+  for (const Size s :
+       {Size{1024, 1024}, Size{960, 1088}, Size{896, 1152}, Size{832, 1216}, Size{768, 1344},
+        Size{704, 1472}, Size{640, 1600}, Size{576, 1792}, Size{512, 1984}, Size{1216, 832}}) {
     EXPECT_TRUE(all.count(s)) << s[0] << "x" << s[1];
   }
   for (const auto& s : b) {
@@ -45,7 +45,7 @@ TEST(Buckets, SdxlSizesAtTenTwentyFour) {
 
 TEST(Buckets, NearestAspectRatioWins) {
   const std::vector<Size> b = {{16, 48}, {32, 32}, {48, 16}};
-  EXPECT_EQ(data::nearest_bucket(b, 24, 48), 0);    // 1:2 is nearer 1:3 than 1:1 in log
+  EXPECT_EQ(data::nearest_bucket(b, 24, 48), 0);  // 1:2 is nearer 1:3 than 1:1 in log
   EXPECT_EQ(data::nearest_bucket(b, 480, 500), 1);
   EXPECT_EQ(data::nearest_bucket(b, 48, 24), 2);
   EXPECT_EQ(data::nearest_bucket(b, 1, 100), 0);
@@ -83,8 +83,10 @@ TEST(Buckets, EveryGlobalBatchComesFromOneBucketOnEveryRank) {
       ASSERT_EQ(batches.size(), other.size());
       for (size_t k = 0; k < batches.size(); ++k) {
         const Size bucket = layout.image_bucket(layout.image_of_slot(batches[k][0]));
-        for (int64_t slot : batches[k]) EXPECT_EQ(layout.image_bucket(layout.image_of_slot(slot)), bucket);
-        for (int64_t slot : other[k]) EXPECT_EQ(layout.image_bucket(layout.image_of_slot(slot)), bucket);
+        for (int64_t slot : batches[k])
+          EXPECT_EQ(layout.image_bucket(layout.image_of_slot(slot)), bucket);
+        for (int64_t slot : other[k])
+          EXPECT_EQ(layout.image_bucket(layout.image_of_slot(slot)), bucket);
       }
     }
   }
@@ -159,14 +161,20 @@ TEST(Buckets, ImageFolderCropsToTheBucketAndReportsTheGeometry) {
     const bool flipped = row[0].item<float>() > row[31].item<float>();
     // In the image as seen (flipped or not), the crop starts at `left`: its first pixel is the
     // ramp's value there.
-    const auto seen = flipped ? torch::arange(60, torch::kFloat).flip(0) : torch::arange(60, torch::kFloat);
+    const auto seen =
+        flipped ? torch::arange(60, torch::kFloat).flip(0) : torch::arange(60, torch::kFloat);
     // Resize 30x60 -> 32x64: pixel x of the output samples near input x * 60 / 64.
-    const double expect = seen[static_cast<int64_t>(std::lround((left + 0.5) * 60.0 / 64.0 - 0.5))].item<double>() / 59 * 2 - 1;
+    const double expect =
+        seen[static_cast<int64_t>(std::lround((left + 0.5) * 60.0 / 64.0 - 0.5))].item<double>() /
+            59 * 2 -
+        1;
     EXPECT_NEAR(row[0].item<double>(), expect, 0.08) << "epoch " << epoch << " left " << left;
     (flipped ? saw_flip : saw_plain) = true;
   }
   EXPECT_TRUE(saw_flip && saw_plain);
-  EXPECT_NE(test::error_of([&] { ds.set_target_sizes({{16, 48}, {16, 48}}); }).find("one per image"),
+  EXPECT_NE(test::error_of([&] {
+              ds.set_target_sizes({{16, 48}, {16, 48}});
+            }).find("one per image"),
             std::string::npos);
 }
 

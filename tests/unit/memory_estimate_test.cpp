@@ -4,12 +4,12 @@
 // activations growing linearly with the batch and with the resolution.
 
 #include "difftrain/train/memory_estimate.h"
-#include "difftrain/models/pretrained.h"
-#include "difftrain/models/clip_text_model.h"
-#include "difftrain/models/autoencoder_kl.h"
 #include "difftrain/accel/sharding.h"
 #include "difftrain/core/error.h"
+#include "difftrain/models/autoencoder_kl.h"
+#include "difftrain/models/clip_text_model.h"
 #include "difftrain/models/lora_training.h"
+#include "difftrain/models/pretrained.h"
 #include "difftrain/models/unet.h"
 #include "difftrain/models/unet_config.h"
 #include "difftrain/optim/adamw.h"

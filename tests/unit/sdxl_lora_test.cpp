@@ -56,7 +56,8 @@ void merge_all(XlModels& m, const io::LoraWeights& lora,
   EXPECT_GT(models::merge_lora(*m.te1, lora, scale("text_encoder"), "text_encoder").modules_merged,
             0);
   EXPECT_GT(
-      models::merge_lora(*m.te2, lora, scale("text_encoder_2"), "text_encoder_2").modules_merged, 0);
+      models::merge_lora(*m.te2, lora, scale("text_encoder_2"), "text_encoder_2").modules_merged,
+      0);
 }
 
 struct Outputs {
@@ -65,8 +66,7 @@ struct Outputs {
 };
 
 Outputs run_models(XlModels& m, const torch::Tensor& ids1, const torch::Tensor& ids2,
-                   const std::map<std::string, torch::Tensor>& unet_in,
-                   const std::string& prefix) {
+                   const std::map<std::string, torch::Tensor>& unet_in, const std::string& prefix) {
   torch::NoGradGuard no_grad;
   Outputs o;
   auto a = m.te1->forward(ids1, 0, true);
@@ -82,7 +82,8 @@ Outputs run_models(XlModels& m, const torch::Tensor& ids1, const torch::Tensor& 
   cond.encoder_hidden_states = unet_in.at(prefix + "encoder_hidden_states");
   cond.text_embeds = unet_in.at(prefix + "text_embeds");
   cond.time_ids = unet_in.at(prefix + "time_ids");
-  o.unet_out = m.unet->forward(unet_in.at(prefix + "sample"), unet_in.at(prefix + "timestep"), cond);
+  o.unet_out =
+      m.unet->forward(unet_in.at(prefix + "sample"), unet_in.at(prefix + "timestep"), cond);
   return o;
 }
 
@@ -132,14 +133,16 @@ TEST(SdxlLora, SgmNamesFollowTheReferenceTable) {
   // known corners.
   const auto& c = unet->config();
   EXPECT_EQ(models::sgm_module_name(c, "conv_in"), "input_blocks.0.0");
-  EXPECT_EQ(models::sgm_module_name(c, "down_blocks.0.resnets.1.conv1"), "input_blocks.2.0.in_layers.2");
+  EXPECT_EQ(models::sgm_module_name(c, "down_blocks.0.resnets.1.conv1"),
+            "input_blocks.2.0.in_layers.2");
   EXPECT_EQ(models::sgm_module_name(c, "down_blocks.0.downsamplers.0.conv"), "input_blocks.3.0.op");
   EXPECT_EQ(models::sgm_module_name(c, "down_blocks.1.resnets.0.conv_shortcut"),
             "input_blocks.4.0.skip_connection");
   EXPECT_EQ(models::sgm_module_name(c, "mid_block.resnets.1.time_emb_proj"),
             "middle_block.2.emb_layers.1");
   EXPECT_EQ(models::sgm_module_name(c, "up_blocks.0.upsamplers.0.conv"), "output_blocks.2.2.conv");
-  EXPECT_EQ(models::sgm_module_name(c, "up_blocks.1.resnets.2.conv2"), "output_blocks.5.0.out_layers.3");
+  EXPECT_EQ(models::sgm_module_name(c, "up_blocks.1.resnets.2.conv2"),
+            "output_blocks.5.0.out_layers.3");
   EXPECT_EQ(models::sgm_module_name(c, "add_embedding.linear_2"), "label_emb.0.2");
   EXPECT_EQ(models::sgm_module_name(c, "conv_out"), "out.2");
   EXPECT_EQ(models::sgm_module_name(c, "down_blocks.7.resnets.0.conv1"), "");
@@ -197,10 +200,9 @@ TEST(SdxlLora, EveryWrittenFormatReloadsToTheSameModels) {
   for (auto format : {io::LoraFormat::kDiffusers, io::LoraFormat::kPeft, io::LoraFormat::kKohya}) {
     const std::string path = dir + "/" + io::to_string(format) + ".safetensors";
     // kohya's SDXL layout names the UNet's modules in SGM form, text encoders lora_te1_/lora_te2_.
-    io::write_lora(path,
-                   format == io::LoraFormat::kKohya ? models::with_sgm_unet_names(lora, unet_cfg)
-                                                    : lora,
-                   format);
+    io::write_lora(
+        path, format == io::LoraFormat::kKohya ? models::with_sgm_unet_names(lora, unet_cfg) : lora,
+        format);
     auto tensors = io::load_safetensors(path).tensors;
     if (format == io::LoraFormat::kKohya) {
       EXPECT_TRUE(tensors.count(
@@ -208,10 +210,10 @@ TEST(SdxlLora, EveryWrittenFormatReloadsToTheSameModels) {
       EXPECT_TRUE(tensors.count("lora_te1_text_model_encoder_layers_0_self_attn_q_proj.alpha"));
       EXPECT_TRUE(tensors.count("lora_te2_text_model_encoder_layers_2_mlp_fc2.lora_up.weight"));
     } else {
-      EXPECT_TRUE(tensors.count(
-          "text_encoder_2.text_model.encoder.layers.2.mlp.fc2." +
-          std::string(format == io::LoraFormat::kPeft ? "lora_A.weight"
-                                                      : "lora_linear_layer.down.weight")));
+      EXPECT_TRUE(tensors.count("text_encoder_2.text_model.encoder.layers.2.mlp.fc2." +
+                                std::string(format == io::LoraFormat::kPeft
+                                                ? "lora_A.weight"
+                                                : "lora_linear_layer.down.weight")));
     }
     auto m = load_models();
     merge_all(m, io::read_lora(path));
@@ -229,8 +231,8 @@ TEST(SdxlLora, Txt2ImgWithEitherFileMatchesDiffusers) {
     const double scale = ref.at("latents_final").abs().max().item<double>();
     EXPECT_LE(max_abs(out.latents, ref.at("latents_final")), 1e-4 * scale) << file;
     EXPECT_LE(max_abs(out.images, ref.at("images")), 1e-4) << file;
-    EXPECT_LE(max_abs(out.prompt_embeds, torch::cat({ref.at("negative_prompt_embeds"),
-                                                     ref.at("prompt_embeds")})),
+    EXPECT_LE(max_abs(out.prompt_embeds,
+                      torch::cat({ref.at("negative_prompt_embeds"), ref.at("prompt_embeds")})),
               1e-4)
         << file;
   }

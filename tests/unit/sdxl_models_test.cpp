@@ -44,8 +44,7 @@ void expect_text_encoder_matches(const std::string& dir, bool with_projection) {
   te->eval();
   torch::NoGradGuard no_grad;
   auto out = te->forward(io.at("input_ids"), 0, /*output_hidden_states=*/true);
-  ASSERT_EQ(out.hidden_states.size(),
-            static_cast<size_t>(te->config().num_hidden_layers + 1));
+  ASSERT_EQ(out.hidden_states.size(), static_cast<size_t>(te->config().num_hidden_layers + 1));
   const auto& penultimate = out.hidden_states[out.hidden_states.size() - 2];
   EXPECT_LE(max_abs(penultimate, io.at("penultimate_hidden_state")), 1e-4) << dir;
   EXPECT_LE(max_abs(out.last_hidden_state, io.at("last_hidden_state")), 1e-4) << dir;
@@ -74,8 +73,8 @@ TEST(SdxlModels, ProjectionCanBeForcedByThePipelineClass) {
   // pipeline says so; a plain CLIPTextModel with projection asked for misses the weight.
   auto te = models::load_clip_text_model(kXl + "/text_encoder_2", "", true);
   EXPECT_TRUE(te->has_projection());
-  const std::string msg = test::error_of(
-      [&] { models::load_clip_text_model(kXl + "/text_encoder", "", true); });
+  const std::string msg =
+      test::error_of([&] { models::load_clip_text_model(kXl + "/text_encoder", "", true); });
   EXPECT_NE(msg.find("text_projection.weight"), std::string::npos) << msg;
 }
 

@@ -171,9 +171,8 @@ TEST(SdxlPipeline, BrokenFoldersAreNamed) {
     io::write_file_atomic(dir + "/model_index.json", idx.dump(2));
     return dir;
   };
-  const std::vector<std::string> all = {"unet",           "vae",         "text_encoder",
-                                        "text_encoder_2", "tokenizer",   "tokenizer_2",
-                                        "scheduler"};
+  const std::vector<std::string> all = {
+      "unet", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"};
   // No tokenizer_2 listed.
   auto bad = index;
   bad.erase("tokenizer_2");
@@ -181,9 +180,8 @@ TEST(SdxlPipeline, BrokenFoldersAreNamed) {
   EXPECT_NE(msg.find("no tokenizer_2"), std::string::npos) << msg;
   // text_encoder_2 listed but its folder is missing.
   msg = error_of([&] {
-    diffusion::resolve_stable_diffusion_folder(
-        make("xl_b", index, {"unet", "vae", "text_encoder", "tokenizer", "tokenizer_2",
-                             "scheduler"}));
+    diffusion::resolve_stable_diffusion_folder(make(
+        "xl_b", index, {"unet", "vae", "text_encoder", "tokenizer", "tokenizer_2", "scheduler"}));
   });
   EXPECT_NE(msg.find("text_encoder_2"), std::string::npos) << msg;
   // A text_encoder_2 of the wrong class.

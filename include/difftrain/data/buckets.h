@@ -62,8 +62,8 @@ class BucketLayout {
 
  private:
   std::vector<std::array<int64_t, 2>> buckets_;
-  std::vector<int64_t> image_bucket_;             // per image, index into buckets_
-  std::vector<int64_t> slot_image_;               // per slot
+  std::vector<int64_t> image_bucket_;              // per image, index into buckets_
+  std::vector<int64_t> slot_image_;                // per slot
   std::vector<std::pair<int64_t, int64_t>> runs_;  // per bucket used: first slot, slot count
   std::vector<int64_t> run_bucket_;
   int64_t group_;

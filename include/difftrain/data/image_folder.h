@@ -4,8 +4,8 @@
 
 #include "difftrain/data/dataset.h"
 
-#include <cstdint>
 #include <array>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
@@ -59,13 +59,13 @@ struct ImageFolderOptions {
 ///   "original_size"  int64 [2] (the file's height, width),
 ///   "crop_top_left"  int64 [2] (top, left of the crop in the resized image, as seen after the
 ///                    flip: SDXL's crops_coords_top_left).
-/// After set_target_sizes() the output of image i is H_i x W_i instead of R x R: the image is resized to
-/// cover it (the side that fits tighter becomes exact, the other floor(side * scale)), then
-/// cropped as below. Without, get(i) decodes the file, resizes its shorter side to R (bilinear with antialiasing, the longer
-/// side to floor(long * R / short) as torchvision's `Resize(R)`), crops R x R (centre: offsets
-/// round-half-to-even((size - R) / 2) as torchvision; random: top then left drawn with
-/// randint(0, size - R + 1)), flips when random_flip and rand() < 0.5, and maps p to
-/// p / 255 * 2 - 1. Unlike PIL it does not round to uint8 after resizing. All randomness comes
+/// After set_target_sizes() the output of image i is H_i x W_i instead of R x R: the image is
+/// resized to cover it (the side that fits tighter becomes exact, the other floor(side * scale)),
+/// then cropped as below. Without, get(i) decodes the file, resizes its shorter side to R (bilinear
+/// with antialiasing, the longer side to floor(long * R / short) as torchvision's `Resize(R)`),
+/// crops R x R (centre: offsets round-half-to-even((size - R) / 2) as torchvision; random: top then
+/// left drawn with randint(0, size - R + 1)), flips when random_flip and rand() < 0.5, and maps p
+/// to p / 255 * 2 - 1. Unlike PIL it does not round to uint8 after resizing. All randomness comes
 /// from sample_generator(seed, epoch, i, SampleStream::kAugmentation), so it does not depend on
 /// the rank or worker that loads i. get() is safe to call from several threads.
 class ImageFolderDataset : public Dataset {

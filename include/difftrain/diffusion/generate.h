@@ -90,8 +90,7 @@ struct GenerateRequest {
   double guidance_rescale = 0.0;
   /// SDXL only (see TextToImageOptions): micro-conditioning pairs, empty = the defaults.
   std::vector<int64_t> original_size, crops_coords_top_left, target_size;
-  std::vector<int64_t> negative_original_size, negative_crops_coords_top_left,
-      negative_target_size;
+  std::vector<int64_t> negative_original_size, negative_crops_coords_top_left, negative_target_size;
   uint64_t seed = 0;
   Seeding seeding = Seeding::kBatch;
   /// Called after each denoising step with (step from 1, number of steps); with kPerImage, once

@@ -41,9 +41,9 @@ std::string resolve_unet_dir(const std::string& dir);
 /// One UNet forward on named tensors, as `difftrain forward` runs it to compare a checkpoint
 /// with Diffusers: "sample" [B, C, H, W] (floating point, run in float32) and "timestep" ([] or
 /// [B]) are required; "class_labels" [B], "encoder_hidden_states" [B, S, D] and
-/// "timestep_cond", and SDXL's "text_embeds" [B, D] and "time_ids" [B, 6] are passed when present; "out" is ignored silently and any other name with a
-/// warning. `source` names the tensors' file in messages. Eval mode, no grad. Returns the
-/// UNet's output [B, C_out, H, W].
+/// "timestep_cond", and SDXL's "text_embeds" [B, D] and "time_ids" [B, 6] are passed when present;
+/// "out" is ignored silently and any other name with a warning. `source` names the tensors' file in
+/// messages. Eval mode, no grad. Returns the UNet's output [B, C_out, H, W].
 torch::Tensor forward_from_tensors(models::UNetImpl& unet,
                                    const std::map<std::string, torch::Tensor>& inputs,
                                    const std::string& source);

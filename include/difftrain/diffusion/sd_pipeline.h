@@ -139,8 +139,8 @@ torch::Tensor xl_time_ids(const std::vector<int64_t>& original_size,
 /// Diffusers' rescale_noise_cfg (Lin et al., "Common Diffusion Noise Schedules and Sample Steps
 /// are Flawed", 3.4): noise_cfg rescaled to the per-sample std of noise_pred_text, mixed with
 /// the unrescaled one by guidance_rescale in [0, 1].
-torch::Tensor rescale_noise_cfg(const torch::Tensor& noise_cfg, const torch::Tensor& noise_pred_text,
-                                double guidance_rescale);
+torch::Tensor rescale_noise_cfg(const torch::Tensor& noise_cfg,
+                                const torch::Tensor& noise_pred_text, double guidance_rescale);
 
 /// Settings of one text-to-image run (StableDiffusionPipeline.__call__ arguments).
 struct TextToImageOptions {
@@ -163,8 +163,7 @@ struct TextToImageOptions {
   /// ((height, width), (0, 0), (height, width)). The negative_* ones default to the positive
   /// ones.
   std::vector<int64_t> original_size, crops_coords_top_left, target_size;
-  std::vector<int64_t> negative_original_size, negative_crops_coords_top_left,
-      negative_target_size;
+  std::vector<int64_t> negative_original_size, negative_crops_coords_top_left, negative_target_size;
   /// Initial latents [N * num_images_per_prompt, C, h, w] instead of drawing them (tests).
   torch::Tensor latents;
   /// Called after each step with (step index from 1, number of steps).

@@ -6,8 +6,8 @@
 
 #include <torch/types.h>
 
-#include <cstdint>
 #include <array>
+#include <cstdint>
 #include <string>
 #include <vector>
 

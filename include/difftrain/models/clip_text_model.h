@@ -90,9 +90,10 @@ struct ClipTextOutput {
 };
 
 /// Transformers' `CLIPTextModel`, or `CLIPTextModelWithProjection` when config.with_projection
-/// (then a top-level `text_projection.weight` [projection_dim, hidden_size]). Children are registered under `text_model` so parameter names
-/// equal the Transformers keys; the unused `text_model.embeddings.position_ids` buffer of older
-/// checkpoints is not a parameter (load_clip_text_model ignores it).
+/// (then a top-level `text_projection.weight` [projection_dim, hidden_size]). Children are
+/// registered under `text_model` so parameter names equal the Transformers keys; the unused
+/// `text_model.embeddings.position_ids` buffer of older checkpoints is not a parameter
+/// (load_clip_text_model ignores it).
 class ClipTextModelImpl : public torch::nn::Module {
  public:
   explicit ClipTextModelImpl(const ClipTextConfig& config);

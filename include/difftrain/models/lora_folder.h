@@ -49,14 +49,15 @@ struct LoraFolderMergeSummary {
 /// UNet's weights (merge_lora, component
 /// "unet", `options.lora_scale`) and, in a pipeline folder, into text_encoder/ and SDXL's
 /// text_encoder_2/ (their model[.variant].safetensors rewritten with every tensor, merged ones in
-/// the file's dtype; their other weight files dropped, as the UNet's). `model_dir` is a pipeline folder (model_index.json + unet/ +
-/// other components) or a UNet folder (config.json + diffusion_pytorch_model.safetensors); no
-/// scheduler is needed. The output has the same layout: the merged UNet saved with save_unet
-/// (config.json + weights named as read, in the dtype the input file had when all its floating
-/// tensors share one, else float32; the merge itself is in float32), and every other file and
-/// folder copied unchanged (symlinks followed), except the UNet's other weight files (see
-/// LoraFolderMergeSummary::skipped_files). LoRA targets of other components (and text-encoder
-/// targets for a UNet folder) are not merged; they are counted and logged as a warning. The output is built in a sibling folder
+/// the file's dtype; their other weight files dropped, as the UNet's). `model_dir` is a pipeline
+/// folder (model_index.json + unet/ + other components) or a UNet folder (config.json +
+/// diffusion_pytorch_model.safetensors); no scheduler is needed. The output has the same layout:
+/// the merged UNet saved with save_unet (config.json + weights named as read, in the dtype the
+/// input file had when all its floating tensors share one, else float32; the merge itself is in
+/// float32), and every other file and folder copied unchanged (symlinks followed), except the
+/// UNet's other weight files (see LoraFolderMergeSummary::skipped_files). LoRA targets of other
+/// components (and text-encoder targets for a UNet folder) are not merged; they are counted and
+/// logged as a warning. The output is built in a sibling folder
 /// `<output_dir>.partial-<pid>` and renamed into place at the end, so a failed merge leaves no
 /// output. Throws difftrain::Error naming the path when: `model_dir` is not a model folder, the
 /// LoRA file is missing or invalid (read_lora's errors), `output_dir` is empty, exists and is not

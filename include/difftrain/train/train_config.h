@@ -23,7 +23,7 @@ struct TrainConfig {
   std::string variant;
   /// An AutoencoderKL folder used instead of the pipeline's vae/ (Diffusers'
   /// --pretrained_vae_model_name_or_path; SDXL's fp16-safe VAE).
-  std::string pretrained_vae_model_name_or_path;                        ///< weights variant, e.g. fp16
+  std::string pretrained_vae_model_name_or_path;  ///< weights variant, e.g. fp16
   // -- data
   std::string dataset = "fashion_mnist";  ///< fashion_mnist | mnist | imagefolder
   std::string train_data_dir;             ///< dataset folder ("" = the dataset's default)
@@ -32,9 +32,9 @@ struct TrainConfig {
   /// Aspect-ratio buckets (data/buckets.h) instead of square crops: each image is trained at
   /// the bucket of about resolution x resolution pixels nearest its shape.
   bool resolution_buckets = false;
-  int64_t bucket_step = 64;      ///< bucket sides are multiples of this
-  int64_t bucket_min_side = 0;   ///< 0 = resolution / 2
-  int64_t bucket_max_side = 0;   ///< 0 = 2 x resolution
+  int64_t bucket_step = 64;     ///< bucket sides are multiples of this
+  int64_t bucket_min_side = 0;  ///< 0 = resolution / 2
+  int64_t bucket_max_side = 0;  ///< 0 = 2 x resolution
   bool random_flip = false;
   /// Condition on class labels; unset: yes for a fresh UNet on a labelled dataset.
   std::optional<bool> class_conditional;

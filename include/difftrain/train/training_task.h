@@ -36,7 +36,7 @@ struct DataOptions {
   bool random_flip = false;
   bool resolution_buckets = false;  ///< aspect-ratio buckets (data/buckets.h)
   int64_t bucket_step = 64, bucket_min_side = 0, bucket_max_side = 0;
-  int64_t train_batch_size = 1;     ///< per rank; a bucket fills whole global batches
+  int64_t train_batch_size = 1;  ///< per rank; a bucket fills whole global batches
   bool skip_bad_images = false;
   std::string caption_column = "text";  ///< metadata.jsonl field holding a caption
   std::optional<int64_t> only_class;    ///< MNIST-like data: one class only
