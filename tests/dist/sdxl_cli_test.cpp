@@ -294,6 +294,15 @@ TEST(SdxlCli, DreamBoothBf16AndCachedEmbeddings) {
   EXPECT_EQ(std::distance(fs::directory_iterator(dir + "/class"), fs::directory_iterator()), 2);
   EXPECT_TRUE(fs::exists(dir + "/db/samples/step-000003.png")) << db.log();
   for (double l : losses(dir + "/db")) EXPECT_TRUE(std::isfinite(l));
+  // bf16 holds the frozen UNet base, both text encoders and the VAE at 2 bytes per parameter.
+  int64_t frozen = 0;
+  for (const char* f : {"/unet/diffusion_pytorch_model.safetensors",
+                        "/vae/diffusion_pytorch_model.safetensors", "/text_encoder/model.safetensors",
+                        "/text_encoder_2/model.safetensors"}) {
+    for (const auto& [key, t] : io::load_safetensors(kXl + f).tensors) frozen += t.numel();
+  }
+  const auto info = nlohmann::json::parse(std::ifstream(dir + "/db/logs/run_info.rank0.json"));
+  EXPECT_EQ(info["state_bytes"]["frozen_param_bytes"].get<int64_t>(), 2 * frozen);
 
   // A small learning rate keeps Adam from amplifying rounding on near-zero gradients.
   auto plain = train(square(dir + "/plain", {"--max_train_steps", "3", "--learning_rate", "1e-4"}));
