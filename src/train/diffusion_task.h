@@ -60,7 +60,7 @@ class DiffusionTask : public TrainingTask {
   std::function<void(int64_t)> set_epoch_;
   models::UNet unet_{nullptr};
   models::LoraLayers lora_{nullptr};
-  models::LoraLayers text_lora_{nullptr};  ///< adapters on the text encoder, else null
+  models::LoraLayers text_lora_{nullptr};    ///< adapters on the text encoder, else null
   models::LoraLayers text_lora_2_{nullptr};  ///< SDXL: adapters on text_encoder_2, else null
   std::shared_ptr<torch::nn::Module> trainable_;
   std::shared_ptr<diffusion::NoiseScheduler> noise_scheduler_;

@@ -31,20 +31,13 @@ double tensor_diff(const torch::Tensor& a, const torch::Tensor& b) {
 std::string make_captioned_folder(const std::string& dir) {
   fs::create_directories(dir);
   std::ofstream meta(dir + "/metadata.jsonl");
-  const std::vector<std::pair<std::string, std::array<float, 3>>> colours = {
-      {"red", {1, -1, -1}}, {"green", {-1, 1, -1}}, {"blue", {-1, -1, 1}}, {"yellow", {1, 1, -1}}};
   for (int i = 0; i < 8; ++i) {
     auto img = torch::zeros({3, 32, 32});
-    const auto& [name, rgb] = colours[static_cast<size_t>(i % 4)];
+    const auto& [name, rgb] = kCaptionColours[static_cast<size_t>(i % 4)];
     const int64_t off = i < 4 ? 4 : 16;
     for (int ch = 0; ch < 3; ++ch) img[ch].narrow(0, off, 12).narrow(1, off, 12).fill_(rgb[ch]);
-    const std::string file = "img" + std::to_string(i) + ".png";
-    io::save_png(dir + "/" + file, io::to_uint8_images(img.unsqueeze(0))[0]);
-    meta << nlohmann::json(
-                {{"file_name", file},
-                 {"text", "a " + name + " square at the " + (i < 4 ? "top left" : "bottom right")}})
-                .dump()
-         << "\n";
+    add_captioned_image(dir, meta, "img" + std::to_string(i) + ".png", img,
+                        "a " + name + " square at the " + (i < 4 ? "top left" : "bottom right"));
   }
   return dir;
 }

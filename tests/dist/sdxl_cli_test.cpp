@@ -105,22 +105,17 @@ TEST(SdxlCli, SampleMatchesDiffusersReference) {
 std::string make_mixed_aspect_folder(const std::string& dir) {
   fs::create_directories(dir);
   std::ofstream meta(dir + "/metadata.jsonl");
-  const std::vector<std::pair<std::string, std::array<float, 3>>> colours = {
-      {"red", {1, -1, -1}}, {"green", {-1, 1, -1}}, {"blue", {-1, -1, 1}}, {"yellow", {1, 1, -1}}};
   const std::vector<std::pair<std::string, std::array<int64_t, 2>>> shapes = {
       {"square", {32, 32}}, {"wide", {24, 48}}, {"tall", {48, 24}}};
   for (int i = 0; i < 12; ++i) {
     const auto& [shape, hw] = shapes[static_cast<size_t>(i % 3)];
-    const auto& [name, rgb] = colours[static_cast<size_t>(i % 4)];
+    const auto& [name, rgb] = kCaptionColours[static_cast<size_t>(i % 4)];
     auto img = torch::zeros({3, hw[0], hw[1]});
     for (int ch = 0; ch < 3; ++ch) {
       img[ch].narrow(0, hw[0] / 4, hw[0] / 2).narrow(1, hw[1] / 4, hw[1] / 2).fill_(rgb[ch]);
     }
-    const std::string file = "img" + std::to_string(i) + ".png";
-    io::save_png(dir + "/" + file, io::to_uint8_images(img.unsqueeze(0))[0]);
-    meta << nlohmann::json({{"file_name", file}, {"text", "a " + name + " " + shape + " picture"}})
-                .dump()
-         << "\n";
+    add_captioned_image(dir, meta, "img" + std::to_string(i) + ".png", img,
+                        "a " + name + " " + shape + " picture");
   }
   return dir;
 }
@@ -296,9 +291,9 @@ TEST(SdxlCli, DreamBoothBf16AndCachedEmbeddings) {
   for (double l : losses(dir + "/db")) EXPECT_TRUE(std::isfinite(l));
   // bf16 holds the frozen UNet base, both text encoders and the VAE at 2 bytes per parameter.
   int64_t frozen = 0;
-  for (const char* f : {"/unet/diffusion_pytorch_model.safetensors",
-                        "/vae/diffusion_pytorch_model.safetensors", "/text_encoder/model.safetensors",
-                        "/text_encoder_2/model.safetensors"}) {
+  for (const char* f :
+       {"/unet/diffusion_pytorch_model.safetensors", "/vae/diffusion_pytorch_model.safetensors",
+        "/text_encoder/model.safetensors", "/text_encoder_2/model.safetensors"}) {
     for (const auto& [key, t] : io::load_safetensors(kXl + f).tensors) frozen += t.numel();
   }
   const auto info = nlohmann::json::parse(std::ifstream(dir + "/db/logs/run_info.rank0.json"));

@@ -4,12 +4,14 @@
 
 #include "subprocess.h"
 
+#include "difftrain/io/image.h"
 #include "difftrain/io/safetensors.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
+#include <array>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -43,6 +45,18 @@ inline std::vector<double> losses(const std::string& out) {
     if (j.contains("loss")) v.push_back(j["loss"].get<double>());
   }
   return v;
+}
+
+// The four colours the captioned-folder tests paint, as RGB in [-1, 1].
+inline const std::vector<std::pair<std::string, std::array<float, 3>>> kCaptionColours = {
+    {"red", {1, -1, -1}}, {"green", {-1, 1, -1}}, {"blue", {-1, -1, 1}}, {"yellow", {1, 1, -1}}};
+
+// Writes image `img` [3, H, W] in [-1, 1] as dir/file (PNG) and its line of metadata.jsonl.
+inline void add_captioned_image(const std::string& dir, std::ofstream& meta,
+                                const std::string& file, const torch::Tensor& img,
+                                const std::string& caption) {
+  io::save_png(dir + "/" + file, io::to_uint8_images(img.unsqueeze(0))[0]);
+  meta << nlohmann::json({{"file_name", file}, {"text", caption}}).dump() << "\n";
 }
 
 inline io::TensorMap unet_weights(const std::string& out) {
