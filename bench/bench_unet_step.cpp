@@ -2,9 +2,11 @@
 // scripts run per batch: noise and timesteps drawn, DDPMScheduler.add_noise, the UNet forward
 // under autocast, the epsilon MSE loss in fp32, accelerator.backward, clip_grad_norm_(1.0),
 // AdamW step, zero_grad. Inputs are random (latents [B, C, R, R], and [B, L, D] text states for a
-// UNet2DConditionModel or class labels for a class-conditional UNet2DModel): this measures the
-// step, not data loading. bench/py/diffusers_unet_step.py is the same step in Diffusers +
-// Accelerate (+ PEFT for LoRA); bench/gpu_train.sh runs both side by side.
+// UNet2DConditionModel or class labels for a class-conditional UNet2DModel; for SDXL's
+// addition_embed_type "text_time" also a pooled text embedding [B, D'] and the micro-conditioning
+// time ids [B, 6]): this measures the step, not data loading. bench/py/diffusers_unet_step.py is
+// the same step in Diffusers + Accelerate (+ PEFT for LoRA); bench/gpu_train.sh runs both side by
+// side.
 //
 //   bench_unet_step --config unet_config.json [--batch 8] [--resolution 64] [--text_len 77]
 //                   [--mixed_precision no|bf16|fp16] [--lora_rank 0] [--steps 20] [--warmup 5]
@@ -132,6 +134,21 @@ int run(int argc, char** argv) {
   }
   if (cfg.num_class_embeds.has_value()) {
     cond.class_labels = torch::randint(*cfg.num_class_embeds, {batch}, torch::kLong).to(device);
+  }
+  if (unet->needs_added_conditioning()) {
+    // SDXL's added_cond_kwargs: text_embeds [B, D] with D = projection_class_embeddings_input_dim
+    // - 6 * addition_time_embed_dim, and time_ids [B, 6] = (original size, crop top-left, target
+    // size) in pixels, as train_text_to_image_sdxl.py builds them for uncropped images.
+    TORCH_CHECK(cfg.projection_class_embeddings_input_dim && cfg.addition_time_embed_dim,
+                "addition_embed_type text_time needs projection_class_embeddings_input_dim and "
+                "addition_time_embed_dim in ",
+                config_path);
+    const int64_t dim =
+        *cfg.projection_class_embeddings_input_dim - 6 * *cfg.addition_time_embed_dim;
+    const double px = 8.0 * static_cast<double>(resolution);
+    cond.text_embeds = torch::randn({batch, dim}).to(device);
+    cond.time_ids =
+        torch::tensor({px, px, 0.0, 0.0, px, px}, torch::kFloat).repeat({batch, 1}).to(device);
   }
 
   auto step = [&]() {

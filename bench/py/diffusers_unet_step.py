@@ -1,23 +1,57 @@
 """The Python peer of bench_unet_step: the same training step in Diffusers + Accelerate (+ PEFT
 for LoRA), as Diffusers' train_text_to_image.py / train_text_to_image_lora.py /
-train_unconditional.py run it per batch, on random inputs. Same flags, same JSON line.
+train_text_to_image_sdxl.py / train_unconditional.py run it per batch, on random inputs. Same
+flags, same JSON line, plus "step_flops" (the FLOPs of one step, forward + backward, counted once
+outside the timed loop by torch.utils.flop_counter.FlopCounterMode; null where torch < 2.1 lacks
+it) and the diffusers / peft versions and files that were used.
 
     python3 bench/py/diffusers_unet_step.py --config unet_config.json [--batch 8]
         [--resolution 64] [--text_len 77] [--mixed_precision no|bf16|fp16] [--lora_rank 0]
         [--steps 20] [--warmup 5] [--device auto|cpu|cuda] [--gradient_checkpointing 0|1]
 
-Needs torch, diffusers, accelerate (and peft for --lora_rank > 0) importable; on a GPU machine
-put ../shared/refstack/src/diffusers-v0.31.0/src (and peft's src) on PYTHONPATH.
+Needs torch, diffusers, accelerate (and peft for --lora_rank > 0) importable. DIFFTRAIN_PY_FALLBACK
+(folders separated by ":", e.g. a diffusers-v0.31.0/src and a peft-v0.14.0/src) is appended to
+sys.path before diffusers is imported: after site-packages, so a machine's installed peft,
+accelerate and transformers win and the folders only supply what is missing (diffusers).
 """
 import argparse
 import json
+import os
 import resource
+import sys
 import time
 
-import torch
-import torch.nn.functional as F
-from accelerate import Accelerator
-from diffusers import DDPMScheduler, UNet2DConditionModel, UNet2DModel
+# Appended, not prepended: installed packages win over the carried fallback trees.
+for _d in filter(None, os.environ.get("DIFFTRAIN_PY_FALLBACK", "").split(":")):
+    if _d not in sys.path:
+        sys.path.append(_d)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from diffusers import DDPMScheduler, UNet2DConditionModel, UNet2DModel  # noqa: E402
+
+
+def count_step_flops(step):
+    """FLOPs of one call of step(): forward + backward, as FlopCounterMode counts them (matmuls,
+    convolutions, attention; elementwise ops and the optimizer are not counted, the usual
+    model-FLOPs convention of MFU), or None where torch has no FlopCounterMode (torch < 2.1)."""
+    try:
+        from torch.utils.flop_counter import FlopCounterMode
+    except ImportError:
+        return None
+    counter = FlopCounterMode(display=False)
+    with counter:
+        step()
+    return int(counter.get_total_flops())
+
+
+def package_info(name):
+    """(version, file) of an imported package, or (None, None) when it was not imported."""
+    m = sys.modules.get(name)
+    if m is None:
+        return None, None
+    return getattr(m, "__version__", None), getattr(m, "__file__", None)
 
 
 def main():
@@ -74,6 +108,15 @@ def main():
         kwargs["encoder_hidden_states"] = torch.randn(b, a.text_len, dim).to(device)
     if config.get("num_class_embeds"):
         kwargs["class_labels"] = torch.randint(config["num_class_embeds"], (b,)).to(device)
+    if config.get("addition_embed_type") == "text_time":
+        # SDXL's added_cond_kwargs: the pooled text embedding [B, D] and the micro-conditioning
+        # time ids [B, 6] (original size, crop top-left, target size in pixels, as
+        # train_text_to_image_sdxl.py builds them for uncropped images).
+        d = config["projection_class_embeddings_input_dim"] - 6 * config["addition_time_embed_dim"]
+        px = 8 * r
+        time_ids = torch.tensor([[px, px, 0, 0, px, px]], dtype=torch.float32).repeat(b, 1)
+        kwargs["added_cond_kwargs"] = {"text_embeds": torch.randn(b, d).to(device),
+                                       "time_ids": time_ids.to(device)}
 
     def step():
         noise = torch.randn_like(latents)
@@ -96,6 +139,8 @@ def main():
     for _ in range(a.warmup):
         step()
     sync()
+    step_flops = count_step_flops(step)  # once, outside the timed loop
+    sync()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
@@ -116,7 +161,10 @@ def main():
         out["peak_mem_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         out["peak_mem_kind"] = "peak RSS"
     out["final_loss"] = loss.item()
+    out["step_flops"] = step_flops
     out["torch"] = torch.__version__
+    out["diffusers"], out["diffusers_file"] = package_info("diffusers")
+    out["peft"], out["peft_file"] = package_info("peft")
     print(json.dumps(out), flush=True)
 
 
