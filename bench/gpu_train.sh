@@ -11,7 +11,8 @@
 #             LoRA rank 16
 #   flux      a slot: FLUX.1-sized transformer blocks, once difftrain has a FLUX family
 # then `difftrain train` on the built-in default for $TRAIN_STEPS steps on the GPU (samples/s of
-# its last logged window). Each pair runs interleaved for $ROUNDS rounds; medians are reported,
+# its last logged window). Each pair runs interleaved for $ROUNDS rounds (fewer when
+# BENCH_DEADLINE comes first); medians are reported,
 # with difftrain / Diffusers ratios (speed: higher is better; memory: lower is better), and
 # TFLOP/s and MFU (step FLOPs x steps/s / the GPU's peak) for both sides.
 #
@@ -79,7 +80,19 @@ flux_note="flux: not yet implemented (no FLUX transformer in difftrain)"
 
 results=$out_dir/results.jsonl
 : >"$results"
+# BENCH_DEADLINE (epoch seconds, optional; scripts/gpu_check sets it from its budget): a round is
+# started only when the last round's duration still fits before it (the first always runs), so a
+# lease-bound run reports the medians of the rounds it completed instead of being cut off.
+deadline=${BENCH_DEADLINE:-0}
+round_start=$(date +%s)
 for ((round = 1; round <= rounds; round++)); do
+  if ((round > 1 && deadline > 0)); then
+    now=$(date +%s)
+    if ((now + (now - round_start) / (round - 1) > deadline)); then
+      echo "gpu_train: stopping after $((round - 1)) of $rounds rounds: another would pass BENCH_DEADLINE" >&2
+      break
+    fi
+  fi
   for c in "${cases[@]}"; do
     read -r model mp batch res rank <<<"$c"
     common=(--config "$work/$model.json" --batch "$batch" --resolution "$res" --mixed_precision "$mp"
