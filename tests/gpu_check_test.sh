@@ -92,6 +92,20 @@ same() { # $1 $2: snapshots; $3...: which parts
     cmp -s "$a.$what" "$b.$what" || { diff "$a.$what" "$b.$what" | head -n 20 >&2; return 1; }
   done
 }
+
+# fails_and_unpacks WHAT PATTERN BEFORE AFTER VAR=VALUE VERB [ARGS...]: the verb, run with the
+# variable set, must fail saying PATTERN and leave the repository unpacked, with git's view (the
+# snapshot AFTER) as in the snapshot BEFORE.
+fails_and_unpacks() {
+  local what=$1 pattern=$2 before=$3 after=$4 setting=$5 rc=0 out
+  shift 5
+  out=$(env "$setting" bash "$r/scripts/gpu_check" "$@" 2>&1) || rc=$?
+  [ "$rc" != 0 ] || fail "$what succeeded: $out"
+  grep -q -- "$pattern" <<<"$out" || fail "$what did not say '$pattern': $out"
+  grep -q 'not packed' <<<"$(gc status)" || fail "$what left the repository packed"
+  snapshot "$after"
+  same "$before" "$after" "${all[@]}" || fail "$what left git's view changed"
+}
 all=(index listed cached status exclude tree)
 # What must travel while packed (of the paths in file $1): everything but what is under one of
 # scripts/gpu_check's $hide paths and under none of its $keep paths (read from the script, so
@@ -182,13 +196,8 @@ GPU_CHECK_LIMIT_MIB=1 gc size >/dev/null 2>&1 || rc=$?
 [ "$rc" = 1 ] || fail "size above GPU_CHECK_LIMIT_MIB=1 exited $rc"
 GPU_CHECK_LIMIT_MIB=1000 gc size >/dev/null || fail "size under GPU_CHECK_LIMIT_MIB=1000 failed"
 ok "size exits 1 above GPU_CHECK_LIMIT_MIB and 0 below"
-rc=0
-out=$(GPU_CHECK_LIMIT_MIB=1 gc pack 2>&1) || rc=$?
-[ "$rc" != 0 ] || fail "pack above the limit (1 MiB; 1.5 MB travel packed) succeeded: $out"
-grep -q 'OVER the limit' <<<"$out" || fail "pack above the limit said: $out"
-grep -q 'not packed' <<<"$(gc status)" || fail "pack above the limit left the repository packed"
-snapshot "$work/after3"
-same "$work/before" "$work/after3" "${all[@]}" || fail "pack above the limit did not unpack exactly"
+fails_and_unpacks "pack above the limit (1 MiB; 1.5 MB travel packed)" 'OVER the limit' \
+  "$work/before" "$work/after3" GPU_CHECK_LIMIT_MIB=1 pack
 ok "pack above GPU_CHECK_LIMIT_MIB fails and unpacks itself exactly"
 grep -Eq 'carry build .* 2 bytes' <<<"$(GPU_CHECK_CARRY=build GPU_CHECK_LIMIT_MIB=1000 gc size)" || fail "size does not count a carried path"
 ok "size counts the carried paths (GPU_CHECK_CARRY)"
@@ -264,13 +273,8 @@ grep -q 'rehearse: passed' <<<"$out" || fail "rehearse did not pass: $out"
 snapshot "$work/r1"
 same "$work/r0" "$work/r1" "${all[@]}" || fail "rehearse left git's view changed"
 ok "rehearse (env): pack, copy checked, device run, unpack, git as before"
-rc=0
-out=$(DEVICE_BUILD_DIR=$work/nobuild gc rehearse difftrain-env 2>&1) || rc=$?
-[ "$rc" != 0 ] || fail "rehearse with a failing device stage succeeded"
-grep -q 'unpack' <<<"$out" || fail "rehearse did not unpack after the failure: $out"
-grep -q 'not packed' <<<"$(gc status)" || fail "a failed rehearse left the repository packed"
-snapshot "$work/r2"
-same "$work/r0" "$work/r2" "${all[@]}" || fail "a failed rehearse left git's view changed"
+fails_and_unpacks "rehearse with a failing device stage" 'unpack' "$work/r0" "$work/r2" \
+  DEVICE_BUILD_DIR="$work/nobuild" rehearse difftrain-env
 ok "a failed rehearse still unpacks and leaves git as it was"
 
 # ---------------------------------------------------------------- debian_mirror
