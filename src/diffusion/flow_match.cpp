@@ -16,7 +16,7 @@ namespace {
 
 using nlohmann::json;
 
-constexpr const char* kName = "FlowMatchEulerDiscreteScheduler";
+constexpr const char* kFlowMatchName = "FlowMatchEulerDiscreteScheduler";
 
 class FlowMatchEulerSampler : public Sampler {
  public:
@@ -60,7 +60,7 @@ class FlowMatchEulerSampler : public Sampler {
     sigma_max_ = sigmas[0].item<double>();
   }
 
-  std::string class_name() const override { return kName; }
+  std::string class_name() const override { return kFlowMatchName; }
 
   json config() const override {
     json j = json::object();
@@ -77,7 +77,7 @@ class FlowMatchEulerSampler : public Sampler {
 
   void set_timesteps(int64_t n) override {
     if (n < 1) {
-      throw Error(std::string(kName) + ": num_inference_steps is " + std::to_string(n) +
+      throw Error(std::string(kFlowMatchName) + ": num_inference_steps is " + std::to_string(n) +
                   "; it must be at least 1");
     }
     const auto T = static_cast<double>(num_train_timesteps_);
@@ -99,10 +99,10 @@ class FlowMatchEulerSampler : public Sampler {
 
   torch::Tensor step(const torch::Tensor& model_output, double timestep,
                      const torch::Tensor& sample_in, std::optional<at::Generator>) override {
-    if (!step_index_) step_index_ = index_for_timestep(timesteps_, timestep, kName);
+    if (!step_index_) step_index_ = index_for_timestep(timesteps_, timestep, kFlowMatchName);
     const int64_t i = *step_index_;
     if (i + 1 >= sigmas_.size(0)) {
-      throw Error(std::string(kName) + "::step: step " + std::to_string(i) +
+      throw Error(std::string(kFlowMatchName) + "::step: step " + std::to_string(i) +
                   " is past the last sigma; call set_timesteps() again before a new loop");
     }
     const torch::Tensor sample = sample_in.to(torch::kFloat32);

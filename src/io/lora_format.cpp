@@ -206,13 +206,7 @@ std::optional<KeyInfo> classify(const std::string& key) {
   return classify_dotted(key);
 }
 
-std::string shape_of(const torch::Tensor& t) {
-  std::ostringstream out;
-  out << t.sizes() << " " << c10::toString(t.scalar_type());
-  return out.str();
-}
-
-[[noreturn]] void fail(const std::string& path, const std::string& what) {
+[[noreturn]] void bad_lora_file(const std::string& path, const std::string& what) {
   throw Error("LoRA file '" + path + "': " + what);
 }
 
@@ -225,7 +219,7 @@ struct Pieces {
 
 void check_weight(const std::string& path, const std::string& key, const torch::Tensor& t) {
   if (!torch::isFloatingType(t.scalar_type())) {
-    fail(path, "'" + key + "' is " + c10::toString(t.scalar_type()) +
+    bad_lora_file(path, "'" + key + "' is " + c10::toString(t.scalar_type()) +
                    ": LoRA weights must be floating point (F32, F16, BF16 or F64); the file is "
                    "not a LoRA or is quantized — re-export it in float");
   }
@@ -233,12 +227,12 @@ void check_weight(const std::string& path, const std::string& key, const torch::
 
 double read_alpha(const std::string& path, const std::string& key, const torch::Tensor& t) {
   if (t.numel() != 1 || t.scalar_type() == torch::kBool || t.is_complex()) {
-    fail(path, "'" + key + "' is " + shape_of(t) +
+    bad_lora_file(path, "'" + key + "' is " + shape_and_dtype(t) +
                    ": a kohya alpha must be one real number (a scalar); re-export the file");
   }
   const double alpha = t.to(torch::kFloat64).item<double>();
   if (!std::isfinite(alpha)) {
-    fail(path, "'" + key + "' is " + std::to_string(alpha) +
+    bad_lora_file(path, "'" + key + "' is " + std::to_string(alpha) +
                    ": a kohya alpha must be finite; re-export the file");
   }
   return alpha;
@@ -252,7 +246,7 @@ LoraTarget make_target(const std::string& path, const Pieces& p, const LoraReadO
                                                    : p.key[a];
   for (Role role : {Role::kDown, Role::kUp}) {
     if (p.key[static_cast<int>(role)].empty()) {
-      fail(path, "'" + present + "' has no matching " + role_name(role) + " weight (expected '" +
+      bad_lora_file(path, "'" + present + "' has no matching " + role_name(role) + " weight (expected '" +
                      counterpart_key(p.info, role) +
                      "'); the file is incomplete — re-export or re-download it");
     }
@@ -264,15 +258,15 @@ LoraTarget make_target(const std::string& path, const Pieces& p, const LoraReadO
   const bool linear = down.dim() == 2 && up.dim() == 2;
   const bool conv = down.dim() == 4 && up.dim() == 4 && up.size(2) == 1 && up.size(3) == 1;
   if (!linear && !conv) {
-    fail(path, "'" + p.key[d] + "' is " + shape_of(down) + " and '" + p.key[u] + "' is " +
-                   shape_of(up) +
+    bad_lora_file(path, "'" + p.key[d] + "' is " + shape_and_dtype(down) + " and '" + p.key[u] + "' is " +
+                   shape_and_dtype(up) +
                    ": a LoRA pair must be [r, in] and [out, r] (Linear) or [r, in, kh, kw] and "
                    "[out, r, 1, 1] (Conv2d); LyCORIS variants are not supported");
   }
   if (down.size(0) != up.size(1) || down.size(0) < 1) {
-    fail(path, "'" + p.key[d] + "' has rank " + std::to_string(down.size(0)) + " (" +
-                   shape_of(down) + ") but '" + p.key[u] + "' has rank " +
-                   std::to_string(up.size(1)) + " (" + shape_of(up) +
+    bad_lora_file(path, "'" + p.key[d] + "' has rank " + std::to_string(down.size(0)) + " (" +
+                   shape_and_dtype(down) + ") but '" + p.key[u] + "' has rank " +
+                   std::to_string(up.size(1)) + " (" + shape_and_dtype(up) +
                    "): down is [r, ...] and up is [out, r, ...] with the same r >= 1; the file is "
                    "corrupt — re-export it");
   }
@@ -309,7 +303,7 @@ void apply_config(const std::string& path, const LoraAdapterConfig& config,
     if (done[i] || t.format == LoraFormat::kKohya) continue;
     const int64_t r = config.rank_for(t.module);
     if (r != t.rank()) {
-      fail(path, component + " module '" + t.module + "' (key '" + t.key + "') has rank " +
+      bad_lora_file(path, component + " module '" + t.module + "' (key '" + t.key + "') has rank " +
                      std::to_string(t.rank()) + " but " + source +
                      " gives it r = " + std::to_string(r) +
                      "; that LoraConfig does not describe these weights — fix r / rank_pattern "
@@ -321,6 +315,12 @@ void apply_config(const std::string& path, const LoraAdapterConfig& config,
 }
 
 }  // namespace
+
+std::string shape_and_dtype(const torch::Tensor& t) {
+  std::ostringstream out;
+  out << t.sizes() << " " << c10::toString(t.scalar_type());
+  return out.str();
+}
 
 std::string to_string(LoraFormat format) {
   switch (format) {
@@ -374,7 +374,7 @@ LoraWeights parse_lora(const std::map<std::string, torch::Tensor>& tensors, cons
     throw Error("LoraReadOptions::alpha is " + std::to_string(*options.alpha) +
                 ": it must be a finite number > 0 (PEFT's lora_alpha), or unset for scale 1");
   }
-  if (tensors.empty()) fail(path, "holds no tensors; it is not a LoRA file");
+  if (tensors.empty()) bad_lora_file(path, "holds no tensors; it is not a LoRA file");
 
   LoraWeights out;
   out.path = path;
@@ -383,7 +383,7 @@ LoraWeights parse_lora(const std::map<std::string, torch::Tensor>& tensors, cons
   for (const auto& [key, tensor] : tensors) {
     auto info = classify(key);
     if (!info) {
-      fail(path, "key '" + key +
+      bad_lora_file(path, "key '" + key +
                      "' is not a LoRA weight in a known format (Diffusers "
                      "'unet.<module>.lora.down.weight', PEFT 'unet.<module>.lora_A.weight', kohya "
                      "'lora_unet_<module>.lora_down.weight'); LyCORIS (LoHa, LoKr), DoRA and "
@@ -396,11 +396,11 @@ LoraWeights parse_lora(const std::map<std::string, torch::Tensor>& tensors, cons
       const std::string& other = !p.key[0].empty()   ? p.key[0]
                                  : !p.key[1].empty() ? p.key[1]
                                                      : p.key[2];
-      fail(path,
+      bad_lora_file(path,
            two_conventions(info->component, info->module, other, p.info.format, key, info->format));
     }
     if (!p.key[r].empty()) {
-      fail(path, "'" + p.key[r] + "' and '" + key + "' are both the " + role_name(info->role) +
+      bad_lora_file(path, "'" + p.key[r] + "' and '" + key + "' are both the " + role_name(info->role) +
                      " of " + info->component + " module '" + info->module +
                      "'; keep one (files with several PEFT adapters are not supported)");
     }
@@ -483,17 +483,17 @@ void resolve_kohya_names(LoraWeights& lora, const std::string& component,
     if (target.resolved) continue;
     const auto found = by_name.find(target.module);
     if (found == by_name.end()) {
-      fail(lora.path, "kohya key '" + target.key + "' names no module of the " + component +
+      bad_lora_file(lora.path, "kohya key '" + target.key + "' names no module of the " + component +
                           " (no module path becomes '" + target.module +
                           "' with '.' replaced by '_'); is this LoRA for a different model?");
     }
     if (const auto c = clash.find(target.module); c != clash.end()) {
-      fail(lora.path, "kohya key '" + target.key + "' is ambiguous: modules '" + found->second +
+      bad_lora_file(lora.path, "kohya key '" + target.key + "' is ambiguous: modules '" + found->second +
                           "' and '" + c->second + "' of the " + component + " both become '" +
                           target.module + "'; use a Diffusers or PEFT file");
     }
     if (const auto d = dotted.find(found->second); d != dotted.end()) {
-      fail(lora.path, two_conventions(component, found->second, d->second->key, d->second->format,
+      bad_lora_file(lora.path, two_conventions(component, found->second, d->second->key, d->second->format,
                                       target.key, target.format));
     }
     target.module = found->second;

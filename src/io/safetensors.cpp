@@ -42,7 +42,7 @@ const DtypeInfo* find_dtype(const std::string& name) {
   return nullptr;
 }
 
-[[noreturn]] void fail(const std::string& file, const std::string& what) {
+[[noreturn]] void bad_safetensors(const std::string& file, const std::string& what) {
   throw Error("invalid safetensors file '" + file + "': " + what +
               "; the file is corrupt or not safetensors — re-create or re-download it");
 }
@@ -67,13 +67,13 @@ uint64_t read_u64_le(const unsigned char* p) {
 std::vector<Entry> parse_header(const unsigned char* bytes, uint64_t size, const std::string& file,
                                 Metadata& metadata, uint64_t& data_start) {
   if (size < 8)
-    fail(file, "it is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
+    bad_safetensors(file, "it is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
   uint64_t header_len = read_u64_le(bytes);
   if (header_len > kMaxHeaderBytes) {
-    fail(file, "header length " + std::to_string(header_len) + " exceeds the 100 MiB limit");
+    bad_safetensors(file, "header length " + std::to_string(header_len) + " exceeds the 100 MiB limit");
   }
   if (header_len > size - 8) {
-    fail(file, "header length " + std::to_string(header_len) + " runs past the end of the " +
+    bad_safetensors(file, "header length " + std::to_string(header_len) + " runs past the end of the " +
                    std::to_string(size) + "-byte file");
   }
   data_start = 8 + header_len;
@@ -82,67 +82,67 @@ std::vector<Entry> parse_header(const unsigned char* bytes, uint64_t size, const
   try {
     header = nlohmann::json::parse(bytes + 8, bytes + 8 + header_len);
   } catch (const nlohmann::json::exception& e) {
-    fail(file, std::string("header is not valid JSON (") + e.what() + ")");
+    bad_safetensors(file, std::string("header is not valid JSON (") + e.what() + ")");
   }
-  if (!header.is_object()) fail(file, "header is not a JSON object");
+  if (!header.is_object()) bad_safetensors(file, "header is not a JSON object");
 
   std::vector<Entry> entries;
   for (auto it = header.begin(); it != header.end(); ++it) {
     const std::string& key = it.key();
     const auto& value = it.value();
     if (key == "__metadata__") {
-      if (!value.is_object()) fail(file, "__metadata__ is not an object of strings");
+      if (!value.is_object()) bad_safetensors(file, "__metadata__ is not an object of strings");
       for (auto m = value.begin(); m != value.end(); ++m) {
         if (!m.value().is_string())
-          fail(file, "__metadata__ value of '" + m.key() + "' is not a string");
+          bad_safetensors(file, "__metadata__ value of '" + m.key() + "' is not a string");
         metadata[m.key()] = m.value().get<std::string>();
       }
       continue;
     }
     const std::string where = "tensor '" + key + "'";
-    if (!value.is_object()) fail(file, where + " is not an object");
+    if (!value.is_object()) bad_safetensors(file, where + " is not an object");
     auto dtype_it = value.find("dtype");
     auto shape_it = value.find("shape");
     auto offsets_it = value.find("data_offsets");
     if (dtype_it == value.end() || !dtype_it->is_string())
-      fail(file, where + " has no string dtype");
-    if (shape_it == value.end() || !shape_it->is_array()) fail(file, where + " has no shape array");
+      bad_safetensors(file, where + " has no string dtype");
+    if (shape_it == value.end() || !shape_it->is_array()) bad_safetensors(file, where + " has no shape array");
     if (offsets_it == value.end() || !offsets_it->is_array() || offsets_it->size() != 2) {
-      fail(file, where + " has no data_offsets [begin, end]");
+      bad_safetensors(file, where + " has no data_offsets [begin, end]");
     }
     Entry e;
     e.name = key;
     e.dtype = find_dtype(dtype_it->get<std::string>());
     if (!e.dtype) {
-      fail(file, where + " has unsupported dtype '" + dtype_it->get<std::string>() +
+      bad_safetensors(file, where + " has unsupported dtype '" + dtype_it->get<std::string>() +
                      "' (supported: F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL)");
     }
     uint64_t numel = 1;
     for (const auto& dim : *shape_it) {
       if (!dim.is_number_unsigned())
-        fail(file, where + " has a shape entry that is not a non-negative integer");
+        bad_safetensors(file, where + " has a shape entry that is not a non-negative integer");
       uint64_t d = dim.get<uint64_t>();
       if (d > (1ull << 62) || __builtin_mul_overflow(numel, d, &numel)) {
-        fail(file, where + " has a shape whose element count overflows");
+        bad_safetensors(file, where + " has a shape whose element count overflows");
       }
       e.shape.push_back(static_cast<int64_t>(d));
     }
     for (const auto& off : *offsets_it) {
       if (!off.is_number_unsigned())
-        fail(file, where + " has a data offset that is not a non-negative integer");
+        bad_safetensors(file, where + " has a data offset that is not a non-negative integer");
     }
     e.begin = (*offsets_it)[0].get<uint64_t>();
     e.end = (*offsets_it)[1].get<uint64_t>();
-    if (e.end < e.begin) fail(file, where + " has data_offsets with end before begin");
+    if (e.end < e.begin) bad_safetensors(file, where + " has data_offsets with end before begin");
     if (e.end > data_size) {
-      fail(file, where + " has data_offsets [" + std::to_string(e.begin) + ", " +
+      bad_safetensors(file, where + " has data_offsets [" + std::to_string(e.begin) + ", " +
                      std::to_string(e.end) + "] past the " + std::to_string(data_size) +
                      "-byte data buffer (truncated file?)");
     }
     uint64_t nbytes = 0;
     if (__builtin_mul_overflow(numel, static_cast<uint64_t>(e.dtype->size), &nbytes) ||
         nbytes != e.end - e.begin) {
-      fail(file, where + " has shape and dtype needing " + std::to_string(nbytes) +
+      bad_safetensors(file, where + " has shape and dtype needing " + std::to_string(nbytes) +
                      " bytes but data_offsets span " + std::to_string(e.end - e.begin));
     }
     entries.push_back(std::move(e));
@@ -152,15 +152,15 @@ std::vector<Entry> parse_header(const unsigned char* bytes, uint64_t size, const
   });
   uint64_t expected = 0;
   for (const auto& e : entries) {
-    if (e.begin < expected) fail(file, "tensor '" + e.name + "' overlaps the tensor before it");
+    if (e.begin < expected) bad_safetensors(file, "tensor '" + e.name + "' overlaps the tensor before it");
     if (e.begin > expected) {
-      fail(file, "the data buffer has a gap of " + std::to_string(e.begin - expected) +
+      bad_safetensors(file, "the data buffer has a gap of " + std::to_string(e.begin - expected) +
                      " bytes before tensor '" + e.name + "'");
     }
     expected = e.end;
   }
   if (expected != data_size) {
-    fail(file, "the data buffer has " + std::to_string(data_size - expected) +
+    bad_safetensors(file, "the data buffer has " + std::to_string(data_size - expected) +
                    " bytes that no tensor covers");
   }
   return entries;

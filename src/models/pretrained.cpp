@@ -11,7 +11,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string shape_str(c10::IntArrayRef sizes) {
+std::string sizes_text(c10::IntArrayRef sizes) {
   std::string s = "[";
   for (size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
   return s + "]";
@@ -42,8 +42,8 @@ void load_weights(torch::nn::Module& module, const io::TensorMap& weights,
     if (it == weights.end()) {
       missing.push_back(name);
     } else if (it->second.sizes() != t.sizes()) {
-      mismatched.push_back(name + " (file " + shape_str(it->second.sizes()) + ", model " +
-                           shape_str(t.sizes()) + ")");
+      mismatched.push_back(name + " (file " + sizes_text(it->second.sizes()) + ", model " +
+                           sizes_text(t.sizes()) + ")");
     } else if (!it->second.is_floating_point() && t.is_floating_point()) {
       bad_dtype.push_back(name);
     }

@@ -23,12 +23,12 @@ namespace fs = std::filesystem;
 using difftrain::optim::AdamW;
 using torch::optim::AdamWOptions;
 
-const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/";
+using difftrain::test::kGoldenDir;
 
 // torch.optim.AdamW over p0 with six recorded gradients (the reference run's README).
 void run_fixture(bool reference_path) {
-  auto file = difftrain::io::load_safetensors(kGolden + "adamw.safetensors").tensors;
-  std::ifstream in(kGolden + "adamw.json");
+  auto file = difftrain::io::load_safetensors(kGoldenDir + "adamw.safetensors").tensors;
+  std::ifstream in(kGoldenDir + "adamw.json");
   auto cfg = nlohmann::json::parse(in);
   auto p = file.at("p0").clone().requires_grad_(true);
   AdamW opt({p}, AdamWOptions(cfg["lr"].get<double>())

@@ -28,8 +28,8 @@ using difftrain::test::write_text;
 using nlohmann::json;
 namespace fs = std::filesystem;
 
-const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/sd/tiny_sd/";
-const std::string kVae = kGolden + "vae";
+using difftrain::test::kTinySdGolden;
+const std::string kVae = kTinySdGolden + "vae";
 
 std::vector<std::string> keys_of(const difftrain::io::TensorMap& m) {
   std::vector<std::string> out;

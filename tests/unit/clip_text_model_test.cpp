@@ -30,8 +30,8 @@ using difftrain::test::write_text;
 using nlohmann::json;
 namespace fs = std::filesystem;
 
-const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/sd/tiny_sd/";
-const std::string kTextEncoder = kGolden + "text_encoder";
+using difftrain::test::kTinySdGolden;
+const std::string kTextEncoder = kTinySdGolden + "text_encoder";
 
 torch::Tensor act_reference(const std::string& name, const torch::Tensor& x) {
   if (name == "quick_gelu") return x * torch::sigmoid(1.702 * x);

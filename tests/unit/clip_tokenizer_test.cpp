@@ -33,8 +33,8 @@ using difftrain::test::temp_dir;
 using nlohmann::json;
 namespace fs = std::filesystem;
 
-const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/sd/tiny_sd/";
-const std::string kTokenizerDir = kGolden + "tokenizer";
+using difftrain::test::kTinySdGolden;
+const std::string kTokenizerDir = kTinySdGolden + "tokenizer";
 
 // Loading the 49408-entry vocabulary takes a moment: the tests share one tokenizer.
 const ClipTokenizer& fixture() {
@@ -43,7 +43,7 @@ const ClipTokenizer& fixture() {
 }
 
 json cases() {
-  std::ifstream in(kGolden + "tokenizer_cases.json");
+  std::ifstream in(kTinySdGolden + "tokenizer_cases.json");
   return json::parse(in);
 }
 

@@ -27,7 +27,7 @@ SettingLayer layer(SettingSource source, const std::string& origin,
   return l;
 }
 
-std::string temp_dir(const std::string& name) {
+std::string merge_temp_dir(const std::string& name) {
   const auto dir = std::filesystem::temp_directory_path() /
                    ("difftrain-config-merge-" + name + "-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
@@ -117,7 +117,7 @@ TEST(ConfigMerge, AccelerateSectionsReadWithoutTheTopLevel) {
 }
 
 TEST(LaunchResolve, ConfigFileThenDeepSpeedFileThenFlags) {
-  const auto dir = temp_dir("resolve");
+  const auto dir = merge_temp_dir("resolve");
   const std::string yaml = dir + "/accelerate.yaml";
   std::ofstream(yaml) << "distributed_type: FSDP\nnum_processes: 2\nmixed_precision: bf16\n"
                          "max_restarts: 1\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n"
@@ -169,7 +169,7 @@ TEST(LaunchResolve, ConfigFileThenDeepSpeedFileThenFlags) {
 TEST(LaunchResolve, NoConfigFileNoSharding) {
   const char* saved = std::getenv("XDG_CACHE_HOME");
   const std::string keep = saved ? saved : "";
-  const auto dir = temp_dir("xdg");
+  const auto dir = merge_temp_dir("xdg");
   setenv("XDG_CACHE_HOME", dir.c_str(), 1);
   difftrain::launch::LaunchFlags flags;
   flags.options.num_processes = 2;

@@ -20,13 +20,13 @@ using difftrain::test::max_abs;
 using difftrain::diffusion::EMAModel;
 using difftrain::diffusion::EMAOptions;
 
-const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/";
+using difftrain::test::kDiffusersGolden;
 
 // ema.json's EMAModel over one parameter whose value before each step is values[i]; the file
 // holds the shadow after each step.
 TEST(EMA, MatchesDiffusersEMAModel) {
-  auto file = difftrain::io::load_safetensors(kGolden + "ema.safetensors").tensors;
-  std::ifstream in(kGolden + "ema.json");
+  auto file = difftrain::io::load_safetensors(kDiffusersGolden + "ema.safetensors").tensors;
+  std::ifstream in(kDiffusersGolden + "ema.json");
   auto cfg = nlohmann::json::parse(in);
   EMAOptions o;
   o.decay = cfg["decay"].get<double>();

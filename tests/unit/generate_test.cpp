@@ -20,14 +20,14 @@ namespace fs = std::filesystem;
 using test::error_of;
 using test::max_abs;
 
-const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/";
+using difftrain::test::kDiffusersGolden;
 const std::string kSd = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/sd/tiny_sd";
 
 // The class-conditional fixture UNet (10 classes) with a DDIM sampler.
 diffusion::Pipeline class_conditional_pipeline() {
   diffusion::UNetPipeline p;
-  p.unet = models::load_unet(kGolden + "unet2d");
-  p.sampler = diffusion::load_sampler(kGolden + "unet2d_uncond/scheduler_config.json", "ddim");
+  p.unet = models::load_unet(kDiffusersGolden + "unet2d");
+  p.sampler = diffusion::load_sampler(kDiffusersGolden + "unet2d_uncond/scheduler_config.json", "ddim");
   return p;
 }
 
@@ -59,8 +59,8 @@ TEST(GeneratePipeline, UNetBatchEqualsSampleImages) {
 
 TEST(GeneratePipeline, UNetPerImageSeedsEachImage) {
   diffusion::UNetPipeline p;
-  p.unet = models::load_unet(kGolden + "unet2d_uncond");
-  p.sampler = diffusion::load_sampler(kGolden + "unet2d_uncond/scheduler_config.json", "ddim");
+  p.unet = models::load_unet(kDiffusersGolden + "unet2d_uncond");
+  p.sampler = diffusion::load_sampler(kDiffusersGolden + "unet2d_uncond/scheduler_config.json", "ddim");
   models::UNet unet = p.unet;
   diffusion::Sampler& sampler = *p.sampler;
   diffusion::Pipeline pipe = std::move(p);
@@ -95,7 +95,7 @@ TEST(GeneratePipeline, UNetDefaultsAndErrors) {
   EXPECT_EQ(resolved.num_inference_steps, 50);  // DDIM
   EXPECT_EQ(*resolved.guidance_scale, 1.0);
   diffusion::UNetPipeline ddpm;
-  ddpm.sampler = diffusion::load_sampler(kGolden + "unet2d_uncond/scheduler_config.json", "ddpm");
+  ddpm.sampler = diffusion::load_sampler(kDiffusersGolden + "unet2d_uncond/scheduler_config.json", "ddpm");
   diffusion::Pipeline ddpm_pipe = std::move(ddpm);
   resolved = diffusion::resolve_request(ddpm_pipe, {});
   EXPECT_EQ(resolved.num_images, 1);
@@ -113,9 +113,9 @@ TEST(GeneratePipeline, UNetDefaultsAndErrors) {
 
 TEST(GeneratePipeline, DdimPipelineFolderRunsDdim) {
   const std::string dir = test::temp_dir("generate_ddim_pipeline");
-  fs::create_directory_symlink(kGolden + "unet2d_uncond", dir + "/unet");
+  fs::create_directory_symlink(kDiffusersGolden + "unet2d_uncond", dir + "/unet");
   fs::create_directories(dir + "/scheduler");
-  fs::copy_file(kGolden + "unet2d_uncond/scheduler_config.json",
+  fs::copy_file(kDiffusersGolden + "unet2d_uncond/scheduler_config.json",
                 dir + "/scheduler/scheduler_config.json");
   test::write_text(dir + "/model_index.json", R"({"_class_name": "DDIMPipeline"})");
   auto folder = diffusion::resolve_pipeline_folder(dir);

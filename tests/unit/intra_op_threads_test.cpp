@@ -25,6 +25,8 @@ std::set<std::string> thread_ids() {
   return ids;
 }
 
+}  // namespace
+
 // The count is process-wide: put back what the process ran before (the sanitizer build runs the
 // whole suite in one process, and other tests' float tolerances assume its thread count).
 class IntraOpThreads : public ::testing::Test {
@@ -38,8 +40,6 @@ class IntraOpThreads : public ::testing::Test {
  private:
   int before_ = 1;
 };
-
-}  // namespace
 
 TEST_F(IntraOpThreads, TheCountAlreadyInForceStartsNoThreads) {
   // As in a launched rank: the count set once, LibTorch's pools and OpenMP team running.

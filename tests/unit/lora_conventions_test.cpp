@@ -40,12 +40,12 @@ using io::TensorMap;
   EXPECT_NE(std::string(text).find(part), std::string::npos) \
       << "'" << (text) << "' lacks '" << (part) << "'"
 
-const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/";
+using difftrain::test::kDiffusersGolden;
 
 // The fixture LoRA (r 4, alpha 4, attention projections of unet_cond) plus targets on the
 // modules Diffusers' convert_state_dict_to_diffusers leaves in PEFT naming.
 LoraWeights fixture_plus_other_targets() {
-  LoraWeights lora = io::read_lora(kGolden + "lora/pytorch_lora_weights.safetensors");
+  LoraWeights lora = io::read_lora(kDiffusersGolden + "lora/pytorch_lora_weights.safetensors");
   auto gen = at::detail::createCPUGenerator(11);
   struct Spec {
     const char* module;
@@ -101,10 +101,10 @@ TensorMap mixed_tensors(const LoraWeights& lora) {
 }
 
 torch::Tensor forward_with(const LoraWeights& lora) {
-  auto unet = models::load_unet(kGolden + "unet_cond");
+  auto unet = models::load_unet(kDiffusersGolden + "unet_cond");
   unet->eval();
   models::merge_lora(*unet, lora);
-  const auto io_tensors = io::load_safetensors(kGolden + "unet_cond/io.safetensors").tensors;
+  const auto io_tensors = io::load_safetensors(kDiffusersGolden + "unet_cond/io.safetensors").tensors;
   models::UNetConditioning cond;
   cond.encoder_hidden_states = io_tensors.at("encoder_hidden_states");
   torch::NoGradGuard no_grad;
@@ -217,7 +217,7 @@ TEST(LoraConventions, RefusesOnlyBadModulesNamingThem) {
       w({64, 4});
   io::save_safetensors(path, doubled);
   const auto lora = io::read_lora(path);
-  auto unet = models::load_unet(kGolden + "unet_cond");
+  auto unet = models::load_unet(kDiffusersGolden + "unet_cond");
   const auto before = unet->named_parameters()[m + ".weight"].clone();
   const auto kohya = error_of([&] { models::merge_lora(*unet, lora); });
   std::printf("kohya + diffusers: %s\n", kohya.c_str());
@@ -249,9 +249,9 @@ double max_scaled_diff(const LoraWeights& got, const LoraWeights& reference,
 
 TEST(LoraConventions, PeftAdapterConfigSetsTheScale) {
   const auto dir = temp_dir("lora_peft_config");
-  const auto reference = io::read_lora(kGolden + "lora/pytorch_lora_weights.safetensors");
+  const auto reference = io::read_lora(kDiffusersGolden + "lora/pytorch_lora_weights.safetensors");
   // As PEFT's save_pretrained lays it out: adapter_model.safetensors + adapter_config.json.
-  fs::copy_file(kGolden + "lora/peft_format.safetensors", dir + "/adapter_model.safetensors");
+  fs::copy_file(kDiffusersGolden + "lora/peft_format.safetensors", dir + "/adapter_model.safetensors");
   difftrain::test::write_text(dir + "/adapter_config.json", R"({
   "alpha_pattern": {"attn2.to_k": 2},
   "base_model_name_or_path": null,
@@ -298,8 +298,8 @@ TEST(LoraConventions, PeftAdapterConfigSetsTheScale) {
 
 TEST(LoraConventions, DiffusersMetadataSetsTheScaleAndKohyaAlphaWins) {
   const auto dir = temp_dir("lora_metadata");
-  const auto reference = io::read_lora(kGolden + "lora/pytorch_lora_weights.safetensors");
-  const auto diffusers = io::load_safetensors(kGolden + "lora/pytorch_lora_weights.safetensors");
+  const auto reference = io::read_lora(kDiffusersGolden + "lora/pytorch_lora_weights.safetensors");
+  const auto diffusers = io::load_safetensors(kDiffusersGolden + "lora/pytorch_lora_weights.safetensors");
   // As Diffusers >= 0.33's pipeline save_lora_weights writes it: keys prefixed by component.
   const std::string prefixed = R"({
   "unet.alpha_pattern": {"down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q": 12},
@@ -337,7 +337,7 @@ TEST(LoraConventions, DiffusersMetadataSetsTheScaleAndKohyaAlphaWins) {
   const TensorMap mixed = mixed_tensors(mixed_lora);
   io::save_safetensors(path, mixed, {{io::kLoraAdapterMetadataKey, prefixed}});
   auto kohya_first = io::read_lora(path);
-  auto unet = models::load_unet(kGolden + "unet_cond");
+  auto unet = models::load_unet(kDiffusersGolden + "unet_cond");
   io::resolve_kohya_names(kohya_first, "unet", models::lora_module_names(*unet));
   diff = max_scaled_diff(kohya_first, reference, [&](const std::string& m) {
     return convention_of(m) == LoraFormat::kKohya ? 1.0 : factor(m);

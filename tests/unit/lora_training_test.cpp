@@ -30,7 +30,7 @@ using difftrain::models::UNetConditioning;
 using difftrain::test::error_of;
 using difftrain::test::max_abs;
 
-const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/";
+using difftrain::test::kDiffusersGolden;
 
 struct CondInputs {
   torch::Tensor x, t;
@@ -38,7 +38,7 @@ struct CondInputs {
 };
 
 CondInputs cond_inputs() {
-  auto io = difftrain::io::load_safetensors(kGolden + "unet_cond/io.safetensors").tensors;
+  auto io = difftrain::io::load_safetensors(kDiffusersGolden + "unet_cond/io.safetensors").tensors;
   CondInputs in;
   in.x = io.at("sample");
   in.t = io.at("timestep");
@@ -56,7 +56,7 @@ void randomise_up(LoraLayers& layers) {
 }
 
 TEST(LoraTraining, FreshAdaptersChangeNothing) {
-  UNet unet = difftrain::models::load_unet(kGolden + "unet_cond");
+  UNet unet = difftrain::models::load_unet(kDiffusersGolden + "unet_cond");
   unet->eval();
   const auto in = cond_inputs();
   torch::NoGradGuard no_grad;
@@ -70,7 +70,7 @@ TEST(LoraTraining, FreshAdaptersChangeNothing) {
 // Tolerance 1e-5: float32 rounding of two orders of the same sums; a wrong scale or a missing
 // target moves the output by more than 1e-3.
 TEST(LoraTraining, AdaptedForwardEqualsMergedExport) {
-  UNet unet = difftrain::models::load_unet(kGolden + "unet_cond");
+  UNet unet = difftrain::models::load_unet(kDiffusersGolden + "unet_cond");
   unet->eval();
   const auto in = cond_inputs();
   LoraConfig config;
@@ -94,7 +94,7 @@ TEST(LoraTraining, AdaptedForwardEqualsMergedExport) {
 }
 
 TEST(LoraTraining, BackwardReachesOnlyAdapters) {
-  UNet unet = difftrain::models::load_unet(kGolden + "unet_cond");
+  UNet unet = difftrain::models::load_unet(kDiffusersGolden + "unet_cond");
   for (auto& p : unet->parameters()) p.set_requires_grad(false);
   LoraLayers layers(*unet, LoraConfig{});
   randomise_up(layers);
@@ -113,7 +113,7 @@ TEST(LoraTraining, BackwardReachesOnlyAdapters) {
 }
 
 TEST(LoraTraining, BadTargetsAreOneLineErrors) {
-  UNet unet = difftrain::models::load_unet(kGolden + "unet_cond");
+  UNet unet = difftrain::models::load_unet(kDiffusersGolden + "unet_cond");
   LoraConfig config;
   config.target_modules = {"to_q", "nonexistent"};
   auto message = error_of([&] { LoraLayers layers(*unet, config); });
@@ -133,7 +133,7 @@ TEST(LoraTraining, BadTargetsAreOneLineErrors) {
 TEST(LoraTraining, RankAndAlphaRoundTripInEveryFormat) {
   namespace io = difftrain::io;
   namespace fs = std::filesystem;
-  UNet unet = difftrain::models::load_unet(kGolden + "unet_cond");
+  UNet unet = difftrain::models::load_unet(kDiffusersGolden + "unet_cond");
   unet->eval();
   const auto in = cond_inputs();
   LoraConfig config;
@@ -192,7 +192,7 @@ TEST(LoraTraining, RankAndAlphaRoundTripInEveryFormat) {
       EXPECT_EQ(t.alpha.value_or(0), 8.0) << t.module;
       EXPECT_TRUE(torch::equal(t.up, w.up)) << t.module;  // not folded
     }
-    auto merged = difftrain::models::load_unet(kGolden + "unet_cond");
+    auto merged = difftrain::models::load_unet(kDiffusersGolden + "unet_cond");
     merged->eval();
     difftrain::models::merge_lora(*merged, back);
     const double diff = max_abs(merged->forward(in.x, in.t, in.cond), adapted);

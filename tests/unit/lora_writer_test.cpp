@@ -33,7 +33,7 @@ using io::LoraFormat;
 using io::LoraTarget;
 using io::LoraWeights;
 
-const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/";
+using difftrain::test::kDiffusersGolden;
 const std::vector<LoraFormat> kFormats = {LoraFormat::kDiffusers, LoraFormat::kPeft,
                                           LoraFormat::kKohya};
 
@@ -124,10 +124,10 @@ double max_weight_diff(const torch::nn::Module& a, const torch::nn::Module& b) {
 
 TEST(LoraWriter, EveryFormatReadsBackToTheSameUpdatesAndMerge) {
   const auto dir = temp_dir("lora_write");
-  auto base = models::load_unet(kGolden + "unet2d");
+  auto base = models::load_unet(kDiffusersGolden + "unet2d");
   const auto names = models::lora_module_names(*base);
   const LoraWeights lora = random_lora(*base, 21);
-  auto expected = models::load_unet(kGolden + "unet2d");
+  auto expected = models::load_unet(kDiffusersGolden + "unet2d");
   models::merge_lora(*expected, lora, 0.7);
 
   for (const LoraFormat format : kFormats) {
@@ -178,7 +178,7 @@ TEST(LoraWriter, EveryFormatReadsBackToTheSameUpdatesAndMerge) {
       }
     }
     const double delta = max_delta_diff(lora, back);
-    auto merged = models::load_unet(kGolden + "unet2d");
+    auto merged = models::load_unet(kDiffusersGolden + "unet2d");
     const auto summary = models::merge_lora(*merged, back, 0.7);
     EXPECT_EQ(summary.modules_merged, static_cast<int64_t>(lora.count("unet")));
     EXPECT_EQ(summary.other_component_targets, 1);
@@ -194,11 +194,11 @@ TEST(LoraWriter, EveryFormatReadsBackToTheSameUpdatesAndMerge) {
 
 TEST(LoraWriter, FixtureFilesRewrittenInEveryFormatAgree) {
   const auto dir = temp_dir("lora_rewrite");
-  auto unet = models::load_unet(kGolden + "unet_cond");
+  auto unet = models::load_unet(kDiffusersGolden + "unet_cond");
   const auto names = models::lora_module_names(*unet);
-  const auto reference = io::read_lora(kGolden + "lora/pytorch_lora_weights.safetensors");
+  const auto reference = io::read_lora(kDiffusersGolden + "lora/pytorch_lora_weights.safetensors");
   for (const char* fixture : {"pytorch_lora_weights", "peft_format", "kohya_format"}) {
-    auto source = io::read_lora(kGolden + "lora/" + fixture + ".safetensors");
+    auto source = io::read_lora(kDiffusersGolden + "lora/" + fixture + ".safetensors");
     if (source.format == LoraFormat::kKohya) {
       // Raw kohya names can be written back as kohya, but not in a dotted format.
       const auto path = dir + "/raw_kohya.safetensors";
@@ -310,9 +310,9 @@ TEST(LoraFolderMerge, Fp16VariantFolderKeepsItsLayoutAndDtype) {
   // A UNet folder with float32 weights, an fp16 variant of them, a scheduler config and a README.
   fs::create_directories(in + "/extra");
   for (const char* f : {"config.json", "diffusion_pytorch_model.safetensors"}) {
-    fs::copy_file(kGolden + "unet2d/" + f, in + "/" + f);
+    fs::copy_file(kDiffusersGolden + "unet2d/" + f, in + "/" + f);
   }
-  auto unet = models::load_unet(kGolden + "unet2d");
+  auto unet = models::load_unet(kDiffusersGolden + "unet2d");
   unet->to(torch::kFloat16);
   models::save_unet(*unet, in, "fp16");
   std::ofstream(in + "/scheduler_config.json") << R"({"_class_name": "DDPMScheduler"})";
@@ -320,7 +320,7 @@ TEST(LoraFolderMerge, Fp16VariantFolderKeepsItsLayoutAndDtype) {
   std::ofstream(dir + "/notes.txt") << "notes\n";
   fs::create_symlink(dir + "/notes.txt", in + "/extra/README.md");
 
-  auto base = models::load_unet(kGolden + "unet2d");
+  auto base = models::load_unet(kDiffusersGolden + "unet2d");
   const LoraWeights lora = random_lora(*base, 22);
   const std::string lora_path = dir + "/lora.safetensors";
   io::write_lora(lora_path, lora, LoraFormat::kKohya);
@@ -362,15 +362,15 @@ TEST(LoraFolderMerge, Fp16VariantFolderKeepsItsLayoutAndDtype) {
 TEST(LoraFolderMerge, PeftAdapterFolderMergesWithItsAlpha) {
   const auto dir = temp_dir("lora_folder_peft");
   fs::create_directories(dir + "/adapter");
-  fs::copy_file(kGolden + "lora/peft_format.safetensors",
+  fs::copy_file(kDiffusersGolden + "lora/peft_format.safetensors",
                 dir + "/adapter/adapter_model.safetensors");
   difftrain::test::write_text(dir + "/adapter/adapter_config.json",
                               R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8})");
   const auto summary =
-      models::merge_lora_into_folder(kGolden + "unet_cond", dir + "/adapter", dir + "/merged");
+      models::merge_lora_into_folder(kDiffusersGolden + "unet_cond", dir + "/adapter", dir + "/merged");
   EXPECT_EQ(summary.format, LoraFormat::kPeft);
-  auto expected = models::load_unet(kGolden + "unet_cond");
-  models::merge_lora(*expected, io::read_lora(kGolden + "lora/pytorch_lora_weights.safetensors"),
+  auto expected = models::load_unet(kDiffusersGolden + "unet_cond");
+  models::merge_lora(*expected, io::read_lora(kDiffusersGolden + "lora/pytorch_lora_weights.safetensors"),
                      2.0);
   const double diff = max_weight_diff(*models::load_unet(dir + "/merged"), *expected);
   std::printf("PEFT folder merge (alpha 8, r 4) vs merge at scale 2: max |diff| %.3g (tol 1e-6)\n",
@@ -381,8 +381,8 @@ TEST(LoraFolderMerge, PeftAdapterFolderMergesWithItsAlpha) {
 
 TEST(LoraFolderMerge, RefusesBadFoldersWithOneLineErrors) {
   const auto dir = temp_dir("lora_folder_bad");
-  const std::string model = kGolden + "unet_cond";
-  const std::string lora = kGolden + "lora/peft_format.safetensors";
+  const std::string model = kDiffusersGolden + "unet_cond";
+  const std::string lora = kDiffusersGolden + "lora/peft_format.safetensors";
   fs::create_directories(dir + "/full");
   std::ofstream(dir + "/full/x") << "x";
   fs::create_directories(dir + "/empty");
@@ -397,7 +397,7 @@ TEST(LoraFolderMerge, RefusesBadFoldersWithOneLineErrors) {
       {model, lora, dir + "/full", {dir + "/full: exists and is not empty"}},
       {model, lora, model, {"is the input folder"}},
       {model, lora, model + "/sub", {"inside the input folder"}},
-      {kGolden + "unet2d", lora, dir + "/o4", {"is not in the model", "peft_format"}},
+      {kDiffusersGolden + "unet2d", lora, dir + "/o4", {"is not in the model", "peft_format"}},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.output);

@@ -32,12 +32,12 @@ using difftrain::train::estimate_state_memory;
 using difftrain::train::MemoryEstimate;
 using difftrain::train::MemoryEstimateOptions;
 
-const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/";
+using difftrain::test::kDiffusersGolden;
 const ShardingStrategy kSharded[] = {ShardingStrategy::kShardOptimizer,
                                      ShardingStrategy::kShardGradOp, ShardingStrategy::kFullShard};
 
 UNet tiny_unet(const std::string& name = "unet_cond") {
-  return UNet(difftrain::models::UNetConfig::load(kGolden + name + "/config.json"));
+  return UNet(difftrain::models::UNetConfig::load(kDiffusersGolden + name + "/config.json"));
 }
 
 int64_t trainable_numel(const torch::nn::Module& m) {
@@ -216,13 +216,13 @@ TEST(MemoryEstimate, LoraTrainsTheAdaptersAndCountsTheBaseAsFrozen) {
   // estimate_memory builds the same thing from the folder (rank 4, the default targets).
   MemoryEstimateOptions lo = o;
   lo.lora = true;
-  const auto built = difftrain::train::estimate_memory(kGolden + "unet_cond", lo);
+  const auto built = difftrain::train::estimate_memory(kDiffusersGolden + "unet_cond", lo);
   EXPECT_EQ(built.trainable_params, adapters);
   EXPECT_EQ(built.frozen_params, base);
   EXPECT_EQ(built.param_bytes, e.param_bytes);
   EXPECT_GT(built.activation_bytes, 0);
   lo.lora_rank = 8;
-  EXPECT_EQ(difftrain::train::estimate_memory(kGolden + "unet_cond", lo).trainable_params,
+  EXPECT_EQ(difftrain::train::estimate_memory(kDiffusersGolden + "unet_cond", lo).trainable_params,
             2 * adapters);
 }
 
@@ -268,13 +268,13 @@ TEST(MemoryEstimate, ActivationsAreLinearInBatchAndGrowWithResolution) {
 TEST(MemoryEstimate, ReadsTheInputsTheTrainerReadsAndScalesActivationsByBatch) {
   const auto dir = difftrain::test::temp_dir("memory_estimate");
   fs::create_directories(dir + "/pipe/unet");
-  fs::copy_file(kGolden + "unet2d/config.json", dir + "/pipe/unet/config.json");
+  fs::copy_file(kDiffusersGolden + "unet2d/config.json", dir + "/pipe/unet/config.json");
   std::ofstream(dir + "/pipe/model_index.json") << "{\"_class_name\": \"DDPMPipeline\"}\n";
   MemoryEstimateOptions o;
   o.num_processes = 2;
   o.strategy = ShardingStrategy::kShardOptimizer;
-  const auto from_folder = difftrain::train::estimate_memory(kGolden + "unet2d", o);
-  const auto from_json = difftrain::train::estimate_memory(kGolden + "unet2d/config.json", o);
+  const auto from_folder = difftrain::train::estimate_memory(kDiffusersGolden + "unet2d", o);
+  const auto from_json = difftrain::train::estimate_memory(kDiffusersGolden + "unet2d/config.json", o);
   const auto from_pipeline = difftrain::train::estimate_memory(dir + "/pipe", o);
   expect_same_state(from_folder, from_json);
   expect_same_state(from_folder, from_pipeline);
@@ -282,7 +282,7 @@ TEST(MemoryEstimate, ReadsTheInputsTheTrainerReadsAndScalesActivationsByBatch) {
   // Several strategies share one model and one activation measurement.
   o.batch_size = 3;
   const auto all = difftrain::train::estimate_memory(
-      kGolden + "unet2d", o, {ShardingStrategy::kNoShard, ShardingStrategy::kFullShard});
+      kDiffusersGolden + "unet2d", o, {ShardingStrategy::kNoShard, ShardingStrategy::kFullShard});
   ASSERT_EQ(all.size(), 2u);
   EXPECT_EQ(all[0].activation_bytes, all[1].activation_bytes);
   EXPECT_EQ(all[0].activation_bytes % 3, 0);
@@ -298,13 +298,13 @@ TEST(MemoryEstimate, ReadsTheInputsTheTrainerReadsAndScalesActivationsByBatch) {
             std::string::npos);
   o.num_processes = 0;
   EXPECT_NE(error_of([&] {
-              difftrain::train::estimate_memory(kGolden + "unet2d", o);
+              difftrain::train::estimate_memory(kDiffusersGolden + "unet2d", o);
             }).find("num_processes must be at least 1, got 0"),
             std::string::npos);
   o.num_processes = 2;
   o.auto_wrap.classes = {"NoSuchBlock"};
   EXPECT_NE(error_of([&] {
-              difftrain::train::estimate_memory(kGolden + "unet2d", o);
+              difftrain::train::estimate_memory(kDiffusersGolden + "unet2d", o);
             }).find("NoSuchBlock"),
             std::string::npos);
   fs::remove_all(dir);

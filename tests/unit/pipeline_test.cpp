@@ -28,7 +28,7 @@ using difftrain::test::max_abs;
 namespace fs = std::filesystem;
 using namespace difftrain;
 
-const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/";
+using difftrain::test::kDiffusersGolden;
 
 using test::uncond_ddpm_float64;
 using test::uncond_images;
@@ -92,8 +92,8 @@ TEST(Pipeline, ChainToleranceRejectsSemanticErrors) {
 }
 
 TEST(Pipeline, ClassConditionalSamplingAndGuidance) {
-  auto unet = models::load_unet(kGolden + "unet2d");
-  auto scheduler = diffusion::load_sampler(kGolden + "unet2d_uncond/scheduler_config.json", "ddim");
+  auto unet = models::load_unet(kDiffusersGolden + "unet2d");
+  auto scheduler = diffusion::load_sampler(kDiffusersGolden + "unet2d_uncond/scheduler_config.json", "ddim");
   diffusion::SampleOptions o;
   o.num_images = 2;
   o.num_inference_steps = 4;
@@ -158,10 +158,10 @@ TEST(Pipeline, ResolvesPipelineAndUNetFolders) {
   auto p = diffusion::resolve_pipeline_folder(dir.string());
   EXPECT_EQ(p.pipeline_class, "DDIMPipeline");
   EXPECT_EQ(p.unet_dir, (dir / "unet").string());
-  auto u = diffusion::resolve_pipeline_folder(kGolden + "unet2d_uncond");
-  EXPECT_EQ(u.unet_dir, kGolden + "unet2d_uncond");
+  auto u = diffusion::resolve_pipeline_folder(kDiffusersGolden + "unet2d_uncond");
+  EXPECT_EQ(u.unet_dir, kDiffusersGolden + "unet2d_uncond");
   EXPECT_NE(error_of([&] {
-              diffusion::resolve_pipeline_folder(kGolden + "unet2d");
+              diffusion::resolve_pipeline_folder(kDiffusersGolden + "unet2d");
             }).find("scheduler_config.json: no such file"),
             std::string::npos);
   EXPECT_NE(error_of([&] {

@@ -27,7 +27,6 @@ const std::string& kXl = test::kTinySdxl;
 const std::string kLora = kGolden + "/tiny_sdxl_lora";
 const std::string kPeft = kGolden + "/tiny_sdxl_lora_peft";
 
-diffusion::TextToImageOptions fixture_call() { return test::sdxl_fixture_call(); }
 
 struct XlModels {
   models::ClipTextModel te1{nullptr}, te2{nullptr};
@@ -227,7 +226,7 @@ TEST(SdxlLora, Txt2ImgWithEitherFileMatchesDiffusers) {
     diffusion::StableDiffusionLoadOptions lo;
     lo.lora = kLora + "/" + file;
     auto sd = diffusion::load_stable_diffusion(kXl, lo);
-    auto out = diffusion::text_to_image(sd, fixture_call());
+    auto out = diffusion::text_to_image(sd, test::sdxl_fixture_call());
     const double scale = ref.at("latents_final").abs().max().item<double>();
     EXPECT_LE(max_abs(out.latents, ref.at("latents_final")), 1e-4 * scale) << file;
     EXPECT_LE(max_abs(out.images, ref.at("images")), 1e-4) << file;
@@ -248,7 +247,7 @@ TEST(SdxlLora, MergedFolderSamplesAsTheUnmergedLora) {
   EXPECT_TRUE(summary.skipped_components.empty());
   auto ref = io::load_safetensors(kLora + "/txt2img_lora_seed42.safetensors").tensors;
   auto sd = diffusion::load_stable_diffusion(out);
-  auto merged = diffusion::text_to_image(sd, fixture_call());
+  auto merged = diffusion::text_to_image(sd, test::sdxl_fixture_call());
   const double scale = ref.at("latents_final").abs().max().item<double>();
   EXPECT_LE(max_abs(merged.latents, ref.at("latents_final")), 1e-4 * scale);
   EXPECT_LE(max_abs(merged.images, ref.at("images")), 1e-4);

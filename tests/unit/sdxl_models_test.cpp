@@ -8,6 +8,7 @@
 #include "difftrain/models/clip_tokenizer.h"
 #include "difftrain/models/pretrained.h"
 #include "difftrain/models/unet.h"
+#include "sdxl_fixture.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
@@ -18,12 +19,12 @@ namespace {
 
 using test::max_abs;
 
-const std::string kXl = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/sdxl/tiny_sdxl";
+using difftrain::test::kTinySdxl;
 
 TEST(SdxlModels, TokenizersMatchTransformers) {
-  const auto cases = test::read_json(kXl + "/tokenizer_cases.json");
-  const auto tok = models::ClipTokenizer::from_folder(kXl + "/tokenizer");
-  const auto tok2 = models::ClipTokenizer::from_folder(kXl + "/tokenizer_2");
+  const auto cases = test::read_json(kTinySdxl + "/tokenizer_cases.json");
+  const auto tok = models::ClipTokenizer::from_folder(kTinySdxl + "/tokenizer");
+  const auto tok2 = models::ClipTokenizer::from_folder(kTinySdxl + "/tokenizer_2");
   EXPECT_EQ(tok.pad_id(), 49407);
   EXPECT_EQ(tok2.pad_id(), 0);
   ASSERT_GE(cases["cases"].size(), 8u);
@@ -61,26 +62,26 @@ void expect_text_encoder_matches(const std::string& dir, bool with_projection) {
 }
 
 TEST(SdxlModels, TextEncoderMatchesTransformers) {
-  expect_text_encoder_matches(kXl + "/text_encoder", false);
+  expect_text_encoder_matches(kTinySdxl + "/text_encoder", false);
 }
 
 TEST(SdxlModels, TextEncoderWithProjectionMatchesTransformers) {
-  expect_text_encoder_matches(kXl + "/text_encoder_2", true);
+  expect_text_encoder_matches(kTinySdxl + "/text_encoder_2", true);
 }
 
 TEST(SdxlModels, ProjectionCanBeForcedByThePipelineClass) {
   // A text_encoder_2/config.json without `architectures` still loads as WithProjection when the
   // pipeline says so; a plain CLIPTextModel with projection asked for misses the weight.
-  auto te = models::load_clip_text_model(kXl + "/text_encoder_2", "", true);
+  auto te = models::load_clip_text_model(kTinySdxl + "/text_encoder_2", "", true);
   EXPECT_TRUE(te->has_projection());
   const std::string msg =
-      test::error_of([&] { models::load_clip_text_model(kXl + "/text_encoder", "", true); });
+      test::error_of([&] { models::load_clip_text_model(kTinySdxl + "/text_encoder", "", true); });
   EXPECT_NE(msg.find("text_projection.weight"), std::string::npos) << msg;
 }
 
 TEST(SdxlModels, UNetWithTextTimeConditioningMatchesDiffusers) {
-  auto io = io::load_safetensors(kXl + "/unet/io.safetensors").tensors;
-  auto unet = models::load_unet(kXl + "/unet");
+  auto io = io::load_safetensors(kTinySdxl + "/unet/io.safetensors").tensors;
+  auto unet = models::load_unet(kTinySdxl + "/unet");
   EXPECT_TRUE(unet->needs_added_conditioning());
   unet->eval();
   torch::NoGradGuard no_grad;
@@ -103,7 +104,7 @@ TEST(SdxlModels, UNetWithTextTimeConditioningMatchesDiffusers) {
 }
 
 TEST(SdxlModels, UNetConfigChecksTextTimeFields) {
-  auto j = test::read_json(kXl + "/unet/config.json");
+  auto j = test::read_json(kTinySdxl + "/unet/config.json");
   auto c = models::UNetConfig::from_json(j, "config.json");
   EXPECT_EQ(c.addition_embed_type.value_or(""), "text_time");
   EXPECT_EQ(c.addition_time_embed_dim.value_or(0), 8);
@@ -121,8 +122,8 @@ TEST(SdxlModels, UNetConfigChecksTextTimeFields) {
 }
 
 TEST(SdxlModels, VaeDecodeMatchesDiffusers) {
-  auto io = io::load_safetensors(kXl + "/vae/io.safetensors").tensors;
-  auto vae = models::load_autoencoder_kl(kXl + "/vae");
+  auto io = io::load_safetensors(kTinySdxl + "/vae/io.safetensors").tensors;
+  auto vae = models::load_autoencoder_kl(kTinySdxl + "/vae");
   EXPECT_NEAR(vae->config().scaling_factor, 0.13025, 1e-12);
   EXPECT_TRUE(vae->config().force_upcast);
   vae->eval();

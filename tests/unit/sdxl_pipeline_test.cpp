@@ -21,9 +21,8 @@ namespace fs = std::filesystem;
 using test::error_of;
 using test::max_abs;
 
-const std::string& kXl = test::kTinySdxl;
+using difftrain::test::kTinySdxl;
 const std::vector<std::string>& kPrompts = test::kSdxlPrompts;
-diffusion::TextToImageOptions fixture_call() { return test::sdxl_fixture_call(); }
 
 // Compares a run with a txt2img reference file (tolerances of the fixture README).
 void expect_matches_reference(const diffusion::TextToImageResult& out,
@@ -46,7 +45,7 @@ void expect_matches_reference(const diffusion::TextToImageResult& out,
 }
 
 TEST(SdxlPipeline, FolderIsRecognised) {
-  auto f = diffusion::resolve_stable_diffusion_folder(kXl);
+  auto f = diffusion::resolve_stable_diffusion_folder(kTinySdxl);
   EXPECT_TRUE(f.xl);
   EXPECT_TRUE(f.force_zeros_for_empty_prompt);
   EXPECT_EQ(f.pipeline_class, "StableDiffusionXLPipeline");
@@ -56,8 +55,8 @@ TEST(SdxlPipeline, FolderIsRecognised) {
 }
 
 TEST(SdxlPipeline, Txt2ImgMatchesDiffusers) {
-  auto ref = io::load_safetensors(kXl + "/txt2img_seed42.safetensors").tensors;
-  auto sd = diffusion::load_stable_diffusion(kXl);
+  auto ref = io::load_safetensors(kTinySdxl + "/txt2img_seed42.safetensors").tensors;
+  auto sd = diffusion::load_stable_diffusion(kTinySdxl);
   ASSERT_TRUE(sd.is_xl());
   EXPECT_EQ(sd.scheduler->class_name(), "EulerDiscreteScheduler");
   // The tokenizers' ids equal the reference's exactly.
@@ -67,14 +66,14 @@ TEST(SdxlPipeline, Txt2ImgMatchesDiffusers) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(42);
   EXPECT_EQ(max_abs(at::randn({2, 4, 16, 16}, gen, torch::kFloat32), ref.at("latents_init")), 0.0);
 
-  auto out = diffusion::text_to_image(sd, fixture_call());
+  auto out = diffusion::text_to_image(sd, test::sdxl_fixture_call());
   EXPECT_LE(max_abs(sd.scheduler->timesteps(), ref.at("timesteps")), 0.0);
   EXPECT_NEAR(sd.scheduler->init_noise_sigma(), ref.at("init_noise_sigma").item<double>(), 1e-5);
   expect_matches_reference(out, ref);
 }
 
 TEST(SdxlPipeline, GenerateDefaultsToGuidanceFiveAndTheFolderSize) {
-  diffusion::Pipeline pipe = diffusion::load_stable_diffusion(kXl);
+  diffusion::Pipeline pipe = diffusion::load_stable_diffusion(kTinySdxl);
   diffusion::GenerateRequest r;
   r.prompts = {kPrompts[0]};
   const auto resolved = diffusion::resolve_request(pipe, r);
@@ -86,8 +85,8 @@ TEST(SdxlPipeline, GenerateDefaultsToGuidanceFiveAndTheFolderSize) {
 }
 
 TEST(SdxlPipeline, NoNegativePromptGivesZeroNegativesWhenTheFolderSaysSo) {
-  auto sd = diffusion::load_stable_diffusion(kXl);
-  auto o = fixture_call();
+  auto sd = diffusion::load_stable_diffusion(kTinySdxl);
+  auto o = test::sdxl_fixture_call();
   o.negative_prompts.clear();
   o.num_inference_steps = 1;
   auto out = diffusion::text_to_image(sd, o);
@@ -105,8 +104,8 @@ TEST(SdxlPipeline, NoNegativePromptGivesZeroNegativesWhenTheFolderSaysSo) {
 }
 
 TEST(SdxlPipeline, MicroConditioningReachesTheTimeIds) {
-  auto sd = diffusion::load_stable_diffusion(kXl);
-  auto o = fixture_call();
+  auto sd = diffusion::load_stable_diffusion(kTinySdxl);
+  auto o = test::sdxl_fixture_call();
   o.num_inference_steps = 1;
   o.original_size = {1024, 768};
   o.crops_coords_top_left = {16, 8};
@@ -123,7 +122,7 @@ TEST(SdxlPipeline, MicroConditioningReachesTheTimeIds) {
   EXPECT_EQ(row(3), (std::vector<int64_t>{1024, 768, 16, 8, 64, 48}));
   // And it changes the image against the default call.
   auto base = diffusion::text_to_image(sd, [] {
-    auto c = fixture_call();
+    auto c = test::sdxl_fixture_call();
     c.num_inference_steps = 1;
     return c;
   }());
@@ -148,8 +147,8 @@ TEST(SdxlPipeline, GuidanceRescaleMatchesAFloat64Recomputation) {
     auto want = 0.7 * cfg[b] * ratio + 0.3 * cfg[b];
     EXPECT_LE(max_abs(got[b], want), 1e-5);
   }
-  auto sd = diffusion::load_stable_diffusion(kXl);
-  auto o = fixture_call();
+  auto sd = diffusion::load_stable_diffusion(kTinySdxl);
+  auto o = test::sdxl_fixture_call();
   o.num_inference_steps = 2;
   auto plain = diffusion::text_to_image(sd, o);
   o.guidance_rescale = 0.7;
@@ -161,12 +160,12 @@ TEST(SdxlPipeline, GuidanceRescaleMatchesAFloat64Recomputation) {
 }
 
 TEST(SdxlPipeline, BrokenFoldersAreNamed) {
-  auto index = test::read_json(kXl + "/model_index.json");
+  auto index = test::read_json(kTinySdxl + "/model_index.json");
   auto make = [&](const std::string& stem, const nlohmann::json& idx,
                   const std::vector<std::string>& parts) {
     const std::string dir = test::temp_dir(stem);
     for (const auto& part : parts) {
-      fs::create_directory_symlink(fs::path(kXl) / part, fs::path(dir) / part);
+      fs::create_directory_symlink(fs::path(kTinySdxl) / part, fs::path(dir) / part);
     }
     io::write_file_atomic(dir + "/model_index.json", idx.dump(2));
     return dir;
@@ -196,8 +195,8 @@ TEST(SdxlPipeline, BrokenFoldersAreNamed) {
 }
 
 TEST(SdxlPipeline, AFloat16VaeDecodesInFloat32WhenForceUpcast) {
-  auto sd = diffusion::load_stable_diffusion(kXl);
-  auto o = fixture_call();
+  auto sd = diffusion::load_stable_diffusion(kTinySdxl);
+  auto o = test::sdxl_fixture_call();
   o.num_inference_steps = 2;
   auto ref = diffusion::text_to_image(sd, o);
   sd.vae->to(torch::kFloat16);
@@ -210,7 +209,7 @@ TEST(SdxlPipeline, AFloat16VaeDecodesInFloat32WhenForceUpcast) {
 }
 
 TEST(SdxlPipeline, ClipSkipTakesAnEarlierLayerOfBothEncoders) {
-  auto sd = diffusion::load_stable_diffusion(kXl);
+  auto sd = diffusion::load_stable_diffusion(kTinySdxl);
   torch::NoGradGuard no_grad;
   const auto ids = sd.tokenizer.encode_batch(kPrompts);
   const auto ids_2 = sd.tokenizer_2.encode_batch(kPrompts);

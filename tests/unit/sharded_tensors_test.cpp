@@ -22,6 +22,7 @@
 namespace {
 
 using difftrain::test::error_of;
+using difftrain::test::read_json;
 using difftrain::test::temp_dir;
 
 namespace fs = std::filesystem;
@@ -100,11 +101,6 @@ void write_checkpoint(const std::string& dir, const io::TensorMap& tensors, int 
     io::write_tensor_shard(dir, "model", r, world, pieces);
   }
   io::write_shard_index(dir, "model", world, infos, metadata);
-}
-
-nlohmann::json read_json(const std::string& path) {
-  std::ifstream in(path);
-  return nlohmann::json::parse(in);
 }
 
 void write_json(const std::string& path, const nlohmann::json& j) { std::ofstream(path) << j; }

@@ -2,6 +2,7 @@
 // Gloo groups. Every strategy must give NO_SHARD's parameters, and 1 rank's with the same global
 // batch; memory reports must show the shards.
 
+#include "test_util.h"
 #include "thread_ranks.h"
 
 #include "difftrain/accel/accelerator.h"
@@ -29,7 +30,7 @@ using difftrain::distributed::ProcessGroup;
 using difftrain::models::UNet;
 using difftrain::models::UNetConfig;
 
-const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/";
+using difftrain::test::kDiffusersGolden;
 constexpr int64_t kPerRank = 2;
 constexpr int kSteps = 3;
 
@@ -64,7 +65,7 @@ std::map<std::string, torch::Tensor> initial_state(const std::string& model) {
   auto it = cache.find(model);
   if (it != cache.end()) return it->second;
   torch::manual_seed(1234);
-  UNet unet(UNetConfig::load(kGolden + model + "/config.json"));
+  UNet unet(UNetConfig::load(kDiffusersGolden + model + "/config.json"));
   std::map<std::string, torch::Tensor> out;
   for (const auto& p : unet->named_parameters()) out[p.key()] = p.value().detach().clone();
   // Diffusers zero-initialises nothing here; perturb so LoRA's B=0 start still moves things.
@@ -95,7 +96,7 @@ RunResult train(const RunSpec& spec) {
   std::mutex result_mutex;
   const auto init = initial_state(spec.model);
   difftrain::distributed::on_ranks(spec.world, [&](ProcessGroup& group) {
-    UNet unet(UNetConfig::load(kGolden + spec.model + "/config.json"));
+    UNet unet(UNetConfig::load(kDiffusersGolden + spec.model + "/config.json"));
     {
       torch::NoGradGuard no_grad;
       for (auto& p : unet->named_parameters()) p.value().copy_(init.at(p.key()));

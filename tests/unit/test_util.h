@@ -15,6 +15,11 @@
 
 namespace difftrain::test {
 
+/// The reference files made with the Python Diffusers stack (tests/golden/README.md).
+inline const std::string kGoldenDir = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/";
+inline const std::string kDiffusersGolden = kGoldenDir + "diffusers/";
+inline const std::string kTinySdGolden = kGoldenDir + "sd/tiny_sd/";
+
 /// max |a - b|, computed in float64.
 inline double max_abs(const torch::Tensor& a, const torch::Tensor& b) {
   return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();

@@ -22,6 +22,7 @@
 namespace {
 
 using difftrain::test::error_of;
+using difftrain::test::read_json;
 using difftrain::test::max_abs;
 using difftrain::test::temp_dir;
 
@@ -31,12 +32,7 @@ using difftrain::models::UNetConditioning;
 using difftrain::models::UNetConfig;
 using nlohmann::json;
 
-const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/";
-
-json read_json(const std::string& path) {
-  std::ifstream in(path);
-  return json::parse(in);
-}
+using difftrain::test::kDiffusersGolden;
 
 // GELU's gradient when the incoming gradient is not contiguous (here: the output is used
 // transposed). LibTorch 1.13's own gelu_backward gets this wrong on the CPU (inf/NaN or garbage);
@@ -72,9 +68,9 @@ TEST(Layers, GeluGradientIsRightForNonContiguousIncomingGradients) {
 }
 
 TEST(UNet, ClassConditionalUNet2DMatchesDiffusers) {
-  UNet unet = difftrain::models::load_unet(kGolden + "unet2d");
+  UNet unet = difftrain::models::load_unet(kDiffusersGolden + "unet2d");
   unet->eval();
-  auto io = difftrain::io::load_safetensors(kGolden + "unet2d/io.safetensors").tensors;
+  auto io = difftrain::io::load_safetensors(kDiffusersGolden + "unet2d/io.safetensors").tensors;
   torch::NoGradGuard no_grad;
   UNetConditioning cond;
   cond.class_labels = io.at("class_labels");
@@ -88,9 +84,9 @@ TEST(UNet, ClassConditionalUNet2DMatchesDiffusers) {
 }
 
 TEST(UNet, ConditionUNetMatchesDiffusers) {
-  UNet unet = difftrain::models::load_unet(kGolden + "unet_cond");
+  UNet unet = difftrain::models::load_unet(kDiffusersGolden + "unet_cond");
   unet->eval();
-  auto io = difftrain::io::load_safetensors(kGolden + "unet_cond/io.safetensors").tensors;
+  auto io = difftrain::io::load_safetensors(kDiffusersGolden + "unet_cond/io.safetensors").tensors;
   torch::NoGradGuard no_grad;
   UNetConditioning cond;
   cond.encoder_hidden_states = io.at("encoder_hidden_states");
@@ -106,9 +102,9 @@ TEST(UNet, ConditionUNetMatchesDiffusers) {
 
 TEST(UNet, KeysAreExactlyDiffusersKeys) {
   for (const char* name : {"unet2d", "unet2d_uncond", "unet_cond"}) {
-    UNet unet(UNetConfig::load(kGolden + name + "/config.json"));
+    UNet unet(UNetConfig::load(kDiffusersGolden + name + "/config.json"));
     auto file =
-        difftrain::io::load_safetensors(kGolden + name + "/diffusion_pytorch_model.safetensors")
+        difftrain::io::load_safetensors(kDiffusersGolden + name + "/diffusion_pytorch_model.safetensors")
             .tensors;
     auto own = difftrain::models::named_tensors(*unet);
     std::vector<std::string> a, b;
@@ -123,14 +119,14 @@ TEST(UNet, KeysAreExactlyDiffusersKeys) {
 }
 
 TEST(UNet, SaveThenLoadRoundTripsAndDiffusersConfigStays) {
-  UNet unet = difftrain::models::load_unet(kGolden + "unet_cond");
+  UNet unet = difftrain::models::load_unet(kDiffusersGolden + "unet_cond");
   const std::string dir = temp_dir("unet_save");
   difftrain::models::save_unet(*unet, dir);
-  auto original = read_json(kGolden + "unet_cond/config.json");
+  auto original = read_json(kDiffusersGolden + "unet_cond/config.json");
   auto saved = read_json(dir + "/config.json");
   EXPECT_EQ(saved, original);
   auto a =
-      difftrain::io::load_safetensors(kGolden + "unet_cond/diffusion_pytorch_model.safetensors")
+      difftrain::io::load_safetensors(kDiffusersGolden + "unet_cond/diffusion_pytorch_model.safetensors")
           .tensors;
   auto b = difftrain::io::load_safetensors(dir + "/diffusion_pytorch_model.safetensors");
   ASSERT_EQ(a.size(), b.tensors.size());
@@ -143,8 +139,8 @@ TEST(UNet, SaveThenLoadRoundTripsAndDiffusersConfigStays) {
 // Diffusers' `variant="fp16"` files: half-precision weights load into the float32 model.
 TEST(UNet, Fp16VariantWeightsLoad) {
   const std::string dir = temp_dir("unet_fp16");
-  fs::copy_file(kGolden + "unet2d/config.json", dir + "/config.json");
-  auto w = difftrain::io::load_safetensors(kGolden + "unet2d/diffusion_pytorch_model.safetensors")
+  fs::copy_file(kDiffusersGolden + "unet2d/config.json", dir + "/config.json");
+  auto w = difftrain::io::load_safetensors(kDiffusersGolden + "unet2d/diffusion_pytorch_model.safetensors")
                .tensors;
   for (auto& [k, v] : w) v = v.to(torch::kFloat16);
   difftrain::io::save_safetensors(dir + "/diffusion_pytorch_model.fp16.safetensors", w);
@@ -154,7 +150,7 @@ TEST(UNet, Fp16VariantWeightsLoad) {
   UNet unet = difftrain::models::load_unet(dir, "fp16");
   for (const auto& p : unet->parameters()) EXPECT_EQ(p.scalar_type(), torch::kFloat32);
   unet->eval();
-  auto io = difftrain::io::load_safetensors(kGolden + "unet2d/io.safetensors").tensors;
+  auto io = difftrain::io::load_safetensors(kDiffusersGolden + "unet2d/io.safetensors").tensors;
   torch::NoGradGuard no_grad;
   UNetConditioning cond;
   cond.class_labels = io.at("class_labels");
@@ -167,9 +163,9 @@ TEST(UNet, Fp16VariantWeightsLoad) {
 
 TEST(UNet, LoadReportsMissingUnexpectedAndMisshapenKeysByName) {
   const std::string dir = temp_dir("unet_bad");
-  fs::copy_file(kGolden + "unet_cond/config.json", dir + "/config.json");
+  fs::copy_file(kDiffusersGolden + "unet_cond/config.json", dir + "/config.json");
   auto w =
-      difftrain::io::load_safetensors(kGolden + "unet_cond/diffusion_pytorch_model.safetensors")
+      difftrain::io::load_safetensors(kDiffusersGolden + "unet_cond/diffusion_pytorch_model.safetensors")
           .tensors;
   auto broken = w;
   broken.erase("mid_block.attentions.0.proj_in.weight");
@@ -199,7 +195,7 @@ TEST(UNet, LoadReportsMissingUnexpectedAndMisshapenKeysByName) {
 }
 
 TEST(UNet, ConfigErrorsNameTheFieldAndTheChoices) {
-  auto base = read_json(kGolden + "unet_cond/config.json");
+  auto base = read_json(kDiffusersGolden + "unet_cond/config.json");
   auto bad = base;
   bad["down_block_types"][0] = "SimpleCrossAttnDownBlock2D";
   std::string msg = error_of([&] { UNetConfig::from_json(bad, "cfg.json"); });
@@ -237,11 +233,11 @@ TEST(UNet, ConfigErrorsNameTheFieldAndTheChoices) {
 
 // Missing inputs are errors, not crashes.
 TEST(UNet, MissingConditioningIsAClearError) {
-  UNet cond_unet(UNetConfig::load(kGolden + "unet_cond/config.json"));
+  UNet cond_unet(UNetConfig::load(kDiffusersGolden + "unet_cond/config.json"));
   auto x = torch::randn({1, 4, 16, 16});
   std::string msg = error_of([&] { cond_unet->forward(x, torch::tensor({10})); });
   EXPECT_NE(msg.find("encoder_hidden_states"), std::string::npos) << msg;
-  UNet class_unet(UNetConfig::load(kGolden + "unet2d/config.json"));
+  UNet class_unet(UNetConfig::load(kDiffusersGolden + "unet2d/config.json"));
   msg = error_of([&] { class_unet->forward(torch::randn({1, 3, 16, 16}), torch::tensor({10})); });
   EXPECT_NE(msg.find("class labels"), std::string::npos) << msg;
   UNetConditioning c;
@@ -253,11 +249,11 @@ TEST(UNet, MissingConditioningIsAClearError) {
 // Gradient checkpointing recomputes in backward: same loss, same gradients, and it works when
 // only some parameters (LoRA-style) are trainable and the input needs no grad.
 TEST(UNet, GradientCheckpointingGivesTheSameGradients) {
-  auto io = difftrain::io::load_safetensors(kGolden + "unet_cond/io.safetensors").tensors;
+  auto io = difftrain::io::load_safetensors(kDiffusersGolden + "unet_cond/io.safetensors").tensors;
   UNetConditioning cond;
   cond.encoder_hidden_states = io.at("encoder_hidden_states");
   auto run = [&](bool ckpt, bool only_attention) {
-    UNet unet = difftrain::models::load_unet(kGolden + "unet_cond");
+    UNet unet = difftrain::models::load_unet(kDiffusersGolden + "unet_cond");
     unet->train();
     unet->set_gradient_checkpointing(ckpt);
     if (only_attention) {
@@ -375,18 +371,18 @@ namespace {
 // LoRA fixture: the same r=4 LoRA on unet_cond in three key formats; Diffusers' output with the
 // LoRA applied is io.safetensors' `out`.
 TEST(UNet, LoraAppliedOutputMatchesDiffusersInEveryFormat) {
-  auto io = difftrain::io::load_safetensors(kGolden + "lora/io.safetensors").tensors;
+  auto io = difftrain::io::load_safetensors(kDiffusersGolden + "lora/io.safetensors").tensors;
   UNetConditioning cond;
   cond.encoder_hidden_states = io.at("encoder_hidden_states");
   torch::NoGradGuard no_grad;
-  UNet base = difftrain::models::load_unet(kGolden + "unet_cond");
+  UNet base = difftrain::models::load_unet(kDiffusersGolden + "unet_cond");
   base->eval();
   auto base_out = base->forward(io.at("sample"), io.at("timestep"), cond);
   for (const char* file : {"pytorch_lora_weights.safetensors", "peft_format.safetensors",
                            "kohya_format.safetensors"}) {
-    UNet unet = difftrain::models::load_unet(kGolden + "unet_cond");
+    UNet unet = difftrain::models::load_unet(kDiffusersGolden + "unet_cond");
     unet->eval();
-    auto lora = difftrain::io::read_lora(kGolden + "lora/" + file);
+    auto lora = difftrain::io::read_lora(kDiffusersGolden + "lora/" + file);
     auto summary = difftrain::models::merge_lora(*unet, lora, 1.0);
     EXPECT_EQ(summary.modules_merged, 32) << file;
     auto out = unet->forward(io.at("sample"), io.at("timestep"), cond);
@@ -397,10 +393,10 @@ TEST(UNet, LoraAppliedOutputMatchesDiffusersInEveryFormat) {
     EXPECT_GT(max_abs(out, base_out), 1e-3) << file;  // the LoRA is not a no-op
   }
   // lora_scale 0 leaves the base model; 0.5 lands between.
-  UNet half = difftrain::models::load_unet(kGolden + "unet_cond");
+  UNet half = difftrain::models::load_unet(kDiffusersGolden + "unet_cond");
   half->eval();
   difftrain::models::merge_lora(
-      *half, difftrain::io::read_lora(kGolden + "lora/peft_format.safetensors"), 0.5);
+      *half, difftrain::io::read_lora(kDiffusersGolden + "lora/peft_format.safetensors"), 0.5);
   auto half_out = half->forward(io.at("sample"), io.at("timestep"), cond);
   EXPECT_GT(max_abs(half_out, base_out), 1e-4);
   EXPECT_GT(max_abs(half_out, io.at("out")), 1e-4);

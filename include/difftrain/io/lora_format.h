@@ -31,6 +31,9 @@ enum class LoraFormat {
 /// "diffusers", "peft" or "kohya".
 std::string to_string(LoraFormat format);
 
+/// "[4, 8] Float": a tensor's shape and dtype, as LoRA errors name them.
+std::string shape_and_dtype(const torch::Tensor& t);
+
 /// One low-rank update of one module's weight: W += scale() * up @ down (see models::lora_delta).
 struct LoraTarget {
   /// The module's path inside its component, in Diffusers' dotted form
