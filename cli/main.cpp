@@ -2,6 +2,7 @@
 // turns exceptions into exit codes.
 
 #include "commands.h"
+#include "difftrain/core/env.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/exit.h"
 #include "difftrain/core/log.h"
@@ -14,6 +15,7 @@ namespace difftrain::cli {
 
 int run_cli(int argc, char** argv) {
   difftrain::log::init();
+  difftrain::remember_user_command(argc, argv);
   CLI::App app{"difftrain: distributed training of diffusion models on LibTorch", "difftrain"};
   app.set_version_flag("--version", std::string("difftrain ") + DIFFTRAIN_VERSION);
   app.require_subcommand(1);

@@ -132,11 +132,7 @@ void Accelerator::init() {
   install_autocast_fixes();
   if (state_->mixed_precision == MixedPrecision::kFp16) {
     state_->scaler = std::make_unique<GradScaler>(options_.scaler, group_);
-    if (device_.is_cpu()) {
-      log::warn(
-          "mixed_precision fp16: LibTorch has no fp16 autocast on CPU, so compute stays fp32; "
-          "the dynamic loss scaler still runs. Use bf16 on CPU");
-    }
+    if (device_.is_cpu()) warn_fp16_on_cpu_once();
   }
   sharding_ = options_.sharding ? *options_.sharding : ShardingOptions::from_env();
   if (num_processes() == 1 && sharding_.strategy != ShardingStrategy::kNoShard) {
@@ -580,7 +576,13 @@ nlohmann::json Accelerator::state_dict() const {
   for (const auto& seen : loaders_) {
     auto l = seen.loader.lock();
     const auto st = l ? l->state() : data::LoaderState{};
-    j["loaders"].push_back({{"epoch", st.epoch}, {"batches_consumed", st.batches_consumed}});
+    // The position also in samples of the epoch's global order, which a run on another world
+    // size (the same global batch in other per-rank batches or accumulation) resumes from.
+    const int64_t global = l ? l->total_batch_size() : 0;
+    j["loaders"].push_back({{"epoch", st.epoch},
+                            {"batches_consumed", st.batches_consumed},
+                            {"samples_consumed", st.batches_consumed * global},
+                            {"total_batch_size", global}});
   }
   return j;
 }
@@ -672,8 +674,23 @@ void Accelerator::load_state_dict(const nlohmann::json& j) {
                       "\"batches_consumed\": n}}",
                       key, l.dump()));
     }
-    p.loaders.push_back({count(l.at("epoch"), key + ".epoch", 0),
-                         count(l.at("batches_consumed"), key + ".batches_consumed", 0)});
+    data::LoaderState st{count(l.at("epoch"), key + ".epoch", 0),
+                         count(l.at("batches_consumed"), key + ".batches_consumed", 0)};
+    auto loader = i < loaders_.size() ? loaders_[i].loader.lock() : nullptr;
+    if (l.contains("samples_consumed") && loader) {
+      // Resume at the same sample of the global order, whatever the batches per rank now.
+      const int64_t samples = count(l.at("samples_consumed"), key + ".samples_consumed", 0);
+      const int64_t global = loader->total_batch_size();
+      st.batches_consumed = samples / global;
+      if (samples % global != 0 && is_main_process()) {
+        spdlog::warn(
+            "the checkpoint stopped at sample {} of epoch {}, not a multiple of this run's global "
+            "batch {}: resuming at sample {} (the run will not match an uninterrupted one "
+            "exactly)",
+            samples, st.epoch, global, st.batches_consumed * global);
+      }
+    }
+    p.loaders.push_back(st);
   }
 
   // Phase 2: apply.

@@ -47,15 +47,19 @@ namespace {
 std::once_flag g_fp16_cpu_warning;
 }  // namespace
 
+void warn_fp16_on_cpu_once() {
+  std::call_once(g_fp16_cpu_warning, []() {
+    log::warn(
+        "mixed_precision fp16: LibTorch has no fp16 autocast on CPU, so compute stays fp32; the "
+        "dynamic loss scaler still runs. Use bf16 on CPU");
+  });
+}
+
 AutocastGuard::AutocastGuard(MixedPrecision mp, torch::Device device) {
   if (mp == MixedPrecision::kNo) return;
   cuda_ = device.is_cuda();
   if (!cuda_ && mp == MixedPrecision::kFp16) {
-    std::call_once(g_fp16_cpu_warning, []() {
-      log::warn(
-          "fp16 autocast does not exist on CPU in LibTorch 1.13: the forward pass computes in "
-          "fp32 (the loss scaler still runs); use bf16 on CPU");
-    });
+    warn_fp16_on_cpu_once();
     return;
   }
   const at::ScalarType dtype = mp == MixedPrecision::kBf16 ? at::kBFloat16 : at::kHalf;

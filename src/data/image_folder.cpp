@@ -222,6 +222,44 @@ std::vector<Entry> scan_folder(const fs::path& dir, const fs::path& root) {
   return entries;
 }
 
+// kohya-style sidecar captions: `<dir>/<image without extension><extension>`, UTF-8, its first
+// non-empty line with the surrounding white space trimmed. Fills the captions metadata.jsonl did
+// not give and returns how many images had both (metadata.jsonl wins).
+int64_t read_sidecar_captions(std::vector<Entry>& entries, const fs::path& dir,
+                              const std::string& extension) {
+  int64_t both = 0;
+  if (extension.empty()) return both;
+  for (Entry& e : entries) {
+    fs::path sidecar = dir / e.file;
+    sidecar.replace_extension(extension);
+    std::error_code ec;
+    if (!fs::is_regular_file(sidecar, ec)) continue;
+    if (e.caption) {
+      ++both;
+      continue;
+    }
+    std::ifstream in(sidecar, std::ios::binary);
+    if (!in) throw Error(sidecar.string() + ": cannot be read; check its permissions");
+    std::string line, caption;
+    while (caption.empty() && std::getline(in, line)) {
+      const auto first = line.find_first_not_of(" \t\r\n");
+      if (first == std::string::npos) continue;
+      caption = line.substr(first, line.find_last_not_of(" \t\r\n") - first + 1);
+    }
+    line = caption;
+    if (line.rfind("\xEF\xBB\xBF", 0) == 0) line.erase(0, 3);  // a UTF-8 byte order mark
+    if (const size_t bad = first_invalid_utf8(line); bad != std::string::npos) {
+      throw Error(fmt::format(
+          "{}: not valid UTF-8 (byte 0x{:02X} at column {}); save the caption as UTF-8, e.g. "
+          "iconv -f latin1 -t utf-8",
+          sidecar.string(), static_cast<unsigned>(static_cast<unsigned char>(line[bad])),
+          bad + 1));
+    }
+    e.caption = line;
+  }
+  return both;
+}
+
 // HF imagefolder's inferred labels: every image directly in a first-level sub-folder, and at
 // least two sub-folders. Returns the sorted sub-folder names (empty: no labels).
 std::vector<std::string> infer_labels(std::vector<Entry>& entries) {
@@ -279,6 +317,12 @@ ImageFolderDataset::ImageFolderDataset(ImageFolderOptions options) : options_(st
   } else {
     entries = scan_folder(dir, root);
     class_names_ = infer_labels(entries);
+  }
+  if (const int64_t both = read_sidecar_captions(entries, dir, options_.caption_extension);
+      both > 0 && log::rank() == 0) {
+    log::info("{}: {} image(s) have both a metadata.jsonl caption and a {} file; metadata.jsonl "
+              "wins",
+              options_.dir, both, options_.caption_extension);
   }
   if (entries.empty()) {
     throw Error(fmt::format(

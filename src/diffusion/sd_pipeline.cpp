@@ -113,6 +113,16 @@ StableDiffusionFolder parse_model_index(const std::string& json_text,
   if (index.contains("_class_name") && index["_class_name"].is_string()) {
     out.pipeline_class = index["_class_name"].get<std::string>();
   }
+  // Another pipeline with SD-like components (an inpainting or depth UNet, an upscaler) would
+  // otherwise load and train as plain text-to-image: refused by name.
+  const std::set<std::string> known_pipelines = {
+      "StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionXLPipeline",
+      "StableDiffusionXLImg2ImgPipeline"};
+  if (!out.pipeline_class.empty() && !known_pipelines.count(out.pipeline_class)) {
+    throw Error(index_path + ": pipeline class \"" + out.pipeline_class +
+                "\" is not supported; difftrain runs StableDiffusionPipeline (SD 1.x/2.x) and "
+                "StableDiffusionXLPipeline folders (or their Img2Img variants, the same weights)");
+  }
   const std::set<std::string> ignored = {"safety_checker", "feature_extractor", "image_encoder"};
   const std::map<std::string, std::set<std::string>> supported = {
       {"unet", {"UNet2DConditionModel"}},

@@ -53,6 +53,86 @@ std::string shape_str(const torch::Tensor& t) {
 // code counts: when they sum past 256 it writes past its Huffman tables (a heap overflow; fixed
 // upstream in 2.28). Such a segment is never valid, so the markers are walked as stb reads them
 // (segments by length, entropy-coded data up to the next marker) and the file is refused first.
+// ---------------------------------------------------------------- EXIF orientation
+
+// The Orientation tag (0x0112) of a TIFF structure (an EXIF block), 1 when absent or malformed.
+int tiff_orientation(const unsigned char* p, size_t n) {
+  if (n < 8) return 1;
+  const bool little = p[0] == 'I' && p[1] == 'I';
+  if (!little && !(p[0] == 'M' && p[1] == 'M')) return 1;
+  auto u16 = [&](size_t at) -> uint32_t {
+    return little ? p[at] | (p[at + 1] << 8) : (p[at] << 8) | p[at + 1];
+  };
+  auto u32 = [&](size_t at) -> uint32_t {
+    return little ? u16(at) | (u16(at + 2) << 16) : (u16(at) << 16) | u16(at + 2);
+  };
+  if (u16(2) != 42) return 1;
+  const size_t ifd = u32(4);
+  if (ifd > n - 2) return 1;
+  const size_t count = u16(ifd);
+  for (size_t i = 0; i < count; ++i) {
+    const size_t entry = ifd + 2 + 12 * i;
+    if (entry + 12 > n) break;
+    if (u16(entry) == 0x0112 && u16(entry + 2) == 3) {  // Orientation, SHORT
+      const uint32_t v = u16(entry + 8);
+      return v >= 1 && v <= 8 ? static_cast<int>(v) : 1;
+    }
+  }
+  return 1;
+}
+
+// EXIF orientation 1..8 of a JPEG (APP1 "Exif" segment) or PNG (eXIf chunk); 1 = as stored.
+int exif_orientation(std::string_view b) {
+  const auto* u = reinterpret_cast<const unsigned char*>(b.data());
+  if (b.size() > 4 && u[0] == 0xFF && u[1] == 0xD8) {
+    size_t pos = 2;
+    while (pos + 4 <= b.size() && u[pos] == 0xFF) {
+      const unsigned char marker = u[pos + 1];
+      if (marker == 0xFF) {  // fill byte
+        ++pos;
+        continue;
+      }
+      if (marker == 0xDA || marker == 0xD9) break;  // image data: no EXIF after it
+      const size_t len = (size_t{u[pos + 2]} << 8) | u[pos + 3];
+      if (len < 2 || pos + 2 + len > b.size()) break;
+      if (marker == 0xE1 && len >= 8 && b.substr(pos + 4, 6) == std::string_view("Exif\0\0", 6)) {
+        return tiff_orientation(u + pos + 10, len - 8);
+      }
+      pos += 2 + len;
+    }
+    return 1;
+  }
+  static constexpr std::string_view kPng("\x89PNG\r\n\x1a\n", 8);
+  if (b.substr(0, 8) == kPng) {
+    size_t pos = 8;
+    while (pos + 12 <= b.size()) {
+      const size_t len = (size_t{u[pos]} << 24) | (size_t{u[pos + 1]} << 16) |
+                         (size_t{u[pos + 2]} << 8) | u[pos + 3];
+      if (len > b.size() - pos - 12) break;
+      const std::string_view type = b.substr(pos + 4, 4);
+      if (type == "eXIf") return tiff_orientation(u + pos + 8, len);
+      if (type == "IEND") break;
+      pos += 12 + len;
+    }
+  }
+  return 1;
+}
+
+// PIL's ImageOps.exif_transpose on uint8 [H, W, C]: 2 FLIP_LEFT_RIGHT, 3 ROTATE_180,
+// 4 FLIP_TOP_BOTTOM, 5 TRANSPOSE, 6 ROTATE_270, 7 TRANSVERSE, 8 ROTATE_90.
+torch::Tensor apply_exif_orientation(const torch::Tensor& image, int orientation) {
+  switch (orientation) {
+    case 2: return image.flip({1}).contiguous();
+    case 3: return image.flip({0, 1}).contiguous();
+    case 4: return image.flip({0}).contiguous();
+    case 5: return image.transpose(0, 1).contiguous();
+    case 6: return image.rot90(-1, {0, 1}).contiguous();  // 90 degrees clockwise
+    case 7: return image.transpose(0, 1).flip({0, 1}).contiguous();
+    case 8: return image.rot90(1, {0, 1}).contiguous();  // 90 degrees counter-clockwise
+    default: return image;
+  }
+}
+
 bool jpeg_has_oversized_huffman_table(std::string_view b) {
   auto at = [&](size_t i) -> unsigned {
     return i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
@@ -288,7 +368,29 @@ torch::Tensor decode_image(const std::string& bytes, const std::string& name, in
                 "HDR, PIC or PNM image — re-create it or convert it to PNG");
   }
   const int c = channels != 0 ? channels : stored;
-  return torch::from_blob(data.get(), {h, w, c}, torch::kUInt8).clone();
+  // Phone photos store the sensor's rows and say how to turn them: applied as PIL's
+  // exif_transpose, which Diffusers' DreamBooth scripts call on every image.
+  return apply_exif_orientation(torch::from_blob(data.get(), {h, w, c}, torch::kUInt8).clone(),
+                                exif_orientation(bytes));
+}
+
+std::string encode_jpeg(const torch::Tensor& image, int quality) {
+  if (!image.defined() || image.dim() != 3 || image.scalar_type() != torch::kUInt8 ||
+      image.size(2) < 1 || image.size(2) > 4 || image.size(0) < 1 || image.size(1) < 1 ||
+      image.size(0) > 65535 || image.size(1) > 65535 || quality < 1 || quality > 100) {
+    throw Error("encode_jpeg: the image is " + (image.defined() ? shape_str(image) : "undefined") +
+                " at quality " + std::to_string(quality) +
+                ": expected uint8 [H, W, C] with 1 <= H, W <= 65535, C 1..4 and quality 1..100");
+  }
+  const auto pixels = image.to(torch::kCPU).contiguous();
+  std::string jpeg;
+  if (stbi_write_jpg_to_func(append_bytes, &jpeg, static_cast<int>(pixels.size(1)),
+                             static_cast<int>(pixels.size(0)), static_cast<int>(pixels.size(2)),
+                             pixels.data_ptr<uint8_t>(), quality) == 0) {
+    throw Error("encode_jpeg: stb_image_write could not encode the " + shape_str(image) +
+                " image");
+  }
+  return jpeg;
 }
 
 torch::Tensor load_image(const std::string& path, int channels) {
@@ -423,6 +525,7 @@ std::array<int64_t, 2> image_size(const std::string& path) {
     throw Error("cannot load image '" + path + "': " + reason +
                 " (not a PNG, JPEG or BMP file?); convert it to PNG");
   }
+  if (exif_orientation(bytes) >= 5) return {int64_t{w}, int64_t{h}};  // turned a quarter
   return {int64_t{h}, int64_t{w}};
 }
 

@@ -66,6 +66,14 @@ uint64_t read_u64_le(const unsigned char* p) {
 // offset), the metadata, and the data buffer's start.
 std::vector<Entry> parse_header(const unsigned char* bytes, uint64_t size, const std::string& file,
                                 Metadata& metadata, uint64_t& data_start) {
+  // A clone without git-lfs (or with GIT_LFS_SKIP_SMUDGE=1) leaves a small text file in place of
+  // each weight file.
+  static constexpr std::string_view kLfs = "version https://git-lfs.github.com/spec/";
+  if (size >= kLfs.size() && std::memcmp(bytes, kLfs.data(), kLfs.size()) == 0) {
+    throw Error("'" + file + "' is a Git LFS pointer (" + std::to_string(size) +
+                " bytes), not the weights: run `git lfs install && git lfs pull` in its "
+                "repository, or download the file itself");
+  }
   if (size < 8)
     bad_safetensors(file, "it is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
   uint64_t header_len = read_u64_le(bytes);

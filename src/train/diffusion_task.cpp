@@ -53,6 +53,7 @@ data::ImageFolderOptions image_folder_options(const DataOptions& d, const std::s
   o.skip_bad_images = d.skip_bad_images;
   o.seed = d.seed;
   o.caption_column = d.caption_column;
+  o.caption_extension = d.caption_extension;
   o.channels = channels;
   return o;
 }

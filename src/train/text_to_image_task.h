@@ -471,10 +471,7 @@ class TextToImageTask : public DiffusionTask {
     TextImageDataset::Half inst;
     inst.images =
         std::make_shared<data::ImageFolderDataset>(image_folder_options(d, d.train_data_dir, 3));
-    if (inst.images->skipped() > 0) {
-      acc.print("warning: skipped {} unreadable image(s) in {} (--skip_bad_images)",
-                inst.images->skipped(), d.train_data_dir);
-    }
+    // Skipped images (--skip_bad_images) are reported once, by the dataset on the main rank.
     for (int64_t i = 0; i < inst.images->size(); ++i) {
       if (!t.instance_prompt.empty()) {
         inst.captions.push_back(t.instance_prompt);
@@ -482,15 +479,17 @@ class TextToImageTask : public DiffusionTask {
       }
       auto caption = inst.images->caption(i);
       if (!caption) {
-        throw Error(inst.images->file(i) + " has no caption: add a \"" + d.caption_column +
-                    "\" field to its line of " + d.train_data_dir +
+        throw Error(inst.images->file(i) + " has no caption: put it in a " +
+                    (d.caption_extension.empty() ? std::string(".txt") : d.caption_extension) +
+                    " file beside the image (--caption_extension), or in the \"" +
+                    d.caption_column + "\" field of its line of " + d.train_data_dir +
                     "/metadata.jsonl (--caption_column), or give every image one "
                     "--instance_prompt");
       }
       inst.captions.push_back(*caption);
     }
     if (d.max_train_samples > 0 && d.max_train_samples < inst.images->size()) {
-      acc.print("warning: --max_train_samples is not applied to text-to-image data");
+      acc.warn("--max_train_samples is not applied to text-to-image data");
     }
 
     std::optional<TextImageDataset::Half> cls;

@@ -214,6 +214,7 @@ const std::vector<Option>& options() {
       DT_OPTION(logging_steps),
       DT_OPTION(seed),
       DT_OPTION(output_dir),
+      DT_OPTION(overwrite_output_dir),
       DT_OPTION(logging_dir),
       DT_OPTION(report_to),
       DT_OPTION(lora),
@@ -223,6 +224,7 @@ const std::vector<Option>& options() {
       DT_OPTION(lora_target_modules),
       DT_OPTION(lora_format),
       DT_OPTION(caption_column),
+      DT_OPTION(caption_extension),
       DT_OPTION(instance_prompt),
       DT_OPTION(with_prior_preservation),
       DT_OPTION(class_data_dir),
@@ -464,6 +466,12 @@ void TrainConfig::validate() const {
   require(!checkpoints_total_limit || *checkpoints_total_limit >= 1,
           "--checkpoints_total_limit must be at least 1");
   require(validation_steps >= 0, "--validation_steps must be >= 0 (0: only at the end)");
+  require(caption_extension.empty() || caption_extension[0] == '.',
+          "--caption_extension must start with a dot (.txt, .caption) or be empty, got '" +
+              caption_extension + "'");
+  require(!overwrite_output_dir || resume_from_checkpoint.empty(),
+          "--overwrite_output_dir clears the folder that --resume_from_checkpoint would continue; "
+          "pass one of them");
   require(num_validation_images >= 0, "--num_validation_images must be >= 0");
   require(final_validation == "auto" || final_validation == "always" || final_validation == "never",
           "--final_validation must be auto, always or never, got '" + final_validation + "'");
@@ -599,6 +607,11 @@ TrainConfig parse_train_config(const std::vector<std::string>& args) {
                  config.fsdp_auto_wrap_policy.begin(),
                  [](unsigned char ch) { return static_cast<char>(std::toupper(ch)); });
   if (config.ema_decay) config.ema_max_decay = *config.ema_decay;
+  // As Diffusers' scripts: the epochs decide the length unless --max_train_steps is given. The
+  // default 1200 updates stand only when neither is given (the built-in default job).
+  if (given.count("num_train_epochs") && !given.count("max_train_steps")) {
+    config.max_train_steps = 0;
+  }
   config.validate();
   return config;
 }

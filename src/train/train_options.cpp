@@ -36,6 +36,12 @@ TrainerOptions trainer_options(const TrainConfig& c) {
   o.ema_inv_gamma = c.ema_inv_gamma;
   o.ema_power = c.ema_power;
   o.output_dir = c.output_dir;
+  o.overwrite_output_dir = c.overwrite_output_dir;
+  o.inputs = {{"pretrained_model_name_or_path", c.pretrained_model_name_or_path},
+              {"pretrained_vae_model_name_or_path", c.pretrained_vae_model_name_or_path},
+              {"model_config_name_or_path", c.model_config_name_or_path},
+              {"train_data_dir", c.train_data_dir},
+              {"class_data_dir", c.class_data_dir}};
   o.logging_dir = c.logging_dir;
   o.report_to = c.report_to;
   o.logging_steps = c.logging_steps;
@@ -77,9 +83,9 @@ TrainerOptions trainer_options(const TrainConfig& c) {
                        "text_encoder_lora_target_modules",
                        "clip_skip"};
   // Options whose change breaks bit-exact continuation: a warning.
-  o.exactness_keys = {"train_batch_size",
-                      "gradient_accumulation_steps",
-                      "seed",
+  // The batch per rank and the accumulation are not among them: a resume compares the global
+  // batch (per rank x ranks x accumulation), which any world size can keep.
+  o.exactness_keys = {"seed",
                       "learning_rate",
                       "lr_scheduler",
                       "lr_warmup_steps",
@@ -106,6 +112,7 @@ TaskOptions task_options(const TrainConfig& c) {
   o.data.train_batch_size = c.train_batch_size;
   o.data.skip_bad_images = c.skip_bad_images;
   o.data.caption_column = c.caption_column;
+  o.data.caption_extension = c.caption_extension;
   o.data.only_class = c.only_class;
   o.data.max_train_samples = c.max_train_samples;
   o.data.seed = c.seed;

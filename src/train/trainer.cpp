@@ -8,6 +8,7 @@
 #include "difftrain/accel/accelerator.h"
 #include "difftrain/accel/checkpoint_manifest.h"
 #include "difftrain/accel/trackers.h"
+#include "difftrain/core/env.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/data/data_loader.h"
@@ -19,6 +20,7 @@
 #include "difftrain/optim/adamw.h"
 #include "difftrain/optim/adamw8bit.h"
 #include "difftrain/optim/lr_schedule.h"
+#include "difftrain/train/output_folder.h"
 
 #include <torch/torch.h>
 
@@ -97,6 +99,7 @@ struct Trainer::State {
   int64_t global_step = 0;
   double last_loss = 0.0;
   bool wrote_run_info = false;
+  std::unique_ptr<OutputDirLock> output_lock;  // main rank: held for the whole run
 
   // ------------------------------------------------------------------ setup
   void make_accelerator() {
@@ -106,10 +109,12 @@ struct Trainer::State {
     ao.seed = o.seed;
     ao.sharding = o.sharding;
     acc = std::make_unique<accel::Accelerator>(ao);
-    for (const auto& w : o.warnings) acc->print("warning: {}", w);
+    for (const auto& w : o.warnings) acc->warn("{}", w);
   }
 
-  // The run folder (rank 0's clock names it when not given) and its logs folder.
+  // The run folder (rank 0's clock names it when not given) and its logs folder. The main rank
+  // refuses a folder that is one of the inputs or holds another run (unless resumed or
+  // --overwrite_output_dir), and locks it for the run before touching anything in it.
   void make_output_folders() {
     if (o.output_dir.empty()) {
       auto stamp = torch::tensor({static_cast<int64_t>(std::time(nullptr))}, torch::kInt64);
@@ -123,21 +128,39 @@ struct Trainer::State {
     log_dir =
         fs::path(o.logging_dir).is_absolute() ? fs::path(o.logging_dir) : out_dir / o.logging_dir;
     if (acc->is_main_process()) {
-      remove_unfinished_checkpoints(o.output_dir);
-      std::error_code ec;
-      fs::create_directories(log_dir, ec);
-      if (ec) {
-        // The logs folder is created first and lies inside output_dir unless --logging_dir is
-        // absolute: name the folder the user gave.
-        if (fs::path(o.logging_dir).is_absolute()) {
-          throw Error("cannot create --logging_dir '" + log_dir.string() + "': " + ec.message() +
-                      "; pass a writable --logging_dir");
-        }
-        throw Error("cannot create output_dir '" + out_dir.string() + "': " + ec.message() +
-                    "; pass a writable --output_dir");
+      check_output_dir_against_inputs(o.output_dir, o.inputs);
+      output_lock = OutputDirLock::acquire(o.output_dir);
+      const auto held = output_dir_entries(o.output_dir);
+      if (!held.empty() && o.overwrite_output_dir) {
+        log::info("--overwrite_output_dir: clearing {} ({} entries)", o.output_dir, held.size());
+        clear_output_dir(o.output_dir);
+      } else if (!held.empty() && o.resume_from_checkpoint.empty()) {
+        std::string names;
+        for (size_t i = 0; i < held.size() && i < 3; ++i) names += (i ? ", " : "") + held[i];
+        if (held.size() > 3) names += ", ... (" + std::to_string(held.size()) + " entries)";
+        throw Error("--output_dir '" + o.output_dir + "' already holds files (" + names +
+                    "); continue that run with --resume_from_checkpoint latest, pass "
+                    "--overwrite_output_dir to delete them first, or pick another --output_dir");
       }
+      remove_unfinished_checkpoints(o.output_dir);
     }
     acc->wait_for_everyone();
+  }
+
+  // The logs folder, once the run is known to start (a refused resume leaves no empty logs/).
+  void make_logs_folder() {
+    if (!acc->is_main_process()) return;
+    std::error_code ec;
+    fs::create_directories(log_dir, ec);
+    if (ec) {
+      // It lies inside output_dir unless --logging_dir is absolute: name the folder the user gave.
+      if (fs::path(o.logging_dir).is_absolute()) {
+        throw Error("cannot create --logging_dir '" + log_dir.string() + "': " + ec.message() +
+                    "; pass a writable --logging_dir");
+      }
+      throw Error("cannot create output_dir '" + out_dir.string() + "': " + ec.message() +
+                  "; pass a writable --output_dir");
+    }
   }
 
   // The task's models and data, then the loader, optimizer, LR schedule and EMA, prepared.
@@ -260,6 +283,8 @@ struct Trainer::State {
       }
       nlohmann::json state = {{"global_step", global_step},
                               {"num_processes", acc->num_processes()},
+                              {"global_batch", o.train_batch_size * acc->num_processes() *
+                                                   o.gradient_accumulation_steps},
                               {"config", o.config}};
       // Written last: its presence marks a complete checkpoint.
       io::write_file_atomic((fs::path(temp) / "trainer_state.json").string(), state.dump(2) + "\n");
@@ -292,10 +317,30 @@ struct Trainer::State {
                     "; use the same value or start a new --output_dir");
       }
     }
+    // The same global batch on another world size (2 x 4, 1 x 8, 1 x 4 with accumulation 2)
+    // continues exactly: the loader resumes at the same sample of the global order.
+    const int64_t global_now =
+        o.train_batch_size * acc->num_processes() * o.gradient_accumulation_steps;
+    int64_t global_then = 0;
+    if (state.contains("global_batch")) {
+      global_then = state.at("global_batch").get<int64_t>();
+    } else if (saved.contains("train_batch_size") && state.contains("num_processes")) {
+      global_then = saved.at("train_batch_size").get<int64_t>() *
+                    state.at("num_processes").get<int64_t>() *
+                    saved.value("gradient_accumulation_steps", int64_t{1});
+    }
+    if (global_then > 0 && global_then != global_now) {
+      acc->warn(
+          "resuming with a global batch of {} (--train_batch_size {} x {} process(es) x "
+          "--gradient_accumulation_steps {}; checkpoint: {}); the run will not match an "
+          "uninterrupted one exactly",
+          global_now, o.train_batch_size, acc->num_processes(), o.gradient_accumulation_steps,
+          global_then);
+    }
     for (const auto& key : o.exactness_keys) {
       if (saved.contains(key) && saved[key] != now[key]) {
-        acc->print(
-            "warning: resuming with --{} {} (checkpoint: {}); the run will not match an "
+        acc->warn(
+            "resuming with --{} {} (checkpoint: {}); the run will not match an "
             "uninterrupted one exactly",
             key, now[key].dump(), saved[key].dump());
       }
@@ -372,6 +417,9 @@ struct Trainer::State {
     std::vector<int64_t> all(K);
     for (int64_t i = 0; i < K; ++i) all[i] = i;
     const auto mine = acc->split_between_processes(all, /*apply_padding=*/true);
+    const auto started = Clock::now();
+    acc->print("validation at step {}: sampling {} image(s), {} per rank", global_step, K,
+               mine.size());
     const auto range = acc->split_range(K);
     auto trainable = task->trainable();
     auto full = acc->summon_full_params();  // sampling and the EMA swap read every parameter
@@ -400,7 +448,8 @@ struct Trainer::State {
     auto grid = io::save_image_grid((dir / name).string(), torch::cat(keep),
                                     task->validation_labels(K), task->validation_columns());
     if (trackers) trackers->log_image("validation", grid, global_step);
-    log::info("validation samples{}: {}", task->validation_note(), (dir / name).string());
+    log::info("validation samples{}: {} ({:.1f} s)", task->validation_note(), (dir / name).string(),
+              seconds_since(started));
   }
 
   // ------------------------------------------------------------------ export
@@ -411,6 +460,29 @@ struct Trainer::State {
       task->export_to(out_dir);
     }
     acc->wait_for_everyone();
+  }
+
+  // The command that continues this run: the user's own (DIFFTRAIN_COMMAND; the launcher's when
+  // launched) with the run's folder and --resume_from_checkpoint latest added where missing.
+  std::string resume_command() const {
+    std::string cmd = user_command();
+    if (cmd.empty()) cmd = "difftrain train <your options>";
+    // The folder now holds this run: clearing it again would delete the checkpoint.
+    for (const char* flag : {" --overwrite_output_dir true", " --overwrite_output_dir 1",
+                             " --overwrite_output_dir=true", " --overwrite_output_dir"}) {
+      for (auto at = cmd.find(flag); at != std::string::npos; at = cmd.find(flag)) {
+        cmd.erase(at, std::string(flag).size());
+      }
+    }
+    if (cmd.find("--output_dir") == std::string::npos) {
+      cmd += " --output_dir " + shell_command({o.output_dir});
+    }
+    if (cmd.find("--resume_from_checkpoint") == std::string::npos) {
+      cmd += " --resume_from_checkpoint latest";
+    } else if (o.resume_from_checkpoint != "latest") {
+      cmd += " (with --resume_from_checkpoint latest)";
+    }
+    return cmd;
   }
 
   // ------------------------------------------------------------------ the loop
@@ -426,6 +498,17 @@ struct Trainer::State {
     // after the first kTimingSkip (warm-up: first-touch allocations, oneDNN kernel creation).
     constexpr int64_t kTimingSkip = 2;
     std::optional<Clock::time_point> timed_start;
+    // Seconds spent saving checkpoints and validating: left out of it/s, the ETA and the timing
+    // line, which measure the updates (issue 38: a validation made updates look 15x slower).
+    double window_paused_s = 0.0, timed_paused_s = 0.0, run_paused_s = 0.0;
+    auto paused = [&](auto&& work) {
+      const auto begin = Clock::now();
+      work();
+      const double s = seconds_since(begin);
+      window_paused_s += s;
+      run_paused_s += s;
+      if (timed_start) timed_paused_s += s;
+    };
     double window_loss = 0.0, micro_loss = 0.0;
     int64_t micro_count = 0;
     bool stopped = false;
@@ -486,7 +569,7 @@ struct Trainer::State {
               {"loss", last_loss}, {"lr", lr_used}, {"grad_norm", grad_norm}};
           scalars["samples_per_second"] =
               static_cast<double>((global_step - first_step) * global_batch) /
-              std::max(seconds_since(run_start), 1e-9);
+              std::max(seconds_since(run_start) - run_paused_s, 1e-9);
           if (acc->mixed_precision() == accel::MixedPrecision::kFp16) {
             scalars["loss_scale"] = acc->loss_scale();
           }
@@ -495,12 +578,14 @@ struct Trainer::State {
         }
         if (acc->is_main_process() &&
             (global_step % o.logging_steps == 0 || global_step == total_steps)) {
-          const double its = window_steps / std::max(seconds_since(window_start), 1e-9);
+          const double its =
+              window_steps / std::max(seconds_since(window_start) - window_paused_s, 1e-9);
           log::info(
               "step {}/{} | {:.2f} it/s | {:.1f} samples/s | loss {:.4f} | lr {:.2e} | ETA {}",
               global_step, total_steps, its, its * global_batch, window_loss / window_steps,
               lr_used, format_duration((total_steps - global_step) / its));
           window_start = Clock::now();
+          window_paused_s = 0.0;
           window_steps = 0;
           window_loss = 0.0;
         }
@@ -509,10 +594,10 @@ struct Trainer::State {
         const bool last = global_step >= total_steps;
         if (stopped ||
             (o.checkpointing_steps > 0 && global_step % o.checkpointing_steps == 0 && !last)) {
-          save_checkpoint();
+          paused([&] { save_checkpoint(); });
         }
         if (!stopped && o.validation_steps > 0 && global_step % o.validation_steps == 0 && !last) {
-          validate();
+          paused([&] { validate(); });
           trainable->train();
         }
         if (last || stopped) break;
@@ -522,17 +607,19 @@ struct Trainer::State {
     if (stopped) {
       if (trackers) trackers->flush();
       throw Error("training interrupted by a signal at step " + std::to_string(global_step) +
-                  "; checkpoint saved, continue with --resume_from_checkpoint latest");
+                  "; checkpoint saved in " +
+                  (out_dir / ("checkpoint-" + std::to_string(global_step))).string() +
+                  "; continue with: " + resume_command());
     }
     if (!wrote_run_info) write_run_info();
     if (timed_start && global_step > first_step + kTimingSkip) {
-      const double seconds = seconds_since(*timed_start);
+      const double seconds = seconds_since(*timed_start) - timed_paused_s;
       const int64_t timed = global_step - first_step - kTimingSkip;
       acc->print(
           "timing: training loop {:.2f} samples/s, {:.1f} ms per update (updates {}-{}, {:.3f} s; "
-          "the first {} are warm-up)",
+          "the first {} are warm-up; {:.3f} s of checkpoints and validation left out)",
           static_cast<double>(timed * global_batch) / seconds, 1000.0 * seconds / timed,
-          first_step + kTimingSkip + 1, global_step, seconds, kTimingSkip);
+          first_step + kTimingSkip + 1, global_step, seconds, kTimingSkip, timed_paused_s);
     }
     auto phase_start = Clock::now();
     auto phase = [&phase_start] {
@@ -572,6 +659,7 @@ TrainResult Trainer::run() {
   s.make_output_folders();
   s.prepare();
   const std::string resume_dir = s.resume_dir();
+  s.make_logs_folder();
   s.print_header();
   if (!resume_dir.empty()) {
     s.load_checkpoint(resume_dir);

@@ -212,10 +212,7 @@ class UNetTask final : public DiffusionTask {
       data::ImageFolderOptions o =
           image_folder_options(d, d.train_data_dir, static_cast<int>(channels_));
       auto ds = std::make_shared<data::ImageFolderDataset>(o);
-      if (ds->skipped() > 0) {
-        log::warn("skipped {} unreadable image(s) in {} (--skip_bad_images), e.g. {}",
-                  ds->skipped(), o.dir, ds->skipped_files().front());
-      }
+      // Skipped images (--skip_bad_images) are reported once, by the dataset on the main rank.
       num_classes_ = ds->num_classes();
       class_names_ = ds->class_names();
       set_epoch_ = [ds](int64_t e) { ds->set_epoch(e); };

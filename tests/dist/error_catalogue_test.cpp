@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -692,6 +693,48 @@ const std::vector<Case>& cases() {
          copy_folder(kSd + "/tokenizer", t + "/tokenizer");
          fs::remove(t + "/tokenizer/merges.txt");
          return BadRun{{"tokenize", "--model", t + "/tokenizer", "--prompt", "a cat"}};
+       }},
+      // ------------------------------------------------------------------ output folders
+      {"OutputDirIsThePretrainedFolder",
+       "`difftrain train --pretrained_model_name_or_path DIR ... --output_dir DIR` (a UNet folder)",
+       "--output_dir '<tmp>/model' is the same folder as --pretrained_model_name_or_path "
+       "'<tmp>/model': the run writes (and with --overwrite_output_dir deletes) files there; pass "
+       "an --output_dir outside every input folder",
+       1,
+       [](const std::string& t) {
+         copy_folder(kGolden + "/diffusers/unet2d_uncond", t + "/model");
+         auto cmd = tiny_train(t, {});
+         cmd[1] = "--pretrained_model_name_or_path";
+         cmd[2] = t + "/model";
+         *(std::find(cmd.begin(), cmd.end(), "--output_dir") + 1) = t + "/model";
+         return BadRun{cmd};
+       }},
+      {"OutputDirInsideTheDataFolder",
+       "`difftrain train --dataset imagefolder --train_data_dir DATA ... --output_dir DATA/run`",
+       "--output_dir '<tmp>/data/run' lies inside --train_data_dir '<tmp>/data': the run writes "
+       "(and with --overwrite_output_dir deletes) files there; pass an --output_dir outside every "
+       "input folder",
+       1,
+       [](const std::string& t) {
+         auto cmd = folder_train(t, image_folder(t, {}));
+         *(std::find(cmd.begin(), cmd.end(), "--output_dir") + 1) = t + "/data/run";
+         return BadRun{cmd};
+       }},
+      {"OutputDirHoldsAFinishedRun",
+       "`difftrain train ...` again into the --output_dir of a finished run, without "
+       "--resume_from_checkpoint or --overwrite_output_dir",
+       "--output_dir '<tmp>/out' already holds files (checkpoint-1, logs, metrics.jsonl, ... (6 "
+       "entries)); continue that run with --resume_from_checkpoint latest, pass "
+       "--overwrite_output_dir to delete them first, or pick another --output_dir",
+       1,
+       [](const std::string& t) {
+         const auto first = run([&] {
+           std::vector<std::string> a = {kDifftrain};
+           for (auto& s : tiny_train(t, {})) a.push_back(s);
+           return a;
+         }());
+         EXPECT_EQ(first.exit_code, 0) << first.log();
+         return BadRun{tiny_train(t, {})};
        }},
   };
   return kCases;

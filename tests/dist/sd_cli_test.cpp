@@ -202,8 +202,10 @@ TEST(SdCli, CachedLatentsTrainLikeUncached) {
   const std::string data = make_captioned_folder(dir + "/data");
   auto plain = train(sd_train_cmd(data, dir + "/plain", {"--max_train_steps", "3"}));
   ASSERT_EQ(plain.exit_code, 0) << plain.log();
-  auto cached =
-      train(sd_train_cmd(data, dir + "/cached", {"--max_train_steps", "3", "--cache_latents"}));
+  // The cache in a folder of its own (--cache_dir), shared by the runs below.
+  const std::vector<std::string> cache = {"--max_train_steps", "3", "--cache_latents",
+                                          "--cache_dir", dir + "/latents"};
+  auto cached = train(sd_train_cmd(data, dir + "/cached", cache));
   ASSERT_EQ(cached.exit_code, 0) << cached.log();
   EXPECT_NE(cached.err.find("cache_latents: encoded 8 image(s)"), std::string::npos)
       << cached.log();
@@ -213,13 +215,12 @@ TEST(SdCli, CachedLatentsTrainLikeUncached) {
   const double d = max_abs_diff(lora_file(dir + "/plain"), lora_file(dir + "/cached"));
   std::cout << "cached vs uncached: " << d << "\n";
   EXPECT_LE(d, 1e-4);
-  // A second run reuses the cache (same folder, data and models) and trains the same.
-  const auto first_cached = lora_file(dir + "/cached");
-  auto again =
-      train(sd_train_cmd(data, dir + "/cached", {"--max_train_steps", "3", "--cache_latents"}));
+  // A second run reuses the cache (same cache folder, data and models) and trains the same. (A
+  // run into the first one's output folder is refused since issue 38.)
+  auto again = train(sd_train_cmd(data, dir + "/cached_again", cache));
   ASSERT_EQ(again.exit_code, 0) << again.log();
   EXPECT_NE(again.err.find("cache_latents: reusing"), std::string::npos) << again.log();
-  EXPECT_EQ(max_abs_diff(lora_file(dir + "/cached"), first_cached), 0.0);
+  EXPECT_EQ(max_abs_diff(lora_file(dir + "/cached_again"), lora_file(dir + "/cached")), 0.0);
 
   // Random crops would freeze one crop in the cache: refused with the fix.
   auto bad = train({"train", "--pretrained_model_name_or_path", kSd, "--dataset", "imagefolder",

@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
@@ -120,6 +121,54 @@ TEST(TrainCommand, ResumeIsBitIdentical) {
   std::vector<int64_t> steps;
   while (std::getline(metrics, line)) steps.push_back(nlohmann::json::parse(line).at("step"));
   EXPECT_EQ(steps, (std::vector<int64_t>{4, 5, 6}));
+}
+
+// The loader's position is kept in samples of the global order (issue 38): a checkpoint of 2 ranks
+// x 4 resumed on 1 rank x 8, or on 1 rank x 4 with accumulation 2 (the same global batch),
+// continues as the straight run, without a warning; another global batch warns.
+TEST(TrainCommand, ResumeOnAnotherWorldSizeWithTheSameGlobalBatchContinuesExactly) {
+  const auto dir = make_temp_dir("train_resume_world");
+  const std::vector<std::string> common = {"--max_train_steps", "8", "--checkpointing_steps", "4"};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.begin(), common.begin(), common.end());
+    return extra;
+  };
+  const auto straight =
+      train(train_cmd(dir, dir + "/straight", with({"--train_batch_size", "4"})), 2);
+  ASSERT_EQ(straight.exit_code, 0) << straight.log();
+  ASSERT_TRUE(fs::exists(dir + "/straight/checkpoint-4/trainer_state.json"));
+  struct Variant {
+    std::string name;
+    int ranks;
+    std::vector<std::string> extra;
+    bool same_global_batch;
+  };
+  const std::vector<Variant> variants = {
+      {"one_by_eight", 1, {"--train_batch_size", "8"}, true},
+      {"accumulated", 1, {"--train_batch_size", "4", "--gradient_accumulation_steps", "2"}, true},
+      {"smaller", 1, {"--train_batch_size", "4"}, false}};
+  for (const auto& v : variants) {
+    fs::create_directories(dir + "/" + v.name);
+    fs::copy(dir + "/straight/checkpoint-4", dir + "/" + v.name + "/checkpoint-4",
+             fs::copy_options::recursive);
+    auto extra = v.extra;
+    extra.insert(extra.end(), {"--resume_from_checkpoint", "latest"});
+    const auto r = train(train_cmd(dir, dir + "/" + v.name, with(extra)), v.ranks);
+    ASSERT_EQ(r.exit_code, 0) << r.log();
+    EXPECT_NE(r.err.find("resumed from"), std::string::npos) << r.log();
+    if (!v.same_global_batch) {
+      EXPECT_NE(r.err.find("warning: resuming with a global batch of 4 (--train_batch_size 4 x 1 "
+                           "process(es) x --gradient_accumulation_steps 1; checkpoint: 8)"),
+                std::string::npos)
+          << r.log();
+      continue;
+    }
+    EXPECT_EQ(r.err.find("will not match"), std::string::npos) << v.name << "\n" << r.log();
+    const double diff = max_abs_diff(unet_weights(dir + "/straight"), unet_weights(dir + "/" + v.name));
+    std::printf("8 updates on 2 x 4 vs 4 + resume on %s + 4: max abs diff %.3g (tolerance 1e-4)\n",
+                v.name.c_str(), diff);
+    EXPECT_LE(diff, 1e-4) << v.name;
+  }
 }
 
 TEST(TrainCommand, MetricsRunInfoEventsAndRotation) {
@@ -253,16 +302,92 @@ TEST(TrainCommand, SigtermWritesACheckpointAndExitsNonZero) {
   for (int i = 0; i < 600 && !fs::exists(out + "/metrics.jsonl"); ++i) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
+  // A second run in the same folder (even one resuming it) is refused while the first holds the
+  // folder's lock, naming the holder, and leaves the first run's files alone (issue 38).
+  auto second = cmd;
+  second.insert(second.end(), {"--resume_from_checkpoint", "latest"});
+  second.insert(second.begin(), kDifftrain);
+  const auto refused = run(second, {}, 120);
+  EXPECT_NE(refused.exit_code, 0) << refused.log();
+  EXPECT_NE(refused.err.find("is in use by another difftrain run (pid " +
+                             std::to_string(p.pid()) + " on host"),
+            std::string::npos)
+      << refused.log();
   p.signal(SIGTERM);
   const auto r = p.wait(120);
   EXPECT_NE(r.exit_code, 0) << r.log();
   EXPECT_NE(r.err.find("interrupted"), std::string::npos) << r.log();
+  // The message gives the command that continues this run: the user's, with the folder.
+  EXPECT_NE(r.err.find("; continue with: " + kDifftrain + " train --model_config_name_or_path"),
+            std::string::npos)
+      << r.log();
+  EXPECT_NE(r.err.find("--output_dir " + out + " --max_train_steps 100000 --checkpointing_steps 0 "
+                       "--train_batch_size 4 --resume_from_checkpoint latest"),
+            std::string::npos)
+      << r.log();
   bool found = false;
   for (const auto& e : fs::directory_iterator(out)) {
     found = found || (e.path().filename().string().rfind("checkpoint-", 0) == 0 &&
                       fs::exists(e.path() / "trainer_state.json"));
   }
   EXPECT_TRUE(found) << "no checkpoint after SIGTERM";
+}
+
+// The output folder is never an input, and a folder that holds a run is refused unless resumed
+// or --overwrite_output_dir, which clears it completely first (issue 38).
+TEST(TrainCommand, OutputFolderIsNeitherAnInputNorAnotherRunsFolder) {
+  const auto dir = make_temp_dir("train_outdir");
+  const std::vector<std::string> common = {"--max_train_steps", "2", "--train_batch_size", "8"};
+  // The folder that holds --model_config_name_or_path (dir/tiny_unet.json).
+  const auto into_input = train(train_cmd(dir, dir, common));
+  EXPECT_NE(into_input.exit_code, 0) << into_input.log();
+  EXPECT_NE(into_input.err.find("--output_dir '" + dir + "' contains --model_config_name_or_path '" +
+                                dir + "/tiny_unet.json'"),
+            std::string::npos)
+      << into_input.log();
+  EXPECT_FALSE(fs::exists(dir + "/.difftrain.lock")) << "refused only after touching the folder";
+
+  const std::string out = dir + "/out";
+  auto first = common;
+  first.insert(first.end(), {"--checkpointing_steps", "1"});
+  const auto done = train(train_cmd(dir, out, first));
+  ASSERT_EQ(done.exit_code, 0) << done.log();
+  ASSERT_TRUE(fs::exists(out + "/checkpoint-1"));
+  const auto before = unet_weights(out);
+  // Fine-tuning a run's own export into its own folder: refused, the export left as it was.
+  auto onto_itself = train_cmd(dir, out, common);
+  const auto config = std::find(onto_itself.begin(), onto_itself.end(), "--model_config_name_or_path");
+  ASSERT_NE(config, onto_itself.end());
+  *(config + 1) = out;
+  *config = "--pretrained_model_name_or_path";
+  const auto itself = train(onto_itself);
+  EXPECT_NE(itself.exit_code, 0) << itself.log();
+  EXPECT_NE(itself.err.find("is the same folder as --pretrained_model_name_or_path"),
+            std::string::npos)
+      << itself.log();
+  // A new run into the finished run's folder: refused, naming what is there.
+  const auto again = train(train_cmd(dir, out, common));
+  EXPECT_NE(again.exit_code, 0) << again.log();
+  EXPECT_NE(again.err.find("--output_dir '" + out + "' already holds files (checkpoint-1, "),
+            std::string::npos)
+      << again.log();
+  EXPECT_NE(again.err.find("--overwrite_output_dir"), std::string::npos) << again.log();
+  EXPECT_EQ(max_abs_diff(before, unet_weights(out)), 0.0);
+  // --overwrite_output_dir clears it completely: none of the first run's checkpoints are left.
+  auto overwrite = train_cmd(dir, out, common);
+  overwrite.push_back("--overwrite_output_dir");
+  const auto cleared = train(overwrite);
+  ASSERT_EQ(cleared.exit_code, 0) << cleared.log();
+  EXPECT_FALSE(fs::exists(out + "/checkpoint-1"));
+  EXPECT_TRUE(fs::exists(out + "/checkpoint-2/trainer_state.json"));
+  EXPECT_EQ(losses(out).size(), 2u) << "metrics.jsonl of the first run is gone";
+  // Resuming with --overwrite_output_dir is a contradiction, refused before any work.
+  overwrite.insert(overwrite.end(), {"--resume_from_checkpoint", "latest"});
+  const auto both = train(overwrite);
+  EXPECT_NE(both.exit_code, 0) << both.log();
+  EXPECT_NE(both.err.find("--overwrite_output_dir clears the folder"), std::string::npos)
+      << both.log();
+  EXPECT_TRUE(fs::exists(out + "/checkpoint-2/trainer_state.json"));
 }
 
 TEST(TrainCommand, LoraFineTuningTrainsOnlyAdaptersAndExports) {

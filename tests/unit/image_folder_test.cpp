@@ -178,6 +178,39 @@ TEST(ImageFolder, MetadataListsFilesLabelsAndCaptions) {
   EXPECT_EQ(ImageFolderDataset(opts(dir)).num_classes(), 0);  // "label" absent: unlabelled
 }
 
+// kohya-style sidecar captions (issue 38): a.png's caption is the first non-empty line of a.txt;
+// metadata.jsonl wins where both exist; --caption_extension picks another suffix or none.
+TEST(ImageFolder, SidecarCaptionFilesBesideTheImages) {
+  const auto dir = temp_dir("if_sidecar");
+  save(dir + "/a.png", random_image(4, 4, 3, 1));
+  save(dir + "/sub/b.jpg", random_image(4, 4, 3, 2));
+  save(dir + "/c.png", random_image(4, 4, 3, 3));
+  write_text(dir + "/a.txt", "\n  a red square, studio light \r\nsecond line\n");
+  write_text(dir + "/sub/b.txt", "\xEF\xBB\xBF" "b caption");
+  write_text(dir + "/c.caption", "c from .caption");
+  const ImageFolderDataset scanned(opts(dir));
+  EXPECT_EQ(listing(scanned), (std::vector<std::string>{"a.png", "c.png", "sub/b.jpg"}));
+  EXPECT_EQ(scanned.caption(0), std::optional<std::string>("a red square, studio light"));
+  EXPECT_FALSE(scanned.caption(1).has_value());  // c.png has only c.caption
+  EXPECT_EQ(scanned.caption(2), std::optional<std::string>("b caption"));
+  auto o = opts(dir);
+  o.caption_extension = ".caption";
+  EXPECT_EQ(ImageFolderDataset(o).caption(1), std::optional<std::string>("c from .caption"));
+  o.caption_extension = "";
+  EXPECT_FALSE(ImageFolderDataset(o).caption(0).has_value());
+  // metadata.jsonl's caption wins; a line without one takes the sidecar.
+  write_text(dir + "/metadata.jsonl",
+             "{\"file_name\": \"a.png\", \"text\": \"from metadata\"}\n"
+             "{\"file_name\": \"sub/b.jpg\"}\n");
+  const ImageFolderDataset listed(opts(dir));
+  EXPECT_EQ(listed.caption(0), std::optional<std::string>("from metadata"));
+  EXPECT_EQ(listed.caption(1), std::optional<std::string>("b caption"));
+  // A caption file that is not UTF-8 is named.
+  write_text(dir + "/sub/b.txt", "caf\xe9");
+  EXPECT_HAS(error_of([&] { ImageFolderDataset{opts(dir)}; }),
+             dir + "/sub/b.txt: not valid UTF-8 (byte 0xE9 at column 4)");
+}
+
 TEST(ImageFolder, MetadataErrorsNameTheLine) {
   const auto dir = temp_dir("if_meta_err");
   save(dir + "/a.png", random_image(4, 4, 3, 1));

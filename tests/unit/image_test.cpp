@@ -10,6 +10,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <zlib.h>
+
+#include <array>
 #include <cmath>
 #include <filesystem>
 #include <limits>
@@ -65,6 +68,82 @@ TEST(ImagePng, RoundTripIsExact) {
              }),
              "[4, 4, 5]");
   fs::remove_all(dir);
+}
+
+// An EXIF block (TIFF) holding only the Orientation tag, big- or little-endian.
+std::string exif_tiff(int orientation, bool little) {
+  auto u16 = [&](uint32_t v) {
+    return little ? std::string{char(v & 0xff), char(v >> 8)} : std::string{char(v >> 8), char(v & 0xff)};
+  };
+  auto u32 = [&](uint32_t v) { return little ? u16(v & 0xffff) + u16(v >> 16) : u16(v >> 16) + u16(v & 0xffff); };
+  return std::string(little ? "II" : "MM") + u16(42) + u32(8) + u16(1) + u16(0x0112) + u16(3) +
+         u32(1) + u16(static_cast<uint32_t>(orientation)) + u16(0) + u32(0);
+}
+
+std::string be32(size_t v) {
+  return {char(v >> 24), char((v >> 16) & 0xff), char((v >> 8) & 0xff), char(v & 0xff)};
+}
+
+// The image PIL's exif_transpose returns, written pixel by pixel from PIL's definitions of its
+// transpose methods (out(x, y) = in(...)), independently of the code under test.
+torch::Tensor pil_exif_transpose(const torch::Tensor& in, int orientation) {
+  const int64_t H = in.size(0), W = in.size(1);
+  const bool swap = orientation >= 5;
+  auto out = torch::empty({swap ? W : H, swap ? H : W, in.size(2)}, in.options());
+  for (int64_t y = 0; y < out.size(0); ++y) {
+    for (int64_t x = 0; x < out.size(1); ++x) {
+      int64_t sx = x, sy = y;
+      switch (orientation) {
+        case 2: sx = W - 1 - x; break;                  // FLIP_LEFT_RIGHT
+        case 3: sx = W - 1 - x, sy = H - 1 - y; break;  // ROTATE_180
+        case 4: sy = H - 1 - y; break;                  // FLIP_TOP_BOTTOM
+        case 5: sx = y, sy = x; break;                  // TRANSPOSE
+        case 6: sx = y, sy = H - 1 - x; break;          // ROTATE_270
+        case 7: sx = W - 1 - y, sy = H - 1 - x; break;  // TRANSVERSE
+        case 8: sx = W - 1 - y, sy = x; break;          // ROTATE_90
+        default: break;
+      }
+      out[y][x] = in[sy][sx];
+    }
+  }
+  return out;
+}
+
+// Phone photos (issue 38): every EXIF orientation of a JPEG (APP1) and a PNG (eXIf) comes out as
+// PIL's exif_transpose makes it, and image_size reports the turned size.
+TEST(ImageLoad, ExifOrientationIsAppliedAsPilDoes) {
+  const auto dir = temp_dir("img_exif");
+  const auto image = torch::arange(2 * 3 * 3, torch::kInt64).mul(13).remainder(256).to(torch::kUInt8)
+                         .reshape({2, 3, 3});  // H 2, W 3: every pixel distinct
+  const std::string png = difftrain::io::encode_png(image);
+  const std::string jpeg = difftrain::io::encode_jpeg(image, 100);
+  const auto jpeg_plain = difftrain::io::decode_image(jpeg, "plain.jpg");
+  for (int o = 1; o <= 8; ++o) {
+    for (bool little : {false, true}) {
+      const std::string tiff = exif_tiff(o, little);
+      // JPEG: an APP1 segment "Exif\0\0" + TIFF right after SOI.
+      const std::string app1 = std::string("\xFF\xE1", 2) +
+                               std::string{char((tiff.size() + 8) >> 8), char((tiff.size() + 8) & 0xff)} +
+                               std::string("Exif\0\0", 6) + tiff;
+      const std::string oriented_jpeg = jpeg.substr(0, 2) + app1 + jpeg.substr(2);
+      // PNG: an eXIf chunk after IHDR (8-byte signature + 25-byte IHDR chunk).
+      const std::string body = "eXIf" + tiff;
+      const uLong crc = crc32(0, reinterpret_cast<const Bytef*>(body.data()), body.size());
+      const std::string oriented_png =
+          png.substr(0, 33) + be32(tiff.size()) + body + be32(crc) + png.substr(33);
+      const std::string jpg_path = dir + "/o" + std::to_string(o) + ".jpg";
+      const std::string png_path = dir + "/o" + std::to_string(o) + ".png";
+      difftrain::io::write_file_atomic(jpg_path, oriented_jpeg);
+      difftrain::io::write_file_atomic(png_path, oriented_png);
+      const auto want_png = pil_exif_transpose(image, o);
+      const auto want_jpg = pil_exif_transpose(jpeg_plain, o);
+      EXPECT_TRUE(torch::equal(load_image(png_path), want_png)) << "PNG orientation " << o;
+      EXPECT_TRUE(torch::equal(load_image(jpg_path), want_jpg)) << "JPEG orientation " << o;
+      const std::array<int64_t, 2> size = {want_png.size(0), want_png.size(1)};
+      EXPECT_EQ(difftrain::io::image_size(png_path), size) << o;
+      EXPECT_EQ(difftrain::io::image_size(jpg_path), size) << o;
+    }
+  }
 }
 
 TEST(ImageLoad, ErrorsNameThePath) {

@@ -142,6 +142,20 @@ TEST(SdPipeline, FolderChecks) {
   EXPECT_NE(msg.find("AutoencoderTiny"), std::string::npos) << msg;
   EXPECT_NE(msg.find("supported: AutoencoderKL"), std::string::npos) << msg;
 
+  // Another pipeline with the same component classes is refused by name (issue 38: an inpainting
+  // folder trained silently as text-to-image).
+  index = fixture_index();
+  index["_class_name"] = "StableDiffusionInpaintPipeline";
+  const std::string inpaint = error_of(
+      [&] { diffusion::resolve_stable_diffusion_folder(folder_with_index("sd_inpaint", index)); });
+  EXPECT_NE(inpaint.find("model_index.json: pipeline class \"StableDiffusionInpaintPipeline\" is "
+                         "not supported; difftrain runs StableDiffusionPipeline"),
+            std::string::npos)
+      << inpaint;
+  index["_class_name"] = "StableDiffusionImg2ImgPipeline";  // the same weights: accepted
+  EXPECT_NO_THROW(
+      diffusion::resolve_stable_diffusion_folder(folder_with_index("sd_img2img", index)));
+
   index = fixture_index();
   index.erase("vae");
   EXPECT_NE(error_of([&] {

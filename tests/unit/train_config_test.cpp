@@ -31,6 +31,23 @@ TEST(TrainConfig, DefaultsAreTheBuiltInFashionMnistRun) {
   EXPECT_EQ(c.lora_target_modules, (std::vector<std::string>{"to_q", "to_k", "to_v", "to_out.0"}));
 }
 
+// Diffusers derives the steps from --num_train_epochs unless --max_train_steps is given; the
+// built-in default's 1200 updates stand only when neither is (issue 38: the epochs were ignored).
+TEST(TrainConfig, EpochsDecideTheLengthUnlessStepsAreGiven) {
+  EXPECT_EQ(parse_train_config({}).max_train_steps, 1200);
+  const auto epochs = parse_train_config({"--num_train_epochs", "2"});
+  EXPECT_EQ(epochs.max_train_steps, 0);
+  EXPECT_EQ(epochs.num_train_epochs, 2);
+  EXPECT_EQ(parse_train_config({"--num_train_epochs", "2", "--max_train_steps", "5"}).max_train_steps,
+            5);
+  const auto dir = temp_dir("train_config_epochs");
+  std::ofstream(dir + "/e.yaml") << "num_train_epochs: 3\n";
+  EXPECT_EQ(parse_train_config({"--config", dir + "/e.yaml"}).max_train_steps, 0);
+  EXPECT_EQ(parse_train_config({"--config", dir + "/e.yaml", "--max_train_steps", "9"})
+                .max_train_steps,
+            9);
+}
+
 TEST(TrainConfig, YamlThenFlagsWithBareBooleans) {
   const auto dir = temp_dir("train_config");
   const std::string yaml = dir + "/run.yaml";

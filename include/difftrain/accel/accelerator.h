@@ -229,6 +229,11 @@ class Accelerator {
   void print(fmt::format_string<Args...> format, Args&&... args) const {
     if (is_main_process()) spdlog::info(format, std::forward<Args>(args)...);
   }
+  /// Warning-level line ("warning: ...") on the main process only.
+  template <typename... Args>
+  void warn(fmt::format_string<Args...> format, Args&&... args) const {
+    if (is_main_process()) spdlog::warn(format, std::forward<Args>(args)...);
+  }
   /// Seeds LibTorch's generators with `seed` (+ rank when device_specific).
   void set_seed(uint64_t seed, bool device_specific = false);
 

@@ -25,6 +25,10 @@ const char* to_string(MixedPrecision mp);
 
 // ------------------------------------------------------------------ autocast
 
+/// Logs, once per process, that fp16 on the CPU computes in fp32 (LibTorch has no CPU fp16
+/// autocast): the Accelerator calls it when built, AutocastGuard at its first fp16 CPU scope.
+void warn_fp16_on_cpu_once();
+
 /// Autocast for a scope. torch: `with torch.autocast(device_type, dtype)`; Accelerate:
 /// `with accelerator.autocast()`. kNo does nothing.
 /// CPU: bf16 CPU autocast (call install_autocast_fixes() once so GroupNorm / LayerNorm models

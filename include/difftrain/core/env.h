@@ -1,6 +1,8 @@
 #pragma once
 
 #include <atomic>
+#include <string>
+#include <vector>
 
 namespace difftrain {
 
@@ -28,5 +30,16 @@ class EnvSwitch {
   bool fallback_;
   std::atomic<int> state_{-1};  // -1: not read from the environment yet
 };
+
+/// `argv` as one shell command line: words quoted with '' where the shell would split or
+/// expand them.
+std::string shell_command(const std::vector<std::string>& argv);
+
+/// Records the command the user typed in DIFFTRAIN_COMMAND, unless an outer difftrain process
+/// (`difftrain launch`) already did: its ranks inherit the launcher's command line.
+void remember_user_command(int argc, char** argv);
+
+/// The command recorded by remember_user_command ("" when none was).
+std::string user_command();
 
 }  // namespace difftrain

@@ -32,6 +32,10 @@ struct ImageFolderOptions {
   std::string label_column = "label";
   /// The metadata.jsonl field holding a caption (Diffusers `--caption_column`, default "text").
   std::string caption_column = "text";
+  /// kohya-style sidecar captions: `a.png`'s caption is the first non-empty line of `a.txt` beside
+  /// it (kohya's `--caption_extension`). Read for every image metadata.jsonl gives no caption;
+  /// where both exist metadata.jsonl wins (said once). "" reads none.
+  std::string caption_extension = ".txt";
   /// Output channels: 3 (RGB: grey is replicated, alpha dropped, as PIL's `.convert("RGB")`) or
   /// 1 (luminance, stb's (77 R + 150 G + 29 B) / 256, close to PIL's `.convert("L")`).
   int channels = 3;
@@ -100,7 +104,7 @@ class ImageFolderDataset : public Dataset {
   const std::string& relative_file(int64_t index) const;
   /// The label of image `index`, or std::nullopt when the folder has none.
   std::optional<int64_t> label(int64_t index) const;
-  /// The caption of image `index` from metadata.jsonl's caption_column, if it has one.
+  /// The caption of image `index`: metadata.jsonl's caption_column, else its sidecar file, if any.
   std::optional<std::string> caption(int64_t index) const;
   /// Class names by label: the sub-folder names for inferred labels, "0".."K-1" for
   /// metadata.jsonl labels, empty without labels.

@@ -25,13 +25,18 @@ void save_png(const std::string& path, const torch::Tensor& image);
 /// `channels` 1..4 converts (1 = grey, 3 = RGB like PIL's `.convert("RGB")`, 4 = RGBA); 0 keeps
 /// the file's own count. 16-bit and HDR images are reduced to 8 bits. A missing, unreadable,
 /// corrupt or unsupported file (e.g. WebP, 16-bit PNM), or one wider or taller than 16384 pixels,
-/// throws a one-line difftrain::Error naming the path.
+/// throws a one-line difftrain::Error naming the path. A JPEG's EXIF Orientation (or a PNG's eXIf
+/// chunk) is applied as PIL's `ImageOps.exif_transpose` does: a phone photo stored sideways comes
+/// out upright.
 torch::Tensor load_image(const std::string& path, int channels = 3);
 
 /// {height, width} of the image file at `path` from its header, without decoding the pixels
 /// (the size load_image would return). Throws a one-line difftrain::Error naming the path for a
 /// missing, unreadable or unrecognised file.
 std::array<int64_t, 2> image_size(const std::string& path);
+
+/// JPEG bytes of uint8 [H, W, C] (C 1..4; stb_image_write, baseline, `quality` 1..100).
+std::string encode_jpeg(const torch::Tensor& image, int quality = 95);
 
 /// Decodes image bytes already in memory (as load_image); `name` is used in errors.
 torch::Tensor decode_image(const std::string& bytes, const std::string& name, int channels = 3);

@@ -46,7 +46,9 @@ struct TrainConfig {
   // -- schedule of the run
   int64_t train_batch_size = 16;  ///< per process
   int64_t num_train_epochs = 1;
-  int64_t max_train_steps = 1200;  ///< optimizer updates; 0 = num_train_epochs decides
+  /// Optimizer updates; 0 = num_train_epochs decides. The default 1200 applies only when neither
+  /// is given: --num_train_epochs alone sets this to 0, as Diffusers derives the steps from it.
+  int64_t max_train_steps = 1200;
   int64_t gradient_accumulation_steps = 1;
   bool gradient_checkpointing = false;
   // -- optimizer
@@ -96,6 +98,9 @@ struct TrainConfig {
   int64_t logging_steps = 20;  ///< progress line every N updates
   uint64_t seed = 0;
   std::string output_dir;            ///< "" = runs/<timestamp>
+  /// Clear an output_dir that already holds files (another run's) before training, as
+  /// Transformers' --overwrite_output_dir; without it such a folder is refused unless resumed.
+  bool overwrite_output_dir = false;
   std::string logging_dir = "logs";  ///< relative to output_dir
   std::string report_to = "all";     ///< tensorboard | jsonl | all | none
   // -- LoRA
@@ -108,6 +113,9 @@ struct TrainConfig {
   // -- text-to-image (pretrained_model_name_or_path is a Stable Diffusion folder; see
   //    docs/STABLE_DIFFUSION.md)
   std::string caption_column = "text";   ///< metadata.jsonl field holding each image's caption
+  /// kohya's sidecar captions: a.png's caption in a.txt beside it, for images metadata.jsonl gives
+  /// none (metadata.jsonl wins where both exist); "" reads none.
+  std::string caption_extension = ".txt";
   std::string instance_prompt;           ///< one caption for every image (DreamBooth)
   bool with_prior_preservation = false;  ///< DreamBooth prior-preservation loss
   std::string class_data_dir;            ///< images of the class (prior preservation)

@@ -5,6 +5,7 @@
 // (training_task.h) supplies what is specific to a model family. See docs/TRAINING.md and
 // docs/ARCHITECTURE.md.
 #include "difftrain/accel/sharding.h"
+#include "difftrain/train/output_folder.h"
 #include "difftrain/train/train_config.h"
 #include "difftrain/train/training_task.h"
 
@@ -45,6 +46,10 @@ struct TrainerOptions {
   double ema_max_decay = 0.9999, ema_inv_gamma = 1.0, ema_power = 0.75;
   // outputs
   std::string output_dir;  ///< "" = runs/<UTC time>
+  bool overwrite_output_dir = false;  ///< clear a non-empty output_dir first (else refused)
+  /// The folders and files the run reads: output_dir may be none of them, hold none of them and
+  /// lie inside none of them (check_output_dir_against_inputs).
+  std::vector<RunInput> inputs;
   std::string logging_dir = "logs";
   std::string report_to = "all";
   int64_t logging_steps = 20;
