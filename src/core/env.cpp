@@ -1,9 +1,9 @@
 #include "difftrain/core/env.h"
 
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
-#include <cstring>
 
 namespace difftrain {
 

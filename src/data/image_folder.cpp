@@ -252,8 +252,7 @@ int64_t read_sidecar_captions(std::vector<Entry>& entries, const fs::path& dir,
       throw Error(fmt::format(
           "{}: not valid UTF-8 (byte 0x{:02X} at column {}); save the caption as UTF-8, e.g. "
           "iconv -f latin1 -t utf-8",
-          sidecar.string(), static_cast<unsigned>(static_cast<unsigned char>(line[bad])),
-          bad + 1));
+          sidecar.string(), static_cast<unsigned>(static_cast<unsigned char>(line[bad])), bad + 1));
     }
     e.caption = line;
   }
@@ -320,9 +319,10 @@ ImageFolderDataset::ImageFolderDataset(ImageFolderOptions options) : options_(st
   }
   if (const int64_t both = read_sidecar_captions(entries, dir, options_.caption_extension);
       both > 0 && log::rank() == 0) {
-    log::info("{}: {} image(s) have both a metadata.jsonl caption and a {} file; metadata.jsonl "
-              "wins",
-              options_.dir, both, options_.caption_extension);
+    log::info(
+        "{}: {} image(s) have both a metadata.jsonl caption and a {} file; metadata.jsonl "
+        "wins",
+        options_.dir, both, options_.caption_extension);
   }
   if (entries.empty()) {
     throw Error(fmt::format(

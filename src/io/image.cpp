@@ -387,8 +387,7 @@ std::string encode_jpeg(const torch::Tensor& image, int quality) {
   if (stbi_write_jpg_to_func(append_bytes, &jpeg, static_cast<int>(pixels.size(1)),
                              static_cast<int>(pixels.size(0)), static_cast<int>(pixels.size(2)),
                              pixels.data_ptr<uint8_t>(), quality) == 0) {
-    throw Error("encode_jpeg: stb_image_write could not encode the " + shape_str(image) +
-                " image");
+    throw Error("encode_jpeg: stb_image_write could not encode the " + shape_str(image) + " image");
   }
   return jpeg;
 }

@@ -219,21 +219,23 @@ struct Pieces {
 
 void check_weight(const std::string& path, const std::string& key, const torch::Tensor& t) {
   if (!torch::isFloatingType(t.scalar_type())) {
-    bad_lora_file(path, "'" + key + "' is " + c10::toString(t.scalar_type()) +
-                   ": LoRA weights must be floating point (F32, F16, BF16 or F64); the file is "
-                   "not a LoRA or is quantized — re-export it in float");
+    bad_lora_file(path,
+                  "'" + key + "' is " + c10::toString(t.scalar_type()) +
+                      ": LoRA weights must be floating point (F32, F16, BF16 or F64); the file is "
+                      "not a LoRA or is quantized — re-export it in float");
   }
 }
 
 double read_alpha(const std::string& path, const std::string& key, const torch::Tensor& t) {
   if (t.numel() != 1 || t.scalar_type() == torch::kBool || t.is_complex()) {
-    bad_lora_file(path, "'" + key + "' is " + shape_and_dtype(t) +
-                   ": a kohya alpha must be one real number (a scalar); re-export the file");
+    bad_lora_file(path,
+                  "'" + key + "' is " + shape_and_dtype(t) +
+                      ": a kohya alpha must be one real number (a scalar); re-export the file");
   }
   const double alpha = t.to(torch::kFloat64).item<double>();
   if (!std::isfinite(alpha)) {
     bad_lora_file(path, "'" + key + "' is " + std::to_string(alpha) +
-                   ": a kohya alpha must be finite; re-export the file");
+                            ": a kohya alpha must be finite; re-export the file");
   }
   return alpha;
 }
@@ -246,9 +248,9 @@ LoraTarget make_target(const std::string& path, const Pieces& p, const LoraReadO
                                                    : p.key[a];
   for (Role role : {Role::kDown, Role::kUp}) {
     if (p.key[static_cast<int>(role)].empty()) {
-      bad_lora_file(path, "'" + present + "' has no matching " + role_name(role) + " weight (expected '" +
-                     counterpart_key(p.info, role) +
-                     "'); the file is incomplete — re-export or re-download it");
+      bad_lora_file(path, "'" + present + "' has no matching " + role_name(role) +
+                              " weight (expected '" + counterpart_key(p.info, role) +
+                              "'); the file is incomplete — re-export or re-download it");
     }
   }
   const torch::Tensor& down = p.tensor[d];
@@ -258,17 +260,19 @@ LoraTarget make_target(const std::string& path, const Pieces& p, const LoraReadO
   const bool linear = down.dim() == 2 && up.dim() == 2;
   const bool conv = down.dim() == 4 && up.dim() == 4 && up.size(2) == 1 && up.size(3) == 1;
   if (!linear && !conv) {
-    bad_lora_file(path, "'" + p.key[d] + "' is " + shape_and_dtype(down) + " and '" + p.key[u] + "' is " +
-                   shape_and_dtype(up) +
-                   ": a LoRA pair must be [r, in] and [out, r] (Linear) or [r, in, kh, kw] and "
-                   "[out, r, 1, 1] (Conv2d); LyCORIS variants are not supported");
+    bad_lora_file(path,
+                  "'" + p.key[d] + "' is " + shape_and_dtype(down) + " and '" + p.key[u] + "' is " +
+                      shape_and_dtype(up) +
+                      ": a LoRA pair must be [r, in] and [out, r] (Linear) or [r, in, kh, kw] and "
+                      "[out, r, 1, 1] (Conv2d); LyCORIS variants are not supported");
   }
   if (down.size(0) != up.size(1) || down.size(0) < 1) {
-    bad_lora_file(path, "'" + p.key[d] + "' has rank " + std::to_string(down.size(0)) + " (" +
-                   shape_and_dtype(down) + ") but '" + p.key[u] + "' has rank " +
-                   std::to_string(up.size(1)) + " (" + shape_and_dtype(up) +
-                   "): down is [r, ...] and up is [out, r, ...] with the same r >= 1; the file is "
-                   "corrupt — re-export it");
+    bad_lora_file(
+        path, "'" + p.key[d] + "' has rank " + std::to_string(down.size(0)) + " (" +
+                  shape_and_dtype(down) + ") but '" + p.key[u] + "' has rank " +
+                  std::to_string(up.size(1)) + " (" + shape_and_dtype(up) +
+                  "): down is [r, ...] and up is [out, r, ...] with the same r >= 1; the file is "
+                  "corrupt — re-export it");
   }
   LoraTarget target;
   target.format = p.info.format;
@@ -303,11 +307,12 @@ void apply_config(const std::string& path, const LoraAdapterConfig& config,
     if (done[i] || t.format == LoraFormat::kKohya) continue;
     const int64_t r = config.rank_for(t.module);
     if (r != t.rank()) {
-      bad_lora_file(path, component + " module '" + t.module + "' (key '" + t.key + "') has rank " +
-                     std::to_string(t.rank()) + " but " + source +
-                     " gives it r = " + std::to_string(r) +
-                     "; that LoraConfig does not describe these weights — fix r / rank_pattern "
-                     "or remove it");
+      bad_lora_file(path,
+                    component + " module '" + t.module + "' (key '" + t.key + "') has rank " +
+                        std::to_string(t.rank()) + " but " + source +
+                        " gives it r = " + std::to_string(r) +
+                        "; that LoraConfig does not describe these weights — fix r / rank_pattern "
+                        "or remove it");
     }
     t.alpha = config.target_alpha(t.module);
     done[i] = true;
@@ -383,11 +388,12 @@ LoraWeights parse_lora(const std::map<std::string, torch::Tensor>& tensors, cons
   for (const auto& [key, tensor] : tensors) {
     auto info = classify(key);
     if (!info) {
-      bad_lora_file(path, "key '" + key +
-                     "' is not a LoRA weight in a known format (Diffusers "
-                     "'unet.<module>.lora.down.weight', PEFT 'unet.<module>.lora_A.weight', kohya "
-                     "'lora_unet_<module>.lora_down.weight'); LyCORIS (LoHa, LoKr), DoRA and "
-                     "bias-LoRA files are not supported");
+      bad_lora_file(
+          path, "key '" + key +
+                    "' is not a LoRA weight in a known format (Diffusers "
+                    "'unet.<module>.lora.down.weight', PEFT 'unet.<module>.lora_A.weight', kohya "
+                    "'lora_unet_<module>.lora_down.weight'); LyCORIS (LoHa, LoKr), DoRA and "
+                    "bias-LoRA files are not supported");
     }
     auto& p = groups[info->component + '\n' + info->module];
     const int r = static_cast<int>(info->role);
@@ -396,13 +402,14 @@ LoraWeights parse_lora(const std::map<std::string, torch::Tensor>& tensors, cons
       const std::string& other = !p.key[0].empty()   ? p.key[0]
                                  : !p.key[1].empty() ? p.key[1]
                                                      : p.key[2];
-      bad_lora_file(path,
-           two_conventions(info->component, info->module, other, p.info.format, key, info->format));
+      bad_lora_file(path, two_conventions(info->component, info->module, other, p.info.format, key,
+                                          info->format));
     }
     if (!p.key[r].empty()) {
-      bad_lora_file(path, "'" + p.key[r] + "' and '" + key + "' are both the " + role_name(info->role) +
-                     " of " + info->component + " module '" + info->module +
-                     "'; keep one (files with several PEFT adapters are not supported)");
+      bad_lora_file(path, "'" + p.key[r] + "' and '" + key + "' are both the " +
+                              role_name(info->role) + " of " + info->component + " module '" +
+                              info->module +
+                              "'; keep one (files with several PEFT adapters are not supported)");
     }
     if (p.key[0].empty() && p.key[1].empty() && p.key[2].empty()) p.info = *info;
     p.key[r] = key;
@@ -483,18 +490,20 @@ void resolve_kohya_names(LoraWeights& lora, const std::string& component,
     if (target.resolved) continue;
     const auto found = by_name.find(target.module);
     if (found == by_name.end()) {
-      bad_lora_file(lora.path, "kohya key '" + target.key + "' names no module of the " + component +
-                          " (no module path becomes '" + target.module +
-                          "' with '.' replaced by '_'); is this LoRA for a different model?");
+      bad_lora_file(lora.path,
+                    "kohya key '" + target.key + "' names no module of the " + component +
+                        " (no module path becomes '" + target.module +
+                        "' with '.' replaced by '_'); is this LoRA for a different model?");
     }
     if (const auto c = clash.find(target.module); c != clash.end()) {
-      bad_lora_file(lora.path, "kohya key '" + target.key + "' is ambiguous: modules '" + found->second +
-                          "' and '" + c->second + "' of the " + component + " both become '" +
-                          target.module + "'; use a Diffusers or PEFT file");
+      bad_lora_file(lora.path, "kohya key '" + target.key + "' is ambiguous: modules '" +
+                                   found->second + "' and '" + c->second + "' of the " + component +
+                                   " both become '" + target.module +
+                                   "'; use a Diffusers or PEFT file");
     }
     if (const auto d = dotted.find(found->second); d != dotted.end()) {
-      bad_lora_file(lora.path, two_conventions(component, found->second, d->second->key, d->second->format,
-                                      target.key, target.format));
+      bad_lora_file(lora.path, two_conventions(component, found->second, d->second->key,
+                                               d->second->format, target.key, target.format));
     }
     target.module = found->second;
     target.resolved = true;

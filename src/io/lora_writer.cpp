@@ -41,20 +41,21 @@ void check_pair(const std::string& where, const std::string& component, const Lo
     writer_fail(where, describe(component, t) + " has no down or no up tensor; set both");
   }
   if (!torch::isFloatingType(t.down.scalar_type()) || !torch::isFloatingType(t.up.scalar_type())) {
-    writer_fail(where, describe(component, t) + " has down " + shape_and_dtype(t.down) + " and up " +
-                    shape_and_dtype(t.up) + ": LoRA weights must be floating point; convert them first");
+    writer_fail(where, describe(component, t) + " has down " + shape_and_dtype(t.down) +
+                           " and up " + shape_and_dtype(t.up) +
+                           ": LoRA weights must be floating point; convert them first");
   }
   const bool linear = t.down.dim() == 2 && t.up.dim() == 2;
   const bool conv = t.down.dim() == 4 && t.up.dim() == 4 && t.up.size(2) == 1 && t.up.size(3) == 1;
   if ((!linear && !conv) || t.down.size(0) != t.up.size(1) || t.down.size(0) < 1) {
-    writer_fail(where, describe(component, t) + " has down " + shape_and_dtype(t.down) + " and up " +
-                    shape_and_dtype(t.up) +
-                    ": a LoRA pair is [r, in] and [out, r] (Linear) or [r, in, kh, kw] and "
-                    "[out, r, 1, 1] (Conv2d) with the same r >= 1");
+    writer_fail(where, describe(component, t) + " has down " + shape_and_dtype(t.down) +
+                           " and up " + shape_and_dtype(t.up) +
+                           ": a LoRA pair is [r, in] and [out, r] (Linear) or [r, in, kh, kw] and "
+                           "[out, r, 1, 1] (Conv2d) with the same r >= 1");
   }
   if (t.alpha && !std::isfinite(*t.alpha)) {
     writer_fail(where, describe(component, t) + " has alpha " + num(*t.alpha) +
-                    ": alpha must be a finite number (or unset for scale 1)");
+                           ": alpha must be a finite number (or unset for scale 1)");
   }
 }
 
@@ -85,7 +86,8 @@ std::map<std::string, torch::Tensor> to_tensors(const LoraWeights& lora, LoraFor
   auto put = [&](const std::string& key, const torch::Tensor& tensor, const std::string& component,
                  const LoraTarget& t) {
     if (!out.emplace(key, tensor).second) {
-      writer_fail(where, describe(component, t) + " and another target both become key '" + key + "' in " +
+      writer_fail(where,
+                  describe(component, t) + " and another target both become key '" + key + "' in " +
                       to_string(format) + " format; remove one of them" +
                       (format == LoraFormat::kKohya ? " or write a Diffusers or PEFT file" : ""));
     }
@@ -97,8 +99,8 @@ std::map<std::string, torch::Tensor> to_tensors(const LoraWeights& lora, LoraFor
     if (list.empty()) continue;
     if (!known_component(component)) {
       writer_fail(where, "component '" + component +
-                      "' has no key prefix in LoRA files; use unet, text_encoder, "
-                      "text_encoder_2, text_encoder_3 or transformer");
+                             "' has no key prefix in LoRA files; use unet, text_encoder, "
+                             "text_encoder_2, text_encoder_3 or transformer");
     }
     for (const auto& t : list) {
       ++targets;
@@ -106,7 +108,8 @@ std::map<std::string, torch::Tensor> to_tensors(const LoraWeights& lora, LoraFor
         writer_fail(where, component + " target with key '" + t.key + "' has no module");
       check_pair(where, component, t);
       if (!t.resolved && format != LoraFormat::kKohya) {
-        writer_fail(where, describe(component, t) +
+        writer_fail(where,
+                    describe(component, t) +
                         " is an unresolved kohya name; call io::resolve_kohya_names(lora, \"" +
                         component +
                         "\", models::lora_module_names(model)) first, or write kohya format");
@@ -134,7 +137,8 @@ std::map<std::string, torch::Tensor> to_tensors(const LoraWeights& lora, LoraFor
               t.alpha && *t.alpha != 0.0 ? *t.alpha : static_cast<double>(t.rank());
           const float alpha32 = static_cast<float>(alpha);
           if (!std::isfinite(alpha32) || alpha32 == 0.0f) {
-            writer_fail(where, describe(component, t) + " has alpha " + num(alpha) +
+            writer_fail(where,
+                        describe(component, t) + " has alpha " + num(alpha) +
                             ", which a float32 kohya alpha cannot hold; write a Diffusers or PEFT "
                             "file (the scale is folded into up there)");
           }

@@ -75,14 +75,16 @@ std::vector<Entry> parse_header(const unsigned char* bytes, uint64_t size, const
                 "repository, or download the file itself");
   }
   if (size < 8)
-    bad_safetensors(file, "it is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
+    bad_safetensors(
+        file, "it is " + std::to_string(size) + " bytes, shorter than the 8-byte header length");
   uint64_t header_len = read_u64_le(bytes);
   if (header_len > kMaxHeaderBytes) {
-    bad_safetensors(file, "header length " + std::to_string(header_len) + " exceeds the 100 MiB limit");
+    bad_safetensors(file,
+                    "header length " + std::to_string(header_len) + " exceeds the 100 MiB limit");
   }
   if (header_len > size - 8) {
-    bad_safetensors(file, "header length " + std::to_string(header_len) + " runs past the end of the " +
-                   std::to_string(size) + "-byte file");
+    bad_safetensors(file, "header length " + std::to_string(header_len) +
+                              " runs past the end of the " + std::to_string(size) + "-byte file");
   }
   data_start = 8 + header_len;
   const uint64_t data_size = size - data_start;
@@ -114,7 +116,8 @@ std::vector<Entry> parse_header(const unsigned char* bytes, uint64_t size, const
     auto offsets_it = value.find("data_offsets");
     if (dtype_it == value.end() || !dtype_it->is_string())
       bad_safetensors(file, where + " has no string dtype");
-    if (shape_it == value.end() || !shape_it->is_array()) bad_safetensors(file, where + " has no shape array");
+    if (shape_it == value.end() || !shape_it->is_array())
+      bad_safetensors(file, where + " has no shape array");
     if (offsets_it == value.end() || !offsets_it->is_array() || offsets_it->size() != 2) {
       bad_safetensors(file, where + " has no data_offsets [begin, end]");
     }
@@ -123,7 +126,7 @@ std::vector<Entry> parse_header(const unsigned char* bytes, uint64_t size, const
     e.dtype = find_dtype(dtype_it->get<std::string>());
     if (!e.dtype) {
       bad_safetensors(file, where + " has unsupported dtype '" + dtype_it->get<std::string>() +
-                     "' (supported: F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL)");
+                                "' (supported: F64 F32 F16 BF16 I64 I32 I16 I8 U8 BOOL)");
     }
     uint64_t numel = 1;
     for (const auto& dim : *shape_it) {
@@ -144,14 +147,14 @@ std::vector<Entry> parse_header(const unsigned char* bytes, uint64_t size, const
     if (e.end < e.begin) bad_safetensors(file, where + " has data_offsets with end before begin");
     if (e.end > data_size) {
       bad_safetensors(file, where + " has data_offsets [" + std::to_string(e.begin) + ", " +
-                     std::to_string(e.end) + "] past the " + std::to_string(data_size) +
-                     "-byte data buffer (truncated file?)");
+                                std::to_string(e.end) + "] past the " + std::to_string(data_size) +
+                                "-byte data buffer (truncated file?)");
     }
     uint64_t nbytes = 0;
     if (__builtin_mul_overflow(numel, static_cast<uint64_t>(e.dtype->size), &nbytes) ||
         nbytes != e.end - e.begin) {
       bad_safetensors(file, where + " has shape and dtype needing " + std::to_string(nbytes) +
-                     " bytes but data_offsets span " + std::to_string(e.end - e.begin));
+                                " bytes but data_offsets span " + std::to_string(e.end - e.begin));
     }
     entries.push_back(std::move(e));
   }
@@ -160,16 +163,17 @@ std::vector<Entry> parse_header(const unsigned char* bytes, uint64_t size, const
   });
   uint64_t expected = 0;
   for (const auto& e : entries) {
-    if (e.begin < expected) bad_safetensors(file, "tensor '" + e.name + "' overlaps the tensor before it");
+    if (e.begin < expected)
+      bad_safetensors(file, "tensor '" + e.name + "' overlaps the tensor before it");
     if (e.begin > expected) {
       bad_safetensors(file, "the data buffer has a gap of " + std::to_string(e.begin - expected) +
-                     " bytes before tensor '" + e.name + "'");
+                                " bytes before tensor '" + e.name + "'");
     }
     expected = e.end;
   }
   if (expected != data_size) {
     bad_safetensors(file, "the data buffer has " + std::to_string(data_size - expected) +
-                   " bytes that no tensor covers");
+                              " bytes that no tensor covers");
   }
   return entries;
 }

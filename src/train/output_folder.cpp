@@ -79,8 +79,8 @@ void clear_output_dir(const std::string& output_dir) {
     std::error_code ec;
     fs::remove_all(path, ec);
     if (ec) {
-      throw Error("--overwrite_output_dir: cannot remove '" + path.string() + "': " +
-                  ec.message() + "; remove it by hand or pick another --output_dir");
+      throw Error("--overwrite_output_dir: cannot remove '" + path.string() + "': " + ec.message() +
+                  "; remove it by hand or pick another --output_dir");
     }
   }
 }
@@ -118,8 +118,8 @@ std::unique_ptr<OutputDirLock> OutputDirLock::acquire(const std::string& output_
   char when[32] = {};
   const std::time_t now = std::time(nullptr);
   std::strftime(when, sizeof when, "%Y-%m-%d %H:%M:%S UTC", std::gmtime(&now));
-  const std::string text = "pid " + std::to_string(::getpid()) + " on host " + host +
-                           ", started " + when + "\n";
+  const std::string text =
+      "pid " + std::to_string(::getpid()) + " on host " + host + ", started " + when + "\n";
   if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, text.data(), text.size(), 0) < 0) {
     // The lock itself is held; only the holder's description is missing.
   }

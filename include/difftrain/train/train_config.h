@@ -97,7 +97,7 @@ struct TrainConfig {
   std::string validation_scheduler = "ddim";
   int64_t logging_steps = 20;  ///< progress line every N updates
   uint64_t seed = 0;
-  std::string output_dir;            ///< "" = runs/<timestamp>
+  std::string output_dir;  ///< "" = runs/<timestamp>
   /// Clear an output_dir that already holds files (another run's) before training, as
   /// Transformers' --overwrite_output_dir; without it such a folder is refused unless resumed.
   bool overwrite_output_dir = false;
@@ -112,7 +112,7 @@ struct TrainConfig {
   std::string lora_format = "diffusers";  ///< diffusers | peft | kohya
   // -- text-to-image (pretrained_model_name_or_path is a Stable Diffusion folder; see
   //    docs/STABLE_DIFFUSION.md)
-  std::string caption_column = "text";   ///< metadata.jsonl field holding each image's caption
+  std::string caption_column = "text";  ///< metadata.jsonl field holding each image's caption
   /// kohya's sidecar captions: a.png's caption in a.txt beside it, for images metadata.jsonl gives
   /// none (metadata.jsonl wins where both exist); "" reads none.
   std::string caption_extension = ".txt";

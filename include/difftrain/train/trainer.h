@@ -45,7 +45,7 @@ struct TrainerOptions {
   bool use_ema = true;
   double ema_max_decay = 0.9999, ema_inv_gamma = 1.0, ema_power = 0.75;
   // outputs
-  std::string output_dir;  ///< "" = runs/<UTC time>
+  std::string output_dir;             ///< "" = runs/<UTC time>
   bool overwrite_output_dir = false;  ///< clear a non-empty output_dir first (else refused)
   /// The folders and files the run reads: output_dir may be none of them, hold none of them and
   /// lie inside none of them (check_output_dir_against_inputs).

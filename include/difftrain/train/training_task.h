@@ -38,11 +38,11 @@ struct DataOptions {
   int64_t bucket_step = 64, bucket_min_side = 0, bucket_max_side = 0;
   int64_t train_batch_size = 1;  ///< per rank; a bucket fills whole global batches
   bool skip_bad_images = false;
-  std::string caption_column = "text";  ///< metadata.jsonl field holding a caption
+  std::string caption_column = "text";     ///< metadata.jsonl field holding a caption
   std::string caption_extension = ".txt";  ///< kohya's sidecar caption files ("" = none)
-  std::optional<int64_t> only_class;    ///< MNIST-like data: one class only
-  int64_t max_train_samples = 0;        ///< 0 = all
-  uint64_t seed = 0;                    ///< augmentation streams
+  std::optional<int64_t> only_class;       ///< MNIST-like data: one class only
+  int64_t max_train_samples = 0;           ///< 0 = all
+  uint64_t seed = 0;                       ///< augmentation streams
 };
 
 /// The model to train: a fresh UNet (built-in or --model_config_name_or_path) or a pretrained
