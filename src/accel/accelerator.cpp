@@ -1,5 +1,6 @@
 #include "difftrain/accel/accelerator.h"
 
+#include "difftrain/core/cpu_convolution_check.h"
 #include "difftrain/core/error.h"
 #include "difftrain/optim/flat_optimizer.h"
 
@@ -129,6 +130,7 @@ void Accelerator::init() {
     device_ = torch::Device(torch::kCUDA,
                             static_cast<c10::DeviceIndex>(local % torch::cuda::device_count()));
   }
+  core::ensure_correct_cpu_convolutions();
   install_autocast_fixes();
   if (state_->mixed_precision == MixedPrecision::kFp16) {
     state_->scaler = std::make_unique<GradScaler>(options_.scaler, group_);

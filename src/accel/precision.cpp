@@ -1,5 +1,6 @@
 #include "difftrain/accel/precision.h"
 
+#include "difftrain/core/cpu_convolution_check.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/core/torch_compat.h"
@@ -154,6 +155,7 @@ bool has_autocast_cpu_kernel(const char* op) {
 }  // namespace
 
 void install_autocast_fixes() {
+  core::ensure_correct_cpu_convolutions();  // bf16 convolutions go through oneDNN too
   static std::once_flag once;
   std::call_once(once, []() {
     // Registered at runtime rather than by a static TORCH_LIBRARY_IMPL: in a static library an

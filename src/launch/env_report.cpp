@@ -1,5 +1,6 @@
 #include "difftrain/launch/env_report.h"
 
+#include "difftrain/core/cpu_convolution_check.h"
 #include "difftrain/distributed/shm_allreduce.h"
 #include "difftrain/launch/config.h"
 #include "difftrain/launch/cuda_info.h"
@@ -130,6 +131,7 @@ std::string environment_report(double probe_seconds) {
              "or select it with update-alternatives --config libblas.so.3-x86_64-linux-gnu\n";
     }
   }
+  out << "- CPU convolutions: " << core::cpu_convolution_report() << "\n";
   const unsigned cores = std::thread::hardware_concurrency();
   out << fmt::format(
       "- threads: intra-op {} (at::get_num_threads), inter-op {}; "

@@ -1,5 +1,6 @@
 #include "difftrain/models/autoencoder_kl.h"
 
+#include "difftrain/core/cpu_convolution_check.h"
 #include "difftrain/core/error.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/fused_ops.h"
@@ -222,6 +223,7 @@ torch::Tensor VaeDecoderImpl::forward(const torch::Tensor& z) {
 // ------------------------------------------------------------------ AutoencoderKL
 
 AutoencoderKLImpl::AutoencoderKLImpl(const AutoencoderKLConfig& config) : config_(config) {
+  core::ensure_correct_cpu_convolutions();
   const auto& c = config;
   TORCH_CHECK(!c.block_out_channels.empty() &&
                   c.down_block_types.size() == c.block_out_channels.size() &&

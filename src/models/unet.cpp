@@ -2,6 +2,7 @@
 
 #include "difftrain/models/fused_ops.h"
 
+#include "difftrain/core/cpu_convolution_check.h"
 #include "difftrain/core/error.h"
 
 #include <algorithm>
@@ -33,6 +34,7 @@ BlockOptions shared_block_options(const UNetConfig& c, int64_t groups, int64_t t
 }  // namespace
 
 UNetImpl::UNetImpl(const UNetConfig& c) : config_(c) {
+  core::ensure_correct_cpu_convolutions();
   const bool cond = c.kind == UNetKind::kUNet2DCondition;
   const auto& boc = c.block_out_channels;
   const size_t n = boc.size();
