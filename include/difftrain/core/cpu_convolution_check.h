@@ -22,6 +22,7 @@ struct CpuConvolutionCheck {
   bool onednn_correct = true;      ///< every case within tolerance with oneDNN on
   bool onednn_turned_off = false;  ///< the check turned ATen's oneDNN off
   double worst_error = 0;          ///< largest error / tolerance seen with oneDNN on (< 1: pass)
+  double seconds = 0;              ///< how long the check took
   std::string worst_case;          ///< e.g. "float32 3x3 conv, 1->1 channels, input gradient"
 };
 
