@@ -191,6 +191,17 @@ void ProcessGroup::join() {
   std::vector<std::string> keys;
   for (int r = 0; r < info_.world_size; ++r) keys.push_back("joined/" + std::to_string(r));
   try {
+    // Claim this rank's place first. A second job started on the same MASTER_ADDR:MASTER_PORT
+    // reaches the first job's store: without the claim its rank would overwrite the first job's
+    // key, find every rank "joined" and wait forever in the backend's connect to strangers.
+    const auto claims = store_->add("claimed/" + std::to_string(info_.rank), 1);
+    if (claims != 1) {
+      throw Error(
+          fmt::format("{}: rank {} of the rendezvous at {} is already taken: another job uses this "
+                      "MASTER_ADDR:MASTER_PORT (give each job its own port: MASTER_PORT or "
+                      "--main_process_port), or two processes were started with RANK={}",
+                      describe(), info_.rank, info_.store_description(), info_.rank));
+    }
     store_->set(keys[static_cast<size_t>(info_.rank)], to_bytes(my_host));
     try {
       store_->wait(keys, options_.join_timeout);

@@ -434,6 +434,39 @@ TEST(Rendezvous, TorchrunStyleEnvWithoutTheLauncherWorks) {
   expect_hand_started_pair_passes(env_for);
 }
 
+TEST(Rendezvous, ASecondJobOnTheSamePortFailsAndTheFirstGoesOn) {
+  // Job A: two ranks started by hand (torchrun style) running all-reduces for 15 s. Job B's rank
+  // 1 arrives 5 s later on the same MASTER_PORT (its rank 0 could not host the store: the port
+  // is taken), so it reaches job A's store. Before the rank claim it overwrote A's key and hung in
+  // Gloo's connect to A's ranks, whatever DIFFTRAIN_JOIN_TIMEOUT said.
+  const std::string port = std::to_string(distributed::find_free_port());
+  auto env_for = [&](int rank) {
+    return test_env({{"RANK", std::to_string(rank)},
+                     {"WORLD_SIZE", "2"},
+                     {"MASTER_ADDR", "127.0.0.1"},
+                     {"MASTER_PORT", port},
+                     {"DIFFTRAIN_JOIN_TIMEOUT", "3"}});
+  };
+  Process a0({kWorker, "loop", "15"}, env_for(0));
+  Process a1({kWorker, "loop", "15"}, env_for(1));
+  std::this_thread::sleep_for(std::chrono::seconds(5));
+  const auto b1 = run({kWorker, "collectives"}, env_for(1), 30);
+  const auto ra0 = a0.wait(60);
+  const auto ra1 = a1.wait(60);
+  ASSERT_FALSE(b1.timed_out) << b1.log();
+  EXPECT_EQ(b1.exit_code, 1) << b1.log();
+  EXPECT_LT(b1.seconds, 10.0) << b1.log();
+  EXPECT_NE(b1.err.find("rank 1 of the rendezvous at 127.0.0.1:" + port +
+                        " is already taken: another job uses this MASTER_ADDR:MASTER_PORT"),
+            std::string::npos)
+      << b1.log();
+  // Job A never noticed.
+  EXPECT_EQ(ra0.exit_code, 0) << ra0.log();
+  EXPECT_EQ(ra1.exit_code, 0) << ra1.log();
+  EXPECT_NE(ra0.out.find("loop done"), std::string::npos) << ra0.log();
+  EXPECT_NE(ra1.out.find("loop done"), std::string::npos) << ra1.log();
+}
+
 TEST(Rendezvous, OpenMpiStyleEnvWorks) {
   const std::string port = std::to_string(distributed::find_free_port());
   auto env_for = [&](int rank) {
