@@ -1,6 +1,5 @@
 #include "difftrain/accel/accelerator.h"
 
-#include "difftrain/core/cpu_convolution_check.h"
 #include "difftrain/core/error.h"
 #include "difftrain/optim/flat_optimizer.h"
 
@@ -130,8 +129,7 @@ void Accelerator::init() {
     device_ = torch::Device(torch::kCUDA,
                             static_cast<c10::DeviceIndex>(local % torch::cuda::device_count()));
   }
-  core::ensure_correct_cpu_convolutions();
-  install_autocast_fixes();
+  install_autocast_fixes();  // checks LibTorch's CPU convolutions first
   if (state_->mixed_precision == MixedPrecision::kFp16) {
     state_->scaler = std::make_unique<GradScaler>(options_.scaler, group_);
     if (device_.is_cpu()) warn_fp16_on_cpu_once();

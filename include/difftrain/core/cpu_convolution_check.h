@@ -4,9 +4,9 @@
 //
 // Debian 13's LibTorch 2.6 with its oneDNN (libdnnl 3.7.2) computes many float32 and bf16 CPU
 // convolutions wrongly: on an AVX-512 CPU 121 of 720 small 1x1/3x3 shapes, on the same CPU capped
-// to AVX2 88 of them, had outputs or input gradients 20-100% off (docs/LIBTORCH.md). LibTorch's own
-// convolution kernels (im2col + BLAS), which ATen uses when oneDNN is off, are right on all of
-// them. So every entry point that runs convolutions (the Accelerator, the UNet and VAE
+// to AVX2 88 of them, had outputs 20-60% or input gradients 50-110% off (docs/LIBTORCH.md).
+// LibTorch's own convolution kernels (im2col + BLAS), which ATen uses when oneDNN is off, are right
+// on all of them. So every entry point that runs convolutions (the Accelerator, the UNet and VAE
 // constructors, bf16 autocast) calls ensure_correct_cpu_convolutions(): a few convolutions in
 // float32 and bf16 against float64, and if any is wrong, ATen's oneDNN is turned off for the
 // process (at::globalContext().setUserEnabledMkldnn(false)) with one warning.
