@@ -5,6 +5,7 @@
 #include "difftrain/accel/checkpoint_manifest.h"
 
 #include "difftrain/core/error.h"
+#include "difftrain/core/phase.h"
 #include "difftrain/io/atomic_file.h"
 
 #include <zlib.h>
@@ -39,6 +40,7 @@ FileSum sum_file(const fs::path& path) {
     const size_t n = std::fread(buffer.data(), 1, buffer.size(), f);
     if (n > 0) crc = crc32(crc, buffer.data(), static_cast<uInt>(n));
     sum.size += n;
+    core::note_progress();  // a large checkpoint's sums take seconds (see core/phase.h)
     if (n < buffer.size()) break;
   }
   const bool failed = std::ferror(f) != 0;

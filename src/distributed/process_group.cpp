@@ -2,6 +2,7 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
+#include "difftrain/core/phase.h"
 #include "difftrain/core/torch_compat.h"
 #include "difftrain/distributed/net.h"
 #include "difftrain/distributed/shm_allreduce.h"
@@ -103,6 +104,7 @@ ProcessGroup::ProcessGroup(RendezvousInfo info, ProcessGroupOptions options)
   open_store();
   join();
   connect_backend();
+  post_phases();
 }
 
 ProcessGroup::ProcessGroup(RendezvousInfo info, ProcessGroupOptions options,
@@ -118,10 +120,68 @@ ProcessGroup::ProcessGroup(RendezvousInfo info, ProcessGroupOptions options,
   bind_address_ = "127.0.0.1";
   wrap_store(std::move(store));
   join();
+  post_phases();
   connect_backend();
 }
 
-ProcessGroup::~ProcessGroup() = default;
+ProcessGroup::~ProcessGroup() {
+  if (phase_listener_ != 0) core::remove_phase_listener(phase_listener_);
+}
+
+namespace {
+int64_t wall_ms() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+}  // namespace
+
+void ProcessGroup::post_phases() {
+  // What this rank does outside the training loop (core/phase.h), in the store: a peer whose
+  // collective times out reads it and names the slow rank's work instead of guessing.
+  auto store = store_;
+  const std::string key = "phase/" + std::to_string(info_.rank);
+  phase_listener_ = core::add_phase_listener([store, key](const std::string& phase) {
+    store->set(key, to_bytes(std::to_string(wall_ms()) + "\t" + phase));
+  });
+  const std::string now = core::phase();
+  if (!now.empty()) store->set(key, to_bytes(std::to_string(wall_ms()) + "\t" + now));
+}
+
+std::string ProcessGroup::peers_at_work() {
+  // Read on a thread with a deadline: the store may be the thing that is gone.
+  auto store = store_;
+  const int rank = info_.rank;
+  const int world = info_.world_size;
+  auto result = std::make_shared<std::promise<std::string>>();
+  auto future = result->get_future();
+  std::thread([store, rank, world, result]() {
+    std::string gave_up, busy;
+    try {
+      for (int r = 0; r < world; ++r) {
+        if (r == rank) continue;
+        const std::string quit = "gave_up/" + std::to_string(r);
+        if (store->check({quit})) {
+          gave_up += fmt::format("{}rank {} stopped waiting for this rank ({})",
+                                 gave_up.empty() ? "" : "; ", r, from_bytes(store->get(quit)));
+        }
+        const std::string key = "phase/" + std::to_string(r);
+        if (!store->check({key})) continue;
+        const std::string value = from_bytes(store->get(key));
+        const auto tab = value.find('\t');
+        if (tab == std::string::npos || tab + 1 == value.size()) continue;
+        const double since = (wall_ms() - std::stoll(value.substr(0, tab))) / 1000.0;
+        busy += fmt::format("{}rank {} is {} (for {:.1f} s)", busy.empty() ? "" : "; ", r,
+                            value.substr(tab + 1), since);
+      }
+    } catch (const std::exception&) {
+      // Whatever could be read is said; the lost-rank probe reports an unreachable store.
+    }
+    result->set_value(!gave_up.empty() ? "gave_up:" + gave_up : busy);
+  }).detach();
+  if (future.wait_for(std::chrono::seconds(5)) != std::future_status::ready) return "";
+  return future.get();
+}
 
 std::string ProcessGroup::describe() const {
   return fmt::format("rank {}/{}", info_.rank, info_.world_size);
@@ -359,6 +419,34 @@ void ProcessGroup::wait(const c10::intrusive_ptr<c10d::Work>& work, const std::s
   } catch (const std::exception& e) {
     const double waited = std::chrono::duration<double>(Clock::now() - start).count();
     const std::string cause = first_line(e);
+    const double timeout = seconds(options_.collective_timeout);
+    const std::string advice = fmt::format(
+        "if that work is expected to take this long, raise the collective timeout ({:g} s now: "
+        "difftrain launch --collective_timeout S, or DIFFTRAIN_COLLECTIVE_TIMEOUT)",
+        timeout);
+    // Timed out here: say so in the store first, so the rank this one gave up on does not
+    // report a mystery when its own next collective fails.
+    const bool timed_out = waited >= 0.9 * timeout;
+    if (timed_out && store_) {
+      try {
+        const std::string mine = core::phase();
+        store_->set("gave_up/" + std::to_string(info_.rank),
+                    to_bytes(fmt::format("after {:.1f} s in {}{}, its collective timeout", waited,
+                                         op, mine.empty() ? "" : " while " + mine)));
+      } catch (const std::exception&) {
+      }
+    }
+    const std::string work_now = store_ ? peers_at_work() : "";
+    if (work_now.rfind("gave_up:", 0) == 0) {
+      const std::string mine = core::phase();
+      throw Error(fmt::format("{}: {} failed after {:.1f} s ({}): {}{}: {}", describe(), op, waited,
+                              cause, work_now.substr(8),
+                              mine.empty() ? "" : ", while this rank was " + mine, advice));
+    }
+    if (timed_out && !work_now.empty()) {
+      throw Error(fmt::format("{}: {} timed out after {:.1f} s ({}): {}: {}", describe(), op,
+                              waited, cause, work_now, advice));
+    }
     const std::string lost = probe_lost_ranks();
     throw Error(
         fmt::format("{}: {} failed after {:.1f} s ({}): {}", describe(), op, waited, cause, lost));

@@ -1,6 +1,7 @@
 #include "difftrain/io/safetensors.h"
 
 #include "difftrain/core/error.h"
+#include "difftrain/core/phase.h"
 #include "difftrain/io/atomic_file.h"
 
 #include <fcntl.h>
@@ -282,6 +283,7 @@ std::string serialize_safetensors(const TensorMap& tensors, const Metadata& meta
   for (const auto& t : data) {
     out.append(static_cast<const char*>(t.data_ptr()),
                static_cast<size_t>(t.numel()) * t.element_size());
+    core::note_progress();
   }
   return out;
 }

@@ -4,6 +4,7 @@
 #include "difftrain/core/env.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/exit.h"
+#include "difftrain/core/phase.h"
 #include "difftrain/distributed/net.h"
 #include "difftrain/distributed/process_group.h"
 
@@ -111,9 +112,64 @@ struct Rank {
   bool running = false;
   int status = 0;
   Stream out, err;
+  // What the rank reports through its status pipe (core/phase.h): its phase ("" while
+  // training) and when it last said its work moved on.
+  Stream report;
+  std::string phase;
+  Clock::time_point last_progress{};
+  // CPU seconds the rank had used when last looked at (a rank that computes makes progress).
+  double cpu_seen = -1;
   int log_fd = -1;
   std::string prefix;
 };
+
+// CPU seconds (user + system, every thread) process `pid` has used, or -1.
+double cpu_seconds(pid_t pid) {
+  std::FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
+  if (f == nullptr) return -1;
+  char buffer[1024];
+  const size_t n = std::fread(buffer, 1, sizeof(buffer) - 1, f);
+  std::fclose(f);
+  buffer[n] = '\0';
+  // Fields after the command name (in parentheses, which may hold spaces): state is field 3,
+  // utime 14 and stime 15.
+  const char* p = std::strrchr(buffer, ')');
+  if (p == nullptr) return -1;
+  unsigned long long utime = 0, stime = 0;
+  if (std::sscanf(p + 1, " %*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &utime,
+                  &stime) != 2) {
+    return -1;
+  }
+  return static_cast<double>(utime + stime) / static_cast<double>(sysconf(_SC_CLK_TCK));
+}
+
+// Reads the rank's status lines ("phase <text>", "progress"); returns false at end of stream.
+bool pump_report(Rank& rank) {
+  char buffer[4096];
+  bool open = true;
+  while (true) {
+    const ssize_t n = read(rank.report.fd, buffer, sizeof(buffer));
+    if (n > 0) {
+      rank.report.pending.append(buffer, static_cast<size_t>(n));
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+    close(rank.report.fd);
+    rank.report.fd = -1;
+    open = false;
+    break;
+  }
+  for (auto newline = rank.report.pending.find('\n'); newline != std::string::npos;
+       newline = rank.report.pending.find('\n')) {
+    const std::string line = rank.report.pending.substr(0, newline);
+    rank.report.pending.erase(0, newline + 1);
+    if (line.rfind("phase ", 0) == 0) rank.phase = line.substr(6);
+    rank.last_progress = Clock::now();
+  }
+  if (rank.report.pending.size() > 4096) rank.report.pending.clear();
+  return open;
+}
 
 void emit(Rank& rank, Stream& stream, bool flush_partial) {
   std::string block;
@@ -378,7 +434,7 @@ class Supervisor {
     write_all(STDERR_FILENO, "difftrain launch: " + message + "\n");
   }
 
-  std::vector<std::string> environment(const Rank& r, int generation) const {
+  std::vector<std::string> environment(const Rank& r, int generation, int status_fd) const {
     std::map<std::string, std::string> vars;
     for (char** e = environ; *e != nullptr; ++e) {
       const std::string entry = *e;
@@ -408,6 +464,7 @@ class Supervisor {
     set("ACCELERATE_MIXED_PRECISION", o_.mixed_precision);
     set("DIFFTRAIN_GRADIENT_ACCUMULATION_STEPS", std::to_string(o_.gradient_accumulation_steps));
     set("PYTHONUNBUFFERED", "1");
+    set(core::kStatusFdEnv, std::to_string(status_fd));
     if (!store_dir_.empty()) {
       set("DIFFTRAIN_STORE_FILE", store_dir_ + "/store.gen" + std::to_string(generation));
       vars.erase("DIFFTRAIN_STORE_HOSTED");
@@ -427,12 +484,13 @@ class Supervisor {
   }
 
   void spawn(Rank& r, int generation) {
-    int out_pipe[2], err_pipe[2];
-    if (pipe2(out_pipe, O_CLOEXEC) != 0 || pipe2(err_pipe, O_CLOEXEC) != 0) {
+    int out_pipe[2], err_pipe[2], report_pipe[2];
+    if (pipe2(out_pipe, O_CLOEXEC) != 0 || pipe2(err_pipe, O_CLOEXEC) != 0 ||
+        pipe2(report_pipe, O_CLOEXEC) != 0) {
       throw Error(std::string("difftrain launch: cannot create pipes: ") + std::strerror(errno));
     }
     // Everything the child needs is built before fork(): after it, only async-signal-safe calls.
-    const std::vector<std::string> env_strings = environment(r, generation);
+    const std::vector<std::string> env_strings = environment(r, generation, report_pipe[1]);
     std::vector<char*> envp;
     for (const auto& s : env_strings) envp.push_back(const_cast<char*>(s.c_str()));
     envp.push_back(nullptr);
@@ -470,6 +528,7 @@ class Supervisor {
       if (getppid() != parent) _exit(125);
       dup2(out_pipe[1], STDOUT_FILENO);
       dup2(err_pipe[1], STDERR_FILENO);
+      fcntl(report_pipe[1], F_SETFD, 0);  // the status pipe stays open in the rank
       if (in_process) {
         // The launcher is this program and has no other thread: run its main() here with the
         // rank's environment and argv, as exec would, minus the program's start-up.
@@ -503,13 +562,20 @@ class Supervisor {
     sigprocmask(SIG_SETMASK, &saved, nullptr);
     close(out_pipe[1]);
     close(err_pipe[1]);
+    close(report_pipe[1]);
     fcntl(out_pipe[0], F_SETFL, O_NONBLOCK);
     fcntl(err_pipe[0], F_SETFL, O_NONBLOCK);
+    fcntl(report_pipe[0], F_SETFL, O_NONBLOCK);
     r.pid = pid;
     r.running = true;
     r.status = 0;
     r.out = Stream{out_pipe[0], STDOUT_FILENO, {}};
     r.err = Stream{err_pipe[0], STDERR_FILENO, {}};
+    if (r.report.fd >= 0) close(r.report.fd);
+    r.report = Stream{report_pipe[0], -1, {}};
+    r.phase.clear();
+    r.last_progress = Clock::time_point{};
+    r.cpu_seen = -1;
     if (r.log_fd >= 0 && generation > 0) {
       write_all(r.log_fd, fmt::format("--- difftrain launch: restart {} ---\n", generation));
     }
@@ -531,11 +597,13 @@ class Supervisor {
         const int signo = buffer[i];
         if (signo == SIGCHLD) continue;
         if (interrupted_ != 0) {
+          if (!killed_) report_unfinished();
           signal_all(SIGKILL);  // a second signal: no more grace
+          killed_ = true;
         } else {
           interrupted_ = signo;
           signal_all(signo);
-          stop_deadline_ = Clock::now() + grace();
+          mark_stop_began();
         }
       }
     }
@@ -594,12 +662,13 @@ class Supervisor {
     if (stopping_) return;
     stopping_ = true;
     signal_all(SIGTERM);
-    stop_deadline_ = Clock::now() + grace();
+    mark_stop_began();
   }
 
   void run_generation(int generation, Failure& failure, std::optional<RemoteAbort>& remote) {
     stopping_ = false;
     killed_ = false;
+    extended_ = false;
     for (Rank& r : ranks_) spawn(r, generation);
     while (true) {
       std::vector<pollfd> fds;
@@ -613,9 +682,16 @@ class Supervisor {
           owners.emplace_back(&r, s);
         }
       }
+      // The status pipes are read too but do not keep the loop alive (they are not output).
+      const size_t outputs = fds.size();
+      for (Rank& r : ranks_) {
+        if (r.report.fd < 0) continue;
+        fds.push_back({r.report.fd, POLLIN, 0});
+        owners.emplace_back(&r, &r.report);
+      }
       const bool any_running =
           std::any_of(ranks_.begin(), ranks_.end(), [](const Rank& r) { return r.running; });
-      if (!any_running && fds.size() == 1) break;
+      if (!any_running && outputs == 1) break;
       if (!any_running) {
         // Ranks are gone but a pipe is still open (a grandchild escaped its group): give it a
         // moment, then stop listening.
@@ -635,8 +711,12 @@ class Supervisor {
       }
       poll(fds.data(), fds.size(), 100);
       for (size_t i = 1; i < fds.size(); ++i) {
-        if (fds[i].revents & (POLLIN | POLLHUP | POLLERR))
+        if ((fds[i].revents & (POLLIN | POLLHUP | POLLERR)) == 0) continue;
+        if (owners[i].second == &owners[i].first->report) {
+          pump_report(*owners[i].first);
+        } else {
           pump(*owners[i].first, *owners[i].second);
+        }
       }
       drain_signals();
       reap(failure, generation);
@@ -646,12 +726,85 @@ class Supervisor {
           begin_stop();
         }
       }
-      if ((stopping_ || interrupted_ != 0) && !killed_ && Clock::now() > stop_deadline_) {
+      if ((stopping_ || interrupted_ != 0) && !killed_) sample_cpu();
+      if ((stopping_ || interrupted_ != 0) && !killed_ && Clock::now() > stop_deadline_ &&
+          !still_progressing()) {
+        report_unfinished();
         signal_all(SIGKILL);
         killed_ = true;
       }
     }
     pipes_deadline_.reset();
+    for (Rank& r : ranks_) {
+      if (r.report.fd >= 0) close(r.report.fd);
+      r.report.fd = -1;
+    }
+  }
+
+  // After the stop signal a rank that still reports progress (saving a checkpoint: each piece
+  // written) is given --term_timeout more seconds from its last report, for as long as it goes
+  // on; only a rank that goes quiet that long is killed. Returns true while one goes on.
+  bool still_progressing() {
+    sample_cpu();
+    const Rank* busiest = nullptr;
+    for (const Rank& r : ranks_) {
+      if (!r.running || r.last_progress <= stop_began_) continue;
+      if (busiest == nullptr || r.last_progress > busiest->last_progress) busiest = &r;
+    }
+    if (busiest == nullptr || busiest->last_progress + grace() <= Clock::now()) return false;
+    stop_deadline_ = busiest->last_progress + grace();
+    if (!extended_) {
+      extended_ = true;
+      say(fmt::format(
+          "rank {} is {} after {:.1f} s: it may finish while it makes progress (each "
+          "--term_timeout {:g} s without progress ends it; a second signal ends it now)",
+          busiest->global_rank,
+          busiest->phase.empty() ? "finishing its update" : "still " + busiest->phase,
+          std::chrono::duration<double>(Clock::now() - stop_began_).count(), o_.term_timeout_s));
+    }
+    return true;
+  }
+
+  void mark_stop_began() {
+    stop_began_ = Clock::now();
+    stop_deadline_ = stop_began_ + grace();
+    cpu_sampled_ = Clock::time_point{};
+    for (Rank& r : ranks_) r.cpu_seen = -1;
+  }
+
+  // A rank that used a tenth of a core or more since the last look is working (finishing its
+  // update, writing): progress, like its own reports. One waiting in a collective or stopped
+  // uses next to nothing.
+  void sample_cpu() {
+    const auto now = Clock::now();
+    if (now - cpu_sampled_ < std::chrono::seconds(1)) return;
+    const double wall = std::chrono::duration<double>(now - cpu_sampled_).count();
+    cpu_sampled_ = now;
+    for (Rank& r : ranks_) {
+      if (!r.running) continue;
+      const double cpu = cpu_seconds(r.pid);
+      if (cpu >= 0 && r.cpu_seen >= 0 && cpu - r.cpu_seen >= 0.1 * std::min(wall, 5.0)) {
+        r.last_progress = now;
+      }
+      r.cpu_seen = cpu;
+    }
+  }
+
+  // Says which ranks are killed in the middle of a phase (an unfinished checkpoint is named).
+  void report_unfinished() const {
+    for (const Rank& r : ranks_) {
+      if (!r.running || r.phase.empty()) continue;
+      std::string what = fmt::format(
+          "rank {} is killed while {} ({:g} s of --term_timeout without progress)", r.global_rank,
+          r.phase, o_.term_timeout_s);
+      if (r.phase.rfind("saving ", 0) == 0) {
+        what +=
+            ": that checkpoint is not finished (its .tmp folder is deleted by the next resume, "
+            "which starts from the last complete one); give the job a longer grace period "
+            "(--term_timeout, SLURM's KillWait, Kubernetes' terminationGracePeriodSeconds)";
+      }
+      say(what);
+    }
   }
 
   const LaunchOptions& o_;
@@ -667,6 +820,9 @@ class Supervisor {
   int interrupted_ = 0;
   bool stopping_ = false;
   bool killed_ = false;
+  bool extended_ = false;  // the grace period was extended for a rank that makes progress
+  Clock::time_point stop_began_{};
+  Clock::time_point cpu_sampled_{};
   Clock::time_point stop_deadline_{};
   std::optional<Clock::time_point> pipes_deadline_;
 };

@@ -14,6 +14,7 @@
 #include <set>
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
+#include "difftrain/core/phase.h"
 #include "difftrain/data/buckets.h"
 #include "difftrain/data/image_folder.h"
 #include "difftrain/data/sample_rng.h"
@@ -287,7 +288,8 @@ class TextToImageTask : public DiffusionTask {
 
   // --validation_prompt rendered once per index i (image i from seed + i). `mine` is this
   // rank's contiguous range, padded at the end with copies the Trainer discards.
-  ValidationImages render_validation(const std::vector<int64_t>& mine, int64_t /*begin*/) override {
+  ValidationImages render_validation(const std::vector<int64_t>& mine, int64_t /*begin*/,
+                                     const SamplerStepCallback& on_step) override {
     const auto& v = o_.validation;
     const int64_t R = o_.data.resolution;
     if (mine.empty()) return {torch::zeros({0, R, R, 3})};
@@ -296,6 +298,7 @@ class TextToImageTask : public DiffusionTask {
     r.negative_prompts = {v.negative_prompt};
     r.num_images = static_cast<int64_t>(mine.size());
     r.seed = v.seed + static_cast<uint64_t>(mine.front());
+    r.on_step = on_step;
     return {diffusion::generate(pipe, r).images};
   }
 
@@ -561,12 +564,14 @@ class TextToImageTask : public DiffusionTask {
     if (acc.is_main_process()) fs::create_directories(dir);
     acc.wait_for_everyone();
     const auto [begin, end] = acc.split_range(missing);
+    core::PhaseScope phase("generating class images");
     if (begin < end) {
       diffusion::Pipeline pipe =
           as_pipeline(diffusion::SchedulerConfig::load(folder_.scheduler_config), "ddim");
       diffusion::GenerateRequest r = render_request(t.class_prompt);
       r.num_images = end - begin;
       r.seed = o_.data.seed + static_cast<uint64_t>(have + begin);
+      r.on_step = [](int64_t, int64_t) { core::note_progress(); };
       torch::Tensor images;  // [end - begin, H, W, 3]
       {
         auto autocast = acc.autocast();
@@ -632,19 +637,46 @@ class TextToImageTask : public DiffusionTask {
     for (const auto& s : unique) key += "\n" + s;
     const fs::path file = dir / ("text-embeddings-" + hex(fnv1a(key)) + ".safetensors");
     const std::vector<std::string> captions(unique.begin(), unique.end());
-    if (!fs::exists(file) && acc.is_main_process()) {
-      torch::NoGradGuard no_grad;
-      auto autocast = acc.autocast();
-      std::map<std::string, std::vector<torch::Tensor>> rows;
-      for (size_t s = 0; s < captions.size(); s += 64) {
-        std::vector<std::string> chunk(captions.begin() + s,
-                                       captions.begin() + std::min(captions.size(), s + 64));
-        for (auto& [name, t] : encode_captions(chunk)) rows[name].push_back(t);
+    // Shared like the latents: every rank encodes its contiguous range of the captions into a
+    // part file and the main rank joins them (one rank encoding all of them kept the others
+    // waiting in a collective for as long).
+    if (!fs::exists(file)) {
+      core::PhaseScope phase("caching text embeddings");
+      const int rank = acc.process_index(), world = acc.num_processes();
+      const size_t n = captions.size();
+      const size_t begin = n * static_cast<size_t>(rank) / static_cast<size_t>(world);
+      const size_t end = n * static_cast<size_t>(rank + 1) / static_cast<size_t>(world);
+      const fs::path part = file.string() + ".part" + std::to_string(rank);
+      {
+        torch::NoGradGuard no_grad;
+        auto autocast = acc.autocast();
+        std::map<std::string, std::vector<torch::Tensor>> rows;
+        for (size_t s = begin; s < end; s += 64) {
+          std::vector<std::string> chunk(captions.begin() + static_cast<std::ptrdiff_t>(s),
+                                         captions.begin() +
+                                             static_cast<std::ptrdiff_t>(std::min(end, s + 64)));
+          for (auto& [name, t] : encode_captions(chunk)) rows[name].push_back(t);
+          core::note_progress();
+        }
+        io::TensorMap tensors;
+        for (auto& [name, list] : rows) tensors[name] = torch::cat(list).to(torch::kCPU);
+        io::save_safetensors(part.string(), tensors, {{"rows", std::to_string(end - begin)}});
       }
-      io::TensorMap tensors;
-      for (auto& [name, list] : rows) tensors[name] = torch::cat(list);
-      io::save_safetensors(file.string(), tensors, {{"captions", nlohmann::json(captions).dump()}});
-      log::info("cache_latents: encoded {} caption(s) into {}", captions.size(), file.string());
+      acc.wait_for_everyone();
+      if (acc.is_main_process()) {
+        std::map<std::string, std::vector<torch::Tensor>> rows;
+        for (int r = 0; r < world; ++r) {
+          auto st = io::load_safetensors(file.string() + ".part" + std::to_string(r));
+          for (auto& [name, t] : st.tensors) rows[name].push_back(t);
+        }
+        io::TensorMap tensors;
+        for (auto& [name, list] : rows) tensors[name] = torch::cat(list);
+        io::save_safetensors(file.string(), tensors,
+                             {{"captions", nlohmann::json(captions).dump()}});
+        for (int r = 0; r < world; ++r) fs::remove(file.string() + ".part" + std::to_string(r));
+        log::info("cache_latents: encoded {} caption(s) into {} ({} rank(s))", n, file.string(),
+                  world);
+      }
     }
     acc.wait_for_everyone();
     auto st = io::load_safetensors(file.string());
@@ -684,6 +716,7 @@ class TextToImageTask : public DiffusionTask {
       acc.print("cache_latents: reusing {}", file.string());
       return load();
     }
+    core::PhaseScope phase("caching latents");
     const int rank = acc.process_index(), world = acc.num_processes();
     const fs::path part = file.string() + ".part" + std::to_string(rank);
     const auto batch = static_cast<size_t>(o_.encode_batch_size);

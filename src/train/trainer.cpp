@@ -11,6 +11,7 @@
 #include "difftrain/core/env.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
+#include "difftrain/core/phase.h"
 #include "difftrain/data/data_loader.h"
 #include "difftrain/diffusion/ema.h"
 #include "difftrain/distributed/process_group.h"
@@ -30,6 +31,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <optional>
+#include <thread>
 
 namespace difftrain::train {
 namespace fs = std::filesystem;
@@ -37,6 +39,10 @@ namespace {
 
 std::atomic<int> g_stop_signal{0};
 extern "C" void on_stop_signal(int signo) { g_stop_signal.store(signo); }
+
+// Thrown from a sampler step when this rank is asked to stop: the validation in progress is
+// abandoned in favour of the checkpoint.
+struct ValidationAbandoned {};
 
 // Installs SIGINT/SIGTERM handlers for the run and puts the previous ones back afterwards.
 class StopSignals {
@@ -266,6 +272,8 @@ struct Trainer::State {
 
   // ------------------------------------------------------------------ checkpoints
   void save_checkpoint() {
+    core::PhaseScope phase("saving checkpoint-" + std::to_string(global_step));
+    const auto started = Clock::now();
     const std::string dir = (out_dir / ("checkpoint-" + std::to_string(global_step))).string();
     acc->save_state(dir, [&](const std::string& temp) {
       if (!acc->is_main_process()) return;
@@ -276,10 +284,19 @@ struct Trainer::State {
         io::write_file_atomic((fs::path(temp) / "ema.json").string(),
                               ema->state_meta().dump(2) + "\n");
       }
-      // Fault injection for the tests: die in the middle of this save.
+      // Fault injection for the tests: die in the middle of this save, or stall in it
+      // ("<step>:<seconds>", without progress: a slow or stuck disk).
       if (const char* kill_at = std::getenv("DIFFTRAIN_FAULT_KILL_IN_SAVE");
           kill_at != nullptr && std::to_string(global_step) == kill_at) {
         std::raise(SIGKILL);
+      }
+      if (const char* sleep_at = std::getenv("DIFFTRAIN_FAULT_SLEEP_IN_SAVE")) {
+        const std::string spec = sleep_at;
+        const auto colon = spec.find(':');
+        if (colon != std::string::npos && spec.substr(0, colon) == std::to_string(global_step)) {
+          std::this_thread::sleep_for(
+              std::chrono::duration<double>(std::stod(spec.substr(colon + 1))));
+        }
       }
       nlohmann::json state = {{"global_step", global_step},
                               {"num_processes", acc->num_processes()},
@@ -289,7 +306,7 @@ struct Trainer::State {
       // Written last: its presence marks a complete checkpoint.
       io::write_file_atomic((fs::path(temp) / "trainer_state.json").string(), state.dump(2) + "\n");
     });
-    acc->print("saved checkpoint {}", dir);
+    acc->print("saved checkpoint {} ({:.1f} s)", dir, seconds_since(started));
     if (acc->is_main_process() && o.checkpoints_total_limit) {
       rotate_checkpoints(o.output_dir, *o.checkpoints_total_limit);
     }
@@ -406,14 +423,16 @@ struct Trainer::State {
     return false;
   }
 
-  void validate() {
+  // Returns false when a stop signal abandoned it (agreed by every rank; nothing written).
+  bool validate() {
     const int64_t K = o.num_validation_images;
-    if (K == 0) return;
+    if (K == 0) return true;
     const std::string unavailable = task->validation_unavailable();
     if (!unavailable.empty()) {
       acc->print("validation skipped: {}", unavailable);
-      return;
+      return true;
     }
+    core::PhaseScope phase("rendering validation images at step " + std::to_string(global_step));
     std::vector<int64_t> all(K);
     for (int64_t i = 0; i < K; ++i) all[i] = i;
     const auto mine = acc->split_between_processes(all, /*apply_padding=*/true);
@@ -425,15 +444,43 @@ struct Trainer::State {
     auto full = acc->summon_full_params();  // sampling and the EMA swap read every parameter
     if (ema) ema->store(*trainable), ema->copy_to(*trainable);
     torch::Tensor images;  // [k, H, W, C]
-    {
+    // A line every few seconds from the main rank (a long validation must not look like a hang),
+    // and at a stop signal the render is dropped: the checkpoint matters more than the images.
+    auto last_line = Clock::now();
+    const auto on_step = [&](int64_t step, int64_t steps) {
+      core::note_progress();
+      if (g_stop_signal.load() != 0) throw ValidationAbandoned{};
+      if (acc->is_main_process() && step < steps && seconds_since(last_line) >= 5.0) {
+        const double s = seconds_since(started);
+        log::info("validation: sampling step {}/{} ({:.1f} s, ETA {})", step, steps, s,
+                  format_duration(s / static_cast<double>(step) * static_cast<double>(steps - step)));
+        last_line = Clock::now();
+      }
+    };
+    bool abandoned = false;
+    try {
       // Under bf16 the frozen LoRA base is bf16 and the adapters fp32: autocast joins them.
       auto autocast = acc->autocast();
-      images = task->render_validation(mine, range.first).images;
+      images = task->render_validation(mine, range.first, on_step).images;
+    } catch (const ValidationAbandoned&) {
+      abandoned = true;
     }
     if (ema) ema->restore(*trainable);
     trainable->train();
+    // Every rank learns whether any abandoned it before the gather (a rank that finished its
+    // share while another stopped must not wait in the gather for images that never come).
+    auto any_abandoned = acc->reduce(
+        torch::tensor({static_cast<double>(abandoned || g_stop_signal.load() != 0)},
+                      torch::kFloat64),
+        "sum");
+    if (any_abandoned.item<double>() > 0) {
+      acc->print("validation at step {} abandoned after {:.1f} s: a stop signal came; saving the "
+                 "checkpoint instead",
+                 global_step, seconds_since(started));
+      return false;
+    }
     auto gathered = acc->gather(images.contiguous());
-    if (!acc->is_main_process()) return;
+    if (!acc->is_main_process()) return true;
     // Each rank's block is its range padded to the same length; keep the real images in order.
     const auto per_rank = static_cast<int64_t>(mine.size());
     std::vector<torch::Tensor> keep;
@@ -450,10 +497,12 @@ struct Trainer::State {
     if (trackers) trackers->log_image("validation", grid, global_step);
     log::info("validation samples{}: {} ({:.1f} s)", task->validation_note(), (dir / name).string(),
               seconds_since(started));
+    return true;
   }
 
   // ------------------------------------------------------------------ export
   void export_final() {
+    core::PhaseScope phase("exporting the trained model");
     auto full = acc->summon_full_params();
     if (acc->is_main_process()) {
       if (ema) ema->copy_to(*task->trainable());  // the export uses EMA weights
@@ -486,6 +535,26 @@ struct Trainer::State {
   }
 
   // ------------------------------------------------------------------ the loop
+  bool abandoned_validation = false;
+
+  // The main rank says once which signal stopped the run and what happens now.
+  void announce_stop() {
+    const int signo = g_stop_signal.load();
+    acc->print("{} received: saving checkpoint-{}, then stopping (a second signal to the launcher "
+               "stops at once)",
+               signo == SIGINT ? "SIGINT" : signo == SIGTERM ? "SIGTERM" : "a stop signal (on "
+                                                                           "another rank)",
+               global_step);
+  }
+
+  [[noreturn]] void throw_interrupted() {
+    if (trackers) trackers->flush();
+    throw Error("training interrupted by a signal at step " + std::to_string(global_step) +
+                (abandoned_validation ? " (validation abandoned)" : "") + "; checkpoint saved in " +
+                (out_dir / ("checkpoint-" + std::to_string(global_step))).string() +
+                "; continue with: " + resume_command());
+  }
+
   TrainResult train() {
     StopSignals signals;
     const int64_t world = acc->num_processes();
@@ -530,6 +599,7 @@ struct Trainer::State {
         acc->backward(loss);
         micro_loss += loss.item<double>();
         ++micro_count;
+        core::note_progress();
         // step: clip (the norm is logged even without clipping), update, schedule
         double grad_norm = std::numeric_limits<double>::quiet_NaN();
         if (acc->sync_gradients()) {
@@ -592,25 +662,35 @@ struct Trainer::State {
         if (global_step == first_step + kTimingSkip) timed_start = Clock::now();
         // checkpoint, validate (the last step's come after the loop)
         const bool last = global_step >= total_steps;
+        if (stopped) announce_stop();
+        bool saved = false, paused_here = false;
         if (stopped ||
             (o.checkpointing_steps > 0 && global_step % o.checkpointing_steps == 0 && !last)) {
           paused([&] { save_checkpoint(); });
+          saved = paused_here = true;
         }
         if (!stopped && o.validation_steps > 0 && global_step % o.validation_steps == 0 && !last) {
-          paused([&] { validate(); });
+          paused([&] {
+            if (!validate()) stopped = abandoned_validation = true;
+          });
           trainable->train();
+          paused_here = true;
         }
+        // A signal that came during a save or a validation stops the run here, not one update
+        // later (a preempted job may not have the time for another update and save).
+        if (!stopped && paused_here) {
+          stopped = acc->reduce(torch::tensor({static_cast<double>(g_stop_signal.load() != 0)},
+                                              torch::kFloat64),
+                                "sum")
+                        .item<double>() > 0;
+          if (stopped) announce_stop();
+        }
+        if (stopped && !saved) paused([&] { save_checkpoint(); });
         if (last || stopped) break;
       }
     }
 
-    if (stopped) {
-      if (trackers) trackers->flush();
-      throw Error("training interrupted by a signal at step " + std::to_string(global_step) +
-                  "; checkpoint saved in " +
-                  (out_dir / ("checkpoint-" + std::to_string(global_step))).string() +
-                  "; continue with: " + resume_command());
-    }
+    if (stopped) throw_interrupted();
     if (!wrote_run_info) write_run_info();
     if (timed_start && global_step > first_step + kTimingSkip) {
       const double seconds = seconds_since(*timed_start) - timed_paused_s;
@@ -629,7 +709,10 @@ struct Trainer::State {
     };
     save_checkpoint();
     const double checkpoint_s = phase();
-    if (final_validation_wanted()) validate();
+    if (final_validation_wanted() && !validate()) {
+      abandoned_validation = true;
+      throw_interrupted();
+    }
     const double validation_s = phase();
     export_final();
     const double export_s = phase();

@@ -125,7 +125,8 @@ class UNetTask final : public DiffusionTask {
 
   // One batch of this rank's images from one generator seeded by the rank's first index, with
   // the training scheduler's config run by the validation sampler.
-  ValidationImages render_validation(const std::vector<int64_t>& mine, int64_t begin) override {
+  ValidationImages render_validation(const std::vector<int64_t>& mine, int64_t begin,
+                                     const SamplerStepCallback& on_step) override {
     const auto& v = o_.validation;
     diffusion::Pipeline pipe =
         diffusion::UNetPipeline{{},
@@ -138,6 +139,7 @@ class UNetTask final : public DiffusionTask {
     r.guidance_scale = v.guidance_scale;
     r.seed = v.seed + 1000003ULL * static_cast<uint64_t>(begin + 1);
     r.seeding = diffusion::Seeding::kBatch;
+    r.on_step = on_step;
     if (class_conditional_) {
       const int64_t classes = num_classes_ > 0 ? num_classes_ : 1;
       for (int64_t i : mine) r.class_labels.push_back(i % classes);

@@ -222,6 +222,31 @@ TEST(SdCli, CachedLatentsTrainLikeUncached) {
   EXPECT_NE(again.err.find("cache_latents: reusing"), std::string::npos) << again.log();
   EXPECT_EQ(max_abs_diff(lora_file(dir + "/cached_again"), lora_file(dir + "/cached")), 0.0);
 
+  // On two ranks every rank encodes its half of the captions (issue 38: rank 0 alone kept the
+  // other waiting in a collective); the joined file holds the same embeddings in the same order.
+  auto two = train(sd_train_cmd(data, dir + "/cached_two",
+                                {"--max_train_steps", "1", "--cache_latents", "--cache_dir",
+                                 dir + "/latents_two"}),
+                   2);
+  ASSERT_EQ(two.exit_code, 0) << two.log();
+  EXPECT_NE(two.err.find("caption(s) into"), std::string::npos) << two.log();
+  EXPECT_NE(two.err.find("(2 rank(s))"), std::string::npos) << two.log();
+  auto text_cache = [](const std::string& folder) {
+    for (const auto& e : fs::directory_iterator(folder)) {
+      if (e.path().filename().string().rfind("text-embeddings-", 0) == 0) {
+        return io::load_safetensors(e.path().string());
+      }
+    }
+    ADD_FAILURE() << "no text-embeddings cache in " << folder;
+    return io::Safetensors{};
+  };
+  const auto one_rank = text_cache(dir + "/latents");
+  const auto two_ranks = text_cache(dir + "/latents_two");
+  EXPECT_EQ(one_rank.metadata.at("captions"), two_ranks.metadata.at("captions"));
+  const double te = max_abs_diff(one_rank.tensors, two_ranks.tensors);
+  std::cout << "text cache on 2 ranks vs 1: " << te << " (tolerance 1e-5)\n";
+  EXPECT_LE(te, 1e-5);
+
   // Random crops would freeze one crop in the cache: refused with the fix.
   auto bad = train({"train", "--pretrained_model_name_or_path", kSd, "--dataset", "imagefolder",
                     "--train_data_dir", data, "--resolution", "32", "--lora", "--cache_latents",

@@ -82,6 +82,11 @@ class ProcessGroup {
   void join();
   void connect_backend();
   std::string probe_lost_ranks();
+  /// Posts this rank's phase (core/phase.h) to the store whenever it changes.
+  void post_phases();
+  /// "rank 0 is saving checkpoint-7 (for 3.2 s)" for every other rank with a phase, or
+  /// "gave_up:rank 1 stopped waiting for this rank (...)" when one timed out waiting on it.
+  std::string peers_at_work();
 
   RendezvousInfo info_;
   ProcessGroupOptions options_;
@@ -90,6 +95,7 @@ class ProcessGroup {
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<compat::C10dBackend> backend_;
   int failures_ = 0;
+  int phase_listener_ = 0;
   std::unique_ptr<ShmAllReduce> shm_;
 };
 

@@ -162,9 +162,14 @@ class TrainingTask {
 
   /// Why this run cannot render validation images ("" when it can).
   virtual std::string validation_unavailable() const { return ""; }
+  /// Called after each sampler step of a validation render with (step, steps): progress lines,
+  /// and abandoning the render for a checkpoint when the run is asked to stop (it throws).
+  using SamplerStepCallback = std::function<void(int64_t, int64_t)>;
   /// Renders images `mine` (indices into 0..K-1; `begin` is the first index of this rank's
-  /// range) with the current weights. Every rank calls it with its share.
-  virtual ValidationImages render_validation(const std::vector<int64_t>& mine, int64_t begin) = 0;
+  /// range) with the current weights, calling `on_step` after every sampler step. Every rank
+  /// calls it with its share.
+  virtual ValidationImages render_validation(const std::vector<int64_t>& mine, int64_t begin,
+                                             const SamplerStepCallback& on_step) = 0;
   /// Labels of the K images of a validation grid, and its columns (0: about square).
   virtual std::vector<std::string> validation_labels(int64_t K) const = 0;
   virtual int64_t validation_columns() const { return 0; }
