@@ -1,13 +1,13 @@
 #include "difftrain/launch/launcher.h"
 
 #include "coordinator.h"
-#include "rank_streams.h"
 #include "difftrain/core/env.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/exit.h"
 #include "difftrain/core/phase.h"
 #include "difftrain/distributed/net.h"
 #include "difftrain/distributed/process_group.h"
+#include "rank_streams.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -667,9 +667,9 @@ class Supervisor {
   void report_unfinished() const {
     for (const Rank& r : ranks_) {
       if (!r.running || r.phase.empty()) continue;
-      std::string what = fmt::format(
-          "rank {} is killed while {} ({:g} s of --term_timeout without progress)", r.global_rank,
-          r.phase, o_.term_timeout_s);
+      std::string what =
+          fmt::format("rank {} is killed while {} ({:g} s of --term_timeout without progress)",
+                      r.global_rank, r.phase, o_.term_timeout_s);
       if (r.phase.rfind("saving ", 0) == 0) {
         what +=
             ": that checkpoint is not finished (its .tmp folder is deleted by the next resume, "

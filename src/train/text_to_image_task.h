@@ -182,6 +182,15 @@ struct EncodedBatch {
 // The class half of example `index` draws its per-sample randomness under this key (DreamBooth).
 inline int64_t class_key(int64_t index) { return index + kClassKeyOffset; }
 
+/// Writes the text-embedding cache `file`: one row per caption of `captions` (in order) for
+/// each tensor `encode` returns, and the captions as metadata. Shared like the latent cache:
+/// every rank encodes its contiguous range (64 captions at a time) into a part file and the
+/// main rank joins the parts; rank 0 alone kept the others waiting in a collective.
+void build_text_embedding_cache(
+    accel::Accelerator& acc, const std::vector<std::string>& captions, const fs::path& file,
+    const std::function<std::map<std::string, torch::Tensor>(const std::vector<std::string>&)>&
+        encode);
+
 class TextToImageTask : public DiffusionTask {
  public:
   using DiffusionTask::DiffusionTask;
@@ -637,46 +646,10 @@ class TextToImageTask : public DiffusionTask {
     for (const auto& s : unique) key += "\n" + s;
     const fs::path file = dir / ("text-embeddings-" + hex(fnv1a(key)) + ".safetensors");
     const std::vector<std::string> captions(unique.begin(), unique.end());
-    // Shared like the latents: every rank encodes its contiguous range of the captions into a
-    // part file and the main rank joins them (one rank encoding all of them kept the others
-    // waiting in a collective for as long).
     if (!fs::exists(file)) {
-      core::PhaseScope phase("caching text embeddings");
-      const int rank = acc.process_index(), world = acc.num_processes();
-      const size_t n = captions.size();
-      const size_t begin = n * static_cast<size_t>(rank) / static_cast<size_t>(world);
-      const size_t end = n * static_cast<size_t>(rank + 1) / static_cast<size_t>(world);
-      const fs::path part = file.string() + ".part" + std::to_string(rank);
-      {
-        torch::NoGradGuard no_grad;
-        auto autocast = acc.autocast();
-        std::map<std::string, std::vector<torch::Tensor>> rows;
-        for (size_t s = begin; s < end; s += 64) {
-          std::vector<std::string> chunk(captions.begin() + static_cast<std::ptrdiff_t>(s),
-                                         captions.begin() +
-                                             static_cast<std::ptrdiff_t>(std::min(end, s + 64)));
-          for (auto& [name, t] : encode_captions(chunk)) rows[name].push_back(t);
-          core::note_progress();
-        }
-        io::TensorMap tensors;
-        for (auto& [name, list] : rows) tensors[name] = torch::cat(list).to(torch::kCPU);
-        io::save_safetensors(part.string(), tensors, {{"rows", std::to_string(end - begin)}});
-      }
-      acc.wait_for_everyone();
-      if (acc.is_main_process()) {
-        std::map<std::string, std::vector<torch::Tensor>> rows;
-        for (int r = 0; r < world; ++r) {
-          auto st = io::load_safetensors(file.string() + ".part" + std::to_string(r));
-          for (auto& [name, t] : st.tensors) rows[name].push_back(t);
-        }
-        io::TensorMap tensors;
-        for (auto& [name, list] : rows) tensors[name] = torch::cat(list);
-        io::save_safetensors(file.string(), tensors,
-                             {{"captions", nlohmann::json(captions).dump()}});
-        for (int r = 0; r < world; ++r) fs::remove(file.string() + ".part" + std::to_string(r));
-        log::info("cache_latents: encoded {} caption(s) into {} ({} rank(s))", n, file.string(),
-                  world);
-      }
+      build_text_embedding_cache(acc, captions, file, [this](const std::vector<std::string>& c) {
+        return encode_captions(c);
+      });
     }
     acc.wait_for_everyone();
     auto st = io::load_safetensors(file.string());

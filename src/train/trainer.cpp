@@ -452,8 +452,9 @@ struct Trainer::State {
       if (g_stop_signal.load() != 0) throw ValidationAbandoned{};
       if (acc->is_main_process() && step < steps && seconds_since(last_line) >= 5.0) {
         const double s = seconds_since(started);
-        log::info("validation: sampling step {}/{} ({:.1f} s, ETA {})", step, steps, s,
-                  format_duration(s / static_cast<double>(step) * static_cast<double>(steps - step)));
+        log::info(
+            "validation: sampling step {}/{} ({:.1f} s, ETA {})", step, steps, s,
+            format_duration(s / static_cast<double>(step) * static_cast<double>(steps - step)));
         last_line = Clock::now();
       }
     };
@@ -469,14 +470,15 @@ struct Trainer::State {
     trainable->train();
     // Every rank learns whether any abandoned it before the gather (a rank that finished its
     // share while another stopped must not wait in the gather for images that never come).
-    auto any_abandoned = acc->reduce(
-        torch::tensor({static_cast<double>(abandoned || g_stop_signal.load() != 0)},
-                      torch::kFloat64),
-        "sum");
+    auto any_abandoned =
+        acc->reduce(torch::tensor({static_cast<double>(abandoned || g_stop_signal.load() != 0)},
+                                  torch::kFloat64),
+                    "sum");
     if (any_abandoned.item<double>() > 0) {
-      acc->print("validation at step {} abandoned after {:.1f} s: a stop signal came; saving the "
-                 "checkpoint instead",
-                 global_step, seconds_since(started));
+      acc->print(
+          "validation at step {} abandoned after {:.1f} s: a stop signal came; saving the "
+          "checkpoint instead",
+          global_step, seconds_since(started));
       return false;
     }
     auto gathered = acc->gather(images.contiguous());
@@ -540,11 +542,14 @@ struct Trainer::State {
   // The main rank says once which signal stopped the run and what happens now.
   void announce_stop() {
     const int signo = g_stop_signal.load();
-    acc->print("{} received: saving checkpoint-{}, then stopping (a second signal to the launcher "
-               "stops at once)",
-               signo == SIGINT ? "SIGINT" : signo == SIGTERM ? "SIGTERM" : "a stop signal (on "
-                                                                           "another rank)",
-               global_step);
+    acc->print(
+        "{} received: saving checkpoint-{}, then stopping (a second signal to the launcher "
+        "stops at once)",
+        signo == SIGINT    ? "SIGINT"
+        : signo == SIGTERM ? "SIGTERM"
+                           : "a stop signal (on "
+                             "another rank)",
+        global_step);
   }
 
   [[noreturn]] void throw_interrupted() {

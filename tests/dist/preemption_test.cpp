@@ -6,6 +6,7 @@
 #include "train_util.h"
 
 #include "difftrain/accel/checkpoint_manifest.h"
+#include "difftrain/io/atomic_file.h"
 
 #include <gtest/gtest.h>
 
@@ -15,7 +16,6 @@
 #include <filesystem>
 #include <fstream>
 #include <regex>
-#include <sstream>
 #include <thread>
 
 namespace difftrain::testing {
@@ -23,11 +23,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// A rank's log as far as it is written ("" before it exists).
 std::string read_text(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
+  return fs::exists(path) ? io::read_file(path) : std::string();
 }
 
 // Waits (up to `seconds`) until rank 0's log (launch --log_dir) holds `text`.
@@ -47,6 +45,15 @@ std::vector<std::string> launch(const std::string& logs, std::vector<std::string
   argv.push_back(kDifftrain);
   argv.insert(argv.end(), cmd.begin(), cmd.end());
   return argv;
+}
+
+// The tiny UNet on 2 ranks, a checkpoint every 2 updates, the launcher flag `flag` at 1 s.
+std::vector<std::string> checkpointing_run(const std::string& dir, const std::string& flag,
+                                           const std::string& steps) {
+  return launch(dir + "/logs", {flag, "1"},
+                train_cmd(dir, dir + "/out",
+                          {"--max_train_steps", steps, "--checkpointing_steps", "2",
+                           "--train_batch_size", "2"}));
 }
 
 std::vector<std::string> checkpoints(const std::string& out) {
@@ -71,11 +78,11 @@ TEST(Preemption, SigtermDuringALongSaveOfALargeModelFinishesTheCheckpoint) {
     "down_block_types": ["DownBlock2D", "DownBlock2D", "DownBlock2D"],
     "up_block_types": ["UpBlock2D", "UpBlock2D", "UpBlock2D"]})";
   const std::string out = dir + "/out", logs = dir + "/logs";
-  Process p(launch(logs, {"--term_timeout", "1"},
-                   {"train", "--model_config_name_or_path", config, "--resolution", "16",
-                    "--max_train_samples", "64", "--train_batch_size", "2", "--max_train_steps",
-                    "1000", "--checkpointing_steps", "0", "--num_validation_images", "0",
-                    "--logging_steps", "1", "--output_dir", out}));
+  Process p(launch(
+      logs, {"--term_timeout", "1"},
+      {"train", "--model_config_name_or_path", config, "--resolution", "16", "--max_train_samples",
+       "64", "--train_batch_size", "2", "--max_train_steps", "1000", "--checkpointing_steps", "0",
+       "--num_validation_images", "0", "--logging_steps", "1", "--output_dir", out}));
   ASSERT_TRUE(wait_for_log(logs, "step 1/1000", 240)) << read_text(logs + "/rank0.log");
   p.signal(SIGTERM);
   const auto r = p.wait(240);
@@ -93,8 +100,7 @@ TEST(Preemption, SigtermDuringALongSaveOfALargeModelFinishesTheCheckpoint) {
   const std::string checkpoint = "checkpoint-" + m[1].str();
   EXPECT_EQ(checkpoints(out), std::vector<std::string>{checkpoint});
   EXPECT_TRUE(accel::verify_checkpoint(out + "/" + checkpoint));
-  EXPECT_NE(r.err.find("training interrupted by a signal at step " + m[1].str()),
-            std::string::npos)
+  EXPECT_NE(r.err.find("training interrupted by a signal at step " + m[1].str()), std::string::npos)
       << r.log();
   fs::remove_all(dir);
 }
@@ -105,10 +111,10 @@ TEST(Preemption, SigtermDuringALongSaveOfALargeModelFinishesTheCheckpoint) {
 TEST(Preemption, SigintDuringValidationAbandonsItAndSavesTheCheckpoint) {
   const auto dir = make_temp_dir("preempt_validation");
   const std::string out = dir + "/out", logs = dir + "/logs";
-  auto cmd = train_cmd(dir, out,
-                       {"--max_train_steps", "8", "--checkpointing_steps", "0",
-                        "--train_batch_size", "2", "--validation_steps", "2",
-                        "--validation_inference_steps", "1000"});
+  auto cmd =
+      train_cmd(dir, out,
+                {"--max_train_steps", "8", "--checkpointing_steps", "0", "--train_batch_size", "2",
+                 "--validation_steps", "2", "--validation_inference_steps", "1000"});
   // train_cmd has --num_validation_images 0: this test renders 512 (256 per rank).
   const auto images = std::find(cmd.begin(), cmd.end(), "--num_validation_images");
   ASSERT_NE(images, cmd.end());
@@ -127,11 +133,11 @@ TEST(Preemption, SigintDuringValidationAbandonsItAndSavesTheCheckpoint) {
   EXPECT_FALSE(fs::exists(out + "/samples/step-000002.png"));
   EXPECT_EQ(checkpoints(out), std::vector<std::string>{"checkpoint-2"});
   EXPECT_TRUE(accel::verify_checkpoint(out + "/checkpoint-2"));
-  auto resume = train_cmd(dir, out,
-                          {"--max_train_steps", "3", "--checkpointing_steps", "0",
-                           "--train_batch_size", "2", "--validation_steps", "2",
-                           "--validation_inference_steps", "1000", "--resume_from_checkpoint",
-                           "latest"});
+  auto resume =
+      train_cmd(dir, out,
+                {"--max_train_steps", "3", "--checkpointing_steps", "0", "--train_batch_size", "2",
+                 "--validation_steps", "2", "--validation_inference_steps", "1000",
+                 "--resume_from_checkpoint", "latest"});
   const auto again = train(resume, 2, 120);
   EXPECT_EQ(again.exit_code, 0) << again.log();
   EXPECT_NE(again.err.find("at step 2"), std::string::npos) << again.log();
@@ -144,11 +150,8 @@ TEST(Preemption, SigintDuringValidationAbandonsItAndSavesTheCheckpoint) {
 TEST(Preemption, ASaveThatStopsProgressingIsKilledAndReportedUnfinished) {
   const auto dir = make_temp_dir("preempt_stall");
   const std::string out = dir + "/out", logs = dir + "/logs";
-  auto argv = launch(logs, {"--term_timeout", "1"},
-                     train_cmd(dir, out,
-                               {"--max_train_steps", "100", "--checkpointing_steps", "2",
-                                "--train_batch_size", "2"}));
-  Process p(argv, {{"DIFFTRAIN_FAULT_SLEEP_IN_SAVE", "2:600"}});
+  Process p(checkpointing_run(dir, "--term_timeout", "100"),
+            {{"DIFFTRAIN_FAULT_SLEEP_IN_SAVE", "2:600"}});
   ASSERT_TRUE(wait_for_log(logs, "step 2/100", 120)) << read_text(logs + "/rank0.log");
   std::this_thread::sleep_for(std::chrono::milliseconds(500));
   p.signal(SIGTERM);
@@ -170,11 +173,8 @@ TEST(Preemption, ASaveThatStopsProgressingIsKilledAndReportedUnfinished) {
 TEST(Preemption, ARankThatGivesUpOnASlowSaveNamesItAndTheSaverAgrees) {
   const auto dir = make_temp_dir("slow_save");
   const std::string out = dir + "/out", logs = dir + "/logs";
-  auto argv = launch(logs, {"--collective_timeout", "1"},
-                     train_cmd(dir, out,
-                               {"--max_train_steps", "4", "--checkpointing_steps", "2",
-                                "--train_batch_size", "2"}));
-  const auto r = run(argv, {{"DIFFTRAIN_FAULT_SLEEP_IN_SAVE", "2:3"}}, 120);
+  const auto r = run(checkpointing_run(dir, "--collective_timeout", "4"),
+                     {{"DIFFTRAIN_FAULT_SLEEP_IN_SAVE", "2:3"}}, 120);
   ASSERT_FALSE(r.timed_out) << r.log();
   EXPECT_NE(r.exit_code, 0) << r.log();
   const std::string rank1 = read_text(logs + "/rank1.log");
