@@ -8,6 +8,7 @@
 
 #include "difftrain/distributed/process_group.h"
 #include "difftrain/models/pretrained.h"
+#include "source_dir.h"
 
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -35,7 +36,7 @@ Result run_child(bool checkpointing, int64_t batch, int64_t size, int64_t steps)
   if (pid == 0) {
     close(fds[0]);
     difftrain::distributed::configure_threads();
-    auto unet = difftrain::models::load_unet(std::string(DIFFTRAIN_SOURCE_DIR) +
+    auto unet = difftrain::models::load_unet(std::string(difftrain_test::source_dir()) +
                                              "/tests/golden/diffusers/unet_cond");
     unet->train();
     unet->set_gradient_checkpointing(checkpointing);

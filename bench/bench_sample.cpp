@@ -9,6 +9,7 @@
 #include "difftrain/diffusion/pipeline.h"
 #include "difftrain/distributed/process_group.h"
 #include "difftrain/models/pretrained.h"
+#include "source_dir.h"
 
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -34,7 +35,8 @@ std::vector<int64_t> parse_list(const char* text) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string model = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/unet2d_uncond";
+  std::string model =
+      std::string(difftrain_test::source_dir()) + "/tests/golden/diffusers/unet2d_uncond";
   int64_t steps = 10, rounds = 3;
   std::vector<int64_t> batches = {1, 4, 16}, threads = {1, 2};
   for (int i = 1; i + 1 < argc; i += 2) {

@@ -15,6 +15,7 @@
 //   build/bench/bench_tokenizer [--benchmark_repetitions=3]
 
 #include "difftrain/models/clip_tokenizer.h"
+#include "source_dir.h"
 
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
@@ -37,7 +38,8 @@ namespace {
 using difftrain::models::ClipTokenizer;
 using difftrain::models::ClipTokenizerTestPeer;
 
-const std::string kFixture = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/sd/tiny_sd/";
+const std::string kFixture =
+    std::string(difftrain_test::source_dir()) + "/tests/golden/sd/tiny_sd/";
 
 std::vector<std::string> prompt_mix() {
   const std::vector<std::string> subjects = {

@@ -6,6 +6,7 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/exit.h"
 #include "difftrain/core/log.h"
+#include "difftrain/version.h"
 
 #include <c10/util/Exception.h>
 

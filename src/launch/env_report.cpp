@@ -5,6 +5,7 @@
 #include "difftrain/launch/config.h"
 #include "difftrain/launch/cuda_info.h"
 #include "difftrain/launch/launcher.h"
+#include "difftrain/version.h"
 
 #include <ATen/Parallel.h>
 #include <torch/cuda.h>

@@ -85,15 +85,9 @@ TrainerOptions trainer_options(const TrainConfig& c) {
   // Options whose change breaks bit-exact continuation: a warning.
   // The batch per rank and the accumulation are not among them: a resume compares the global
   // batch (per rank x ranks x accumulation), which any world size can keep.
-  o.exactness_keys = {"seed",
-                      "learning_rate",
-                      "lr_scheduler",
-                      "lr_warmup_steps",
-                      "max_train_steps",
-                      "noise_offset",
-                      "snr_gamma",
-                      "mixed_precision",
-                      "random_flip"};
+  o.exactness_keys = {
+      "seed",         "learning_rate", "lr_scheduler",    "lr_warmup_steps", "max_train_steps",
+      "noise_offset", "snr_gamma",     "mixed_precision", "random_flip"};
   o.warnings = c.warnings;
   return o;
 }

@@ -22,6 +22,7 @@
 #include "difftrain/optim/adamw8bit.h"
 #include "difftrain/optim/lr_schedule.h"
 #include "difftrain/train/output_folder.h"
+#include "difftrain/version.h"
 
 #include <torch/torch.h>
 

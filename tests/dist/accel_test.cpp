@@ -1,6 +1,7 @@
 // The Accelerator end to end: real ranks under `difftrain launch` train a conv + GroupNorm +
 // linear model; the final parameters are compared with single-process runs of the same maths.
 
+#include "program_paths.h"
 #include "subprocess.h"
 
 #include <gtest/gtest.h>
@@ -15,8 +16,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const std::string kDifftrain = DIFFTRAIN_BIN;
-const std::string kWorker = ACCEL_WORKER_BIN;
+const std::string kDifftrain = difftrain_test::difftrain_bin();
+const std::string kWorker = difftrain_test::accel_worker_bin();
 
 std::map<std::string, std::string> test_env() {
   static const std::string cache = make_temp_dir("xdg");
@@ -196,7 +197,7 @@ TEST(AccelDist, CustomLoopExampleRunsOnTwoRanks) {
     std::smatch m;
     return std::regex_search(text, m, std::regex("final loss ([0-9.]+)")) ? std::stod(m[1]) : 99.0;
   };
-  const std::string example = std::string(EXAMPLES_DIR) + "/example_custom_loop";
+  const std::string example = std::string(difftrain_test::examples_dir()) + "/example_custom_loop";
   const auto plain = run({example, "--plain"}, test_env(), 120);
   ASSERT_EQ(plain.exit_code, 0) << plain.log();
   const auto r = run({kDifftrain, "launch", "-n", "2", "--cpu", example}, test_env(), 120);

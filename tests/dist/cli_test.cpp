@@ -1,6 +1,7 @@
 // The other commands end to end: config written and read back by launch, Accelerate configs,
 // bad input, env and test.
 
+#include "program_paths.h"
 #include "subprocess.h"
 
 #include <gtest/gtest.h>
@@ -11,8 +12,8 @@
 namespace difftrain::testing {
 namespace {
 
-const std::string kDifftrain = DIFFTRAIN_BIN;
-const std::string kWorker = DIST_WORKER_BIN;
+const std::string kDifftrain = difftrain_test::difftrain_bin();
+const std::string kWorker = difftrain_test::dist_worker_bin();
 
 // Keeps the launcher away from the user's default config.
 std::map<std::string, std::string> isolated() { return {{"XDG_CACHE_HOME", make_temp_dir("xdg")}}; }

@@ -7,6 +7,7 @@
 #include "train_util.h"
 
 #include "difftrain/io/image.h"
+#include "source_dir.h"
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -17,9 +18,9 @@
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -31,7 +32,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const std::string kSource = DIFFTRAIN_SOURCE_DIR;
+const std::string kSource = difftrain_test::source_dir();
 const std::string kGolden = kSource + "/tests/golden";
 const std::string kUncond = kGolden + "/diffusers/unet2d_uncond";
 const std::string kSd = kGolden + "/sd/tiny_sd";

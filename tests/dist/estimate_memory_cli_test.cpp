@@ -6,6 +6,8 @@
 
 #include "difftrain/models/unet.h"
 #include "difftrain/models/unet_config.h"
+#include "program_paths.h"
+#include "source_dir.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -17,8 +19,9 @@
 namespace difftrain::testing {
 namespace {
 
-const std::string kDifftrain = DIFFTRAIN_BIN;
-const std::string kUNet = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/unet_cond";
+const std::string kDifftrain = difftrain_test::difftrain_bin();
+const std::string kUNet =
+    std::string(difftrain_test::source_dir()) + "/tests/golden/diffusers/unet_cond";
 
 int64_t numel_of_unet(const std::string& dir) {
   models::UNet unet(models::UNetConfig::load(dir + "/config.json"));

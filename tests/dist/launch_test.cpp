@@ -16,14 +16,15 @@
 #include <thread>
 
 #include "difftrain/distributed/net.h"
+#include "program_paths.h"
 
 namespace difftrain::testing {
 namespace {
 
 namespace fs = std::filesystem;
 
-const std::string kDifftrain = DIFFTRAIN_BIN;
-const std::string kWorker = DIST_WORKER_BIN;
+const std::string kDifftrain = difftrain_test::difftrain_bin();
+const std::string kWorker = difftrain_test::dist_worker_bin();
 
 std::vector<std::string> launch(std::vector<std::string> flags, std::vector<std::string> program) {
   std::vector<std::string> argv{kDifftrain, "launch"};

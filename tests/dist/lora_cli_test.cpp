@@ -10,6 +10,8 @@
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/lora.h"
 #include "difftrain/models/pretrained.h"
+#include "program_paths.h"
+#include "source_dir.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -23,8 +25,8 @@ namespace difftrain::testing {
 namespace {
 
 namespace fs = std::filesystem;
-const std::string kDifftrain = DIFFTRAIN_BIN;
-const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/";
+const std::string kDifftrain = difftrain_test::difftrain_bin();
+const std::string kGolden = std::string(difftrain_test::source_dir()) + "/tests/golden/diffusers/";
 
 double max_abs(const torch::Tensor& a, const torch::Tensor& b) {
   return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();

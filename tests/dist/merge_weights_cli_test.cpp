@@ -7,6 +7,8 @@
 
 #include "difftrain/io/safetensors.h"
 #include "difftrain/io/sharded_tensors.h"
+#include "program_paths.h"
+#include "source_dir.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -19,8 +21,8 @@ namespace difftrain::testing {
 namespace {
 
 namespace fs = std::filesystem;
-const std::string kDifftrain = DIFFTRAIN_BIN;
-const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/";
+const std::string kDifftrain = difftrain_test::difftrain_bin();
+const std::string kGolden = std::string(difftrain_test::source_dir()) + "/tests/golden/diffusers/";
 
 std::string slurp(const std::string& path) {
   std::ifstream in(path, std::ios::binary);

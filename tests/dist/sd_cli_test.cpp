@@ -6,6 +6,7 @@
 
 #include "difftrain/io/image.h"
 #include "difftrain/io/lora_format.h"
+#include "source_dir.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -21,7 +22,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const std::string kSd = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/sd/tiny_sd";
+const std::string kSd = std::string(difftrain_test::source_dir()) + "/tests/golden/sd/tiny_sd";
 
 double tensor_diff(const torch::Tensor& a, const torch::Tensor& b) {
   return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();

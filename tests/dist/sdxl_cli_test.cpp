@@ -5,6 +5,7 @@
 
 #include "difftrain/io/image.h"
 #include "difftrain/io/lora_format.h"
+#include "source_dir.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -20,7 +21,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/sdxl";
+const std::string kGolden = std::string(difftrain_test::source_dir()) + "/tests/golden/sdxl";
 const std::string kXl = kGolden + "/tiny_sdxl";
 
 double tensor_diff(const torch::Tensor& a, const torch::Tensor& b) {
@@ -93,8 +94,8 @@ TEST(SdxlCli, SampleMatchesDiffusersReference) {
   EXPECT_NE(e.exit_code, 0);
   EXPECT_NE(e.err.find("nope"), std::string::npos) << e.log();
   auto sd = run({kDifftrain, "sample", "--model",
-                 std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/sd/tiny_sd", "--prompt", "x",
-                 "--original_size", "64", "64", "--output", dir + "/sd.png"},
+                 std::string(difftrain_test::source_dir()) + "/tests/golden/sd/tiny_sd", "--prompt",
+                 "x", "--original_size", "64", "64", "--output", dir + "/sd.png"},
                 {}, 60);
   EXPECT_NE(sd.exit_code, 0);
   EXPECT_NE(sd.err.find("SDXL's micro-conditioning"), std::string::npos) << sd.log();
@@ -366,7 +367,7 @@ TEST(SdxlCli, BucketsWithCachedLatentsAndOnSd1) {
 
   auto sd = xl_train_cmd(data, dir + "/sd", {"--max_train_steps", "2"});
   *(std::find(sd.begin(), sd.end(), kXl)) =
-      std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/sd/tiny_sd";
+      std::string(difftrain_test::source_dir()) + "/tests/golden/sd/tiny_sd";
   auto r = train(sd, 2, 300);
   ASSERT_EQ(r.exit_code, 0) << r.log();
   EXPECT_NE(r.err.find("16x48: 4 image(s)"), std::string::npos) << r.log();

@@ -4,6 +4,7 @@
 // folder is private (0700) and removed at the end.
 
 #include "proc_net.h"
+#include "program_paths.h"
 #include "subprocess.h"
 #include "train_util.h"
 
@@ -84,9 +85,9 @@ TEST(Security, SingleMachineJobListensOnLoopbackOnlyAndKeepsItsRendezvousPrivate
   std::vector<std::string> argv = {kDifftrain, "launch", "--num_processes", "2", kDifftrain};
   argv.insert(argv.end(), cmd.begin(), cmd.end());
   const std::string listen_log = dir + "/listen.log";
-  Process job(
-      argv,
-      {{"TMPDIR", tmpdir}, {"LD_PRELOAD", LISTEN_PROBE_LIB}, {"DIFFTRAIN_LISTEN_LOG", listen_log}});
+  Process job(argv, {{"TMPDIR", tmpdir},
+                     {"LD_PRELOAD", difftrain_test::listen_probe_lib()},
+                     {"DIFFTRAIN_LISTEN_LOG", listen_log}});
   ProcessResult result;
   std::thread waiter([&] { result = job.wait(240); });
 

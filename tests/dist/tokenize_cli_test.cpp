@@ -3,6 +3,8 @@
 // truncated prompt warns on stderr; --max_length and --no_padding; bad input exits 1 with one
 // line naming the problem.
 
+#include "program_paths.h"
+#include "source_dir.h"
 #include "subprocess.h"
 
 #include <gtest/gtest.h>
@@ -14,8 +16,9 @@
 namespace difftrain::testing {
 namespace {
 
-const std::string kDifftrain = DIFFTRAIN_BIN;
-const std::string kPipeline = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/sd/tiny_sd";
+const std::string kDifftrain = difftrain_test::difftrain_bin();
+const std::string kPipeline =
+    std::string(difftrain_test::source_dir()) + "/tests/golden/sd/tiny_sd";
 
 struct Case {
   std::string prompt;

@@ -9,6 +9,7 @@
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/lora.h"
+#include "source_dir.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -164,7 +165,8 @@ TEST(TrainCommand, ResumeOnAnotherWorldSizeWithTheSameGlobalBatchContinuesExactl
       continue;
     }
     EXPECT_EQ(r.err.find("will not match"), std::string::npos) << v.name << "\n" << r.log();
-    const double diff = max_abs_diff(unet_weights(dir + "/straight"), unet_weights(dir + "/" + v.name));
+    const double diff =
+        max_abs_diff(unet_weights(dir + "/straight"), unet_weights(dir + "/" + v.name));
     std::printf("8 updates on 2 x 4 vs 4 + resume on %s + 4: max abs diff %.3g (tolerance 1e-4)\n",
                 v.name.c_str(), diff);
     EXPECT_LE(diff, 1e-4) << v.name;
@@ -309,8 +311,8 @@ TEST(TrainCommand, SigtermWritesACheckpointAndExitsNonZero) {
   second.insert(second.begin(), kDifftrain);
   const auto refused = run(second, {}, 120);
   EXPECT_NE(refused.exit_code, 0) << refused.log();
-  EXPECT_NE(refused.err.find("is in use by another difftrain run (pid " +
-                             std::to_string(p.pid()) + " on host"),
+  EXPECT_NE(refused.err.find("is in use by another difftrain run (pid " + std::to_string(p.pid()) +
+                             " on host"),
             std::string::npos)
       << refused.log();
   p.signal(SIGTERM);
@@ -321,7 +323,8 @@ TEST(TrainCommand, SigtermWritesACheckpointAndExitsNonZero) {
   EXPECT_NE(r.err.find("; continue with: " + kDifftrain + " train --model_config_name_or_path"),
             std::string::npos)
       << r.log();
-  EXPECT_NE(r.err.find("--output_dir " + out + " --max_train_steps 100000 --checkpointing_steps 0 "
+  EXPECT_NE(r.err.find("--output_dir " + out +
+                       " --max_train_steps 100000 --checkpointing_steps 0 "
                        "--train_batch_size 4 --resume_from_checkpoint latest"),
             std::string::npos)
       << r.log();
@@ -341,9 +344,10 @@ TEST(TrainCommand, OutputFolderIsNeitherAnInputNorAnotherRunsFolder) {
   // The folder that holds --model_config_name_or_path (dir/tiny_unet.json).
   const auto into_input = train(train_cmd(dir, dir, common));
   EXPECT_NE(into_input.exit_code, 0) << into_input.log();
-  EXPECT_NE(into_input.err.find("--output_dir '" + dir + "' contains --model_config_name_or_path '" +
-                                dir + "/tiny_unet.json'"),
-            std::string::npos)
+  EXPECT_NE(
+      into_input.err.find("--output_dir '" + dir + "' contains --model_config_name_or_path '" +
+                          dir + "/tiny_unet.json'"),
+      std::string::npos)
       << into_input.log();
   EXPECT_FALSE(fs::exists(dir + "/.difftrain.lock")) << "refused only after touching the folder";
 
@@ -356,7 +360,8 @@ TEST(TrainCommand, OutputFolderIsNeitherAnInputNorAnotherRunsFolder) {
   const auto before = unet_weights(out);
   // Fine-tuning a run's own export into its own folder: refused, the export left as it was.
   auto onto_itself = train_cmd(dir, out, common);
-  const auto config = std::find(onto_itself.begin(), onto_itself.end(), "--model_config_name_or_path");
+  const auto config =
+      std::find(onto_itself.begin(), onto_itself.end(), "--model_config_name_or_path");
   ASSERT_NE(config, onto_itself.end());
   *(config + 1) = out;
   *config = "--pretrained_model_name_or_path";
@@ -581,9 +586,10 @@ TEST(EvalCommand, ScoresAClassConditionalModelWithACachedClassifier) {
   EXPECT_NE(second.err.find("classifier: loaded"), std::string::npos) << second.log();
   const auto j2 = nlohmann::json::parse(std::ifstream(dir + "/eval.json"));
   EXPECT_EQ(j2.at("frechet_distance"), j.at("frechet_distance"));  // same seed, same classifier
-  const auto bad = run({kDifftrain, "eval", "--model",
-                        std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/unet2d_uncond",
-                        "--cache_dir", dir + "/cache"});
+  const auto bad =
+      run({kDifftrain, "eval", "--model",
+           std::string(difftrain_test::source_dir()) + "/tests/golden/diffusers/unet2d_uncond",
+           "--cache_dir", dir + "/cache"});
   EXPECT_EQ(bad.exit_code, 1) << bad.log();
   EXPECT_NE(bad.err.find("is not one"), std::string::npos) << bad.log();
 }

@@ -6,6 +6,7 @@
 
 #include "difftrain/io/image.h"
 #include "difftrain/io/safetensors.h"
+#include "program_paths.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -18,7 +19,7 @@
 
 namespace difftrain::testing {
 
-inline const std::string kDifftrain = DIFFTRAIN_BIN;
+inline const std::string kDifftrain = difftrain_test::difftrain_bin();
 
 inline double max_abs_diff(const io::TensorMap& a, const io::TensorMap& b) {
   EXPECT_EQ(a.size(), b.size());

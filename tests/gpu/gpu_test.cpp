@@ -14,6 +14,7 @@
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/pretrained.h"
 #include "difftrain/models/unet.h"
+#include "source_dir.h"
 
 #include <ATen/Context.h>
 #include <torch/cuda.h>
@@ -33,7 +34,7 @@ using test::max_abs;
 using testing::kDifftrain;
 using testing::run;
 
-const std::string kGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/";
+const std::string kGolden = std::string(difftrain_test::source_dir()) + "/tests/golden/diffusers/";
 
 // A GPU is there when the NVIDIA kernel driver lists one, or GPU 0's device node exists.
 // (/dev/nvidiactl alone proves nothing: the CUDA driver library, run as root, creates it even

@@ -279,11 +279,12 @@ TEST(Safetensors, RejectsCorruptFilesWithOneLineErrors) {
   };
   expect_error(good.substr(0, 5), "shorter than");
   // A Git LFS pointer in place of the weights (a clone without git-lfs), as git-lfs writes it.
-  expect_error("version https://git-lfs.github.com/spec/v1\n"
-               "oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\n"
-               "size 3438167534\n",
-               "is a Git LFS pointer (135 bytes), not the weights: run `git lfs install && git "
-               "lfs pull`");
+  expect_error(
+      "version https://git-lfs.github.com/spec/v1\n"
+      "oid sha256:4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393\n"
+      "size 3438167534\n",
+      "is a Git LFS pointer (135 bytes), not the weights: run `git lfs install && git "
+      "lfs pull`");
   expect_error(good.substr(0, good.size() - 4), "past the");  // truncated data
   std::string huge = good;
   huge[7] = 0x7f;

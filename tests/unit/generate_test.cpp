@@ -6,6 +6,7 @@
 #include "difftrain/io/image.h"
 #include "difftrain/io/prompt_file.h"
 #include "difftrain/models/pretrained.h"
+#include "source_dir.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
@@ -21,13 +22,14 @@ using test::error_of;
 using test::max_abs;
 
 using difftrain::test::kDiffusersGolden;
-const std::string kSd = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/sd/tiny_sd";
+const std::string kSd = std::string(difftrain_test::source_dir()) + "/tests/golden/sd/tiny_sd";
 
 // The class-conditional fixture UNet (10 classes) with a DDIM sampler.
 diffusion::Pipeline class_conditional_pipeline() {
   diffusion::UNetPipeline p;
   p.unet = models::load_unet(kDiffusersGolden + "unet2d");
-  p.sampler = diffusion::load_sampler(kDiffusersGolden + "unet2d_uncond/scheduler_config.json", "ddim");
+  p.sampler =
+      diffusion::load_sampler(kDiffusersGolden + "unet2d_uncond/scheduler_config.json", "ddim");
   return p;
 }
 
@@ -60,7 +62,8 @@ TEST(GeneratePipeline, UNetBatchEqualsSampleImages) {
 TEST(GeneratePipeline, UNetPerImageSeedsEachImage) {
   diffusion::UNetPipeline p;
   p.unet = models::load_unet(kDiffusersGolden + "unet2d_uncond");
-  p.sampler = diffusion::load_sampler(kDiffusersGolden + "unet2d_uncond/scheduler_config.json", "ddim");
+  p.sampler =
+      diffusion::load_sampler(kDiffusersGolden + "unet2d_uncond/scheduler_config.json", "ddim");
   models::UNet unet = p.unet;
   diffusion::Sampler& sampler = *p.sampler;
   diffusion::Pipeline pipe = std::move(p);
@@ -95,7 +98,8 @@ TEST(GeneratePipeline, UNetDefaultsAndErrors) {
   EXPECT_EQ(resolved.num_inference_steps, 50);  // DDIM
   EXPECT_EQ(*resolved.guidance_scale, 1.0);
   diffusion::UNetPipeline ddpm;
-  ddpm.sampler = diffusion::load_sampler(kDiffusersGolden + "unet2d_uncond/scheduler_config.json", "ddpm");
+  ddpm.sampler =
+      diffusion::load_sampler(kDiffusersGolden + "unet2d_uncond/scheduler_config.json", "ddpm");
   diffusion::Pipeline ddpm_pipe = std::move(ddpm);
   resolved = diffusion::resolve_request(ddpm_pipe, {});
   EXPECT_EQ(resolved.num_images, 1);

@@ -186,7 +186,9 @@ TEST(ImageFolder, SidecarCaptionFilesBesideTheImages) {
   save(dir + "/sub/b.jpg", random_image(4, 4, 3, 2));
   save(dir + "/c.png", random_image(4, 4, 3, 3));
   write_text(dir + "/a.txt", "\n  a red square, studio light \r\nsecond line\n");
-  write_text(dir + "/sub/b.txt", "\xEF\xBB\xBF" "b caption");
+  write_text(dir + "/sub/b.txt",
+             "\xEF\xBB\xBF"
+             "b caption");
   write_text(dir + "/c.caption", "c from .caption");
   const ImageFolderDataset scanned(opts(dir));
   EXPECT_EQ(listing(scanned), (std::vector<std::string>{"a.png", "c.png", "sub/b.jpg"}));

@@ -73,9 +73,12 @@ TEST(ImagePng, RoundTripIsExact) {
 // An EXIF block (TIFF) holding only the Orientation tag, big- or little-endian.
 std::string exif_tiff(int orientation, bool little) {
   auto u16 = [&](uint32_t v) {
-    return little ? std::string{char(v & 0xff), char(v >> 8)} : std::string{char(v >> 8), char(v & 0xff)};
+    return little ? std::string{char(v & 0xff), char(v >> 8)}
+                  : std::string{char(v >> 8), char(v & 0xff)};
   };
-  auto u32 = [&](uint32_t v) { return little ? u16(v & 0xffff) + u16(v >> 16) : u16(v >> 16) + u16(v & 0xffff); };
+  auto u32 = [&](uint32_t v) {
+    return little ? u16(v & 0xffff) + u16(v >> 16) : u16(v >> 16) + u16(v & 0xffff);
+  };
   return std::string(little ? "II" : "MM") + u16(42) + u32(8) + u16(1) + u16(0x0112) + u16(3) +
          u32(1) + u16(static_cast<uint32_t>(orientation)) + u16(0) + u32(0);
 }
@@ -113,7 +116,10 @@ torch::Tensor pil_exif_transpose(const torch::Tensor& in, int orientation) {
 // PIL's exif_transpose makes it, and image_size reports the turned size.
 TEST(ImageLoad, ExifOrientationIsAppliedAsPilDoes) {
   const auto dir = temp_dir("img_exif");
-  const auto image = torch::arange(2 * 3 * 3, torch::kInt64).mul(13).remainder(256).to(torch::kUInt8)
+  const auto image = torch::arange(2 * 3 * 3, torch::kInt64)
+                         .mul(13)
+                         .remainder(256)
+                         .to(torch::kUInt8)
                          .reshape({2, 3, 3});  // H 2, W 3: every pixel distinct
   const std::string png = difftrain::io::encode_png(image);
   const std::string jpeg = difftrain::io::encode_jpeg(image, 100);
@@ -122,9 +128,10 @@ TEST(ImageLoad, ExifOrientationIsAppliedAsPilDoes) {
     for (bool little : {false, true}) {
       const std::string tiff = exif_tiff(o, little);
       // JPEG: an APP1 segment "Exif\0\0" + TIFF right after SOI.
-      const std::string app1 = std::string("\xFF\xE1", 2) +
-                               std::string{char((tiff.size() + 8) >> 8), char((tiff.size() + 8) & 0xff)} +
-                               std::string("Exif\0\0", 6) + tiff;
+      const std::string app1 =
+          std::string("\xFF\xE1", 2) +
+          std::string{char((tiff.size() + 8) >> 8), char((tiff.size() + 8) & 0xff)} +
+          std::string("Exif\0\0", 6) + tiff;
       const std::string oriented_jpeg = jpeg.substr(0, 2) + app1 + jpeg.substr(2);
       // PNG: an eXIf chunk after IHDR (8-byte signature + 25-byte IHDR chunk).
       const std::string body = "eXIf" + tiff;

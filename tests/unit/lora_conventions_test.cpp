@@ -104,7 +104,8 @@ torch::Tensor forward_with(const LoraWeights& lora) {
   auto unet = models::load_unet(kDiffusersGolden + "unet_cond");
   unet->eval();
   models::merge_lora(*unet, lora);
-  const auto io_tensors = io::load_safetensors(kDiffusersGolden + "unet_cond/io.safetensors").tensors;
+  const auto io_tensors =
+      io::load_safetensors(kDiffusersGolden + "unet_cond/io.safetensors").tensors;
   models::UNetConditioning cond;
   cond.encoder_hidden_states = io_tensors.at("encoder_hidden_states");
   torch::NoGradGuard no_grad;
@@ -251,7 +252,8 @@ TEST(LoraConventions, PeftAdapterConfigSetsTheScale) {
   const auto dir = temp_dir("lora_peft_config");
   const auto reference = io::read_lora(kDiffusersGolden + "lora/pytorch_lora_weights.safetensors");
   // As PEFT's save_pretrained lays it out: adapter_model.safetensors + adapter_config.json.
-  fs::copy_file(kDiffusersGolden + "lora/peft_format.safetensors", dir + "/adapter_model.safetensors");
+  fs::copy_file(kDiffusersGolden + "lora/peft_format.safetensors",
+                dir + "/adapter_model.safetensors");
   difftrain::test::write_text(dir + "/adapter_config.json", R"({
   "alpha_pattern": {"attn2.to_k": 2},
   "base_model_name_or_path": null,
@@ -299,7 +301,8 @@ TEST(LoraConventions, PeftAdapterConfigSetsTheScale) {
 TEST(LoraConventions, DiffusersMetadataSetsTheScaleAndKohyaAlphaWins) {
   const auto dir = temp_dir("lora_metadata");
   const auto reference = io::read_lora(kDiffusersGolden + "lora/pytorch_lora_weights.safetensors");
-  const auto diffusers = io::load_safetensors(kDiffusersGolden + "lora/pytorch_lora_weights.safetensors");
+  const auto diffusers =
+      io::load_safetensors(kDiffusersGolden + "lora/pytorch_lora_weights.safetensors");
   // As Diffusers >= 0.33's pipeline save_lora_weights writes it: keys prefixed by component.
   const std::string prefixed = R"({
   "unet.alpha_pattern": {"down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q": 12},

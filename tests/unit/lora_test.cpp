@@ -7,6 +7,7 @@
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"
 
+#include "source_dir.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
@@ -28,7 +29,8 @@ using difftrain::io::LoraTarget;
 using difftrain::io::LoraWeights;
 using difftrain::io::TensorMap;
 
-const std::string kLora = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/lora/";
+const std::string kLora =
+    std::string(difftrain_test::source_dir()) + "/tests/golden/diffusers/lora/";
 
 #define EXPECT_HAS(text, part)                               \
   EXPECT_NE(std::string(text).find(part), std::string::npos) \

@@ -366,12 +366,12 @@ TEST(LoraFolderMerge, PeftAdapterFolderMergesWithItsAlpha) {
                 dir + "/adapter/adapter_model.safetensors");
   difftrain::test::write_text(dir + "/adapter/adapter_config.json",
                               R"({"peft_type": "LORA", "r": 4, "lora_alpha": 8})");
-  const auto summary =
-      models::merge_lora_into_folder(kDiffusersGolden + "unet_cond", dir + "/adapter", dir + "/merged");
+  const auto summary = models::merge_lora_into_folder(kDiffusersGolden + "unet_cond",
+                                                      dir + "/adapter", dir + "/merged");
   EXPECT_EQ(summary.format, LoraFormat::kPeft);
   auto expected = models::load_unet(kDiffusersGolden + "unet_cond");
-  models::merge_lora(*expected, io::read_lora(kDiffusersGolden + "lora/pytorch_lora_weights.safetensors"),
-                     2.0);
+  models::merge_lora(
+      *expected, io::read_lora(kDiffusersGolden + "lora/pytorch_lora_weights.safetensors"), 2.0);
   const double diff = max_weight_diff(*models::load_unet(dir + "/merged"), *expected);
   std::printf("PEFT folder merge (alpha 8, r 4) vs merge at scale 2: max |diff| %.3g (tol 1e-6)\n",
               diff);

@@ -3,6 +3,7 @@
 
 #include "difftrain/optim/lr_schedule.h"
 #include "difftrain/core/error.h"
+#include "source_dir.h"
 
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
@@ -44,7 +45,8 @@ constexpr ScheduleType kAllTypes[] = {
 
 const json& golden() {
   static const json data = [] {
-    const std::string path = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/lr_schedules.json";
+    const std::string path =
+        std::string(difftrain_test::source_dir()) + "/tests/golden/lr_schedules.json";
     std::ifstream file(path);
     if (!file) throw std::runtime_error("cannot open golden file " + path);
     return json::parse(file);
@@ -201,7 +203,7 @@ TEST(LRSchedule, GoldenFileHoldsExactlyTheSevenSchedules) {
 // undefined point (polynomial at step T == W), checked against the limit in the test below.
 TEST(LRSchedule, WarmupLongerThanTheRunMatchesDiffusers) {
   const std::string path =
-      std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/lr_schedule_edges.json";
+      std::string(difftrain_test::source_dir()) + "/tests/golden/lr_schedule_edges.json";
   std::ifstream file(path);
   ASSERT_TRUE(file) << path;
   const json edges = json::parse(file);

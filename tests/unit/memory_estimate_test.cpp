@@ -15,6 +15,7 @@
 #include "difftrain/optim/adamw.h"
 #include "difftrain/optim/adamw8bit.h"
 
+#include "source_dir.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
@@ -274,7 +275,8 @@ TEST(MemoryEstimate, ReadsTheInputsTheTrainerReadsAndScalesActivationsByBatch) {
   o.num_processes = 2;
   o.strategy = ShardingStrategy::kShardOptimizer;
   const auto from_folder = difftrain::train::estimate_memory(kDiffusersGolden + "unet2d", o);
-  const auto from_json = difftrain::train::estimate_memory(kDiffusersGolden + "unet2d/config.json", o);
+  const auto from_json =
+      difftrain::train::estimate_memory(kDiffusersGolden + "unet2d/config.json", o);
   const auto from_pipeline = difftrain::train::estimate_memory(dir + "/pipe", o);
   expect_same_state(from_folder, from_json);
   expect_same_state(from_folder, from_pipeline);
@@ -311,7 +313,7 @@ TEST(MemoryEstimate, ReadsTheInputsTheTrainerReadsAndScalesActivationsByBatch) {
 }
 
 TEST(MemoryEstimate, SdxlPipelineCountsBothEncodersAndTheVaeAsFrozen) {
-  const std::string xl = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/sdxl/tiny_sdxl";
+  const std::string xl = std::string(difftrain_test::source_dir()) + "/tests/golden/sdxl/tiny_sdxl";
   // The loaded models' parameter counts.
   auto numel = [](const torch::nn::Module& m) {
     int64_t n = 0;

@@ -6,6 +6,7 @@
 #include "difftrain/diffusion/noise_scheduler.h"
 #include "difftrain/core/error.h"
 #include "difftrain/io/safetensors.h"
+#include "source_dir.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
@@ -41,7 +42,9 @@ constexpr double kSnrRelTol = 1e-5;
 // epsilon x_0 divides by sqrt(alpha-bar) (~1/150 at t = 999).
 constexpr double kFloat64RelTol = 2e-5;
 
-std::string golden_dir() { return std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers"; }
+std::string golden_dir() {
+  return std::string(difftrain_test::source_dir()) + "/tests/golden/diffusers";
+}
 
 const io::TensorMap& golden() {
   static const io::TensorMap tensors =

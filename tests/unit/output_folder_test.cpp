@@ -1,7 +1,7 @@
 // The output folder's guards (issue 38): never an input, never another run's folder, one run at a
 // time (a kernel lock, tested with real processes).
-#include "difftrain/core/env.h"
 #include "difftrain/train/output_folder.h"
+#include "difftrain/core/env.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
@@ -103,8 +103,9 @@ TEST(OutputFolder, TheLockExcludesAnotherProcessUntilTheHolderDies) {
   ::close(ready[0]);
 
   const auto e = test::error_of([&] { OutputDirLock::acquire(dir); });
-  EXPECT_NE(e.find("is in use by another difftrain run (pid " + std::to_string(holder) + " on host"),
-            std::string::npos)
+  EXPECT_NE(
+      e.find("is in use by another difftrain run (pid " + std::to_string(holder) + " on host"),
+      std::string::npos)
       << e;
   EXPECT_NE(e.find("wait for it to end, or pass another --output_dir"), std::string::npos) << e;
 

@@ -93,7 +93,8 @@ TEST(Pipeline, ChainToleranceRejectsSemanticErrors) {
 
 TEST(Pipeline, ClassConditionalSamplingAndGuidance) {
   auto unet = models::load_unet(kDiffusersGolden + "unet2d");
-  auto scheduler = diffusion::load_sampler(kDiffusersGolden + "unet2d_uncond/scheduler_config.json", "ddim");
+  auto scheduler =
+      diffusion::load_sampler(kDiffusersGolden + "unet2d_uncond/scheduler_config.json", "ddim");
   diffusion::SampleOptions o;
   o.num_images = 2;
   o.num_inference_steps = 4;

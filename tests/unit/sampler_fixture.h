@@ -6,6 +6,7 @@
 
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/io/safetensors.h"
+#include "source_dir.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
@@ -28,7 +29,7 @@ namespace difftrain::test {
 
 /// tests/golden/samplers (extra references) and its schedulers2/ subfolder (the shared fixtures).
 inline std::string sampler_golden_dir() {
-  return std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/samplers";
+  return std::string(difftrain_test::source_dir()) + "/tests/golden/samplers";
 }
 inline std::string sampler_fixture_dir() { return sampler_golden_dir() + "/schedulers2"; }
 

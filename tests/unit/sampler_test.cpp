@@ -7,6 +7,7 @@
 #include "difftrain/core/error.h"
 #include "difftrain/diffusion/noise_scheduler.h"
 #include "sampler_fixture.h"
+#include "source_dir.h"
 #include "test_util.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -324,7 +325,7 @@ TEST(SamplerFactory, LoadSamplerReadsTheFile) {
 // The adapters run the existing schedulers: the same loop through Sampler and through
 // DDIMScheduler / DDPMScheduler directly gives identical numbers (tolerance 0).
 void expect_same_as_noise_scheduler(const std::string& kind, double eta) {
-  const json cfg = test::read_json(std::string(DIFFTRAIN_SOURCE_DIR) +
+  const json cfg = test::read_json(std::string(difftrain_test::source_dir()) +
                                    "/tests/golden/sd/tiny_sd/scheduler/scheduler_config.json");
   SamplerOptions options;
   options.eta = eta;

@@ -6,6 +6,7 @@
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/lora_training.h"
+#include "source_dir.h"
 #include "test_util.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -21,7 +22,7 @@ namespace fs = std::filesystem;
 using test::error_of;
 using test::max_abs;
 
-const std::string kSd = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/sd/tiny_sd";
+const std::string kSd = std::string(difftrain_test::source_dir()) + "/tests/golden/sd/tiny_sd";
 
 // A copy of the fixture folder whose model_index.json is `index` (the parts are symlinked).
 std::string folder_with_index(const std::string& stem, const nlohmann::json& index) {

@@ -3,13 +3,15 @@
 // call behind their txt2img references, shared by the SDXL unit tests.
 
 #include "difftrain/diffusion/sd_pipeline.h"
+#include "source_dir.h"
 
 #include <string>
 #include <vector>
 
 namespace difftrain::test {
 
-inline const std::string kSdxlGolden = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/sdxl";
+inline const std::string kSdxlGolden =
+    std::string(difftrain_test::source_dir()) + "/tests/golden/sdxl";
 inline const std::string kTinySdxl = kSdxlGolden + "/tiny_sdxl";
 
 inline const std::vector<std::string> kSdxlPrompts = {

@@ -27,7 +27,6 @@ const std::string& kXl = test::kTinySdxl;
 const std::string kLora = kGolden + "/tiny_sdxl_lora";
 const std::string kPeft = kGolden + "/tiny_sdxl_lora_peft";
 
-
 struct XlModels {
   models::ClipTextModel te1{nullptr}, te2{nullptr};
   models::UNet unet{nullptr};

@@ -2,6 +2,7 @@
 // Helpers the unit tests share: tensor differences, scratch folders, expected errors.
 
 #include "difftrain/core/error.h"
+#include "source_dir.h"
 
 #include <gtest/gtest.h>
 #include <torch/types.h>
@@ -16,7 +17,7 @@
 namespace difftrain::test {
 
 /// The reference files made with the Python Diffusers stack (tests/golden/README.md).
-inline const std::string kGoldenDir = std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/";
+inline const std::string kGoldenDir = std::string(difftrain_test::source_dir()) + "/tests/golden/";
 inline const std::string kDiffusersGolden = kGoldenDir + "diffusers/";
 inline const std::string kTinySdGolden = kGoldenDir + "sd/tiny_sd/";
 

@@ -38,14 +38,14 @@ TEST(TrainConfig, EpochsDecideTheLengthUnlessStepsAreGiven) {
   const auto epochs = parse_train_config({"--num_train_epochs", "2"});
   EXPECT_EQ(epochs.max_train_steps, 0);
   EXPECT_EQ(epochs.num_train_epochs, 2);
-  EXPECT_EQ(parse_train_config({"--num_train_epochs", "2", "--max_train_steps", "5"}).max_train_steps,
-            5);
+  EXPECT_EQ(
+      parse_train_config({"--num_train_epochs", "2", "--max_train_steps", "5"}).max_train_steps, 5);
   const auto dir = temp_dir("train_config_epochs");
   std::ofstream(dir + "/e.yaml") << "num_train_epochs: 3\n";
   EXPECT_EQ(parse_train_config({"--config", dir + "/e.yaml"}).max_train_steps, 0);
-  EXPECT_EQ(parse_train_config({"--config", dir + "/e.yaml", "--max_train_steps", "9"})
-                .max_train_steps,
-            9);
+  EXPECT_EQ(
+      parse_train_config({"--config", dir + "/e.yaml", "--max_train_steps", "9"}).max_train_steps,
+      9);
 }
 
 TEST(TrainConfig, YamlThenFlagsWithBareBooleans) {

@@ -8,6 +8,7 @@
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/pretrained.h"
+#include "source_dir.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
@@ -21,7 +22,7 @@
 namespace difftrain::test {
 
 inline const std::string kUncondDir =
-    std::string(DIFFTRAIN_SOURCE_DIR) + "/tests/golden/diffusers/unet2d_uncond";
+    std::string(difftrain_test::source_dir()) + "/tests/golden/diffusers/unet2d_uncond";
 
 // DDIMPipeline / DDPMPipeline images of the uncond fixture UNet. `dtype` float64 runs the same
 // chain (same generator draws) with the UNet in float64: the reference for float32 rounding

@@ -22,8 +22,8 @@
 namespace {
 
 using difftrain::test::error_of;
-using difftrain::test::read_json;
 using difftrain::test::max_abs;
+using difftrain::test::read_json;
 using difftrain::test::temp_dir;
 
 namespace fs = std::filesystem;
@@ -103,9 +103,9 @@ TEST(UNet, ConditionUNetMatchesDiffusers) {
 TEST(UNet, KeysAreExactlyDiffusersKeys) {
   for (const char* name : {"unet2d", "unet2d_uncond", "unet_cond"}) {
     UNet unet(UNetConfig::load(kDiffusersGolden + name + "/config.json"));
-    auto file =
-        difftrain::io::load_safetensors(kDiffusersGolden + name + "/diffusion_pytorch_model.safetensors")
-            .tensors;
+    auto file = difftrain::io::load_safetensors(kDiffusersGolden + name +
+                                                "/diffusion_pytorch_model.safetensors")
+                    .tensors;
     auto own = difftrain::models::named_tensors(*unet);
     std::vector<std::string> a, b;
     for (const auto& [k, v] : own) a.push_back(k);
@@ -125,9 +125,9 @@ TEST(UNet, SaveThenLoadRoundTripsAndDiffusersConfigStays) {
   auto original = read_json(kDiffusersGolden + "unet_cond/config.json");
   auto saved = read_json(dir + "/config.json");
   EXPECT_EQ(saved, original);
-  auto a =
-      difftrain::io::load_safetensors(kDiffusersGolden + "unet_cond/diffusion_pytorch_model.safetensors")
-          .tensors;
+  auto a = difftrain::io::load_safetensors(kDiffusersGolden +
+                                           "unet_cond/diffusion_pytorch_model.safetensors")
+               .tensors;
   auto b = difftrain::io::load_safetensors(dir + "/diffusion_pytorch_model.safetensors");
   ASSERT_EQ(a.size(), b.tensors.size());
   for (const auto& [k, v] : a) EXPECT_TRUE(torch::equal(v, b.tensors.at(k))) << k;
@@ -140,7 +140,8 @@ TEST(UNet, SaveThenLoadRoundTripsAndDiffusersConfigStays) {
 TEST(UNet, Fp16VariantWeightsLoad) {
   const std::string dir = temp_dir("unet_fp16");
   fs::copy_file(kDiffusersGolden + "unet2d/config.json", dir + "/config.json");
-  auto w = difftrain::io::load_safetensors(kDiffusersGolden + "unet2d/diffusion_pytorch_model.safetensors")
+  auto w = difftrain::io::load_safetensors(kDiffusersGolden +
+                                           "unet2d/diffusion_pytorch_model.safetensors")
                .tensors;
   for (auto& [k, v] : w) v = v.to(torch::kFloat16);
   difftrain::io::save_safetensors(dir + "/diffusion_pytorch_model.fp16.safetensors", w);
@@ -164,9 +165,9 @@ TEST(UNet, Fp16VariantWeightsLoad) {
 TEST(UNet, LoadReportsMissingUnexpectedAndMisshapenKeysByName) {
   const std::string dir = temp_dir("unet_bad");
   fs::copy_file(kDiffusersGolden + "unet_cond/config.json", dir + "/config.json");
-  auto w =
-      difftrain::io::load_safetensors(kDiffusersGolden + "unet_cond/diffusion_pytorch_model.safetensors")
-          .tensors;
+  auto w = difftrain::io::load_safetensors(kDiffusersGolden +
+                                           "unet_cond/diffusion_pytorch_model.safetensors")
+               .tensors;
   auto broken = w;
   broken.erase("mid_block.attentions.0.proj_in.weight");
   broken["mid_block.extra.weight"] = torch::zeros({2});
