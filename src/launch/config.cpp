@@ -47,7 +47,7 @@ const std::map<std::string, IgnoredKey>& ignored_keys() {
       {"command_file", {"", "TPU pod option"}},
       {"num_gpus", {"", "difftrain counts processes, not GPUs"}},
       {"dynamo_config", {"", "torch.compile does not exist in LibTorch"}},
-      // Read by accel::parse_accelerate_sections() in `difftrain launch` (launch/resolve.cpp),
+      // Read by settings::parse_accelerate_sections() in `difftrain launch` (launch/resolve.cpp),
       // which reports what it cannot honour in them.
       {"fsdp_config", {"", ""}},
       {"deepspeed_config", {"", ""}},

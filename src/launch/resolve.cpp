@@ -1,9 +1,9 @@
 #include "difftrain/launch/resolve.h"
 
-#include "difftrain/accel/config_merge.h"
-#include "difftrain/accel/sharding.h"
-#include "difftrain/accel/sharding_config.h"
 #include "difftrain/launch/config.h"
+#include "difftrain/settings/config_merge.h"
+#include "difftrain/settings/sharding_config.h"
+#include "difftrain/settings/sharding_options.h"
 
 #include <filesystem>
 #include <optional>
@@ -40,9 +40,9 @@ const Field<std::string> kStringFields[] = {
     {"log_dir", &LaunchOptions::log_dir, &LaunchConfig::log_dir},
 };
 
-accel::SettingLayer config_layer(const LaunchConfig& c, const std::string& path) {
-  accel::SettingLayer layer;
-  layer.source = accel::SettingSource::kConfigFile;
+settings::SettingLayer config_layer(const LaunchConfig& c, const std::string& path) {
+  settings::SettingLayer layer;
+  layer.source = settings::SettingSource::kConfigFile;
   layer.origin = path;
   for (const auto& f : kIntFields) {
     if (c.*f.config) layer.set(f.name, *(c.*f.config));
@@ -53,9 +53,9 @@ accel::SettingLayer config_layer(const LaunchConfig& c, const std::string& path)
   return layer;
 }
 
-accel::SettingLayer flags_layer(const LaunchFlags& flags) {
-  accel::SettingLayer layer;
-  layer.source = accel::SettingSource::kFlag;
+settings::SettingLayer flags_layer(const LaunchFlags& flags) {
+  settings::SettingLayer layer;
+  layer.source = settings::SettingSource::kFlag;
   layer.origin = "flags";
   for (const auto& f : kIntFields) {
     if (flags.given.count(f.name)) layer.set(f.name, flags.options.*f.option);
@@ -64,7 +64,7 @@ accel::SettingLayer flags_layer(const LaunchFlags& flags) {
     if (flags.given.count(f.name)) layer.set(f.name, flags.options.*f.option);
   }
   if (flags.given.count("sharding_strategy")) {
-    layer.set("sharding_strategy", accel::to_string(accel::parse_sharding_strategy(
+    layer.set("sharding_strategy", settings::to_string(settings::parse_sharding_strategy(
                                        flags.sharding_strategy, "--sharding_strategy")));
   }
   return layer;
@@ -76,7 +76,7 @@ LaunchOptions resolve_launch_options(const LaunchFlags& flags,
                                      const std::function<void(const std::string&)>& report) {
   std::string path = flags.config_file;
   if (path.empty() && fs::exists(default_config_path())) path = default_config_path();
-  std::vector<accel::SettingLayer> layers;
+  std::vector<settings::SettingLayer> layers;
   if (!path.empty()) {
     // One read of the file: launch::parse_config() takes the top-level keys, the Accelerate
     // reader only the sections, under the top-level values parse_config() read.
@@ -84,24 +84,24 @@ LaunchOptions resolve_launch_options(const LaunchFlags& flags,
     const LaunchConfig c = parse_config(text, path);
     for (const auto& note : c.notes) report("difftrain launch: config " + path + ": " + note);
     layers.push_back(config_layer(c, path));
-    accel::AccelerateTopLevel top;
+    settings::AccelerateTopLevel top;
     top.distributed_type = c.accelerate_distributed_type;
     top.mixed_precision = c.mixed_precision;
     if (c.gradient_accumulation_steps)
       top.gradient_accumulation_steps = *c.gradient_accumulation_steps;
-    const accel::ExternalTrainingConfig sections =
-        accel::parse_accelerate_sections(text, path, top, fs::path(path).parent_path().string());
+    const settings::ExternalTrainingConfig sections =
+        settings::parse_accelerate_sections(text, path, top, fs::path(path).parent_path().string());
     for (const auto& w : sections.warnings) report("difftrain launch: warning: " + w);
-    layers.push_back(accel::external_config_layer(sections, path));
+    layers.push_back(settings::external_config_layer(sections, path));
   }
   if (!flags.deepspeed_config_file.empty()) {
-    const accel::ExternalTrainingConfig ds =
-        accel::read_deepspeed_config(flags.deepspeed_config_file);
+    const settings::ExternalTrainingConfig ds =
+        settings::read_deepspeed_config(flags.deepspeed_config_file);
     for (const auto& w : ds.warnings) report("difftrain launch: warning: " + w);
-    layers.push_back(accel::external_config_layer(ds, flags.deepspeed_config_file));
+    layers.push_back(settings::external_config_layer(ds, flags.deepspeed_config_file));
   }
   layers.push_back(flags_layer(flags));
-  const accel::MergedSettings merged = accel::merge_settings(layers);
+  const settings::MergedSettings merged = settings::merge_settings(layers);
 
   LaunchOptions options = flags.options;
   for (const auto& f : kIntFields) {
@@ -111,9 +111,9 @@ LaunchOptions resolve_launch_options(const LaunchFlags& flags,
     if (const auto* s = merged.find(f.name)) options.*f.option = s->value.get<std::string>();
   }
   if (merged.find("sharding_strategy") != nullptr) {
-    const accel::ShardingOptions sharding =
-        accel::merged_sharding_options(merged, accel::ShardingOptions{});
-    for (const auto& [name, value] : accel::sharding_env(sharding)) {
+    const settings::ShardingOptions sharding =
+        settings::merged_sharding_options(merged, settings::ShardingOptions{});
+    for (const auto& [name, value] : settings::sharding_env(sharding)) {
       options.extra_env[name] = value;
     }
   }

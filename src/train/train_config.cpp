@@ -1,11 +1,11 @@
 #include "difftrain/train/train_config.h"
 
-#include "difftrain/accel/config_merge.h"
 #include "difftrain/accel/sharding.h"
-#include "difftrain/accel/sharding_config.h"
 #include "difftrain/core/error.h"
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/diffusion/scheduler_config.h"
+#include "difftrain/settings/config_merge.h"
+#include "difftrain/settings/sharding_config.h"
 
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
@@ -323,7 +323,7 @@ void apply_yaml(TrainConfig& config, const std::string& path, std::set<std::stri
   }
 }
 
-// An option a DeepSpeed / Accelerate file may fill, under accel::external_config_layer()'s name.
+// An option a DeepSpeed / Accelerate file may fill, under settings::external_config_layer()'s name.
 struct ExternalField {
   const char* name;
   std::function<nlohmann::json(const TrainConfig&)> get;
@@ -355,13 +355,13 @@ const std::vector<ExternalField>& external_fields() {
 
 // The configs users already have, an Accelerate file then a DeepSpeed file (more specific, so
 // it wins), under the options set explicitly (`given`: the YAML and the flags), by the one merge
-// (accel::merge_settings(): config files <- flags): a file fills what was not given; an explicit
+// (settings::merge_settings(): config files <- flags): a file fills what was not given; an explicit
 // option that differs from a value the file states wins, with a warning. The environment the
 // launcher sets (DIFFTRAIN_MIXED_PRECISION, DIFFTRAIN_SHARDING_STRATEGY, ...) is read later by the
 // Accelerator, for what this leaves unset.
 void apply_external(TrainConfig& c, const std::set<std::string>& given) {
-  std::vector<std::pair<std::string, accel::ExternalTrainingConfig>> files;
-  auto add = [&](const std::string& path, accel::ExternalTrainingConfig ext) {
+  std::vector<std::pair<std::string, settings::ExternalTrainingConfig>> files;
+  auto add = [&](const std::string& path, settings::ExternalTrainingConfig ext) {
     if (ext.sharding_set && given.count("sharding_strategy")) {
       // Compare canonical names, so "zero3" and FULL_SHARD agree.
       c.sharding_strategy = accel::to_string(
@@ -370,22 +370,23 @@ void apply_external(TrainConfig& c, const std::set<std::string>& given) {
     files.emplace_back(path, std::move(ext));
   };
   if (!c.accelerate_config_file.empty()) {
-    add(c.accelerate_config_file, accel::read_accelerate_config(c.accelerate_config_file));
+    add(c.accelerate_config_file, settings::read_accelerate_config(c.accelerate_config_file));
   }
   if (!c.deepspeed_config.empty()) {
-    add(c.deepspeed_config, accel::read_deepspeed_config(c.deepspeed_config));
+    add(c.deepspeed_config, settings::read_deepspeed_config(c.deepspeed_config));
   }
   if (files.empty()) return;
-  std::vector<accel::SettingLayer> layers;
-  for (const auto& [path, ext] : files) layers.push_back(accel::external_config_layer(ext, path));
-  accel::SettingLayer explicit_options;
-  explicit_options.source = accel::SettingSource::kFlag;
+  std::vector<settings::SettingLayer> layers;
+  for (const auto& [path, ext] : files)
+    layers.push_back(settings::external_config_layer(ext, path));
+  settings::SettingLayer explicit_options;
+  explicit_options.source = settings::SettingSource::kFlag;
   explicit_options.origin = "flags";
   for (const auto& f : external_fields()) {
     if (given.count(f.name)) explicit_options.set(f.name, f.get(c));
   }
   layers.push_back(std::move(explicit_options));
-  const accel::MergedSettings merged = accel::merge_settings(layers);
+  const settings::MergedSettings merged = settings::merge_settings(layers);
   for (size_t i = 0; i < files.size(); ++i) {
     const auto& [path, ext] = files[i];
     c.warnings.insert(c.warnings.end(), ext.warnings.begin(), ext.warnings.end());
@@ -396,8 +397,8 @@ void apply_external(TrainConfig& c, const std::set<std::string>& given) {
     }
   }
   for (const auto& f : external_fields()) {
-    const accel::MergedSetting* s = merged.find(f.name);
-    if (s != nullptr && s->source == accel::SettingSource::kConfigFile) f.set(c, s->value);
+    const settings::MergedSetting* s = merged.find(f.name);
+    if (s != nullptr && s->source == settings::SettingSource::kConfigFile) f.set(c, s->value);
   }
 }
 

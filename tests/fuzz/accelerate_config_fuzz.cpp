@@ -1,6 +1,7 @@
-// Fuzzes accel::parse_accelerate_config (an Accelerate config YAML: distributed_type, fsdp_config,
-// deepspeed_config, ...). deepspeed_config_file is resolved in an empty scratch folder.
-#include "difftrain/accel/sharding_config.h"
+// Fuzzes settings::parse_accelerate_config (an Accelerate config YAML: distributed_type,
+// fsdp_config, deepspeed_config, ...). deepspeed_config_file is resolved in an empty scratch
+// folder.
+#include "difftrain/settings/sharding_config.h"
 #include "fuzz_files.h"
 #include "fuzz_util.h"
 
@@ -11,7 +12,7 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   return difftrain::fuzz::run_one(data, size, [](std::string_view bytes) {
-    (void)difftrain::accel::parse_accelerate_config(std::string(bytes), "fuzz.yaml",
-                                                    difftrain::fuzz::scratch_dir());
+    (void)difftrain::settings::parse_accelerate_config(std::string(bytes), "fuzz.yaml",
+                                                       difftrain::fuzz::scratch_dir());
   });
 }

@@ -1,9 +1,9 @@
-// The one precedence merge (accel::merge_settings: defaults <- config files <- environment <-
+// The one precedence merge (settings::merge_settings: defaults <- config files <- environment <-
 // flags) and `difftrain launch`'s use of it (launch::resolve_launch_options).
-#include "difftrain/accel/config_merge.h"
+#include "difftrain/settings/config_merge.h"
 #include "difftrain/accel/sharding.h"
-#include "difftrain/accel/sharding_config.h"
 #include "difftrain/launch/resolve.h"
+#include "difftrain/settings/sharding_config.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -14,9 +14,9 @@
 
 namespace {
 
-using difftrain::accel::merge_settings;
-using difftrain::accel::SettingLayer;
-using difftrain::accel::SettingSource;
+using difftrain::settings::merge_settings;
+using difftrain::settings::SettingLayer;
+using difftrain::settings::SettingSource;
 
 SettingLayer layer(SettingSource source, const std::string& origin,
                    std::vector<std::pair<std::string, nlohmann::json>> values) {
@@ -76,11 +76,11 @@ TEST(ConfigMerge, HigherSourceWinsAndLaterFileWinsWithinASource) {
 }
 
 TEST(ConfigMerge, ExternalConfigLayerImpliesFsdpDefaults) {
-  const auto ext = difftrain::accel::parse_accelerate_config(
+  const auto ext = difftrain::settings::parse_accelerate_config(
       "distributed_type: FSDP\nmixed_precision: bf16\nfsdp_config:\n"
       "  fsdp_sharding_strategy: SHARD_GRAD_OP\n  fsdp_min_num_params: 5000\n",
       "a.yaml");
-  const SettingLayer file = difftrain::accel::external_config_layer(ext, "a.yaml");
+  const SettingLayer file = difftrain::settings::external_config_layer(ext, "a.yaml");
   ASSERT_NE(file.find("sharding_strategy"), nullptr);
   EXPECT_EQ(*file.find("sharding_strategy"), "SHARD_GRAD_OP");
   EXPECT_EQ(*file.find("fsdp_min_num_params"), 5000);
@@ -94,7 +94,7 @@ TEST(ConfigMerge, ExternalConfigLayerImpliesFsdpDefaults) {
   ASSERT_EQ(merged.overrides.size(), 1u);
   EXPECT_EQ(merged.overrides[0].name, "fsdp_min_num_params");
   const auto sharding =
-      difftrain::accel::merged_sharding_options(merged, difftrain::accel::ShardingOptions{});
+      difftrain::settings::merged_sharding_options(merged, difftrain::accel::ShardingOptions{});
   EXPECT_EQ(sharding.strategy, difftrain::accel::ShardingStrategy::kShardGradOp);
   EXPECT_EQ(sharding.auto_wrap.policy, "NO_WRAP");
   EXPECT_EQ(sharding.auto_wrap.min_num_params, 77);
@@ -104,11 +104,11 @@ TEST(ConfigMerge, AccelerateSectionsReadWithoutTheTopLevel) {
   const std::string yaml =
       "distributed_type: fsdp\nnum_procesess: 2\nmixed_precision: fp8\n"
       "fsdp_config:\n  fsdp_sharding_strategy: 2\n  fsdp_offload_params: true\n";
-  const auto whole = difftrain::accel::parse_accelerate_config(yaml, "a.yaml");
-  difftrain::accel::AccelerateTopLevel top;
+  const auto whole = difftrain::settings::parse_accelerate_config(yaml, "a.yaml");
+  difftrain::settings::AccelerateTopLevel top;
   top.distributed_type = "FSDP";
   top.mixed_precision = "no";
-  const auto sections = difftrain::accel::parse_accelerate_sections(yaml, "a.yaml", top);
+  const auto sections = difftrain::settings::parse_accelerate_sections(yaml, "a.yaml", top);
   EXPECT_EQ(sections.sharding.strategy, whole.sharding.strategy);
   EXPECT_EQ(sections.mixed_precision, whole.mixed_precision);
   ASSERT_EQ(sections.warnings.size(), 1u) << all_lines(sections.warnings);

@@ -2,7 +2,7 @@
 // training values; every key difftrain cannot honour is a warning, every bad value a one-line
 // error. Also the strategy names, the DIFFTRAIN_* environment round trip and plan_units().
 
-#include "difftrain/accel/sharding_config.h"
+#include "difftrain/settings/sharding_config.h"
 #include "difftrain/accel/sharding.h"
 #include "difftrain/core/error.h"
 
@@ -18,12 +18,12 @@
 namespace {
 
 using difftrain::accel::AutoWrapPolicy;
-using difftrain::accel::ExternalTrainingConfig;
-using difftrain::accel::parse_accelerate_config;
-using difftrain::accel::parse_deepspeed_config;
 using difftrain::accel::parse_sharding_strategy;
 using difftrain::accel::ShardingOptions;
 using difftrain::accel::ShardingStrategy;
+using difftrain::settings::ExternalTrainingConfig;
+using difftrain::settings::parse_accelerate_config;
+using difftrain::settings::parse_deepspeed_config;
 using difftrain::test::error_of;
 using difftrain::test::temp_dir;
 
@@ -192,7 +192,7 @@ TEST(ShardingConfig, DeepSpeedBadValuesAreOneLineErrors) {
   EXPECT_HAS(error(R"({"zero_optimization": 3})"), "zero_optimization is 3: expected an object");
   EXPECT_HAS(error("{\"fp16\": {\"enabled\": true,}\n}"), "invalid JSON at byte");
   EXPECT_HAS(error("[1, 2]"), "expected a JSON object");
-  EXPECT_HAS(error_of([] { difftrain::accel::read_deepspeed_config("/nonexistent/ds.json"); }),
+  EXPECT_HAS(error_of([] { difftrain::settings::read_deepspeed_config("/nonexistent/ds.json"); }),
              "DeepSpeed config /nonexistent/ds.json cannot be read: no such file");
 }
 
@@ -359,7 +359,7 @@ deepspeed_config:
   std::ofstream(dir + "/accelerate.yaml")
       << "distributed_type: DEEPSPEED\nnum_processes: 2\ndeepspeed_config:\n"
          "  deepspeed_config_file: sub/zero3.json\n  zero3_init_flag: true\n";
-  const auto c = difftrain::accel::read_accelerate_config(dir + "/accelerate.yaml");
+  const auto c = difftrain::settings::read_accelerate_config(dir + "/accelerate.yaml");
   ASSERT_TRUE(c.sharding_set);
   EXPECT_EQ(c.sharding.strategy, ShardingStrategy::kFullShard);
   EXPECT_EQ(c.mixed_precision.value_or("?"), "bf16");
@@ -371,7 +371,7 @@ deepspeed_config:
   // A missing file names the resolved path.
   std::ofstream(dir + "/missing.yaml")
       << "distributed_type: DEEPSPEED\ndeepspeed_config:\n  deepspeed_config_file: nope.json\n";
-  EXPECT_HAS(error_of([&] { difftrain::accel::read_accelerate_config(dir + "/missing.yaml"); }),
+  EXPECT_HAS(error_of([&] { difftrain::settings::read_accelerate_config(dir + "/missing.yaml"); }),
              "DeepSpeed config " + dir + "/nope.json cannot be read");
 }
 
@@ -414,7 +414,7 @@ TEST(ShardingConfig, ParseShardingStrategyNames) {
 class ScopedShardingEnv {
  public:
   ScopedShardingEnv() {
-    for (const auto& [name, value] : difftrain::accel::sharding_env(ShardingOptions{})) {
+    for (const auto& [name, value] : difftrain::settings::sharding_env(ShardingOptions{})) {
       const char* old = std::getenv(name.c_str());
       saved_.emplace_back(name, old ? std::optional<std::string>(old) : std::nullopt);
     }
@@ -448,7 +448,7 @@ TEST(ShardingConfig, ShardingEnvRoundTripsThroughFromEnv) {
   o.forward_prefetch = false;
   o.backward_prefetch = false;
   o.sync_each_batch = true;
-  const auto env = difftrain::accel::sharding_env(o);
+  const auto env = difftrain::settings::sharding_env(o);
   const std::vector<std::pair<std::string, std::string>> expected = {
       {"DIFFTRAIN_SHARDING_STRATEGY", "SHARD_GRAD_OP"},
       {"DIFFTRAIN_FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP"},

@@ -1,6 +1,9 @@
 #pragma once
-// Sharding strategies of the Accelerator (DeepSpeed ZeRO stages 1-3, PyTorch FSDP): names,
-// options, and how a model's trainable parameters are grouped into wrapped units.
+// How the Accelerator groups a model's trainable parameters into wrapped units (FSDP's
+// auto-wrap) under a sharding strategy (DeepSpeed ZeRO stages 1-3, PyTorch FSDP); the strategy
+// and policy settings are difftrain/settings/sharding_options.h.
+
+#include "difftrain/settings/sharding_options.h"
 
 #include <torch/nn/module.h>
 
@@ -11,64 +14,13 @@
 
 namespace difftrain::accel {
 
-/// What is split across ranks (FSDP's ShardingStrategy names; DeepSpeed's ZeRO stages).
-enum class ShardingStrategy {
-  kNoShard,         ///< DDP: everything replicated, gradients all-reduced (ZeRO-0)
-  kShardOptimizer,  ///< ZeRO-1: each rank keeps and updates 1/N of the optimizer state
-  kShardGradOp,     ///< ZeRO-2: gradients reduce-scattered too; each rank keeps 1/N of them
-  kFullShard,       ///< ZeRO-3 / FSDP FULL_SHARD: parameters sharded too, gathered per unit
-};
-
-/// "NO_SHARD", "SHARD_OPTIMIZER", "SHARD_GRAD_OP", "FULL_SHARD".
-const char* to_string(ShardingStrategy strategy);
-/// Accepts the names above in any case, FSDP's numbers ("1" FULL_SHARD, "2" SHARD_GRAD_OP,
-/// "3" NO_SHARD, as Accelerate's fsdp_sharding_strategy) and ZeRO stages ("zero0".."zero3").
-/// Throws difftrain::Error naming `origin` and the accepted values.
-ShardingStrategy parse_sharding_strategy(const std::string& text,
-                                         const std::string& origin = "sharding_strategy");
-
-/// How a model is cut into wrapped units (FSDP's auto_wrap_policy). A unit's trainable
-/// parameters are one flat buffer; under FULL_SHARD it is gathered just before the unit's
-/// forward and backward and freed after them. Parameters not in any wrapped module form the
-/// root unit.
-struct AutoWrapPolicy {
-  /// "TRANSFORMER_BASED_WRAP" (modules whose class is in `classes`), "SIZE_BASED_WRAP"
-  /// (modules with at least `min_num_params` trainable parameters not already in a unit) or
-  /// "NO_WRAP" (one root unit). Accelerate's fsdp_auto_wrap_policy.
-  std::string policy = "TRANSFORMER_BASED_WRAP";
-  /// Class names for TRANSFORMER_BASED_WRAP (Accelerate's fsdp_transformer_layer_cls_to_wrap):
-  /// Diffusers names such as ResnetBlock2D, Transformer2DModel, DownBlock2D,
-  /// CrossAttnDownBlock2D, UNetMidBlock2D, UpBlock2D. Empty: ResnetBlock2D and
-  /// Transformer2DModel (and AttentionBlock-style Attention layers of UNet2DModel).
-  std::vector<std::string> classes;
-  /// SIZE_BASED_WRAP threshold (Accelerate's fsdp_min_num_params; default 1e8 as FSDP's).
-  int64_t min_num_params = 100000000;
-};
-
-/// Sharding options of an Accelerator (Accelerate's FullyShardedDataParallelPlugin /
-/// DeepSpeedPlugin zero_stage).
-struct ShardingOptions {
-  ShardingStrategy strategy = ShardingStrategy::kNoShard;
-  AutoWrapPolicy auto_wrap;
-  /// FULL_SHARD: start the next unit's all-gather when a unit's forward begins (FSDP's
-  /// forward_prefetch).
-  bool forward_prefetch = true;
-  /// FULL_SHARD: start the next unit's all-gather when a unit's backward begins
-  /// (FSDP's backward_prefetch BACKWARD_PRE).
-  bool backward_prefetch = true;
-  /// Under gradient accumulation, reduce-scatter after every micro-step and keep only the
-  /// gradient shard (less memory, more communication), instead of accumulating full gradients
-  /// locally and reducing once per update (Accelerate's sync_each_batch).
-  bool sync_each_batch = false;
-
-  /// Reads the DIFFTRAIN_SHARDING_STRATEGY, DIFFTRAIN_FSDP_AUTO_WRAP_POLICY,
-  /// DIFFTRAIN_FSDP_TRANSFORMER_CLS_TO_WRAP (comma-separated), DIFFTRAIN_FSDP_MIN_NUM_PARAMS,
-  /// DIFFTRAIN_FSDP_FORWARD_PREFETCH, DIFFTRAIN_FSDP_BACKWARD_PREFETCH and
-  /// DIFFTRAIN_SYNC_EACH_BATCH environment variables (set by `difftrain launch`) over `base`.
-  static ShardingOptions from_env(const ShardingOptions& base);
-  /// from_env() over the defaults.
-  static ShardingOptions from_env();
-};
+// The settings themselves live below the Accelerator (difftrain/settings/sharding_options.h, read
+// by the launcher too); these names keep them at home in accel::.
+using settings::AutoWrapPolicy;
+using settings::parse_sharding_strategy;
+using settings::ShardingOptions;
+using settings::ShardingStrategy;
+using settings::to_string;
 
 /// One wrapped unit of a model: a module (or the root) and the trainable parameters it owns.
 struct UnitPlan {

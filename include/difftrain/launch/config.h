@@ -26,7 +26,7 @@ struct LaunchConfig {
 
   /// distributed_type as Accelerate reads it: upper-cased, "NO" when absent, and kept also when
   /// `distributed_type` above is not (FSDP, DEEPSPEED, unsupported types). The fsdp_config /
-  /// deepspeed_config sections are read under it by accel::parse_accelerate_sections() (see
+  /// deepspeed_config sections are read under it by settings::parse_accelerate_sections() (see
   /// launch/resolve.h). Not written by config_to_yaml().
   std::string accelerate_distributed_type = "NO";
 
@@ -45,7 +45,7 @@ std::string read_config_text(const std::string& path);
 
 /// Reads a difftrain or Accelerate config YAML: parse_config(read_config_text(path), path). Only
 /// the top-level keys; an Accelerate file's fsdp_config / deepspeed_config sections are
-/// accel::parse_accelerate_sections()'s. Throws difftrain::Error naming the path (and the line,
+/// settings::parse_accelerate_sections()'s. Throws difftrain::Error naming the path (and the line,
 /// for YAML syntax errors, or the key, for a bad value) and how to fix it.
 LaunchConfig load_config(const std::string& path);
 

@@ -1,6 +1,6 @@
 #pragma once
 // `difftrain launch`'s settings from its flags, its config file and a DeepSpeed file, merged
-// once by accel::merge_settings() (difftrain/accel/config_merge.h): the CLI only parses
+// once by settings::merge_settings() (difftrain/settings/config_merge.h): the CLI only parses
 // arguments and calls resolve_launch_options(). See docs/launch.md ("Config files").
 
 #include "difftrain/launch/launcher.h"
@@ -32,7 +32,7 @@ struct LaunchFlags {
 ///   <- --deepspeed_config_file <- the flags given.
 /// The launcher reads no environment of its own here (DIFFTRAIN_JOIN_TIMEOUT is read by run()).
 /// A sharding strategy from any of them reaches the ranks as DIFFTRAIN_SHARDING_STRATEGY and
-/// DIFFTRAIN_FSDP_* in `extra_env` (accel::sharding_env()). Each line for the user (notes on the
+/// DIFFTRAIN_FSDP_* in `extra_env` (settings::sharding_env()). Each line for the user (notes on the
 /// config file, warnings about what the files ask for and cannot be honoured) goes to `report`
 /// as soon as it is known, without a trailing newline. Throws difftrain::Error for unreadable or
 /// invalid files and a bad --sharding_strategy.

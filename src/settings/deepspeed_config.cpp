@@ -1,7 +1,7 @@
 // DeepSpeed JSON configs -> ExternalTrainingConfig (ZeRO stage, fp16/bf16, accumulation,
 // clipping, micro batch), with one warning per key difftrain cannot honour. The Accelerate YAML
 // reader (accelerate_config.cpp) calls it for deepspeed_config_file.
-#include "difftrain/accel/sharding_config.h"
+#include "difftrain/settings/sharding_config.h"
 
 #include "config_reader_util.h"
 #include "difftrain/core/error.h"
@@ -17,7 +17,7 @@
 #include <set>
 #include <sstream>
 
-namespace difftrain::accel {
+namespace difftrain::settings {
 namespace detail {
 
 std::string upper(std::string s) {
@@ -390,4 +390,4 @@ ExternalTrainingConfig read_deepspeed_config(const std::string& path) {
   return parse_deepspeed_config(detail::read_text(path, "DeepSpeed config"), path);
 }
 
-}  // namespace difftrain::accel
+}  // namespace difftrain::settings

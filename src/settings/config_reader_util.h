@@ -1,14 +1,14 @@
 #pragma once
-// Private to src/accel: the small helpers the DeepSpeed reader (deepspeed_config.cpp) and the
+// Private to src/settings: the small helpers the DeepSpeed reader (deepspeed_config.cpp) and the
 // Accelerate reader (accelerate_config.cpp) share.
 
-#include "difftrain/accel/sharding.h"
+#include "difftrain/settings/sharding_options.h"
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-namespace difftrain::accel::detail {
+namespace difftrain::settings::detail {
 
 /// `s` in upper case (ASCII).
 std::string upper(std::string s);
@@ -25,4 +25,4 @@ std::string join(const std::vector<std::string>& items);
 /// SHARD_OPTIMIZER, SHARD_GRAD_OP, FULL_SHARD.
 ShardingStrategy strategy_of_zero_stage(int64_t stage);
 
-}  // namespace difftrain::accel::detail
+}  // namespace difftrain::settings::detail

@@ -18,10 +18,10 @@
 #include <utility>
 #include <vector>
 
-namespace difftrain::accel {
+namespace difftrain::settings {
 
-struct ExternalTrainingConfig;  // difftrain/accel/sharding_config.h
-struct ShardingOptions;         // difftrain/accel/sharding.h
+struct ExternalTrainingConfig;  // difftrain/settings/sharding_config.h
+struct ShardingOptions;         // difftrain/settings/sharding_options.h
 
 /// Where a layer's values come from, lowest precedence first.
 enum class SettingSource { kDefault, kConfigFile, kEnvironment, kFlag };
@@ -90,4 +90,4 @@ SettingLayer external_config_layer(const ExternalTrainingConfig& ext, const std:
 /// in; the class list is split on commas.
 ShardingOptions merged_sharding_options(const MergedSettings& merged, ShardingOptions base);
 
-}  // namespace difftrain::accel
+}  // namespace difftrain::settings

@@ -1,14 +1,14 @@
-#include "difftrain/accel/config_merge.h"
+#include "difftrain/settings/config_merge.h"
 
 #include "config_reader_util.h"
-#include "difftrain/accel/sharding.h"
-#include "difftrain/accel/sharding_config.h"
+#include "difftrain/settings/sharding_config.h"
+#include "difftrain/settings/sharding_options.h"
 
 #include <algorithm>
 #include <numeric>
 #include <sstream>
 
-namespace difftrain::accel {
+namespace difftrain::settings {
 
 void SettingLayer::set(const std::string& name, nlohmann::json value, bool stated) {
   auto it = std::find_if(values.begin(), values.end(),
@@ -127,4 +127,4 @@ ShardingOptions merged_sharding_options(const MergedSettings& merged, ShardingOp
   return base;
 }
 
-}  // namespace difftrain::accel
+}  // namespace difftrain::settings

@@ -3,11 +3,11 @@
 // DEEPSPEED sections) read into difftrain's sharding options and the few training settings
 // they carry. Everything such a file asks for that difftrain cannot honour is reported, one line
 // per key, in `warnings`; nothing is dropped silently. See docs/SHARDING.md for the key table.
-// The DeepSpeed reader is src/accel/deepspeed_config.cpp, the Accelerate reader (and
-// sharding_env()) src/accel/accelerate_config.cpp; how their values are merged with flags is
-// difftrain/accel/config_merge.h.
+// The DeepSpeed reader is src/settings/deepspeed_config.cpp, the Accelerate reader (and
+// sharding_env()) src/settings/accelerate_config.cpp; how their values are merged with flags is
+// difftrain/settings/config_merge.h.
 
-#include "difftrain/accel/sharding.h"
+#include "difftrain/settings/sharding_options.h"
 
 #include <cstdint>
 #include <optional>
@@ -15,7 +15,7 @@
 #include <utility>
 #include <vector>
 
-namespace difftrain::accel {
+namespace difftrain::settings {
 
 /// What a DeepSpeed or Accelerate config file says about training. An empty optional means "the
 /// file does not set it (or says "auto")": difftrain's own value is kept.
@@ -96,4 +96,4 @@ ExternalTrainingConfig parse_accelerate_sections(const std::string& yaml_text,
 /// `difftrain launch` passes them to every rank.
 std::vector<std::pair<std::string, std::string>> sharding_env(const ShardingOptions& options);
 
-}  // namespace difftrain::accel
+}  // namespace difftrain::settings

@@ -2,7 +2,7 @@
 // top-level training keys, the fsdp_config and deepspeed_config sections (deepspeed_config_file
 // through the DeepSpeed reader), and the DIFFTRAIN_FSDP_* variables that carry the result to the
 // ranks. The launch keys (num_processes, ...) are launch/config.cpp's.
-#include "difftrain/accel/sharding_config.h"
+#include "difftrain/settings/sharding_config.h"
 
 #include "config_reader_util.h"
 #include "difftrain/core/error.h"
@@ -15,7 +15,7 @@
 #include <set>
 #include <sstream>
 
-namespace difftrain::accel {
+namespace difftrain::settings {
 namespace {
 
 namespace fs = std::filesystem;
@@ -466,4 +466,4 @@ std::vector<std::pair<std::string, std::string>> sharding_env(const ShardingOpti
   return env;
 }
 
-}  // namespace difftrain::accel
+}  // namespace difftrain::settings
