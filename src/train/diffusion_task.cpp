@@ -4,7 +4,6 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
-#include "difftrain/data/sample_rng.h"
 #include "difftrain/diffusion/scheduler_config.h"
 #include "difftrain/diffusion/sd_pipeline.h"
 #include "difftrain/io/atomic_file.h"
@@ -78,6 +77,12 @@ void DiffusionTask::build_noise_scheduler() {
   sc.prediction_type = diffusion::parse_prediction_type(o_.noise.prediction_type);
   sc.class_name = "DDPMScheduler";
   noise_scheduler_ = diffusion::make_scheduler(sc, "ddpm");
+  diffusion::DdpmObjectiveOptions oo;
+  oo.snr_gamma = o_.noise.snr_gamma;
+  oo.noise_offset = o_.noise.noise_offset;
+  oo.input_perturbation = o_.noise.input_perturbation;
+  oo.seed = o_.noise.seed;
+  objective_ = std::make_shared<diffusion::DdpmObjective>(noise_scheduler_, oo);
 }
 
 void DiffusionTask::build_trainable(accel::Accelerator& acc, torch::nn::Module* text_encoder,
@@ -146,41 +151,11 @@ void DiffusionTask::write_to_checkpoint(const fs::path& dir) const {
 torch::Tensor DiffusionTask::denoising_losses(const torch::Tensor& x0,
                                               const std::vector<int64_t>& keys, int64_t epoch,
                                               torch::Device device,
-                                              const models::UNetConditioning& cond) {
-  const auto& n = o_.noise;
-  const int64_t T = noise_scheduler_->num_train_timesteps();
-  std::vector<torch::Tensor> noises, timesteps, perturb;
-  auto shape = x0.sizes().slice(1).vec();
-  for (int64_t key : keys) {
-    auto gn = data::sample_generator(n.seed, epoch, key, data::SampleStream::kNoise);
-    auto noise = torch::randn(shape, gn, torch::kFloat32);
-    if (n.noise_offset > 0) {
-      noise = noise + n.noise_offset * torch::randn({shape[0], 1, 1}, gn, torch::kFloat32);
-    }
-    noises.push_back(noise);
-    auto gt = data::sample_generator(n.seed, epoch, key, data::SampleStream::kTimestep);
-    timesteps.push_back(torch::randint(0, T, {1}, gt, torch::kInt64));
-    if (n.input_perturbation > 0) {
-      auto gp = data::sample_generator(n.seed, epoch, key, data::SampleStream::kPerturbation);
-      perturb.push_back(torch::randn(shape, gp, torch::kFloat32));
-    }
-  }
-  auto noise = torch::stack(noises).to(device);
-  auto t = torch::cat(timesteps).to(device);
-  // Diffusers: input perturbation noises the input with a perturbed noise, but the target keeps
-  // the original noise.
-  auto noisy = noise_scheduler_->add_noise(
-      x0,
-      n.input_perturbation > 0 ? noise + n.input_perturbation * torch::stack(perturb).to(device)
-                               : noise,
-      t);
-  auto pred = unet_->forward(noisy, t, cond).to(torch::kFloat32);
-  auto target = noise_scheduler_->training_target(x0, noise, t).to(torch::kFloat32);
-  auto per_sample = (pred - target).pow(2).mean({1, 2, 3});
-  if (!n.snr_gamma) return per_sample;
-  auto weights = diffusion::min_snr_weights(noise_scheduler_->snr(t), *n.snr_gamma,
-                                            noise_scheduler_->config().prediction_type);
-  return per_sample * weights.to(per_sample.dtype());
+                                              const diffusion::Conditioning& cond) {
+  if (!denoiser_) denoiser_ = std::make_unique<diffusion::UNetDenoiser>(unet_);
+  const auto noised = objective_->noise(x0, keys, epoch, device);
+  const auto prediction = denoiser_->denoise(noised.model_input, noised.timesteps, cond);
+  return objective_->losses(prediction, noised);
 }
 
 void DiffusionTask::export_lora(const fs::path& out) const {

@@ -4,7 +4,9 @@
 // and the LoRA export. UNetTask (unet_task.cpp) and TextToImageTask (text_to_image_task.h)
 // derive from it, and SdxlTask (sdxl_task.cpp) from TextToImageTask.
 #include "difftrain/data/image_folder.h"
+#include "difftrain/diffusion/denoiser.h"
 #include "difftrain/diffusion/noise_scheduler.h"
+#include "difftrain/diffusion/objective.h"
 #include "difftrain/models/lora_training.h"
 #include "difftrain/models/unet.h"
 #include "difftrain/train/training_task.h"
@@ -33,7 +35,8 @@ class DiffusionTask : public TrainingTask {
 
  protected:
   /// DDPMScheduler for training: the pretrained folder's scheduler config when it has one, else
-  /// the flags' (ddpm_num_steps, ddpm_beta_schedule); prediction_type from the flags.
+  /// the flags' (ddpm_num_steps, ddpm_beta_schedule); prediction_type from the flags. Then the
+  /// DDPM objective on it (min-SNR, noise offset, input perturbation from the flags).
   void build_noise_scheduler();
   /// What trains: LoRA adapters on the UNet (and on `text_encoder` with train_text_encoder,
   /// both under one module) or the whole UNet. Then, under bf16, the frozen weights (the LoRA
@@ -44,12 +47,12 @@ class DiffusionTask : public TrainingTask {
   /// Frozen modules besides the UNet (the VAE, the text encoder).
   virtual std::vector<torch::nn::Module*> frozen_modules() const { return {}; }
 
-  /// Diffusers' objective on x0 [B, C, H, W] with each sample's noise, timestep and input
-  /// perturbation drawn from its own stream `keys[i]`: the per-sample loss [B] (mean over C, H,
-  /// W; min-SNR weighted with snr_gamma), float32.
+  /// The objective (objective_) on x0 [B, ...] with each sample's random draws from its own
+  /// stream `keys[i]`, the denoiser (the UNet) conditioned on `cond`: the per-sample loss [B]
+  /// (mean over every non-batch dimension, weighted as the objective says), float32.
   torch::Tensor denoising_losses(const torch::Tensor& x0, const std::vector<int64_t>& keys,
                                  int64_t epoch, torch::Device device,
-                                 const models::UNetConditioning& cond);
+                                 const diffusion::Conditioning& cond);
 
   /// Writes pytorch_lora_weights.safetensors (UNet adapters, plus the text encoders') in `out`;
   /// kohya format for an SDXL UNet uses SGM module names.
@@ -64,6 +67,8 @@ class DiffusionTask : public TrainingTask {
   models::LoraLayers text_lora_2_{nullptr};  ///< SDXL: adapters on text_encoder_2, else null
   std::shared_ptr<torch::nn::Module> trainable_;
   std::shared_ptr<diffusion::NoiseScheduler> noise_scheduler_;
+  std::shared_ptr<diffusion::TrainingObjective> objective_;
+  std::unique_ptr<diffusion::Denoiser> denoiser_;  ///< the UNet, made on first use
 };
 
 /// The unconditional / class-conditional UNet task (Diffusers' train_unconditional.py).

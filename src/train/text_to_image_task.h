@@ -267,10 +267,9 @@ class TextToImageTask : public DiffusionTask {
     std::vector<int64_t> keys(index.data_ptr<int64_t>(), index.data_ptr<int64_t>() + index.numel());
     auto inst = encode_batch(batch, "", keys, epoch, device);
     if (!prior_) {
-      models::UNetConditioning cond;
-      cond.encoder_hidden_states = inst.embeds;
-      cond.text_embeds = inst.pooled;
-      cond.time_ids = inst.time_ids;
+      const diffusion::Conditioning cond = {{"encoder_hidden_states", inst.embeds},
+                                            {"text_embeds", inst.pooled},
+                                            {"time_ids", inst.time_ids}};
       return denoising_losses(inst.latents, keys, epoch, device, cond).mean();
     }
     std::vector<int64_t> class_keys;
@@ -278,10 +277,10 @@ class TextToImageTask : public DiffusionTask {
     auto cls = encode_batch(batch, "class_", class_keys, epoch, device);
     std::vector<int64_t> all = keys;
     all.insert(all.end(), class_keys.begin(), class_keys.end());
-    models::UNetConditioning cond;
-    cond.encoder_hidden_states = torch::cat({inst.embeds, cls.embeds});
-    if (inst.pooled.defined()) cond.text_embeds = torch::cat({inst.pooled, cls.pooled});
-    if (inst.time_ids.defined()) cond.time_ids = torch::cat({inst.time_ids, cls.time_ids});
+    diffusion::Conditioning cond = {
+        {"encoder_hidden_states", torch::cat({inst.embeds, cls.embeds})}};
+    if (inst.pooled.defined()) cond["text_embeds"] = torch::cat({inst.pooled, cls.pooled});
+    if (inst.time_ids.defined()) cond["time_ids"] = torch::cat({inst.time_ids, cls.time_ids});
     auto losses =
         denoising_losses(torch::cat({inst.latents, cls.latents}), all, epoch, device, cond);
     const int64_t B = static_cast<int64_t>(keys.size());

@@ -106,12 +106,12 @@ class UNetTask final : public DiffusionTask {
         labels.push_back(label);
       }
     }
-    models::UNetConditioning conditioning;
-    if (cond) conditioning.class_labels = torch::tensor(labels, torch::kInt64).to(device);
+    diffusion::Conditioning conditioning;
+    if (cond) conditioning["class_labels"] = torch::tensor(labels, torch::kInt64).to(device);
     if (unet_->needs_encoder_hidden_states()) {
       // A conditional UNet outside a text-to-image folder: an all-zero context of one token.
       const auto& cad = unet_->config().cross_attention_dim;
-      conditioning.encoder_hidden_states =
+      conditioning["encoder_hidden_states"] =
           torch::zeros({B, 1, cad.empty() ? 1 : cad[0]}, x0.options());
     }
     return denoising_losses(x0, keys, epoch, device, conditioning).mean();
