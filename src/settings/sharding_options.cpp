@@ -1,5 +1,7 @@
 #include "difftrain/settings/sharding_options.h"
 
+#include "config_reader_util.h"
+
 #include "difftrain/core/error.h"
 
 #include <fmt/format.h>
@@ -13,10 +15,7 @@
 namespace difftrain::settings {
 namespace {
 
-std::string upper(std::string s) {
-  for (auto& c : s) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  return s;
-}
+using detail::upper;
 
 std::optional<std::string> env(const char* name) {
   const char* v = std::getenv(name);
