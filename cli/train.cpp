@@ -2,6 +2,7 @@
 // are the Diffusers training scripts' names and are parsed by the library (train_config.h), since
 // they also come from YAML; this file only hands them over.
 #include "commands.h"
+#include "difftrain/families/family.h"
 #include "difftrain/train/trainer.h"
 
 #include <iostream>
@@ -43,7 +44,7 @@ int run_train() {
     }
     return 0;
   }
-  train::run_training(train::parse_train_config(g_args));
+  families::run_training(train::parse_train_config(g_args));
   return 0;
 }
 

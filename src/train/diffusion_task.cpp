@@ -1,11 +1,10 @@
 // What the diffusion tasks share: noise scheduler, LoRA, the denoising loss, checkpoint config
 // files and the LoRA export.
-#include "diffusion_task.h"
+#include "difftrain/train/diffusion_task.h"
 
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/diffusion/scheduler_config.h"
-#include "difftrain/diffusion/sd_pipeline.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/models/clip_text_model.h"
@@ -181,16 +180,6 @@ void DiffusionTask::export_lora(const fs::path& out) const {
                  {{"difftrain_rank", std::to_string(o_.lora.rank)},
                   {"difftrain_lora_alpha", std::to_string(o_.lora.alpha)}});
   log::info("LoRA weights ({} format): {}", o_.lora.format, path.string());
-}
-
-std::unique_ptr<TrainingTask> make_training_task(const TaskOptions& options) {
-  const auto& pretrained = options.model.pretrained_model_name_or_path;
-  if (!pretrained.empty() && diffusion::is_stable_diffusion_folder(pretrained)) {
-    return diffusion::resolve_stable_diffusion_folder(pretrained).xl
-               ? make_sdxl_task(options)
-               : make_text_to_image_task(options);
-  }
-  return make_unet_task(options);
 }
 
 }  // namespace difftrain::train

@@ -158,11 +158,4 @@ TaskOptions task_options(const TrainConfig& c) {
   return o;
 }
 
-TrainResult run_training(TrainConfig config) {
-  auto trainer_opts = trainer_options(config);
-  auto task = make_training_task(task_options(config));
-  Trainer trainer(std::move(trainer_opts), std::move(task));
-  return trainer.run();
-}
-
 }  // namespace difftrain::train

@@ -99,9 +99,6 @@ class Trainer {
   std::unique_ptr<State> s_;
 };
 
-/// Runs the training job `config` describes (Trainer + make_training_task). Every rank calls it.
-TrainResult run_training(TrainConfig config);
-
 /// The newest complete checkpoint-<step> folder under `output_dir` that verifies against its
 /// checksums.json (accel::verify_checkpoint), or "" if there is none. Unfinished
 /// `checkpoint-<step>.tmp` folders are never chosen; a newer damaged checkpoint is skipped with

@@ -4,13 +4,11 @@
 // the export. The Trainer (trainer.h) owns the loop, the optimizer, the schedules, EMA,
 // checkpoints and logs, and talks to the model family only through a TrainingTask.
 //
-// Three tasks exist today, chosen once from the options (make_training_task):
-//   - unconditional / class-conditional UNet (Diffusers' train_unconditional.py),
-//   - Stable-Diffusion text-to-image, LoRA and DreamBooth (train_text_to_image(_lora).py,
-//     train_dreambooth_lora.py), and
-//   - SDXL, the same with SDXL's text side (the _sdxl versions of those scripts).
-// A new family (a flow-matching transformer) is one more TrainingTask. See
-// docs/ARCHITECTURE.md.
+// Each model family (families/family.h) makes its own task: the built-in ones are the
+// unconditional / class-conditional UNet (Diffusers' train_unconditional.py), Stable Diffusion
+// text-to-image, LoRA and DreamBooth (train_text_to_image(_lora).py, train_dreambooth_lora.py),
+// and SDXL (the _sdxl versions of those scripts). A new family (a flow-matching transformer) is
+// one more TrainingTask in its own folder. See docs/ARCHITECTURE.md, "Adding a model family".
 
 #include "difftrain/accel/accelerator.h"
 #include "difftrain/data/dataset.h"
@@ -183,9 +181,5 @@ class TrainingTask {
   /// weights already holding the EMA average when EMA is used. Main rank only.
   virtual void export_to(const std::filesystem::path& out_dir) = 0;
 };
-
-/// The task `options` describe: text-to-image when pretrained_model_name_or_path is a Stable
-/// Diffusion folder, else the UNet task. Nothing is loaded until build().
-std::unique_ptr<TrainingTask> make_training_task(const TaskOptions& options);
 
 }  // namespace difftrain::train

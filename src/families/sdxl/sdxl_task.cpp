@@ -5,7 +5,7 @@
 // the pooled embedding, and per-image time ids (original size, crop corner, trained size) as the
 // UNet's added conditioning; LoRA on both encoders with --train_text_encoder; the cache holds
 // both embeddings; a full fine-tune exports a whole SDXL folder.
-#include "text_to_image_task.h"
+#include "../stable_diffusion/text_to_image_task.h"
 
 namespace difftrain::train {
 

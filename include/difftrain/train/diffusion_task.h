@@ -1,8 +1,11 @@
 #pragma once
-// What the diffusion tasks share: the UNet being trained, the DDPM noise scheduler, the
-// denoising loss with per-sample random streams, LoRA adapters, the checkpoint's config files
-// and the LoRA export. UNetTask (unet_task.cpp) and TextToImageTask (text_to_image_task.h)
-// derive from it, and SdxlTask (sdxl_task.cpp) from TextToImageTask.
+// A base for the training task of a UNet family: the UNet being trained, the DDPM noise scheduler
+// and objective, the denoising loss with per-sample random streams, LoRA adapters, the
+// checkpoint's config files and the LoRA export. The built-in families derive from it
+// (src/families/unet/unet_task.cpp; src/families/stable_diffusion/text_to_image_task.h, which
+// src/families/sdxl/sdxl_task.cpp derives from in turn). A family whose denoiser is not a UNet
+// derives from TrainingTask (training_task.h) and composes diffusion::TrainingObjective and
+// diffusion::Denoiser itself. docs/ARCHITECTURE.md, "Adding a model family".
 #include "difftrain/data/image_folder.h"
 #include "difftrain/diffusion/denoiser.h"
 #include "difftrain/diffusion/noise_scheduler.h"
@@ -70,12 +73,5 @@ class DiffusionTask : public TrainingTask {
   std::shared_ptr<diffusion::TrainingObjective> objective_;
   std::unique_ptr<diffusion::Denoiser> denoiser_;  ///< the UNet, made on first use
 };
-
-/// The unconditional / class-conditional UNet task (Diffusers' train_unconditional.py).
-std::unique_ptr<TrainingTask> make_unet_task(TaskOptions options);
-/// The Stable-Diffusion text-to-image / DreamBooth task.
-std::unique_ptr<TrainingTask> make_text_to_image_task(TaskOptions options);
-/// Its SDXL form (sdxl_task.cpp).
-std::unique_ptr<TrainingTask> make_sdxl_task(TaskOptions options);
 
 }  // namespace difftrain::train

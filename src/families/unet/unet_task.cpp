@@ -1,7 +1,7 @@
 // The unconditional / class-conditional UNet task (Diffusers' train_unconditional.py): MNIST-like
 // data or an image folder, a fresh or pretrained UNet2DModel, validation grids sampled with the
 // training scheduler, a DDPMPipeline folder at the end.
-#include "diffusion_task.h"
+#include "difftrain/train/diffusion_task.h"
 
 #include "difftrain/core/env.h"
 #include "difftrain/core/error.h"

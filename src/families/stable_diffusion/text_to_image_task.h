@@ -25,7 +25,7 @@
 #include "difftrain/io/image.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/pretrained.h"
-#include "diffusion_task.h"
+#include "difftrain/train/diffusion_task.h"
 
 namespace difftrain::train {
 

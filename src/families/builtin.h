@@ -1,0 +1,38 @@
+#pragma once
+// Private to src/families: the built-in families (one folder each) and the helpers their
+// `difftrain sample` code shares.
+
+#include "difftrain/families/family.h"
+
+#include <torch/types.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace difftrain::families {
+
+/// src/families/unet/: DDPMPipeline / DDIMPipeline folders and bare UNet2DModel /
+/// UNet2DConditionModel folders; the default family.
+const ModelFamily& unet_family();
+/// src/families/stable_diffusion/: StableDiffusionPipeline (SD 1.x/2.x) folders.
+const ModelFamily& stable_diffusion_family();
+/// src/families/sdxl/: StableDiffusionXLPipeline folders.
+const ModelFamily& sdxl_family();
+
+/// --device: "auto" (the first CUDA device when one is visible, else the CPU), "cpu", "cuda" or
+/// "cuda:N", as in Diffusers' pipe.to(device). Throws difftrain::Error for anything else or a
+/// CUDA device that is not there.
+torch::Device parse_sample_device(const std::string& text);
+
+/// Stable Diffusion and SDXL's `difftrain sample` (StableDiffusion(XL)Pipeline semantics).
+diffusion::GenerateResult sample_text_to_image(const SampleOptions& options);
+
+}  // namespace difftrain::families
+
+namespace difftrain::train {
+// The built-in families' training tasks (src/families/<name>/).
+std::unique_ptr<TrainingTask> make_unet_task(TaskOptions options);
+std::unique_ptr<TrainingTask> make_text_to_image_task(TaskOptions options);
+std::unique_ptr<TrainingTask> make_sdxl_task(TaskOptions options);
+}  // namespace difftrain::train

@@ -1,0 +1,37 @@
+// The SDXL family: StableDiffusionXLPipeline folders (two text encoders, pooled embeddings and
+// micro-conditioning; sampling shared with Stable Diffusion, training in sdxl_task.cpp).
+#include "../builtin.h"
+
+namespace difftrain::families {
+namespace {
+
+class SdxlFamily : public ModelFamily {
+ public:
+  std::string name() const override { return "sdxl"; }
+  std::vector<std::string> pipeline_classes() const override {
+    return {"StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline"};
+  }
+  bool matches_components(const nlohmann::json& index) const override {
+    return index.contains("text_encoder_2") && index["text_encoder_2"].is_array() &&
+           !index["text_encoder_2"].empty() && !index["text_encoder_2"][0].is_null();
+  }
+  std::vector<std::string> lora_components() const override {
+    return {"unet", "text_encoder", "text_encoder_2"};
+  }
+  std::unique_ptr<train::TrainingTask> make_training_task(
+      const train::TaskOptions& options) const override {
+    return train::make_sdxl_task(options);
+  }
+  diffusion::GenerateResult sample(const SampleOptions& options) const override {
+    return sample_text_to_image(options);
+  }
+};
+
+}  // namespace
+
+const ModelFamily& sdxl_family() {
+  static const SdxlFamily family;
+  return family;
+}
+
+}  // namespace difftrain::families

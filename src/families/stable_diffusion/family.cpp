@@ -1,0 +1,37 @@
+// The Stable Diffusion 1.x/2.x family: StableDiffusionPipeline folders (text-to-image sampling,
+// text-to-image / LoRA / DreamBooth training in text_to_image_task.h).
+#include "../builtin.h"
+
+namespace difftrain::families {
+namespace {
+
+class StableDiffusionFamily : public ModelFamily {
+ public:
+  std::string name() const override { return "stable-diffusion"; }
+  std::vector<std::string> pipeline_classes() const override {
+    // Img2Img folders hold the same weights.
+    return {"StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline"};
+  }
+  bool matches_components(const nlohmann::json& index) const override {
+    return index.contains("text_encoder") && !index["text_encoder"].is_null() &&
+           !(index["text_encoder"].is_array() && !index["text_encoder"].empty() &&
+             index["text_encoder"][0].is_null());
+  }
+  std::vector<std::string> lora_components() const override { return {"unet", "text_encoder"}; }
+  std::unique_ptr<train::TrainingTask> make_training_task(
+      const train::TaskOptions& options) const override {
+    return train::make_text_to_image_task(options);
+  }
+  diffusion::GenerateResult sample(const SampleOptions& options) const override {
+    return sample_text_to_image(options);
+  }
+};
+
+}  // namespace
+
+const ModelFamily& stable_diffusion_family() {
+  static const StableDiffusionFamily family;
+  return family;
+}
+
+}  // namespace difftrain::families

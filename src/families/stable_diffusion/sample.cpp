@@ -1,0 +1,97 @@
+// `difftrain sample` for Stable Diffusion 1.x/2.x and SDXL folders: StableDiffusion(XL)Pipeline
+// semantics (the SDXL family calls it too).
+#include "../builtin.h"
+#include "difftrain/core/error.h"
+#include "difftrain/core/log.h"
+#include "difftrain/diffusion/pipeline.h"
+#include "difftrain/diffusion/sampler.h"
+#include "difftrain/diffusion/sd_pipeline.h"
+#include "difftrain/io/prompt_file.h"
+
+#include <fmt/format.h>
+
+namespace difftrain::families {
+namespace {
+
+// Prompts from --prompt (repeatable) or --prompt_file (io::read_prompt_file's rules); sampling
+// needs at least one.
+std::vector<std::string> read_prompts(const SampleOptions& a) {
+  if (!a.prompts.empty() && !a.prompt_file.empty()) {
+    throw Error("give --prompt or --prompt_file, not both");
+  }
+  if (!a.prompt_file.empty()) {
+    auto prompts = io::read_prompt_file(a.prompt_file);
+    if (prompts.empty()) throw Error("--prompt_file " + a.prompt_file + " has no prompts");
+    return prompts;
+  }
+  if (a.prompts.empty()) {
+    throw Error("a Stable Diffusion folder needs --prompt \"...\" (or --prompt_file F)");
+  }
+  return a.prompts;
+}
+
+}  // namespace
+
+diffusion::GenerateResult sample_text_to_image(const SampleOptions& a) {
+  diffusion::StableDiffusionLoadOptions lo;
+  lo.variant = a.variant;
+  lo.scheduler = a.scheduler;
+  lo.eta = a.eta;
+  lo.lora = a.lora;
+  lo.lora_scale = a.lora_scale;
+  lo.vae = a.vae;
+  diffusion::GenerateRequest request;
+  request.prompts = read_prompts(a);
+  if (!a.class_labels.empty()) throw Error("--class_labels is for class-conditional UNets");
+  if (!a.negative_prompt.empty()) request.negative_prompts = {a.negative_prompt};
+  if (a.guidance_given) request.guidance_scale = a.guidance_scale;
+  request.num_inference_steps = a.num_inference_steps;
+  request.height = a.height;
+  request.width = a.width;
+  request.num_images = a.num_images > 0 ? a.num_images : a.num_images_per_prompt;
+  request.seed = a.seed;
+  request.clip_skip = a.clip_skip - 1;
+  request.guidance_rescale = a.guidance_rescale;
+  request.original_size = a.original_size;
+  request.crops_coords_top_left = a.crops_coords_top_left;
+  request.target_size = a.target_size;
+  request.negative_original_size = a.negative_original_size;
+  request.negative_crops_coords_top_left = a.negative_crops_coords_top_left;
+  request.negative_target_size = a.negative_target_size;
+  const torch::Device device = parse_sample_device(a.device);
+  diffusion::Pipeline pipeline = diffusion::load_stable_diffusion(a.model, lo);
+  diffusion::pipeline_to(pipeline, device);
+  const auto& sd = std::get<diffusion::StableDiffusion>(pipeline);
+  const bool micro = !a.original_size.empty() || !a.crops_coords_top_left.empty() ||
+                     !a.target_size.empty() || !a.negative_original_size.empty() ||
+                     !a.negative_crops_coords_top_left.empty() || !a.negative_target_size.empty();
+  if (micro && !sd.is_xl()) {
+    throw Error(
+        "--original_size, --crops_coords_top_left and --target_size are SDXL's "
+        "micro-conditioning; " +
+        a.model + " is a Stable Diffusion 1.x/2.x folder");
+  }
+  if (request.clip_skip >= sd.text_encoder->config().num_hidden_layers) {
+    throw Error("--clip_skip " + std::to_string(a.clip_skip) + " is more than the text encoder's " +
+                std::to_string(sd.text_encoder->config().num_hidden_layers) + " layers");
+  }
+  const auto o = diffusion::resolve_request(pipeline, request);
+  log::info(
+      "difftrain sample: {} ({}) on {}, scheduler {}, {} steps, guidance {}, {} prompt(s) x {} "
+      "image(s), seed {}{}",
+      a.model, sd.folder.pipeline_class, device.str(), sd.scheduler->class_name(),
+      o.num_inference_steps, *o.guidance_scale, o.prompts.size(), o.num_images, a.seed,
+      a.lora.empty() ? std::string() : fmt::format(", LoRA {} x{}", a.lora, a.lora_scale));
+  for (size_t i = 0; i < o.prompts.size(); ++i) {
+    const auto enc = sd.tokenizer.encode(o.prompts[i]);
+    if (enc.truncated) {
+      log::warn("prompt {} has {} tokens; only the first {} are used", i, enc.num_tokens,
+                sd.tokenizer.model_max_length() - 2);
+    }
+  }
+  request.on_step = a.on_step;
+  if (a.on_start) a.on_start();
+  return diffusion::generate(pipeline, request);
+}
+
+}  // namespace difftrain::families

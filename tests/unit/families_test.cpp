@@ -1,0 +1,81 @@
+// The model-family registry (families/family.h): which family a folder belongs to, by
+// model_index.json's _class_name, a bare model's config.json or the components, and the one-line
+// refusal of a class no family claims.
+#include "difftrain/families/family.h"
+
+#include "test_util.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <set>
+#include <string>
+
+namespace difftrain::test {
+namespace {
+namespace fs = std::filesystem;
+
+std::string family_name(const std::string& dir) { return families::family_of(dir).name(); }
+
+std::string folder_with_index(const std::string& dir, const std::string& index) {
+  fs::create_directories(dir);
+  write_text(dir + "/model_index.json", index);
+  return dir;
+}
+
+TEST(Families, EachBuiltInFamilyIsRegisteredOnceWithItsOwnClasses) {
+  std::set<std::string> names, classes;
+  for (const auto* f : families::families()) {
+    EXPECT_TRUE(names.insert(f->name()).second) << f->name();
+    for (const auto& c : f->pipeline_classes()) EXPECT_TRUE(classes.insert(c).second) << c;
+    EXPECT_FALSE(f->lora_components().empty()) << f->name();
+  }
+  EXPECT_EQ(names, (std::set<std::string>{"unet", "stable-diffusion", "sdxl"}));
+  EXPECT_EQ(families::default_family().name(), "unet");
+}
+
+TEST(Families, AFolderIsRecognisedByItsClassName) {
+  EXPECT_EQ(family_name(kTinySdGolden), "stable-diffusion");
+  EXPECT_EQ(family_name(kGoldenDir + "sdxl/tiny_sdxl"), "sdxl");
+  EXPECT_EQ(family_name(kDiffusersGolden + "unet2d_uncond"), "unet");  // a bare UNet2DModel
+  const auto dir = temp_dir("families_classes");
+  EXPECT_EQ(family_name(folder_with_index(dir + "/ddim", R"({"_class_name": "DDIMPipeline"})")),
+            "unet");
+  EXPECT_EQ(family_name(folder_with_index(dir + "/img2img",
+                                          R"({"_class_name": "StableDiffusionImg2ImgPipeline"})")),
+            "stable-diffusion");
+  // Without _class_name, by the components: text_encoder_2 means SDXL, text_encoder SD.
+  EXPECT_EQ(
+      family_name(folder_with_index(dir + "/xl", R"({"unet": ["diffusers", "UNet2DConditionModel"],
+                                 "text_encoder": ["transformers", "CLIPTextModel"],
+                                 "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"]})")),
+      "sdxl");
+  EXPECT_EQ(family_name(folder_with_index(dir + "/sd",
+                                          R"({"unet": ["diffusers", "UNet2DConditionModel"],
+                                              "text_encoder": ["transformers", "CLIPTextModel"]})")),
+            "stable-diffusion");
+  // What the UNet family reports itself: a missing folder, an unreadable index.
+  EXPECT_EQ(family_name(dir + "/missing"), "unet");
+  EXPECT_EQ(family_name(folder_with_index(dir + "/broken", "{not json")), "unet");
+}
+
+TEST(Families, AClassNoFamilyClaimsIsRefusedInOneLineListingTheKnownOnes) {
+  const auto dir = folder_with_index(temp_dir("families_unknown") + "/flux",
+                                     R"({"_class_name": "FluxPipeline",
+                                         "transformer": ["diffusers", "FluxTransformer2DModel"]})");
+  const std::string message = error_of([&] { families::family_of(dir); });
+  EXPECT_EQ(message.find('\n'), std::string::npos) << message;
+  for (const char* part :
+       {"FluxPipeline", "model_index.json", "DDPMPipeline (unet)",
+        "StableDiffusionPipeline (stable-diffusion)", "StableDiffusionXLPipeline (sdxl)"}) {
+    EXPECT_NE(message.find(part), std::string::npos) << part << " in: " << message;
+  }
+  // The training entry point asks the same registry.
+  train::TaskOptions options;
+  options.model.pretrained_model_name_or_path = dir;
+  EXPECT_NE(error_of([&] { families::make_training_task(options); }).find("FluxPipeline"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace difftrain::test
