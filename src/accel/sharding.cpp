@@ -2,6 +2,7 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/core/forward_hooks.h"
+#include "difftrain/core/no_split_modules.h"
 
 #include <fmt/format.h>
 
@@ -25,6 +26,14 @@ std::string wrap_class_name(const torch::nn::Module& module) {
 }
 
 namespace {
+
+// The union of core::NoSplitModules::no_split_modules() over `m` and its descendants.
+void collect_no_split_modules(const torch::nn::Module& m, std::set<std::string>& out) {
+  if (const auto* named = dynamic_cast<const core::NoSplitModules*>(&m)) {
+    for (const auto& c : named->no_split_modules()) out.insert(c);
+  }
+  for (const auto& child : m.children()) collect_no_split_modules(*child, out);
+}
 
 struct Planner {
   const AutoWrapPolicy& policy;
@@ -118,7 +127,8 @@ std::vector<UnitPlan> plan_units(const torch::nn::Module& module, const AutoWrap
   const bool defaults = policy.classes.empty();
   planner.defaults = defaults;
   if (defaults) {
-    planner.classes = {"ResnetBlock2D", "Transformer2DModel", "Attention"};
+    // The blocks the model names itself (its family's; none: one root unit).
+    collect_no_split_modules(module, planner.classes);
   } else {
     planner.classes.insert(policy.classes.begin(), policy.classes.end());
   }

@@ -4,6 +4,7 @@
 // so a `diffusion_pytorch_model.safetensors` loads by name with no conversion.
 
 #include "difftrain/core/forward_hooks.h"
+#include "difftrain/core/no_split_modules.h"
 #include "difftrain/models/unet_blocks.h"
 #include "difftrain/models/unet_config.h"
 
@@ -33,9 +34,17 @@ struct UNetConditioning {
 
 /// A Diffusers UNet. Diffusers: `UNet2DModel` (kind kUNet2D) / `UNet2DConditionModel`
 /// (kUNet2DCondition) with `.sample` of the output.
-class UNetImpl : public torch::nn::Module, public core::HookableModule {
+class UNetImpl : public torch::nn::Module,
+                 public core::HookableModule,
+                 public core::NoSplitModules {
  public:
   explicit UNetImpl(const UNetConfig& config);
+
+  /// The blocks a sharded run wraps by default: ResnetBlock2D, Transformer2DModel and the
+  /// Attention layers of UNet2DModel's attention blocks (core/no_split_modules.h).
+  std::vector<std::string> no_split_modules() const override {
+    return {"ResnetBlock2D", "Transformer2DModel", "Attention"};
+  }
 
   /// sample: [B, in_channels, H, W]; timestep: [] or [B] (int or float);
   /// -> [B, out_channels, H, W] (the model's prediction: noise, v or x0).

@@ -38,8 +38,10 @@ struct AutoWrapPolicy {
   std::string policy = "TRANSFORMER_BASED_WRAP";
   /// Class names for TRANSFORMER_BASED_WRAP (Accelerate's fsdp_transformer_layer_cls_to_wrap):
   /// Diffusers names such as ResnetBlock2D, Transformer2DModel, DownBlock2D,
-  /// CrossAttnDownBlock2D, UNetMidBlock2D, UpBlock2D. Empty: ResnetBlock2D and
-  /// Transformer2DModel (and AttentionBlock-style Attention layers of UNet2DModel).
+  /// CrossAttnDownBlock2D, UNetMidBlock2D, UpBlock2D. Empty: the blocks the model names itself
+  /// (core::NoSplitModules, like Diffusers' _no_split_modules; difftrain's UNets name
+  /// ResnetBlock2D, Transformer2DModel and the Attention layers of UNet2DModel), or one root
+  /// unit for a model that names none.
   std::vector<std::string> classes;
   /// SIZE_BASED_WRAP threshold (Accelerate's fsdp_min_num_params; default 1e8 as FSDP's).
   int64_t min_num_params = 100000000;
