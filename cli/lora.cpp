@@ -8,6 +8,7 @@
 #include "difftrain/core/log.h"
 #include "difftrain/distributed/process_group.h"
 #include "difftrain/io/lora_format.h"
+#include "difftrain/io/safetensors.h"
 #include "difftrain/models/lora_folder.h"
 #include "difftrain/models/pretrained.h"
 #include "difftrain/models/sgm_names.h"
@@ -16,7 +17,6 @@
 
 #include <cstdint>
 #include <filesystem>
-#include <fstream>
 
 namespace difftrain::cli {
 
@@ -39,26 +39,12 @@ struct LoraConvertArgs {
 
 // The module names of the safetensors weights `path` (keys ending in .weight), from its header.
 std::vector<std::string> weight_module_names(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  uint64_t n = 0;
-  if (!in.read(reinterpret_cast<char*>(&n), 8) || n > (uint64_t{1} << 30)) {
-    throw Error(path + ": not a safetensors file (bad header length)");
-  }
-  std::string header(n, '\0');
-  if (!in.read(header.data(), static_cast<std::streamsize>(n))) {
-    throw Error(path + ": truncated safetensors header");
-  }
   std::vector<std::string> names;
-  try {
-    const nlohmann::json parsed = nlohmann::json::parse(header);
-    for (const auto& item : parsed.items()) {
-      const std::string& key = item.key();
-      if (key.size() > 7 && key.compare(key.size() - 7, 7, ".weight") == 0) {
-        names.push_back(key.substr(0, key.size() - 7));
-      }
+  for (const auto& [key, entry] : io::read_safetensors_header(path).tensors) {
+    (void)entry;
+    if (key.size() > 7 && key.compare(key.size() - 7, 7, ".weight") == 0) {
+      names.push_back(key.substr(0, key.size() - 7));
     }
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(path + ": the safetensors header is not valid JSON (" + e.what() + ")");
   }
   return names;
 }

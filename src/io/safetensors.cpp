@@ -211,7 +211,10 @@ Safetensors parse_safetensors(std::string_view bytes, const std::string& name) {
   return out;
 }
 
-Safetensors load_safetensors(const std::string& path) {
+namespace {
+
+// `path` mapped copy-on-write (empty files map nothing).
+std::shared_ptr<Mapping> map_file(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     throw Error("cannot open safetensors file '" + path + "': " + std::strerror(errno) +
@@ -231,6 +234,26 @@ Safetensors load_safetensors(const std::string& path) {
   if (map->size > 0 && map->addr == MAP_FAILED) {
     throw Error("cannot map '" + path + "' into memory: " + std::strerror(errno));
   }
+  return map;
+}
+
+}  // namespace
+
+SafetensorsHeader read_safetensors_header(const std::string& path) {
+  const auto map = map_file(path);
+  static const unsigned char kEmpty[1] = {0};
+  const auto* base = static_cast<unsigned char*>(map->size > 0 ? map->addr : nullptr);
+  SafetensorsHeader out;
+  uint64_t data_start = 0;
+  for (const auto& e :
+       parse_header(base ? base : kEmpty, map->size, path, out.metadata, data_start)) {
+    out.tensors.emplace(e.name, SafetensorsEntry{e.dtype->dtype, e.shape});
+  }
+  return out;
+}
+
+Safetensors load_safetensors(const std::string& path) {
+  const auto map = map_file(path);
   const auto* base = static_cast<unsigned char*>(map->size > 0 ? map->addr : nullptr);
   static const unsigned char kEmpty[1] = {0};
   Safetensors out;

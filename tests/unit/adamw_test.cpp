@@ -3,6 +3,7 @@
 
 #include "difftrain/optim/adamw.h"
 #include "difftrain/core/error.h"
+#include "difftrain/io/atomic_file.h"
 #include "difftrain/io/safetensors.h"
 
 #include "test_util.h"
@@ -261,6 +262,28 @@ TEST(Safetensors, RoundTripsDtypesShapesAndMetadata) {
     EXPECT_TRUE(torch::equal(back.tensors.at(k), v)) << k;
     EXPECT_EQ(back.tensors.at(k).scalar_type(), v.scalar_type()) << k;
   }
+  fs::remove_all(dir);
+}
+
+TEST(Safetensors, TheHeaderAloneGivesNamesDtypesShapesAndTheSameChecks) {
+  const std::string dir = temp_dir("safetensors_header");
+  difftrain::io::save_safetensors(dir + "/x.safetensors",
+                                  {{"unet.conv.weight", torch::zeros({4, 2, 3, 3})},
+                                   {"unet.conv.bias", torch::zeros({4}, torch::kBFloat16)}},
+                                  {{"format", "pt"}});
+  const auto header = difftrain::io::read_safetensors_header(dir + "/x.safetensors");
+  EXPECT_EQ(header.metadata.at("format"), "pt");
+  ASSERT_EQ(header.tensors.size(), 2u);
+  EXPECT_EQ(header.tensors.at("unet.conv.weight").shape, (std::vector<int64_t>{4, 2, 3, 3}));
+  EXPECT_EQ(header.tensors.at("unet.conv.weight").dtype, torch::kFloat32);
+  EXPECT_EQ(header.tensors.at("unet.conv.bias").dtype, torch::kBFloat16);
+  // A truncated file is refused as load_safetensors refuses it.
+  const std::string bytes = difftrain::io::read_file(dir + "/x.safetensors");
+  difftrain::io::write_file_atomic(dir + "/cut.safetensors", bytes.substr(0, bytes.size() - 8));
+  const std::string message = difftrain::test::error_of(
+      [&] { difftrain::io::read_safetensors_header(dir + "/cut.safetensors"); });
+  EXPECT_NE(message.find("cut.safetensors"), std::string::npos) << message;
+  EXPECT_NE(message.find("past the"), std::string::npos) << message;
   fs::remove_all(dir);
 }
 

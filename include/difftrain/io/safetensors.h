@@ -9,6 +9,7 @@
 #include <map>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace difftrain::io {
 
@@ -30,6 +31,23 @@ struct Safetensors {
 /// Any violation throws difftrain::Error naming the file and the tensor. Python:
 /// `safetensors.torch.load_file(path)` plus `safe_open(path).metadata()`.
 Safetensors load_safetensors(const std::string& path);
+
+/// One tensor's entry in a safetensors header.
+struct SafetensorsEntry {
+  torch::Dtype dtype;
+  std::vector<int64_t> shape;
+};
+
+/// What a safetensors file holds, from its header alone.
+struct SafetensorsHeader {
+  std::map<std::string, SafetensorsEntry> tensors;
+  Metadata metadata;
+};
+
+/// Reads the header of `path` with load_safetensors()'s checks, without reading the tensors'
+/// data (the file is mapped, and only the header's pages are touched). Python:
+/// `safe_open(path).keys()` / `.get_slice(k).get_shape()`.
+SafetensorsHeader read_safetensors_header(const std::string& path);
 
 /// Parses safetensors bytes already in memory (tensors are copies); `name` is used in errors.
 Safetensors parse_safetensors(std::string_view bytes, const std::string& name);
