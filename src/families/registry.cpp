@@ -76,8 +76,8 @@ const ModelFamily& family_of(const std::string& dir) {
     }
   }
   throw Error(fmt::format(
-      "{}: model_index.json's _class_name \"{}\" is not a model family difftrain knows; it "
-      "reads {}, and bare UNet folders (config.json)",
+      "{}: _class_name \"{}\" is not a model family difftrain knows; it reads {}, and bare "
+      "UNet folders (config.json)",
       (fs::path(dir) / "model_index.json").string(), info.class_name, known));
 }
 

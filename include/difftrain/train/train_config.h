@@ -2,16 +2,14 @@
 // The configuration of `difftrain train`: every option under the name Diffusers' training scripts
 // give it (train_unconditional.py, train_text_to_image_lora.py), read from a YAML file and then
 // from command-line flags that override it. See docs/TRAINING.md for the table.
+#include "difftrain/settings/sharding_options.h"
+
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <vector>
-
-namespace difftrain::accel {
-struct ShardingOptions;  // difftrain/accel/sharding.h (kept out: it pulls in torch/nn)
-}  // namespace difftrain::accel
 
 namespace difftrain::train {
 
@@ -160,7 +158,7 @@ struct TrainConfig {
 
   /// The sharding options of the fields above (classes split on commas); include
   /// difftrain/accel/sharding.h to call it.
-  accel::ShardingOptions sharding_options() const;
+  settings::ShardingOptions sharding_options() const;
 
   /// Every option as JSON (unset optionals as null), in the table's order of names.
   nlohmann::json to_json() const;
