@@ -21,6 +21,9 @@
 #if DIFFTRAIN_TORCH_AT_LEAST(2, 0)
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #endif
+#if !DIFFTRAIN_TORCH_AT_LEAST(2, 1)
+#include <c10/util/variant.h>  // c10::get_if (LibTorch < 2.1)
+#endif
 
 namespace difftrain::compat {
 

@@ -6,6 +6,7 @@
 
 #include "difftrain/io/safetensors.h"
 
+#include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
 #include <nlohmann/json.hpp>
 
