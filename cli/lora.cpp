@@ -1,22 +1,15 @@
 // `difftrain lora merge`: a model folder with a LoRA file folded into its UNet, written as a new
 // folder of the same layout (the work is models::merge_lora_into_folder). `difftrain lora
 // convert`: a LoRA file rewritten in another key layout (Diffusers, PEFT, kohya; kohya SDXL with
-// SGM names), kohya names resolved against a model folder's weight names.
+// SGM names), kohya names resolved by the model folder's family (families::convert_lora).
 
 #include "commands.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/distributed/process_group.h"
+#include "difftrain/families/family.h"
 #include "difftrain/io/lora_format.h"
-#include "difftrain/io/safetensors.h"
 #include "difftrain/models/lora_folder.h"
-#include "difftrain/models/pretrained.h"
-#include "difftrain/models/sgm_names.h"
-
-#include <nlohmann/json.hpp>
-
-#include <cstdint>
-#include <filesystem>
 
 namespace difftrain::cli {
 
@@ -37,52 +30,18 @@ struct LoraConvertArgs {
   std::string input, output, to, model;
 } g_convert_args;
 
-// The module names of the safetensors weights `path` (keys ending in .weight), from its header.
-std::vector<std::string> weight_module_names(const std::string& path) {
-  std::vector<std::string> names;
-  for (const auto& [key, entry] : io::read_safetensors_header(path).tensors) {
-    (void)entry;
-    if (key.size() > 7 && key.compare(key.size() - 7, 7, ".weight") == 0) {
-      names.push_back(key.substr(0, key.size() - 7));
-    }
-  }
-  return names;
-}
-
 int run_lora_convert() {
   const auto& a = g_convert_args;
   io::LoraFormat format = io::LoraFormat::kDiffusers;
   if (a.to == "peft") format = io::LoraFormat::kPeft;
   if (a.to == "kohya") format = io::LoraFormat::kKohya;
-  io::LoraWeights lora = io::read_lora(a.input);
-  const std::string read_format = io::to_string(lora.format);
-  if (!a.model.empty()) {
-    // kohya names resolve against the model's weight names (read from the headers only), the
-    // UNet's also through their SGM names; an SDXL UNet is written with SGM names in kohya form.
-    namespace fs = std::filesystem;
-    const bool pipeline = fs::exists(fs::path(a.model) / "model_index.json");
-    const std::string unet_dir = pipeline ? (fs::path(a.model) / "unet").string() : a.model;
-    const auto config = models::UNetConfig::load((fs::path(unet_dir) / "config.json").string());
-    const auto unet_names = weight_module_names(models::weights_path(unet_dir));
-    io::resolve_kohya_names(lora, "unet", unet_names, models::sgm_aliases(config, unet_names));
-    for (const char* te : {"text_encoder", "text_encoder_2"}) {
-      const fs::path dir = fs::path(a.model) / te;
-      if (pipeline && lora.count(te) > 0 && fs::is_directory(dir)) {
-        io::resolve_kohya_names(lora, te,
-                                weight_module_names((dir / "model.safetensors").string()));
-      }
-    }
-    if (format == io::LoraFormat::kKohya && config.addition_embed_type) {
-      lora = models::with_sgm_unet_names(lora, config);
-    }
-  }
-  io::write_lora(a.output, lora, format);
+  const auto done = families::convert_lora(a.input, a.output, format, a.model);
   std::string counts;
-  for (const auto& [component, targets] : lora.components) {
-    counts += (counts.empty() ? "" : ", ") + std::to_string(targets.size()) + " " + component;
+  for (const auto& [component, targets] : done.targets) {
+    counts += (counts.empty() ? "" : ", ") + std::to_string(targets) + " " + component;
   }
-  log::info("difftrain lora convert: {} ({}) -> {} ({}): {} targets", a.input, read_format,
-            a.output, a.to, counts);
+  log::info("difftrain lora convert: {} ({}) -> {} ({}): {} targets", a.input,
+            io::to_string(done.read_format), a.output, a.to, counts);
   return 0;
 }
 

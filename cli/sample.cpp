@@ -1,7 +1,5 @@
-// `difftrain sample`: images from a model folder, by the folder's family (families/family.h:
-// DDPM/DDIM UNet pipelines, Stable Diffusion, SDXL; the same seed gives the same images as
-// Diffusers), written as a labelled PNG grid and optionally as tensors. This file parses the flags
-// and writes the outputs; the family does the rest.
+// `difftrain sample`: parses the flags, asks the folder's family for the images
+// (families::sample: the same seed gives Diffusers' images) and writes a labelled PNG grid.
 
 #include "commands.h"
 #include "difftrain/core/log.h"
@@ -11,45 +9,17 @@
 #include "difftrain/io/image.h"
 #include "difftrain/io/safetensors.h"
 
-#include <chrono>
-#include <memory>
+#include <fmt/ranges.h>
+
+#include <algorithm>
 
 namespace difftrain::cli {
-
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-std::string join_names(const std::vector<std::string>& names) {
-  std::string out;
-  for (const auto& name : names) out += (out.empty() ? "" : ", ") + name;
-  return out;
-}
-
 families::SampleOptions g_args;
 std::string g_output = "samples.png";
 std::string g_save_tensors;
 int64_t g_columns = 0;
-
-// A denoising-step callback that logs step, it/s and ETA every two seconds (and at the end),
-// timed from *start.
-std::function<void(int64_t, int64_t)> progress_logger(std::shared_ptr<Clock::time_point> start) {
-  auto last = std::make_shared<Clock::time_point>(*start);
-  return [start, last](int64_t i, int64_t n) {
-    auto now = Clock::now();
-    if (i != n && now - *last < std::chrono::seconds(2)) return;
-    *last = now;
-    const double elapsed = std::chrono::duration<double>(now - *start).count();
-    const double rate = i / std::max(elapsed, 1e-9);
-    log::info("step {}/{}  {:.2f} it/s  ETA {:.0f}s", i, n, rate, (n - i) / rate);
-  };
-}
-
-}  // namespace
-
-namespace {
 CLI::Option* g_guidance = nullptr;
-bool app_guidance_given() { return g_guidance != nullptr && g_guidance->count() > 0; }
 }  // namespace
 
 CLI::App* add_sample_command(CLI::App& app) {
@@ -67,7 +37,7 @@ CLI::App* add_sample_command(CLI::App& app) {
                   "LoRA weights to merge first (.safetensors: Diffusers, PEFT or kohya keys)");
   cmd->add_option("--lora_scale", g_args.lora_scale, "Multiplier of the LoRA update (default 1)");
   cmd->add_option("--scheduler", g_args.scheduler,
-                  "the sampler: " + join_names(diffusion::sampler_names()) +
+                  fmt::format("the sampler: {}", fmt::join(diffusion::sampler_names(), ", ")) +
                       ", or a Diffusers scheduler class (default: the folder's scheduler)");
   cmd->add_option("--num_inference_steps", g_args.num_inference_steps,
                   "Denoising steps (default: DDPM 1000, other samplers 50)")
@@ -88,18 +58,17 @@ CLI::App* add_sample_command(CLI::App& app) {
                   "Also write `images` [K,H,W,C] float32 in [0,1] to this .safetensors file");
   cmd->add_option("--columns", g_columns, "Grid columns (default: about square)")
       ->check(CLI::Range(int64_t{0}, int64_t{4096}));
-  cmd->add_option("--prompt", g_args.prompts,
-                  "Stable Diffusion folders: the prompt (repeat for several)");
+  cmd->add_option("--prompt", g_args.prompts, "Text-to-image: the prompt (repeat for several)");
   cmd->add_option("--prompt_file", g_args.prompt_file, "Prompts, one per line");
-  cmd->add_option("--negative_prompt", g_args.negative_prompt,
-                  "Guide away from this text (default \"\")");
+  cmd->add_option("--negative_prompt", g_args.negative_prompt, "Guide away from this text");
   cmd->add_option("--num_images_per_prompt", g_args.num_images_per_prompt,
                   "Images per prompt (default 1)")
       ->check(CLI::Range(int64_t{1}, int64_t{4096}));
-  cmd->add_option("--height", g_args.height, "Image height in pixels (default: the model's)")
-      ->check(CLI::Range(int64_t{8}, int64_t{8192}));
-  cmd->add_option("--width", g_args.width, "Image width in pixels (default: the model's)")
-      ->check(CLI::Range(int64_t{8}, int64_t{8192}));
+  for (auto [name, into] : {std::pair{"height", &g_args.height}, {"width", &g_args.width}}) {
+    cmd->add_option(fmt::format("--{}", name), *into,
+                    fmt::format("Image {} in pixels (default: the model's)", name))
+        ->check(CLI::Range(int64_t{8}, int64_t{8192}));
+  }
   cmd->add_option("--clip_skip", g_args.clip_skip,
                   "Text embeddings from this CLIP layer counted from the end, as kohya: 1 = last "
                   "(default), 2 = penultimate")
@@ -123,8 +92,7 @@ CLI::App* add_sample_command(CLI::App& app) {
   pair("--negative_target_size", g_args.negative_target_size,
        "SDXL: target size of the negative conditioning (default: --target_size)");
   cmd->add_option("--pretrained_vae_model_name_or_path,--vae", g_args.vae,
-                  "An AutoencoderKL folder used instead of the pipeline's vae/ (e.g. SDXL's "
-                  "fp16-safe VAE)");
+                  "An AutoencoderKL folder to use instead of vae/ (SDXL's fp16-safe VAE)");
   cmd->add_option("--variant", g_args.variant, "Weights variant, e.g. fp16");
   cmd->add_option("--device", g_args.device,
                   "Where to run: auto (the first CUDA device if one is visible, else the CPU), "
@@ -135,13 +103,9 @@ CLI::App* add_sample_command(CLI::App& app) {
 
 int run_sample() {
   distributed::configure_threads();
-  families::SampleOptions& a = g_args;
-  a.guidance_given = app_guidance_given();
-  auto start = std::make_shared<Clock::time_point>(Clock::now());
-  a.on_start = [start] { *start = Clock::now(); };
-  a.on_step = progress_logger(start);
-  const auto result = families::family_of(a.model).sample(a);
-  const double seconds = std::chrono::duration<double>(Clock::now() - *start).count();
+  g_args.guidance_given = g_guidance->count() > 0;
+  double seconds = 0;
+  const auto result = families::sample(g_args, &seconds);
   io::save_image_grid(g_output, result.images, result.labels, g_columns);
   if (!g_save_tensors.empty()) {
     io::save_safetensors(g_save_tensors, result.tensors(), {{"format", "np"}});

@@ -1,5 +1,9 @@
 #include "difftrain/diffusion/generate.h"
 
+#include "difftrain/core/log.h"
+#include "difftrain/diffusion/pipeline.h"
+#include "difftrain/diffusion/sd_pipeline.h"
+
 #include "difftrain/core/error.h"
 
 #include <fmt/format.h>
@@ -134,18 +138,6 @@ std::unique_ptr<Sampler> load_pipeline_sampler(const PipelineFolder& folder,
   return load_sampler(folder.scheduler_config, kind, options);
 }
 
-void pipeline_to(Pipeline& pipeline, const torch::Device& device) {
-  if (auto* p = std::get_if<UNetPipeline>(&pipeline)) {
-    p->unet->to(device);
-    return;
-  }
-  auto& sd = std::get<StableDiffusion>(pipeline);
-  sd.text_encoder->to(device);
-  if (sd.is_xl()) sd.text_encoder_2->to(device);
-  sd.vae->to(device);
-  sd.unet->to(device);
-}
-
 std::map<std::string, torch::Tensor> GenerateResult::tensors() const {
   std::map<std::string, torch::Tensor> out = {{"images", images}};
   if (latents.defined()) out["latents"] = latents;
@@ -153,30 +145,84 @@ std::map<std::string, torch::Tensor> GenerateResult::tensors() const {
   return out;
 }
 
-GenerateRequest resolve_request(const Pipeline& pipeline, GenerateRequest r) {
-  if (const auto* p = std::get_if<UNetPipeline>(&pipeline)) {
-    if (r.num_images == 0) {
-      r.num_images = std::max<int64_t>(1, static_cast<int64_t>(r.class_labels.size()));
-    }
-    // DDPMPipeline's default is 1000 steps, DDIMPipeline's (and every other sampler's) 50.
-    if (r.num_inference_steps == 0) {
-      const bool ddpm = p->sampler && p->sampler->class_name() == "DDPMScheduler";
-      r.num_inference_steps = ddpm ? 1000 : 50;
-    }
-    if (!r.guidance_scale) r.guidance_scale = 1.0;
-    return r;
+UNetPipeline::UNetPipeline(models::UNet unet_, std::unique_ptr<Sampler> sampler_,
+                           PipelineFolder folder_)
+    : folder(std::move(folder_)), unet(std::move(unet_)), sampler(std::move(sampler_)) {}
+
+std::string UNetPipeline::class_name() const {
+  if (!folder.pipeline_class.empty()) return folder.pipeline_class;
+  return sampler && sampler->class_name() == "DDIMScheduler" ? "DDIMPipeline" : "DDPMPipeline";
+}
+
+void UNetPipeline::to(const torch::Device& device, std::optional<torch::Dtype> dtype) {
+  if (!unet) throw Error("UNetPipeline::to: the pipeline has no UNet");
+  if (dtype) {
+    unet->to(device, *dtype);
+  } else {
+    unet->to(device);
   }
-  if (r.num_images == 0) r.num_images = 1;
-  if (r.num_inference_steps == 0) r.num_inference_steps = 50;
-  // StableDiffusionPipeline's default guidance is 7.5, StableDiffusionXLPipeline's 5.
-  if (!r.guidance_scale) r.guidance_scale = std::get<StableDiffusion>(pipeline).is_xl() ? 5.0 : 7.5;
+}
+
+GenerateRequest UNetPipeline::resolve(GenerateRequest r) const {
+  if (r.num_images == 0) {
+    r.num_images = std::max<int64_t>(1, static_cast<int64_t>(r.class_labels.size()));
+  }
+  // DDPMPipeline's default is 1000 steps, DDIMPipeline's (and every other sampler's) 50.
+  if (r.num_inference_steps == 0) {
+    const bool ddpm = sampler && sampler->class_name() == "DDPMScheduler";
+    r.num_inference_steps = ddpm ? 1000 : 50;
+  }
+  if (!r.guidance_scale) r.guidance_scale = 1.0;
   return r;
 }
 
-GenerateResult generate(Pipeline& pipeline, const GenerateRequest& request) {
-  const GenerateRequest r = resolve_request(pipeline, request);
-  if (auto* p = std::get_if<UNetPipeline>(&pipeline)) return generate_unet(*p, r);
-  return generate_text_to_image(std::get<StableDiffusion>(pipeline), r);
+GenerateResult UNetPipeline::generate(const GenerateRequest& request) {
+  return generate_unet(*this, resolve(request));
+}
+
+UNetPipeline load_unet_pipeline(const std::string& dir, const PipelineLoadOptions& options) {
+  if (!options.variant.empty() || !options.vae.empty()) {
+    log::warn("{} is a UNet pipeline: --variant and --vae apply to text-to-image folders; ignored",
+              dir);
+  }
+  PipelineFolder folder = resolve_pipeline_folder(dir);
+  auto sampler = load_pipeline_sampler(folder, options.scheduler, options.eta);
+  auto unet = load_unet_with_lora(folder.unet_dir, options.lora, options.lora_scale);
+  return UNetPipeline(std::move(unet), std::move(sampler), std::move(folder));
+}
+
+std::string StableDiffusion::class_name() const {
+  if (!folder.pipeline_class.empty()) return folder.pipeline_class;
+  return is_xl() ? "StableDiffusionXLPipeline" : "StableDiffusionPipeline";
+}
+
+void StableDiffusion::to(const torch::Device& device, std::optional<torch::Dtype> dtype) {
+  const auto move = [&](torch::nn::Module& m) {
+    if (dtype) {
+      m.to(device, *dtype);
+    } else {
+      m.to(device);
+    }
+  };
+  if (!text_encoder || !vae || !unet) {
+    throw Error("StableDiffusion::to: the pipeline is missing its text encoder, VAE or UNet");
+  }
+  move(*text_encoder);
+  if (is_xl()) move(*text_encoder_2);
+  move(*vae);
+  move(*unet);
+}
+
+GenerateRequest StableDiffusion::resolve(GenerateRequest r) const {
+  if (r.num_images == 0) r.num_images = 1;
+  if (r.num_inference_steps == 0) r.num_inference_steps = 50;
+  // StableDiffusionPipeline's default guidance is 7.5, StableDiffusionXLPipeline's 5.
+  if (!r.guidance_scale) r.guidance_scale = is_xl() ? 5.0 : 7.5;
+  return r;
+}
+
+GenerateResult StableDiffusion::generate(const GenerateRequest& request) {
+  return generate_text_to_image(*this, resolve(request));
 }
 
 }  // namespace difftrain::diffusion

@@ -25,6 +25,13 @@ const ModelFamily& sdxl_family();
 /// CUDA device that is not there.
 torch::Device parse_sample_device(const std::string& text);
 
+/// ModelFamily::adapt_lora's parts: the UNet's kohya names resolved against `dir`'s UNet (dir/unet
+/// in a pipeline folder), with SGM names for kohya output of a UNet with added conditioning; a
+/// text encoder's (dir/`component`) when the LoRA has targets for it and the folder is there.
+void adapt_unet_lora(io::LoraWeights& lora, const std::string& dir, io::LoraFormat format);
+void adapt_text_encoder_lora(io::LoraWeights& lora, const std::string& dir,
+                             const std::string& component);
+
 /// Stable Diffusion and SDXL's `difftrain sample` (StableDiffusion(XL)Pipeline semantics).
 diffusion::GenerateResult sample_text_to_image(const SampleOptions& options);
 

@@ -1,7 +1,10 @@
 // The model-family registry (families/family.h): which family a folder belongs to, by
 // model_index.json's _class_name, a bare model's config.json or the components, and the one-line
-// refusal of a class no family claims.
+// refusal of a class no family claims; each family's pipeline loader.
 #include "difftrain/families/family.h"
+
+#include "difftrain/io/lora_format.h"
+#include "difftrain/io/safetensors.h"
 
 #include "test_util.h"
 
@@ -10,6 +13,7 @@
 #include <filesystem>
 #include <set>
 #include <string>
+#include <utility>
 
 namespace difftrain::test {
 namespace {
@@ -57,6 +61,56 @@ TEST(Families, AFolderIsRecognisedByItsClassName) {
   // What the UNet family reports itself: a missing folder, an unreadable index.
   EXPECT_EQ(family_name(dir + "/missing"), "unet");
   EXPECT_EQ(family_name(folder_with_index(dir + "/broken", "{not json")), "unet");
+}
+
+// Each family loads its folders as a diffusion::Pipeline that names the Diffusers class it runs.
+TEST(Families, EachFamilyLoadsItsPipelineBehindTheInterface) {
+  const auto class_of = [](const std::string& dir) {
+    return families::family_of(dir).load_pipeline(dir, {})->class_name();
+  };
+  EXPECT_EQ(class_of(kTinySdGolden), "StableDiffusionPipeline");
+  EXPECT_EQ(class_of(kGoldenDir + "sdxl/tiny_sdxl"), "StableDiffusionXLPipeline");
+  // A bare UNet folder runs as the pipeline of its sampler: DDIMPipeline with DDIM (this folder's
+  // scheduler), DDPMPipeline with any other.
+  const std::string bare = kDiffusersGolden + "unet2d_uncond";
+  EXPECT_EQ(class_of(bare), "DDIMPipeline");
+  diffusion::PipelineLoadOptions options;
+  options.scheduler = "ddpm";
+  EXPECT_EQ(families::family_of(bare).load_pipeline(bare, options)->class_name(), "DDPMPipeline");
+}
+
+// `difftrain lora convert --model`: the folder's family names the modules (SDXL: kohya's SGM
+// names), and converting back through it gives the same Diffusers targets.
+TEST(Families, ConvertLoraAsksTheFolderFamilyForTheNames) {
+  const auto dir = temp_dir("families_convert_lora");
+  const auto xl = kGoldenDir + "sdxl/tiny_sdxl";
+  const auto source = kGoldenDir + "sdxl/tiny_sdxl_lora/pytorch_lora_weights.safetensors";
+  const auto to_kohya =
+      families::convert_lora(source, dir + "/kohya.safetensors", io::LoraFormat::kKohya, xl);
+  EXPECT_EQ(to_kohya.read_format, io::LoraFormat::kPeft);  // the fixture's keys
+  ASSERT_GT(to_kohya.targets.count("unet"), 0u);
+  const auto kohya = io::load_safetensors(dir + "/kohya.safetensors").tensors;
+  EXPECT_TRUE(
+      kohya.count("lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q.lora_down.weight"));
+  const auto back = families::convert_lora(dir + "/kohya.safetensors", dir + "/back.safetensors",
+                                           io::LoraFormat::kDiffusers, xl);
+  EXPECT_EQ(back.read_format, io::LoraFormat::kKohya);
+  EXPECT_EQ(back.targets, to_kohya.targets);
+  const auto modules = [](const std::string& path) {
+    const io::LoraWeights lora = io::read_lora(path);
+    std::set<std::pair<std::string, std::string>> out;
+    for (const auto& [component, targets] : lora.components) {
+      for (const auto& t : targets) out.insert({component, t.module});
+    }
+    return out;
+  };
+  EXPECT_EQ(modules(dir + "/back.safetensors"), modules(source));
+  // Without a model folder, kohya's SGM names cannot become Diffusers'.
+  EXPECT_NE(error_of([&] {
+              families::convert_lora(dir + "/kohya.safetensors", dir + "/x.safetensors",
+                                     io::LoraFormat::kDiffusers);
+            }),
+            "");
 }
 
 TEST(Families, AClassNoFamilyClaimsIsRefusedInOneLineListingTheKnownOnes) {

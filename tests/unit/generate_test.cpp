@@ -1,8 +1,11 @@
-// diffusion::generate() against the functions it runs (sample_images, text_to_image), bit for
-// bit, in both seeding modes; its defaults, labels and errors; load_pipeline_sampler's
-// DDIMPipeline rule; the prompt-file reader; the PNG-grid writer.
+// Pipeline::generate() (through the diffusion::Pipeline interface) against the functions it runs
+// (sample_images, text_to_image), bit for bit, in both seeding modes; its defaults, labels and
+// errors; to(device, dtype); load_pipeline_sampler's DDIMPipeline rule; the prompt-file reader;
+// the PNG-grid writer.
 
 #include "difftrain/diffusion/generate.h"
+#include "difftrain/diffusion/pipeline.h"
+#include "difftrain/diffusion/sd_pipeline.h"
 #include "difftrain/io/image.h"
 #include "difftrain/io/prompt_file.h"
 #include "difftrain/models/pretrained.h"
@@ -25,17 +28,16 @@ using difftrain::test::kDiffusersGolden;
 const std::string kSd = std::string(difftrain_test::source_dir()) + "/tests/golden/sd/tiny_sd";
 
 // The class-conditional fixture UNet (10 classes) with a DDIM sampler.
-diffusion::Pipeline class_conditional_pipeline() {
-  diffusion::UNetPipeline p;
-  p.unet = models::load_unet(kDiffusersGolden + "unet2d");
-  p.sampler =
-      diffusion::load_sampler(kDiffusersGolden + "unet2d_uncond/scheduler_config.json", "ddim");
-  return p;
+diffusion::UNetPipeline class_conditional_pipeline() {
+  return diffusion::UNetPipeline(
+      models::load_unet(kDiffusersGolden + "unet2d"),
+      diffusion::load_sampler(kDiffusersGolden + "unet2d_uncond/scheduler_config.json", "ddim"));
 }
 
 TEST(GeneratePipeline, UNetBatchEqualsSampleImages) {
-  auto pipe = class_conditional_pipeline();
-  auto& p = std::get<diffusion::UNetPipeline>(pipe);
+  auto p = class_conditional_pipeline();
+  diffusion::Pipeline& pipe = p;
+  EXPECT_EQ(pipe.class_name(), "DDIMPipeline");
   diffusion::GenerateRequest r;
   r.class_labels = {1, 7, 3};
   r.num_inference_steps = 3;
@@ -43,7 +45,7 @@ TEST(GeneratePipeline, UNetBatchEqualsSampleImages) {
   r.seed = 5;
   int64_t calls = 0;
   r.on_step = [&](int64_t, int64_t) { ++calls; };
-  const auto out = diffusion::generate(pipe, r);
+  const auto out = pipe.generate(r);
 
   diffusion::SampleOptions o;
   o.num_images = 3;
@@ -66,13 +68,13 @@ TEST(GeneratePipeline, UNetPerImageSeedsEachImage) {
       diffusion::load_sampler(kDiffusersGolden + "unet2d_uncond/scheduler_config.json", "ddim");
   models::UNet unet = p.unet;
   diffusion::Sampler& sampler = *p.sampler;
-  diffusion::Pipeline pipe = std::move(p);
+  diffusion::Pipeline& pipe = p;
   diffusion::GenerateRequest r;
   r.num_images = 3;
   r.num_inference_steps = 2;
   r.seed = 11;
   r.seeding = diffusion::Seeding::kPerImage;
-  const auto out = diffusion::generate(pipe, r);
+  const auto out = pipe.generate(r);
   ASSERT_EQ(out.images.size(0), 3);
   for (int64_t i = 0; i < 3; ++i) {
     diffusion::SampleOptions o;
@@ -85,34 +87,65 @@ TEST(GeneratePipeline, UNetPerImageSeedsEachImage) {
   EXPECT_EQ(out.labels, (std::vector<std::string>{"seed 11", "seed 12", "seed 13"}));
   r.seeding = diffusion::Seeding::kBatch;
   r.num_images = 2;
-  EXPECT_EQ(diffusion::generate(pipe, r).labels,
-            (std::vector<std::string>{"seed 11 #0", "seed 11 #1"}));
+  EXPECT_EQ(pipe.generate(r).labels, (std::vector<std::string>{"seed 11 #0", "seed 11 #1"}));
 }
 
 TEST(GeneratePipeline, UNetDefaultsAndErrors) {
-  auto pipe = class_conditional_pipeline();
+  auto p = class_conditional_pipeline();
+  diffusion::Pipeline& pipe = p;
   diffusion::GenerateRequest r;
   r.class_labels = {2, 4};
-  auto resolved = diffusion::resolve_request(pipe, r);
+  auto resolved = pipe.resolve(r);
   EXPECT_EQ(resolved.num_images, 2);
   EXPECT_EQ(resolved.num_inference_steps, 50);  // DDIM
   EXPECT_EQ(*resolved.guidance_scale, 1.0);
   diffusion::UNetPipeline ddpm;
   ddpm.sampler =
       diffusion::load_sampler(kDiffusersGolden + "unet2d_uncond/scheduler_config.json", "ddpm");
-  diffusion::Pipeline ddpm_pipe = std::move(ddpm);
-  resolved = diffusion::resolve_request(ddpm_pipe, {});
+  EXPECT_EQ(ddpm.class_name(), "DDPMPipeline");
+  resolved = ddpm.resolve({});
   EXPECT_EQ(resolved.num_images, 1);
   EXPECT_EQ(resolved.num_inference_steps, 1000);
+  EXPECT_NE(error_of([&] { ddpm.to(torch::kCPU); }).find("no UNet"), std::string::npos);
 
   r.prompts = {"a cat"};
-  EXPECT_NE(error_of([&] { diffusion::generate(pipe, r); }).find("UNet pipeline"),
-            std::string::npos);
+  EXPECT_NE(error_of([&] { pipe.generate(r); }).find("UNet pipeline"), std::string::npos);
   r.prompts.clear();
   r.num_images = 3;
   r.seeding = diffusion::Seeding::kPerImage;
-  EXPECT_NE(error_of([&] { diffusion::generate(pipe, r); }).find("give one label per image"),
+  EXPECT_NE(error_of([&] { pipe.generate(r); }).find("give one label per image"),
             std::string::npos);
+}
+
+// to(device, dtype) casts every model of the pipeline; the images of a bfloat16 UNet stay close to
+// the float32 ones (the noise is drawn in float32 either way) but are not the same numbers.
+TEST(GeneratePipeline, ToDtypeCastsEveryModel) {
+  auto full = class_conditional_pipeline();
+  auto half = class_conditional_pipeline();
+  diffusion::Pipeline& pipe = half;
+  pipe.to(torch::kCPU, torch::kBFloat16);
+  for (const auto& p : half.unet->parameters()) ASSERT_EQ(p.scalar_type(), torch::kBFloat16);
+  diffusion::GenerateRequest r;
+  r.class_labels = {1, 7};
+  r.num_inference_steps = 2;
+  r.seed = 3;
+  const auto want = full.generate(r).images;
+  const auto got = pipe.generate(r).images;
+  EXPECT_EQ(got.scalar_type(), torch::kFloat32);
+  EXPECT_FALSE(torch::equal(got, want));
+  EXPECT_LT(max_abs(got, want), 0.1);
+
+  auto sd = diffusion::load_stable_diffusion(kSd);
+  sd.to(torch::kCPU, torch::kBFloat16);
+  for (auto* m :
+       std::vector<torch::nn::Module*>{sd.text_encoder.get(), sd.vae.get(), sd.unet.get()}) {
+    for (const auto& p : m->parameters()) ASSERT_EQ(p.scalar_type(), torch::kBFloat16);
+  }
+  diffusion::GenerateRequest t;
+  t.prompts = {"a photo of a cat"};
+  t.num_inference_steps = 2;
+  t.height = t.width = 32;
+  EXPECT_EQ(sd.generate(t).images.sizes(), (c10::IntArrayRef{1, 32, 32, 3}));
 }
 
 TEST(GeneratePipeline, DdimPipelineFolderRunsDdim) {
@@ -133,17 +166,18 @@ TEST(GeneratePipeline, DdimPipelineFolderRunsDdim) {
 }
 
 TEST(GeneratePipeline, TextToImageBatchEqualsTextToImage) {
-  diffusion::Pipeline pipe = diffusion::load_stable_diffusion(kSd);
-  auto& sd = std::get<diffusion::StableDiffusion>(pipe);
+  auto sd = diffusion::load_stable_diffusion(kSd);
+  diffusion::Pipeline& pipe = sd;
+  EXPECT_EQ(pipe.class_name(), "StableDiffusionPipeline");
   diffusion::GenerateRequest r;
   r.prompts = {"a photo of a cat", "an astronaut riding a horse on mars, highly detailed"};
   r.negative_prompts = {"blurry"};
   r.num_images = 2;
   r.num_inference_steps = 3;
   r.seed = 42;
-  const auto resolved = diffusion::resolve_request(pipe, r);
+  const auto resolved = pipe.resolve(r);
   EXPECT_EQ(*resolved.guidance_scale, 7.5);
-  const auto out = diffusion::generate(pipe, r);
+  const auto out = pipe.generate(r);
 
   diffusion::TextToImageOptions o;
   o.prompts = r.prompts;
@@ -164,13 +198,12 @@ TEST(GeneratePipeline, TextToImageBatchEqualsTextToImage) {
                                                   "an astronaut riding a horse ... #1"}));
 
   r.class_labels = {1};
-  EXPECT_NE(error_of([&] { diffusion::generate(pipe, r); }).find("--class_labels"),
-            std::string::npos);
+  EXPECT_NE(error_of([&] { pipe.generate(r); }).find("--class_labels"), std::string::npos);
 }
 
 TEST(GeneratePipeline, TextToImagePerImageSeedsEachImage) {
-  diffusion::Pipeline pipe = diffusion::load_stable_diffusion(kSd);
-  auto& sd = std::get<diffusion::StableDiffusion>(pipe);
+  auto sd = diffusion::load_stable_diffusion(kSd);
+  diffusion::Pipeline& pipe = sd;
   diffusion::GenerateRequest r;
   r.prompts = {"a photo of a cat", "a red square"};
   r.negative_prompts = {"blurry", "dark"};
@@ -181,7 +214,7 @@ TEST(GeneratePipeline, TextToImagePerImageSeedsEachImage) {
   r.clip_skip = 1;
   r.seed = 7;
   r.seeding = diffusion::Seeding::kPerImage;
-  const auto out = diffusion::generate(pipe, r);
+  const auto out = pipe.generate(r);
   ASSERT_EQ(out.images.size(0), 4);
   for (int64_t i = 0; i < 4; ++i) {
     diffusion::TextToImageOptions o;  // what render_validation / class images ran per image
@@ -201,8 +234,7 @@ TEST(GeneratePipeline, TextToImagePerImageSeedsEachImage) {
   EXPECT_EQ(out.labels, (std::vector<std::string>{"a photo of a cat #0", "a photo of a cat #1",
                                                   "a red square #0", "a red square #1"}));
   r.negative_prompts = {"a", "b", "c"};
-  EXPECT_NE(error_of([&] { diffusion::generate(pipe, r); }).find("negative prompts"),
-            std::string::npos);
+  EXPECT_NE(error_of([&] { pipe.generate(r); }).find("negative prompts"), std::string::npos);
 }
 
 TEST(PromptFile, OneRuleSet) {

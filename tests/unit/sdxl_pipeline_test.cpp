@@ -73,13 +73,15 @@ TEST(SdxlPipeline, Txt2ImgMatchesDiffusers) {
 }
 
 TEST(SdxlPipeline, GenerateDefaultsToGuidanceFiveAndTheFolderSize) {
-  diffusion::Pipeline pipe = diffusion::load_stable_diffusion(kTinySdxl);
+  auto sd = diffusion::load_stable_diffusion(kTinySdxl);
+  diffusion::Pipeline& pipe = sd;
+  EXPECT_EQ(pipe.class_name(), "StableDiffusionXLPipeline");
   diffusion::GenerateRequest r;
   r.prompts = {kPrompts[0]};
-  const auto resolved = diffusion::resolve_request(pipe, r);
+  const auto resolved = pipe.resolve(r);
   EXPECT_EQ(*resolved.guidance_scale, 5.0);
   r.num_inference_steps = 2;
-  auto out = diffusion::generate(pipe, r);
+  auto out = pipe.generate(r);
   // sample_size 16 x VAE factor 2.
   EXPECT_EQ(out.images.sizes(), (c10::IntArrayRef{1, 32, 32, 3}));
 }

@@ -1,57 +1,33 @@
 #pragma once
-// Generating images from a loaded pipeline of either family, with one request and one call:
+// Pipelines: a loaded model of any family behind one interface (Diffusers' DiffusionPipeline):
+// move it with to(device, dtype), generate images with generate(request). Each family's pipeline
+// implements it (UNetPipeline in diffusion/pipeline.h for DDPMPipeline / DDIMPipeline,
+// StableDiffusion in diffusion/sd_pipeline.h for StableDiffusion(XL)Pipeline; the families load
+// them, families/family.h):
 //
-//     diffusion::Pipeline pipe = diffusion::load_stable_diffusion("tiny_sd");   // or a
-//     //   UNetPipeline{folder, load_unet_with_lora(folder.unet_dir),
-//     load_pipeline_sampler(folder)} diffusion::GenerateRequest req; req.prompts = {"a photo of a
-//     cat"}; req.seed = 42; auto out = diffusion::generate(pipe, req);       // out.images [K, H,
-//     W, 3] in [0, 1] io::save_image_grid("grid.png", out.images, out.labels);
+//     diffusion::StableDiffusion pipe = diffusion::load_stable_diffusion("tiny_sd");
+//     pipe.to(torch::kCUDA);
+//     diffusion::GenerateRequest req;
+//     req.prompts = {"a photo of a cat"};
+//     req.seed = 42;
+//     auto out = pipe.generate(req);  // out.images [K, H, W, 3] in [0, 1]
+//     io::save_image_grid("grid.png", out.images, out.labels);
 //
 // `difftrain sample`, the trainer's validation renders and DreamBooth's class images all go
-// through generate(); it runs sample_images() (DDPMPipeline / DDIMPipeline) or text_to_image()
-// (StableDiffusionPipeline), so its numbers are theirs.
-
-#include "difftrain/diffusion/pipeline.h"
-#include "difftrain/diffusion/sampler.h"
-#include "difftrain/diffusion/sd_pipeline.h"
-#include "difftrain/models/unet.h"
+// through Pipeline::generate(); the UNet pipeline runs sample_images() (DDPMPipeline /
+// DDIMPipeline) and the Stable Diffusion one text_to_image() (StableDiffusionPipeline), so its
+// numbers are theirs.
 
 #include <torch/types.h>
 
 #include <cstdint>
 #include <functional>
 #include <map>
-#include <memory>
 #include <optional>
 #include <string>
-#include <variant>
 #include <vector>
 
 namespace difftrain::diffusion {
-
-/// An unconditional or class-conditional UNet pipeline (Diffusers' DDPMPipeline /
-/// DDIMPipeline): the UNet and the sampler it runs with.
-struct UNetPipeline {
-  PipelineFolder folder;  ///< where it came from (empty when assembled in memory, e.g. training)
-  models::UNet unet{nullptr};
-  std::unique_ptr<Sampler> sampler;
-};
-
-/// A loaded pipeline of either family: a UNet pipeline or a Stable Diffusion pipeline
-/// (tokenizer, text encoder, VAE, UNet, sampler).
-using Pipeline = std::variant<UNetPipeline, StableDiffusion>;
-
-/// The sampler of the pipeline folder `folder` with `difftrain sample`'s defaults: `scheduler`
-/// (a name of sampler_names() or a Diffusers class) or, when empty, the folder's scheduler
-/// class, except that a DDIMPipeline folder runs "ddim" (DDIMPipeline turns whatever scheduler it
-/// is given into a DDIMScheduler); `eta` is DDIM's (the other samplers ignore it).
-std::unique_ptr<Sampler> load_pipeline_sampler(const PipelineFolder& folder,
-                                               const std::string& scheduler = "", double eta = 0.0);
-
-/// Moves the pipeline's models (UNet; text encoder and VAE too) to `device` (Diffusers'
-/// `pipe.to(device)`). The noise still comes from the CPU generator, so a seed gives the same
-/// images on any device.
-void pipeline_to(Pipeline& pipeline, const torch::Device& device);
 
 /// How the images of one request draw their noise.
 enum class Seeding {
@@ -98,7 +74,7 @@ struct GenerateRequest {
   std::function<void(int64_t, int64_t)> on_step;
 };
 
-/// What generate() produced.
+/// What Pipeline::generate() produced.
 struct GenerateResult {
   /// [K, H, W, C] float32 in [0, 1] on the CPU (Diffusers' output_type "np"); text-to-image
   /// prompt-major (prompt 0's images first).
@@ -117,15 +93,53 @@ struct GenerateResult {
   std::map<std::string, torch::Tensor> tensors() const;
 };
 
-/// `request` with every default filled in for `pipeline` (num_images, num_inference_steps,
-/// guidance_scale), as generate() will run it; for logging the settings before a run.
-GenerateRequest resolve_request(const Pipeline& pipeline, GenerateRequest request);
+/// How to load a pipeline folder (`difftrain sample`'s flags; each family takes what applies).
+struct PipelineLoadOptions {
+  /// A name of sampler_names() ("euler", "dpmpp_2m_karras", ...) or a Diffusers scheduler class
+  /// to run the folder's scheduler config with that sampler (as
+  /// `EulerDiscreteScheduler.from_config(pipe.scheduler.config)`); "" = the folder's own class.
+  std::string scheduler;
+  /// DDIMScheduler's eta (other samplers ignore it).
+  double eta = 0.0;
+  /// A LoRA file (Diffusers, PEFT or kohya keys) merged into the denoiser and, for its text
+  /// encoder targets, into the text encoders, with lora_scale (Diffusers: load_lora_weights +
+  /// fuse_lora(lora_scale)).
+  std::string lora;
+  double lora_scale = 1.0;
+  /// Weights variant ("fp16" reads *.fp16.safetensors), "" = default (text-to-image folders).
+  std::string variant;
+  /// A separate AutoencoderKL folder used instead of the pipeline's vae/ (Diffusers'
+  /// --pretrained_vae_model_name_or_path, e.g. SDXL's fp16-safe VAE); "" = vae/.
+  std::string vae;
+};
 
-/// Generates the request's images with the pipeline: sample_images() for a UNetPipeline,
-/// text_to_image() for a StableDiffusion, once (kBatch) or once per image (kPerImage), so the
-/// numbers are exactly those functions'. Models run in eval mode under no-grad on their device.
-/// Throws difftrain::Error for requests the pipeline cannot take (prompts for a UNet pipeline,
-/// class labels for text-to-image, and the errors of sample_images / text_to_image).
-GenerateResult generate(Pipeline& pipeline, const GenerateRequest& request);
+/// A loaded pipeline (Diffusers' DiffusionPipeline): its models, its sampler and the order of
+/// operations of its `__call__`. Move-only; each family's pipeline implements it.
+class Pipeline {
+ public:
+  virtual ~Pipeline() = default;
+  /// The Diffusers pipeline class it runs as ("DDPMPipeline", "StableDiffusionXLPipeline", ...).
+  virtual std::string class_name() const = 0;
+  /// Moves every model to `device` and, when given, casts it to `dtype` (Diffusers'
+  /// `pipe.to(device, dtype)`). The noise still comes from the CPU generator in float32, so a seed
+  /// gives the same images on any device.
+  virtual void to(const torch::Device& device,
+                  std::optional<torch::Dtype> dtype = std::nullopt) = 0;
+  /// `request` with every default filled in for this pipeline (num_images, num_inference_steps,
+  /// guidance_scale), as generate() will run it; for logging the settings before a run.
+  virtual GenerateRequest resolve(GenerateRequest request) const = 0;
+  /// Generates the request's images, once (kBatch) or once per image (kPerImage), with exactly
+  /// the numbers of the pipeline's sampling function. Models run in eval mode under no-grad on
+  /// their device. Throws difftrain::Error for requests the pipeline cannot take (prompts for a
+  /// UNet pipeline, class labels for text-to-image, sizes the models cannot take).
+  virtual GenerateResult generate(const GenerateRequest& request) = 0;
+
+ protected:
+  Pipeline() = default;
+  Pipeline(Pipeline&&) = default;
+  Pipeline& operator=(Pipeline&&) = default;
+  Pipeline(const Pipeline&) = delete;
+  Pipeline& operator=(const Pipeline&) = delete;
+};
 
 }  // namespace difftrain::diffusion

@@ -3,12 +3,14 @@
 // run on the CPU: the same initial noise and later draws from a seeded CPU generator, so the same
 // seed gives the same images. Also finds the parts of a pipeline folder.
 
+#include "difftrain/diffusion/generate.h"
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/models/unet.h"
 
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -74,5 +76,38 @@ struct SampleOptions {
 /// output_type="np". The UNet runs in eval mode under no-grad.
 torch::Tensor sample_images(models::UNetImpl& unet, Sampler& scheduler,
                             const SampleOptions& options);
+
+/// An unconditional or class-conditional UNet pipeline (Diffusers' DDPMPipeline /
+/// DDIMPipeline): the UNet and the sampler it runs with. generate() runs sample_images().
+class UNetPipeline : public Pipeline {
+ public:
+  UNetPipeline() = default;
+  UNetPipeline(models::UNet unet, std::unique_ptr<Sampler> sampler, PipelineFolder folder = {});
+
+  PipelineFolder folder;  ///< where it came from (empty when assembled in memory, e.g. training)
+  models::UNet unet{nullptr};
+  std::unique_ptr<Sampler> sampler;
+
+  /// The folder's pipeline class, else "DDIMPipeline" with a DDIM sampler and "DDPMPipeline"
+  /// with any other.
+  std::string class_name() const override;
+  void to(const torch::Device& device, std::optional<torch::Dtype> dtype = std::nullopt) override;
+  /// Defaults: one image per class label (or 1), 1000 steps with DDPM and 50 with every other
+  /// sampler, guidance 1 (none).
+  GenerateRequest resolve(GenerateRequest request) const override;
+  GenerateResult generate(const GenerateRequest& request) override;
+};
+
+/// The sampler of the pipeline folder `folder` with `difftrain sample`'s defaults: `scheduler`
+/// (a name of sampler_names() or a Diffusers class) or, when empty, the folder's scheduler
+/// class, except that a DDIMPipeline folder runs "ddim" (DDIMPipeline turns whatever scheduler it
+/// is given into a DDIMScheduler); `eta` is DDIM's (the other samplers ignore it).
+std::unique_ptr<Sampler> load_pipeline_sampler(const PipelineFolder& folder,
+                                               const std::string& scheduler = "", double eta = 0.0);
+
+/// Loads the UNet pipeline folder `dir` (resolve_pipeline_folder): its UNet with options.lora
+/// merged, and load_pipeline_sampler(folder, options.scheduler, options.eta). variant and vae do
+/// not apply (a warning says so when given).
+UNetPipeline load_unet_pipeline(const std::string& dir, const PipelineLoadOptions& options = {});
 
 }  // namespace difftrain::diffusion

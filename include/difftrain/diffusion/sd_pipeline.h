@@ -4,6 +4,7 @@
 // (StableDiffusionXLPipeline: text_encoder_2/ and tokenizer_2/ too), and text-to-image sampling
 // with each pipeline's order of operations, so the same seed gives Diffusers' images.
 
+#include "difftrain/diffusion/generate.h"
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/models/autoencoder_kl.h"
 #include "difftrain/models/clip_text_model.h"
@@ -13,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -60,29 +62,12 @@ StableDiffusionFolder resolve_stable_diffusion_folder(const std::string& dir);
 /// the folder paths empty.
 StableDiffusionFolder parse_model_index(const std::string& json_text, const std::string& source);
 
-/// Options of load_stable_diffusion().
-struct StableDiffusionLoadOptions {
-  /// Weights variant of unet/vae/text_encoder ("fp16" reads *.fp16.safetensors), "" = default.
-  std::string variant;
-  /// A name of sampler_names() ("euler", "dpmpp_2m_karras", ...) or a Diffusers scheduler class
-  /// to run the folder's scheduler config with that sampler (as
-  /// `EulerDiscreteScheduler.from_config(pipe.scheduler.config)`); "" = the folder's own class
-  /// (PNDMScheduler for SD-1.x, DDIMScheduler, EulerDiscreteScheduler, ...).
-  std::string scheduler;
-  /// DDIMScheduler's eta (other samplers ignore it).
-  double eta = 0.0;
-  /// A LoRA file (Diffusers, PEFT or kohya keys) merged into the UNet and, for its
-  /// text_encoder targets, into the text encoder, with lora_scale (Diffusers:
-  /// load_lora_weights + fuse_lora(lora_scale)).
-  std::string lora;
-  double lora_scale = 1.0;
-  /// A separate AutoencoderKL folder used instead of the pipeline's vae/ (Diffusers'
-  /// --pretrained_vae_model_name_or_path, e.g. SDXL's fp16-safe VAE); "" = vae/.
-  std::string vae;
-};
+/// Options of load_stable_diffusion() (every field applies).
+using StableDiffusionLoadOptions = PipelineLoadOptions;
 
-/// The loaded parts of a Stable Diffusion pipeline (float32, CPU).
-struct StableDiffusion {
+/// The loaded parts of a Stable Diffusion pipeline (float32, CPU when loaded): the Pipeline of
+/// StableDiffusionPipeline / StableDiffusionXLPipeline folders. generate() runs text_to_image().
+struct StableDiffusion : Pipeline {
   StableDiffusionFolder folder;
   models::ClipTokenizer tokenizer;
   models::ClipTextModel text_encoder{nullptr};
@@ -93,6 +78,14 @@ struct StableDiffusion {
   models::ClipTokenizer tokenizer_2;
   models::ClipTextModel text_encoder_2{nullptr};
   bool is_xl() const { return !text_encoder_2.is_empty(); }
+
+  /// The folder's pipeline class; "StableDiffusionPipeline" / "StableDiffusionXLPipeline" when
+  /// assembled in memory (training).
+  std::string class_name() const override;
+  void to(const torch::Device& device, std::optional<torch::Dtype> dtype = std::nullopt) override;
+  /// Defaults: one image per prompt, 50 steps, guidance 7.5 (SDXL 5).
+  GenerateRequest resolve(GenerateRequest request) const override;
+  GenerateResult generate(const GenerateRequest& request) override;
 };
 
 /// Loads every part of the folder (see resolve_stable_diffusion_folder) and merges the LoRA.

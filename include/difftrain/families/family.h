@@ -10,6 +10,7 @@
 // docs/ARCHITECTURE.md, "Adding a model family", walks through a new one.
 
 #include "difftrain/diffusion/generate.h"
+#include "difftrain/io/lora_format.h"
 #include "difftrain/train/train_config.h"
 #include "difftrain/train/trainer.h"
 #include "difftrain/train/training_task.h"
@@ -18,6 +19,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -38,14 +40,11 @@ struct FolderInfo {
 /// unreadable file gives a FolderInfo the default family handles, with that family's messages.
 FolderInfo inspect_folder(const std::string& dir);
 
-/// `difftrain sample`'s request, as the flags give it (README, "difftrain sample").
-struct SampleOptions {
+/// `difftrain sample`'s request, as the flags give it (README, "difftrain sample"); the base holds
+/// how to load the pipeline (scheduler, eta, lora, lora_scale, variant, vae).
+struct SampleOptions : diffusion::PipelineLoadOptions {
   std::string model;
-  std::string lora;
-  double lora_scale = 1.0;
-  std::string scheduler;  ///< "" = the folder's
   int64_t num_inference_steps = 0;
-  double eta = 0.0;
   int64_t num_images = 0;
   std::string class_labels;  ///< comma-separated class ids
   double guidance_scale = 1.0;
@@ -57,11 +56,9 @@ struct SampleOptions {
   std::string negative_prompt;
   int64_t num_images_per_prompt = 1;
   int64_t height = 0, width = 0;
-  int64_t clip_skip = 1;  ///< kohya numbering: 1 = the last layer
-  std::string variant;
+  int64_t clip_skip = 1;        ///< kohya numbering: 1 = the last layer
   std::string device = "auto";  ///< auto | cpu | cuda | cuda:N
   double guidance_rescale = 0.0;
-  std::string vae;
   std::vector<int64_t> original_size, crops_coords_top_left, target_size;
   std::vector<int64_t> negative_original_size, negative_crops_coords_top_left, negative_target_size;
   /// Called once the pipeline is loaded, right before the first denoising step.
@@ -86,11 +83,22 @@ class ModelFamily {
   /// The pipeline components a LoRA file may adapt, by Diffusers' key prefix ("unet",
   /// "text_encoder", ...).
   virtual std::vector<std::string> lora_components() const = 0;
+  /// Prepares `lora` for writing in `format` for the model folder `dir` (`difftrain lora
+  /// convert --model`): resolves kohya module names against the folder's weight names (read from
+  /// the safetensors headers only) and applies the family's foreign key layout (SDXL: kohya names
+  /// the UNet's modules in SGM form).
+  virtual void adapt_lora(io::LoraWeights& lora, const std::string& dir,
+                          io::LoraFormat format) const = 0;
+  /// Loads the pipeline folder `dir` (float32, on the CPU): the family's Pipeline, with
+  /// options.lora merged. Throws difftrain::Error naming what is wrong with the folder.
+  virtual std::unique_ptr<diffusion::Pipeline> load_pipeline(
+      const std::string& dir, const diffusion::PipelineLoadOptions& options) const = 0;
   /// The training task for `options` (nothing is loaded until build()).
   virtual std::unique_ptr<train::TrainingTask> make_training_task(
       const train::TaskOptions& options) const = 0;
-  /// Loads the pipeline `options.model` and generates (`difftrain sample`), logging one line of
-  /// what it runs. Throws difftrain::Error for bad input.
+  /// Loads the pipeline `options.model` (load_pipeline), checks the request against it, moves it
+  /// to options.device and generates (`difftrain sample`), logging one line of what it runs.
+  /// Throws difftrain::Error for bad input.
   virtual diffusion::GenerateResult sample(const SampleOptions& options) const = 0;
 };
 
@@ -106,6 +114,23 @@ const ModelFamily& default_family();
 
 /// The task `options` describe: its pretrained folder's family, else the default family's.
 std::unique_ptr<train::TrainingTask> make_training_task(const train::TaskOptions& options);
+/// What convert_lora() did.
+struct LoraConversion {
+  io::LoraFormat read_format = io::LoraFormat::kDiffusers;  ///< the input's layout
+  std::map<std::string, size_t> targets;                    ///< targets written, by component
+};
+
+/// `difftrain lora convert`: reads the LoRA file `input` (any layout io::read_lora takes) and
+/// writes it to `output` in `format`; with a model folder `model`, its family adapts the names
+/// first (ModelFamily::adapt_lora). Throws difftrain::Error for a bad file or folder.
+LoraConversion convert_lora(const std::string& input, const std::string& output,
+                            io::LoraFormat format, const std::string& model = "");
+
+/// `difftrain sample`: family_of(options.model).sample(options), timed from the first denoising
+/// step, with a progress line (step, it/s, ETA) every two seconds and at the end. `seconds` is
+/// the generation time.
+diffusion::GenerateResult sample(SampleOptions options, double* seconds = nullptr);
+
 /// Runs the training job `config` describes (Trainer + make_training_task). Every rank calls it.
 train::TrainResult run_training(train::TrainConfig config);
 

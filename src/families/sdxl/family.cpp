@@ -1,6 +1,7 @@
 // The SDXL family: StableDiffusionXLPipeline folders (two text encoders, pooled embeddings and
 // micro-conditioning; sampling shared with Stable Diffusion, training in sdxl_task.cpp).
 #include "../builtin.h"
+#include "difftrain/diffusion/sd_pipeline.h"
 
 namespace difftrain::families {
 namespace {
@@ -17,6 +18,18 @@ class SdxlFamily : public ModelFamily {
   }
   std::vector<std::string> lora_components() const override {
     return {"unet", "text_encoder", "text_encoder_2"};
+  }
+  void adapt_lora(io::LoraWeights& lora, const std::string& dir,
+                  io::LoraFormat format) const override {
+    adapt_unet_lora(lora, dir, format);
+    for (const char* encoder : {"text_encoder", "text_encoder_2"}) {
+      adapt_text_encoder_lora(lora, dir, encoder);
+    }
+  }
+  std::unique_ptr<diffusion::Pipeline> load_pipeline(
+      const std::string& dir, const diffusion::PipelineLoadOptions& options) const override {
+    return std::make_unique<diffusion::StableDiffusion>(
+        diffusion::load_stable_diffusion(dir, options));
   }
   std::unique_ptr<train::TrainingTask> make_training_task(
       const train::TaskOptions& options) const override {

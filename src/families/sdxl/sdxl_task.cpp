@@ -63,7 +63,7 @@ class SdxlTask final : public t2i::TextToImageTask {
     }
   }
 
-  t2i::CaptionIds caption_ids() const override {
+  CaptionIds caption_ids() const override {
     auto tokenizer = tokenizer_, tokenizer_2 = tokenizer_2_;
     return [tokenizer, tokenizer_2](data::Example& ex, const std::string& prefix,
                                     const std::string& caption) {
@@ -92,9 +92,8 @@ class SdxlTask final : public t2i::TextToImageTask {
   }
 
   std::string text_cache_key() const override {
-    return TextToImageTask::text_cache_key() + "xl;" +
-           t2i::folder_stamp(folder_.text_encoder_2_dir) +
-           t2i::folder_stamp(folder_.tokenizer_2_dir);
+    return TextToImageTask::text_cache_key() + "xl;" + folder_stamp(folder_.text_encoder_2_dir) +
+           folder_stamp(folder_.tokenizer_2_dir);
   }
 
   // add_time_ids per image: original (h, w), crop (top, left), target (h, w) = the trained size

@@ -1,6 +1,7 @@
 // The Stable Diffusion 1.x/2.x family: StableDiffusionPipeline folders (text-to-image sampling,
 // text-to-image / LoRA / DreamBooth training in text_to_image_task.h).
 #include "../builtin.h"
+#include "difftrain/diffusion/sd_pipeline.h"
 
 namespace difftrain::families {
 namespace {
@@ -18,6 +19,16 @@ class StableDiffusionFamily : public ModelFamily {
              index["text_encoder"][0].is_null());
   }
   std::vector<std::string> lora_components() const override { return {"unet", "text_encoder"}; }
+  void adapt_lora(io::LoraWeights& lora, const std::string& dir,
+                  io::LoraFormat format) const override {
+    adapt_unet_lora(lora, dir, format);
+    adapt_text_encoder_lora(lora, dir, "text_encoder");
+  }
+  std::unique_ptr<diffusion::Pipeline> load_pipeline(
+      const std::string& dir, const diffusion::PipelineLoadOptions& options) const override {
+    return std::make_unique<diffusion::StableDiffusion>(
+        diffusion::load_stable_diffusion(dir, options));
+  }
   std::unique_ptr<train::TrainingTask> make_training_task(
       const train::TaskOptions& options) const override {
     return train::make_text_to_image_task(options);

@@ -33,13 +33,6 @@ std::vector<std::string> read_prompts(const SampleOptions& a) {
 }  // namespace
 
 diffusion::GenerateResult sample_text_to_image(const SampleOptions& a) {
-  diffusion::StableDiffusionLoadOptions lo;
-  lo.variant = a.variant;
-  lo.scheduler = a.scheduler;
-  lo.eta = a.eta;
-  lo.lora = a.lora;
-  lo.lora_scale = a.lora_scale;
-  lo.vae = a.vae;
   diffusion::GenerateRequest request;
   request.prompts = read_prompts(a);
   if (!a.class_labels.empty()) throw Error("--class_labels is for class-conditional UNets");
@@ -59,9 +52,8 @@ diffusion::GenerateResult sample_text_to_image(const SampleOptions& a) {
   request.negative_crops_coords_top_left = a.negative_crops_coords_top_left;
   request.negative_target_size = a.negative_target_size;
   const torch::Device device = parse_sample_device(a.device);
-  diffusion::Pipeline pipeline = diffusion::load_stable_diffusion(a.model, lo);
-  diffusion::pipeline_to(pipeline, device);
-  const auto& sd = std::get<diffusion::StableDiffusion>(pipeline);
+  diffusion::StableDiffusion sd = diffusion::load_stable_diffusion(a.model, a);
+  sd.to(device);
   const bool micro = !a.original_size.empty() || !a.crops_coords_top_left.empty() ||
                      !a.target_size.empty() || !a.negative_original_size.empty() ||
                      !a.negative_crops_coords_top_left.empty() || !a.negative_target_size.empty();
@@ -75,12 +67,12 @@ diffusion::GenerateResult sample_text_to_image(const SampleOptions& a) {
     throw Error("--clip_skip " + std::to_string(a.clip_skip) + " is more than the text encoder's " +
                 std::to_string(sd.text_encoder->config().num_hidden_layers) + " layers");
   }
-  const auto o = diffusion::resolve_request(pipeline, request);
+  const auto o = sd.resolve(request);
   log::info(
       "difftrain sample: {} ({}) on {}, scheduler {}, {} steps, guidance {}, {} prompt(s) x {} "
       "image(s), seed {}{}",
-      a.model, sd.folder.pipeline_class, device.str(), sd.scheduler->class_name(),
-      o.num_inference_steps, *o.guidance_scale, o.prompts.size(), o.num_images, a.seed,
+      a.model, sd.class_name(), device.str(), sd.scheduler->class_name(), o.num_inference_steps,
+      *o.guidance_scale, o.prompts.size(), o.num_images, a.seed,
       a.lora.empty() ? std::string() : fmt::format(", LoRA {} x{}", a.lora, a.lora_scale));
   for (size_t i = 0; i < o.prompts.size(); ++i) {
     const auto enc = sd.tokenizer.encode(o.prompts[i]);
@@ -91,7 +83,7 @@ diffusion::GenerateResult sample_text_to_image(const SampleOptions& a) {
   }
   request.on_step = a.on_step;
   if (a.on_start) a.on_start();
-  return diffusion::generate(pipeline, request);
+  return sd.generate(request);
 }
 
 }  // namespace difftrain::families

@@ -1,5 +1,5 @@
 #pragma once
-// The Stable-Diffusion text-to-image task (private to src/train): Diffusers'
+// The Stable-Diffusion text-to-image task (private to src/families): Diffusers'
 // train_text_to_image(_lora).py and train_dreambooth_lora.py on a Stable Diffusion 1.x/2.x
 // folder: the frozen VAE and text encoder, captioned images (metadata.jsonl, or one instance
 // prompt, plus DreamBooth class images), optionally in aspect-ratio buckets, the latent and
@@ -25,51 +25,15 @@
 #include "difftrain/io/image.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/pretrained.h"
+#include "difftrain/train/class_images.h"
 #include "difftrain/train/diffusion_task.h"
+#include "difftrain/train/text_image_dataset.h"
+#include "difftrain/train/training_cache.h"
 
 namespace difftrain::train {
 
 namespace t2i {
 namespace fs = std::filesystem;
-
-/// Adds the token ids of `caption` to an example under `prefix` ("" or "class_").
-using CaptionIds =
-    std::function<void(data::Example&, const std::string& prefix, const std::string& caption)>;
-
-// The class half of a DreamBooth batch draws its randomness under keys far from the instance
-// indices, so the two halves never share a stream.
-inline constexpr int64_t kClassKeyOffset = int64_t{1} << 40;
-
-inline uint64_t fnv1a(const std::string& s, uint64_t h = 1469598103934665603ULL) {
-  for (unsigned char ch : s) h = (h ^ ch) * 1099511628211ULL;
-  return h;
-}
-
-// What identifies a file's contents cheaply: its path, size and modification time.
-inline std::string file_stamp(const fs::path& p) {
-  std::error_code ec;
-  const auto size = fs::file_size(p, ec);
-  const auto time = fs::last_write_time(p, ec).time_since_epoch().count();
-  return p.string() + ":" + std::to_string(ec ? 0 : size) + ":" + std::to_string(time) + ";";
-}
-
-inline std::string folder_stamp(const fs::path& dir) {
-  std::vector<std::string> entries;
-  std::error_code ec;
-  for (const auto& e : fs::recursive_directory_iterator(dir, ec)) {
-    if (e.is_regular_file()) entries.push_back(file_stamp(e.path()));
-  }
-  std::sort(entries.begin(), entries.end());
-  std::string out;
-  for (const auto& e : entries) out += e;
-  return out;
-}
-
-inline std::string hex(uint64_t v) {
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
-  return buf;
-}
 
 inline torch::Device module_device(const torch::nn::Module& m) {
   const auto p = m.parameters();
@@ -81,96 +45,6 @@ inline torch::Dtype module_dtype(const torch::nn::Module& m) {
   return p.empty() ? torch::kFloat32 : p[0].scalar_type();
 }
 
-// Images plus a caption each: the instance images (metadata.jsonl captions or one prompt), and
-// for DreamBooth the class images with the class prompt. Cached latents / embeddings replace
-// the pixels / token ids when present.
-class TextImageDataset : public data::Dataset {
- public:
-  struct Half {
-    std::shared_ptr<data::ImageFolderDataset> images;
-    std::vector<std::string> captions;        // one per image
-    std::vector<torch::Tensor> mean, logvar;  // cached posteriors [C, h, w] per image, or empty
-    torch::Tensor geometry;  // with the cache: [N, 4] original h, w, crop top, left
-  };
-
-  /// `caption_ids` adds a caption's token ids to an example (TextToImageTask::caption_ids()).
-  TextImageDataset(Half instance, std::optional<Half> cls, CaptionIds caption_ids)
-      : instance_(std::move(instance)),
-        class_(std::move(cls)),
-        caption_ids_(std::move(caption_ids)) {}
-
-  int64_t size() const override {
-    if (!slot_image_.empty()) return static_cast<int64_t>(slot_image_.size());
-    const int64_t n = instance_.images->size();
-    return class_ ? std::max(n, class_->images->size()) : n;
-  }
-
-  // Example `index` is a slot: with buckets, slot i shows image slot_image_[i].
-  data::Example get(int64_t index) const override {
-    data::Example ex;
-    ex["index"] = torch::tensor(index, torch::kInt64);
-    const int64_t image = slot_image_.empty() ? index : slot_image_.at(static_cast<size_t>(index));
-    add(ex, "", instance_, image % instance_.images->size());
-    if (class_) add(ex, "class_", *class_, index % class_->images->size());
-    return ex;
-  }
-
-  /// Aspect-ratio buckets: the slots (BucketLayout) replace the plain indices.
-  void set_slots(std::vector<int64_t> slot_image) { slot_image_ = std::move(slot_image); }
-
-  void set_epoch(int64_t epoch) {
-    instance_.images->set_epoch(epoch);
-    if (class_) class_->images->set_epoch(epoch);
-  }
-
-  Half& instance() { return instance_; }
-  std::optional<Half>& class_half() { return class_; }
-  /// Cached text embeddings by caption (empty: tokenise instead): the example entries
-  /// ("prompt_embeds", SDXL's "pooled_prompt_embeds") of each caption.
-  std::map<std::string, std::map<std::string, torch::Tensor>> cached_text;
-
- private:
-  void add(data::Example& ex, const std::string& prefix, const Half& half, int64_t i) const {
-    if (!half.mean.empty()) {
-      ex[prefix + "latent_mean"] = half.mean[static_cast<size_t>(i)];
-      ex[prefix + "latent_logvar"] = half.logvar[static_cast<size_t>(i)];
-      ex[prefix + "original_size"] = half.geometry[i].narrow(0, 0, 2);
-      ex[prefix + "crop_top_left"] = half.geometry[i].narrow(0, 2, 2);
-    } else {
-      auto image = half.images->get(i);
-      ex[prefix + "pixel_values"] = image.at("pixel_values");
-      ex[prefix + "original_size"] = image.at("original_size");
-      ex[prefix + "crop_top_left"] = image.at("crop_top_left");
-    }
-    const std::string& caption = half.captions[static_cast<size_t>(i)];
-    auto it = cached_text.find(caption);
-    if (it != cached_text.end()) {
-      for (const auto& [name, t] : it->second) ex[prefix + name] = t;
-    } else {
-      caption_ids_(ex, prefix, caption);
-    }
-  }
-
-  Half instance_;
-  std::optional<Half> class_;
-  CaptionIds caption_ids_;
-  std::vector<int64_t> slot_image_;  // empty: example i is image i
-};
-
-inline int64_t count_images(const fs::path& dir) {
-  int64_t n = 0;
-  std::error_code ec;
-  if (!fs::is_directory(dir, ec)) return 0;
-  for (const auto& e : fs::recursive_directory_iterator(dir, ec)) {
-    std::string ext = e.path().extension().string();
-    std::transform(ext.begin(), ext.end(), ext.begin(),
-                   [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
-    if (e.is_regular_file() && (ext == ".png" || ext == ".jpg" || ext == ".jpeg" || ext == ".bmp"))
-      ++n;
-  }
-  return n;
-}
-
 // The latents [B, C, h, w] (scaled for the UNet) and text embeddings [B, L, D] of one half of a
 // batch; for SDXL also the pooled embeddings [B, P] and time ids [B, 6].
 struct EncodedBatch {
@@ -178,18 +52,6 @@ struct EncodedBatch {
   torch::Tensor embeds;
   torch::Tensor pooled, time_ids;
 };
-
-// The class half of example `index` draws its per-sample randomness under this key (DreamBooth).
-inline int64_t class_key(int64_t index) { return index + kClassKeyOffset; }
-
-/// Writes the text-embedding cache `file`: one row per caption of `captions` (in order) for
-/// each tensor `encode` returns, and the captions as metadata. Shared like the latent cache:
-/// every rank encodes its contiguous range (64 captions at a time) into a part file and the
-/// main rank joins the parts; rank 0 alone kept the others waiting in a collective.
-void build_text_embedding_cache(
-    accel::Accelerator& acc, const std::vector<std::string>& captions, const fs::path& file,
-    const std::function<std::map<std::string, torch::Tensor>(const std::vector<std::string>&)>&
-        encode);
 
 class TextToImageTask : public DiffusionTask {
  public:
@@ -301,13 +163,13 @@ class TextToImageTask : public DiffusionTask {
     const auto& v = o_.validation;
     const int64_t R = o_.data.resolution;
     if (mine.empty()) return {torch::zeros({0, R, R, 3})};
-    diffusion::Pipeline pipe = as_pipeline(noise_scheduler_->config(), v.scheduler);
+    diffusion::StableDiffusion pipe = as_pipeline(noise_scheduler_->config(), v.scheduler);
     diffusion::GenerateRequest r = render_request(v.prompt);
     r.negative_prompts = {v.negative_prompt};
     r.num_images = static_cast<int64_t>(mine.size());
     r.seed = v.seed + static_cast<uint64_t>(mine.front());
     r.on_step = on_step;
-    return {diffusion::generate(pipe, r).images};
+    return {pipe.generate(r).images};
   }
 
   std::vector<std::string> validation_labels(int64_t K) const override {
@@ -479,26 +341,7 @@ class TextToImageTask : public DiffusionTask {
   void build_dataset(accel::Accelerator& acc, const std::string& output_dir) {
     const auto& d = o_.data;
     const auto& t = o_.text;
-    TextImageDataset::Half inst;
-    inst.images =
-        std::make_shared<data::ImageFolderDataset>(image_folder_options(d, d.train_data_dir, 3));
-    // Skipped images (--skip_bad_images) are reported once, by the dataset on the main rank.
-    for (int64_t i = 0; i < inst.images->size(); ++i) {
-      if (!t.instance_prompt.empty()) {
-        inst.captions.push_back(t.instance_prompt);
-        continue;
-      }
-      auto caption = inst.images->caption(i);
-      if (!caption) {
-        throw Error(inst.images->file(i) + " has no caption: put it in a " +
-                    (d.caption_extension.empty() ? std::string(".txt") : d.caption_extension) +
-                    " file beside the image (--caption_extension), or in the \"" +
-                    d.caption_column + "\" field of its line of " + d.train_data_dir +
-                    "/metadata.jsonl (--caption_column), or give every image one "
-                    "--instance_prompt");
-      }
-      inst.captions.push_back(*caption);
-    }
+    TextImageDataset::Half inst = captioned_images(d, d.train_data_dir, t.instance_prompt);
     if (d.max_train_samples > 0 && d.max_train_samples < inst.images->size()) {
       acc.warn("--max_train_samples is not applied to text-to-image data");
     }
@@ -507,11 +350,7 @@ class TextToImageTask : public DiffusionTask {
     if (t.with_prior_preservation) {
       prior_ = true;
       generate_class_images(acc);
-      TextImageDataset::Half h;
-      h.images =
-          std::make_shared<data::ImageFolderDataset>(image_folder_options(d, t.class_data_dir, 3));
-      h.captions.assign(static_cast<size_t>(h.images->size()), t.class_prompt);
-      cls = std::move(h);
+      cls = captioned_images(d, t.class_data_dir, t.class_prompt);
     }
 
     std::shared_ptr<data::ImageFolderDataset> instance_images = inst.images;
@@ -557,43 +396,17 @@ class TextToImageTask : public DiffusionTask {
   // the pretrained pipeline with the class prompt (image i from seed + i), split across ranks.
   void generate_class_images(accel::Accelerator& acc) {
     const auto& t = o_.text;
-    const fs::path dir(t.class_data_dir);
-    const int64_t have = count_images(dir);
-    if (have >= t.num_class_images) return;
-    if (fs::exists(dir / "metadata.jsonl")) {
-      throw Error(t.class_data_dir + " has " + std::to_string(have) + " of --num_class_images " +
-                  std::to_string(t.num_class_images) +
-                  " images and a metadata.jsonl; add the images, lower --num_class_images, or "
-                  "remove metadata.jsonl so difftrain can generate the rest");
-    }
-    const int64_t missing = t.num_class_images - have;
-    acc.print("prior preservation: generating {} class image(s) of \"{}\" into {}", missing,
-              t.class_prompt, t.class_data_dir);
-    if (acc.is_main_process()) fs::create_directories(dir);
-    acc.wait_for_everyone();
-    const auto [begin, end] = acc.split_range(missing);
-    core::PhaseScope phase("generating class images");
-    if (begin < end) {
-      diffusion::Pipeline pipe =
-          as_pipeline(diffusion::SchedulerConfig::load(folder_.scheduler_config), "ddim");
-      diffusion::GenerateRequest r = render_request(t.class_prompt);
-      r.num_images = end - begin;
-      r.seed = o_.data.seed + static_cast<uint64_t>(have + begin);
-      r.on_step = [](int64_t, int64_t) { core::note_progress(); };
-      torch::Tensor images;  // [end - begin, H, W, 3]
-      {
-        auto autocast = acc.autocast();
-        images = diffusion::generate(pipe, r).images;
-      }
-      const auto u8 = io::to_uint8_images(images.permute({0, 3, 1, 2}));
-      for (int64_t j = 0; j < end - begin; ++j) {
-        char name[64];
-        std::snprintf(name, sizeof name, "class_%06lld.png",
-                      static_cast<long long>(have + begin + j));
-        io::save_png((dir / name).string(), u8[j]);
-      }
-    }
-    acc.wait_for_everyone();
+    train::generate_class_images(
+        acc, {t.class_data_dir, t.class_prompt, t.num_class_images, o_.data.seed},
+        [this](int64_t count, uint64_t seed) {
+          diffusion::StableDiffusion pipe =
+              as_pipeline(diffusion::SchedulerConfig::load(folder_.scheduler_config), "ddim");
+          diffusion::GenerateRequest r = render_request(o_.text.class_prompt);
+          r.num_images = count;
+          r.seed = seed;
+          r.on_step = [](int64_t, int64_t) { core::note_progress(); };
+          return pipe.generate(r).images;
+        });
   }
 
   // The latent cache (and, without train_text_encoder, the text-embedding cache).
@@ -618,22 +431,12 @@ class TextToImageTask : public DiffusionTask {
              : std::string());
     auto cache_half = [&](TextImageDataset::Half& half, const std::string& name,
                           const std::string& data_dir) {
-      const std::string key = vae_key + folder_stamp(data_dir);
-      const fs::path file = dir / (name + "-" + hex(fnv1a(key)) + ".safetensors");
-      std::tie(half.mean, half.logvar) = cached_latents(acc, *half.images, file);
+      const fs::path file =
+          dir / (name + "-" + cache_key(vae_key + folder_stamp(data_dir)) + ".safetensors");
+      std::tie(half.mean, half.logvar) =
+          cached_latents(acc, *half.images, file, *vae_, o_.encode_batch_size);
       // The cache needs centre crops without flips: each image's geometry is fixed.
-      std::vector<int64_t> geometry;
-      for (int64_t i = 0; i < half.images->size(); ++i) {
-        const auto size = io::image_size(half.images->file(i));
-        const auto [th, tw] = half.images->target_size(i);
-        const bool width_exact = size[0] * tw >= size[1] * th;
-        const int64_t new_h = width_exact ? tw * size[0] / size[1] : th;
-        const int64_t new_w = width_exact ? tw : th * size[1] / size[0];
-        geometry.insert(geometry.end(),
-                        {size[0], size[1], static_cast<int64_t>(std::nearbyint((new_h - th) / 2.0)),
-                         static_cast<int64_t>(std::nearbyint((new_w - tw) / 2.0))});
-      }
-      half.geometry = torch::tensor(geometry, torch::kInt64).view({-1, 4});
+      half.geometry = centre_crop_geometry(*half.images);
     };
     cache_half(ds.instance(), "latents", d.train_data_dir);
     if (ds.class_half()) cache_half(*ds.class_half(), "class-latents", t.class_data_dir);
@@ -643,7 +446,7 @@ class TextToImageTask : public DiffusionTask {
     if (ds.class_half()) unique.insert(t.class_prompt);
     std::string key = "embeds-v2;" + text_cache_key();
     for (const auto& s : unique) key += "\n" + s;
-    const fs::path file = dir / ("text-embeddings-" + hex(fnv1a(key)) + ".safetensors");
+    const fs::path file = dir / ("text-embeddings-" + cache_key(key) + ".safetensors");
     const std::vector<std::string> captions(unique.begin(), unique.end());
     if (!fs::exists(file)) {
       build_text_embedding_cache(acc, captions, file, [this](const std::vector<std::string>& c) {
@@ -651,86 +454,7 @@ class TextToImageTask : public DiffusionTask {
       });
     }
     acc.wait_for_everyone();
-    auto st = io::load_safetensors(file.string());
-    const auto stored = nlohmann::json::parse(st.metadata.at("captions"));
-    for (const auto& [name, t] : st.tensors) {
-      const auto all = t.clone();
-      for (size_t i = 0; i < stored.size(); ++i) {
-        ds.cached_text[stored[i].get<std::string>()][name] = all[static_cast<int64_t>(i)];
-      }
-    }
-  }
-
-  // Every rank encodes its share of the images (batched among images of one size), the main
-  // rank assembles one file ("mean.<i>", "logvar.<i>" per image, so bucketed images of several
-  // sizes fit), every rank loads it. Returns per image {mean, logvar} [C, h, w] float32 on the
-  // CPU.
-  std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> cached_latents(
-      accel::Accelerator& acc, const data::ImageFolderDataset& images, const fs::path& file) {
-    const int64_t n = images.size();
-    const auto load = [&] {
-      auto st = io::load_safetensors(file.string());
-      std::vector<torch::Tensor> mean, logvar;
-      for (int64_t i = 0; i < n; ++i) {
-        const auto m = st.tensors.find("mean." + std::to_string(i));
-        const auto l = st.tensors.find("logvar." + std::to_string(i));
-        if (m == st.tensors.end() || l == st.tensors.end() ||
-            st.tensors.size() != static_cast<size_t>(2 * n)) {
-          throw Error(file.string() + ": not a latent cache of " + std::to_string(n) +
-                      " images; delete it (it is rebuilt)");
-        }
-        mean.push_back(m->second.clone());
-        logvar.push_back(l->second.clone());
-      }
-      return std::make_pair(mean, logvar);
-    };
-    if (fs::exists(file)) {
-      acc.print("cache_latents: reusing {}", file.string());
-      return load();
-    }
-    core::PhaseScope phase("caching latents");
-    const int rank = acc.process_index(), world = acc.num_processes();
-    const fs::path part = file.string() + ".part" + std::to_string(rank);
-    const auto batch = static_cast<size_t>(o_.encode_batch_size);
-    {
-      // This rank's images, grouped by output size so each VAE call stacks one shape.
-      std::map<std::array<int64_t, 2>, std::vector<int64_t>> by_size;
-      for (int64_t i = rank; i < n; i += world) by_size[images.target_size(i)].push_back(i);
-      io::TensorMap tensors;
-      torch::NoGradGuard no_grad;
-      auto autocast = acc.autocast();
-      const auto device = module_device(*vae_);
-      const auto dtype = module_dtype(*vae_);
-      for (const auto& [size, mine] : by_size) {
-        for (size_t s = 0; s < mine.size(); s += batch) {
-          std::vector<torch::Tensor> px;
-          const size_t end = std::min(mine.size(), s + batch);
-          for (size_t k = s; k < end; ++k) px.push_back(images.get(mine[k]).at("pixel_values"));
-          auto post = vae_->encode(torch::stack(px).to(device, dtype));
-          const auto mean = post.mean.to(torch::kCPU, torch::kFloat32);
-          const auto logvar = post.logvar.to(torch::kCPU, torch::kFloat32);
-          for (size_t k = s; k < end; ++k) {
-            const auto j = static_cast<int64_t>(k - s);
-            tensors["mean." + std::to_string(mine[k])] = mean[j].clone();
-            tensors["logvar." + std::to_string(mine[k])] = logvar[j].clone();
-          }
-        }
-      }
-      io::save_safetensors(part.string(), tensors);
-    }
-    acc.wait_for_everyone();
-    if (acc.is_main_process()) {
-      io::TensorMap all;
-      for (int r = 0; r < world; ++r) {
-        auto st = io::load_safetensors(file.string() + ".part" + std::to_string(r));
-        for (auto& [name, t] : st.tensors) all[name] = t;
-      }
-      io::save_safetensors(file.string(), all, {{"images", std::to_string(n)}});
-      for (int r = 0; r < world; ++r) fs::remove(file.string() + ".part" + std::to_string(r));
-      log::info("cache_latents: encoded {} image(s) into {}", n, file.string());
-    }
-    acc.wait_for_everyone();
-    return load();
+    ds.cached_text = load_text_embedding_cache(file);
   }
 
   // Latents and text embeddings of one half of a batch (`prefix` "" or "class_"): cached or

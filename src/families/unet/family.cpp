@@ -45,6 +45,14 @@ class UNetFamily : public ModelFamily {
     return index.contains("unet");
   }
   std::vector<std::string> lora_components() const override { return {"unet"}; }
+  void adapt_lora(io::LoraWeights& lora, const std::string& dir,
+                  io::LoraFormat format) const override {
+    adapt_unet_lora(lora, dir, format);
+  }
+  std::unique_ptr<diffusion::Pipeline> load_pipeline(
+      const std::string& dir, const diffusion::PipelineLoadOptions& options) const override {
+    return std::make_unique<diffusion::UNetPipeline>(diffusion::load_unet_pipeline(dir, options));
+  }
   std::unique_ptr<train::TrainingTask> make_training_task(
       const train::TaskOptions& options) const override {
     return train::make_unet_task(options);
@@ -56,11 +64,8 @@ class UNetFamily : public ModelFamily {
                   " is not a text-to-image pipeline (no text_encoder in model_index.json); "
                   "--prompt needs a Stable Diffusion folder");
     }
-    diffusion::UNetPipeline unet_pipeline;
-    unet_pipeline.folder = diffusion::resolve_pipeline_folder(a.model);
-    unet_pipeline.sampler =
-        diffusion::load_pipeline_sampler(unet_pipeline.folder, a.scheduler, a.eta);
-    const std::string scheduler_class = unet_pipeline.sampler->class_name();
+    diffusion::UNetPipeline pipeline = diffusion::load_unet_pipeline(a.model, a);
+    const std::string scheduler_class = pipeline.sampler->class_name();
 
     diffusion::GenerateRequest request;
     request.class_labels = parse_labels(a.class_labels);
@@ -74,12 +79,9 @@ class UNetFamily : public ModelFamily {
     }
 
     const torch::Device device = parse_sample_device(a.device);
-    unet_pipeline.unet =
-        diffusion::load_unet_with_lora(unet_pipeline.folder.unet_dir, a.lora, a.lora_scale);
-    const std::string unet_class = unet_pipeline.unet->config().class_name();
-    diffusion::Pipeline pipeline = std::move(unet_pipeline);
-    diffusion::pipeline_to(pipeline, device);
-    const auto o = diffusion::resolve_request(pipeline, request);
+    const std::string unet_class = pipeline.unet->config().class_name();
+    pipeline.to(device);
+    const auto o = pipeline.resolve(request);
     log::info(
         "difftrain sample: model {} ({}) on {}, scheduler {}, {} steps{}, {} images, seed {}{}{}",
         a.model, unet_class, device.str(), scheduler_class, o.num_inference_steps,
@@ -88,7 +90,7 @@ class UNetFamily : public ModelFamily {
         a.lora.empty() ? std::string() : fmt::format(", LoRA {} x{}", a.lora, a.lora_scale));
     request.on_step = a.on_step;
     if (a.on_start) a.on_start();
-    return diffusion::generate(pipeline, request);
+    return pipeline.generate(request);
   }
 };
 

@@ -9,7 +9,7 @@
 #include "difftrain/core/paths.h"
 #include "difftrain/data/mnist.h"
 #include "difftrain/data/sample_rng.h"
-#include "difftrain/diffusion/generate.h"
+#include "difftrain/diffusion/pipeline.h"
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/models/pretrained.h"
@@ -128,11 +128,9 @@ class UNetTask final : public DiffusionTask {
   ValidationImages render_validation(const std::vector<int64_t>& mine, int64_t begin,
                                      const SamplerStepCallback& on_step) override {
     const auto& v = o_.validation;
-    diffusion::Pipeline pipe =
-        diffusion::UNetPipeline{{},
-                                unet_,
-                                diffusion::make_sampler(noise_scheduler_->config().to_json(),
-                                                        v.scheduler, "the training scheduler")};
+    diffusion::UNetPipeline pipe(
+        unet_, diffusion::make_sampler(noise_scheduler_->config().to_json(), v.scheduler,
+                                       "the training scheduler"));
     diffusion::GenerateRequest r;
     r.num_images = static_cast<int64_t>(mine.size());
     r.num_inference_steps = v.inference_steps;
@@ -144,7 +142,7 @@ class UNetTask final : public DiffusionTask {
       const int64_t classes = num_classes_ > 0 ? num_classes_ : 1;
       for (int64_t i : mine) r.class_labels.push_back(i % classes);
     }
-    return {diffusion::generate(pipe, r).images};
+    return {pipe.generate(r).images};
   }
 
   std::vector<std::string> validation_labels(int64_t K) const override {

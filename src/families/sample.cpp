@@ -1,10 +1,15 @@
-// `difftrain sample --device`, shared by the families' sample code.
+// `difftrain sample`'s entry point (families::sample: the folder's family, with progress lines)
+// and its --device, shared by the families' sample code.
 #include "builtin.h"
 #include "difftrain/core/error.h"
+#include "difftrain/core/log.h"
 
 #include <fmt/format.h>
 #include <torch/cuda.h>
 
+#include <algorithm>
+#include <chrono>
+#include <memory>
 #include <optional>
 
 namespace difftrain::families {
@@ -34,6 +39,24 @@ torch::Device parse_sample_device(const std::string& text) {
     }
   }
   return *device;
+}
+
+diffusion::GenerateResult sample(SampleOptions options, double* seconds) {
+  using Clock = std::chrono::steady_clock;
+  // Timed from the first denoising step (after loading), a line every two seconds and at the end.
+  auto start = std::make_shared<Clock::time_point>(Clock::now());
+  auto last = std::make_shared<Clock::time_point>(*start);
+  options.on_start = [start, last] { *start = *last = Clock::now(); };
+  options.on_step = [start, last](int64_t i, int64_t n) {
+    const auto now = Clock::now();
+    if (i != n && now - *last < std::chrono::seconds(2)) return;
+    *last = now;
+    const double rate = i / std::max(std::chrono::duration<double>(now - *start).count(), 1e-9);
+    log::info("step {}/{}  {:.2f} it/s  ETA {:.0f}s", i, n, rate, (n - i) / rate);
+  };
+  auto result = family_of(options.model).sample(options);
+  if (seconds != nullptr) *seconds = std::chrono::duration<double>(Clock::now() - *start).count();
+  return result;
 }
 
 }  // namespace difftrain::families

@@ -1,0 +1,98 @@
+#include "difftrain/train/text_image_dataset.h"
+
+#include "difftrain/core/error.h"
+#include "difftrain/train/diffusion_task.h"
+
+#include <algorithm>
+#include <cctype>
+#include <filesystem>
+
+namespace difftrain::train {
+namespace fs = std::filesystem;
+
+TextImageDataset::TextImageDataset(Half instance, std::optional<Half> cls, CaptionIds caption_ids)
+    : instance_(std::move(instance)),
+      class_(std::move(cls)),
+      caption_ids_(std::move(caption_ids)) {}
+
+int64_t TextImageDataset::size() const {
+  if (!slot_image_.empty()) return static_cast<int64_t>(slot_image_.size());
+  const int64_t n = instance_.images->size();
+  return class_ ? std::max(n, class_->images->size()) : n;
+}
+
+data::Example TextImageDataset::get(int64_t index) const {
+  data::Example ex;
+  ex["index"] = torch::tensor(index, torch::kInt64);
+  const int64_t image = slot_image_.empty() ? index : slot_image_.at(static_cast<size_t>(index));
+  add(ex, "", instance_, image % instance_.images->size());
+  if (class_) add(ex, "class_", *class_, index % class_->images->size());
+  return ex;
+}
+
+void TextImageDataset::set_epoch(int64_t epoch) {
+  instance_.images->set_epoch(epoch);
+  if (class_) class_->images->set_epoch(epoch);
+}
+
+void TextImageDataset::add(data::Example& ex, const std::string& prefix, const Half& half,
+                           int64_t i) const {
+  if (!half.mean.empty()) {
+    ex[prefix + "latent_mean"] = half.mean[static_cast<size_t>(i)];
+    ex[prefix + "latent_logvar"] = half.logvar[static_cast<size_t>(i)];
+    ex[prefix + "original_size"] = half.geometry[i].narrow(0, 0, 2);
+    ex[prefix + "crop_top_left"] = half.geometry[i].narrow(0, 2, 2);
+  } else {
+    auto image = half.images->get(i);
+    ex[prefix + "pixel_values"] = image.at("pixel_values");
+    ex[prefix + "original_size"] = image.at("original_size");
+    ex[prefix + "crop_top_left"] = image.at("crop_top_left");
+  }
+  const std::string& caption = half.captions[static_cast<size_t>(i)];
+  auto it = cached_text.find(caption);
+  if (it != cached_text.end()) {
+    for (const auto& [name, t] : it->second) ex[prefix + name] = t;
+  } else {
+    caption_ids_(ex, prefix, caption);
+  }
+}
+
+TextImageDataset::Half captioned_images(const DataOptions& d, const std::string& dir,
+                                        const std::string& prompt) {
+  TextImageDataset::Half half;
+  half.images = std::make_shared<data::ImageFolderDataset>(image_folder_options(d, dir, 3));
+  // Skipped images (--skip_bad_images) are reported once, by the dataset on the main rank.
+  for (int64_t i = 0; i < half.images->size(); ++i) {
+    if (!prompt.empty()) {
+      half.captions.push_back(prompt);
+      continue;
+    }
+    auto caption = half.images->caption(i);
+    if (!caption) {
+      throw Error(half.images->file(i) + " has no caption: put it in a " +
+                  (d.caption_extension.empty() ? std::string(".txt") : d.caption_extension) +
+                  " file beside the image (--caption_extension), or in the \"" + d.caption_column +
+                  "\" field of its line of " + dir +
+                  "/metadata.jsonl (--caption_column), or give every image one "
+                  "--instance_prompt");
+    }
+    half.captions.push_back(*caption);
+  }
+  return half;
+}
+
+int64_t count_images(const std::string& dir) {
+  int64_t n = 0;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return 0;
+  for (const auto& e : fs::recursive_directory_iterator(dir, ec)) {
+    std::string ext = e.path().extension().string();
+    std::transform(ext.begin(), ext.end(), ext.begin(),
+                   [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
+    if (e.is_regular_file() && (ext == ".png" || ext == ".jpg" || ext == ".jpeg" || ext == ".bmp"))
+      ++n;
+  }
+  return n;
+}
+
+}  // namespace difftrain::train
