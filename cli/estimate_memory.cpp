@@ -7,6 +7,7 @@
 #include "difftrain/accel/precision.h"
 #include "difftrain/accel/sharding.h"
 #include "difftrain/distributed/process_group.h"
+#include "difftrain/families/family.h"
 #include "difftrain/train/memory_estimate.h"
 
 #include <algorithm>
@@ -110,7 +111,7 @@ int run_estimate_memory() {
       if (s != o.strategy) strategies.push_back(s);
     }
   }
-  auto estimates = train::estimate_memory(g_args.model, o, strategies);
+  auto estimates = families::family_of(g_args.model).estimate_memory(g_args.model, o, strategies);
   const train::MemoryEstimate main = estimates.front();  // a copy: the list is sorted next
   std::sort(estimates.begin(), estimates.end(),
             [](const auto& a, const auto& b) { return a.strategy < b.strategy; });

@@ -1,10 +1,10 @@
-// `difftrain forward`: one UNet forward on tensors from a file, to check a converted checkpoint
-// against Python.
+// `difftrain forward`: one forward of a model folder's denoiser (its family's: the UNet of the
+// built-in ones) on tensors from a file, to check a converted checkpoint against Python.
 
 #include "commands.h"
 #include "difftrain/core/log.h"
-#include "difftrain/diffusion/pipeline.h"
 #include "difftrain/distributed/process_group.h"
+#include "difftrain/families/family.h"
 #include "difftrain/io/safetensors.h"
 
 namespace difftrain::cli {
@@ -39,10 +39,10 @@ CLI::App* add_forward_command(CLI::App& app) {
 
 int run_forward() {
   distributed::configure_threads();
-  models::UNet unet = diffusion::load_unet_with_lora(diffusion::resolve_unet_dir(g_args.model),
-                                                     g_args.lora, g_args.lora_scale);
+  const auto& family = families::family_of(g_args.model);
   auto inputs = io::load_safetensors(g_args.inputs).tensors;
-  torch::Tensor out = diffusion::forward_from_tensors(*unet, inputs, g_args.inputs);
+  torch::Tensor out =
+      family.forward(g_args.model, inputs, g_args.inputs, g_args.lora, g_args.lora_scale);
   io::save_safetensors(g_args.output, {{"out", out}}, {{"format", "pt"}});
   log::info("wrote {}: out {}", g_args.output, fmt::format("{}", fmt::join(out.sizes(), "x")));
   return 0;

@@ -1,5 +1,6 @@
-// `difftrain lora merge`: a model folder with a LoRA file folded into its UNet, written as a new
-// folder of the same layout (the work is models::merge_lora_into_folder). `difftrain lora
+// `difftrain lora merge`: a model folder with a LoRA file folded into the components it adapts,
+// written as a new folder of the same layout (the folder's family does the work:
+// ModelFamily::merge_lora; models::merge_lora_into_folder for the UNet families). `difftrain lora
 // convert`: a LoRA file rewritten in another key layout (Diffusers, PEFT, kohya; kohya SDXL with
 // SGM names), kohya names resolved by the model folder's family (families::convert_lora).
 
@@ -95,8 +96,8 @@ int run_lora() {
   log::info("difftrain lora merge: model {}, LoRA {} x{}{}, output {}", g_args.model, g_args.lora,
             g_args.lora_scale, g_args.variant.empty() ? "" : ", variant " + g_args.variant,
             g_args.output);
-  const auto summary =
-      models::merge_lora_into_folder(g_args.model, g_args.lora, g_args.output, options);
+  const auto summary = families::family_of(g_args.model)
+                           .merge_lora(g_args.model, g_args.lora, g_args.output, options);
   log::info("wrote {} ({} files copied unchanged)", summary.weights_written, summary.files_copied);
   return 0;
 }

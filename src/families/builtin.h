@@ -25,6 +25,25 @@ const ModelFamily& sdxl_family();
 /// CUDA device that is not there.
 torch::Device parse_sample_device(const std::string& text);
 
+/// What the UNet-based families (unet, stable-diffusion, sdxl) share: the denoiser is a
+/// UNet2D(Condition)Model in `dir` or `dir`/unet, so forward, lora merge (UNet and the text
+/// encoders a pipeline folder has), the memory model and the LoRA names (the UNet's; each
+/// family adds its text encoders) are the same.
+class UNetBasedFamily : public ModelFamily {
+ public:
+  void adapt_lora(io::LoraWeights& lora, const std::string& dir,
+                  io::LoraFormat format) const override;
+  models::LoraFolderMergeSummary merge_lora(
+      const std::string& dir, const std::string& lora, const std::string& output_dir,
+      const models::LoraFolderMergeOptions& options) const override;
+  torch::Tensor forward(const std::string& dir, const std::map<std::string, torch::Tensor>& inputs,
+                        const std::string& source, const std::string& lora,
+                        double lora_scale) const override;
+  std::vector<train::MemoryEstimate> estimate_memory(
+      const std::string& model_path, const train::MemoryEstimateOptions& options,
+      const std::vector<accel::ShardingStrategy>& strategies) const override;
+};
+
 /// ModelFamily::adapt_lora's parts: the UNet's kohya names resolved against `dir`'s UNet (dir/unet
 /// in a pipeline folder), with SGM names for kohya output of a UNet with added conditioning; a
 /// text encoder's (dir/`component`) when the LoRA has targets for it and the folder is there.

@@ -19,7 +19,7 @@ bool lora_target_matches(const std::string& name, const std::vector<std::string>
 
 namespace {
 
-std::string join(const std::vector<std::string>& items, size_t limit) {
+std::string join_first(const std::vector<std::string>& items, size_t limit) {
   std::string out;
   for (size_t i = 0; i < items.size() && i < limit; ++i) out += (i ? ", " : "") + items[i];
   if (items.size() > limit) out += ", ...";
@@ -77,8 +77,9 @@ LoraLayersImpl::LoraLayersImpl(torch::nn::Module& model, const LoraConfig& confi
   }
   for (size_t i = 0; i < used.size(); ++i) {
     if (!used[i]) {
-      throw Error("lora_target_modules entry \"" + config.target_modules[i] +
-                  "\" matches no layer of the model; its layers include: " + join(all_layers, 6));
+      throw Error(
+          "lora_target_modules entry \"" + config.target_modules[i] +
+          "\" matches no layer of the model; its layers include: " + join_first(all_layers, 6));
     }
   }
 }

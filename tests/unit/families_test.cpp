@@ -3,8 +3,11 @@
 // refusal of a class no family claims; each family's pipeline loader.
 #include "difftrain/families/family.h"
 
+#include "difftrain/diffusion/pipeline.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"
+#include "difftrain/models/pretrained.h"
+#include "difftrain/train/memory_estimate.h"
 
 #include "test_util.h"
 
@@ -111,6 +114,36 @@ TEST(Families, ConvertLoraAsksTheFolderFamilyForTheNames) {
                                      io::LoraFormat::kDiffusers);
             }),
             "");
+}
+
+// `difftrain forward`, `estimate-memory` and `lora merge` ask the folder's family; for the UNet
+// families that is the UNet's own forward and train::estimate_memory, number for number.
+TEST(Families, ForwardAndTheMemoryModelComeFromTheFolderFamily) {
+  const std::string sd = kTinySdGolden;
+  const auto& family = families::family_of(sd);
+  ASSERT_EQ(family.name(), "stable-diffusion");
+  auto unet = models::load_unet(sd + "/unet");
+  const auto& c = unet->config();
+  const int64_t side = c.sample_size.empty() ? 8 : c.sample_size[0];
+  torch::manual_seed(3);
+  const std::map<std::string, torch::Tensor> inputs = {
+      {"sample", torch::randn({1, c.in_channels, side, side})},
+      {"timestep", torch::tensor(10)},
+      {"encoder_hidden_states", torch::randn({1, 77, c.cross_attention_dim.front()})}};
+  const auto got = family.forward(sd, inputs, "inputs.safetensors", "", 1.0);
+  torch::NoGradGuard no_grad;
+  unet->eval();
+  const auto want = diffusion::forward_from_tensors(*unet, inputs, "inputs.safetensors");
+  EXPECT_TRUE(torch::equal(got, want)) << max_abs(got, want);
+
+  train::MemoryEstimateOptions o;
+  o.resolution = 32;
+  const auto estimates = family.estimate_memory(sd, o, {accel::ShardingStrategy::kNoShard});
+  ASSERT_EQ(estimates.size(), 1u);
+  const auto direct = train::estimate_memory(sd, o);
+  EXPECT_EQ(estimates[0].param_bytes, direct.param_bytes);
+  EXPECT_EQ(estimates[0].frozen_param_bytes, direct.frozen_param_bytes);
+  EXPECT_GT(estimates[0].frozen_params, 0);  // the text encoder and VAE of the pipeline
 }
 
 TEST(Families, AClassNoFamilyClaimsIsRefusedInOneLineListingTheKnownOnes) {

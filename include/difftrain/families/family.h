@@ -11,6 +11,8 @@
 
 #include "difftrain/diffusion/generate.h"
 #include "difftrain/io/lora_format.h"
+#include "difftrain/models/lora_folder.h"
+#include "difftrain/train/memory_estimate.h"
 #include "difftrain/train/train_config.h"
 #include "difftrain/train/trainer.h"
 #include "difftrain/train/training_task.h"
@@ -89,6 +91,22 @@ class ModelFamily {
   /// the UNet's modules in SGM form).
   virtual void adapt_lora(io::LoraWeights& lora, const std::string& dir,
                           io::LoraFormat format) const = 0;
+  /// `difftrain lora merge`: a copy of the model folder `dir` with the LoRA file folded into the
+  /// components it adapts, written to `output_dir` (atomically; models/lora_folder.h).
+  virtual models::LoraFolderMergeSummary merge_lora(
+      const std::string& dir, const std::string& lora, const std::string& output_dir,
+      const models::LoraFolderMergeOptions& options) const = 0;
+  /// `difftrain forward`: one forward of the family's denoiser in `dir` (with `lora` merged at
+  /// `lora_scale` when given) on named tensors read from `source`, in eval mode under no-grad.
+  virtual torch::Tensor forward(const std::string& dir,
+                                const std::map<std::string, torch::Tensor>& inputs,
+                                const std::string& source, const std::string& lora,
+                                double lora_scale) const = 0;
+  /// `difftrain estimate-memory`: the per-rank memory of training the model of `model_path` (a
+  /// folder, or a bare model's config.json) under each of `strategies`, in that order.
+  virtual std::vector<train::MemoryEstimate> estimate_memory(
+      const std::string& model_path, const train::MemoryEstimateOptions& options,
+      const std::vector<accel::ShardingStrategy>& strategies) const = 0;
   /// Loads the pipeline folder `dir` (float32, on the CPU): the family's Pipeline, with
   /// options.lora merged. Throws difftrain::Error naming what is wrong with the folder.
   virtual std::unique_ptr<diffusion::Pipeline> load_pipeline(

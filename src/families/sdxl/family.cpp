@@ -6,7 +6,7 @@
 namespace difftrain::families {
 namespace {
 
-class SdxlFamily : public ModelFamily {
+class SdxlFamily : public UNetBasedFamily {
  public:
   std::string name() const override { return "sdxl"; }
   std::vector<std::string> pipeline_classes() const override {

@@ -6,7 +6,7 @@
 namespace difftrain::families {
 namespace {
 
-class StableDiffusionFamily : public ModelFamily {
+class StableDiffusionFamily : public UNetBasedFamily {
  public:
   std::string name() const override { return "stable-diffusion"; }
   std::vector<std::string> pipeline_classes() const override {

@@ -4,8 +4,10 @@
 // folder: the frozen VAE and text encoder, captioned images (metadata.jsonl, or one instance
 // prompt, plus DreamBooth class images), optionally in aspect-ratio buckets, the latent and
 // text-embedding cache, validation renders from a prompt, and the final pipeline folder or LoRA.
-// The text side (tokenizers, encoders, added conditioning) sits behind protected virtual hooks,
-// which SdxlTask (sdxl_task.cpp) overrides for SDXL.
+// The dataset, the caches and the class images are train/ components (text_image_dataset.h,
+// training_cache.h, class_images.h); the bodies are in text_to_image_task.cpp. The text side
+// (tokenizers, encoders, added conditioning) sits behind protected virtual hooks, which SdxlTask
+// (sdxl_task.cpp) overrides for SDXL.
 #include <torch/torch.h>
 #include <filesystem>
 #include <functional>
@@ -71,84 +73,11 @@ class TextToImageTask : public DiffusionTask {
   // fills or reuses the cache. Examples carry "index", "pixel_values" [3, R, R] or the cached
   // "latent_mean"/"latent_logvar" [C, r, r], and "input_ids" [L] or the cached "prompt_embeds"
   // [L, D]; with prior preservation the same keys prefixed "class_".
-  void build(accel::Accelerator& acc, const std::string& output_dir) override {
-    const auto& d = o_.data;
-    const auto& t = o_.text;
-    if (d.dataset != "imagefolder") {
-      throw Error(
-          o_.model.pretrained_model_name_or_path +
-          " is a text-to-image pipeline: train it on captioned images with --dataset "
-          "imagefolder --train_data_dir DIR (metadata.jsonl captions or --instance_prompt)");
-    }
-    if (t.cache_latents && (!d.center_crop || d.random_flip)) {
-      throw Error(
-          "--cache_latents encodes each image once, so it needs the same pixels every epoch: add "
-          "--center_crop and drop --random_flip (or train without --cache_latents)");
-    }
-    if (d.resolution_buckets && t.with_prior_preservation) {
-      throw Error(
-          "--resolution_buckets with --with_prior_preservation is not supported: a batch holds "
-          "instance and class images together, so they would need one size; train DreamBooth "
-          "with square crops");
-    }
-    folder_ = diffusion::resolve_stable_diffusion_folder(o_.model.pretrained_model_name_or_path);
-    for (const auto& note : folder_.notes) acc.print("{}", note);
-    load_text_models(acc);
-    if (!o_.model.vae.empty()) acc.print("VAE from {}", o_.model.vae);
-    vae_dir_ = o_.model.vae.empty() ? folder_.vae_dir : o_.model.vae;
-    vae_variant_ = o_.model.vae.empty() ? o_.model.variant : "";
-    vae_ = models::load_autoencoder_kl(vae_dir_, vae_variant_);
-    unet_ = models::load_unet(folder_.unet_dir, o_.model.variant);
-    if (!unet_->needs_encoder_hidden_states()) {
-      throw Error(folder_.unet_dir +
-                  ": the UNet has no cross-attention; a text-to-image "
-                  "pipeline needs a UNet2DConditionModel");
-    }
-    check_unet();
-    for (auto& p : vae_->parameters()) p.set_requires_grad(false);
-    vae_->to(acc.device());
-    vae_->eval();
-    const int64_t factor = vae_->config().downsample_factor();
-    if (d.resolution % factor != 0) {
-      const int64_t below = d.resolution / factor * factor;
-      throw Error("--resolution " + std::to_string(d.resolution) + " is not a multiple of " +
-                  std::to_string(factor) + " (the VAE's downsampling factor); use " +
-                  (below >= 8 ? std::to_string(below) + " or " : "") +
-                  std::to_string(below + factor));
-    }
-    build_dataset(acc, output_dir);
-    if (o_.model.gradient_checkpointing) unet_->set_gradient_checkpointing(true);
-    build_noise_scheduler();
-    build_trainable(acc, text_encoder_.ptr().get(), second_text_encoder());
-  }
+  void build(accel::Accelerator& acc, const std::string& output_dir) override;
 
   // Latents and caption embeddings of the batch (plus the DreamBooth class half, weighted by
   // prior_loss_weight).
-  torch::Tensor loss(const data::Batch& batch, int64_t epoch, torch::Device device) override {
-    const auto index = batch.at("index").to(torch::kCPU);
-    std::vector<int64_t> keys(index.data_ptr<int64_t>(), index.data_ptr<int64_t>() + index.numel());
-    auto inst = encode_batch(batch, "", keys, epoch, device);
-    if (!prior_) {
-      const diffusion::Conditioning cond = {{"encoder_hidden_states", inst.embeds},
-                                            {"text_embeds", inst.pooled},
-                                            {"time_ids", inst.time_ids}};
-      return denoising_losses(inst.latents, keys, epoch, device, cond).mean();
-    }
-    std::vector<int64_t> class_keys;
-    for (int64_t k : keys) class_keys.push_back(class_key(k));
-    auto cls = encode_batch(batch, "class_", class_keys, epoch, device);
-    std::vector<int64_t> all = keys;
-    all.insert(all.end(), class_keys.begin(), class_keys.end());
-    diffusion::Conditioning cond = {
-        {"encoder_hidden_states", torch::cat({inst.embeds, cls.embeds})}};
-    if (inst.pooled.defined()) cond["text_embeds"] = torch::cat({inst.pooled, cls.pooled});
-    if (inst.time_ids.defined()) cond["time_ids"] = torch::cat({inst.time_ids, cls.time_ids});
-    auto losses =
-        denoising_losses(torch::cat({inst.latents, cls.latents}), all, epoch, device, cond);
-    const int64_t B = static_cast<int64_t>(keys.size());
-    return losses.narrow(0, 0, B).mean() +
-           o_.text.prior_loss_weight * losses.narrow(0, B, B).mean();
-  }
+  torch::Tensor loss(const data::Batch& batch, int64_t epoch, torch::Device device) override;
 
   std::string validation_unavailable() const override {
     return o_.validation.prompt.empty()
@@ -159,18 +88,7 @@ class TextToImageTask : public DiffusionTask {
   // --validation_prompt rendered once per index i (image i from seed + i). `mine` is this
   // rank's contiguous range, padded at the end with copies the Trainer discards.
   ValidationImages render_validation(const std::vector<int64_t>& mine, int64_t /*begin*/,
-                                     const SamplerStepCallback& on_step) override {
-    const auto& v = o_.validation;
-    const int64_t R = o_.data.resolution;
-    if (mine.empty()) return {torch::zeros({0, R, R, 3})};
-    diffusion::StableDiffusion pipe = as_pipeline(noise_scheduler_->config(), v.scheduler);
-    diffusion::GenerateRequest r = render_request(v.prompt);
-    r.negative_prompts = {v.negative_prompt};
-    r.num_images = static_cast<int64_t>(mine.size());
-    r.seed = v.seed + static_cast<uint64_t>(mine.front());
-    r.on_step = on_step;
-    return {pipe.generate(r).images};
-  }
+                                     const SamplerStepCallback& on_step) override;
 
   std::vector<std::string> validation_labels(int64_t K) const override {
     std::vector<std::string> labels;
@@ -181,27 +99,7 @@ class TextToImageTask : public DiffusionTask {
 
   std::string validation_note() const override { return " (\"" + o_.validation.prompt + "\")"; }
 
-  void export_to(const fs::path& out) override {
-    if (o_.lora.enabled) {
-      export_lora(out);
-      return;
-    }
-    models::save_unet(*unet_, (out / "unet").string());
-    // The frozen parts and the scheduler as they came, and the source's model_index.json.
-    const fs::path src(folder_.root);
-    for (const auto& part : copied_parts()) {
-      std::error_code ec;
-      fs::remove_all(out / part, ec);
-      fs::copy(src / part, out / part, fs::copy_options::recursive, ec);
-      if (ec) {
-        throw Error("cannot copy " + (src / part).string() + " to " + (out / part).string() + ": " +
-                    ec.message());
-      }
-    }
-    io::write_file_atomic((out / "model_index.json").string(),
-                          io::read_file((src / "model_index.json").string()));
-    log::info("pipeline folder ({}): {}", folder_.pipeline_class, out.string());
-  }
+  void export_to(const fs::path& out) override;
 
  protected:
   std::vector<torch::nn::Module*> frozen_modules() const override {
@@ -217,21 +115,7 @@ class TextToImageTask : public DiffusionTask {
 
   /// Loads the tokenizer(s) and text encoder(s) of folder_, frozen, in eval mode on
   /// acc.device(), and checks --clip_skip against them (sets skip_).
-  virtual void load_text_models(accel::Accelerator& acc) {
-    const auto& t = o_.text;
-    tokenizer_ = models::ClipTokenizer::from_folder(folder_.tokenizer_dir);
-    text_encoder_ = models::load_clip_text_model(folder_.text_encoder_dir, o_.model.variant);
-    const auto& tcfg = text_encoder_->config();
-    if (tokenizer_.model_max_length() > tcfg.max_position_embeddings)
-      tokenizer_.set_model_max_length(tcfg.max_position_embeddings);
-    if (t.clip_skip > tcfg.num_hidden_layers) {
-      throw Error("--clip_skip " + std::to_string(t.clip_skip) +
-                  " is more than the text encoder's " + std::to_string(tcfg.num_hidden_layers) +
-                  " layers");
-    }
-    skip_ = t.clip_skip - 1;
-    freeze(*text_encoder_, acc);
-  }
+  virtual void load_text_models(accel::Accelerator& acc);
 
   /// Refuses a UNet of another family (SDXL's added conditioning in an SD folder).
   virtual void check_unet() const {
@@ -243,37 +127,20 @@ class TextToImageTask : public DiffusionTask {
   }
 
   /// What the dataset adds for a caption that is not cached: "input_ids" [L].
-  virtual CaptionIds caption_ids() const {
-    auto tokenizer = tokenizer_;
-    return [tokenizer](data::Example& ex, const std::string& prefix, const std::string& caption) {
-      ex[prefix + "input_ids"] = torch::tensor(tokenizer.encode(caption).input_ids, torch::kInt64);
-    };
-  }
+  virtual CaptionIds caption_ids() const;
 
   /// Embeddings of a batch half's ids on the text encoder's device, with grad when the text
   /// encoders train.
-  virtual TextEmbeddings encode_ids(const data::Batch& batch, const std::string& prefix) {
-    const auto ids = batch.at(prefix + "input_ids").to(module_device(*text_encoder_));
-    std::optional<torch::NoGradGuard> no_grad;
-    if (!o_.lora.train_text_encoder) no_grad.emplace();
-    return {text_encoder_->forward(ids, skip_).last_hidden_state, {}};
-  }
+  virtual TextEmbeddings encode_ids(const data::Batch& batch, const std::string& prefix);
 
   /// The cached entries of each caption (no grad): "prompt_embeds" [N, L, D], and SDXL's
   /// "pooled_prompt_embeds" [N, P]; float32 on the CPU.
   virtual std::map<std::string, torch::Tensor> encode_captions(
-      const std::vector<std::string>& captions) {
-    return {{"prompt_embeds", diffusion::encode_prompts(tokenizer_, *text_encoder_, captions, skip_)
-                                  .to(torch::kCPU, torch::kFloat32)}};
-  }
+      const std::vector<std::string>& captions);
 
   /// What the text cache's name depends on besides the captions: the encoders' and tokenizers'
   /// files and clip_skip.
-  virtual std::string text_cache_key() const {
-    return io::read_file(folder_.text_encoder_dir + "/config.json") +
-           folder_stamp(folder_.text_encoder_dir) + folder_stamp(folder_.tokenizer_dir) +
-           std::to_string(skip_);
-  }
+  virtual std::string text_cache_key() const;
 
   /// The UNet's added conditioning of a batch half whose latents are `latents` (SDXL's time
   /// ids [B, 6]); undefined for SD-1.x/2.x.
@@ -300,11 +167,7 @@ class TextToImageTask : public DiffusionTask {
   virtual torch::nn::Module* second_text_encoder() const { return nullptr; }
 
   /// Frozen (no grad), in eval mode, on acc.device().
-  static void freeze(torch::nn::Module& m, accel::Accelerator& acc) {
-    for (auto& p : m.parameters()) p.set_requires_grad(false);
-    m.to(acc.device());
-    m.eval();
-  }
+  static void freeze(torch::nn::Module& m, accel::Accelerator& acc);
 
   diffusion::StableDiffusionFolder folder_;
   models::ClipTokenizer tokenizer_;
@@ -314,189 +177,31 @@ class TextToImageTask : public DiffusionTask {
 
  private:
   diffusion::StableDiffusion as_pipeline(const diffusion::SchedulerConfig& scheduler,
-                                         const std::string& sampler) {
-    diffusion::StableDiffusion sd;
-    sd.folder = folder_;
-    add_text_models(sd);
-    sd.vae = vae_;
-    sd.unet = unet_;
-    sd.scheduler = diffusion::make_sampler(scheduler.to_json(), sampler, "the training scheduler");
-    return sd;
-  }
+                                         const std::string& sampler);
 
   // A text-to-image request for `prompt` at the run's resolution, with the validation steps and
   // guidance (1 means the pipeline's: 7.5, SDXL 5), image i of it from seed + i.
-  diffusion::GenerateRequest render_request(const std::string& prompt) const {
-    const auto& v = o_.validation;
-    diffusion::GenerateRequest r;
-    r.prompts = {prompt};
-    r.num_inference_steps = v.inference_steps;
-    r.guidance_scale = v.guidance_scale > 1 ? v.guidance_scale : default_guidance();
-    r.height = r.width = o_.data.resolution;
-    r.clip_skip = skip_;
-    r.seeding = diffusion::Seeding::kPerImage;
-    return r;
-  }
+  diffusion::GenerateRequest render_request(const std::string& prompt) const;
 
-  void build_dataset(accel::Accelerator& acc, const std::string& output_dir) {
-    const auto& d = o_.data;
-    const auto& t = o_.text;
-    TextImageDataset::Half inst = captioned_images(d, d.train_data_dir, t.instance_prompt);
-    if (d.max_train_samples > 0 && d.max_train_samples < inst.images->size()) {
-      acc.warn("--max_train_samples is not applied to text-to-image data");
-    }
-
-    std::optional<TextImageDataset::Half> cls;
-    if (t.with_prior_preservation) {
-      prior_ = true;
-      generate_class_images(acc);
-      cls = captioned_images(d, t.class_data_dir, t.class_prompt);
-    }
-
-    std::shared_ptr<data::ImageFolderDataset> instance_images = inst.images;
-    auto ds = std::make_shared<TextImageDataset>(std::move(inst), std::move(cls), caption_ids());
-    if (d.resolution_buckets) assign_buckets(acc, *instance_images, *ds);
-    if (t.cache_latents) fill_cache(acc, *ds, output_dir);
-    set_epoch_ = [ds](int64_t e) { ds->set_epoch(e); };
-    dataset_ = ds;
-  }
+  void build_dataset(accel::Accelerator& acc, const std::string& output_dir);
 
   // Aspect-ratio buckets: each image to the bucket nearest its shape (sizes from the file
   // headers), the dataset laid out in slots so every global batch comes from one bucket.
   void assign_buckets(accel::Accelerator& acc, data::ImageFolderDataset& images,
-                      TextImageDataset& ds) {
-    const auto& d = o_.data;
-    const int64_t factor = vae_->config().downsample_factor();
-    if (d.bucket_step % factor != 0) {
-      throw Error("--bucket_step " + std::to_string(d.bucket_step) + " is not a multiple of " +
-                  std::to_string(factor) + " (the VAE's downsampling factor)");
-    }
-    data::BucketOptions bo;
-    bo.resolution = d.resolution;
-    bo.step = d.bucket_step;
-    bo.min_side = d.bucket_min_side;
-    bo.max_side = d.bucket_max_side;
-    std::vector<std::array<int64_t, 2>> sizes;
-    for (int64_t i = 0; i < images.size(); ++i) sizes.push_back(io::image_size(images.file(i)));
-    const int64_t group = acc.options().split_batches
-                              ? d.train_batch_size
-                              : d.train_batch_size * static_cast<int64_t>(acc.num_processes());
-    buckets_ = std::make_shared<data::BucketLayout>(data::make_buckets(bo), sizes, group);
-    images.set_target_sizes(buckets_->image_targets());
-    std::vector<int64_t> slots;
-    for (int64_t k = 0; k < buckets_->num_slots(); ++k) slots.push_back(buckets_->image_of_slot(k));
-    ds.set_slots(std::move(slots));
-    std::string lines;
-    for (const auto& line : buckets_->summary()) lines += (lines.empty() ? "" : ", ") + line;
-    acc.print("aspect-ratio buckets: {} image(s) in {} slot(s) ({}), batches of one bucket",
-              images.size(), buckets_->num_slots(), lines);
-  }
+                      TextImageDataset& ds);
 
   // DreamBooth: the class folder needs num_class_images images; the missing ones are drawn from
   // the pretrained pipeline with the class prompt (image i from seed + i), split across ranks.
-  void generate_class_images(accel::Accelerator& acc) {
-    const auto& t = o_.text;
-    train::generate_class_images(
-        acc, {t.class_data_dir, t.class_prompt, t.num_class_images, o_.data.seed},
-        [this](int64_t count, uint64_t seed) {
-          diffusion::StableDiffusion pipe =
-              as_pipeline(diffusion::SchedulerConfig::load(folder_.scheduler_config), "ddim");
-          diffusion::GenerateRequest r = render_request(o_.text.class_prompt);
-          r.num_images = count;
-          r.seed = seed;
-          r.on_step = [](int64_t, int64_t) { core::note_progress(); };
-          return pipe.generate(r).images;
-        });
-  }
+  void generate_class_images(accel::Accelerator& acc);
 
   // The latent cache (and, without train_text_encoder, the text-embedding cache).
-  void fill_cache(accel::Accelerator& acc, TextImageDataset& ds, const std::string& output_dir) {
-    const auto& d = o_.data;
-    const auto& t = o_.text;
-    const fs::path dir =
-        t.cache_dir.empty() ? fs::path(output_dir) / "cache" : fs::path(t.cache_dir);
-    if (acc.is_main_process()) {
-      std::error_code ec;
-      fs::create_directories(dir, ec);
-      if (ec) throw Error("cannot create cache_dir " + dir.string() + ": " + ec.message());
-    }
-    acc.wait_for_everyone();
-    // The key changes when the VAE, the images or their preprocessing change.
-    const std::string vae_key =
-        "latents-v2;" + io::read_file(vae_dir_ + "/config.json") +
-        file_stamp(models::weights_path(vae_dir_, vae_variant_)) + std::to_string(d.resolution) +
-        ";" + std::to_string(d.center_crop) + ";" +
-        (d.resolution_buckets
-             ? fmt::format("buckets {} {} {};", d.bucket_step, d.bucket_min_side, d.bucket_max_side)
-             : std::string());
-    auto cache_half = [&](TextImageDataset::Half& half, const std::string& name,
-                          const std::string& data_dir) {
-      const fs::path file =
-          dir / (name + "-" + cache_key(vae_key + folder_stamp(data_dir)) + ".safetensors");
-      std::tie(half.mean, half.logvar) =
-          cached_latents(acc, *half.images, file, *vae_, o_.encode_batch_size);
-      // The cache needs centre crops without flips: each image's geometry is fixed.
-      half.geometry = centre_crop_geometry(*half.images);
-    };
-    cache_half(ds.instance(), "latents", d.train_data_dir);
-    if (ds.class_half()) cache_half(*ds.class_half(), "class-latents", t.class_data_dir);
-
-    if (o_.lora.train_text_encoder) return;
-    std::set<std::string> unique(ds.instance().captions.begin(), ds.instance().captions.end());
-    if (ds.class_half()) unique.insert(t.class_prompt);
-    std::string key = "embeds-v2;" + text_cache_key();
-    for (const auto& s : unique) key += "\n" + s;
-    const fs::path file = dir / ("text-embeddings-" + cache_key(key) + ".safetensors");
-    const std::vector<std::string> captions(unique.begin(), unique.end());
-    if (!fs::exists(file)) {
-      build_text_embedding_cache(acc, captions, file, [this](const std::vector<std::string>& c) {
-        return encode_captions(c);
-      });
-    }
-    acc.wait_for_everyone();
-    ds.cached_text = load_text_embedding_cache(file);
-  }
+  void fill_cache(accel::Accelerator& acc, TextImageDataset& ds, const std::string& output_dir);
 
   // Latents and text embeddings of one half of a batch (`prefix` "" or "class_"): cached or
   // encoded now (the VAE and frozen text encoder under no-grad), with each sample's posterior
   // draw from sample_generator(seed, epoch, key, kLatent).
   EncodedBatch encode_batch(const data::Batch& batch, const std::string& prefix,
-                            const std::vector<int64_t>& keys, int64_t epoch, torch::Device device) {
-    EncodedBatch out;
-    torch::Tensor mean, logvar;
-    if (batch.count(prefix + "latent_mean")) {
-      mean = batch.at(prefix + "latent_mean").to(torch::kCPU, torch::kFloat32);
-      logvar = batch.at(prefix + "latent_logvar").to(torch::kCPU, torch::kFloat32);
-    } else {
-      torch::NoGradGuard no_grad;
-      const auto& px = batch.at(prefix + "pixel_values");
-      auto post = vae_->encode(px.to(module_device(*vae_), module_dtype(*vae_)));
-      mean = post.mean.to(torch::kCPU, torch::kFloat32);
-      logvar = post.logvar.to(torch::kCPU, torch::kFloat32);
-    }
-    // Each sample's posterior draw comes from its own stream (cached or not, the same numbers).
-    std::vector<torch::Tensor> z;
-    const auto shape = mean.sizes().slice(1).vec();
-    for (size_t i = 0; i < keys.size(); ++i) {
-      auto g = data::sample_generator(o_.noise.seed, epoch, keys[i], data::SampleStream::kLatent);
-      const auto k = static_cast<int64_t>(i);
-      z.push_back(mean[k] + (0.5 * logvar[k]).exp() * torch::randn(shape, g, torch::kFloat32));
-    }
-    out.latents = vae_->scale_latents(torch::stack(z)).to(device);
-    out.time_ids = time_ids(batch, prefix, out.latents);
-    if (out.time_ids.defined()) out.time_ids = out.time_ids.to(device);
-    if (batch.count(prefix + "prompt_embeds")) {
-      out.embeds = batch.at(prefix + "prompt_embeds").to(device, torch::kFloat32);
-      if (batch.count(prefix + "pooled_prompt_embeds")) {
-        out.pooled = batch.at(prefix + "pooled_prompt_embeds").to(device, torch::kFloat32);
-      }
-    } else {
-      auto text = encode_ids(batch, prefix);
-      out.embeds = text.embeds.to(device);
-      if (text.pooled.defined()) out.pooled = text.pooled.to(device);
-    }
-    return out;
-  }
+                            const std::vector<int64_t>& keys, int64_t epoch, torch::Device device);
 
   std::shared_ptr<data::BucketLayout> buckets_;  // --resolution_buckets
   std::string vae_dir_, vae_variant_;  // the VAE read (the pipeline's, or --pretrained_vae_...)

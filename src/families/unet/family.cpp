@@ -32,7 +32,7 @@ std::vector<int64_t> parse_labels(const std::string& text) {
   return out;
 }
 
-class UNetFamily : public ModelFamily {
+class UNetFamily : public UNetBasedFamily {
  public:
   std::string name() const override { return "unet"; }
   std::vector<std::string> pipeline_classes() const override {
@@ -45,10 +45,6 @@ class UNetFamily : public ModelFamily {
     return index.contains("unet");
   }
   std::vector<std::string> lora_components() const override { return {"unet"}; }
-  void adapt_lora(io::LoraWeights& lora, const std::string& dir,
-                  io::LoraFormat format) const override {
-    adapt_unet_lora(lora, dir, format);
-  }
   std::unique_ptr<diffusion::Pipeline> load_pipeline(
       const std::string& dir, const diffusion::PipelineLoadOptions& options) const override {
     return std::make_unique<diffusion::UNetPipeline>(diffusion::load_unet_pipeline(dir, options));
