@@ -200,36 +200,26 @@ void Accelerator::prepare_module(torch::nn::Module& module) {
 std::shared_ptr<AcceleratedOptimizer> Accelerator::prepare_optimizer(
     std::shared_ptr<torch::optim::Optimizer> optimizer) {
   if (!optimizer) throw Error("prepare() got a null optimizer");
-  // Sharded models replace the optimizer over their parameters by one over this rank's shards.
-  ShardedModel* engine = nullptr;
+  // An engine may step the optimizer's parameters its own way (a sharded model: an optimizer
+  // over this rank's shards, which then also owns its checkpoint state).
+  GradSync* engine = nullptr;
+  std::optional<EngineOptimizer> made;
   for (auto& g : state_->grad_syncs) {
-    ShardedModel* s = g->sharded_model();
-    if (!s || s->has_shard_optimizer()) continue;
-    for (const auto& group : optimizer->param_groups()) {
-      for (const auto& p : group.params()) {
-        if (!engine && s->contains(p)) engine = s;
-      }
+    made = g->make_optimizer(*optimizer);
+    if (made) {
+      engine = g.get();
+      break;
     }
-    if (engine) break;
   }
   std::shared_ptr<AcceleratedOptimizer> prepared;
-  if (engine) {
-    auto* flat = dynamic_cast<optim::FlatOptimizer*>(optimizer.get());
-    if (!flat) {
-      throw Error(fmt::format(
-          "sharding {} needs a difftrain optimizer (difftrain::optim::AdamW or AdamW8bit): "
-          "their flat state can be cut into per-rank shards",
-          to_string(sharding_.strategy)));
-    }
-    auto inner = engine->make_shard_optimizer(*flat);
-    prepared = std::make_shared<AcceleratedOptimizer>(inner, state_);
+  if (made) {
+    prepared = std::make_shared<AcceleratedOptimizer>(made->optimizer, state_);
     prepared->set_user_optimizer(optimizer);
-    prepared->set_step_hooks([engine] { engine->sync_hyperparameters(); },
-                             [engine] { engine->after_step(); });
+    prepared->set_step_hooks(made->before_step, made->after_step);
   } else {
     prepared = std::make_shared<AcceleratedOptimizer>(std::move(optimizer), state_);
   }
-  shard_engine_of_optimizer_.push_back(engine);
+  engine_of_optimizer_.push_back(engine);
   const auto params = prepared->parameters();
   state_->optimizer_params.insert(state_->optimizer_params.end(), params.begin(), params.end());
   ++state_->num_optimizers;
@@ -382,15 +372,6 @@ bool Accelerator::gradients_sharded() const {
     if (g->shards_gradients()) return true;
   }
   return false;
-}
-
-ShardedModel* Accelerator::sharded_engine_of_model(size_t index) const {
-  if (index >= grad_sync_of_model_.size() || !grad_sync_of_model_[index]) return nullptr;
-  return grad_sync_of_model_[index]->sharded_model();
-}
-
-ShardedModel* Accelerator::sharded_engine_of_optimizer(size_t index) const {
-  return index < shard_engine_of_optimizer_.size() ? shard_engine_of_optimizer_[index] : nullptr;
 }
 
 std::vector<ShardedModel*> Accelerator::sharded_models() const {

@@ -342,16 +342,10 @@ class Accelerator {
  private:
   friend class AccumulateGuard;
   friend class FullParameters;
-  void save_sharded_model(size_t index, ShardedModel& engine, const std::string& temp_dir);
-  void load_sharded_model(size_t index, ShardedModel& engine, const std::string& dir);
-  void save_sharded_optimizer(size_t index, ShardedModel& engine, optim::FlatOptimizer& opt,
-                              const std::string& temp_dir);
-  void load_sharded_optimizer(size_t index, ShardedModel& engine, optim::FlatOptimizer& opt,
-                              const std::string& dir);
-  // The sharding engine of prepared model / optimizer `index`, or null (checkpoints save and load
-  // sharded models and shard optimizers per rank).
-  ShardedModel* sharded_engine_of_model(size_t index) const;
-  ShardedModel* sharded_engine_of_optimizer(size_t index) const;
+  // How prepared model / optimizer `index`'s state goes into checkpoints: its engine's
+  // CheckpointState (GradSync::checkpoint_state), else the replicated one.
+  CheckpointState& checkpoint_state_of_model(size_t index);
+  CheckpointState& checkpoint_state_of_optimizer(size_t index);
   // Whether some engine holds gradient shards (the norm and clipping then go through GradSync).
   bool gradients_sharded() const;
   void init();
@@ -414,7 +408,8 @@ class Accelerator {
   // a frozen model).
   std::vector<GradSync*> grad_sync_of_model_;
   // Per prepared optimizer: the sharding engine whose shard optimizer replaced it, or null.
-  std::vector<ShardedModel*> shard_engine_of_optimizer_;
+  std::vector<GradSync*> engine_of_optimizer_;  // the engine that made optimizer i's, or null
+  std::unique_ptr<CheckpointState> replicated_checkpoint_;
   std::vector<std::weak_ptr<AcceleratedOptimizer>> optimizers_;
   std::vector<std::weak_ptr<AcceleratedScheduler>> schedulers_;
   struct LoaderSeen {

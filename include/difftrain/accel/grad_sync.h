@@ -3,12 +3,20 @@
 // DDP Reducer and the sharded ShardedModel), and the gradient-accumulator hook both of them use.
 
 #include <torch/csrc/autograd/function.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
 #include <torch/types.h>
 
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
+
+namespace difftrain::optim {
+class FlatOptimizer;
+}  // namespace difftrain::optim
 
 namespace difftrain::accel {
 
@@ -36,6 +44,40 @@ StateMemory replicated_memory(const std::vector<torch::Tensor>& params);
 /// engine holds gradients on.
 double grad_norm_part_of(const std::vector<torch::Tensor>& tensors, double norm_type);
 
+/// How one prepared model's state and its optimizer's state go into a checkpoint folder and come
+/// back (Accelerator::save_state / load_state). Every rank calls every method, in the same order
+/// (they may be collective). `stem` names the files ("model", "model_1", "optimizer", ...). Each
+/// GradSync engine owns the one that fits how it holds the state (GradSync::checkpoint_state());
+/// models without an engine use replicated_checkpoint_state().
+class CheckpointState {
+ public:
+  virtual ~CheckpointState() = default;
+  virtual void save_model(torch::nn::Module& model, const std::string& dir,
+                          const std::string& stem) = 0;
+  /// Throws difftrain::Error naming the file when it does not fit the model.
+  virtual void load_model(torch::nn::Module& model, const std::string& dir,
+                          const std::string& stem) = 0;
+  virtual void save_optimizer(optim::FlatOptimizer& optimizer, const std::string& dir,
+                              const std::string& stem) = 0;
+  /// Throws difftrain::Error when the saved state was written by another kind of engine (e.g.
+  /// sharded state for a run without sharding) or does not fit.
+  virtual void load_optimizer(optim::FlatOptimizer& optimizer, const std::string& dir,
+                              const std::string& stem) = 0;
+};
+
+/// The state of a model whose parameters are whole and equal on every rank (DDP, one process):
+/// rank `rank` == 0 writes `<stem>.safetensors` (every parameter and buffer) and the optimizer's
+/// safetensors state; every rank reads them back (a model also from a sharded checkpoint, which
+/// loads into any run; sharded optimizer state is refused with what to do).
+std::unique_ptr<CheckpointState> replicated_checkpoint_state(int rank);
+
+/// What GradSync::make_optimizer() puts in place of the user's optimizer: the optimizer that
+/// steps, and what to run right before and after each of its steps.
+struct EngineOptimizer {
+  std::shared_ptr<torch::optim::Optimizer> optimizer;
+  std::function<void()> before_step, after_step;
+};
+
 /// What one prepared model's gradient synchronisation does, whatever the engine (flashlight's
 /// `Reducer` add()/finalize(); torch's DDP Reducer and FSDP's FlatParamHandle): one per prepared
 /// model with trainable parameters when there is more than one process. The Accelerator keeps
@@ -48,6 +90,8 @@ double grad_norm_part_of(const std::vector<torch::Tensor>& tensors, double norm_
 ///     grad_norm_part / scale_grads / clamp_grads    clipping and fp16 unscaling
 ///     zero_grad()                 after the optimizer step
 ///     memory()                    Accelerator::memory()
+///     checkpoint_state()          Accelerator::save_state / load_state
+///     make_optimizer(user)        Accelerator::prepare(optimizer)
 ///
 /// Implementations: Reducer (DDP: every rank holds every averaged gradient) and ShardedModel
 /// (ZeRO-1/2/3, FSDP: each rank holds its shard of them; shards_gradients() true).
@@ -93,8 +137,19 @@ class GradSync {
   virtual void gather_full_parameters() {}
   virtual void release_full_parameters() {}
 
-  /// The sharding engine, for what is genuinely about sharded parameters (the per-rank shard
-  /// optimizer, sharded checkpoints); null for every other engine.
+  /// How this engine's model and optimizer state go into checkpoints; null (the default): the
+  /// parameters are whole on every rank (replicated_checkpoint_state()).
+  virtual CheckpointState* checkpoint_state() { return nullptr; }
+  /// prepare(optimizer): the optimizer that steps in place of `user` when `user` steps this
+  /// engine's parameters in a way the engine changes (the sharding engine: one over this rank's
+  /// shards); nothing (the default) when `user` steps as given. Throws difftrain::Error for an
+  /// optimizer the engine cannot take.
+  virtual std::optional<EngineOptimizer> make_optimizer(torch::optim::Optimizer& /*user*/) {
+    return std::nullopt;
+  }
+
+  /// The sharding engine, for tests and benchmarks that look at shards; null for every other
+  /// engine.
   virtual ShardedModel* sharded_model() { return nullptr; }
 };
 

@@ -43,8 +43,8 @@ struct ShardingStats {
 /// SHARD_GRAD_OP / FULL_SHARD the full gradient buffers are then freed.
 ///
 /// The Accelerator drives it through GradSync: each rank holds its shard of the averaged
-/// gradients (shards_gradients() true), and sharded_model() gives the Accelerator the rest of
-/// this class (shard optimizer, sharded checkpoints).
+/// gradients (shards_gradients() true), make_optimizer() gives it the shard optimizer and
+/// checkpoint_state() the sharded checkpoints.
 class ShardedModel final : public GradSync {
  public:
   ShardedModel(torch::nn::Module& module, const ShardingOptions& options,
@@ -66,6 +66,13 @@ class ShardedModel final : public GradSync {
   /// True: after finish() each rank holds its gradient shards (shard_parameters()[u].grad()).
   bool shards_gradients() const override { return true; }
   ShardedModel* sharded_model() override { return this; }
+  /// Sharded checkpoints: every rank writes the shards it owns, rank 0 the index; they load
+  /// into any number of processes and any strategy (src/accel/sharded_checkpoint.cpp).
+  CheckpointState* checkpoint_state() override;
+  /// For a difftrain optimizer over this model's trainable parameters: make_shard_optimizer(),
+  /// with sync_hyperparameters() before and after_step() after each step. Throws
+  /// difftrain::Error for a LibTorch optimizer (its state cannot be cut into shards).
+  std::optional<EngineOptimizer> make_optimizer(torch::optim::Optimizer& user) override;
 
   /// Replaces `user` (a difftrain optimizer over this model's trainable parameters) by an
   /// optimizer of the same type and hyperparameters over this rank's shards, and releases the
@@ -152,6 +159,7 @@ class ShardedModel final : public GradSync {
   torch::nn::Module& module_;
   ShardingOptions options_;
   distributed::ProcessGroup& group_;
+  std::unique_ptr<CheckpointState> checkpoint_;  // made on first use
   int world_ = 1;
   int rank_ = 0;
   std::vector<UnitPlan> plans_;
