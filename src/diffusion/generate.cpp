@@ -204,11 +204,10 @@ void StableDiffusion::to(const torch::Device& device, std::optional<torch::Dtype
       m.to(device);
     }
   };
-  if (!text_encoder || !vae || !unet) {
+  if (text_encoders.empty() || !vae || !unet) {
     throw Error("StableDiffusion::to: the pipeline is missing its text encoder, VAE or UNet");
   }
-  move(*text_encoder);
-  if (is_xl()) move(*text_encoder_2);
+  text_encoders.to(device, dtype);
   move(*vae);
   move(*unet);
 }

@@ -5,6 +5,7 @@
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/models/lora.h"
+#include "difftrain/models/module_info.h"
 #include "difftrain/models/pretrained.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -178,9 +179,8 @@ torch::Tensor sample_images(models::UNetImpl& unet, Sampler& scheduler, const Sa
   // to the UNet's device and dtype, so a seed gives the same images on any device. Samplers
   // whose initial noise is not unit (Euler) scale it, as the Stable Diffusion pipelines do
   // (DDPM and DDIM: 1, so their images are DDPMPipeline's exactly).
-  const auto params = unet.parameters();
-  const torch::Device device = params.empty() ? torch::Device(torch::kCPU) : params[0].device();
-  const auto dtype = params.empty() ? torch::kFloat32 : params[0].scalar_type();
+  const torch::Device device = models::module_device(unet);
+  const auto dtype = models::module_dtype(unet);
   torch::Tensor x =
       at::randn({o.num_images, cfg.in_channels, h, w}, gen, torch::kFloat32).to(device, dtype);
   if (scheduler.init_noise_sigma() != 1.0) x = x * scheduler.init_noise_sigma();

@@ -5,6 +5,7 @@
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/models/lora.h"
+#include "difftrain/models/module_info.h"
 #include "difftrain/models/pretrained.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -203,19 +204,7 @@ StableDiffusion load_stable_diffusion(const std::string& dir,
   so.eta = options.eta;
   sd.scheduler = load_sampler(sd.folder.scheduler_config, options.scheduler, so);
 
-  sd.tokenizer = models::ClipTokenizer::from_folder(sd.folder.tokenizer_dir);
-  sd.text_encoder = models::load_clip_text_model(sd.folder.text_encoder_dir, options.variant);
-  const int64_t positions = sd.text_encoder->config().max_position_embeddings;
-  if (sd.tokenizer.model_max_length() > positions) sd.tokenizer.set_model_max_length(positions);
-  if (sd.folder.xl) {
-    sd.tokenizer_2 = models::ClipTokenizer::from_folder(sd.folder.tokenizer_2_dir);
-    sd.text_encoder_2 = models::load_clip_text_model(sd.folder.text_encoder_2_dir, options.variant,
-                                                     /*with_projection=*/true);
-    const int64_t positions_2 = sd.text_encoder_2->config().max_position_embeddings;
-    if (sd.tokenizer_2.model_max_length() > positions_2) {
-      sd.tokenizer_2.set_model_max_length(positions_2);
-    }
-  }
+  sd.text_encoders = load_text_encoders(sd.folder, options.variant);
   if (!options.vae.empty()) log::info("VAE from {} instead of {}", options.vae, sd.folder.vae_dir);
   sd.vae = models::load_autoencoder_kl(options.vae.empty() ? sd.folder.vae_dir : options.vae,
                                        options.vae.empty() ? options.variant : "");
@@ -226,8 +215,7 @@ StableDiffusion load_stable_diffusion(const std::string& dir,
                 "embeddings; expected a UNet2DConditionModel");
   }
   const auto& ucfg = sd.unet->config();
-  const int64_t text_width = sd.text_encoder->config().hidden_size +
-                             (sd.is_xl() ? sd.text_encoder_2->config().hidden_size : 0);
+  const int64_t text_width = sd.text_encoders.embed_dim();
   if (ucfg.cross_attention_dim.empty() || ucfg.cross_attention_dim[0] != text_width) {
     throw Error(sd.folder.unet_dir + ": cross_attention_dim " +
                 (ucfg.cross_attention_dim.empty() ? std::string("null")
@@ -245,7 +233,7 @@ StableDiffusion load_stable_diffusion(const std::string& dir,
   }
   if (sd.is_xl()) {
     const int64_t want =
-        sd.text_encoder_2->config().projection_dim + 6 * ucfg.addition_time_embed_dim.value_or(0);
+        sd.text_encoders.pooled_dim() + 6 * ucfg.addition_time_embed_dim.value_or(0);
     if (ucfg.projection_class_embeddings_input_dim.value_or(0) != want) {
       throw Error(sd.folder.unet_dir + ": projection_class_embeddings_input_dim " +
                   std::to_string(ucfg.projection_class_embeddings_input_dim.value_or(0)) +
@@ -263,14 +251,10 @@ StableDiffusion load_stable_diffusion(const std::string& dir,
     io::LoraWeights lora = io::read_lora(options.lora);
     auto u = models::merge_lora(*sd.unet, lora, options.lora_scale, "unet");
     int64_t te_merged = 0;
-    if (lora.count("text_encoder") > 0) {
-      te_merged = models::merge_lora(*sd.text_encoder, lora, options.lora_scale, "text_encoder")
-                      .modules_merged;
-    }
-    if (sd.is_xl() && lora.count("text_encoder_2") > 0) {
+    for (const auto& e : sd.text_encoders.encoders()) {
+      if (lora.count(e.component) == 0) continue;
       te_merged +=
-          models::merge_lora(*sd.text_encoder_2, lora, options.lora_scale, "text_encoder_2")
-              .modules_merged;
+          models::merge_lora(*e.model.ptr(), lora, options.lora_scale, e.component).modules_merged;
     }
     log::info("LoRA {} ({} format): merged into {} UNet and {} text encoder modules, scale {}",
               options.lora, io::to_string(lora.format), u.modules_merged, te_merged,
@@ -284,57 +268,17 @@ StableDiffusion load_stable_diffusion(const std::string& dir,
   return sd;
 }
 
-torch::Tensor encode_prompts(const models::ClipTokenizer& tokenizer,
-                             models::ClipTextModelImpl& text_encoder,
-                             const std::vector<std::string>& prompts, int64_t clip_skip) {
-  const auto params = text_encoder.parameters();
-  const torch::Device device = params.empty() ? torch::Device(torch::kCPU) : params[0].device();
-  torch::NoGradGuard no_grad;
-  torch::Tensor ids = tokenizer.encode_batch(prompts).to(device);
-  return text_encoder.forward(ids, clip_skip).last_hidden_state;
-}
-
-XlPromptEmbeds encode_ids_xl(models::ClipTextModelImpl& text_encoder,
-                             models::ClipTextModelImpl& text_encoder_2, const torch::Tensor& ids,
-                             const torch::Tensor& ids_2, int64_t clip_skip) {
-  // encode_prompt: hidden_states[-(clip_skip + 2)] of each encoder, before final_layer_norm;
-  // the pooled embedding is the last encoder's text_embeds.
-  auto pick = [clip_skip](models::ClipTextModelImpl& te, const torch::Tensor& input) {
-    const int64_t layers = te.config().num_hidden_layers;
-    if (clip_skip < 0 || clip_skip + 1 > layers) {
-      throw Error("clip_skip " + std::to_string(clip_skip) +
-                  " needs more than the text encoder's " + std::to_string(layers) + " layers");
-    }
-    auto out = te.forward(input, 0, /*output_hidden_states=*/true);
-    auto& states = out.hidden_states;
-    return std::make_pair(states[states.size() - static_cast<size_t>(clip_skip) - 2],
-                          out.text_embeds);
-  };
-  auto first = pick(text_encoder, ids);
-  auto second = pick(text_encoder_2, ids_2.to(first.first.device()));
-  if (!second.second.defined()) {
-    throw Error(
-        "text_encoder_2 has no text_projection; SDXL's second encoder is a "
-        "CLIPTextModelWithProjection");
+TextEncoderStack load_text_encoders(const StableDiffusionFolder& folder,
+                                    const std::string& variant) {
+  std::vector<TextEncoderStack::Files> files = {
+      {"text_encoder", "tokenizer", folder.text_encoder_dir, folder.tokenizer_dir}};
+  if (folder.xl) {
+    files.push_back(
+        {"text_encoder_2", "tokenizer_2", folder.text_encoder_2_dir, folder.tokenizer_2_dir});
   }
-  XlPromptEmbeds out;
-  out.embeds = torch::cat({first.first, second.first.to(first.first.device())}, -1);
-  out.pooled = second.second.to(first.first.device());
-  return out;
-}
-
-XlPromptEmbeds encode_prompts_xl(const models::ClipTokenizer& tokenizer,
-                                 models::ClipTextModelImpl& text_encoder,
-                                 const models::ClipTokenizer& tokenizer_2,
-                                 models::ClipTextModelImpl& text_encoder_2,
-                                 const std::vector<std::string>& prompts, int64_t clip_skip,
-                                 bool with_grad) {
-  const auto params = text_encoder.parameters();
-  const torch::Device device = params.empty() ? torch::Device(torch::kCPU) : params[0].device();
-  std::optional<torch::NoGradGuard> no_grad;
-  if (!with_grad) no_grad.emplace();
-  return encode_ids_xl(text_encoder, text_encoder_2, tokenizer.encode_batch(prompts).to(device),
-                       tokenizer_2.encode_batch(prompts).to(device), clip_skip);
+  return TextEncoderStack::load(
+      folder.xl ? TextEncoderStack::Layout::kDualClip : TextEncoderStack::Layout::kClip, files,
+      variant);
 }
 
 torch::Tensor xl_time_ids(const std::vector<int64_t>& original_size,
@@ -400,12 +344,11 @@ TextToImageResult text_to_image(StableDiffusion& sd, const TextToImageOptions& o
   const int64_t k = o.num_images_per_prompt;
   const bool guided = o.guidance_scale > 1.0;
 
-  const auto params = sd.unet->parameters();
-  const torch::Device device = params.empty() ? torch::Device(torch::kCPU) : params[0].device();
-  const auto dtype = params.empty() ? torch::kFloat32 : params[0].scalar_type();
+  const torch::Device device = models::module_device(*sd.unet);
+  const auto dtype = models::module_dtype(*sd.unet);
 
   sd.unet->eval();
-  sd.text_encoder->eval();
+  for (auto* m : sd.text_encoders.modules()) m->eval();
   sd.vae->eval();
   torch::NoGradGuard no_grad;
 
@@ -414,10 +357,8 @@ TextToImageResult text_to_image(StableDiffusion& sd, const TextToImageOptions& o
   }
   torch::Tensor embeds, pooled, time_ids;
   if (sd.is_xl()) {
-    sd.text_encoder_2->eval();
     // StableDiffusionXLPipeline.encode_prompt, then _get_add_time_ids.
-    const XlPromptEmbeds positive = encode_prompts_xl(
-        sd.tokenizer, *sd.text_encoder, sd.tokenizer_2, *sd.text_encoder_2, o.prompts, o.clip_skip);
+    const PromptEmbeds positive = sd.text_encoders.encode(o.prompts, o.clip_skip);
     embeds = positive.embeds.repeat_interleave(k, 0);
     pooled = positive.pooled.repeat_interleave(k, 0);
     auto or_default = [](const std::vector<int64_t>& v, std::vector<int64_t> fallback) {
@@ -435,8 +376,7 @@ TextToImageResult text_to_image(StableDiffusion& sd, const TextToImageOptions& o
         negative_pooled = torch::zeros_like(positive.pooled);
       } else {
         // Diffusers takes hidden_states[-2] for the negatives whatever clip_skip is.
-        const XlPromptEmbeds negative = encode_prompts_xl(
-            sd.tokenizer, *sd.text_encoder, sd.tokenizer_2, *sd.text_encoder_2, negatives, 0);
+        const PromptEmbeds negative = sd.text_encoders.encode(negatives, 0);
         negative_embeds = negative.embeds;
         negative_pooled = negative.pooled;
       }
@@ -453,12 +393,12 @@ TextToImageResult text_to_image(StableDiffusion& sd, const TextToImageOptions& o
     time_ids = time_ids.to(device, dtype);
   } else {
     // encode_prompt: embeddings repeated K times per prompt (prompt-major), negatives first.
-    torch::Tensor cond = encode_prompts(sd.tokenizer, *sd.text_encoder, o.prompts, o.clip_skip)
-                             .repeat_interleave(k, 0);
+    torch::Tensor cond =
+        sd.text_encoders.encode(o.prompts, o.clip_skip).embeds.repeat_interleave(k, 0);
     embeds = cond;
     if (guided) {
-      torch::Tensor uncond = encode_prompts(sd.tokenizer, *sd.text_encoder, negatives, o.clip_skip)
-                                 .repeat_interleave(k, 0);
+      torch::Tensor uncond =
+          sd.text_encoders.encode(negatives, o.clip_skip).embeds.repeat_interleave(k, 0);
       embeds = torch::cat({uncond, cond});
     }
   }
@@ -507,8 +447,7 @@ TextToImageResult text_to_image(StableDiffusion& sd, const TextToImageOptions& o
     out.pooled_prompt_embeds = pooled.to(torch::kCPU, torch::kFloat32);
     out.add_time_ids = time_ids.to(torch::kCPU, torch::kFloat32);
   }
-  const auto vae_params = sd.vae->parameters();
-  auto vae_dtype = vae_params.empty() ? torch::kFloat32 : vae_params[0].scalar_type();
+  auto vae_dtype = models::module_dtype(*sd.vae);
   // SDXL's VAE overflows in float16 (black images): its config says force_upcast, and the
   // pipeline decodes in float32 then (upcast_vae), and back afterwards.
   const bool upcast = sd.is_xl() && vae_dtype == torch::kFloat16 && sd.vae->config().force_upcast;

@@ -31,6 +31,8 @@ torch::Device parse_sample_device(const std::string& text);
 /// family adds its text encoders) are the same.
 class UNetBasedFamily : public ModelFamily {
  public:
+  /// The UNet's names (adapt_unet_lora), then every other lora_components() entry as a CLIP
+  /// text encoder (adapt_text_encoder_lora).
   void adapt_lora(io::LoraWeights& lora, const std::string& dir,
                   io::LoraFormat format) const override;
   models::LoraFolderMergeSummary merge_lora(

@@ -8,6 +8,10 @@ namespace difftrain::families {
 void UNetBasedFamily::adapt_lora(io::LoraWeights& lora, const std::string& dir,
                                  io::LoraFormat format) const {
   adapt_unet_lora(lora, dir, format);
+  // Every other component a UNet family trains LoRA on is a CLIP text encoder.
+  for (const auto& component : lora_components()) {
+    if (component != "unet") adapt_text_encoder_lora(lora, dir, component);
+  }
 }
 
 models::LoraFolderMergeSummary UNetBasedFamily::merge_lora(

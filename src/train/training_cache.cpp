@@ -5,6 +5,7 @@
 #include "difftrain/core/phase.h"
 #include "difftrain/io/image.h"
 #include "difftrain/io/safetensors.h"
+#include "difftrain/models/module_info.h"
 
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
@@ -79,9 +80,8 @@ std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> cached_latents
     io::TensorMap tensors;
     torch::NoGradGuard no_grad;
     auto autocast = acc.autocast();
-    const auto params = vae.parameters();
-    const auto device = params.empty() ? torch::Device(torch::kCPU) : params[0].device();
-    const auto dtype = params.empty() ? torch::kFloat32 : params[0].scalar_type();
+    const auto device = models::module_device(vae);
+    const auto dtype = models::module_dtype(vae);
     for (const auto& [size, mine] : by_size) {
       for (size_t s = 0; s < mine.size(); s += batch) {
         std::vector<torch::Tensor> px;

@@ -3,6 +3,7 @@
 
 #include "difftrain/accel/accelerator.h"
 #include "difftrain/accel/checkpoint_manifest.h"
+#include "difftrain/accel/grad_sync.h"
 #include "difftrain/core/error.h"
 #include "difftrain/optim/adamw.h"
 #include "difftrain/optim/adamw8bit.h"
@@ -205,6 +206,54 @@ TEST(AccelCheckpoint, ChecksumsCatchTruncatedFlippedAndMissingFiles) {
     std::ofstream(model, std::ios::binary | std::ios::trunc) << flipped;
     acc.load_state(dir);
   });
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace difftrain::accel
+
+namespace difftrain::accel {
+namespace {
+
+// The CheckpointState of engines that hold whole parameters (DDP, one process): rank 0 writes
+// the model and optimizer files, other ranks write nothing, every rank reads them back; sharded
+// optimizer state is refused with what to do.
+TEST(AccelCheckpoint, ReplicatedCheckpointStateWritesOnRankZeroAndReadsEverywhere) {
+  const fs::path dir = fs::temp_directory_path() / ("dt_replicated_" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir / "rank1");
+  torch::manual_seed(0);
+  Net a;
+  optim::AdamW opt(a->parameters(), torch::optim::AdamWOptions(1e-2));
+  a->forward(torch::randn({4, 3})).sum().backward();
+  opt.step();
+  auto rank0 = replicated_checkpoint_state(0);
+  auto rank1 = replicated_checkpoint_state(1);
+  rank0->save_model(*a, dir.string(), "model");
+  rank0->save_optimizer(opt, dir.string(), "optimizer");
+  rank1->save_model(*a, (dir / "rank1").string(), "model");
+  rank1->save_optimizer(opt, (dir / "rank1").string(), "optimizer");
+  EXPECT_TRUE(fs::is_empty(dir / "rank1"));
+  EXPECT_TRUE(fs::exists(dir / "model.safetensors"));
+
+  Net b;
+  optim::AdamW opt_b(b->parameters(), torch::optim::AdamWOptions(1e-2));
+  rank1->load_model(*b, dir.string(), "model");
+  rank1->load_optimizer(opt_b, dir.string(), "optimizer");
+  const auto pa = a->named_parameters(), pb = b->named_parameters();
+  for (const auto& item : pa) EXPECT_TRUE(torch::equal(item.value(), pb[item.key()])) << item.key();
+  EXPECT_EQ(opt_b.state_dict().tensors.size(), opt.state_dict().tensors.size());
+  for (const auto& [key, t] : opt.state_dict().tensors) {
+    EXPECT_TRUE(torch::equal(t, opt_b.state_dict().tensors.at(key))) << key;
+  }
+  // A sharded optimizer index in the folder: refused, naming the way out.
+  { std::ofstream(dir / "optimizer_9.index.json") << "{}"; }
+  try {
+    rank0->load_optimizer(opt_b, dir.string(), "optimizer_9");
+    ADD_FAILURE() << "sharded optimizer state loaded into a replicated run";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--sharding_strategy"), std::string::npos) << e.what();
+  }
   fs::remove_all(dir);
 }
 

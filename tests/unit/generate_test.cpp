@@ -137,8 +137,8 @@ TEST(GeneratePipeline, ToDtypeCastsEveryModel) {
 
   auto sd = diffusion::load_stable_diffusion(kSd);
   sd.to(torch::kCPU, torch::kBFloat16);
-  for (auto* m :
-       std::vector<torch::nn::Module*>{sd.text_encoder.get(), sd.vae.get(), sd.unet.get()}) {
+  for (auto* m : std::vector<torch::nn::Module*>{sd.text_encoders.modules()[0], sd.vae.get(),
+                                                 sd.unet.get()}) {
     for (const auto& p : m->parameters()) ASSERT_EQ(p.scalar_type(), torch::kBFloat16);
   }
   diffusion::GenerateRequest t;

@@ -109,8 +109,8 @@ TEST(SdPipeline, NonSquareSizeAndErrors) {
 
 TEST(SdPipeline, ClipSkipChangesEmbeddings) {
   auto sd = diffusion::load_stable_diffusion(kSd);
-  auto last = diffusion::encode_prompts(sd.tokenizer, *sd.text_encoder, {"a photo of a cat"}, 0);
-  auto pen = diffusion::encode_prompts(sd.tokenizer, *sd.text_encoder, {"a photo of a cat"}, 1);
+  auto last = sd.text_encoders.encode({"a photo of a cat"}, 0).embeds;
+  auto pen = sd.text_encoders.encode({"a photo of a cat"}, 1).embeds;
   EXPECT_EQ(last.sizes(), pen.sizes());
   EXPECT_GT(max_abs(last, pen), 1e-3);
 }
@@ -235,7 +235,7 @@ TEST(SdPipeline, TrainedLoraReloadsEqualInEveryFormat) {
   models::LoraLayers unet_lora(*sd.unet, uc);
   models::LoraConfig tc = uc;
   tc.target_modules = {"q_proj", "k_proj", "v_proj", "out_proj"};
-  models::LoraLayers text_lora(*sd.text_encoder, tc);
+  models::LoraLayers text_lora(*sd.text_encoders[0].model, tc);
   {
     // Move every adapter away from its zero start, as training does.
     torch::NoGradGuard no_grad;

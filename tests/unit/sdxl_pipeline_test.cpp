@@ -60,8 +60,10 @@ TEST(SdxlPipeline, Txt2ImgMatchesDiffusers) {
   ASSERT_TRUE(sd.is_xl());
   EXPECT_EQ(sd.scheduler->class_name(), "EulerDiscreteScheduler");
   // The tokenizers' ids equal the reference's exactly.
-  EXPECT_TRUE(torch::equal(sd.tokenizer.encode_batch(kPrompts), ref.at("input_ids")));
-  EXPECT_TRUE(torch::equal(sd.tokenizer_2.encode_batch(kPrompts), ref.at("input_ids_2")));
+  const auto ids = sd.text_encoders.tokenize(kPrompts);
+  ASSERT_EQ(ids.size(), 2u);
+  EXPECT_TRUE(torch::equal(ids[0], ref.at("input_ids")));
+  EXPECT_TRUE(torch::equal(ids[1], ref.at("input_ids_2")));
 
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(42);
   EXPECT_EQ(max_abs(at::randn({2, 4, 16, 16}, gen, torch::kFloat32), ref.at("latents_init")), 0.0);
@@ -99,8 +101,7 @@ TEST(SdxlPipeline, NoNegativePromptGivesZeroNegativesWhenTheFolderSaysSo) {
   // With force_zeros_for_empty_prompt false the negatives are the encoding of "".
   sd.folder.force_zeros_for_empty_prompt = false;
   auto empty = diffusion::text_to_image(sd, o);
-  auto expect = diffusion::encode_prompts_xl(sd.tokenizer, *sd.text_encoder, sd.tokenizer_2,
-                                             *sd.text_encoder_2, {"", ""});
+  auto expect = sd.text_encoders.encode({"", ""});
   EXPECT_EQ(max_abs(empty.prompt_embeds.narrow(0, 0, 2), expect.embeds), 0.0);
   EXPECT_EQ(max_abs(empty.pooled_prompt_embeds.narrow(0, 0, 2), expect.pooled), 0.0);
 }
@@ -213,13 +214,13 @@ TEST(SdxlPipeline, AFloat16VaeDecodesInFloat32WhenForceUpcast) {
 TEST(SdxlPipeline, ClipSkipTakesAnEarlierLayerOfBothEncoders) {
   auto sd = diffusion::load_stable_diffusion(kTinySdxl);
   torch::NoGradGuard no_grad;
-  const auto ids = sd.tokenizer.encode_batch(kPrompts);
-  const auto ids_2 = sd.tokenizer_2.encode_batch(kPrompts);
-  auto a = sd.text_encoder->forward(ids, 0, true);
-  auto b = sd.text_encoder_2->forward(ids_2, 0, true);
+  auto& text = sd.text_encoders;
+  const auto ids = text[0].tokenizer.encode_batch(kPrompts);
+  const auto ids_2 = text[1].tokenizer.encode_batch(kPrompts);
+  auto a = text[0].model->forward(ids, 0, true);
+  auto b = text[1].model->forward(ids_2, 0, true);
   for (int64_t skip : {0, 1}) {
-    auto e = diffusion::encode_prompts_xl(sd.tokenizer, *sd.text_encoder, sd.tokenizer_2,
-                                          *sd.text_encoder_2, kPrompts, skip);
+    auto e = text.encode(kPrompts, skip);
     // hidden_states[-(skip + 2)] of each, concatenated; the pooled embedding never moves.
     const auto want = torch::cat({a.hidden_states[a.hidden_states.size() - 2 - skip],
                                   b.hidden_states[b.hidden_states.size() - 2 - skip]},
@@ -228,11 +229,7 @@ TEST(SdxlPipeline, ClipSkipTakesAnEarlierLayerOfBothEncoders) {
     EXPECT_EQ(max_abs(e.pooled, b.text_embeds), 0.0) << skip;
   }
   // text_encoder has 2 layers (3 hidden states): clip_skip 1 reaches its embeddings, 2 is too far.
-  EXPECT_NE(error_of([&] {
-              diffusion::encode_prompts_xl(sd.tokenizer, *sd.text_encoder, sd.tokenizer_2,
-                                           *sd.text_encoder_2, kPrompts, 2);
-            }).find("clip_skip 2"),
-            std::string::npos);
+  EXPECT_NE(error_of([&] { text.encode(kPrompts, 2); }).find("clip_skip 2"), std::string::npos);
 }
 
 }  // namespace

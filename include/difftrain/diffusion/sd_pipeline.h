@@ -6,9 +6,8 @@
 
 #include "difftrain/diffusion/generate.h"
 #include "difftrain/diffusion/sampler.h"
+#include "difftrain/diffusion/text_encoders.h"
 #include "difftrain/models/autoencoder_kl.h"
-#include "difftrain/models/clip_text_model.h"
-#include "difftrain/models/clip_tokenizer.h"
 #include "difftrain/models/unet.h"
 
 #include <cstdint>
@@ -69,15 +68,12 @@ using StableDiffusionLoadOptions = PipelineLoadOptions;
 /// StableDiffusionPipeline / StableDiffusionXLPipeline folders. generate() runs text_to_image().
 struct StableDiffusion : Pipeline {
   StableDiffusionFolder folder;
-  models::ClipTokenizer tokenizer;
-  models::ClipTextModel text_encoder{nullptr};
+  /// tokenizer + text_encoder (kClip), SDXL: and tokenizer_2 + text_encoder_2 (kDualClip).
+  TextEncoderStack text_encoders;
   models::AutoencoderKL vae{nullptr};
   models::UNet unet{nullptr};
   std::unique_ptr<Sampler> scheduler;
-  /// SDXL only (undefined / empty for SD-1.x/2.x).
-  models::ClipTokenizer tokenizer_2;
-  models::ClipTextModel text_encoder_2{nullptr};
-  bool is_xl() const { return !text_encoder_2.is_empty(); }
+  bool is_xl() const { return text_encoders.layout() == TextEncoderStack::Layout::kDualClip; }
 
   /// The folder's pipeline class; "StableDiffusionPipeline" / "StableDiffusionXLPipeline" when
   /// assembled in memory (training).
@@ -89,39 +85,14 @@ struct StableDiffusion : Pipeline {
 };
 
 /// Loads every part of the folder (see resolve_stable_diffusion_folder) and merges the LoRA.
-/// The tokenizer's model_max_length is capped at the text encoder's max_position_embeddings.
+/// Each tokenizer's model_max_length is capped at its text encoder's max_position_embeddings.
 StableDiffusion load_stable_diffusion(const std::string& dir,
                                       const StableDiffusionLoadOptions& options = {});
 
-/// Text embeddings of `prompts`: tokenizer (padded/truncated to model_max_length) then the text
-/// encoder's last_hidden_state (with `clip_skip` layers skipped, Diffusers' clip_skip) ->
-/// [N, model_max_length, hidden_size] on the text encoder's device, no grad. Diffusers:
-/// StableDiffusionPipeline.encode_prompt for one prompt list.
-torch::Tensor encode_prompts(const models::ClipTokenizer& tokenizer,
-                             models::ClipTextModelImpl& text_encoder,
-                             const std::vector<std::string>& prompts, int64_t clip_skip = 0);
-
-/// SDXL's prompt encoding (StableDiffusionXLPipeline.encode_prompt for one prompt list).
-struct XlPromptEmbeds {
-  /// [N, L, D1 + D2]: cat(text_encoder hidden_states[-(clip_skip + 2)], text_encoder_2's, -1).
-  torch::Tensor embeds;
-  /// [N, projection_dim]: text_encoder_2's text_embeds.
-  torch::Tensor pooled;
-};
-
-/// Each prompt through tokenizer/text_encoder and tokenizer_2/text_encoder_2 (padded and
-/// truncated to each tokenizer's model_max_length), on text_encoder's device; no grad unless
-/// `with_grad` (text-encoder training).
-XlPromptEmbeds encode_prompts_xl(const models::ClipTokenizer& tokenizer,
-                                 models::ClipTextModelImpl& text_encoder,
-                                 const models::ClipTokenizer& tokenizer_2,
-                                 models::ClipTextModelImpl& text_encoder_2,
-                                 const std::vector<std::string>& prompts, int64_t clip_skip = 0,
-                                 bool with_grad = false);
-/// The same from token ids already made ([N, L] each), as training with cached ids does.
-XlPromptEmbeds encode_ids_xl(models::ClipTextModelImpl& text_encoder,
-                             models::ClipTextModelImpl& text_encoder_2, const torch::Tensor& ids,
-                             const torch::Tensor& ids_2, int64_t clip_skip = 0);
+/// The folder's text encoders and tokenizers: kClip (text_encoder, tokenizer) or, for SDXL,
+/// kDualClip (and text_encoder_2 with its projection, tokenizer_2); safetensors `variant`.
+TextEncoderStack load_text_encoders(const StableDiffusionFolder& folder,
+                                    const std::string& variant = "");
 
 /// SDXL's micro-conditioning: [original_size (h, w), crops_coords_top_left (top, left),
 /// target_size (h, w)] as one row [1, 6] float32 (`_get_add_time_ids`).

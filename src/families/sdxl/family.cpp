@@ -19,13 +19,6 @@ class SdxlFamily : public UNetBasedFamily {
   std::vector<std::string> lora_components() const override {
     return {"unet", "text_encoder", "text_encoder_2"};
   }
-  void adapt_lora(io::LoraWeights& lora, const std::string& dir,
-                  io::LoraFormat format) const override {
-    adapt_unet_lora(lora, dir, format);
-    for (const char* encoder : {"text_encoder", "text_encoder_2"}) {
-      adapt_text_encoder_lora(lora, dir, encoder);
-    }
-  }
   std::unique_ptr<diffusion::Pipeline> load_pipeline(
       const std::string& dir, const diffusion::PipelineLoadOptions& options) const override {
     return std::make_unique<diffusion::StableDiffusion>(

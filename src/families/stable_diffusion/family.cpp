@@ -19,11 +19,6 @@ class StableDiffusionFamily : public UNetBasedFamily {
              index["text_encoder"][0].is_null());
   }
   std::vector<std::string> lora_components() const override { return {"unet", "text_encoder"}; }
-  void adapt_lora(io::LoraWeights& lora, const std::string& dir,
-                  io::LoraFormat format) const override {
-    adapt_unet_lora(lora, dir, format);
-    adapt_text_encoder_lora(lora, dir, "text_encoder");
-  }
   std::unique_ptr<diffusion::Pipeline> load_pipeline(
       const std::string& dir, const diffusion::PipelineLoadOptions& options) const override {
     return std::make_unique<diffusion::StableDiffusion>(

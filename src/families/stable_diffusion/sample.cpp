@@ -63,9 +63,9 @@ diffusion::GenerateResult sample_text_to_image(const SampleOptions& a) {
         "micro-conditioning; " +
         a.model + " is a Stable Diffusion 1.x/2.x folder");
   }
-  if (request.clip_skip >= sd.text_encoder->config().num_hidden_layers) {
+  if (request.clip_skip > sd.text_encoders.max_clip_skip()) {
     throw Error("--clip_skip " + std::to_string(a.clip_skip) + " is more than the text encoder's " +
-                std::to_string(sd.text_encoder->config().num_hidden_layers) + " layers");
+                std::to_string(sd.text_encoders.max_clip_skip() + 1) + " layers");
   }
   const auto o = sd.resolve(request);
   log::info(
@@ -75,10 +75,11 @@ diffusion::GenerateResult sample_text_to_image(const SampleOptions& a) {
       *o.guidance_scale, o.prompts.size(), o.num_images, a.seed,
       a.lora.empty() ? std::string() : fmt::format(", LoRA {} x{}", a.lora, a.lora_scale));
   for (size_t i = 0; i < o.prompts.size(); ++i) {
-    const auto enc = sd.tokenizer.encode(o.prompts[i]);
+    const auto& tokenizer = sd.text_encoders[0].tokenizer;
+    const auto enc = tokenizer.encode(o.prompts[i]);
     if (enc.truncated) {
       log::warn("prompt {} has {} tokens; only the first {} are used", i, enc.num_tokens,
-                sd.tokenizer.model_max_length() - 2);
+                tokenizer.model_max_length() - 2);
     }
   }
   request.on_step = a.on_step;

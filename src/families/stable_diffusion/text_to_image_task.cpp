@@ -52,7 +52,8 @@ void TextToImageTask::build(accel::Accelerator& acc, const std::string& output_d
   build_dataset(acc, output_dir);
   if (o_.model.gradient_checkpointing) unet_->set_gradient_checkpointing(true);
   build_noise_scheduler();
-  build_trainable(acc, text_encoder_.ptr().get(), second_text_encoder());
+  const auto encoders = text_.modules();
+  build_trainable(acc, encoders[0], encoders.size() > 1 ? encoders[1] : nullptr);
 }
 
 torch::Tensor TextToImageTask::loss(const data::Batch& batch, int64_t epoch, torch::Device device) {
@@ -101,7 +102,9 @@ void TextToImageTask::export_to(const fs::path& out) {
   models::save_unet(*unet_, (out / "unet").string());
   // The frozen parts and the scheduler as they came, and the source's model_index.json.
   const fs::path src(folder_.root);
-  for (const auto& part : copied_parts()) {
+  std::vector<std::string> parts = {"vae", "scheduler"};
+  for (const auto& c : text_.components()) parts.push_back(c);
+  for (const auto& part : parts) {
     std::error_code ec;
     fs::remove_all(out / part, ec);
     fs::copy(src / part, out / part, fs::copy_options::recursive, ec);
@@ -116,58 +119,65 @@ void TextToImageTask::export_to(const fs::path& out) {
 }
 
 void TextToImageTask::load_text_models(accel::Accelerator& acc) {
-  const auto& t = o_.text;
-  tokenizer_ = models::ClipTokenizer::from_folder(folder_.tokenizer_dir);
-  text_encoder_ = models::load_clip_text_model(folder_.text_encoder_dir, o_.model.variant);
-  const auto& tcfg = text_encoder_->config();
-  if (tokenizer_.model_max_length() > tcfg.max_position_embeddings)
-    tokenizer_.set_model_max_length(tcfg.max_position_embeddings);
-  if (t.clip_skip > tcfg.num_hidden_layers) {
-    throw Error("--clip_skip " + std::to_string(t.clip_skip) + " is more than the text encoder's " +
-                std::to_string(tcfg.num_hidden_layers) + " layers");
+  using Layout = diffusion::TextEncoderStack::Layout;
+  const bool xl = text_layout() == Layout::kDualClip;
+  if (folder_.xl != xl) {
+    throw Error(folder_.root + (xl ? ": not an SDXL folder (model_index.json lists no "
+                                     "text_encoder_2)"
+                                   : ": an SDXL folder (model_index.json lists text_encoder_2); "
+                                     "train it as SDXL"));
   }
-  skip_ = t.clip_skip - 1;
-  freeze(*text_encoder_, acc);
+  text_ = diffusion::load_text_encoders(folder_, o_.model.variant);
+  skip_ = text_.clip_skip_from_kohya(o_.text.clip_skip);
+  text_.freeze();
+  text_.to(acc.device());
 }
 
 CaptionIds TextToImageTask::caption_ids() const {
-  auto tokenizer = tokenizer_;
-  return [tokenizer](data::Example& ex, const std::string& prefix, const std::string& caption) {
-    ex[prefix + "input_ids"] = torch::tensor(tokenizer.encode(caption).input_ids, torch::kInt64);
+  auto text = text_;
+  return [text](data::Example& ex, const std::string& prefix, const std::string& caption) {
+    for (auto& [key, ids] : text.tokenize(caption)) ex[prefix + key] = ids;
   };
 }
 
-TextToImageTask::TextEmbeddings TextToImageTask::encode_ids(const data::Batch& batch,
-                                                            const std::string& prefix) {
-  const auto ids = batch.at(prefix + "input_ids").to(module_device(*text_encoder_));
+diffusion::PromptEmbeds TextToImageTask::encode_ids(const data::Batch& batch,
+                                                    const std::string& prefix) {
+  std::vector<torch::Tensor> ids;
+  for (size_t i = 0; i < text_.size(); ++i) {
+    ids.push_back(batch.at(prefix + diffusion::TextEncoderStack::ids_key(i)));
+  }
   std::optional<torch::NoGradGuard> no_grad;
   if (!o_.lora.train_text_encoder) no_grad.emplace();
-  return {text_encoder_->forward(ids, skip_).last_hidden_state, {}};
+  return text_.encode_ids(ids, skip_);
 }
 
 std::map<std::string, torch::Tensor> TextToImageTask::encode_captions(
     const std::vector<std::string>& captions) {
-  return {{"prompt_embeds", diffusion::encode_prompts(tokenizer_, *text_encoder_, captions, skip_)
-                                .to(torch::kCPU, torch::kFloat32)}};
+  const auto e = text_.encode(captions, skip_);
+  std::map<std::string, torch::Tensor> out = {
+      {"prompt_embeds", e.embeds.to(torch::kCPU, torch::kFloat32)}};
+  if (e.pooled.defined()) out["pooled_prompt_embeds"] = e.pooled.to(torch::kCPU, torch::kFloat32);
+  return out;
 }
 
 std::string TextToImageTask::text_cache_key() const {
-  return io::read_file(folder_.text_encoder_dir + "/config.json") +
-         folder_stamp(folder_.text_encoder_dir) + folder_stamp(folder_.tokenizer_dir) +
-         std::to_string(skip_);
-}
-
-void TextToImageTask::freeze(torch::nn::Module& m, accel::Accelerator& acc) {
-  for (auto& p : m.parameters()) p.set_requires_grad(false);
-  m.to(acc.device());
-  m.eval();
+  // The first encoder's config, files and clip_skip, then each further encoder's files (the
+  // names caches written before the stack had).
+  std::string key = io::read_file(text_[0].model_dir + "/config.json") +
+                    folder_stamp(text_[0].model_dir) + folder_stamp(text_[0].tokenizer_dir) +
+                    std::to_string(skip_);
+  for (size_t i = 1; i < text_.size(); ++i) {
+    key += (i == 1 ? "xl;" : ";") + folder_stamp(text_[i].model_dir) +
+           folder_stamp(text_[i].tokenizer_dir);
+  }
+  return key;
 }
 
 diffusion::StableDiffusion TextToImageTask::as_pipeline(const diffusion::SchedulerConfig& scheduler,
                                                         const std::string& sampler) {
   diffusion::StableDiffusion sd;
   sd.folder = folder_;
-  add_text_models(sd);
+  sd.text_encoders = text_;
   sd.vae = vae_;
   sd.unet = unet_;
   sd.scheduler = diffusion::make_sampler(scheduler.to_json(), sampler, "the training scheduler");

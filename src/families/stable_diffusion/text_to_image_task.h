@@ -5,9 +5,10 @@
 // prompt, plus DreamBooth class images), optionally in aspect-ratio buckets, the latent and
 // text-embedding cache, validation renders from a prompt, and the final pipeline folder or LoRA.
 // The dataset, the caches and the class images are train/ components (text_image_dataset.h,
-// training_cache.h, class_images.h); the bodies are in text_to_image_task.cpp. The text side
-// (tokenizers, encoders, added conditioning) sits behind protected virtual hooks, which SdxlTask
-// (sdxl_task.cpp) overrides for SDXL.
+// training_cache.h, class_images.h) and the text encoders a diffusion::TextEncoderStack; the
+// bodies are in text_to_image_task.cpp. What SDXL changes (the stack's layout, the UNet's added
+// conditioning, the guidance) sits behind protected virtual hooks, which SdxlTask (sdxl_task.cpp)
+// overrides.
 #include <torch/torch.h>
 #include <filesystem>
 #include <functional>
@@ -26,6 +27,7 @@
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/image.h"
 #include "difftrain/io/safetensors.h"
+#include "difftrain/models/module_info.h"
 #include "difftrain/models/pretrained.h"
 #include "difftrain/train/class_images.h"
 #include "difftrain/train/diffusion_task.h"
@@ -37,15 +39,8 @@ namespace difftrain::train {
 namespace t2i {
 namespace fs = std::filesystem;
 
-inline torch::Device module_device(const torch::nn::Module& m) {
-  const auto p = m.parameters();
-  return p.empty() ? torch::Device(torch::kCPU) : p[0].device();
-}
-
-inline torch::Dtype module_dtype(const torch::nn::Module& m) {
-  const auto p = m.parameters();
-  return p.empty() ? torch::kFloat32 : p[0].scalar_type();
-}
+using models::module_device;
+using models::module_dtype;
 
 // The latents [B, C, h, w] (scaled for the UNet) and text embeddings [B, L, D] of one half of a
 // batch; for SDXL also the pooled embeddings [B, P] and time ids [B, 6].
@@ -103,19 +98,18 @@ class TextToImageTask : public DiffusionTask {
 
  protected:
   std::vector<torch::nn::Module*> frozen_modules() const override {
-    return {vae_.ptr().get(), text_encoder_.ptr().get()};
+    auto out = text_.modules();
+    out.insert(out.begin(), vae_.ptr().get());
+    return out;
   }
 
-  // ---- The text side. SD-1.x/2.x here; SdxlTask (sdxl_task.cpp) overrides every hook.
+  // ---- What differs between SD-1.x/2.x and SDXL (SdxlTask, sdxl_task.cpp, overrides these).
+  // The text side itself is the folder's TextEncoderStack (text_): one CLIP or two.
 
-  /// Text embeddings of one half of a batch: [B, L, D], and SDXL's pooled ones [B, P].
-  struct TextEmbeddings {
-    torch::Tensor embeds, pooled;
-  };
-
-  /// Loads the tokenizer(s) and text encoder(s) of folder_, frozen, in eval mode on
-  /// acc.device(), and checks --clip_skip against them (sets skip_).
-  virtual void load_text_models(accel::Accelerator& acc);
+  /// The text encoders the family's folders have: one CLIP (SDXL: two).
+  virtual diffusion::TextEncoderStack::Layout text_layout() const {
+    return diffusion::TextEncoderStack::Layout::kClip;
+  }
 
   /// Refuses a UNet of another family (SDXL's added conditioning in an SD folder).
   virtual void check_unet() const {
@@ -126,22 +120,6 @@ class TextToImageTask : public DiffusionTask {
     }
   }
 
-  /// What the dataset adds for a caption that is not cached: "input_ids" [L].
-  virtual CaptionIds caption_ids() const;
-
-  /// Embeddings of a batch half's ids on the text encoder's device, with grad when the text
-  /// encoders train.
-  virtual TextEmbeddings encode_ids(const data::Batch& batch, const std::string& prefix);
-
-  /// The cached entries of each caption (no grad): "prompt_embeds" [N, L, D], and SDXL's
-  /// "pooled_prompt_embeds" [N, P]; float32 on the CPU.
-  virtual std::map<std::string, torch::Tensor> encode_captions(
-      const std::vector<std::string>& captions);
-
-  /// What the text cache's name depends on besides the captions: the encoders' and tokenizers'
-  /// files and clip_skip.
-  virtual std::string text_cache_key() const;
-
   /// The UNet's added conditioning of a batch half whose latents are `latents` (SDXL's time
   /// ids [B, 6]); undefined for SD-1.x/2.x.
   virtual torch::Tensor time_ids(const data::Batch& /*batch*/, const std::string& /*prefix*/,
@@ -149,33 +127,32 @@ class TextToImageTask : public DiffusionTask {
     return {};
   }
 
-  /// The text parts of the pipeline validation and class images render with.
-  virtual void add_text_models(diffusion::StableDiffusion& sd) const {
-    sd.tokenizer = tokenizer_;
-    sd.text_encoder = text_encoder_;
-  }
-
-  /// The source folder's parts a full fine-tune's export copies unchanged.
-  virtual std::vector<std::string> copied_parts() const {
-    return {"vae", "text_encoder", "tokenizer", "scheduler"};
-  }
-
   /// The pipeline's own guidance scale (StableDiffusionPipeline's 7.5).
   virtual double default_guidance() const { return 7.5; }
 
-  /// SDXL's second text encoder (LoRA with train_text_encoder), else null.
-  virtual torch::nn::Module* second_text_encoder() const { return nullptr; }
-
-  /// Frozen (no grad), in eval mode, on acc.device().
-  static void freeze(torch::nn::Module& m, accel::Accelerator& acc);
-
   diffusion::StableDiffusionFolder folder_;
-  models::ClipTokenizer tokenizer_;
-  models::ClipTextModel text_encoder_{nullptr};
+  diffusion::TextEncoderStack text_;  // the folder's tokenizers and text encoders
   models::AutoencoderKL vae_{nullptr};
   int64_t skip_ = 0;  // Diffusers' clip_skip (kohya's --clip_skip minus 1)
 
  private:
+  // Loads the folder's text encoders (frozen, eval, on acc.device()) and reads --clip_skip.
+  void load_text_models(accel::Accelerator& acc);
+
+  // What the dataset adds for a caption that is not cached: each encoder's token ids [L].
+  CaptionIds caption_ids() const;
+
+  // Embeddings of a batch half's token ids, with grad when the text encoders train.
+  diffusion::PromptEmbeds encode_ids(const data::Batch& batch, const std::string& prefix);
+
+  // The cached entries of each caption (no grad), float32 on the CPU: "prompt_embeds" [N, L, D]
+  // and, with a pooled embedding, "pooled_prompt_embeds" [N, P].
+  std::map<std::string, torch::Tensor> encode_captions(const std::vector<std::string>& captions);
+
+  // What the text cache's name depends on besides the captions: the encoders' and tokenizers'
+  // files and clip_skip.
+  std::string text_cache_key() const;
+
   diffusion::StableDiffusion as_pipeline(const diffusion::SchedulerConfig& scheduler,
                                          const std::string& sampler);
 

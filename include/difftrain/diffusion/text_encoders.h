@@ -1,0 +1,117 @@
+#pragma once
+// A pipeline's text encoders as one component: the tokenizers, the encoders and how their
+// outputs make the prompt embeddings (Diffusers' encode_prompt, per pipeline). One CLIP (Stable
+// Diffusion 1.x/2.x), two CLIPs (SDXL) and, next, CLIP + T5 (FLUX.1) are layouts of the same
+// class, so a family composes a TextEncoderStack instead of holding tokenizers and encoders
+// itself: pipelines encode prompts with it, training tasks tokenize captions, encode batches and
+// key their caches with it, and LoRA finds its encoders by component name.
+
+#include "difftrain/models/clip_text_model.h"
+#include "difftrain/models/clip_tokenizer.h"
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace difftrain::diffusion {
+
+/// Prompt embeddings: per token [N, L, D] and, for layouts that have one, pooled [N, P].
+struct PromptEmbeds {
+  torch::Tensor embeds;
+  torch::Tensor pooled;  ///< undefined for kClip
+};
+
+class TextEncoderStack {
+ public:
+  /// How the encoders' outputs make the prompt embeddings.
+  enum class Layout {
+    /// StableDiffusionPipeline: one CLIPTextModel; embeds = last_hidden_state after skipping
+    /// `clip_skip` layers (through final_layer_norm). No pooled embedding.
+    kClip,
+    /// StableDiffusionXLPipeline: CLIPTextModel + CLIPTextModelWithProjection; embeds =
+    /// cat(hidden_states[-(clip_skip + 2)] of each, -1) (before final_layer_norm); pooled = the
+    /// second's text_embeds.
+    kDualClip,
+  };
+
+  /// One tokenizer and its encoder, and the pipeline components they came from.
+  struct Encoder {
+    std::string component;            ///< "text_encoder", "text_encoder_2"
+    std::string tokenizer_component;  ///< "tokenizer", "tokenizer_2"
+    models::ClipTokenizer tokenizer;
+    models::ClipTextModel model{nullptr};
+    /// Where they were read from ("" when built in memory).
+    std::string model_dir, tokenizer_dir;
+  };
+
+  /// Where one encoder's files are (load()).
+  struct Files {
+    std::string component, tokenizer_component, model_dir, tokenizer_dir;
+  };
+
+  TextEncoderStack() = default;
+  /// Throws difftrain::Error when the encoders do not fit the layout (kClip: one; kDualClip:
+  /// two, the second with a text projection). Each tokenizer's model_max_length is capped at its
+  /// encoder's max_position_embeddings.
+  TextEncoderStack(Layout layout, std::vector<Encoder> encoders);
+
+  /// Reads each encoder (safetensors `variant`, float32, CPU) and tokenizer; the second of
+  /// kDualClip as CLIPTextModelWithProjection.
+  static TextEncoderStack load(Layout layout, const std::vector<Files>& files,
+                               const std::string& variant = "");
+
+  bool empty() const { return encoders_.empty(); }
+  Layout layout() const { return layout_; }
+  size_t size() const { return encoders_.size(); }
+  const Encoder& operator[](size_t i) const { return encoders_.at(i); }
+  Encoder& operator[](size_t i) { return encoders_.at(i); }
+  const std::vector<Encoder>& encoders() const { return encoders_; }
+
+  /// The encoders as modules, in order (for freezing, casting, LoRA).
+  std::vector<torch::nn::Module*> modules() const;
+  /// The pipeline components this stack stands for: each encoder's and tokenizer's.
+  std::vector<std::string> components() const;
+  /// The width D of the per-token embeddings (what a denoiser's cross-attention takes).
+  int64_t embed_dim() const;
+  /// The width P of the pooled embedding; 0 when the layout has none.
+  int64_t pooled_dim() const;
+
+  /// The largest Diffusers clip_skip the encoders take (kClip: layers - 1; kDualClip: the
+  /// shallower encoder's layers - 2, its embedding being the penultimate layer's already).
+  int64_t max_clip_skip() const;
+  /// Diffusers' clip_skip from kohya's `--clip_skip` N (1 = the last layer): N - 1. Throws
+  /// difftrain::Error for N < 1 or beyond max_clip_skip() + 1, naming the bound.
+  int64_t clip_skip_from_kohya(int64_t kohya_clip_skip) const;
+
+  /// The batch key of encoder i's token ids: "input_ids", "input_ids_2", ...
+  static std::string ids_key(size_t i);
+  /// `caption`'s token ids for every encoder ([model_max_length] int64), under ids_key(i).
+  std::map<std::string, torch::Tensor> tokenize(const std::string& caption) const;
+  /// The token ids of several prompts, one [N, model_max_length] per encoder.
+  std::vector<torch::Tensor> tokenize(const std::vector<std::string>& prompts) const;
+
+  /// Prompt embeddings of `prompts` on the first encoder's device, under no-grad.
+  PromptEmbeds encode(const std::vector<std::string>& prompts, int64_t clip_skip = 0) const;
+  /// The same from token ids already made (one [N, L] per encoder, in order, on any device),
+  /// with grad as the caller's mode is (text-encoder training). Throws difftrain::Error for a
+  /// clip_skip beyond max_clip_skip().
+  PromptEmbeds encode_ids(const std::vector<torch::Tensor>& ids, int64_t clip_skip = 0) const;
+
+  /// Every encoder to `device` (and `dtype`).
+  void to(const torch::Device& device, std::optional<torch::Dtype> dtype = std::nullopt);
+  /// Every encoder in eval mode, its parameters without grad (frozen).
+  void freeze();
+
+ private:
+  Layout layout_ = Layout::kClip;
+  std::vector<Encoder> encoders_;
+};
+
+/// "clip" or "dual-clip".
+std::string to_string(TextEncoderStack::Layout layout);
+
+}  // namespace difftrain::diffusion

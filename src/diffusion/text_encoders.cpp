@@ -1,0 +1,195 @@
+// TextEncoderStack: the text side of a pipeline (text_encoders.h).
+#include "difftrain/diffusion/text_encoders.h"
+
+#include "difftrain/core/error.h"
+#include "difftrain/models/module_info.h"
+#include "difftrain/models/pretrained.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+
+namespace difftrain::diffusion {
+
+namespace {
+
+size_t encoders_in_layout(TextEncoderStack::Layout layout) {
+  return layout == TextEncoderStack::Layout::kClip ? 1 : 2;
+}
+
+}  // namespace
+
+std::string to_string(TextEncoderStack::Layout layout) {
+  return layout == TextEncoderStack::Layout::kClip ? "clip" : "dual-clip";
+}
+
+TextEncoderStack::TextEncoderStack(Layout layout, std::vector<Encoder> encoders)
+    : layout_(layout), encoders_(std::move(encoders)) {
+  if (encoders_.size() != encoders_in_layout(layout_)) {
+    throw Error("a " + to_string(layout_) + " text-encoder stack takes " +
+                std::to_string(encoders_in_layout(layout_)) + " encoder(s), got " +
+                std::to_string(encoders_.size()));
+  }
+  for (auto& e : encoders_) {
+    if (e.model.is_empty()) throw Error("text-encoder stack: " + e.component + " is not loaded");
+    const int64_t positions = e.model->config().max_position_embeddings;
+    if (e.tokenizer.model_max_length() > positions) e.tokenizer.set_model_max_length(positions);
+  }
+  if (layout_ == Layout::kDualClip && !encoders_[1].model->has_projection()) {
+    throw Error(encoders_[1].component +
+                " has no text_projection; SDXL's second encoder is a "
+                "CLIPTextModelWithProjection");
+  }
+}
+
+TextEncoderStack TextEncoderStack::load(Layout layout, const std::vector<Files>& files,
+                                        const std::string& variant) {
+  std::vector<Encoder> encoders;
+  for (size_t i = 0; i < files.size(); ++i) {
+    const auto& f = files[i];
+    Encoder e;
+    e.component = f.component;
+    e.tokenizer_component = f.tokenizer_component;
+    e.model_dir = f.model_dir;
+    e.tokenizer_dir = f.tokenizer_dir;
+    e.tokenizer = models::ClipTokenizer::from_folder(f.tokenizer_dir);
+    const bool projection = layout == Layout::kDualClip && i == 1;
+    e.model = models::load_clip_text_model(f.model_dir, variant, projection);
+    encoders.push_back(std::move(e));
+  }
+  return TextEncoderStack(layout, std::move(encoders));
+}
+
+std::vector<torch::nn::Module*> TextEncoderStack::modules() const {
+  std::vector<torch::nn::Module*> out;
+  for (const auto& e : encoders_) out.push_back(e.model.ptr().get());
+  return out;
+}
+
+std::vector<std::string> TextEncoderStack::components() const {
+  std::vector<std::string> out;
+  for (const auto& e : encoders_) out.insert(out.end(), {e.component, e.tokenizer_component});
+  return out;
+}
+
+int64_t TextEncoderStack::embed_dim() const {
+  if (empty()) return 0;
+  if (layout_ == Layout::kClip) return encoders_[0].model->config().hidden_size;
+  int64_t d = 0;
+  for (const auto& e : encoders_) d += e.model->config().hidden_size;
+  return d;
+}
+
+int64_t TextEncoderStack::pooled_dim() const {
+  return layout_ == Layout::kDualClip && !empty() ? encoders_[1].model->config().projection_dim : 0;
+}
+
+int64_t TextEncoderStack::max_clip_skip() const {
+  int64_t layers = 0;
+  for (const auto& e : encoders_) {
+    const int64_t n = e.model->config().num_hidden_layers;
+    layers = layers == 0 ? n : std::min(layers, n);
+  }
+  // kClip reads layer (layers - skip)'s output; kDualClip hidden_states[-(skip + 2)], down to the
+  // embedding layer's output (skip = layers - 1).
+  return std::max<int64_t>(layers - 1, 0);
+}
+
+int64_t TextEncoderStack::clip_skip_from_kohya(int64_t n) const {
+  const int64_t most = max_clip_skip() + 1;
+  if (n < 1) {
+    throw Error("--clip_skip " + std::to_string(n) +
+                " counts layers from the last: 1 is the last layer, 2 the penultimate");
+  }
+  if (layout_ == Layout::kDualClip && n >= most) {
+    // The prompt embedding is already the penultimate layer's output: one layer fewer can be
+    // skipped than for one CLIP (kohya's sdxl_train refuses the same).
+    throw Error("--clip_skip " + std::to_string(n) +
+                " is too large for SDXL, whose prompt embedding is already the penultimate "
+                "layer: at most " +
+                std::to_string(most - 1) + " for these text encoders");
+  }
+  if (n > most) {
+    throw Error("--clip_skip " + std::to_string(n) + " is more than the text encoder's " +
+                std::to_string(most) + " layers");
+  }
+  return n - 1;
+}
+
+std::string TextEncoderStack::ids_key(size_t i) {
+  return i == 0 ? "input_ids" : "input_ids_" + std::to_string(i + 1);
+}
+
+std::map<std::string, torch::Tensor> TextEncoderStack::tokenize(const std::string& caption) const {
+  std::map<std::string, torch::Tensor> out;
+  for (size_t i = 0; i < encoders_.size(); ++i) {
+    out[ids_key(i)] =
+        torch::tensor(encoders_[i].tokenizer.encode(caption).input_ids, torch::kInt64);
+  }
+  return out;
+}
+
+std::vector<torch::Tensor> TextEncoderStack::tokenize(
+    const std::vector<std::string>& prompts) const {
+  std::vector<torch::Tensor> out;
+  for (const auto& e : encoders_) out.push_back(e.tokenizer.encode_batch(prompts));
+  return out;
+}
+
+PromptEmbeds TextEncoderStack::encode(const std::vector<std::string>& prompts,
+                                      int64_t clip_skip) const {
+  torch::NoGradGuard no_grad;
+  return encode_ids(tokenize(prompts), clip_skip);
+}
+
+PromptEmbeds TextEncoderStack::encode_ids(const std::vector<torch::Tensor>& ids,
+                                          int64_t clip_skip) const {
+  if (empty()) throw Error("the pipeline has no text encoder to encode prompts with");
+  if (ids.size() != encoders_.size()) {
+    throw Error("text-encoder stack: got token ids for " + std::to_string(ids.size()) +
+                " encoder(s), the stack has " + std::to_string(encoders_.size()));
+  }
+  if (clip_skip < 0 || clip_skip > max_clip_skip()) {
+    throw Error("clip_skip " + std::to_string(clip_skip) + " needs more than the text encoder's " +
+                std::to_string(max_clip_skip() + 1) + " layers");
+  }
+  const torch::Device device = models::module_device(*encoders_[0].model);
+  PromptEmbeds out;
+  if (layout_ == Layout::kClip) {
+    // Encoding changes no state: the holders' shared pointers give the non-const forward().
+    out.embeds = encoders_[0].model.ptr()->forward(ids[0].to(device), clip_skip).last_hidden_state;
+    return out;
+  }
+  // StableDiffusionXLPipeline.encode_prompt: hidden_states[-(clip_skip + 2)] of each encoder,
+  // before final_layer_norm; the pooled embedding is the last encoder's text_embeds.
+  std::vector<torch::Tensor> parts;
+  for (size_t i = 0; i < encoders_.size(); ++i) {
+    auto& model = *encoders_[i].model.ptr();
+    auto r =
+        model.forward(ids[i].to(models::module_device(model)), 0, /*output_hidden_states=*/true);
+    const auto& states = r.hidden_states;
+    parts.push_back(states[states.size() - static_cast<size_t>(clip_skip) - 2].to(device));
+    if (i + 1 == encoders_.size()) out.pooled = r.text_embeds.to(device);
+  }
+  out.embeds = torch::cat(parts, -1);
+  return out;
+}
+
+void TextEncoderStack::to(const torch::Device& device, std::optional<torch::Dtype> dtype) {
+  for (auto& e : encoders_) {
+    if (dtype) {
+      e.model->to(device, *dtype);
+    } else {
+      e.model->to(device);
+    }
+  }
+}
+
+void TextEncoderStack::freeze() {
+  for (auto& e : encoders_) {
+    e.model->eval();
+    for (auto& p : e.model->parameters()) p.set_requires_grad(false);
+  }
+}
+
+}  // namespace difftrain::diffusion
