@@ -122,22 +122,28 @@ std::unique_ptr<CheckpointState> replicated_checkpoint_state(int rank) {
   return std::make_unique<ReplicatedCheckpointState>(rank);
 }
 
+namespace {
+
+// Entry `index` of a per-model or per-optimizer engine list: that engine's CheckpointState, else
+// the replicated one (made on first use).
+CheckpointState& engine_checkpoint_state(const std::vector<GradSync*>& engines, size_t index,
+                                         std::unique_ptr<CheckpointState>& replicated, int rank) {
+  GradSync* engine = index < engines.size() ? engines[index] : nullptr;
+  if (CheckpointState* own = engine ? engine->checkpoint_state() : nullptr) return *own;
+  if (!replicated) replicated = replicated_checkpoint_state(rank);
+  return *replicated;
+}
+
+}  // namespace
+
 CheckpointState& Accelerator::checkpoint_state_of_model(size_t index) {
-  GradSync* engine = index < grad_sync_of_model_.size() ? grad_sync_of_model_[index] : nullptr;
-  CheckpointState* state = engine ? engine->checkpoint_state() : nullptr;
-  if (state) return *state;
-  if (!replicated_checkpoint_)
-    replicated_checkpoint_ = replicated_checkpoint_state(process_index());
-  return *replicated_checkpoint_;
+  return engine_checkpoint_state(grad_sync_of_model_, index, replicated_checkpoint_,
+                                 process_index());
 }
 
 CheckpointState& Accelerator::checkpoint_state_of_optimizer(size_t index) {
-  GradSync* engine = index < engine_of_optimizer_.size() ? engine_of_optimizer_[index] : nullptr;
-  CheckpointState* state = engine ? engine->checkpoint_state() : nullptr;
-  if (state) return *state;
-  if (!replicated_checkpoint_)
-    replicated_checkpoint_ = replicated_checkpoint_state(process_index());
-  return *replicated_checkpoint_;
+  return engine_checkpoint_state(engine_of_optimizer_, index, replicated_checkpoint_,
+                                 process_index());
 }
 
 void Accelerator::save_state(const std::string& dir,
