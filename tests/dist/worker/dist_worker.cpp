@@ -137,16 +137,20 @@ int run(int argc, char** argv) {
   if (mode == "loop") {
     const double limit = std::stod(arg(2));
     const auto start = std::chrono::steady_clock::now();
+    // The ranks agree when to stop: each adds its "time is up" vote to the last element, so no
+    // rank leaves while another still waits in an all-reduce (each rank's clock differs a little).
     for (int i = 0;; ++i) {
       auto t = torch::ones({1024});
+      const bool up =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > limit;
+      t[1023] = up ? 1.0F : 0.0F;
       difftrain::distributed::all_reduce(t, difftrain::distributed::ReduceOp::kSum, group);
       if (t[0].item<float>() != static_cast<float>(group.size())) {
         std::cerr << "wrong all_reduce value " << t[0].item<float>() << "\n";
         return 1;
       }
       if (i % 20 == 0) std::cout << "iteration " << i << std::endl;
-      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > limit)
-        break;
+      if (t[1023].item<float>() > 0.0F) break;
       sleep_s(0.05);
     }
     std::cout << "loop done" << std::endl;
