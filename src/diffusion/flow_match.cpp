@@ -41,19 +41,15 @@ class FlowMatchEulerSampler : public Sampler {
       throw Error(r.where() + "shift is " + std::to_string(shift_) +
                   "; it must be a finite number > 0 (1: no shift; SD3 uses 3.0)");
     }
-    if (use_dynamic_shifting_) {
-      throw Error(r.where() +
-                  "use_dynamic_shifting is true, which needs the image-size dependent mu at "
-                  "set_timesteps (Flux); difftrain does not compute it: set use_dynamic_shifting "
-                  "false and a fixed shift");
-    }
     const int64_t T = num_train_timesteps_;
     // np.linspace(1, T, T, dtype=float32)[::-1] -> torch float32; / T; shift in float32.
     const std::vector<double> lin = linspace(1.0, static_cast<double>(T), T);
     std::vector<float> ts;
     for (auto it = lin.rbegin(); it != lin.rend(); ++it) ts.push_back(static_cast<float>(*it));
     torch::Tensor sigmas = torch::tensor(ts, torch::kFloat32) / T;
-    sigmas = shift_ * sigmas / (1 + (shift_ - 1) * sigmas);
+    // Under dynamic shifting the training tables stay unshifted (the shift comes with mu at
+    // set_timesteps), as in Diffusers' __init__.
+    if (!use_dynamic_shifting_) sigmas = shift_ * sigmas / (1 + (shift_ - 1) * sigmas);
     timesteps_ = sigmas * T;
     sigmas_ = sigmas;
     sigma_min_ = sigmas[-1].item<double>();
@@ -75,18 +71,37 @@ class FlowMatchEulerSampler : public Sampler {
     return j;
   }
 
-  void set_timesteps(int64_t n) override {
-    if (n < 1) {
-      throw Error(std::string(kFlowMatchName) + ": num_inference_steps is " + std::to_string(n) +
-                  "; it must be at least 1");
+  void set_timesteps(int64_t n) override { set_timesteps_with(n, {}); }
+
+  // Diffusers' set_timesteps(num_inference_steps, sigmas=None, mu=None): the sigmas (its own
+  // linspace, or the caller's) go through the dynamic shift exp(mu) / (exp(mu) + 1/s - 1) or the
+  // static one in float64, then become float32.
+  void set_timesteps_with(int64_t n, const TimestepOptions& options) override {
+    if (use_dynamic_shifting_ && !options.mu) {
+      throw Error(std::string(kFlowMatchName) +
+                  ": use_dynamic_shifting is true, so set_timesteps needs mu (FluxPipeline "
+                  "computes it from the image size: diffusion::flow_match_mu)");
     }
-    const auto T = static_cast<double>(num_train_timesteps_);
-    // numpy float64: linspace(sigma_max * T, sigma_min * T, n) / T, then the shift.
-    const std::vector<double> ts = linspace(sigma_max_ * T, sigma_min_ * T, n);
+    std::vector<double> s = options.sigmas;
+    if (s.empty()) {
+      if (n < 1) {
+        throw Error(std::string(kFlowMatchName) + ": num_inference_steps is " +
+                    std::to_string(n) + "; it must be at least 1");
+      }
+      const auto T = static_cast<double>(num_train_timesteps_);
+      // numpy float64: linspace(sigma_max * T, sigma_min * T, n) / T.
+      for (double t : linspace(sigma_max_ * T, sigma_min_ * T, n)) s.push_back(t / T);
+    }
     std::vector<float> sig32;
-    for (double t : ts) {
-      const double s = t / T;
-      sig32.push_back(static_cast<float>(shift_ * s / (1 + (shift_ - 1) * s)));
+    for (double v : s) {
+      if (!(v > 0 && v <= 1)) {
+        throw Error(std::string(kFlowMatchName) + ": a custom sigma is " + std::to_string(v) +
+                    "; flow-matching sigmas must lie in (0, 1]");
+      }
+      const double shifted = use_dynamic_shifting_
+                                 ? std::exp(*options.mu) / (std::exp(*options.mu) + (1 / v - 1))
+                                 : shift_ * v / (1 + (shift_ - 1) * v);
+      sig32.push_back(static_cast<float>(shifted));
     }
     const torch::Tensor sigmas = torch::tensor(sig32, torch::kFloat32);
     timesteps_ = sigmas * num_train_timesteps_;

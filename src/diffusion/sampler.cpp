@@ -18,6 +18,39 @@
 
 namespace difftrain::diffusion {
 
+void Sampler::set_timesteps_with(int64_t num_inference_steps, const TimestepOptions& options) {
+  if (!options.sigmas.empty() || options.mu) {
+    throw Error(class_name() +
+                "::set_timesteps: custom sigmas and mu are arguments of flow-matching schedulers "
+                "(FlowMatchEulerDiscreteScheduler) only; use that scheduler or leave them out");
+  }
+  set_timesteps(num_inference_steps);
+}
+
+double flow_match_mu(int64_t image_seq_len, const nlohmann::json& config) {
+  const auto number_or = [&](const char* key, double fallback) {
+    const auto it = config.find(key);
+    if (it == config.end() || it->is_null()) return fallback;
+    if (!it->is_number()) {
+      throw Error(std::string("flow_match_mu: the scheduler config's ") + key + " is " +
+                  it->dump() + "; expected a number");
+    }
+    return it->get<double>();
+  };
+  const double base_len = number_or("base_image_seq_len", 256);
+  const double max_len = number_or("max_image_seq_len", 4096);
+  const double base_shift = number_or("base_shift", 0.5);
+  const double max_shift = number_or("max_shift", 1.15);
+  if (max_len == base_len) {
+    throw Error("flow_match_mu: base_image_seq_len and max_image_seq_len are both " +
+                std::to_string(static_cast<int64_t>(base_len)) +
+                " in the scheduler config; they must differ");
+  }
+  const double m = (max_shift - base_shift) / (max_len - base_len);
+  const double b = base_shift - m * base_len;
+  return static_cast<double>(image_seq_len) * m + b;
+}
+
 double Sampler::timestep(int64_t i) const {
   const torch::Tensor& ts = timesteps();
   if (i < 0 || i >= ts.size(0)) {

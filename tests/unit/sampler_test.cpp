@@ -295,10 +295,18 @@ TEST(SamplerFactory, BadFieldValuesNameTheField) {
   EXPECT_NE(msg.find("use_beta_sigmas"), std::string::npos);
   // euler_karras switches the other sigma schedules off rather than failing.
   EXPECT_EQ(make_sampler(c, "euler_karras", "c.json")->config().at("use_beta_sigmas"), false);
+  // Dynamic shifting needs mu at set_timesteps (FluxPipeline passes it); without it, one line.
   json flow = {{"_class_name", "FlowMatchEulerDiscreteScheduler"}, {"use_dynamic_shifting", true}};
-  msg = test::error_of([&] { make_sampler(flow, "", "flux.json"); });
+  auto dynamic = make_sampler(flow, "", "flux.json");
+  msg = test::error_of([&] { dynamic->set_timesteps(4); });
   std::printf("%s\n", msg.c_str());
-  EXPECT_NE(msg.find("use_dynamic_shifting"), std::string::npos);
+  EXPECT_NE(msg.find("needs mu"), std::string::npos);
+  msg = test::error_of([&] { dynamic->set_timesteps_with(2, {{0.5, 1.5}, 0.5}); });
+  EXPECT_NE(msg.find("(0, 1]"), std::string::npos);
+  // Custom sigmas and mu belong to flow matching only.
+  auto ddim = make_sampler(sd15_config(), "ddim", "d.json");
+  msg = test::error_of([&] { ddim->set_timesteps_with(4, {{}, 0.5}); });
+  EXPECT_NE(msg.find("flow-matching"), std::string::npos);
   auto prk = make_sampler(json{{"_class_name", "PNDMScheduler"}}, "", "p.json");
   msg = test::error_of([&] { prk->set_timesteps(3); });
   EXPECT_NE(msg.find("skip_prk_steps"), std::string::npos);

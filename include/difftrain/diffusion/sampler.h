@@ -32,6 +32,23 @@ struct SamplerOptions {
   double eta = 0.0;
 };
 
+/// Arguments of Diffusers' `set_timesteps` beyond the step count, which only some classes take.
+struct TimestepOptions {
+  /// Custom sigmas in place of the class's own spacing, float64, decreasing, in (0, 1] for flow
+  /// matching (FluxPipeline passes numpy's linspace(1, 1/N, N)). Empty: the class's spacing.
+  std::vector<double> sigmas;
+  /// The time shift of dynamic shifting (FluxPipeline's `calculate_shift` of the image sequence
+  /// length; see flow_match_mu()). Required when the config has use_dynamic_shifting true.
+  std::optional<double> mu;
+};
+
+/// FluxPipeline's `calculate_shift`: mu for an image of `image_seq_len` packed latent tokens,
+/// linear between (base_image_seq_len, base_shift) and (max_image_seq_len, max_shift), in float64:
+/// mu = L * m + b, m = (max_shift - base_shift) / (max_len - base_len), b = base_shift - m * base_len.
+/// The four values come from the scheduler's config (Diffusers' defaults 256, 4096, 0.5, 1.15 when
+/// absent or null).
+double flow_match_mu(int64_t image_seq_len, const nlohmann::json& scheduler_config);
+
 /// One Diffusers scheduler as a sampler. Stateful like Diffusers' objects: set_timesteps() resets
 /// the step counter and the multistep history, and step() must be called once per timestep, in
 /// order.
@@ -53,6 +70,11 @@ class Sampler {
   /// step counter and history. Diffusers: `set_timesteps(num_inference_steps)`. Throws
   /// difftrain::Error for a count the config cannot take.
   virtual void set_timesteps(int64_t num_inference_steps) = 0;
+
+  /// set_timesteps() with Diffusers' extra arguments (`set_timesteps(num_inference_steps,
+  /// sigmas=..., mu=...)`, as `retrieve_timesteps` passes them). The default takes empty options
+  /// only and refuses the rest naming the class; flow matching takes both.
+  virtual void set_timesteps_with(int64_t num_inference_steps, const TimestepOptions& options);
 
   /// The timesteps of the loop on the CPU, as Diffusers stores them: int64 [L] (DDPM, DDIM, PNDM,
   /// DPM-Solver, UniPC) or float32 [L] (Euler, Euler ancestral, flow matching). L may exceed
