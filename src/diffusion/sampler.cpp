@@ -162,6 +162,9 @@ class WithFileKeys : public Sampler {
     return j;
   }
   void set_timesteps(int64_t n) override { inner_->set_timesteps(n); }
+  void set_timesteps_with(int64_t n, const TimestepOptions& options) override {
+    inner_->set_timesteps_with(n, options);
+  }
   const torch::Tensor& timesteps() const override { return inner_->timesteps(); }
   torch::Tensor sigmas() const override { return inner_->sigmas(); }
   double init_noise_sigma() const override { return inner_->init_noise_sigma(); }

@@ -301,12 +301,17 @@ TEST(SamplerFactory, BadFieldValuesNameTheField) {
   msg = test::error_of([&] { dynamic->set_timesteps(4); });
   std::printf("%s\n", msg.c_str());
   EXPECT_NE(msg.find("needs mu"), std::string::npos);
-  msg = test::error_of([&] { dynamic->set_timesteps_with(2, {{0.5, 1.5}, 0.5}); });
-  EXPECT_NE(msg.find("(0, 1]"), std::string::npos);
+  diffusion::TimestepOptions bad;
+  bad.sigmas = {0.5, 1.5};
+  bad.mu = 0.5;
+  msg = test::error_of([&] { dynamic->set_timesteps_with(2, bad); });
+  EXPECT_NE(msg.find("(0, 1]"), std::string::npos) << msg;
   // Custom sigmas and mu belong to flow matching only.
   auto ddim = make_sampler(sd15_config(), "ddim", "d.json");
-  msg = test::error_of([&] { ddim->set_timesteps_with(4, {{}, 0.5}); });
-  EXPECT_NE(msg.find("flow-matching"), std::string::npos);
+  diffusion::TimestepOptions mu_only;
+  mu_only.mu = 0.5;
+  msg = test::error_of([&] { ddim->set_timesteps_with(4, mu_only); });
+  EXPECT_NE(msg.find("flow-matching"), std::string::npos) << msg;
   auto prk = make_sampler(json{{"_class_name", "PNDMScheduler"}}, "", "p.json");
   msg = test::error_of([&] { prk->set_timesteps(3); });
   EXPECT_NE(msg.find("skip_prk_steps"), std::string::npos);
