@@ -85,8 +85,8 @@ class FlowMatchEulerSampler : public Sampler {
     std::vector<double> s = options.sigmas;
     if (s.empty()) {
       if (n < 1) {
-        throw Error(std::string(kFlowMatchName) + ": num_inference_steps is " +
-                    std::to_string(n) + "; it must be at least 1");
+        throw Error(std::string(kFlowMatchName) + ": num_inference_steps is " + std::to_string(n) +
+                    "; it must be at least 1");
       }
       const auto T = static_cast<double>(num_train_timesteps_);
       // numpy float64: linspace(sigma_max * T, sigma_min * T, n) / T.

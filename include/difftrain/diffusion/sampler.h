@@ -44,9 +44,9 @@ struct TimestepOptions {
 
 /// FluxPipeline's `calculate_shift`: mu for an image of `image_seq_len` packed latent tokens,
 /// linear between (base_image_seq_len, base_shift) and (max_image_seq_len, max_shift), in float64:
-/// mu = L * m + b, m = (max_shift - base_shift) / (max_len - base_len), b = base_shift - m * base_len.
-/// The four values come from the scheduler's config (Diffusers' defaults 256, 4096, 0.5, 1.15 when
-/// absent or null).
+/// mu = L * m + b, m = (max_shift - base_shift) / (max_len - base_len), b = base_shift - m *
+/// base_len. The four values come from the scheduler's config (Diffusers' defaults 256, 4096,
+/// 0.5, 1.15 when absent or null).
 double flow_match_mu(int64_t image_seq_len, const nlohmann::json& scheduler_config);
 
 /// One Diffusers scheduler as a sampler. Stateful like Diffusers' objects: set_timesteps() resets
