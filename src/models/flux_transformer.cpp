@@ -1,5 +1,7 @@
 #include "difftrain/models/flux_transformer.h"
 
+#include "difftrain/io/weight_index.h"
+
 #include "difftrain/core/error.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/models/checkpointing.h"
@@ -302,27 +304,9 @@ torch::Tensor FluxTransformer2DModelImpl::forward_impl(
 
 io::TensorMap load_flux_weights(const std::string& dir, torch::Dtype dtype,
                                 const std::string& variant) {
-  // THE call site for sharded checkpoints: when io::load_indexed_safetensors
-  // (io/weight_index.h) lands, an index file below is read with it instead of refused.
-  const std::string index_name =
-      variant.empty() ? "diffusion_pytorch_model.safetensors.index.json"
-                      : "diffusion_pytorch_model.safetensors.index." + variant + ".json";
-  const fs::path index = fs::path(dir) / index_name;
-  const std::string single = variant.empty()
-                                 ? "diffusion_pytorch_model.safetensors"
-                                 : "diffusion_pytorch_model." + variant + ".safetensors";
-  if (!fs::exists(fs::path(dir) / single) && fs::exists(index)) {
-    throw Error(index.string() +
-                ": sharded FluxTransformer2DModel weights are not supported yet; save the model "
-                "as one file (save_pretrained(dir, max_shard_size=\"1000GB\")) or merge the "
-                "shards into " +
-                single);
-  }
-  io::TensorMap tensors = io::load_safetensors(weights_path(dir, variant)).tensors;
-  for (auto& [name, t] : tensors) {
-    if (t.is_floating_point() && t.scalar_type() != dtype) t = t.to(dtype);
-  }
-  return tensors;
+  // One file or save_pretrained's shards by their index, converted file by file.
+  return io::load_weight_files(io::find_weight_files(dir, "diffusion_pytorch_model", variant),
+                               dtype);
 }
 
 FluxTransformer2DModel load_flux_transformer(const std::string& dir, torch::Dtype dtype,
@@ -338,10 +322,9 @@ FluxTransformer2DModel load_flux_transformer(const std::string& dir, torch::Dtyp
   if (!fs::exists(config)) throw Error(dir + ": no config.json; expected " + what);
   FluxTransformer2DModel model(FluxTransformer2DModelOptions::load(config.string()));
   model->to(dtype);
-  const io::TensorMap weights = load_flux_weights(dir, dtype, variant);
-  const std::string file = variant.empty() ? "diffusion_pytorch_model.safetensors"
-                                           : "diffusion_pytorch_model." + variant + ".safetensors";
-  load_weights(*model, weights, (fs::path(dir) / file).string());
+  const io::WeightFiles files = io::find_weight_files(dir, "diffusion_pytorch_model", variant);
+  const io::TensorMap weights = io::load_weight_files(files, dtype);
+  load_weights(*model, weights, files.index.empty() ? files.files.at(0) : files.index);
   return model;
 }
 

@@ -343,14 +343,42 @@ TEST(FluxTransformer, SaveAndLoadRoundTrip) {
   const TensorMap io = flux_io();
   torch::NoGradGuard no_grad;
   EXPECT_EQ(max_abs(flux_run_case(again, io, "B"), flux_run_case(model, io, "B")), 0.0);
-  // A sharded folder is refused (for now) at load_flux_weights, naming the index file.
+  // The same weights re-saved as three shards + an index (save_pretrained's layout) load to a
+  // bit-identical model, and in bf16 when asked.
   const std::string sharded = temp_dir("flux_sharded");
   fs::copy_file(kFluxTransformer + "/config.json", sharded + "/config.json");
-  write_text(sharded + "/diffusion_pytorch_model.safetensors.index.json", "{\"weight_map\": {}}");
-  EXPECT_NE(error_of([&] {
-              dm::load_flux_transformer(sharded);
-            }).find("diffusion_pytorch_model.safetensors.index.json: sharded"),
-            std::string::npos);
+  const TensorMap all =
+      difftrain::io::load_safetensors(kFluxTransformer + "/diffusion_pytorch_model.safetensors")
+          .tensors;
+  std::vector<TensorMap> shards(3);
+  json weight_map = json::object();
+  int64_t k = 0;
+  for (const auto& [name, t] : all) {
+    const int64_t s = k++ % 3;
+    shards[static_cast<size_t>(s)][name] = t;
+    weight_map[name] =
+        "diffusion_pytorch_model-0000" + std::to_string(s + 1) + "-of-00003.safetensors";
+  }
+  for (int64_t s = 0; s < 3; ++s) {
+    difftrain::io::save_safetensors(
+        sharded + "/diffusion_pytorch_model-0000" + std::to_string(s + 1) + "-of-00003.safetensors",
+        shards[static_cast<size_t>(s)]);
+  }
+  write_text(sharded + "/diffusion_pytorch_model.safetensors.index.json",
+             json{{"metadata", {{"total_size", 0}}}, {"weight_map", weight_map}}.dump());
+  FluxTransformer2DModel from_shards = dm::load_flux_transformer(sharded);
+  from_shards->eval();
+  EXPECT_EQ(max_abs(flux_run_case(from_shards, io, "B"), flux_run_case(model, io, "B")), 0.0);
+  FluxTransformer2DModel bf16 = dm::load_flux_transformer(sharded, torch::kBFloat16);
+  for (const auto& p : bf16->parameters()) EXPECT_EQ(p.scalar_type(), torch::kBFloat16);
+  // A shard the index names but the folder lacks, and a damaged index, are named.
+  fs::remove(sharded + "/diffusion_pytorch_model-00002-of-00003.safetensors");
+  std::string msg = error_of([&] { dm::load_flux_transformer(sharded); });
+  EXPECT_NE(msg.find("diffusion_pytorch_model-00002-of-00003.safetensors"), std::string::npos)
+      << msg;
+  write_text(sharded + "/diffusion_pytorch_model.safetensors.index.json", "{\"weight_map\": 3}");
+  msg = error_of([&] { dm::load_flux_transformer(sharded); });
+  EXPECT_NE(msg.find("weight_map"), std::string::npos) << msg;
   fs::remove_all(fs::path(dir).parent_path());
   fs::remove_all(sharded);
 }

@@ -136,9 +136,8 @@ class FluxTransformer2DModelImpl : public torch::nn::Module,
 TORCH_MODULE(FluxTransformer2DModel);
 
 /// The weights of a FluxTransformer2DModel folder: `dir`/diffusion_pytorch_model.safetensors (or
-/// .<variant>.safetensors, models::weights_path), floating-point tensors converted to `dtype`.
-/// A sharded folder (diffusion_pytorch_model.safetensors.index.json) is refused with a
-/// difftrain::Error for now.
+/// .<variant>.safetensors), or the shards diffusion_pytorch_model.safetensors.index.json names
+/// (io/weight_index.h), floating-point tensors converted to `dtype` file by file.
 io::TensorMap load_flux_weights(const std::string& dir, torch::Dtype dtype = torch::kFloat32,
                                 const std::string& variant = "");
 
