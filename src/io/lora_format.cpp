@@ -1,5 +1,7 @@
 #include "difftrain/io/lora_format.h"
 
+#include "difftrain/io/flux_lora.h"
+
 #include "difftrain/core/error.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/lora_adapter_config.h"
@@ -369,6 +371,8 @@ LoraWeights read_lora(const std::string& path, const LoraReadOptions& options) {
     if (fs::is_regular_file(beside)) opts.adapter_config = beside.string();
   }
   auto st = load_safetensors(file);
+  // ComfyUI / XLabs FLUX keys read as kohya's (io/flux_lora.h); the family converts BFL names.
+  if (is_bfl_flux_lora(st.tensors)) st.tensors = normalize_flux_lora_keys(st.tensors);
   return parse_lora(st.tensors, file, opts, st.metadata);
 }
 
@@ -385,7 +389,18 @@ LoraWeights parse_lora(const std::map<std::string, torch::Tensor>& tensors, cons
   out.path = path;
   // component + '\n' + module → pieces, so each component's modules come out sorted.
   std::map<std::string, Pieces> groups;
+  // Diffusers / PEFT files may carry "<component>.<module>.alpha" (FLUX LoRAs exported with
+  // alphas; Diffusers' lora_state_dict pops them as network alphas): the module's own alpha.
+  std::map<std::string, std::pair<std::string, torch::Tensor>> dotted_alphas;
   for (const auto& [key, tensor] : tensors) {
+    if (!starts_with(key, "lora_") && ends_with(key, ".alpha") && key.size() > 6) {
+      std::string component, module;
+      split_component(key.substr(0, key.size() - 6), component, module);
+      dotted_alphas[component + '\n' + module] = {key, tensor};
+    }
+  }
+  for (const auto& [key, tensor] : tensors) {
+    if (!starts_with(key, "lora_") && ends_with(key, ".alpha") && key.size() > 6) continue;
     auto info = classify(key);
     if (!info) {
       bad_lora_file(
@@ -447,6 +462,29 @@ LoraWeights parse_lora(const std::map<std::string, torch::Tensor>& tensors, cons
     if (from_file) {
       apply_config(path, *from_file, "'" + *options.adapter_config + "'", component, targets, done);
     }
+  }
+  for (const auto& [id, entry] : dotted_alphas) {
+    const auto& [key, tensor] = entry;
+    const auto nl = id.find('\n');
+    const std::string component = id.substr(0, nl), module = id.substr(nl + 1);
+    LoraTarget* target = nullptr;
+    for (auto& t : out.components[component]) {
+      if (t.module == module) target = &t;
+    }
+    if (target == nullptr) {
+      bad_lora_file(path, "'" + key + "' is the alpha of " + component + " module '" + module +
+                              "', which has no LoRA weights in the file");
+    }
+    if (tensor.numel() != 1 || !tensor.is_floating_point() ||
+        !std::isfinite(tensor.to(torch::kFloat64).item<double>())) {
+      bad_lora_file(path, "'" + key + "' must be one finite number (the module's alpha), got " +
+                              shape_and_dtype(tensor));
+    }
+    // The module's own alpha wins over any config, as a kohya .alpha does.
+    target->alpha = tensor.to(torch::kFloat64).item<double>();
+  }
+  for (auto it = out.components.begin(); it != out.components.end();) {
+    it = it->second.empty() ? out.components.erase(it) : std::next(it);
   }
   int formats_used = 0, most = -1;
   for (int f = 0; f < 3; ++f) {
