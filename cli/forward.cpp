@@ -24,11 +24,14 @@ struct ForwardArgs {
 CLI::App* add_forward_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "forward",
-      "Run the UNet once on tensors from a .safetensors file (sample, timestep, optional "
-      "class_labels / encoder_hidden_states) and write `out`, to compare with Diffusers");
+      "Run the denoiser once on tensors from a .safetensors file and write `out`, to compare "
+      "with Diffusers: a UNet (sample, timestep, optional class_labels / "
+      "encoder_hidden_states) or a FluxTransformer2DModel (hidden_states, "
+      "encoder_hidden_states, pooled_projections, timestep, guidance, img_ids, txt_ids)");
   cmd->add_option("--model", g_args.model,
-                  "UNet folder (config.json + diffusion_pytorch_model.safetensors) or pipeline "
-                  "folder with unet/")
+                  "UNet or FluxTransformer2DModel folder (config.json + "
+                  "diffusion_pytorch_model.safetensors) or pipeline folder with unet/ or "
+                  "transformer/")
       ->required();
   cmd->add_option("--lora", g_args.lora, "LoRA weights to merge first (.safetensors)");
   cmd->add_option("--lora_scale", g_args.lora_scale, "Multiplier of the LoRA update (default 1)");

@@ -25,12 +25,13 @@ CLI::Option* g_guidance = nullptr;
 CLI::App* add_sample_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "sample",
-      "Generate images: text-to-image from a Stable Diffusion folder (--prompt), or a DDPM/DDIM "
-      "UNet pipeline (Diffusers semantics: the same seed gives the same images); writes a "
-      "labelled PNG grid");
+      "Generate images: text-to-image from a Stable Diffusion, SDXL or FLUX.1 folder (--prompt), "
+      "or a DDPM/DDIM UNet pipeline (Diffusers semantics: the same seed gives the same images); "
+      "writes a labelled PNG grid");
   cmd->add_option("--model", g_args.model,
                   "Pipeline folder (model_index.json + unet/ + scheduler/, with vae/ text_encoder/ "
-                  "tokenizer/ for Stable Diffusion) or a UNet folder with scheduler_config.json "
+                  "tokenizer/ for Stable Diffusion; FLUX.1: transformer/ vae/ text_encoder(_2)/ "
+                  "tokenizer(_2)/ scheduler/) or a UNet folder with scheduler_config.json "
                   "beside config.json")
       ->required();
   cmd->add_option("--lora", g_args.lora,
@@ -49,9 +50,11 @@ CLI::App* add_sample_command(CLI::App& app) {
       ->check(CLI::Range(int64_t{1}, int64_t{4096}));
   cmd->add_option("--class_labels", g_args.class_labels,
                   "Comma-separated class ids for class-conditional models, one per image");
-  g_guidance = cmd->add_option("--guidance_scale", g_args.guidance_scale,
-                               "Classifier-free guidance scale (> 1 guides against the null class)")
-                   ->check(CLI::Range(0.0, 100.0));
+  g_guidance =
+      cmd->add_option("--guidance_scale", g_args.guidance_scale,
+                      "Classifier-free guidance scale (> 1 guides against the null class); "
+                      "FLUX.1-dev: the embedded guidance (default 3.5)")
+          ->check(CLI::Range(0.0, 100.0));
   cmd->add_option("--seed", g_args.seed, "Seed of the CPU generator (default 0)");
   cmd->add_option("--output", g_output, "PNG grid to write (default samples.png)");
   cmd->add_option("--save_tensors", g_save_tensors,
@@ -61,6 +64,11 @@ CLI::App* add_sample_command(CLI::App& app) {
   cmd->add_option("--prompt", g_args.prompts, "Text-to-image: the prompt (repeat for several)");
   cmd->add_option("--prompt_file", g_args.prompt_file, "Prompts, one per line");
   cmd->add_option("--negative_prompt", g_args.negative_prompt, "Guide away from this text");
+  cmd->add_option("--prompt_2", g_args.prompts_2,
+                  "FLUX.1: the prompt for the T5 encoder (repeat for several; default: --prompt)");
+  cmd->add_option("--max_sequence_length", g_args.max_sequence_length,
+                  "FLUX.1: T5 tokens per prompt, padded or cut (default 512)")
+      ->check(CLI::Range(int64_t{1}, int64_t{512}));
   cmd->add_option("--num_images_per_prompt", g_args.num_images_per_prompt,
                   "Images per prompt (default 1)")
       ->check(CLI::Range(int64_t{1}, int64_t{4096}));

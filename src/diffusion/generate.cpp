@@ -142,6 +142,7 @@ std::map<std::string, torch::Tensor> GenerateResult::tensors() const {
   std::map<std::string, torch::Tensor> out = {{"images", images}};
   if (latents.defined()) out["latents"] = latents;
   if (prompt_embeds.defined()) out["prompt_embeds"] = prompt_embeds;
+  if (pooled_prompt_embeds.defined()) out["pooled_prompt_embeds"] = pooled_prompt_embeds;
   return out;
 }
 

@@ -20,7 +20,17 @@ size_t encoders_in_layout(TextEncoderStack::Layout layout) {
 }  // namespace
 
 std::string to_string(TextEncoderStack::Layout layout) {
-  return layout == TextEncoderStack::Layout::kClip ? "clip" : "dual-clip";
+  switch (layout) {
+    case TextEncoderStack::Layout::kClip: return "clip";
+    case TextEncoderStack::Layout::kDualClip: return "dual-clip";
+    case TextEncoderStack::Layout::kClipT5: break;
+  }
+  return "clip-t5";
+}
+
+torch::nn::Module* TextEncoderStack::Encoder::module() const {
+  return t5 ? static_cast<torch::nn::Module*>(t5.ptr().get())
+            : static_cast<torch::nn::Module*>(model.ptr().get());
 }
 
 TextEncoderStack::TextEncoderStack(Layout layout, std::vector<Encoder> encoders)
@@ -30,7 +40,14 @@ TextEncoderStack::TextEncoderStack(Layout layout, std::vector<Encoder> encoders)
                 std::to_string(encoders_in_layout(layout_)) + " encoder(s), got " +
                 std::to_string(encoders_.size()));
   }
-  for (auto& e : encoders_) {
+  for (size_t i = 0; i < encoders_.size(); ++i) {
+    auto& e = encoders_[i];
+    if (layout_ == Layout::kClipT5 && i == 1) {
+      if (e.t5.is_empty() || !e.t5_tokenizer) {
+        throw Error("text-encoder stack: " + e.component + " (T5) is not loaded");
+      }
+      continue;
+    }
     if (e.model.is_empty()) throw Error("text-encoder stack: " + e.component + " is not loaded");
     const int64_t positions = e.model->config().max_position_embeddings;
     if (e.tokenizer.model_max_length() > positions) e.tokenizer.set_model_max_length(positions);
@@ -52,6 +69,13 @@ TextEncoderStack TextEncoderStack::load(Layout layout, const std::vector<Files>&
     e.tokenizer_component = f.tokenizer_component;
     e.model_dir = f.model_dir;
     e.tokenizer_dir = f.tokenizer_dir;
+    if (layout == Layout::kClipT5 && i == 1) {
+      e.t5_tokenizer =
+          std::make_shared<models::T5Tokenizer>(models::T5Tokenizer::load(f.tokenizer_dir));
+      e.t5 = models::load_t5_encoder(f.model_dir, torch::kFloat32, variant);
+      encoders.push_back(std::move(e));
+      continue;
+    }
     e.tokenizer = models::ClipTokenizer::from_folder(f.tokenizer_dir);
     const bool projection = layout == Layout::kDualClip && i == 1;
     e.model = models::load_clip_text_model(f.model_dir, variant, projection);
@@ -62,7 +86,7 @@ TextEncoderStack TextEncoderStack::load(Layout layout, const std::vector<Files>&
 
 std::vector<torch::nn::Module*> TextEncoderStack::modules() const {
   std::vector<torch::nn::Module*> out;
-  for (const auto& e : encoders_) out.push_back(e.model.ptr().get());
+  for (const auto& e : encoders_) out.push_back(e.module());
   return out;
 }
 
@@ -75,16 +99,27 @@ std::vector<std::string> TextEncoderStack::components() const {
 int64_t TextEncoderStack::embed_dim() const {
   if (empty()) return 0;
   if (layout_ == Layout::kClip) return encoders_[0].model->config().hidden_size;
+  if (layout_ == Layout::kClipT5) return encoders_[1].t5->options().d_model();
   int64_t d = 0;
   for (const auto& e : encoders_) d += e.model->config().hidden_size;
   return d;
 }
 
 int64_t TextEncoderStack::pooled_dim() const {
-  return layout_ == Layout::kDualClip && !empty() ? encoders_[1].model->config().projection_dim : 0;
+  if (empty()) return 0;
+  if (layout_ == Layout::kClipT5) return encoders_[0].model->config().hidden_size;
+  return layout_ == Layout::kDualClip ? encoders_[1].model->config().projection_dim : 0;
+}
+
+void TextEncoderStack::set_max_sequence_length(int64_t n) {
+  if (n < 1) {
+    throw Error("max_sequence_length is " + std::to_string(n) + "; it must be at least 1");
+  }
+  max_sequence_length_ = n;
 }
 
 int64_t TextEncoderStack::max_clip_skip() const {
+  if (layout_ == Layout::kClipT5) return 0;
   int64_t layers = 0;
   for (const auto& e : encoders_) {
     const int64_t n = e.model->config().num_hidden_layers;
@@ -123,8 +158,11 @@ std::string TextEncoderStack::ids_key(size_t i) {
 std::map<std::string, torch::Tensor> TextEncoderStack::tokenize(const std::string& caption) const {
   std::map<std::string, torch::Tensor> out;
   for (size_t i = 0; i < encoders_.size(); ++i) {
+    const auto& e = encoders_[i];
     out[ids_key(i)] =
-        torch::tensor(encoders_[i].tokenizer.encode(caption).input_ids, torch::kInt64);
+        e.t5_tokenizer
+            ? torch::tensor(e.t5_tokenizer->encode(caption, max_sequence_length_), torch::kInt64)
+            : torch::tensor(e.tokenizer.encode(caption).input_ids, torch::kInt64);
   }
   return out;
 }
@@ -132,14 +170,29 @@ std::map<std::string, torch::Tensor> TextEncoderStack::tokenize(const std::strin
 std::vector<torch::Tensor> TextEncoderStack::tokenize(
     const std::vector<std::string>& prompts) const {
   std::vector<torch::Tensor> out;
-  for (const auto& e : encoders_) out.push_back(e.tokenizer.encode_batch(prompts));
+  for (const auto& e : encoders_) {
+    out.push_back(e.t5_tokenizer ? (*e.t5_tokenizer)(prompts, max_sequence_length_)
+                                 : e.tokenizer.encode_batch(prompts));
+  }
   return out;
 }
 
-PromptEmbeds TextEncoderStack::encode(const std::vector<std::string>& prompts,
-                                      int64_t clip_skip) const {
+PromptEmbeds TextEncoderStack::encode(const std::vector<std::string>& prompts, int64_t clip_skip,
+                                      const std::vector<std::string>& prompts_2) const {
   torch::NoGradGuard no_grad;
-  return encode_ids(tokenize(prompts), clip_skip);
+  auto ids = tokenize(prompts);
+  if (!prompts_2.empty()) {
+    if (layout_ != Layout::kClipT5) {
+      throw Error("a second prompt is for FLUX.1's T5 encoder; this pipeline's text encoders are " +
+                  to_string(layout_));
+    }
+    if (prompts_2.size() != prompts.size()) {
+      throw Error("got " + std::to_string(prompts_2.size()) + " second prompts for " +
+                  std::to_string(prompts.size()) + " prompts; give one per prompt");
+    }
+    ids[1] = (*encoders_[1].t5_tokenizer)(prompts_2, max_sequence_length_);
+  }
+  return encode_ids(ids, clip_skip);
 }
 
 PromptEmbeds TextEncoderStack::encode_ids(const std::vector<torch::Tensor>& ids,
@@ -155,6 +208,13 @@ PromptEmbeds TextEncoderStack::encode_ids(const std::vector<torch::Tensor>& ids,
   }
   const torch::Device device = models::module_device(*encoders_[0].model);
   PromptEmbeds out;
+  if (layout_ == Layout::kClipT5) {
+    // FluxPipeline.encode_prompt: CLIP's pooler_output and T5's last_hidden_state, no masks.
+    out.pooled = encoders_[0].model.ptr()->forward(ids[0].to(device)).pooler_output;
+    auto& t5 = *encoders_[1].t5.ptr();
+    out.embeds = t5.forward(ids[1].to(models::module_device(t5))).to(device);
+    return out;
+  }
   if (layout_ == Layout::kClip) {
     // Encoding changes no state: the holders' shared pointers give the non-const forward().
     out.embeds = encoders_[0].model.ptr()->forward(ids[0].to(device), clip_skip).last_hidden_state;
@@ -178,17 +238,17 @@ PromptEmbeds TextEncoderStack::encode_ids(const std::vector<torch::Tensor>& ids,
 void TextEncoderStack::to(const torch::Device& device, std::optional<torch::Dtype> dtype) {
   for (auto& e : encoders_) {
     if (dtype) {
-      e.model->to(device, *dtype);
+      e.module()->to(device, *dtype);
     } else {
-      e.model->to(device);
+      e.module()->to(device);
     }
   }
 }
 
 void TextEncoderStack::freeze() {
   for (auto& e : encoders_) {
-    e.model->eval();
-    for (auto& p : e.model->parameters()) p.set_requires_grad(false);
+    e.module()->eval();
+    for (auto& p : e.module()->parameters()) p.set_requires_grad(false);
   }
 }
 

@@ -19,6 +19,8 @@ const ModelFamily& unet_family();
 const ModelFamily& stable_diffusion_family();
 /// src/families/sdxl/: StableDiffusionXLPipeline folders.
 const ModelFamily& sdxl_family();
+/// src/families/flux/: FluxPipeline folders and bare FluxTransformer2DModel folders.
+const ModelFamily& flux_family();
 
 /// --device: "auto" (the first CUDA device when one is visible, else the CPU), "cpu", "cuda" or
 /// "cuda:N", as in Diffusers' pipe.to(device). Throws difftrain::Error for anything else or a

@@ -14,7 +14,7 @@ namespace fs = std::filesystem;
 const std::vector<const ModelFamily*>& families() {
   // Each built-in family, registered once. A folder is matched against them in this order.
   static const std::vector<const ModelFamily*> all = {&unet_family(), &stable_diffusion_family(),
-                                                      &sdxl_family()};
+                                                      &sdxl_family(), &flux_family()};
   return all;
 }
 

@@ -97,6 +97,33 @@ TEST(TokenizeCli, PromptsPrintTheFixtureIdsAndWarnWhenTruncated) {
       << r.log();
 }
 
+TEST(TokenizeCli, T5SubfolderOfAFluxFolderPrintsTheFixtureIds) {
+  // FLUX.1's tokenizer_2 (SentencePiece): every case of the fixture, from a prompt file, at
+  // --max_length 32 as the fixture's ids are.
+  const std::string flux =
+      std::string(difftrain_test::source_dir()) + "/tests/golden/flux/tiny_flux";
+  std::ifstream in(flux + "/tokenizer_cases.json");
+  const auto j = nlohmann::json::parse(in);
+  std::string file;
+  std::vector<std::string> want;
+  for (const char* group : {"cases", "t5_only_cases"}) {
+    for (const auto& c : j.at(group)) {
+      const std::string prompt = c.at("prompt");
+      if (prompt.find('\n') != std::string::npos) continue;  // a prompt file line has none
+      file += prompt + "\n";
+      want.push_back(json_line(c.at("t5_input_ids").get<std::vector<int64_t>>()));
+    }
+  }
+  const std::string path = ::testing::TempDir() + "t5_prompts.txt";
+  write(path, file);
+  const auto r = run({kDifftrain, "tokenize", "--model", flux, "--subfolder", "tokenizer_2",
+                      "--max_length", "32", "--prompt_file", path},
+                     {}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  EXPECT_EQ(lines_of(r.out), want) << r.log();
+  EXPECT_GE(count(r.err, "warning"), 1u) << r.log();  // the long prompts are cut
+}
+
 TEST(TokenizeCli, PromptFileKeepsEveryLineAndTakesATokenizerFolder) {
   const auto dir = make_temp_dir("tokenize_cli_file");
   const auto cases = fixture_cases();

@@ -37,7 +37,7 @@ TEST(Families, EachBuiltInFamilyIsRegisteredOnceWithItsOwnClasses) {
     for (const auto& c : f->pipeline_classes()) EXPECT_TRUE(classes.insert(c).second) << c;
     EXPECT_FALSE(f->lora_components().empty()) << f->name();
   }
-  EXPECT_EQ(names, (std::set<std::string>{"unet", "stable-diffusion", "sdxl"}));
+  EXPECT_EQ(names, (std::set<std::string>{"unet", "stable-diffusion", "sdxl", "flux"}));
   EXPECT_EQ(families::default_family().name(), "unet");
 }
 
@@ -147,21 +147,22 @@ TEST(Families, ForwardAndTheMemoryModelComeFromTheFolderFamily) {
 }
 
 TEST(Families, AClassNoFamilyClaimsIsRefusedInOneLineListingTheKnownOnes) {
-  const auto dir = folder_with_index(temp_dir("families_unknown") + "/flux",
-                                     R"({"_class_name": "FluxPipeline",
-                                         "transformer": ["diffusers", "FluxTransformer2DModel"]})");
+  const auto dir = folder_with_index(temp_dir("families_unknown") + "/sd3",
+                                     R"({"_class_name": "StableDiffusion3Pipeline",
+                                         "transformer": ["diffusers", "SD3Transformer2DModel"]})");
   const std::string message = error_of([&] { families::family_of(dir); });
   EXPECT_EQ(message.find('\n'), std::string::npos) << message;
-  for (const char* part :
-       {"FluxPipeline", "model_index.json", "DDPMPipeline (unet)",
-        "StableDiffusionPipeline (stable-diffusion)", "StableDiffusionXLPipeline (sdxl)"}) {
+  for (const char* part : {"StableDiffusion3Pipeline", "model_index.json", "DDPMPipeline (unet)",
+                           "StableDiffusionPipeline (stable-diffusion)",
+                           "StableDiffusionXLPipeline (sdxl)", "FluxPipeline (flux)"}) {
     EXPECT_NE(message.find(part), std::string::npos) << part << " in: " << message;
   }
   // The training entry point asks the same registry.
   train::TaskOptions options;
   options.model.pretrained_model_name_or_path = dir;
-  EXPECT_NE(error_of([&] { families::make_training_task(options); }).find("FluxPipeline"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { families::make_training_task(options); }).find("StableDiffusion3Pipeline"),
+      std::string::npos);
 }
 
 }  // namespace

@@ -46,6 +46,12 @@ struct GenerateRequest {
   /// prompt, or none = "").
   std::vector<std::string> prompts;
   std::vector<std::string> negative_prompts;
+  /// FLUX.1: the prompts for the second text encoder (T5; FluxPipeline's `prompt_2`): one per
+  /// prompt, one for all, or none (= the prompts).
+  std::vector<std::string> prompts_2;
+  /// FLUX.1: the T5 token count prompts are padded or cut to (FluxPipeline's
+  /// `max_sequence_length`); 0 = the pipeline's default (512).
+  int64_t max_sequence_length = 0;
   /// UNet pipelines only: one class id per image for class-conditional UNets, empty otherwise.
   std::vector<int64_t> class_labels;
   /// UNet pipelines: the number of images (0 = one per class label, or 1). Text-to-image: images
@@ -83,13 +89,15 @@ struct GenerateResult {
   /// prompt embeddings, [2K, L, D] with guidance (negative rows first), else [K, L, D]; with
   /// kPerImage, each image's run's rows one after the other.
   torch::Tensor latents, prompt_embeds;
+  /// The pooled text embedding [K, P] where the pipeline has one (FLUX.1's CLIP pooler output).
+  torch::Tensor pooled_prompt_embeds;
   /// One grid caption per image: UNet "class L" (class-conditional) or "seed S #i" (kBatch) /
   /// "seed S+i" (kPerImage); text-to-image the prompt's first 28 characters ("..." when cut),
   /// with " #k" when a prompt has several images.
   std::vector<std::string> labels;
 
-  /// The tensors `difftrain sample --save_tensors` writes: "images", plus "latents" and
-  /// "prompt_embeds" when defined.
+  /// The tensors `difftrain sample --save_tensors` writes: "images", plus "latents",
+  /// "prompt_embeds" and "pooled_prompt_embeds" when defined.
   std::map<std::string, torch::Tensor> tensors() const;
 };
 

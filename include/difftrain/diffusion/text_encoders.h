@@ -1,18 +1,21 @@
 #pragma once
 // A pipeline's text encoders as one component: the tokenizers, the encoders and how their
 // outputs make the prompt embeddings (Diffusers' encode_prompt, per pipeline). One CLIP (Stable
-// Diffusion 1.x/2.x), two CLIPs (SDXL) and, next, CLIP + T5 (FLUX.1) are layouts of the same
+// Diffusion 1.x/2.x), two CLIPs (SDXL) and CLIP + T5 (FLUX.1) are layouts of the same
 // class, so a family composes a TextEncoderStack instead of holding tokenizers and encoders
 // itself: pipelines encode prompts with it, training tasks tokenize captions, encode batches and
 // key their caches with it, and LoRA finds its encoders by component name.
 
 #include "difftrain/models/clip_text_model.h"
 #include "difftrain/models/clip_tokenizer.h"
+#include "difftrain/models/t5_encoder.h"
+#include "difftrain/models/t5_tokenizer.h"
 
 #include <torch/types.h>
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -36,14 +39,23 @@ class TextEncoderStack {
     /// cat(hidden_states[-(clip_skip + 2)] of each, -1) (before final_layer_norm); pooled = the
     /// second's text_embeds.
     kDualClip,
+    /// FluxPipeline: CLIPTextModel + T5EncoderModel; embeds = T5's last_hidden_state of
+    /// max_sequence_length() tokens (no attention mask), pooled = CLIP's pooler_output (77
+    /// tokens). clip_skip does not apply.
+    kClipT5,
   };
 
-  /// One tokenizer and its encoder, and the pipeline components they came from.
+  /// One tokenizer and its encoder, and the pipeline components they came from: a CLIP (model,
+  /// tokenizer) or a T5 (t5, t5_tokenizer; model stays null).
   struct Encoder {
     std::string component;            ///< "text_encoder", "text_encoder_2"
     std::string tokenizer_component;  ///< "tokenizer", "tokenizer_2"
     models::ClipTokenizer tokenizer;
     models::ClipTextModel model{nullptr};
+    std::shared_ptr<models::T5Tokenizer> t5_tokenizer;
+    models::T5EncoderModel t5{nullptr};
+    /// The encoder as a module, whichever kind it is.
+    torch::nn::Module* module() const;
     /// Where they were read from ("" when built in memory).
     std::string model_dir, tokenizer_dir;
   };
@@ -60,7 +72,8 @@ class TextEncoderStack {
   TextEncoderStack(Layout layout, std::vector<Encoder> encoders);
 
   /// Reads each encoder (safetensors `variant`, float32, CPU) and tokenizer; the second of
-  /// kDualClip as CLIPTextModelWithProjection.
+  /// kDualClip as CLIPTextModelWithProjection, the second of kClipT5 as T5EncoderModel with its
+  /// SentencePiece tokenizer.
   static TextEncoderStack load(Layout layout, const std::vector<Files>& files,
                                const std::string& variant = "");
 
@@ -81,7 +94,8 @@ class TextEncoderStack {
   int64_t pooled_dim() const;
 
   /// The largest Diffusers clip_skip the encoders take (kClip: layers - 1; kDualClip: the
-  /// shallower encoder's layers - 2, its embedding being the penultimate layer's already).
+  /// shallower encoder's layers - 2, its embedding being the penultimate layer's already;
+  /// kClipT5: 0).
   int64_t max_clip_skip() const;
   /// Diffusers' clip_skip from kohya's `--clip_skip` N (1 = the last layer): N - 1. Throws
   /// difftrain::Error for N < 1 or beyond max_clip_skip() + 1, naming the bound.
@@ -94,8 +108,15 @@ class TextEncoderStack {
   /// The token ids of several prompts, one [N, model_max_length] per encoder.
   std::vector<torch::Tensor> tokenize(const std::vector<std::string>& prompts) const;
 
-  /// Prompt embeddings of `prompts` on the first encoder's device, under no-grad.
-  PromptEmbeds encode(const std::vector<std::string>& prompts, int64_t clip_skip = 0) const;
+  /// kClipT5: the T5 token count prompts are padded or cut to (FluxPipeline's
+  /// max_sequence_length, default 512). Throws difftrain::Error for n < 1.
+  void set_max_sequence_length(int64_t n);
+  int64_t max_sequence_length() const { return max_sequence_length_; }
+
+  /// Prompt embeddings of `prompts` on the first encoder's device, under no-grad. kClipT5 encodes
+  /// `prompts_2` with T5 when given (FluxPipeline's prompt_2; one per prompt), else `prompts`.
+  PromptEmbeds encode(const std::vector<std::string>& prompts, int64_t clip_skip = 0,
+                      const std::vector<std::string>& prompts_2 = {}) const;
   /// The same from token ids already made (one [N, L] per encoder, in order, on any device),
   /// with grad as the caller's mode is (text-encoder training). Throws difftrain::Error for a
   /// clip_skip beyond max_clip_skip().
@@ -109,9 +130,10 @@ class TextEncoderStack {
  private:
   Layout layout_ = Layout::kClip;
   std::vector<Encoder> encoders_;
+  int64_t max_sequence_length_ = 512;
 };
 
-/// "clip" or "dual-clip".
+/// "clip", "dual-clip" or "clip-t5".
 std::string to_string(TextEncoderStack::Layout layout);
 
 }  // namespace difftrain::diffusion

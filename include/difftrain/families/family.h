@@ -56,6 +56,8 @@ struct SampleOptions : diffusion::PipelineLoadOptions {
   std::vector<std::string> prompts;
   std::string prompt_file;
   std::string negative_prompt;
+  std::vector<std::string> prompts_2;  ///< --prompt_2 (FLUX.1's T5 prompt)
+  int64_t max_sequence_length = 0;     ///< --max_sequence_length (FLUX.1), 0 = 512
   int64_t num_images_per_prompt = 1;
   int64_t height = 0, width = 0;
   int64_t clip_skip = 1;        ///< kohya numbering: 1 = the last layer

@@ -1,0 +1,129 @@
+// The FLUX.1 family: FluxPipeline folders (FLUX.1-dev with embedded guidance, FLUX.1-schnell
+// without) and bare FluxTransformer2DModel folders. Sampling in flux_pipeline.cpp, LoRA names in
+// lora.cpp, the memory model in memory.cpp.
+#include "../builtin.h"
+#include "difftrain/core/error.h"
+#include "difftrain/core/log.h"
+#include "difftrain/io/prompt_file.h"
+#include "flux_family.h"
+#include "flux_pipeline.h"
+
+#include <fmt/format.h>
+
+#include <filesystem>
+
+namespace difftrain::families {
+namespace {
+namespace fs = std::filesystem;
+
+bool flux_has_component(const nlohmann::json& index, const char* name) {
+  return index.contains(name) && index[name].is_array() && index[name].size() == 2 &&
+         !index[name][0].is_null();
+}
+
+// --prompt or --prompt_file (io::read_prompt_file's rules), at least one.
+std::vector<std::string> flux_prompts(const SampleOptions& a) {
+  if (!a.prompts.empty() && !a.prompt_file.empty()) {
+    throw Error("give --prompt or --prompt_file, not both");
+  }
+  if (!a.prompt_file.empty()) {
+    auto prompts = io::read_prompt_file(a.prompt_file);
+    if (prompts.empty()) throw Error("--prompt_file " + a.prompt_file + " has no prompts");
+    return prompts;
+  }
+  if (a.prompts.empty()) throw Error("a FLUX.1 folder needs --prompt \"...\" (or --prompt_file F)");
+  return a.prompts;
+}
+
+class FluxFamily : public ModelFamily {
+ public:
+  std::string name() const override { return "flux"; }
+  std::vector<std::string> pipeline_classes() const override { return {"FluxPipeline"}; }
+  std::vector<std::string> model_classes() const override { return {"FluxTransformer2DModel"}; }
+  bool matches_components(const nlohmann::json& index) const override {
+    return flux_has_component(index, "transformer") && flux_has_component(index, "text_encoder_2");
+  }
+  std::vector<std::string> lora_components() const override {
+    return {"transformer", "text_encoder"};
+  }
+  void adapt_lora(io::LoraWeights& lora, const std::string& dir,
+                  io::LoraFormat format) const override {
+    flux::adapt_flux_lora(lora, dir, format);
+  }
+  models::LoraFolderMergeSummary merge_lora(
+      const std::string& dir, const std::string& lora, const std::string& output_dir,
+      const models::LoraFolderMergeOptions& options) const override {
+    return flux::merge_flux_lora(dir, lora, output_dir, options);
+  }
+  torch::Tensor forward(const std::string& dir, const std::map<std::string, torch::Tensor>& inputs,
+                        const std::string& source, const std::string& lora,
+                        double lora_scale) const override {
+    return flux::forward_flux(dir, inputs, source, lora, lora_scale);
+  }
+  std::vector<train::MemoryEstimate> estimate_memory(
+      const std::string& model_path, const train::MemoryEstimateOptions& options,
+      const std::vector<accel::ShardingStrategy>& strategies) const override {
+    return flux::estimate_flux_memory(model_path, options, strategies);
+  }
+  std::unique_ptr<diffusion::Pipeline> load_pipeline(
+      const std::string& dir, const diffusion::PipelineLoadOptions& options) const override {
+    return std::make_unique<flux::FluxPipeline>(flux::load_flux_pipeline(dir, options));
+  }
+  std::unique_ptr<train::TrainingTask> make_training_task(
+      const train::TaskOptions& options) const override {
+    throw Error(options.model.pretrained_model_name_or_path +
+                " is a FLUX.1 folder; difftrain samples, converts and merges FLUX.1 models but "
+                "does not train them yet (planned: FLUX.1 LoRA and full training)");
+  }
+  diffusion::GenerateResult sample(const SampleOptions& a) const override {
+    diffusion::GenerateRequest request;
+    request.prompts = flux_prompts(a);
+    request.prompts_2 = a.prompts_2;
+    if (!a.class_labels.empty()) throw Error("--class_labels is for class-conditional UNets");
+    if (!a.negative_prompt.empty()) {
+      throw Error(
+          "FluxPipeline takes no negative prompt (FLUX.1 samples without classifier-free "
+          "guidance); leave --negative_prompt out");
+    }
+    if (a.clip_skip != 1) throw Error("--clip_skip does not apply to FLUX.1 (its CLIP is pooled)");
+    if (a.guidance_rescale != 0) throw Error("--guidance_rescale does not apply to FLUX.1");
+    if (!a.original_size.empty() || !a.crops_coords_top_left.empty() || !a.target_size.empty()) {
+      throw Error("--original_size, --crops_coords_top_left and --target_size are SDXL's");
+    }
+    if (a.guidance_given) request.guidance_scale = a.guidance_scale;
+    request.num_inference_steps = a.num_inference_steps;
+    request.height = a.height;
+    request.width = a.width;
+    request.max_sequence_length = a.max_sequence_length;
+    request.num_images = a.num_images > 0 ? a.num_images : a.num_images_per_prompt;
+    request.seed = a.seed;
+    const torch::Device device = parse_sample_device(a.device);
+    flux::FluxPipeline pipe = flux::load_flux_pipeline(a.model, a);
+    pipe.to(device);
+    const auto o = pipe.resolve(request);
+    const bool guided = pipe.transformer->options().guidance_embeds();
+    if (!guided && a.guidance_given) {
+      log::warn("--guidance_scale {} is ignored: {} has no guidance embedding (FLUX.1-schnell)",
+                a.guidance_scale, a.model);
+    }
+    log::info(
+        "difftrain sample: {} (FluxPipeline) on {}, {} steps, {}, max_sequence_length {}, {} "
+        "prompt(s) x {} image(s), {}x{}, seed {}{}",
+        a.model, device.str(), o.num_inference_steps,
+        guided ? fmt::format("guidance {}", *o.guidance_scale) : std::string("no guidance"),
+        o.max_sequence_length, o.prompts.size(), o.num_images, o.height, o.width, a.seed,
+        a.lora.empty() ? std::string() : fmt::format(", LoRA {} x{}", a.lora, a.lora_scale));
+    request.on_step = a.on_step;
+    if (a.on_start) a.on_start();
+    return pipe.generate(request);
+  }
+};
+
+}  // namespace
+
+const ModelFamily& flux_family() {
+  static const FluxFamily family;
+  return family;
+}
+
+}  // namespace difftrain::families

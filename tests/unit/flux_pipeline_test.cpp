@@ -1,0 +1,209 @@
+// FLUX.1 sampling against Diffusers 0.31 (tests/golden/flux: FlowMatchEulerDiscreteScheduler with
+// dynamic shifting, the 16-channel AutoencoderKL with shift_factor, FluxPipeline.__call__ seed 42
+// with and without each fixture LoRA file) and the FLUX family's folder recognition.
+
+#include "difftrain/core/error.h"
+#include "difftrain/diffusion/sampler.h"
+#include "difftrain/families/family.h"
+#include "difftrain/io/atomic_file.h"
+#include "difftrain/io/safetensors.h"
+#include "difftrain/models/autoencoder_kl.h"
+#include "source_dir.h"
+#include "test_util.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <filesystem>
+
+namespace difftrain {
+namespace {
+
+namespace fs = std::filesystem;
+using test::error_of;
+using test::max_abs;
+
+const std::string kFluxDir =
+    std::string(difftrain_test::source_dir()) + "/tests/golden/flux/tiny_flux";
+const std::string kFluxLoraDir =
+    std::string(difftrain_test::source_dir()) + "/tests/golden/flux/tiny_flux_lora";
+
+io::TensorMap flux_golden(const std::string& file) { return io::load_safetensors(file).tensors; }
+
+nlohmann::json flux_scheduler_config() {
+  return test::read_json(kFluxDir + "/scheduler/scheduler_config.json");
+}
+
+TEST(FluxSampling, DynamicShiftingGivesFluxPipelinesSigmasAndTimesteps) {
+  const auto ref = flux_golden(kFluxDir + "/txt2img_seed42.safetensors");
+  const auto config = flux_scheduler_config();
+  // calculate_shift of the packed sequence length (24 x 32 latent -> 192 tokens).
+  const double mu = diffusion::flow_match_mu(192, config);
+  std::printf("mu %.17g vs %.17g\n", mu, ref.at("mu").item<double>());
+  EXPECT_LE(std::abs(mu - ref.at("mu").item<double>()), 1e-12);
+
+  auto sampler = diffusion::make_sampler(config, "", "flux scheduler");
+  diffusion::TimestepOptions o;
+  for (int i = 0; i < 6; ++i) o.sigmas.push_back(1.0 + i * ((1.0 / 6 - 1.0) / 5));
+  o.sigmas.back() = 1.0 / 6;
+  o.mu = mu;
+  sampler->set_timesteps_with(6, o);
+  const double rel_sigmas =
+      ((sampler->sigmas() - ref.at("sigmas")).abs() / (ref.at("sigmas").abs() + 1e-30))
+          .max()
+          .item<double>();
+  const double rel_t = ((sampler->timesteps() - ref.at("timesteps")).abs() / ref.at("timesteps"))
+                           .max()
+                           .item<double>();
+  std::printf("relative sigma diff %.3g, timestep diff %.3g\n", rel_sigmas, rel_t);
+  EXPECT_LE(rel_sigmas, 1e-6);
+  EXPECT_LE(rel_t, 1e-6);
+  // The model gets t / 1000 in float32.
+  EXPECT_LE(max_abs(sampler->timesteps() / 1000, ref.at("timestep_model_input")), 1e-7);
+}
+
+TEST(FluxSampling, TrainingTablesStayUnshiftedUnderDynamicShifting) {
+  const auto ref = flux_golden(kFluxDir + "/train_step.safetensors");
+  auto sampler = diffusion::make_sampler(flux_scheduler_config(), "", "flux scheduler");
+  // Diffusers' __init__ tables, before any set_timesteps: not integral at some indices.
+  EXPECT_EQ(max_abs(sampler->timesteps(), ref.at("train_schedule_timesteps")), 0.0);
+  EXPECT_EQ(max_abs(sampler->sigmas(), ref.at("train_schedule_sigmas")), 0.0);
+}
+
+TEST(FluxSampling, StaticShiftingOfSchnellKeepsOrShiftsTheGivenSigmas) {
+  nlohmann::json schnell = flux_scheduler_config();
+  schnell["use_dynamic_shifting"] = false;
+  schnell["shift"] = 1.0;
+  auto sampler = diffusion::make_sampler(schnell, "", "schnell scheduler");
+  diffusion::TimestepOptions o;
+  o.sigmas = {1.0, 0.75, 0.5, 0.25};
+  o.mu = 0.7;  // FluxPipeline always passes mu; without dynamic shifting it is ignored
+  sampler->set_timesteps_with(4, o);
+  EXPECT_TRUE(torch::equal(sampler->sigmas(), torch::tensor({1.0F, 0.75F, 0.5F, 0.25F, 0.0F})));
+  schnell["shift"] = 3.0;
+  auto shifted = diffusion::make_sampler(schnell, "", "shifted scheduler");
+  shifted->set_timesteps_with(4, o);
+  // 3s / (1 + 2s) computed in float64, then float32.
+  EXPECT_FLOAT_EQ(shifted->sigmas()[2].item<float>(), static_cast<float>(1.5 / 2.0));
+  EXPECT_FLOAT_EQ(shifted->sigmas()[3].item<float>(), static_cast<float>(0.75 / 1.5));
+}
+
+TEST(FluxVae, SixteenChannelsWithShiftFactorMatchDiffusers) {
+  const auto ref = flux_golden(kFluxDir + "/vae/io.safetensors");
+  auto vae = models::load_autoencoder_kl(kFluxDir + "/vae");
+  vae->eval();
+  torch::NoGradGuard no_grad;
+  EXPECT_EQ(vae->config().latent_channels, 16);
+  const double decoded = max_abs(vae->decode(ref.at("latent")), ref.at("decoded"));
+  const auto posterior = vae->encode(ref.at("image"));
+  const double mean = max_abs(posterior.mean, ref.at("latent_dist_mean"));
+  const double logvar = max_abs(posterior.logvar, ref.at("latent_dist_logvar"));
+  const double input = max_abs(vae->scale_latents(posterior.mean), ref.at("model_input"));
+  std::printf("decoded %.3g mean %.3g logvar %.3g model_input %.3g (limit 1e-4)\n", decoded, mean,
+              logvar, input);
+  EXPECT_LE(decoded, 1e-4);
+  EXPECT_LE(mean, 1e-4);
+  EXPECT_LE(logvar, 1e-4);
+  EXPECT_LE(input, 1e-4);
+  EXPECT_LE(max_abs(vae->unscale_latents(ref.at("model_input")), ref.at("latent_dist_mean")), 1e-5);
+}
+
+// FluxPipeline.__call__ on the fixture request, through the family as `difftrain sample` runs it.
+diffusion::GenerateResult flux_txt2img(const diffusion::PipelineLoadOptions& load) {
+  const auto& family = families::family_of(kFluxDir);
+  EXPECT_EQ(family.name(), "flux");
+  auto pipe = family.load_pipeline(kFluxDir, load);
+  EXPECT_EQ(pipe->class_name(), "FluxPipeline");
+  diffusion::GenerateRequest r;
+  r.prompts = {"a photo of a cat", "An astronaut riding a horse on Mars, highly detailed, 8k"};
+  r.height = 48;
+  r.width = 64;
+  r.num_inference_steps = 6;
+  r.guidance_scale = 3.5;
+  r.max_sequence_length = 32;
+  r.seed = 42;
+  return pipe->generate(r);
+}
+
+void expect_flux_txt2img(const diffusion::GenerateResult& out, const io::TensorMap& ref) {
+  const double embeds = max_abs(out.prompt_embeds, ref.at("prompt_embeds"));
+  const double pooled = max_abs(out.pooled_prompt_embeds, ref.at("pooled_prompt_embeds"));
+  const double latents = max_abs(out.latents, ref.at("latents_final_unpacked"));
+  const double images = max_abs(out.images, ref.at("images"));
+  std::printf("prompt_embeds %.3g pooled %.3g latents %.3g images %.3g (limit 1e-4)\n", embeds,
+              pooled, latents, images);
+  EXPECT_LE(embeds, 1e-4);
+  EXPECT_LE(pooled, 1e-4);
+  EXPECT_LE(latents, 1e-4);
+  EXPECT_LE(images, 1e-4);
+}
+
+TEST(FluxPipeline, Txt2ImgSeed42MatchesDiffusers) {
+  const auto ref = flux_golden(kFluxDir + "/txt2img_seed42.safetensors");
+  // The only random draw: torch.randn on a CPU generator seeded 42.
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(42);
+  EXPECT_EQ(max_abs(at::randn({2, 16, 24, 32}, gen, torch::kFloat32), ref.at("latents_init")), 0.0);
+  expect_flux_txt2img(flux_txt2img({}), ref);
+}
+
+TEST(FluxPipeline, EachFixtureLoraFileReproducesTheLoraTxt2Img) {
+  const auto ref = flux_golden(kFluxLoraDir + "/txt2img_lora_seed42.safetensors");
+  for (const char* file : {"pytorch_lora_weights.safetensors", "diffusers_alpha_lora.safetensors",
+                           "kohya_flux_lora.safetensors"}) {
+    SCOPED_TRACE(file);
+    diffusion::PipelineLoadOptions load;
+    load.lora = kFluxLoraDir + "/" + file;
+    expect_flux_txt2img(flux_txt2img(load), ref);
+  }
+}
+
+TEST(FluxPipeline, BadRequestsAndFoldersGiveOneLineErrors) {
+  const auto& family = families::family_of(kFluxDir);
+  auto pipe = family.load_pipeline(kFluxDir, {});
+  diffusion::GenerateRequest r;
+  r.prompts = {"a cat"};
+  r.num_inference_steps = 1;
+  r.height = 44;  // not a multiple of 8
+  r.width = 64;
+  std::string msg = error_of([&] { pipe->generate(r); });
+  EXPECT_NE(msg.find("multiples of 8"), std::string::npos) << msg;
+  r.height = 48;
+  r.negative_prompts = {"blurry"};
+  msg = error_of([&] { pipe->generate(r); });
+  EXPECT_NE(msg.find("no negative prompt"), std::string::npos) << msg;
+  r.negative_prompts.clear();
+  r.max_sequence_length = 513;
+  msg = error_of([&] { pipe->generate(r); });
+  EXPECT_NE(msg.find("512"), std::string::npos) << msg;
+  // A DDPM-family sampler cannot run a flow-matching model.
+  diffusion::PipelineLoadOptions ddim;
+  ddim.scheduler = "ddim";
+  msg = error_of([&] { family.load_pipeline(kFluxDir, ddim); });
+  EXPECT_NE(msg.find("flow-matching"), std::string::npos) << msg;
+  // A folder without its T5 encoder names the missing part.
+  const std::string broken = test::temp_dir("flux_broken") + "/flux";
+  fs::create_directories(broken);
+  for (const char* part :
+       {"transformer", "vae", "text_encoder", "tokenizer", "tokenizer_2", "scheduler"}) {
+    fs::create_directory_symlink(fs::path(kFluxDir) / part, fs::path(broken) / part);
+  }
+  fs::copy_file(kFluxDir + "/model_index.json", broken + "/model_index.json");
+  msg = error_of([&] { families::family_of(broken).load_pipeline(broken, {}); });
+  EXPECT_NE(msg.find("text_encoder_2"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+}
+
+TEST(FluxFamily, RecognisesPipelineAndTransformerFoldersAndRefusesTrainingInOneLine) {
+  EXPECT_EQ(families::family_of(kFluxDir).name(), "flux");
+  EXPECT_EQ(families::family_of(kFluxDir + "/transformer").name(), "flux");
+  train::TaskOptions options;
+  options.model.pretrained_model_name_or_path = kFluxDir;
+  const std::string msg = error_of([&] { families::make_training_task(options); });
+  EXPECT_NE(msg.find("FLUX.1"), std::string::npos) << msg;
+  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+}
+
+}  // namespace
+}  // namespace difftrain
