@@ -26,7 +26,8 @@ double flux_diff(const torch::Tensor& a, const torch::Tensor& b) {
   return (a.to(torch::kFloat64) - b.to(torch::kFloat64)).abs().max().item<double>();
 }
 
-ProcessResult flux_sample(const std::string& dir, std::vector<std::string> extra) {
+ProcessResult flux_sample(const std::string& dir, std::vector<std::string> extra,
+                          const std::string& height = "48") {
   std::vector<std::string> argv = {kDifftrain,
                                    "sample",
                                    "--model",
@@ -36,7 +37,7 @@ ProcessResult flux_sample(const std::string& dir, std::vector<std::string> extra
                                    "--prompt",
                                    "An astronaut riding a horse on Mars, highly detailed, 8k",
                                    "--height",
-                                   "48",
+                                   height,
                                    "--width",
                                    "64",
                                    "--num_inference_steps",
@@ -80,7 +81,7 @@ TEST(FluxCli, SampleMatchesFluxPipelineWithAndWithoutLora) {
   auto neg = flux_sample(dir, {"--negative_prompt", "blurry"});
   EXPECT_NE(neg.exit_code, 0);
   EXPECT_NE(neg.err.find("no negative prompt"), std::string::npos) << neg.log();
-  auto odd = flux_sample(dir, {"--height", "44"});
+  auto odd = flux_sample(dir, {}, "44");
   EXPECT_NE(odd.exit_code, 0);
   EXPECT_NE(odd.err.find("multiples of 8"), std::string::npos) << odd.log();
 }
