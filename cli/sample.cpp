@@ -18,6 +18,7 @@ namespace {
 families::SampleOptions g_args;
 std::string g_output = "samples.png";
 std::string g_save_tensors;
+std::string g_dtype = "fp32";
 int64_t g_columns = 0;
 CLI::Option* g_guidance = nullptr;
 }  // namespace
@@ -102,6 +103,10 @@ CLI::App* add_sample_command(CLI::App& app) {
   cmd->add_option("--pretrained_vae_model_name_or_path,--vae", g_args.vae,
                   "An AutoencoderKL folder to use instead of vae/ (SDXL's fp16-safe VAE)");
   cmd->add_option("--variant", g_args.variant, "Weights variant, e.g. fp16");
+  cmd->add_option("--dtype", g_dtype,
+                  "Weights and compute dtype: fp32 (default), bf16 or fp16 (Diffusers' "
+                  "torch_dtype; FLUX.1 ships bf16 and is read straight into it)")
+      ->check(CLI::IsMember({"fp32", "float32", "bf16", "bfloat16", "fp16", "float16"}));
   cmd->add_option("--device", g_args.device,
                   "Where to run: auto (the first CUDA device if one is visible, else the CPU), "
                   "cpu, cuda or cuda:N (default auto). The noise comes from the CPU generator, "
@@ -112,6 +117,8 @@ CLI::App* add_sample_command(CLI::App& app) {
 int run_sample() {
   distributed::configure_threads();
   g_args.guidance_given = g_guidance->count() > 0;
+  if (g_dtype == "bf16" || g_dtype == "bfloat16") g_args.dtype = torch::kBFloat16;
+  if (g_dtype == "fp16" || g_dtype == "float16") g_args.dtype = torch::kFloat16;
   double seconds = 0;
   const auto result = families::sample(g_args, &seconds);
   io::save_image_grid(g_output, result.images, result.labels, g_columns);

@@ -60,7 +60,7 @@ TextEncoderStack::TextEncoderStack(Layout layout, std::vector<Encoder> encoders)
 }
 
 TextEncoderStack TextEncoderStack::load(Layout layout, const std::vector<Files>& files,
-                                        const std::string& variant) {
+                                        const std::string& variant, torch::Dtype dtype) {
   std::vector<Encoder> encoders;
   for (size_t i = 0; i < files.size(); ++i) {
     const auto& f = files[i];
@@ -72,13 +72,14 @@ TextEncoderStack TextEncoderStack::load(Layout layout, const std::vector<Files>&
     if (layout == Layout::kClipT5 && i == 1) {
       e.t5_tokenizer =
           std::make_shared<models::T5Tokenizer>(models::T5Tokenizer::load(f.tokenizer_dir));
-      e.t5 = models::load_t5_encoder(f.model_dir, torch::kFloat32, variant);
+      e.t5 = models::load_t5_encoder(f.model_dir, dtype, variant);
       encoders.push_back(std::move(e));
       continue;
     }
     e.tokenizer = models::ClipTokenizer::from_folder(f.tokenizer_dir);
     const bool projection = layout == Layout::kDualClip && i == 1;
     e.model = models::load_clip_text_model(f.model_dir, variant, projection);
+    if (dtype != torch::kFloat32) e.model->to(dtype);
     encoders.push_back(std::move(e));
   }
   return TextEncoderStack(layout, std::move(encoders));

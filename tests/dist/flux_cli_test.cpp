@@ -77,6 +77,14 @@ TEST(FluxCli, SampleMatchesFluxPipelineWithAndWithoutLora) {
   std::cout << "CLI images with the kohya LoRA vs FluxPipeline: " << dl << "\n";
   EXPECT_LE(dl, 1e-4);
 
+  // bf16 end to end (FLUX.1 ships bf16): close to the float32 reference.
+  auto b = flux_sample(dir, {"--dtype", "bf16"});
+  ASSERT_EQ(b.exit_code, 0) << b.log();
+  const torch::Tensor bf = io::load_safetensors(dir + "/out.safetensors").tensors.at("images");
+  const double rel = ((bf - ref.at("images")).norm() / ref.at("images").norm()).item<double>();
+  std::cout << "CLI bf16 images vs float32 FluxPipeline: relative L2 " << rel << "\n";
+  EXPECT_LE(rel, 0.25);  // bf16 timesteps, as Diffusers runs them (flux_pipeline_test.cpp)
+
   // What FluxPipeline does not take, as one-line errors.
   auto neg = flux_sample(dir, {"--negative_prompt", "blurry"});
   EXPECT_NE(neg.exit_code, 0);

@@ -103,6 +103,10 @@ struct GenerateResult {
 
 /// How to load a pipeline folder (`difftrain sample`'s flags; each family takes what applies).
 struct PipelineLoadOptions {
+  /// The dtype the models are loaded in (Diffusers' `torch_dtype`); unset = float32. FLUX.1
+  /// folders read each weight file straight into it (a 12 B transformer in bf16 never exists in
+  /// float32); the other pipelines are cast after loading.
+  std::optional<torch::Dtype> dtype;
   /// A name of sampler_names() ("euler", "dpmpp_2m_karras", ...) or a Diffusers scheduler class
   /// to run the folder's scheduler config with that sampler (as
   /// `EulerDiscreteScheduler.from_config(pipe.scheduler.config)`); "" = the folder's own class.

@@ -71,11 +71,13 @@ class TextEncoderStack {
   /// encoder's max_position_embeddings.
   TextEncoderStack(Layout layout, std::vector<Encoder> encoders);
 
-  /// Reads each encoder (safetensors `variant`, float32, CPU) and tokenizer; the second of
-  /// kDualClip as CLIPTextModelWithProjection, the second of kClipT5 as T5EncoderModel with its
-  /// SentencePiece tokenizer.
+  /// Reads each encoder (safetensors `variant`, on the CPU in `dtype`; T5 is read file by file in
+  /// that dtype, never whole in float32) and tokenizer; the second of kDualClip as
+  /// CLIPTextModelWithProjection, the second of kClipT5 as T5EncoderModel with its SentencePiece
+  /// tokenizer.
   static TextEncoderStack load(Layout layout, const std::vector<Files>& files,
-                               const std::string& variant = "");
+                               const std::string& variant = "",
+                               torch::Dtype dtype = torch::kFloat32);
 
   bool empty() const { return encoders_.empty(); }
   Layout layout() const { return layout_; }

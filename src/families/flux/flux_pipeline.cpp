@@ -276,13 +276,14 @@ FluxPipeline load_flux_pipeline(const std::string& dir,
   FluxPipeline p;
   p.folder = resolve_flux_folder(dir);
   const FluxFolder& f = p.folder;
+  if (options.dtype) dtype = *options.dtype;
   p.text_encoders = diffusion::TextEncoderStack::load(
       diffusion::TextEncoderStack::Layout::kClipT5,
       {{"text_encoder", "tokenizer", f.text_encoder_dir, f.tokenizer_dir},
        {"text_encoder_2", "tokenizer_2", f.text_encoder_2_dir, f.tokenizer_2_dir}},
-      options.variant);
-  p.transformer =
-      models::load_flux_transformer(f.transformer_dir, torch::kFloat32, options.variant);
+      options.variant, dtype);
+  // The big models are read straight in `dtype` (the LoRA merge below adds in float32 per module).
+  p.transformer = models::load_flux_transformer(f.transformer_dir, dtype, options.variant);
   p.vae =
       models::load_autoencoder_kl(options.vae.empty() ? f.vae_dir : options.vae, options.variant);
   p.scheduler = diffusion::load_sampler(f.scheduler_config, options.scheduler);
@@ -330,7 +331,7 @@ FluxPipeline load_flux_pipeline(const std::string& dir,
                 options.lora, others);
     }
   }
-  if (dtype != torch::kFloat32) p.to(torch::kCPU, dtype);
+  if (dtype != torch::kFloat32) p.vae->to(dtype);
   return p;
 }
 

@@ -53,7 +53,7 @@ diffusion::GenerateResult sample_text_to_image(const SampleOptions& a) {
   request.negative_target_size = a.negative_target_size;
   const torch::Device device = parse_sample_device(a.device);
   diffusion::StableDiffusion sd = diffusion::load_stable_diffusion(a.model, a);
-  sd.to(device);
+  sd.to(device, a.dtype);
   const bool micro = !a.original_size.empty() || !a.crops_coords_top_left.empty() ||
                      !a.target_size.empty() || !a.negative_original_size.empty() ||
                      !a.negative_crops_coords_top_left.empty() || !a.negative_target_size.empty();

@@ -76,6 +76,10 @@ class UNetFamily : public UNetBasedFamily {
 
     const torch::Device device = parse_sample_device(a.device);
     const std::string unet_class = pipeline.unet->config().class_name();
+    if (a.dtype) {
+      throw Error("--dtype is for text-to-image folders (Stable Diffusion, SDXL, FLUX.1); " +
+                  a.model + " is a UNet pipeline: leave --dtype out");
+    }
     pipeline.to(device);
     const auto o = pipeline.resolve(request);
     log::info(
