@@ -182,13 +182,102 @@ std::map<std::string, torch::Tensor> normalize_flux_lora_keys(
   return out;
 }
 
+namespace {
+
+// The BFL module (kohya underscore form) and the part index of a Diffusers transformer module.
+struct FluxBflPart {
+  std::string bfl;
+  int64_t part = 0;
+  int64_t parts = 1;
+  bool swap_halves = false;
+};
+
+std::optional<FluxBflPart> flux_bfl_of(const std::string& module) {
+  static const std::regex kDouble(R"(transformer_blocks\.(\d+)\.(.+))");
+  static const std::regex kSingle(R"(single_transformer_blocks\.(\d+)\.(.+))");
+  std::smatch m;
+  if (std::regex_match(module, m, kDouble)) {
+    static const std::map<std::string, std::pair<std::string, int64_t>> kParts = {
+        {"attn.to_q", {"img_attn_qkv", 0}},
+        {"attn.to_k", {"img_attn_qkv", 1}},
+        {"attn.to_v", {"img_attn_qkv", 2}},
+        {"attn.add_q_proj", {"txt_attn_qkv", 0}},
+        {"attn.add_k_proj", {"txt_attn_qkv", 1}},
+        {"attn.add_v_proj", {"txt_attn_qkv", 2}},
+        {"attn.to_out.0", {"img_attn_proj", -1}},
+        {"attn.to_add_out", {"txt_attn_proj", -1}},
+        {"ff.net.0.proj", {"img_mlp_0", -1}},
+        {"ff.net.2", {"img_mlp_2", -1}},
+        {"ff_context.net.0.proj", {"txt_mlp_0", -1}},
+        {"ff_context.net.2", {"txt_mlp_2", -1}},
+        {"norm1.linear", {"img_mod_lin", -1}},
+        {"norm1_context.linear", {"txt_mod_lin", -1}}};
+    const auto it = kParts.find(m[2]);
+    if (it == kParts.end()) return std::nullopt;
+    FluxBflPart p;
+    p.bfl = "double_blocks_" + m[1].str() + "_" + it->second.first;
+    if (it->second.second >= 0) {
+      p.part = it->second.second;
+      p.parts = 3;
+    }
+    return p;
+  }
+  if (std::regex_match(module, m, kSingle)) {
+    static const std::map<std::string, std::pair<std::string, int64_t>> kParts = {
+        {"attn.to_q", {"linear1", 0}}, {"attn.to_k", {"linear1", 1}},
+        {"attn.to_v", {"linear1", 2}}, {"proj_mlp", {"linear1", 3}},
+        {"proj_out", {"linear2", -1}}, {"norm.linear", {"modulation_lin", -1}}};
+    const auto it = kParts.find(m[2]);
+    if (it == kParts.end()) return std::nullopt;
+    FluxBflPart p;
+    p.bfl = "single_blocks_" + m[1].str() + "_" + it->second.first;
+    if (it->second.second >= 0) {
+      p.part = it->second.second;
+      p.parts = 4;
+    }
+    return p;
+  }
+  static const std::map<std::string, std::string> kTop = {
+      {"x_embedder", "img_in"},
+      {"context_embedder", "txt_in"},
+      {"time_text_embed.timestep_embedder.linear_1", "time_in_in_layer"},
+      {"time_text_embed.timestep_embedder.linear_2", "time_in_out_layer"},
+      {"time_text_embed.text_embedder.linear_1", "vector_in_in_layer"},
+      {"time_text_embed.text_embedder.linear_2", "vector_in_out_layer"},
+      {"time_text_embed.guidance_embedder.linear_1", "guidance_in_in_layer"},
+      {"time_text_embed.guidance_embedder.linear_2", "guidance_in_out_layer"},
+      {"proj_out", "final_layer_linear"},
+      {"norm_out.linear", "final_layer_adaLN_modulation_1"}};
+  const auto it = kTop.find(module);
+  if (it == kTop.end()) return std::nullopt;
+  FluxBflPart p;
+  p.bfl = it->second;
+  p.swap_halves = module == "norm_out.linear";
+  return p;
+}
+
+}  // namespace
+
 void convert_flux_lora(LoraWeights& lora, const FluxLoraDims& dims) {
   auto it = lora.components.find("unet");
   if (it == lora.components.end()) return;
   std::vector<LoraTarget> keep, converted;
   for (auto& t : it->second) {
     const std::string key = t.key.empty() ? t.module : t.key;
-    const auto bfl = t.resolved ? std::nullopt : flux_parse_bfl(t.module, dims, key);
+    if (t.resolved) {
+      // Diffusers / PEFT keys without the "transformer." prefix (a bare PEFT adapter of the
+      // transformer) name its modules directly.
+      const bool transformer_module = flux_starts_with(t.module, "transformer_blocks.") ||
+                                      flux_starts_with(t.module, "single_transformer_blocks.") ||
+                                      flux_bfl_of(t.module).has_value();
+      if (transformer_module) {
+        converted.push_back(std::move(t));
+      } else {
+        keep.push_back(std::move(t));
+      }
+      continue;
+    }
+    const auto bfl = flux_parse_bfl(t.module, dims, key);
     if (!bfl) {
       keep.push_back(std::move(t));
       continue;
@@ -270,82 +359,6 @@ void convert_flux_lora(LoraWeights& lora, const FluxLoraDims& dims) {
   std::sort(transformer.begin(), transformer.end(),
             [](const LoraTarget& a, const LoraTarget& b) { return a.module < b.module; });
 }
-
-namespace {
-
-// The BFL module (kohya underscore form) and the part index of a Diffusers transformer module.
-struct FluxBflPart {
-  std::string bfl;
-  int64_t part = 0;
-  int64_t parts = 1;
-  bool swap_halves = false;
-};
-
-std::optional<FluxBflPart> flux_bfl_of(const std::string& module) {
-  static const std::regex kDouble(R"(transformer_blocks\.(\d+)\.(.+))");
-  static const std::regex kSingle(R"(single_transformer_blocks\.(\d+)\.(.+))");
-  std::smatch m;
-  if (std::regex_match(module, m, kDouble)) {
-    static const std::map<std::string, std::pair<std::string, int64_t>> kParts = {
-        {"attn.to_q", {"img_attn_qkv", 0}},
-        {"attn.to_k", {"img_attn_qkv", 1}},
-        {"attn.to_v", {"img_attn_qkv", 2}},
-        {"attn.add_q_proj", {"txt_attn_qkv", 0}},
-        {"attn.add_k_proj", {"txt_attn_qkv", 1}},
-        {"attn.add_v_proj", {"txt_attn_qkv", 2}},
-        {"attn.to_out.0", {"img_attn_proj", -1}},
-        {"attn.to_add_out", {"txt_attn_proj", -1}},
-        {"ff.net.0.proj", {"img_mlp_0", -1}},
-        {"ff.net.2", {"img_mlp_2", -1}},
-        {"ff_context.net.0.proj", {"txt_mlp_0", -1}},
-        {"ff_context.net.2", {"txt_mlp_2", -1}},
-        {"norm1.linear", {"img_mod_lin", -1}},
-        {"norm1_context.linear", {"txt_mod_lin", -1}}};
-    const auto it = kParts.find(m[2]);
-    if (it == kParts.end()) return std::nullopt;
-    FluxBflPart p;
-    p.bfl = "double_blocks_" + m[1].str() + "_" + it->second.first;
-    if (it->second.second >= 0) {
-      p.part = it->second.second;
-      p.parts = 3;
-    }
-    return p;
-  }
-  if (std::regex_match(module, m, kSingle)) {
-    static const std::map<std::string, std::pair<std::string, int64_t>> kParts = {
-        {"attn.to_q", {"linear1", 0}}, {"attn.to_k", {"linear1", 1}},
-        {"attn.to_v", {"linear1", 2}}, {"proj_mlp", {"linear1", 3}},
-        {"proj_out", {"linear2", -1}}, {"norm.linear", {"modulation_lin", -1}}};
-    const auto it = kParts.find(m[2]);
-    if (it == kParts.end()) return std::nullopt;
-    FluxBflPart p;
-    p.bfl = "single_blocks_" + m[1].str() + "_" + it->second.first;
-    if (it->second.second >= 0) {
-      p.part = it->second.second;
-      p.parts = 4;
-    }
-    return p;
-  }
-  static const std::map<std::string, std::string> kTop = {
-      {"x_embedder", "img_in"},
-      {"context_embedder", "txt_in"},
-      {"time_text_embed.timestep_embedder.linear_1", "time_in_in_layer"},
-      {"time_text_embed.timestep_embedder.linear_2", "time_in_out_layer"},
-      {"time_text_embed.text_embedder.linear_1", "vector_in_in_layer"},
-      {"time_text_embed.text_embedder.linear_2", "vector_in_out_layer"},
-      {"time_text_embed.guidance_embedder.linear_1", "guidance_in_in_layer"},
-      {"time_text_embed.guidance_embedder.linear_2", "guidance_in_out_layer"},
-      {"proj_out", "final_layer_linear"},
-      {"norm_out.linear", "final_layer_adaLN_modulation_1"}};
-  const auto it = kTop.find(module);
-  if (it == kTop.end()) return std::nullopt;
-  FluxBflPart p;
-  p.bfl = it->second;
-  p.swap_halves = module == "norm_out.linear";
-  return p;
-}
-
-}  // namespace
 
 LoraWeights flux_lora_to_bfl(const LoraWeights& lora) {
   LoraWeights out = lora;

@@ -154,6 +154,22 @@ TEST(FluxLora, Linear1ComfyUiAndXlabsFilesSplitAsBflFusesThem) {
             1e-6);
 }
 
+TEST(FluxLora, AnUnprefixedPeftAdapterIsTheTransformers) {
+  // PEFT's adapter_model.safetensors of the transformer alone: base_model.model.<module>, no
+  // "transformer." component prefix.
+  const auto all =
+      io::load_safetensors(kFluxLoraFixture + "/pytorch_lora_weights.safetensors").tensors;
+  std::map<std::string, torch::Tensor> bare;
+  for (const auto& [key, t] : all) {
+    const std::string head = "transformer.";
+    if (key.rfind(head, 0) == 0) bare["base_model.model." + key.substr(head.size())] = t;
+  }
+  io::LoraWeights lora = io::parse_lora(bare, "adapter_model.safetensors");
+  io::convert_flux_lora(lora, flux_tiny_dims());
+  EXPECT_EQ(lora.count("transformer"), 32u);
+  EXPECT_EQ(lora.count("unet"), 0u);
+}
+
 TEST(FluxLora, KohyaFilesWrittenHereReadBackWithRanksAlphasAndDeltas) {
   const auto dims = flux_tiny_dims();
   for (const char* file :
