@@ -47,12 +47,14 @@ std::string upper(std::string s) {
 CLI::App* add_estimate_memory_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "estimate-memory",
-      "Per-rank memory of training a UNet (parameters, gradients, optimizer state, frozen "
+      "Per-rank memory of training a UNet or a FLUX.1 transformer (parameters, gradients, "
+      "optimizer state, frozen "
       "weights, activations) under a sharding strategy, and under every strategy for comparison "
       "(Accelerate: accelerate estimate-memory). See docs/SHARDING.md");
   cmd->add_option("--model", g_args.model,
-                  "UNet folder (config.json), pipeline folder (model_index.json + unet/) or a "
-                  "config.json; weights are not needed")
+                  "UNet folder (config.json), pipeline folder (model_index.json + unet/, or a "
+                  "FluxPipeline folder such as configs/flux1-dev) or a config.json; weights are "
+                  "not needed")
       ->required();
   cmd->add_option("--num_processes", g_args.num_processes, "Processes (ranks) N (default 1)");
   cmd->add_option("--sharding_strategy", g_args.sharding_strategy,
@@ -68,11 +70,12 @@ CLI::App* add_estimate_memory_command(CLI::App& app) {
   cmd->add_option("--batch_size", g_args.batch_size, "Batch per process (default 1)");
   cmd->add_option("--resolution", g_args.resolution,
                   "UNet input height = width (latent size for latent models; default: the "
-                  "config's sample_size)");
+                  "config's sample_size); FLUX.1: the latent side (default 128, 1024 px)");
   cmd->add_flag("--gradient_checkpointing", g_args.gradient_checkpointing,
                 "Measure activations with gradient checkpointing");
   cmd->add_option("--encoder_sequence_length", g_args.encoder_sequence_length,
-                  "Tokens of encoder_hidden_states for cross-attention UNets (default 77)");
+                  "Tokens of encoder_hidden_states for cross-attention UNets (default 77; "
+                  "FLUX.1's T5: pass 512)");
   cmd->add_option("--fsdp_auto_wrap_policy", g_args.auto_wrap_policy,
                   "TRANSFORMER_BASED_WRAP (default), SIZE_BASED_WRAP or NO_WRAP");
   cmd->add_option("--fsdp_transformer_layer_cls_to_wrap", g_args.wrap_classes,

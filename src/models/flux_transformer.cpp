@@ -21,13 +21,11 @@ namespace {
 // Width of the sinusoidal timestep / guidance features (Diffusers' Timesteps(256, ...)).
 constexpr int64_t kFluxTimeProjDim = 256;
 
-int64_t flux_required_int(const detail::JsonFields& r, const std::string& key, int64_t min) {
-  if (!r.has(key)) {
-    r.fail(key,
-           "is missing; a FluxTransformer2DModel config.json lists every size (as "
-           "save_pretrained writes it): add it");
-  }
-  return r.integer_at_least(key, 0, min);
+// A size field; absent, Diffusers' __init__ default (FLUX.1's value) applies, as from_pretrained
+// fills it (FLUX.1-dev's own config.json has no axes_dims_rope, for one).
+int64_t flux_required_int(const detail::JsonFields& r, const std::string& key, int64_t fallback,
+                          int64_t min) {
+  return r.integer_at_least(key, fallback, min);
 }
 
 // ids [N, A] or [B, N, A] (v0.31 takes [0] of a 3-D one, with a deprecation warning) -> [N, A].
@@ -95,19 +93,16 @@ FluxTransformer2DModelOptions FluxTransformer2DModelOptions::parse(const std::st
   r.choice("_class_name", "FluxTransformer2DModel", {"FluxTransformer2DModel"});
   FluxTransformer2DModelOptions o;
   o.patch_size(r.integer("patch_size", 1));
-  o.in_channels(flux_required_int(r, "in_channels", 1));
+  o.in_channels(flux_required_int(r, "in_channels", 64, 1));
   o.out_channels(r.opt_integer("out_channels", std::nullopt));
-  o.num_layers(flux_required_int(r, "num_layers", 0));
-  o.num_single_layers(flux_required_int(r, "num_single_layers", 0));
-  o.attention_head_dim(flux_required_int(r, "attention_head_dim", 1));
-  o.num_attention_heads(flux_required_int(r, "num_attention_heads", 1));
-  o.joint_attention_dim(flux_required_int(r, "joint_attention_dim", 1));
-  o.pooled_projection_dim(flux_required_int(r, "pooled_projection_dim", 1));
+  o.num_layers(flux_required_int(r, "num_layers", 19, 0));
+  o.num_single_layers(flux_required_int(r, "num_single_layers", 38, 0));
+  o.attention_head_dim(flux_required_int(r, "attention_head_dim", 128, 1));
+  o.num_attention_heads(flux_required_int(r, "num_attention_heads", 24, 1));
+  o.joint_attention_dim(flux_required_int(r, "joint_attention_dim", 4096, 1));
+  o.pooled_projection_dim(flux_required_int(r, "pooled_projection_dim", 768, 1));
   o.guidance_embeds(r.boolean("guidance_embeds", false));
-  if (!r.has("axes_dims_rope")) {
-    r.fail("axes_dims_rope", "is missing; add the RoPE dims per id axis (FLUX.1: [16, 56, 56])");
-  }
-  o.axes_dims_rope(r.integers("axes_dims_rope", {}));
+  o.axes_dims_rope(r.integers("axes_dims_rope", {16, 56, 56}));
   o.validate(source);
   return o;
 }

@@ -121,24 +121,40 @@ MemoryEstimate estimate_state_memory(const torch::nn::Module& trainable,
                                      const MemoryEstimateOptions& options,
                                      const torch::nn::Module* frozen_model) {
   check_options(options);
+  // Frozen parameters, each tensor once (a model and its adapters' container may share none, but
+  // a module may register one tensor twice); trainable ones as the optimizer sees them.
+  std::unordered_set<const void*> seen;
+  int64_t frozen_params = 0, frozen_bytes = 0;
+  std::vector<int64_t> numels;
+  auto add = [&](const torch::nn::Module& m, bool trainable_too) {
+    for (const auto& p : m.parameters(true)) {
+      if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+      if (p.requires_grad()) {
+        if (trainable_too) numels.push_back(p.numel());
+        continue;
+      }
+      frozen_params += p.numel();
+      frozen_bytes += static_cast<int64_t>(p.nbytes());
+    }
+  };
+  add(trainable, true);
+  if (frozen_model != nullptr) add(*frozen_model, false);
+  return estimate_state_memory_from_counts(accel::plan_units(trainable, options.auto_wrap), numels,
+                                           frozen_params, frozen_bytes, options);
+}
+
+MemoryEstimate estimate_state_memory_from_counts(std::vector<accel::UnitPlan> units,
+                                                 const std::vector<int64_t>& param_numels,
+                                                 int64_t frozen_params, int64_t frozen_bytes,
+                                                 const MemoryEstimateOptions& options) {
+  check_options(options);
   MemoryEstimate e;
   const int64_t N = options.num_processes;
   e.num_processes = options.num_processes;
   e.strategy = N == 1 ? accel::ShardingStrategy::kNoShard : options.strategy;
-  e.units = accel::plan_units(trainable, options.auto_wrap);
-
-  // Frozen parameters, each tensor once (a model and its adapters' container may share none, but
-  // a module may register one tensor twice).
-  std::unordered_set<const void*> seen;
-  auto add_frozen = [&](const torch::nn::Module& m) {
-    for (const auto& p : m.parameters(true)) {
-      if (p.requires_grad() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
-      e.frozen_params += p.numel();
-      e.frozen_param_bytes += static_cast<int64_t>(p.nbytes());
-    }
-  };
-  add_frozen(trainable);
-  if (frozen_model != nullptr) add_frozen(*frozen_model);
+  e.units = std::move(units);
+  e.frozen_params = frozen_params;
+  e.frozen_param_bytes = frozen_bytes;
 
   int64_t P = 0, Sh = 0, Umax = 0, Uroot = 0;
   for (const auto& u : e.units) {
@@ -155,11 +171,8 @@ MemoryEstimate estimate_state_memory(const torch::nn::Module& trainable,
     e.shard_params = e.padded_params = P;
     e.param_bytes = e.param_peak_bytes = e.grad_bytes = e.grad_peak_bytes = 4 * P;
     // The optimizer sees the model's parameter tensors one by one.
-    std::unordered_set<const void*> counted;
-    for (const auto& p : trainable.parameters(true)) {
-      if (!p.requires_grad() || !counted.insert(p.unsafeGetTensorImpl()).second) continue;
-      e.optimizer_bytes += adam_state_bytes(p.numel(), options.use_8bit_adam);
-    }
+    for (const int64_t n : param_numels)
+      e.optimizer_bytes += adam_state_bytes(n, options.use_8bit_adam);
     return e;
   }
 
@@ -189,6 +202,15 @@ MemoryEstimate estimate_state_memory(const torch::nn::Module& trainable,
     case accel::ShardingStrategy::kNoShard: break;
   }
   return e;
+}
+
+int64_t measure_forward_bytes(const std::function<torch::Tensor()>& forward) {
+  forward();  // warm-up: caches and pools that stay are not activations
+  const int64_t before = live_heap_bytes();
+  torch::Tensor out = forward();
+  const int64_t after = live_heap_bytes();
+  out = torch::Tensor();
+  return std::max<int64_t>(0, after - before);
 }
 
 int64_t measure_activation_bytes(models::UNetImpl& unet, const MemoryEstimateOptions& options,

@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 #include <filesystem>
 #include <iostream>
@@ -146,6 +147,23 @@ TEST(FluxCli, MergedAndConvertedLorasSampleLikeTheLoraReference) {
                               lora_ref.at("images"));
   std::cout << "Diffusers LoRA converted to kohya vs the reference: " << dk << "\n";
   EXPECT_LE(dk, 1e-4);
+}
+
+TEST(FluxCli, EstimateMemoryOfFlux1DevConfigsHasThePublicParameterCounts) {
+  // configs/flux1-dev: the transformer and T5-XXL counted from their configs (never built),
+  // CLIP-L and the VAE built; tiny activations (2x2 latents, 4 text tokens) keep it quick.
+  const std::string configs = std::string(difftrain_test::source_dir()) + "/configs/flux1-dev";
+  auto r = run({kDifftrain, "estimate-memory", "--model", configs, "--resolution", "2",
+                "--encoder_sequence_length", "4", "--json"},
+               {}, 300);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  const auto j = nlohmann::json::parse(r.out);
+  const auto& e = j;
+  std::cout << "trainable " << e.at("trainable_params") << ", frozen " << e.at("frozen_params")
+            << ", total peak " << e.at("total_peak_bytes") << "\n";
+  EXPECT_EQ(e.at("trainable_params").get<int64_t>(), 11901408320);
+  // CLIP-L 123,060,480 + T5-XXL encoder 4,762,310,656 + VAE 83,819,683.
+  EXPECT_EQ(e.at("frozen_params").get<int64_t>(), 123060480 + 4762310656 + 83819683);
 }
 
 TEST(FluxCli, ForwardOfTheTransformerEqualsDiffusers) {

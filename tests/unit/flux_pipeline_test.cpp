@@ -8,6 +8,9 @@
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/autoencoder_kl.h"
+#include "difftrain/models/clip_text_model.h"
+#include "difftrain/models/flux_transformer.h"
+#include "difftrain/models/t5_encoder.h"
 #include "source_dir.h"
 #include "test_util.h"
 
@@ -208,6 +211,43 @@ TEST(FluxPipeline, BadRequestsAndFoldersGiveOneLineErrors) {
   msg = error_of([&] { families::family_of(broken).load_pipeline(broken, {}); });
   EXPECT_NE(msg.find("text_encoder_2"), std::string::npos) << msg;
   EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+}
+
+int64_t flux_numel(const torch::nn::Module& m) {
+  int64_t n = 0;
+  for (const auto& p : m.parameters()) n += p.numel();
+  return n;
+}
+
+TEST(FluxFamily, EstimateMemoryCountsEveryPartFromItsConfig) {
+  // The counted parameters equal the built models', block by block, and LoRA counts the adapters.
+  const auto& family = families::family_of(kFluxDir);
+  train::MemoryEstimateOptions o;
+  o.resolution = 8;
+  o.encoder_sequence_length = 4;
+  const auto full = family.estimate_memory(kFluxDir, o, {accel::ShardingStrategy::kNoShard});
+  ASSERT_EQ(full.size(), 1u);
+  auto transformer = models::load_flux_transformer(kFluxDir + "/transformer");
+  EXPECT_EQ(full[0].trainable_params, flux_numel(*transformer));
+  ASSERT_EQ(full[0].units.size(), 5u);  // 2 double, 2 single blocks, the rest
+  EXPECT_EQ(full[0].units[0].name, "transformer_blocks.0");
+  EXPECT_EQ(full[0].units[0].numel,
+            flux_numel(*transformer->named_children()["transformer_blocks"]->children()[0]));
+  EXPECT_EQ(full[0].units[2].numel,
+            flux_numel(*transformer->named_children()["single_transformer_blocks"]->children()[0]));
+  const int64_t frozen = flux_numel(*models::load_clip_text_model(kFluxDir + "/text_encoder")) +
+                         flux_numel(*models::load_t5_encoder(kFluxDir + "/text_encoder_2")) +
+                         flux_numel(*models::load_autoencoder_kl(kFluxDir + "/vae"));
+  EXPECT_EQ(full[0].frozen_params, frozen);
+  EXPECT_GT(full[0].activation_bytes, 0);
+  o.lora = true;
+  o.lora_rank = 4;
+  o.num_processes = 2;
+  const auto lora = family.estimate_memory(kFluxDir, o, {accel::ShardingStrategy::kFullShard});
+  // 2 double blocks x 4 targets + 2 single x 3, each A [4, 32] + B [32, 4].
+  EXPECT_EQ(lora[0].trainable_params, (2 * 4 + 2 * 3) * 2 * 4 * 32);
+  EXPECT_EQ(lora[0].frozen_params, frozen + flux_numel(*transformer));
+  EXPECT_LT(lora[0].optimizer_bytes, full[0].optimizer_bytes);
 }
 
 TEST(FluxFamily, RecognisesPipelineAndTransformerFoldersAndRefusesTrainingInOneLine) {

@@ -401,10 +401,17 @@ TEST(FluxTransformer, ConfigErrorsNameConfigJsonAndTheField) {
   bad["axes_dims_rope"] = {5, 5, 6};
   e = error_for(bad);
   EXPECT_NE(e.find("even"), std::string::npos) << e;
+  // Absent fields take Diffusers' defaults (FLUX.1's), as from_pretrained fills them: the real
+  // FLUX.1-dev config.json lists no axes_dims_rope.
   bad = good;
   bad.erase("num_attention_heads");
-  e = error_for(bad);
-  EXPECT_NE(e.find(path + ": field \"num_attention_heads\" is missing"), std::string::npos) << e;
+  bad.erase("attention_head_dim");
+  bad.erase("axes_dims_rope");
+  difftrain::test::write_text(path, bad.dump());
+  const auto defaults = FluxTransformer2DModelOptions::load(path);
+  EXPECT_EQ(defaults.num_attention_heads(), 24);
+  EXPECT_EQ(defaults.attention_head_dim(), 128);
+  EXPECT_EQ(defaults.axes_dims_rope(), (std::vector<int64_t>{16, 56, 56}));
   bad = good;
   bad["num_layers"] = -1;
   e = error_for(bad);

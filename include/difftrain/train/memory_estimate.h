@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -91,6 +92,20 @@ struct MemoryEstimate {
 MemoryEstimate estimate_state_memory(const torch::nn::Module& trainable,
                                      const MemoryEstimateOptions& options,
                                      const torch::nn::Module* frozen_model = nullptr);
+
+/// estimate_state_memory() from counts, for models too large to build (FLUX.1's transformer):
+/// `units` as plan_units() would give them (name, class, numel), `param_numels` the elements of
+/// every trainable parameter tensor (the optimizer's tensors under NO_SHARD), and the frozen
+/// parameters' elements and bytes. Same formulas and errors as estimate_state_memory().
+MemoryEstimate estimate_state_memory_from_counts(std::vector<accel::UnitPlan> units,
+                                                 const std::vector<int64_t>& param_numels,
+                                                 int64_t frozen_params, int64_t frozen_bytes,
+                                                 const MemoryEstimateOptions& options);
+
+/// The live heap bytes one call of `forward` leaves allocated while its result is alive (the
+/// autograd graph of a training forward), after one warm-up call whose result is dropped; see
+/// measure_activation_bytes for what it counts.
+int64_t measure_forward_bytes(const std::function<torch::Tensor()>& forward);
 
 /// Bytes the autograd graph of one training forward keeps alive, measured: `unet` runs once with
 /// grad enabled (in train mode, under bf16 autocast when options.mixed_precision is "bf16";

@@ -1,6 +1,6 @@
 // The FLUX.1 family: FluxPipeline folders (FLUX.1-dev with embedded guidance, FLUX.1-schnell
 // without) and bare FluxTransformer2DModel folders. Sampling in flux_pipeline.cpp, LoRA names in
-// lora.cpp, the memory model in memory.cpp.
+// lora.cpp and merge.cpp, the memory model in memory.cpp.
 #include "../builtin.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"

@@ -2,6 +2,8 @@
 // Private to src/families/flux: the FLUX.1 family's parts behind ModelFamily (family.cpp).
 
 #include "difftrain/families/family.h"
+#include "difftrain/models/flux_transformer.h"
+#include "difftrain/models/t5_encoder.h"
 
 #include <map>
 #include <string>
@@ -36,7 +38,26 @@ torch::Tensor forward_flux(const std::string& dir,
                            const std::map<std::string, torch::Tensor>& inputs,
                            const std::string& source, const std::string& lora, double lora_scale);
 
-/// `difftrain estimate-memory` for a FluxPipeline folder or a FluxTransformer2DModel config.
+/// Every parameter tensor (name, elements, a Linear's in/out) of a FluxTransformer2DModel built
+/// from `options`, grouped by block ("transformer_blocks.<i>", "single_transformer_blocks.<i>", ""
+/// for the rest), in the order FSDP's transformer-based wrap makes units of them; counted, not
+/// built.
+struct FluxParam {
+  std::string name;
+  int64_t numel = 0;
+  int64_t in = 0, out = 0;  ///< a Linear weight's features, 0 for other tensors
+};
+std::vector<std::pair<std::string, std::vector<FluxParam>>> flux_transformer_parameters(
+    const models::FluxTransformer2DModelOptions& options);
+
+/// The parameters of a T5EncoderModel built from `options`, counted from the config.
+int64_t t5_encoder_parameter_count(const models::T5EncoderOptions& options);
+
+/// `difftrain estimate-memory` for a FluxPipeline folder or a FluxTransformer2DModel config:
+/// state bytes from the parameter lists (full fine-tuning, or LoRA on to_q/to_k/to_v/to_out.0),
+/// the frozen text encoders and VAE, activations measured on depth-reduced copies (no block,
+/// one double, one single block at the real width) and scaled by the block counts; resolution is
+/// the latent side (128 for 1024 px), encoder_sequence_length the T5 tokens.
 std::vector<train::MemoryEstimate> estimate_flux_memory(
     const std::string& model_path, const train::MemoryEstimateOptions& options,
     const std::vector<accel::ShardingStrategy>& strategies);

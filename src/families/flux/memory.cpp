@@ -1,19 +1,239 @@
-// `difftrain estimate-memory` for FLUX.1 folders.
+// `difftrain estimate-memory` for FLUX.1: a 12 B transformer cannot be built to be counted, so its
+// parameters are listed from config.json (every tensor's size, grouped into the units FSDP's
+// transformer-based wrap makes of the blocks), T5 likewise, CLIP and the VAE are built (small);
+// activations are measured on depth-reduced copies at the real width (no block, one double
+// block, one single block) and scaled by the block counts.
 #include "difftrain/core/error.h"
+#include "difftrain/core/log.h"
+#include "difftrain/io/atomic_file.h"
+#include "difftrain/models/autoencoder_kl.h"
+#include "difftrain/models/clip_text_model.h"
+#include "difftrain/models/flux_packing.h"
+#include "difftrain/models/flux_transformer.h"
+#include "difftrain/models/t5_encoder.h"
 #include "flux_family.h"
 
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <map>
+
 namespace difftrain::families::flux {
+namespace fs = std::filesystem;
+
+namespace {
+
+void flux_linear(std::vector<FluxParam>& out, const std::string& name, int64_t in, int64_t outf,
+                 bool bias = true) {
+  out.push_back({name + ".weight", in * outf, in, outf});
+  if (bias) out.push_back({name + ".bias", outf, 0, 0});
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, std::vector<FluxParam>>> flux_transformer_parameters(
+    const models::FluxTransformer2DModelOptions& o) {
+  const int64_t D = o.inner_dim(), hd = o.attention_head_dim();
+  std::vector<std::pair<std::string, std::vector<FluxParam>>> units;
+  for (int64_t i = 0; i < o.num_layers(); ++i) {
+    const std::string b = fmt::format("transformer_blocks.{}", i);
+    std::vector<FluxParam> p;
+    flux_linear(p, b + ".norm1.linear", D, 6 * D);
+    flux_linear(p, b + ".norm1_context.linear", D, 6 * D);
+    for (const char* n : {"to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj",
+                          "to_out.0", "to_add_out"}) {
+      flux_linear(p, b + ".attn." + n, D, D);
+    }
+    for (const char* n : {"norm_q", "norm_k", "norm_added_q", "norm_added_k"}) {
+      p.push_back({b + ".attn." + n + ".weight", hd, 0, 0});
+    }
+    for (const char* ff : {"ff", "ff_context"}) {
+      flux_linear(p, b + "." + ff + ".net.0.proj", D, 4 * D);
+      flux_linear(p, b + "." + ff + ".net.2", 4 * D, D);
+    }
+    units.emplace_back(b, std::move(p));
+  }
+  for (int64_t i = 0; i < o.num_single_layers(); ++i) {
+    const std::string b = fmt::format("single_transformer_blocks.{}", i);
+    std::vector<FluxParam> p;
+    flux_linear(p, b + ".norm.linear", D, 3 * D);
+    flux_linear(p, b + ".proj_mlp", D, 4 * D);
+    for (const char* n : {"to_q", "to_k", "to_v"}) flux_linear(p, b + ".attn." + n, D, D);
+    p.push_back({b + ".attn.norm_q.weight", hd, 0, 0});
+    p.push_back({b + ".attn.norm_k.weight", hd, 0, 0});
+    flux_linear(p, b + ".proj_out", 5 * D, D);
+    units.emplace_back(b, std::move(p));
+  }
+  std::vector<FluxParam> root;
+  const std::string t = "time_text_embed.";
+  flux_linear(root, t + "timestep_embedder.linear_1", 256, D);
+  flux_linear(root, t + "timestep_embedder.linear_2", D, D);
+  if (o.guidance_embeds()) {
+    flux_linear(root, t + "guidance_embedder.linear_1", 256, D);
+    flux_linear(root, t + "guidance_embedder.linear_2", D, D);
+  }
+  flux_linear(root, t + "text_embedder.linear_1", o.pooled_projection_dim(), D);
+  flux_linear(root, t + "text_embedder.linear_2", D, D);
+  flux_linear(root, "context_embedder", o.joint_attention_dim(), D);
+  flux_linear(root, "x_embedder", o.in_channels(), D);
+  flux_linear(root, "norm_out.linear", D, 2 * D);
+  flux_linear(root, "proj_out", D, o.patch_size() * o.patch_size() * o.output_channels());
+  units.emplace_back("", std::move(root));
+  return units;
+}
+
+int64_t t5_encoder_parameter_count(const models::T5EncoderOptions& o) {
+  const int64_t d = o.d_model(), inner = o.num_heads() * o.d_kv();
+  const int64_t ff = (o.gated() ? 3 : 2) * d * o.d_ff();
+  return o.vocab_size() * d + o.num_layers() * (4 * d * inner + 2 * d + ff) +
+         o.relative_attention_num_buckets() * o.num_heads() + d;
+}
 
 std::vector<train::MemoryEstimate> estimate_flux_memory(
     const std::string& model_path, const train::MemoryEstimateOptions& options,
     const std::vector<accel::ShardingStrategy>& strategies) {
-  (void)options;
-  (void)strategies;
-  // The UNet families build the model and measure one forward; a 12 B transformer cannot be
-  // built on most machines, so FLUX.1 needs a model from its config alone (not written yet).
-  throw Error(model_path +
-              " is a FLUX.1 folder; estimate-memory does not model FLUX.1 yet (it models UNet, "
-              "Stable Diffusion and SDXL folders)");
+  std::error_code ec;
+  const fs::path root(model_path);
+  const bool pipeline = fs::is_regular_file(root / "model_index.json", ec);
+  const fs::path config =
+      fs::is_directory(root, ec)
+          ? (pipeline ? root / "transformer" / "config.json" : root / "config.json")
+          : root;
+  if (!fs::is_regular_file(config, ec)) {
+    throw Error(config.string() +
+                ": no such file; pass a FluxPipeline folder, a FluxTransformer2DModel folder or "
+                "its config.json");
+  }
+  const auto o = models::FluxTransformer2DModelOptions::load(config.string());
+  if (options.lora && options.lora_rank < 1) {
+    throw Error(fmt::format("LoRA rank must be at least 1, got {}", options.lora_rank));
+  }
+  const auto blocks = flux_transformer_parameters(o);
+  std::vector<std::string> targets = options.lora_target_modules;
+  if (targets.empty()) targets = {"to_q", "to_k", "to_v", "to_out.0"};
+  const int64_t frozen_size = options.mixed_precision == "bf16" ? 2 : 4;
+
+  // Trainable: the whole transformer, or LoRA adapters (A [r, in] + B [out, r]) on the trainer's
+  // default targets (to_q, to_k, to_v, to_out.0 by suffix: both kinds of block's attention).
+  std::vector<accel::UnitPlan> units;
+  std::vector<int64_t> numels;
+  int64_t base = 0;
+  for (const auto& [name, params] : blocks) {
+    accel::UnitPlan u;
+    u.name = name;
+    u.module_class = name.empty()                    ? "root"
+                     : name.rfind("single_", 0) == 0 ? "FluxSingleTransformerBlock"
+                                                     : "FluxTransformerBlock";
+    for (const auto& param : params) {
+      const std::string& pname = param.name;
+      const int64_t n = param.numel;
+      base += n;
+      if (!options.lora) {
+        u.params.push_back(pname);
+        u.numel += n;
+        numels.push_back(n);
+        continue;
+      }
+      for (const auto& target : targets) {
+        const std::string suffix = "." + target + ".weight";
+        if (param.in == 0 || pname.size() < suffix.size() ||
+            pname.compare(pname.size() - suffix.size(), suffix.size(), suffix) != 0) {
+          continue;
+        }
+        const std::string module = pname.substr(0, pname.size() - 7);
+        const int64_t in = param.in, outf = param.out;
+        for (const auto& [ab, count] :
+             {std::pair<const char*, int64_t>{".lora_A.weight", options.lora_rank * in},
+              {".lora_B.weight", outf * options.lora_rank}}) {
+          u.params.push_back(module + ab);
+          u.numel += count;
+          numels.push_back(count);
+        }
+      }
+    }
+    if (u.numel > 0) units.push_back(std::move(u));
+  }
+  if (options.auto_wrap.policy == "NO_WRAP") {
+    accel::UnitPlan all;
+    all.module_class = "root";
+    for (const auto& u : units) {
+      all.numel += u.numel;
+      all.params.insert(all.params.end(), u.params.begin(), u.params.end());
+    }
+    units = {all};
+  }
+  int64_t frozen = options.lora ? base : 0;
+  int64_t frozen_bytes = frozen * frozen_size;
+  log::info("FluxTransformer2DModel {}: {} parameters{}", config.string(), base,
+            options.lora ? fmt::format(" (frozen under LoRA rank {})", options.lora_rank) : "");
+  if (pipeline) {
+    // The frozen parts every rank holds, in bf16 under bf16 as the trainer keeps them.
+    torch::NoGradGuard no_grad;
+    std::vector<std::pair<std::string, int64_t>> parts;
+    const auto te = models::read_clip_text_config((root / "text_encoder" / "config.json").string());
+    int64_t n = 0;
+    for (const auto& p : models::ClipTextModel(te)->parameters()) n += p.numel();
+    parts.emplace_back("text_encoder", n);
+    parts.emplace_back("text_encoder_2", t5_encoder_parameter_count(models::T5EncoderOptions::load(
+                                             (root / "text_encoder_2" / "config.json").string())));
+    n = 0;
+    for (const auto& p : models::AutoencoderKL(models::read_autoencoder_kl_config(
+                                                   (root / "vae" / "config.json").string()))
+                             ->parameters()) {
+      n += p.numel();
+    }
+    parts.emplace_back("vae", n);
+    for (const auto& [name, count] : parts) {
+      log::info("frozen {}: {} parameters", name, count);
+      frozen += count;
+      frozen_bytes += count * frozen_size;
+    }
+  }
+  std::vector<train::MemoryEstimate> out;
+  for (const auto s : strategies) {
+    train::MemoryEstimateOptions so = options;
+    so.strategy = s;
+    out.push_back(
+        train::estimate_state_memory_from_counts(units, numels, frozen, frozen_bytes, so));
+  }
+
+  // Activations: one training forward of depth-reduced copies at the real width (batch 1, R x R
+  // latents packed 2x2, encoder_sequence_length T5 tokens), a = a0 + L (a10 - a0) + S (a01 - a0).
+  const int64_t R = options.resolution > 0 ? options.resolution : 128;
+  if (R % 2 != 0) throw Error(fmt::format("resolution {} must be even (FLUX packs 2x2)", R));
+  auto measure = [&](int64_t doubles, int64_t singles) {
+    auto reduced = o;
+    reduced.num_layers(doubles);
+    reduced.num_single_layers(singles);
+    models::FluxTransformer2DModel m(reduced);
+    m->train();
+    m->set_gradient_checkpointing(options.gradient_checkpointing);
+    torch::AutoGradMode grad_on(true);
+    const int64_t S = options.encoder_sequence_length;
+    const auto x = torch::randn({1, (R / 2) * (R / 2), o.in_channels()});
+    const auto c = torch::randn({1, S, o.joint_attention_dim()});
+    const auto p = torch::randn({1, o.pooled_projection_dim()});
+    const auto t = torch::full({1}, 0.5);
+    const auto g = o.guidance_embeds() ? torch::full({1}, 3.5) : torch::Tensor();
+    const auto img_ids = models::latent_image_ids(R / 2, R / 2);
+    const auto txt_ids = torch::zeros({S, 3});
+    return train::measure_forward_bytes(
+        [&] { return m->forward(x, c, p, t, g, img_ids, txt_ids); });
+  };
+  const int64_t a0 = measure(0, 0);
+  const int64_t a_double = std::max<int64_t>(0, measure(1, 0) - a0);
+  const int64_t a_single = std::max<int64_t>(0, measure(0, 1) - a0);
+  const int64_t activations =
+      (a0 + o.num_layers() * a_double + o.num_single_layers() * a_single) * options.batch_size;
+  log::info(
+      "activations: {} per double block, {} per single block at {}x{} latents and {} text "
+      "tokens, batch {}{}",
+      train::format_bytes(a_double), train::format_bytes(a_single), R, R,
+      options.encoder_sequence_length, options.batch_size,
+      options.gradient_checkpointing ? ", gradient checkpointing" : "");
+  for (auto& e : out) e.activation_bytes = activations;
+  return out;
 }
 
 }  // namespace difftrain::families::flux
