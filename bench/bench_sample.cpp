@@ -6,8 +6,8 @@
 //   build/bench/bench_sample [--model DIR] [--steps 10] [--rounds 3] [--batches 1,4,16]
 //                            [--threads 1,2]
 
-#include "difftrain/diffusion/pipeline.h"
 #include "difftrain/distributed/process_group.h"
+#include "difftrain/families/unet/pipeline.h"
 #include "difftrain/models/pretrained.h"
 #include "source_dir.h"
 

@@ -1,7 +1,8 @@
 // `difftrain estimate-memory`: per-rank bytes of parameters, gradients, optimizer state, frozen
 // weights and activations of a training run under a sharding strategy, and the same for every
 // strategy at that number of processes (Accelerate's `accelerate estimate-memory`). The work is
-// train::estimate_memory; this file only parses and prints.
+// each family's
+// ModelFamily::estimate_memory and train::memory_report; this file only parses flags.
 
 #include "commands.h"
 #include "difftrain/accel/precision.h"
@@ -10,7 +11,6 @@
 #include "difftrain/families/family.h"
 #include "difftrain/train/memory_estimate.h"
 
-#include <algorithm>
 #include <cctype>
 #include <iostream>
 
@@ -24,6 +24,7 @@ struct EstimateMemoryArgs {
   std::string sharding_strategy = "NO_SHARD";
   std::string mixed_precision = "no";
   bool use_8bit_adam = false;
+  std::string optimizer = "adamw";
   bool lora = false;
   int64_t rank = 4;
   std::vector<std::string> lora_target_modules;
@@ -39,6 +40,11 @@ struct EstimateMemoryArgs {
 
 std::string upper(std::string s) {
   for (auto& c : s) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return s;
+}
+
+std::string lower(std::string s) {
+  for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return s;
 }
 
@@ -62,10 +68,13 @@ CLI::App* add_estimate_memory_command(CLI::App& app) {
   cmd->add_option("--mixed_precision", g_args.mixed_precision,
                   "no | fp16 | bf16: autocast of the activation measurement");
   cmd->add_flag("--use_8bit_adam", g_args.use_8bit_adam, "8-bit AdamW state instead of AdamW");
+  cmd->add_option("--optimizer", g_args.optimizer,
+                  "adamw (default) or prodigy (16 bytes of state per trainable parameter)");
   cmd->add_flag("--lora", g_args.lora, "Train LoRA adapters on the frozen UNet");
   cmd->add_option("--rank", g_args.rank, "LoRA rank (default 4)");
   cmd->add_option("--lora_target_modules", g_args.lora_target_modules,
-                  "Layers that get adapters (default to_q,to_k,to_v,to_out.0)")
+                  "Layers that get adapters (default to_q,to_k,to_v,to_out.0; FLUX.1: the 12 "
+                  "projections of Diffusers' FLUX LoRA script)")
       ->delimiter(',');
   cmd->add_option("--batch_size", g_args.batch_size, "Batch per process (default 1)");
   cmd->add_option("--resolution", g_args.resolution,
@@ -95,6 +104,7 @@ int run_estimate_memory() {
   o.strategy = accel::parse_sharding_strategy(g_args.sharding_strategy, "--sharding_strategy");
   o.mixed_precision = accel::to_string(accel::parse_mixed_precision(g_args.mixed_precision));
   o.use_8bit_adam = g_args.use_8bit_adam;
+  o.optimizer = lower(g_args.optimizer);
   o.lora = g_args.lora;
   o.lora_rank = g_args.rank;
   o.lora_target_modules = g_args.lora_target_modules;
@@ -106,47 +116,11 @@ int run_estimate_memory() {
   o.auto_wrap.classes = g_args.wrap_classes;
   o.auto_wrap.min_num_params = g_args.min_num_params;
 
-  // The requested strategy first, then the others for comparison (all equal with one process).
-  std::vector<accel::ShardingStrategy> strategies = {o.strategy};
-  if (o.num_processes > 1) {
-    for (auto s : {accel::ShardingStrategy::kNoShard, accel::ShardingStrategy::kShardOptimizer,
-                   accel::ShardingStrategy::kShardGradOp, accel::ShardingStrategy::kFullShard}) {
-      if (s != o.strategy) strategies.push_back(s);
-    }
-  }
-  auto estimates = families::family_of(g_args.model).estimate_memory(g_args.model, o, strategies);
-  const train::MemoryEstimate main = estimates.front();  // a copy: the list is sorted next
-  std::sort(estimates.begin(), estimates.end(),
-            [](const auto& a, const auto& b) { return a.strategy < b.strategy; });
-
-  if (g_args.json) {
-    auto json = train::to_json(main);
-    json["model"] = g_args.model;
-    json["mixed_precision"] = o.mixed_precision;
-    json["use_8bit_adam"] = o.use_8bit_adam;
-    json["lora"] = o.lora;
-    json["batch_size"] = o.batch_size;
-    json["comparison"] = nlohmann::json::array();
-    for (const auto& e : estimates) {
-      auto row = train::to_json(e);
-      row.erase("units");
-      row.erase("largest_unit");
-      json["comparison"].push_back(row);
-    }
-    std::cout << json.dump(2) << std::endl;
-    return 0;
-  }
-  std::cout << "difftrain estimate-memory: " << g_args.model << (o.lora ? ", LoRA rank " : "")
-            << (o.lora ? std::to_string(o.lora_rank) : std::string())
-            << (o.use_8bit_adam ? ", 8-bit AdamW" : ", AdamW") << ", mixed precision "
-            << o.mixed_precision << ", batch " << o.batch_size << " per process\n"
-            << train::format_memory_table(main, o.batch_size);
-  if (o.num_processes > 1) {
-    std::cout << "\nEvery strategy on " << o.num_processes << " processes:\n"
-              << train::format_strategy_comparison(estimates);
-  }
-  std::cout << "\nState bytes follow the sharding engine's accounting (peaks are upper bounds); "
-               "activations are measured on one forward and scaled by the batch: an estimate.\n";
+  const auto strategies = train::strategies_to_compare(o);
+  const auto estimates =
+      families::family_of(g_args.model).estimate_memory(g_args.model, o, strategies);
+  std::cout << (g_args.json ? train::memory_report_json(g_args.model, o, estimates).dump(2) + "\n"
+                            : train::memory_report(g_args.model, o, estimates));
   return 0;
 }
 

@@ -1,6 +1,6 @@
 // `difftrain eval --model DIR`: classifier accuracy and Fréchet distance of a Fashion-MNIST model's
 // samples (train/eval.h). Prints one JSON object; --output also writes it to a file.
-#include "difftrain/train/eval.h"
+#include "difftrain/families/unet/eval.h"
 #include "commands.h"
 #include "difftrain/io/atomic_file.h"
 

@@ -5,7 +5,7 @@
 
 #include "commands.h"
 #include "difftrain/core/error.h"
-#include "difftrain/diffusion/sd_pipeline.h"
+#include "difftrain/diffusion/text_encoders.h"
 #include "difftrain/io/prompt_file.h"
 #include "difftrain/models/clip_tokenizer.h"
 #include "difftrain/models/t5_tokenizer.h"

@@ -8,8 +8,10 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <filesystem>
 
 namespace difftrain::diffusion {
+namespace fs = std::filesystem;
 
 namespace {
 
@@ -251,6 +253,20 @@ void TextEncoderStack::freeze() {
     e.module()->eval();
     for (auto& p : e.module()->parameters()) p.set_requires_grad(false);
   }
+}
+
+std::string resolve_tokenizer_dir(const std::string& dir) {
+  if (!fs::is_directory(dir)) {
+    throw Error("--model '" + dir +
+                "' does not exist: give a Stable Diffusion pipeline folder (with tokenizer/) or a "
+                "tokenizer folder (with vocab.json)");
+  }
+  if (fs::exists(fs::path(dir) / "vocab.json")) return dir;
+  const auto sub = (fs::path(dir) / "tokenizer").string();
+  if (fs::is_directory(sub)) return sub;
+  throw Error("--model '" + dir +
+              "' has neither vocab.json nor a tokenizer/ folder: give a Stable Diffusion "
+              "pipeline folder or a CLIP tokenizer folder");
 }
 
 }  // namespace difftrain::diffusion

@@ -27,6 +27,11 @@ const ModelFamily& flux_family();
 /// CUDA device that is not there.
 torch::Device parse_sample_device(const std::string& text);
 
+/// The prompts of a text-to-image `difftrain sample`: --prompt (repeatable) or --prompt_file
+/// (io::read_prompt_file's rules), at least one; `folder_kind` ("Stable Diffusion", "FLUX.1")
+/// names the folder in the error without any.
+std::vector<std::string> sample_prompts(const SampleOptions& a, const std::string& folder_kind);
+
 /// What the UNet-based families (unet, stable-diffusion, sdxl) share: the denoiser is a
 /// UNet2D(Condition)Model in `dir` or `dir`/unet, so forward, lora merge (UNet and the text
 /// encoders a pipeline folder has), the memory model and the LoRA names (the UNet's; each

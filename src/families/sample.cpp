@@ -3,6 +3,7 @@
 #include "builtin.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
+#include "difftrain/io/prompt_file.h"
 
 #include <fmt/format.h>
 #include <torch/cuda.h>
@@ -13,6 +14,21 @@
 #include <optional>
 
 namespace difftrain::families {
+
+std::vector<std::string> sample_prompts(const SampleOptions& a, const std::string& folder_kind) {
+  if (!a.prompts.empty() && !a.prompt_file.empty()) {
+    throw Error("give --prompt or --prompt_file, not both");
+  }
+  if (!a.prompt_file.empty()) {
+    auto prompts = io::read_prompt_file(a.prompt_file);
+    if (prompts.empty()) throw Error("--prompt_file " + a.prompt_file + " has no prompts");
+    return prompts;
+  }
+  if (a.prompts.empty()) {
+    throw Error("a " + folder_kind + " folder needs --prompt \"...\" (or --prompt_file F)");
+  }
+  return a.prompts;
+}
 
 torch::Device parse_sample_device(const std::string& text) {
   if (text == "auto") {

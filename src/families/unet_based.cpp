@@ -1,7 +1,8 @@
 // What the UNet-based families share (builtin.h: UNetBasedFamily): forward, lora merge, the
 // memory model and the UNet's LoRA names.
 #include "builtin.h"
-#include "difftrain/diffusion/pipeline.h"
+#include "difftrain/families/unet/memory.h"
+#include "difftrain/families/unet/pipeline.h"
 
 namespace difftrain::families {
 

@@ -119,4 +119,24 @@ std::string read_file(const std::string& path) {
   return buffer.str();
 }
 
+void write_folder_atomic(const fs::path& out, const std::string& what, const std::string& shown,
+                         const std::function<void(const fs::path&)>& fill) {
+  const fs::path staging = out.string() + ".partial-" + std::to_string(::getpid());
+  try {
+    fs::remove_all(staging);
+    fs::create_directories(staging);
+    fill(staging);
+    fs::rename(staging, out);
+  } catch (const fs::filesystem_error& e) {
+    std::error_code ignored;
+    fs::remove_all(staging, ignored);
+    throw Error("cannot write " + what + " '" + shown + "': " + e.code().message() + " (" +
+                e.path1().string() + "); check the space and permissions there");
+  } catch (...) {
+    std::error_code ignored;
+    fs::remove_all(staging, ignored);
+    throw;
+  }
+}
+
 }  // namespace difftrain::io

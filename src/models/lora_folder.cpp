@@ -2,12 +2,11 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
+#include "difftrain/io/atomic_file.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/clip_text_model.h"
 #include "difftrain/models/lora.h"
 #include "difftrain/models/pretrained.h"
-
-#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
@@ -180,9 +179,7 @@ LoraFolderMergeSummary merge_lora_into_folder(const std::string& model_dir,
   fs::path out = fs::absolute(output_dir).lexically_normal();
   if (out.filename().empty()) out = out.parent_path();  // "out/" names the folder "out"
 
-  const fs::path staging = out.string() + ".partial-" + std::to_string(::getpid());
-  try {
-    fs::remove_all(staging);
+  io::write_folder_atomic(out, "merged model", output_dir, [&](const fs::path& staging) {
     fs::path from = fs::path(model_dir).lexically_normal();
     if (from.filename().empty()) from = from.parent_path();
     summary.files_copied = copy_except_unet(from, staging, unet_rel, fs::path(weights).filename(),
@@ -203,17 +200,7 @@ LoraFolderMergeSummary merge_lora_into_folder(const std::string& model_dir,
         }
       }
     }
-    fs::rename(staging, out);  // replaces an empty output folder
-  } catch (const fs::filesystem_error& e) {
-    std::error_code ignored;
-    fs::remove_all(staging, ignored);
-    throw Error("cannot write merged model '" + output_dir + "': " + e.code().message() + " (" +
-                e.path1().string() + "); check the space and permissions there");
-  } catch (...) {
-    std::error_code ignored;
-    fs::remove_all(staging, ignored);
-    throw;
-  }
+  });
   summary.weights_written = (out / unet_rel / fs::path(weights).filename()).string();
 
   log::info("LoRA {} ({} format): merged into {} UNet modules{} with lora_scale {}; wrote {}",

@@ -1,7 +1,6 @@
 #include "difftrain/train/text_image_dataset.h"
 
 #include "difftrain/core/error.h"
-#include "difftrain/train/diffusion_task.h"
 
 #include <algorithm>
 #include <cctype>
@@ -9,6 +8,21 @@
 
 namespace difftrain::train {
 namespace fs = std::filesystem;
+
+data::ImageFolderOptions image_folder_options(const DataOptions& d, const std::string& dir,
+                                              int channels) {
+  data::ImageFolderOptions o;
+  o.dir = dir;
+  o.resolution = d.resolution;
+  o.center_crop = d.center_crop;
+  o.random_flip = d.random_flip;
+  o.skip_bad_images = d.skip_bad_images;
+  o.seed = d.seed;
+  o.caption_column = d.caption_column;
+  o.caption_extension = d.caption_extension;
+  o.channels = channels;
+  return o;
+}
 
 TextImageDataset::TextImageDataset(Half instance, std::optional<Half> cls, CaptionIds caption_ids)
     : instance_(std::move(instance)),

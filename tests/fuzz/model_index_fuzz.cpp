@@ -1,6 +1,6 @@
 // Fuzzes diffusion::parse_model_index (a Stable Diffusion pipeline's model_index.json: the
 // components, their classes, the ignored ones).
-#include "difftrain/diffusion/sd_pipeline.h"
+#include "difftrain/families/stable_diffusion/pipeline.h"
 #include "fuzz_util.h"
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {

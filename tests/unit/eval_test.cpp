@@ -1,7 +1,7 @@
 // The quality metric of `difftrain eval`: the Fréchet distance against an independent float64
 // computation (eigenvalues of the non-symmetric S1 S2), and its known special cases.
 
-#include "difftrain/train/eval.h"
+#include "difftrain/families/unet/eval.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>

@@ -3,7 +3,8 @@
 // refusal of a class no family claims; each family's pipeline loader.
 #include "difftrain/families/family.h"
 
-#include "difftrain/diffusion/pipeline.h"
+#include "difftrain/families/unet/memory.h"
+#include "difftrain/families/unet/pipeline.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/pretrained.h"

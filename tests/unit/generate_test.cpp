@@ -4,8 +4,8 @@
 // the PNG-grid writer.
 
 #include "difftrain/diffusion/generate.h"
-#include "difftrain/diffusion/pipeline.h"
-#include "difftrain/diffusion/sd_pipeline.h"
+#include "difftrain/families/stable_diffusion/pipeline.h"
+#include "difftrain/families/unet/pipeline.h"
 #include "difftrain/io/image.h"
 #include "difftrain/io/prompt_file.h"
 #include "difftrain/models/pretrained.h"

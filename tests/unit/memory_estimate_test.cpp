@@ -6,6 +6,7 @@
 #include "difftrain/train/memory_estimate.h"
 #include "difftrain/accel/sharding.h"
 #include "difftrain/core/error.h"
+#include "difftrain/families/unet/memory.h"
 #include "difftrain/models/autoencoder_kl.h"
 #include "difftrain/models/clip_text_model.h"
 #include "difftrain/models/lora_training.h"

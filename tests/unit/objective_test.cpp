@@ -5,8 +5,8 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/data/sample_rng.h"
-#include "difftrain/diffusion/denoiser.h"
 #include "difftrain/diffusion/scheduler_config.h"
+#include "difftrain/families/unet/denoiser.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>

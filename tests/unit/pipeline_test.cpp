@@ -1,7 +1,7 @@
 // Sampling as Diffusers' DDIMPipeline / DDPMPipeline on the CPU: the same seed gives the same
 // images (fixtures), class-conditional sampling and guidance, and pipeline-folder resolution.
 
-#include "difftrain/diffusion/pipeline.h"
+#include "difftrain/families/unet/pipeline.h"
 #include "difftrain/core/error.h"
 #include "difftrain/diffusion/noise_scheduler.h"
 #include "difftrain/diffusion/sampler.h"

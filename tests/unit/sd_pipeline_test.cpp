@@ -1,7 +1,7 @@
 // Stable Diffusion folders and text-to-image sampling against the Diffusers 0.31 reference
 // (tests/golden/sd/tiny_sd: StableDiffusionPipeline, DDIM 10 steps, guidance 7.5, seed 42).
 
-#include "difftrain/diffusion/sd_pipeline.h"
+#include "difftrain/families/stable_diffusion/pipeline.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"

@@ -2,7 +2,7 @@
 // The SDXL reference fixtures (tests/golden/sdxl, copied from ../shared/fixtures/sdxl) and the
 // call behind their txt2img references, shared by the SDXL unit tests.
 
-#include "difftrain/diffusion/sd_pipeline.h"
+#include "difftrain/families/stable_diffusion/pipeline.h"
 #include "source_dir.h"
 
 #include <string>

@@ -2,7 +2,7 @@
 // tiny_sdxl_lora_peft): Diffusers/PEFT keys with text_encoder_2, kohya's SGM-named SDXL layout,
 // merged into all three models and into text-to-image, and written back in every format.
 
-#include "difftrain/diffusion/sd_pipeline.h"
+#include "difftrain/families/stable_diffusion/pipeline.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/clip_text_model.h"

@@ -2,7 +2,7 @@
 // (tests/golden/sdxl/tiny_sdxl: Euler 8 steps, guidance 5, seed 42, negative prompt given).
 
 #include "difftrain/diffusion/generate.h"
-#include "difftrain/diffusion/sd_pipeline.h"
+#include "difftrain/families/stable_diffusion/pipeline.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/safetensors.h"
 #include "sdxl_fixture.h"

@@ -2,7 +2,7 @@
 // checked against the encoders' own forwards and Diffusers' encode_prompt rules.
 
 #include "difftrain/diffusion/text_encoders.h"
-#include "difftrain/diffusion/sd_pipeline.h"
+#include "difftrain/families/stable_diffusion/pipeline.h"
 #include "sdxl_fixture.h"
 #include "source_dir.h"
 #include "test_util.h"

@@ -4,8 +4,8 @@
 // in float64 as the reference for float32 rounding (chain_tolerance.h). Shared by the pipeline
 // unit tests and the `difftrain sample` CLI tests.
 
-#include "difftrain/diffusion/pipeline.h"
 #include "difftrain/diffusion/sampler.h"
+#include "difftrain/families/unet/pipeline.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/pretrained.h"
 #include "source_dir.h"

@@ -1,10 +1,9 @@
 #pragma once
 // The network a diffusion objective trains, behind one call: denoise(x, t, conditioning), with the
-// conditioning as named tensors. A UNet stands here through UNetDenoiser; a transformer (FLUX's,
-// with its packed latents, text sequence, pooled projection and position ids) is another
-// implementation, so the training objective and the task code that calls it do not change.
-
-#include "difftrain/models/unet.h"
+// conditioning as named tensors. A UNet stands here through UNetDenoiser
+// (families/unet/denoiser.h); a transformer (FLUX's, with its packed latents, text sequence, pooled
+// projection and position ids) is another implementation, so the training objective and the task
+// code that calls it do not change.
 
 #include <torch/types.h>
 
@@ -28,20 +27,6 @@ class Denoiser {
   /// conditioning name the model does not take.
   virtual torch::Tensor denoise(const torch::Tensor& x, const torch::Tensor& t,
                                 const Conditioning& cond) = 0;
-};
-
-/// A Diffusers UNet (UNet2DModel / UNet2DConditionModel) as a Denoiser; the names are the fields
-/// of models::UNetConditioning.
-class UNetDenoiser : public Denoiser {
- public:
-  explicit UNetDenoiser(models::UNet unet) : unet_(std::move(unet)) {}
-  torch::Tensor denoise(const torch::Tensor& x, const torch::Tensor& t,
-                        const Conditioning& cond) override;
-  /// cond as the UNet's own conditioning struct (throws for an unknown name).
-  static models::UNetConditioning unet_conditioning(const Conditioning& cond);
-
- private:
-  models::UNet unet_;
 };
 
 }  // namespace difftrain::diffusion

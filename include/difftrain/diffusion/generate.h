@@ -1,9 +1,10 @@
 #pragma once
 // Pipelines: a loaded model of any family behind one interface (Diffusers' DiffusionPipeline):
 // move it with to(device, dtype), generate images with generate(request). Each family's pipeline
-// implements it (UNetPipeline in diffusion/pipeline.h for DDPMPipeline / DDIMPipeline,
-// StableDiffusion in diffusion/sd_pipeline.h for StableDiffusion(XL)Pipeline; the families load
-// them, families/family.h):
+// implements it in its family's folder (UNetPipeline in families/unet/pipeline.h for
+// DDPMPipeline / DDIMPipeline, StableDiffusion in families/stable_diffusion/pipeline.h for
+// StableDiffusion(XL)Pipeline, FluxPipeline in src/families/flux/; families::load_pipeline in
+// families/family.h loads any of them):
 //
 //     diffusion::StableDiffusion pipe = diffusion::load_stable_diffusion("tiny_sd");
 //     pipe.to(torch::kCUDA);
@@ -100,6 +101,11 @@ struct GenerateResult {
   /// "prompt_embeds" and "pooled_prompt_embeds" when defined.
   std::map<std::string, torch::Tensor> tensors() const;
 };
+
+/// The grid captions of text-to-image results (GenerateResult::labels): for each prompt, its
+/// first 28 characters ("..." when cut), with " #j" for each of its images when it has several.
+std::vector<std::string> prompt_labels(const std::vector<std::string>& prompts,
+                                       int64_t images_per_prompt);
 
 /// How to load a pipeline folder (`difftrain sample`'s flags; each family takes what applies).
 struct PipelineLoadOptions {

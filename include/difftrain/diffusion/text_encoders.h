@@ -138,4 +138,9 @@ class TextEncoderStack {
 /// "clip", "dual-clip" or "clip-t5".
 std::string to_string(TextEncoderStack::Layout layout);
 
+/// The CLIP tokenizer folder of `dir`: `dir` itself when it holds vocab.json, else
+/// `dir`/tokenizer (a pipeline folder: Stable Diffusion, SDXL, FLUX.1). Throws difftrain::Error
+/// ("--model 'DIR' ...") when `dir` is not a folder or has neither.
+std::string resolve_tokenizer_dir(const std::string& dir);
+
 }  // namespace difftrain::diffusion

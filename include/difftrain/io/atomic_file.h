@@ -1,6 +1,8 @@
 #pragma once
 // Crash-safe file writes: a temporary file beside the target, fsync, then rename.
 
+#include <filesystem>
+#include <functional>
 #include <string>
 #include <string_view>
 
@@ -15,5 +17,14 @@ void write_file_atomic(const std::string& path, std::string_view bytes);
 
 /// Reads a whole file; a difftrain::Error names the path when it cannot be opened or read.
 std::string read_file(const std::string& path);
+
+/// Builds the folder `out` so that it appears whole or not at all: `fill(staging)` writes
+/// everything into `<out>.partial-<pid>` beside it, which is then renamed to `out` (replacing
+/// an empty folder there). On any failure the staging folder is removed; a filesystem error
+/// becomes a difftrain::Error "cannot write <what> '<shown>': <reason> (<path>); check the
+/// space and permissions there", any other exception passes through.
+void write_folder_atomic(const std::filesystem::path& out, const std::string& what,
+                         const std::string& shown,
+                         const std::function<void(const std::filesystem::path&)>& fill);
 
 }  // namespace difftrain::io

@@ -7,7 +7,6 @@
 // forward pass. See docs/SHARDING.md.
 
 #include "difftrain/accel/sharding.h"
-#include "difftrain/models/unet.h"
 
 #include <torch/nn/module.h>
 #include <nlohmann/json.hpp>
@@ -31,6 +30,8 @@ struct MemoryEstimateOptions {
   std::string mixed_precision = "no";
   /// 8-bit AdamW (optim::AdamW8bit, its default min_8bit_size) instead of AdamW.
   bool use_8bit_adam = false;
+  /// "adamw" (with use_8bit_adam: 8-bit) or "prodigy" (four fp32 tensors per parameter).
+  std::string optimizer = "adamw";
   /// Train LoRA adapters on a frozen UNet (the trainer's --lora) with rank `lora_rank`.
   bool lora = false;
   int64_t lora_rank = 4;
@@ -102,44 +103,14 @@ MemoryEstimate estimate_state_memory_from_counts(std::vector<accel::UnitPlan> un
                                                  int64_t frozen_params, int64_t frozen_bytes,
                                                  const MemoryEstimateOptions& options);
 
+/// Throws difftrain::Error for options no run can have: num_processes or batch_size below 1, a
+/// negative resolution, a LoRA rank below 1.
+void check_memory_estimate_options(const MemoryEstimateOptions& options);
+
 /// The live heap bytes one call of `forward` leaves allocated while its result is alive (the
-/// autograd graph of a training forward), after one warm-up call whose result is dropped; see
-/// measure_activation_bytes for what it counts.
+/// autograd graph of a training forward), after one warm-up call whose result is dropped; the UNet
+/// families' measure_activation_bytes (families/unet/memory.h) says what it counts.
 int64_t measure_forward_bytes(const std::function<torch::Tensor()>& forward);
-
-/// Bytes the autograd graph of one training forward keeps alive, measured: `unet` runs once with
-/// grad enabled (in train mode, under bf16 autocast when options.mixed_precision is "bf16";
-/// "fp16" computes in fp32 on the CPU) on [batch_size, in_channels, R, R] noise, R =
-/// options.resolution or the config's sample_size, and the live heap bytes (glibc mallinfo2:
-/// uordblks + hblkhd) after it, with the output and its graph alive, minus those before it are
-/// returned. A warm-up pass without grad on the same shapes first keeps one-time allocations
-/// (kernel caches) out. An estimate: it counts what backward needs plus the output, not the
-/// transient peak inside backward.
-int64_t measure_activation_bytes(models::UNetImpl& unet, const MemoryEstimateOptions& options,
-                                 int64_t batch_size = 1);
-
-/// The config.json a model path names, as the trainer reads it: a pipeline folder
-/// (model_index.json + unet/config.json), a UNet folder (config.json) or a config.json path.
-/// Throws difftrain::Error naming the path when there is none.
-std::string resolve_unet_config_path(const std::string& model_path);
-
-/// The frozen parts besides the UNet of a pipeline folder `model_path` and their parameter
-/// counts, from their configs: text_encoder, SDXL's text_encoder_2 (with projection) and vae.
-/// Empty for a UNet folder or config.
-std::vector<std::pair<std::string, int64_t>> pipeline_frozen_params(const std::string& model_path);
-
-/// Builds the UNet of `model_path` (see resolve_unet_config_path; random weights, fp32, nothing
-/// copied), adds LoRA adapters when options.lora as the trainer does (base frozen, alpha = rank),
-/// and returns estimate_state_memory() with activation_bytes measured at batch 1 and scaled to
-/// options.batch_size. For a pipeline folder the text encoder(s) and VAE are added to the frozen
-/// parameters (pipeline_frozen_params; bf16 bytes under bf16, else fp32), and an SDXL UNet is
-/// measured with its added conditioning (pooled text embedding and 6 time ids).
-MemoryEstimate estimate_memory(const std::string& model_path, const MemoryEstimateOptions& options);
-
-/// estimate_memory() for each of `strategies` (same model, one activation measurement).
-std::vector<MemoryEstimate> estimate_memory(const std::string& model_path,
-                                            const MemoryEstimateOptions& options,
-                                            const std::vector<accel::ShardingStrategy>& strategies);
 
 /// Every field of `estimate` by its name, plus total_peak_bytes, num_units, largest_unit
 /// ({name, module_class, numel}) and units ([{name, module_class, numel}]).
@@ -155,5 +126,21 @@ std::string format_memory_table(const MemoryEstimate& estimate, int64_t batch_si
 /// One row per estimate (strategy, parameters, gradients, optimizer, frozen, activations, total
 /// peak), for comparing strategies at one N.
 std::string format_strategy_comparison(const std::vector<MemoryEstimate>& estimates);
+
+/// The strategies `difftrain estimate-memory` reports: options.strategy first, then (with more
+/// than one process) every other strategy for comparison.
+std::vector<accel::ShardingStrategy> strategies_to_compare(const MemoryEstimateOptions& options);
+
+/// `difftrain estimate-memory`'s output for `estimates` of `model` (the first is the requested
+/// strategy's, as strategies_to_compare orders them): the header line, format_memory_table of
+/// the first, the strategy comparison with more than one process, and the closing note.
+std::string memory_report(const std::string& model, const MemoryEstimateOptions& options,
+                          const std::vector<MemoryEstimate>& estimates);
+
+/// The same as one JSON object (`--json`): to_json of the first estimate plus model,
+/// mixed_precision, use_8bit_adam, lora, batch_size and "comparison" (every estimate by
+/// strategy, without units).
+nlohmann::json memory_report_json(const std::string& model, const MemoryEstimateOptions& options,
+                                  const std::vector<MemoryEstimate>& estimates);
 
 }  // namespace difftrain::train

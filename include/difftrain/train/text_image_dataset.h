@@ -21,6 +21,10 @@
 
 namespace difftrain::train {
 
+/// The image-folder options of the run (resolution, crops, flips, seed, captions) for `dir`.
+data::ImageFolderOptions image_folder_options(const DataOptions& o, const std::string& dir,
+                                              int channels);
+
 /// Adds the token ids of `caption` to an example under `prefix` ("" or "class_"); a family's
 /// tokenizers decide the entries ("input_ids", SDXL's "input_ids_2").
 using CaptionIds =

@@ -4,7 +4,6 @@
 #include "../builtin.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
-#include "difftrain/io/prompt_file.h"
 #include "flux_family.h"
 #include "flux_pipeline.h"
 
@@ -19,20 +18,6 @@ namespace fs = std::filesystem;
 bool flux_has_component(const nlohmann::json& index, const char* name) {
   return index.contains(name) && index[name].is_array() && index[name].size() == 2 &&
          !index[name][0].is_null();
-}
-
-// --prompt or --prompt_file (io::read_prompt_file's rules), at least one.
-std::vector<std::string> flux_prompts(const SampleOptions& a) {
-  if (!a.prompts.empty() && !a.prompt_file.empty()) {
-    throw Error("give --prompt or --prompt_file, not both");
-  }
-  if (!a.prompt_file.empty()) {
-    auto prompts = io::read_prompt_file(a.prompt_file);
-    if (prompts.empty()) throw Error("--prompt_file " + a.prompt_file + " has no prompts");
-    return prompts;
-  }
-  if (a.prompts.empty()) throw Error("a FLUX.1 folder needs --prompt \"...\" (or --prompt_file F)");
-  return a.prompts;
 }
 
 class FluxFamily : public ModelFamily {
@@ -77,7 +62,7 @@ class FluxFamily : public ModelFamily {
   }
   diffusion::GenerateResult sample(const SampleOptions& a) const override {
     diffusion::GenerateRequest request;
-    request.prompts = flux_prompts(a);
+    request.prompts = sample_prompts(a, "FLUX.1");
     request.prompts_2 = a.prompts_2;
     if (!a.class_labels.empty()) throw Error("--class_labels is for class-conditional UNets");
     if (!a.negative_prompt.empty()) {

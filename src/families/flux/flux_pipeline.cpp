@@ -261,13 +261,7 @@ diffusion::GenerateResult FluxPipeline::generate(const diffusion::GenerateReques
     out.prompt_embeds = torch::cat(embeds);
     out.pooled_prompt_embeds = torch::cat(pooled);
   }
-  for (const auto& prompt : r.prompts) {
-    for (int64_t j = 0; j < k; ++j) {
-      std::string text = prompt.substr(0, 28);
-      if (prompt.size() > 28) text += "...";
-      out.labels.push_back(k > 1 ? fmt::format("{} #{}", text, j) : text);
-    }
-  }
+  out.labels = diffusion::prompt_labels(r.prompts, k);
   return out;
 }
 

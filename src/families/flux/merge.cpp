@@ -7,14 +7,13 @@
 #include "difftrain/core/log.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/safetensors.h"
+#include "difftrain/io/weight_index.h"
 #include "difftrain/models/lora.h"
 #include "flux_family.h"
 
 #include <fmt/format.h>
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
-
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -27,38 +26,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// The weight files of a component folder, for `variant`: one safetensors file, or the shards an
-// `*.safetensors.index.json` names. Relative to `dir`.
-std::vector<std::string> flux_weight_files(const fs::path& dir, const std::string& stem,
-                                           const std::string& variant) {
-  const std::string base = variant.empty() ? stem : stem + "." + variant;
-  std::error_code ec;
-  if (fs::is_regular_file(dir / (base + ".safetensors"), ec)) return {base + ".safetensors"};
-  const fs::path index = dir / (base + ".safetensors.index.json");
-  if (!fs::is_regular_file(index, ec)) {
-    throw Error(
-        fmt::format("{}: neither {}.safetensors nor {}.safetensors.index.json; save the "
-                    "model as safetensors",
-                    dir.string(), base, base));
-  }
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(io::read_file(index.string()));
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(index.string() + ": not valid JSON (" + e.what() + ")");
-  }
-  if (!j.contains("weight_map") || !j["weight_map"].is_object()) {
-    throw Error(index.string() + ": no \"weight_map\" object; expected a sharded-weights index");
-  }
-  std::set<std::string> files;
-  for (const auto& [name, file] : j["weight_map"].items()) {
-    if (!file.is_string())
-      throw Error(index.string() + ": weight_map[\"" + name + "\"] is not a file name");
-    files.insert(file.get<std::string>());
-  }
-  return {files.begin(), files.end()};
-}
-
 // Adds the deltas of `targets` (scaled) to the weights in the component folder `dir`'s files,
 // writing the changed files under `out_dir`. Returns the modules merged and the files written.
 int64_t merge_into_files(const std::vector<io::LoraTarget>& targets, const fs::path& dir,
@@ -67,8 +34,9 @@ int64_t merge_into_files(const std::vector<io::LoraTarget>& targets, const fs::p
   std::map<std::string, const io::LoraTarget*> pending;
   for (const auto& t : targets) pending[t.module + ".weight"] = &t;
   int64_t merged = 0;
-  for (const auto& file : flux_weight_files(dir, stem, variant)) {
-    io::Safetensors f = io::load_safetensors((dir / file).string());
+  for (const auto& path : io::find_weight_files(dir.string(), stem, variant).files) {
+    const std::string file = fs::path(path).filename().string();
+    io::Safetensors f = io::load_safetensors(path);
     bool changed = false;
     torch::NoGradGuard no_grad;
     for (auto& [name, w] : f.tensors) {
@@ -79,8 +47,8 @@ int64_t merge_into_files(const std::vector<io::LoraTarget>& targets, const fs::p
         throw Error(
             fmt::format("LoRA module {} ({}): its update is {} but {} in {} is {}; is "
                         "this LoRA for a different model?",
-                        it->second->module, it->second->key, c10::str(delta.sizes()), name,
-                        (dir / file).string(), c10::str(w.sizes())));
+                        it->second->module, it->second->key, c10::str(delta.sizes()), name, path,
+                        c10::str(w.sizes())));
       }
       const auto wide = w.scalar_type() == torch::kFloat64 ? torch::kFloat64 : torch::kFloat32;
       w = (w.to(wide) + delta.reshape(w.sizes()).to(wide)).to(w.scalar_type()).contiguous();
@@ -143,10 +111,7 @@ models::LoraFolderMergeSummary merge_flux_lora(const std::string& model_dir,
   models::LoraFolderMergeSummary summary;
   summary.format = lora.format;
   summary.unet_dir = (pipeline ? from / "transformer" : from).string();
-  const fs::path staging = out.string() + ".partial-" + std::to_string(::getpid());
-  try {
-    fs::remove_all(staging);
-    fs::create_directories(staging);
+  io::write_folder_atomic(out, "merged model", output_dir, [&](const fs::path& staging) {
     std::map<std::string, std::set<std::string>> written;  // component folder -> files written
     for (const auto& [component, targets] : lora.components) {
       if (targets.empty()) continue;
@@ -182,17 +147,7 @@ models::LoraFolderMergeSummary merge_flux_lora(const std::string& model_dir,
       fs::copy_file(it->path(), staging / rel);
       ++summary.files_copied;
     }
-    fs::rename(staging, out);
-  } catch (const fs::filesystem_error& e) {
-    std::error_code ignored;
-    fs::remove_all(staging, ignored);
-    throw Error("cannot write merged model '" + output_dir + "': " + e.code().message() + " (" +
-                e.path1().string() + "); check the space and permissions there");
-  } catch (...) {
-    std::error_code ignored;
-    fs::remove_all(staging, ignored);
-    throw;
-  }
+  });
   log::info(
       "LoRA {} ({} format): merged into {} transformer and {} text encoder modules with "
       "lora_scale {}; wrote {}",

@@ -1,7 +1,7 @@
 // The SDXL family: StableDiffusionXLPipeline folders (two text encoders, pooled embeddings and
 // micro-conditioning; sampling shared with Stable Diffusion, training in sdxl_task.cpp).
 #include "../builtin.h"
-#include "difftrain/diffusion/sd_pipeline.h"
+#include "difftrain/families/stable_diffusion/pipeline.h"
 
 namespace difftrain::families {
 namespace {

@@ -1,7 +1,7 @@
 // The Stable Diffusion 1.x/2.x family: StableDiffusionPipeline folders (text-to-image sampling,
 // text-to-image / LoRA / DreamBooth training in text_to_image_task.h).
 #include "../builtin.h"
-#include "difftrain/diffusion/sd_pipeline.h"
+#include "difftrain/families/stable_diffusion/pipeline.h"
 
 namespace difftrain::families {
 namespace {

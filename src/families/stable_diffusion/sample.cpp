@@ -3,38 +3,17 @@
 #include "../builtin.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
-#include "difftrain/diffusion/pipeline.h"
 #include "difftrain/diffusion/sampler.h"
-#include "difftrain/diffusion/sd_pipeline.h"
-#include "difftrain/io/prompt_file.h"
+#include "difftrain/families/stable_diffusion/pipeline.h"
+#include "difftrain/families/unet/pipeline.h"
 
 #include <fmt/format.h>
 
 namespace difftrain::families {
-namespace {
-
-// Prompts from --prompt (repeatable) or --prompt_file (io::read_prompt_file's rules); sampling
-// needs at least one.
-std::vector<std::string> read_prompts(const SampleOptions& a) {
-  if (!a.prompts.empty() && !a.prompt_file.empty()) {
-    throw Error("give --prompt or --prompt_file, not both");
-  }
-  if (!a.prompt_file.empty()) {
-    auto prompts = io::read_prompt_file(a.prompt_file);
-    if (prompts.empty()) throw Error("--prompt_file " + a.prompt_file + " has no prompts");
-    return prompts;
-  }
-  if (a.prompts.empty()) {
-    throw Error("a Stable Diffusion folder needs --prompt \"...\" (or --prompt_file F)");
-  }
-  return a.prompts;
-}
-
-}  // namespace
 
 diffusion::GenerateResult sample_text_to_image(const SampleOptions& a) {
   diffusion::GenerateRequest request;
-  request.prompts = read_prompts(a);
+  request.prompts = sample_prompts(a, "Stable Diffusion");
   if (!a.class_labels.empty()) throw Error("--class_labels is for class-conditional UNets");
   if (!a.negative_prompt.empty()) request.negative_prompts = {a.negative_prompt};
   if (a.guidance_given) request.guidance_scale = a.guidance_scale;

@@ -5,8 +5,8 @@
 #include "../builtin.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
-#include "difftrain/diffusion/pipeline.h"
 #include "difftrain/diffusion/sampler.h"
+#include "difftrain/families/unet/pipeline.h"
 
 #include <fmt/format.h>
 

@@ -1,7 +1,7 @@
 // The unconditional / class-conditional UNet task (Diffusers' train_unconditional.py): MNIST-like
 // data or an image folder, a fresh or pretrained UNet2DModel, validation grids sampled with the
 // training scheduler, a DDPMPipeline folder at the end.
-#include "difftrain/train/diffusion_task.h"
+#include "difftrain/families/unet/diffusion_task.h"
 
 #include "difftrain/core/env.h"
 #include "difftrain/core/error.h"
@@ -9,8 +9,8 @@
 #include "difftrain/core/paths.h"
 #include "difftrain/data/mnist.h"
 #include "difftrain/data/sample_rng.h"
-#include "difftrain/diffusion/pipeline.h"
 #include "difftrain/diffusion/sampler.h"
+#include "difftrain/families/unet/pipeline.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/models/pretrained.h"
 #include "difftrain/models/unet_config.h"

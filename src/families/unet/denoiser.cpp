@@ -1,5 +1,5 @@
-// Denoisers: a Diffusers UNet behind the named-conditioning interface.
-#include "difftrain/diffusion/denoiser.h"
+// The UNet families' denoiser: a Diffusers UNet behind the named-conditioning interface.
+#include "difftrain/families/unet/denoiser.h"
 
 #include "difftrain/core/error.h"
 

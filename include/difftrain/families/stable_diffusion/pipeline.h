@@ -42,11 +42,6 @@ struct StableDiffusionFolder {
 /// Whether `dir` has a model_index.json that lists a text_encoder (a text-to-image pipeline).
 bool is_stable_diffusion_folder(const std::string& dir);
 
-/// The CLIP tokenizer folder of `dir`: `dir` itself when it holds vocab.json, else
-/// `dir`/tokenizer (a Stable Diffusion pipeline folder). Throws difftrain::Error ("--model
-/// 'DIR' ...") when `dir` is not a folder or has neither.
-std::string resolve_tokenizer_dir(const std::string& dir);
-
 /// Reads `dir`/model_index.json and checks every component it lists: unet
 /// (UNet2DConditionModel), vae (AutoencoderKL), text_encoder (CLIPTextModel), tokenizer
 /// (CLIPTokenizer / CLIPTokenizerFast with vocab.json + merges.txt) and scheduler are required;

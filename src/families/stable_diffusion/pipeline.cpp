@@ -1,4 +1,4 @@
-#include "difftrain/diffusion/sd_pipeline.h"
+#include "difftrain/families/stable_diffusion/pipeline.h"
 
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
@@ -85,20 +85,6 @@ StableDiffusionFolder resolve_stable_diffusion_folder(const std::string& dir) {
     throw Error(out.scheduler_config + ": no such file; the pipeline's scheduler/ needs it");
   }
   return out;
-}
-
-std::string resolve_tokenizer_dir(const std::string& dir) {
-  if (!fs::is_directory(dir)) {
-    throw Error("--model '" + dir +
-                "' does not exist: give a Stable Diffusion pipeline folder (with tokenizer/) or a "
-                "tokenizer folder (with vocab.json)");
-  }
-  if (fs::exists(fs::path(dir) / "vocab.json")) return dir;
-  const auto sub = (fs::path(dir) / "tokenizer").string();
-  if (fs::is_directory(sub)) return sub;
-  throw Error("--model '" + dir +
-              "' has neither vocab.json nor a tokenizer/ folder: give a Stable Diffusion "
-              "pipeline folder or a CLIP tokenizer folder");
 }
 
 StableDiffusionFolder parse_model_index(const std::string& json_text,
@@ -462,6 +448,101 @@ TextToImageResult text_to_image(StableDiffusion& sd, const TextToImageOptions& o
                    .permute({0, 2, 3, 1})
                    .contiguous();
   return out;
+}
+
+namespace {
+
+GenerateResult generate_text_to_image(StableDiffusion& sd, const GenerateRequest& r) {
+  if (!r.class_labels.empty()) throw Error("--class_labels is for class-conditional UNets");
+  const int64_t k = r.num_images;
+  TextToImageOptions o;
+  o.prompts = r.prompts;
+  o.negative_prompts = r.negative_prompts;
+  o.guidance_scale = *r.guidance_scale;
+  o.num_inference_steps = r.num_inference_steps;
+  o.height = r.height;
+  o.width = r.width;
+  o.num_images_per_prompt = k;
+  o.seed = r.seed;
+  o.clip_skip = r.clip_skip;
+  o.guidance_rescale = r.guidance_rescale;
+  o.original_size = r.original_size;
+  o.crops_coords_top_left = r.crops_coords_top_left;
+  o.target_size = r.target_size;
+  o.negative_original_size = r.negative_original_size;
+  o.negative_crops_coords_top_left = r.negative_crops_coords_top_left;
+  o.negative_target_size = r.negative_target_size;
+  o.on_step = r.on_step;
+  GenerateResult out;
+  if (r.seeding == Seeding::kBatch) {
+    auto t = text_to_image(sd, o);
+    out.images = t.images;
+    out.latents = t.latents;
+    out.prompt_embeds = t.prompt_embeds;
+  } else {
+    // text_to_image's own checks, up front, before the first image's run.
+    const size_t n = r.prompts.size();
+    if (n == 0) throw Error("text-to-image needs at least one prompt (--prompt)");
+    if (k < 1) throw Error("--num_images_per_prompt must be >= 1, got " + std::to_string(k));
+    const size_t negatives = r.negative_prompts.size();
+    if (negatives > 1 && negatives != n) {
+      throw Error("got " + std::to_string(negatives) + " negative prompts for " +
+                  std::to_string(n) + " prompts; give one, or one per prompt");
+    }
+    std::vector<torch::Tensor> images, latents, embeds;
+    o.num_images_per_prompt = 1;
+    for (size_t p = 0; p < n; ++p) {
+      o.prompts = {r.prompts[p]};
+      if (negatives > 0) o.negative_prompts = {r.negative_prompts[negatives == 1 ? 0 : p]};
+      for (int64_t j = 0; j < k; ++j) {
+        o.seed = r.seed + static_cast<uint64_t>(static_cast<int64_t>(p) * k + j);
+        auto t = text_to_image(sd, o);
+        images.push_back(t.images);
+        latents.push_back(t.latents);
+        embeds.push_back(t.prompt_embeds);
+      }
+    }
+    out.images = torch::cat(images);
+    out.latents = torch::cat(latents);
+    out.prompt_embeds = torch::cat(embeds);
+  }
+  out.labels = prompt_labels(r.prompts, k);
+  return out;
+}
+
+}  // namespace
+
+std::string StableDiffusion::class_name() const {
+  if (!folder.pipeline_class.empty()) return folder.pipeline_class;
+  return is_xl() ? "StableDiffusionXLPipeline" : "StableDiffusionPipeline";
+}
+
+void StableDiffusion::to(const torch::Device& device, std::optional<torch::Dtype> dtype) {
+  const auto move = [&](torch::nn::Module& m) {
+    if (dtype) {
+      m.to(device, *dtype);
+    } else {
+      m.to(device);
+    }
+  };
+  if (text_encoders.empty() || !vae || !unet) {
+    throw Error("StableDiffusion::to: the pipeline is missing its text encoder, VAE or UNet");
+  }
+  text_encoders.to(device, dtype);
+  move(*vae);
+  move(*unet);
+}
+
+GenerateRequest StableDiffusion::resolve(GenerateRequest r) const {
+  if (r.num_images == 0) r.num_images = 1;
+  if (r.num_inference_steps == 0) r.num_inference_steps = 50;
+  // StableDiffusionPipeline's default guidance is 7.5, StableDiffusionXLPipeline's 5.
+  if (!r.guidance_scale) r.guidance_scale = is_xl() ? 5.0 : 7.5;
+  return r;
+}
+
+GenerateResult StableDiffusion::generate(const GenerateRequest& request) {
+  return generate_text_to_image(*this, resolve(request));
 }
 
 }  // namespace difftrain::diffusion

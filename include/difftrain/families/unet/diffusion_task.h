@@ -7,11 +7,12 @@
 // derives from TrainingTask (training_task.h) and composes diffusion::TrainingObjective and
 // diffusion::Denoiser itself. docs/ARCHITECTURE.md, "Adding a model family".
 #include "difftrain/data/image_folder.h"
-#include "difftrain/diffusion/denoiser.h"
 #include "difftrain/diffusion/noise_scheduler.h"
 #include "difftrain/diffusion/objective.h"
+#include "difftrain/families/unet/denoiser.h"
 #include "difftrain/models/lora_training.h"
 #include "difftrain/models/unet.h"
+#include "difftrain/train/text_image_dataset.h"
 #include "difftrain/train/training_task.h"
 
 #include <functional>
@@ -20,10 +21,6 @@
 #include <vector>
 
 namespace difftrain::train {
-
-/// The image-folder options of the run (resolution, crops, flips, seed, captions) for `dir`.
-data::ImageFolderOptions image_folder_options(const DataOptions& o, const std::string& dir,
-                                              int channels);
 
 class DiffusionTask : public TrainingTask {
  public:

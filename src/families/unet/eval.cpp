@@ -1,11 +1,11 @@
-#include "difftrain/train/eval.h"
+#include "difftrain/families/unet/eval.h"
 
 #include "difftrain/accel/accelerator.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/paths.h"
 #include "difftrain/data/mnist.h"
-#include "difftrain/diffusion/pipeline.h"
 #include "difftrain/diffusion/scheduler_config.h"
+#include "difftrain/families/unet/pipeline.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/pretrained.h"
 #include "difftrain/optim/adamw.h"

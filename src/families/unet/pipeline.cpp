@@ -1,4 +1,4 @@
-#include "difftrain/diffusion/pipeline.h"
+#include "difftrain/families/unet/pipeline.h"
 
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
@@ -9,8 +9,10 @@
 #include "difftrain/models/pretrained.h"
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <filesystem>
 
 namespace difftrain::diffusion {
@@ -215,6 +217,113 @@ torch::Tensor sample_images(models::UNetImpl& unet, Sampler& scheduler, const Sa
       .clamp(0, 1)
       .permute({0, 2, 3, 1})
       .contiguous();
+}
+
+namespace {
+
+GenerateResult generate_unet(UNetPipeline& p, const GenerateRequest& r) {
+  if (!p.unet || !p.sampler) throw Error("generate: the UNet pipeline has no UNet or no sampler");
+  if (!r.prompts.empty() || !r.negative_prompts.empty()) {
+    throw Error(
+        "generate: prompts given, but this is a UNet pipeline without a text encoder; "
+        "text-to-image needs a Stable Diffusion folder");
+  }
+  const int64_t k = r.num_images;
+  SampleOptions o;
+  o.num_images = k;
+  o.num_inference_steps = r.num_inference_steps;
+  o.class_labels = r.class_labels;
+  o.guidance_scale = *r.guidance_scale;
+  o.seed = r.seed;
+  o.height = r.height;
+  o.width = r.width;
+  o.on_step = r.on_step;
+  GenerateResult out;
+  if (r.seeding == Seeding::kBatch) {
+    out.images = sample_images(*p.unet, *p.sampler, o);
+  } else {
+    if (k < 1) throw Error("--num_images must be >= 1, got " + std::to_string(k));
+    if (!r.class_labels.empty() && static_cast<int64_t>(r.class_labels.size()) != k) {
+      throw Error("--class_labels has " + std::to_string(r.class_labels.size()) + " entries for " +
+                  std::to_string(k) + " images; give one label per image");
+    }
+    std::vector<torch::Tensor> images;
+    for (int64_t i = 0; i < k; ++i) {
+      o.num_images = 1;
+      o.seed = r.seed + static_cast<uint64_t>(i);
+      if (!r.class_labels.empty()) o.class_labels = {r.class_labels[static_cast<size_t>(i)]};
+      images.push_back(sample_images(*p.unet, *p.sampler, o));
+    }
+    out.images = torch::cat(images);
+  }
+  for (int64_t i = 0; i < k; ++i) {
+    if (!r.class_labels.empty()) {
+      out.labels.push_back(fmt::format("class {}", r.class_labels[static_cast<size_t>(i)]));
+    } else if (r.seeding == Seeding::kBatch) {
+      out.labels.push_back(fmt::format("seed {} #{}", r.seed, i));
+    } else {
+      out.labels.push_back(fmt::format("seed {}", r.seed + static_cast<uint64_t>(i)));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::unique_ptr<Sampler> load_pipeline_sampler(const PipelineFolder& folder,
+                                               const std::string& scheduler, double eta) {
+  std::string kind = scheduler;
+  // DDIMPipeline turns whatever scheduler it is given into a DDIMScheduler.
+  if (kind.empty() && folder.pipeline_class == "DDIMPipeline") kind = "ddim";
+  SamplerOptions options;
+  options.eta = eta;
+  return load_sampler(folder.scheduler_config, kind, options);
+}
+
+UNetPipeline::UNetPipeline(models::UNet unet_, std::unique_ptr<Sampler> sampler_,
+                           PipelineFolder folder_)
+    : folder(std::move(folder_)), unet(std::move(unet_)), sampler(std::move(sampler_)) {}
+
+std::string UNetPipeline::class_name() const {
+  if (!folder.pipeline_class.empty()) return folder.pipeline_class;
+  return sampler && sampler->class_name() == "DDIMScheduler" ? "DDIMPipeline" : "DDPMPipeline";
+}
+
+void UNetPipeline::to(const torch::Device& device, std::optional<torch::Dtype> dtype) {
+  if (!unet) throw Error("UNetPipeline::to: the pipeline has no UNet");
+  if (dtype) {
+    unet->to(device, *dtype);
+  } else {
+    unet->to(device);
+  }
+}
+
+GenerateRequest UNetPipeline::resolve(GenerateRequest r) const {
+  if (r.num_images == 0) {
+    r.num_images = std::max<int64_t>(1, static_cast<int64_t>(r.class_labels.size()));
+  }
+  // DDPMPipeline's default is 1000 steps, DDIMPipeline's (and every other sampler's) 50.
+  if (r.num_inference_steps == 0) {
+    const bool ddpm = sampler && sampler->class_name() == "DDPMScheduler";
+    r.num_inference_steps = ddpm ? 1000 : 50;
+  }
+  if (!r.guidance_scale) r.guidance_scale = 1.0;
+  return r;
+}
+
+GenerateResult UNetPipeline::generate(const GenerateRequest& request) {
+  return generate_unet(*this, resolve(request));
+}
+
+UNetPipeline load_unet_pipeline(const std::string& dir, const PipelineLoadOptions& options) {
+  if (!options.variant.empty() || !options.vae.empty()) {
+    log::warn("{} is a UNet pipeline: --variant and --vae apply to text-to-image folders; ignored",
+              dir);
+  }
+  PipelineFolder folder = resolve_pipeline_folder(dir);
+  auto sampler = load_pipeline_sampler(folder, options.scheduler, options.eta);
+  auto unet = load_unet_with_lora(folder.unet_dir, options.lora, options.lora_scale);
+  return UNetPipeline(std::move(unet), std::move(sampler), std::move(folder));
 }
 
 }  // namespace difftrain::diffusion

@@ -1,6 +1,6 @@
 // What the diffusion tasks share: noise scheduler, LoRA, the denoising loss, checkpoint config
 // files and the LoRA export.
-#include "difftrain/train/diffusion_task.h"
+#include "difftrain/families/unet/diffusion_task.h"
 
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
@@ -40,21 +40,6 @@ int64_t frozen_bytes_of(const torch::nn::Module& m) {
 }
 
 }  // namespace
-
-data::ImageFolderOptions image_folder_options(const DataOptions& d, const std::string& dir,
-                                              int channels) {
-  data::ImageFolderOptions o;
-  o.dir = dir;
-  o.resolution = d.resolution;
-  o.center_crop = d.center_crop;
-  o.random_flip = d.random_flip;
-  o.skip_bad_images = d.skip_bad_images;
-  o.seed = d.seed;
-  o.caption_column = d.caption_column;
-  o.caption_extension = d.caption_extension;
-  o.channels = channels;
-  return o;
-}
 
 void DiffusionTask::build_noise_scheduler() {
   diffusion::SchedulerConfig sc;
