@@ -14,6 +14,25 @@ namespace difftrain::families::flux {
 /// The transformer folder of `dir`: dir/transformer in a pipeline folder, else `dir`.
 std::string flux_transformer_dir(const std::string& dir);
 
+/// The transformer's LoRA targets when none are given: Diffusers' train_dreambooth_lora_flux.py
+/// (HEAD) default --lora_layers, matched by suffix (PEFT's rule): every attention projection of
+/// both block kinds and the double blocks' feed-forwards.
+inline const std::vector<std::string>& default_flux_lora_targets() {
+  static const std::vector<std::string> targets = {"attn.to_k",
+                                                   "attn.to_q",
+                                                   "attn.to_v",
+                                                   "attn.to_out.0",
+                                                   "attn.add_k_proj",
+                                                   "attn.add_q_proj",
+                                                   "attn.add_v_proj",
+                                                   "attn.to_add_out",
+                                                   "ff.net.0.proj",
+                                                   "ff.net.2",
+                                                   "ff_context.net.0.proj",
+                                                   "ff_context.net.2"};
+  return targets;
+}
+
 /// io::read_lora of `path` with the FLUX.1 key layouts (kohya / BFL, ComfyUI, XLabs) turned into
 /// Diffusers module names for the transformer of the folder `dir` (its config gives the sizes a
 /// fused qkv / linear1 splits into).

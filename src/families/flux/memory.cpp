@@ -111,11 +111,11 @@ std::vector<train::MemoryEstimate> estimate_flux_memory(
   }
   const auto blocks = flux_transformer_parameters(o);
   std::vector<std::string> targets = options.lora_target_modules;
-  if (targets.empty()) targets = {"to_q", "to_k", "to_v", "to_out.0"};
+  if (targets.empty()) targets = default_flux_lora_targets();
   const int64_t frozen_size = options.mixed_precision == "bf16" ? 2 : 4;
 
-  // Trainable: the whole transformer, or LoRA adapters (A [r, in] + B [out, r]) on the trainer's
-  // default targets (to_q, to_k, to_v, to_out.0 by suffix: both kinds of block's attention).
+  // Trainable: the whole transformer, or LoRA adapters (A [r, in] + B [out, r]) on the targets,
+  // by default Diffusers' FLUX script's (default_flux_lora_targets), matched by suffix.
   std::vector<accel::UnitPlan> units;
   std::vector<int64_t> numels;
   int64_t base = 0;
