@@ -28,9 +28,11 @@ io::ShardedTensorInfo whole_info(const torch::Tensor& t, const std::string& file
   return info;
 }
 
-// State tensors laid out element by element like the shard (re-shardable); anything else
+// State tensors laid out element by element like the shard (AdamW's moments, Prodigy's s and
+// p0): saved in the unit's flat numbering, so they re-shard to any number of ranks; anything else
 // (8-bit block scales, codes tied to them) is kept per rank.
-const std::vector<std::string> kElementwise = {".exp_avg", ".exp_avg_sq", ".max_exp_avg_sq"};
+const std::vector<std::string> kElementwise = {".exp_avg", ".exp_avg_sq", ".max_exp_avg_sq", ".s",
+                                               ".p0"};
 
 std::string unit_key(const std::string& plan_name) {
   return plan_name.empty() ? "(root)" : plan_name;

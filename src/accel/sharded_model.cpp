@@ -550,6 +550,9 @@ std::shared_ptr<optim::FlatOptimizer> ShardedModel::make_shard_optimizer(
   // The shard tensors were listed unit by unit inside each group: record the order for names.
   shard_optimizer_ = user.make_like(std::move(groups));
   shard_optimizer_->set_parameter_names(names);
+  shard_optimizer_->set_cross_shard_sum([group = &group_](torch::Tensor& t) {
+    distributed::all_reduce(t, distributed::ReduceOp::kSum, *group);
+  });
   user.release_storage();
   user_optimizer_ = &user;
   unit_group_.clear();

@@ -79,21 +79,10 @@ int64_t AdamW::state_bytes() const {
 }
 
 torch::Tensor AdamW::state_view(size_t group, size_t index, int which) const {
-  for (size_t b = 0; b < buckets_.size(); ++b) {
-    const auto& bucket = buckets_[b];
-    if (bucket.group != group) continue;
-    for (size_t j = 0; j < bucket.members.size(); ++j) {
-      if (bucket.members[j] != index) continue;
-      const auto& st = state_[b];
-      const torch::Tensor& buf = which == 0   ? st.exp_avg
-                                 : which == 1 ? st.exp_avg_sq
-                                              : st.max_exp_avg_sq;
-      if (!buf.defined() || steps_[group][index] == 0) return {};
-      return buf.narrow(0, bucket.offsets[j], bucket.offsets[j + 1] - bucket.offsets[j])
-          .view(param_groups_[group].params()[index].sizes());
-    }
-  }
-  return {};
+  return member_state(group, index, [&](size_t b) {
+    const auto& st = state_[b];
+    return which == 0 ? st.exp_avg : which == 1 ? st.exp_avg_sq : st.max_exp_avg_sq;
+  });
 }
 
 torch::Tensor AdamW::exp_avg(size_t group, size_t index) const {

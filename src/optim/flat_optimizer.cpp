@@ -354,4 +354,20 @@ const torch::Tensor& FlatOptimizer::expect_tensor(const OptimizerState& state,
   return it->second;
 }
 
+torch::Tensor FlatOptimizer::member_state(
+    size_t group, size_t index, const std::function<torch::Tensor(size_t)>& buffer) const {
+  for (size_t b = 0; b < buckets_.size(); ++b) {
+    const auto& bucket = buckets_[b];
+    if (bucket.group != group) continue;
+    for (size_t j = 0; j < bucket.members.size(); ++j) {
+      if (bucket.members[j] != index) continue;
+      const torch::Tensor buf = buffer(b);
+      if (!buf.defined() || steps_[group][index] == 0) return {};
+      return buf.narrow(0, bucket.offsets[j], bucket.offsets[j + 1] - bucket.offsets[j])
+          .view(param_groups_[group].params()[index].sizes());
+    }
+  }
+  return {};
+}
+
 }  // namespace difftrain::optim

@@ -184,7 +184,12 @@ const std::vector<Option>& options() {
       DT_OPTION(lr_warmup_steps),
       DT_OPTION(lr_num_cycles),
       DT_OPTION(lr_power),
+      DT_OPTION(optimizer),
       DT_OPTION(use_8bit_adam),
+      DT_OPTION(prodigy_beta3),
+      DT_OPTION(prodigy_decouple),
+      DT_OPTION(prodigy_use_bias_correction),
+      DT_OPTION(prodigy_safeguard_warmup),
       DT_OPTION(adam_beta1),
       DT_OPTION(adam_beta2),
       DT_OPTION(adam_weight_decay),
@@ -452,6 +457,18 @@ void TrainConfig::validate() const {
   require(adam_beta1 >= 0 && adam_beta1 < 1 && adam_beta2 >= 0 && adam_beta2 < 1,
           "--adam_beta1 and --adam_beta2 must be in [0, 1)");
   require(adam_epsilon > 0, "--adam_epsilon must be positive");
+  {
+    std::string opt = optimizer;
+    for (auto& ch : opt) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    require(opt == "adamw" || opt == "prodigy",
+            "--optimizer " + optimizer +
+                ": unknown; use adamw (with --use_8bit_adam for 8-bit) or "
+                "prodigy");
+    require(!(opt == "prodigy" && use_8bit_adam),
+            "--use_8bit_adam applies to AdamW; Prodigy has no 8-bit form (drop one of them)");
+  }
+  require(!prodigy_beta3 || (*prodigy_beta3 >= 0 && *prodigy_beta3 < 1),
+          "--prodigy_beta3 must be in [0, 1)");
   require(adam_weight_decay >= 0, "--adam_weight_decay must be >= 0");
   require(max_grad_norm >= 0, "--max_grad_norm must be >= 0 (0 disables clipping)");
   require(ddpm_num_steps >= 1, "--ddpm_num_steps must be at least 1");

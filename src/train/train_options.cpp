@@ -19,7 +19,12 @@ TrainerOptions trainer_options(const TrainConfig& c) {
   o.dataloader_num_workers = c.dataloader_num_workers;
   o.learning_rate = c.learning_rate;
   o.scale_lr = c.scale_lr;
+  o.optimizer = c.optimizer;
   o.use_8bit_adam = c.use_8bit_adam;
+  o.prodigy_beta3 = c.prodigy_beta3;
+  o.prodigy_decouple = c.prodigy_decouple;
+  o.prodigy_use_bias_correction = c.prodigy_use_bias_correction;
+  o.prodigy_safeguard_warmup = c.prodigy_safeguard_warmup;
   o.adam_beta1 = c.adam_beta1;
   o.adam_beta2 = c.adam_beta2;
   o.adam_weight_decay = c.adam_weight_decay;

@@ -21,6 +21,7 @@
 #include "difftrain/optim/adamw.h"
 #include "difftrain/optim/adamw8bit.h"
 #include "difftrain/optim/lr_schedule.h"
+#include "difftrain/optim/prodigy.h"
 #include "difftrain/train/output_folder.h"
 #include "difftrain/version.h"
 
@@ -199,7 +200,22 @@ struct Trainer::State {
       params.push_back(p.value());
       names.push_back(p.key());
     }
-    if (o.use_8bit_adam) {
+    std::string kind = o.optimizer;
+    for (auto& ch : kind) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    if (kind == "prodigy") {
+      optim::ProdigyOptions po;
+      po.beta3 = o.prodigy_beta3;
+      po.decouple = o.prodigy_decouple;
+      po.use_bias_correction = o.prodigy_use_bias_correction;
+      po.safeguard_warmup = o.prodigy_safeguard_warmup;
+      if (lr <= 0.1) {
+        log::warn(
+            "--learning_rate {} with Prodigy: it estimates the step size itself and multiplies "
+            "it by the learning rate, so around 1.0 is the usual choice",
+            lr);
+      }
+      raw_optimizer = std::make_shared<optim::Prodigy>(params, adam, po);
+    } else if (o.use_8bit_adam) {
       raw_optimizer = std::make_shared<optim::AdamW8bit>(params, adam);
     } else {
       raw_optimizer = std::make_shared<optim::AdamW>(params, adam);

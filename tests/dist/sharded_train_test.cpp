@@ -5,6 +5,9 @@
 
 #include "train_util.h"
 
+#include "difftrain/io/atomic_file.h"
+#include "difftrain/io/sharded_tensors.h"
+
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
@@ -110,6 +113,68 @@ TEST(ShardedTraining, FullShardMatchesDdpAndResumesOnThreeRanks) {
     expect_estimate_matches(estimate(merged, world, "FULL_SHARD"), state_bytes(out, 0));
   }
   expect_estimate_matches(estimate(merged, 2, "NO_SHARD"), none);
+}
+
+// Prodigy's step-size estimate sums over every parameter: under FULL_SHARD each rank holds a
+// shard and the two sums are added across the ranks, so the run follows NO_SHARD's; its state
+// (s, p0, moments, d) re-shards to 3 ranks and continues. A straight run and one interrupted and
+// resumed on the same ranks are equal bit for bit.
+TEST(ShardedTraining, ProdigyUnderFullShardFollowsNoShardAndResumesResharded) {
+  const auto dir = make_temp_dir("sharded_prodigy");
+  const std::vector<std::string> common = {
+      "--max_train_steps",          "4",     "--use_ema",          "false",
+      "--checkpointing_steps",      "2",     "--optimizer",        "prodigy",
+      "--prodigy_safeguard_warmup", "false", "--learning_rate",    "1.0",
+      "--lr_warmup_steps",          "0",     "--train_batch_size", "6"};
+  const auto r1 = train(train_cmd(dir, dir + "/ddp", common), 2);
+  ASSERT_EQ(r1.exit_code, 0) << r1.log();
+  auto fsdp = train_cmd(dir, dir + "/fsdp", common);
+  fsdp.insert(fsdp.end(), {"--sharding_strategy", "FULL_SHARD"});
+  const auto r2 = train(fsdp, 2);
+  ASSERT_EQ(r2.exit_code, 0) << r2.log();
+  const double same = max_abs_diff(unet_weights(dir + "/ddp"), unet_weights(dir + "/fsdp"));
+  std::printf("Prodigy FULL_SHARD vs NO_SHARD on 2 ranks: max abs diff %.3g (tol 1e-4)\n", same);
+  EXPECT_LT(same, 1e-4);
+  // One estimate on every rank, from sums over the whole model: the sharded run's d̂ and
+  // numerator are the unsharded run's (a shard's own sums would differ: half the parameters).
+  const auto unsharded_json =
+      nlohmann::json::parse(io::read_file(dir + "/ddp/checkpoint-4/optimizer.json"))["prodigy"];
+  const auto sharded_json = nlohmann::json::parse(io::read_file(
+      dir + "/fsdp/checkpoint-4/optimizer.index.json"))["metadata"]["optimizer"]["prodigy"];
+  for (const char* key : {"d", "d_hat", "d_numerator"}) {
+    const double a = unsharded_json.at(key).get<double>(), b = sharded_json.at(key).get<double>();
+    EXPECT_NEAR(b / a, 1.0, 1e-4) << key << ": " << a << " vs " << b;
+  }
+  // Prodigy's s and p0 are saved element by element in the units' numbering (re-shardable).
+  const io::ShardedTensorReader opt_state(dir + "/fsdp/checkpoint-2", "optimizer");
+  int with_s = 0, with_p0 = 0;
+  for (const auto& name : opt_state.names()) {
+    with_s += name.size() > 2 && name.compare(name.size() - 2, 2, ".s") == 0;
+    with_p0 += name.size() > 3 && name.compare(name.size() - 3, 3, ".p0") == 0;
+  }
+  EXPECT_GT(with_s, 0);
+  EXPECT_EQ(with_s, with_p0);
+
+  fs::create_directories(dir + "/resumed");
+  fs::copy(dir + "/fsdp/checkpoint-2", dir + "/resumed/checkpoint-2", fs::copy_options::recursive);
+  auto resumed = train_cmd(dir, dir + "/resumed", common);
+  resumed.erase(resumed.end() - 2, resumed.end());  // --train_batch_size 6
+  resumed.insert(resumed.end(), {"--train_batch_size", "4", "--sharding_strategy", "FULL_SHARD",
+                                 "--resume_from_checkpoint", "latest"});
+  const auto r3 = train(resumed, 3);
+  ASSERT_EQ(r3.exit_code, 0) << r3.log();
+  const double reshard = max_abs_diff(unet_weights(dir + "/fsdp"), unet_weights(dir + "/resumed"));
+  std::printf("Prodigy saved on 2 ranks, resumed on 3: max abs diff %.3g (tol 1e-4)\n", reshard);
+  EXPECT_LT(reshard, 1e-4);
+
+  // NO_SHARD interrupted at 2 and resumed on the same 2 ranks: bit for bit.
+  fs::create_directories(dir + "/again");
+  fs::copy(dir + "/ddp/checkpoint-2", dir + "/again/checkpoint-2", fs::copy_options::recursive);
+  auto again = train_cmd(dir, dir + "/again", common);
+  again.insert(again.end(), {"--resume_from_checkpoint", "latest"});
+  const auto r4 = train(again, 2);
+  ASSERT_EQ(r4.exit_code, 0) << r4.log();
+  EXPECT_EQ(max_abs_diff(unet_weights(dir + "/ddp"), unet_weights(dir + "/again")), 0.0);
 }
 
 TEST(ShardedTraining, ShardOptimizerThroughTheLauncherAndRefusedCrossings) {

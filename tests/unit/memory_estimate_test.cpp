@@ -15,6 +15,7 @@
 #include "difftrain/models/unet_config.h"
 #include "difftrain/optim/adamw.h"
 #include "difftrain/optim/adamw8bit.h"
+#include "difftrain/optim/prodigy.h"
 
 #include "source_dir.h"
 #include "test_util.h"
@@ -102,6 +103,20 @@ TEST(MemoryEstimate, NoShardCountsEveryParameterAndTheRealOptimizerState) {
     }
     EXPECT_EQ(e.total_peak_bytes(), 8 * P + e.optimizer_bytes);
   }
+}
+
+TEST(MemoryEstimate, ProdigyStateIsFourTensorsPerParameterAsTheRealOptimizer) {
+  UNet unet = tiny_unet();
+  MemoryEstimateOptions o;
+  o.optimizer = "prodigy";
+  const auto e = estimate_state_memory(*unet, o);
+  EXPECT_EQ(e.optimizer_bytes, 16 * trainable_numel(*unet));
+  EXPECT_EQ(e.optimizer_bytes,
+            state_after_one_step<difftrain::optim::Prodigy>(fresh_copies(*unet)));
+  o.use_8bit_adam = true;
+  EXPECT_NE(
+      difftrain::test::error_of([&] { estimate_state_memory(*unet, o); }).find("no 8-bit form"),
+      std::string::npos);
 }
 
 TEST(MemoryEstimate, ShardedFormulasFollowThePlannedUnits) {

@@ -75,7 +75,13 @@ class FlatOptimizer : public torch::optim::Optimizer {
   void release_storage();
   /// Whether release_storage() was called.
   bool released() const { return released_; }
-  /// The type name ("AdamW", "AdamW8bit").
+  /// For an update that needs sums over every parameter (Prodigy's step-size estimate): under
+  /// ZeRO each rank's optimizer holds one shard, and `sum` adds a float64 tensor across the ranks
+  /// in place (the sharding engine sets it). Unset: this optimizer holds every parameter.
+  void set_cross_shard_sum(std::function<void(torch::Tensor&)> sum) {
+    cross_shard_sum_ = std::move(sum);
+  }
+  /// The type name ("AdamW", "AdamW8bit", "Prodigy").
   const std::string& type_name() const { return type_name_; }
   /// LibTorch archives cannot hold the flat state: these throw; use state_dict() and
   /// save_optimizer_state().
@@ -113,6 +119,11 @@ class FlatOptimizer : public torch::optim::Optimizer {
   /// options); if either throws, steps and options are put back as they were and it rethrows,
   /// so a refused state leaves the optimizer unchanged.
   void load_meta_checked(const nlohmann::json& meta, const std::function<void()>& verify);
+  /// Parameter `index` of group `group`'s slice of a state buffer laid out like the buckets
+  /// (`buffer(b)` is bucket b's, [numel]), shaped like the parameter; undefined when that buffer
+  /// is undefined or the parameter has not been updated yet.
+  torch::Tensor member_state(size_t group, size_t index,
+                             const std::function<torch::Tensor(size_t)>& buffer) const;
   /// Whether any member of bucket `b` has been updated (so has state to hold).
   bool bucket_has_state(size_t b) const;
   /// Throws unless `t` exists in `state` with `shape` (and `dtype`), naming parameter and key.
@@ -124,6 +135,7 @@ class FlatOptimizer : public torch::optim::Optimizer {
   std::vector<std::vector<std::string>> names_;  ///< [group][param]
   std::string type_name_;
   bool released_ = false;
+  std::function<void(torch::Tensor&)> cross_shard_sum_;
   /// Subclasses drop their state buffers (release_storage()).
   virtual void release_state() {}
 };

@@ -56,7 +56,14 @@ struct TrainConfig {
   int64_t lr_warmup_steps = 100;
   double lr_num_cycles = 1.0;
   double lr_power = 1.0;
+  /// adamw | prodigy (Diffusers' --optimizer, any case); use_8bit_adam makes AdamW 8-bit.
+  std::string optimizer = "adamw";
   bool use_8bit_adam = false;
+  /// Prodigy's settings (Diffusers' FLUX/SD3 scripts' flags); null beta3: sqrt(adam_beta2).
+  std::optional<double> prodigy_beta3;
+  bool prodigy_decouple = true;
+  bool prodigy_use_bias_correction = true;
+  bool prodigy_safeguard_warmup = true;
   double adam_beta1 = 0.95;
   double adam_beta2 = 0.999;
   double adam_weight_decay = 1e-6;

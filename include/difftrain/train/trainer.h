@@ -31,8 +31,11 @@ struct TrainerOptions {
   int64_t dataloader_num_workers = 0;
   // optimizer and schedule
   double learning_rate = 1e-3;
-  bool scale_lr = false;  ///< times accumulation x batch x processes
+  bool scale_lr = false;            ///< times accumulation x batch x processes
+  std::string optimizer = "adamw";  ///< adamw | prodigy (any case)
   bool use_8bit_adam = false;
+  std::optional<double> prodigy_beta3;
+  bool prodigy_decouple = true, prodigy_use_bias_correction = true, prodigy_safeguard_warmup = true;
   double adam_beta1 = 0.95, adam_beta2 = 0.999, adam_weight_decay = 1e-6, adam_epsilon = 1e-8;
   double max_grad_norm = 1.0;  ///< <= 0: no clipping (the norm is still logged)
   std::string lr_scheduler = "cosine";
