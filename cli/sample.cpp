@@ -2,24 +2,17 @@
 // (families::sample: the same seed gives Diffusers' images) and writes a labelled PNG grid.
 
 #include "commands.h"
-#include "difftrain/core/log.h"
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/distributed/process_group.h"
 #include "difftrain/families/family.h"
-#include "difftrain/io/image.h"
-#include "difftrain/io/safetensors.h"
 
 #include <fmt/ranges.h>
-
-#include <algorithm>
 
 namespace difftrain::cli {
 namespace {
 families::SampleOptions g_args;
-std::string g_output = "samples.png";
-std::string g_save_tensors;
+families::SampleOutputs g_out;
 std::string g_dtype = "fp32";
-int64_t g_columns = 0;
 CLI::Option* g_guidance = nullptr;
 }  // namespace
 
@@ -57,10 +50,10 @@ CLI::App* add_sample_command(CLI::App& app) {
                       "FLUX.1-dev: the embedded guidance (default 3.5)")
           ->check(CLI::Range(0.0, 100.0));
   cmd->add_option("--seed", g_args.seed, "Seed of the CPU generator (default 0)");
-  cmd->add_option("--output", g_output, "PNG grid to write (default samples.png)");
-  cmd->add_option("--save_tensors", g_save_tensors,
+  cmd->add_option("--output", g_out.grid, "PNG grid to write (default samples.png)");
+  cmd->add_option("--save_tensors", g_out.tensors,
                   "Also write `images` [K,H,W,C] float32 in [0,1] to this .safetensors file");
-  cmd->add_option("--columns", g_columns, "Grid columns (default: about square)")
+  cmd->add_option("--columns", g_out.columns, "Grid columns (default: about square)")
       ->check(CLI::Range(int64_t{0}, int64_t{4096}));
   cmd->add_option("--prompt", g_args.prompts, "Text-to-image: the prompt (repeat for several)");
   cmd->add_option("--prompt_file", g_args.prompt_file, "Prompts, one per line");
@@ -78,9 +71,9 @@ CLI::App* add_sample_command(CLI::App& app) {
                     fmt::format("Image {} in pixels (default: the model's)", name))
         ->check(CLI::Range(int64_t{8}, int64_t{8192}));
   }
-  cmd->add_option("--clip_skip", g_args.clip_skip,
-                  "Text embeddings from this CLIP layer counted from the end, as kohya: 1 = last "
-                  "(default), 2 = penultimate")
+  cmd->add_option(
+         "--clip_skip", g_args.clip_skip,
+         "CLIP layer of the text embeddings from the end, as kohya: 1 = last, 2 = penultimate")
       ->check(CLI::Range(int64_t{1}, int64_t{64}));
   cmd->add_option("--guidance_rescale", g_args.guidance_rescale,
                   "Rescale the guided noise to the text prediction's std by this fraction "
@@ -108,27 +101,16 @@ CLI::App* add_sample_command(CLI::App& app) {
                   "torch_dtype; FLUX.1 ships bf16 and is read straight into it)")
       ->check(CLI::IsMember({"fp32", "float32", "bf16", "bfloat16", "fp16", "float16"}));
   cmd->add_option("--device", g_args.device,
-                  "Where to run: auto (the first CUDA device if one is visible, else the CPU), "
-                  "cpu, cuda or cuda:N (default auto). The noise comes from the CPU generator, "
-                  "so a seed gives the same images on any device");
+                  "auto (default: first visible CUDA device, else CPU), cpu, cuda or cuda:N; the "
+                  "noise comes from the CPU generator, so a seed gives the same images anywhere");
   return cmd;
 }
 
 int run_sample() {
   distributed::configure_threads();
   g_args.guidance_given = g_guidance->count() > 0;
-  if (g_dtype == "bf16" || g_dtype == "bfloat16") g_args.dtype = torch::kBFloat16;
-  if (g_dtype == "fp16" || g_dtype == "float16") g_args.dtype = torch::kFloat16;
-  double seconds = 0;
-  const auto result = families::sample(g_args, &seconds);
-  io::save_image_grid(g_output, result.images, result.labels, g_columns);
-  if (!g_save_tensors.empty()) {
-    io::save_safetensors(g_save_tensors, result.tensors(), {{"format", "np"}});
-  }
-  const int64_t total = result.images.size(0);
-  log::info("wrote {} ({} images, {:.2f} images/s){}", g_output, total,
-            total / std::max(seconds, 1e-9),
-            g_save_tensors.empty() ? std::string() : " and " + g_save_tensors);
+  g_args.dtype = families::parse_sample_dtype(g_dtype);
+  families::sample_to_files(g_args, g_out);
   return 0;
 }
 

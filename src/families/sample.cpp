@@ -3,7 +3,9 @@
 #include "builtin.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
+#include "difftrain/io/image.h"
 #include "difftrain/io/prompt_file.h"
+#include "difftrain/io/safetensors.h"
 
 #include <fmt/format.h>
 #include <torch/cuda.h>
@@ -73,6 +75,26 @@ diffusion::GenerateResult sample(SampleOptions options, double* seconds) {
   auto result = family_of(options.model).sample(options);
   if (seconds != nullptr) *seconds = std::chrono::duration<double>(Clock::now() - *start).count();
   return result;
+}
+
+void sample_to_files(const SampleOptions& options, const SampleOutputs& outputs) {
+  double seconds = 0;
+  const auto result = sample(options, &seconds);
+  io::save_image_grid(outputs.grid, result.images, result.labels, outputs.columns);
+  if (!outputs.tensors.empty()) {
+    io::save_safetensors(outputs.tensors, result.tensors(), {{"format", "np"}});
+  }
+  const int64_t total = result.images.size(0);
+  log::info("wrote {} ({} images, {:.2f} images/s){}", outputs.grid, total,
+            total / std::max(seconds, 1e-9),
+            outputs.tensors.empty() ? std::string() : " and " + outputs.tensors);
+}
+
+std::optional<torch::Dtype> parse_sample_dtype(const std::string& text) {
+  if (text == "fp32" || text == "float32") return std::nullopt;
+  if (text == "bf16" || text == "bfloat16") return torch::kBFloat16;
+  if (text == "fp16" || text == "float16") return torch::kFloat16;
+  throw Error("--dtype " + text + ": use fp32, bf16 or fp16");
 }
 
 }  // namespace difftrain::families

@@ -151,6 +151,20 @@ LoraConversion convert_lora(const std::string& input, const std::string& output,
 /// the generation time.
 diffusion::GenerateResult sample(SampleOptions options, double* seconds = nullptr);
 
+/// Where `difftrain sample` writes its results.
+struct SampleOutputs {
+  std::string grid = "samples.png";  ///< the labelled PNG grid
+  int64_t columns = 0;               ///< grid columns (0: about square)
+  std::string tensors;               ///< "": none; else GenerateResult::tensors() as safetensors
+};
+
+/// sample(), then the grid (and the tensors) written, with a closing log line (images/s).
+void sample_to_files(const SampleOptions& options, const SampleOutputs& outputs);
+
+/// --dtype: fp32/float32 (unset), bf16/bfloat16 or fp16/float16. Throws difftrain::Error for
+/// anything else.
+std::optional<torch::Dtype> parse_sample_dtype(const std::string& text);
+
 /// Runs the training job `config` describes (Trainer + make_training_task). Every rank calls it.
 train::TrainResult run_training(train::TrainConfig config);
 
