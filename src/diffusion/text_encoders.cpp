@@ -6,6 +6,7 @@
 #include "difftrain/models/pretrained.h"
 
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <filesystem>
@@ -267,6 +268,70 @@ std::string resolve_tokenizer_dir(const std::string& dir) {
   throw Error("--model '" + dir +
               "' has neither vocab.json nor a tokenizer/ folder: give a Stable Diffusion "
               "pipeline folder or a CLIP tokenizer folder");
+}
+
+namespace {
+
+// The first ~40 characters of a prompt, JSON-quoted so that it stays on one line.
+std::string prompt_excerpt(const std::string& prompt) {
+  size_t cut = prompt.size(), chars = 0;
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    if ((static_cast<unsigned char>(prompt[i]) & 0xC0) == 0x80) continue;  // UTF-8 continuation
+    if (chars++ == 40) {
+      cut = i;
+      break;
+    }
+  }
+  const auto quoted = nlohmann::json(prompt.substr(0, cut))
+                          .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  return cut < prompt.size() ? quoted.substr(0, quoted.size() - 1) + "...\"" : quoted;
+}
+
+}  // namespace
+
+std::vector<TokenizedPrompt> tokenize_prompts(const std::string& dir,
+                                              const std::vector<std::string>& prompts,
+                                              int64_t max_length, bool no_padding) {
+  std::vector<TokenizedPrompt> out;
+  if (fs::is_regular_file(fs::path(dir) / "spiece.model")) {
+    const auto t5 = models::T5Tokenizer::load(dir);
+    const int64_t length = max_length > 0 ? max_length : t5.model_max_length();
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      TokenizedPrompt p;
+      bool truncated = false;
+      p.ids = t5.encode(prompts[i], length, &truncated);
+      if (truncated) {
+        p.warning = "prompt " + std::to_string(i) + " (" + prompt_excerpt(prompts[i]) +
+                    ") is longer than " + std::to_string(length - 1) +
+                    " T5 pieces; the rest was dropped";
+      }
+      if (no_padding) {
+        while (p.ids.size() > 1 && p.ids.back() == t5.pad_id()) p.ids.pop_back();
+      }
+      out.push_back(std::move(p));
+    }
+    return out;
+  }
+  auto tokenizer = models::ClipTokenizer::from_folder(dir);
+  if (max_length > 0) tokenizer.set_model_max_length(max_length);
+  const int64_t kept = tokenizer.model_max_length() - 2;
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    const auto e = tokenizer.encode(prompts[i]);
+    TokenizedPrompt p;
+    if (e.truncated) {
+      // Diffusers logs the same: "The following part of your input was truncated ...".
+      p.warning = "prompt " + std::to_string(i) + " (" + prompt_excerpt(prompts[i]) + ") has " +
+                  std::to_string(e.num_tokens) + " tokens; only the first " + std::to_string(kept) +
+                  " fit in model_max_length " + std::to_string(tokenizer.model_max_length()) +
+                  " with bos and eos, the last " + std::to_string(e.num_tokens - kept) +
+                  " were dropped";
+    }
+    const size_t length =
+        no_padding ? static_cast<size_t>(std::min(e.num_tokens, kept) + 2) : e.input_ids.size();
+    p.ids.assign(e.input_ids.begin(), e.input_ids.begin() + static_cast<std::ptrdiff_t>(length));
+    out.push_back(std::move(p));
+  }
+  return out;
 }
 
 }  // namespace difftrain::diffusion

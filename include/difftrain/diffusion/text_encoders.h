@@ -143,4 +143,20 @@ std::string to_string(TextEncoderStack::Layout layout);
 /// ("--model 'DIR' ...") when `dir` is not a folder or has neither.
 std::string resolve_tokenizer_dir(const std::string& dir);
 
+/// One prompt's ids as `difftrain tokenize` prints them, and the warning for a prompt that
+/// was cut ("" when it fits).
+struct TokenizedPrompt {
+  std::vector<int64_t> ids;
+  std::string warning;
+};
+
+/// The ids of each prompt as the tokenizer folder `dir` gives them with padding="max_length",
+/// truncation=True: T5 (Transformers' T5Tokenizer: pieces cut to max_length - 1, </s>, <pad>)
+/// when `dir` holds spiece.model, else CLIP (bos, BPE ids, eos, padding). max_length 0: the
+/// tokenizer's model_max_length. no_padding drops the padding (the ids stay truncated). The
+/// warning names the prompt's index and its first ~40 characters and says what was dropped.
+std::vector<TokenizedPrompt> tokenize_prompts(const std::string& dir,
+                                              const std::vector<std::string>& prompts,
+                                              int64_t max_length = 0, bool no_padding = false);
+
 }  // namespace difftrain::diffusion
