@@ -14,6 +14,7 @@
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 
@@ -168,6 +169,124 @@ TEST(T5Encoder, BadConfigAndWeightsNameTheFile) {
   fs::remove(dir + "/model.safetensors");
   msg = error_of([&] { models::load_t5_encoder(dir); });
   EXPECT_NE(msg.find("model.safetensors"), std::string::npos) << msg;
+}
+
+// ------------------------------------------------------------------ other sizes
+
+// The bidirectional bucket in closed form, in double precision: half the buckets per sign,
+// exact below a quarter, logarithmic up to max_distance.
+int64_t t5_closed_form_bucket(int64_t rel, int64_t buckets, int64_t max_distance) {
+  const int64_t half = buckets / 2, exact = half / 2;
+  const int64_t base = rel > 0 ? half : 0, n = std::abs(rel);
+  if (n < exact) return base + n;
+  const double v = std::log(static_cast<double>(n) / exact) /
+                   std::log(static_cast<double>(max_distance) / exact) * (half - exact);
+  return base + std::min(half - 1, exact + static_cast<int64_t>(std::floor(v + 1e-9)));
+}
+
+// A float64 transcription of T5EncoderModel from its state dict, written independently of
+// models/t5_encoder.cpp: per-head loops, the closed-form buckets, norms and activations from
+// their definitions.
+torch::Tensor t5_transcription(const io::TensorMap& w, const models::T5EncoderOptions& c,
+                               const torch::Tensor& ids) {
+  auto W = [&](const std::string& k) { return w.at(k); };
+  const int64_t S = ids.size(1);
+  auto rms = [&](const torch::Tensor& x, const torch::Tensor& g) {
+    return g * x / torch::sqrt(x.pow(2).mean(-1, true) + c.layer_norm_epsilon());
+  };
+  auto act = [&](const torch::Tensor& x) {
+    const std::string a = c.activation();
+    if (a == "relu") return torch::clamp_min(x, 0);
+    if (a == "gelu_new") {
+      return 0.5 * x * (1 + torch::tanh(std::sqrt(2.0 / M_PI) * (x + 0.044715 * x.pow(3))));
+    }
+    if (a == "gelu") return 0.5 * x * (1 + torch::erf(x / std::sqrt(2.0)));
+    return x / (1 + torch::exp(-x));
+  };
+  torch::Tensor bias = torch::zeros({c.num_heads(), S, S}, torch::kFloat64);
+  const torch::Tensor table =
+      W("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight");
+  for (int64_t i = 0; i < S; ++i) {
+    for (int64_t j = 0; j < S; ++j) {
+      const int64_t b = t5_closed_form_bucket(j - i, c.relative_attention_num_buckets(),
+                                              c.relative_attention_max_distance());
+      bias.index_put_({torch::indexing::Slice(), i, j}, table[b]);
+    }
+  }
+  torch::Tensor h = W("shared.weight").index_select(0, ids.flatten()).view({ids.size(0), S, -1});
+  for (int64_t l = 0; l < c.num_layers(); ++l) {
+    const std::string p = "encoder.block." + std::to_string(l) + ".layer.";
+    const torch::Tensor x = rms(h, W(p + "0.layer_norm.weight"));
+    std::vector<torch::Tensor> heads;
+    for (int64_t hd = 0; hd < c.num_heads(); ++hd) {
+      auto rows = [&](const std::string& n) {
+        return W(p + "0.SelfAttention." + n + ".weight").narrow(0, hd * c.d_kv(), c.d_kv());
+      };
+      const torch::Tensor q = x.matmul(rows("q").t()), k = x.matmul(rows("k").t());
+      const torch::Tensor v = x.matmul(rows("v").t());
+      const torch::Tensor sc = q.matmul(k.transpose(1, 2)) + bias[hd];  // no 1/sqrt(d) in T5
+      const torch::Tensor e = torch::exp(sc - std::get<0>(sc.max(-1, true)));
+      heads.push_back((e / e.sum(-1, true)).matmul(v));
+    }
+    h = h + torch::cat(heads, -1).matmul(W(p + "0.SelfAttention.o.weight").t());
+    const torch::Tensor y = rms(h, W(p + "1.layer_norm.weight"));
+    const std::string d = p + "1.DenseReluDense.";
+    const torch::Tensor inner =
+        c.gated() ? act(y.matmul(W(d + "wi_0.weight").t())) * y.matmul(W(d + "wi_1.weight").t())
+                  : act(y.matmul(W(d + "wi.weight").t()));
+    h = h + inner.matmul(W(d + "wo.weight").t());
+  }
+  return rms(h, W("encoder.final_layer_norm.weight"));
+}
+
+// Sizes the fixture does not have: gated-gelu, relu and gated-silu FFNs, odd head counts and
+// widths, bucket tables of 8 to 64 with max distances of 20 to 300, sequences past them.
+TEST(T5Encoder, OtherSizesMatchAFloat64Transcription) {
+  torch::NoGradGuard no_grad;
+  struct Size {
+    std::string ff;
+    int64_t d_model, d_kv, heads, d_ff, layers, vocab, buckets, distance, seq;
+  };
+  const std::vector<Size> sizes = {{"gated-gelu", 24, 10, 3, 40, 3, 77, 16, 20, 40},
+                                   {"relu", 16, 4, 2, 24, 1, 50, 8, 64, 30},
+                                   {"gated-silu", 20, 6, 5, 12, 2, 31, 64, 300, 50}};
+  for (const auto& s : sizes) {
+    SCOPED_TRACE(s.ff + " d_model " + std::to_string(s.d_model));
+    const auto dir = test::temp_dir("t5_sizes");
+    const nlohmann::json config = {{"d_model", s.d_model},
+                                   {"d_kv", s.d_kv},
+                                   {"num_heads", s.heads},
+                                   {"d_ff", s.d_ff},
+                                   {"num_layers", s.layers},
+                                   {"vocab_size", s.vocab},
+                                   {"relative_attention_num_buckets", s.buckets},
+                                   {"relative_attention_max_distance", s.distance},
+                                   {"layer_norm_epsilon", 1e-5},
+                                   {"feed_forward_proj", s.ff}};
+    test::write_text(dir + "/config.json", config.dump());
+    const auto c = models::T5EncoderOptions::load(dir + "/config.json");
+    torch::manual_seed(7);
+    models::T5EncoderModel fresh(c);
+    io::TensorMap weights, w64;
+    for (const auto& p : fresh->named_parameters()) {
+      weights[p.key()] = torch::randn(p.value().sizes()) * 0.5;
+      w64[p.key()] = weights[p.key()].to(torch::kFloat64);
+    }
+    io::save_safetensors(dir + "/model.safetensors", weights);
+    auto model = models::load_t5_encoder(dir);
+    const torch::Tensor ids = torch::randint(s.vocab, {2, s.seq}, torch::kLong);
+    const double d = max_abs(model->forward(ids), t5_transcription(w64, c, ids));
+    std::cout << "  " << s.ff << " d_model " << s.d_model << " heads " << s.heads << "x" << s.d_kv
+              << ": max abs diff vs float64 " << d << " (1e-4)\n";
+    EXPECT_LE(d, 1e-4);
+    const torch::Tensor rel = torch::arange(-s.distance - 40, s.distance + 40);
+    const torch::Tensor got = models::t5_relative_position_bucket(rel, s.buckets, s.distance);
+    for (int64_t i = 0; i < rel.size(0); ++i) {
+      const int64_t r = rel[i].item<int64_t>();
+      ASSERT_EQ(got[i].item<int64_t>(), t5_closed_form_bucket(r, s.buckets, s.distance)) << r;
+    }
+    fs::remove_all(dir);
+  }
 }
 
 }  // namespace
