@@ -10,6 +10,7 @@
 #include "difftrain/models/autoencoder_kl.h"
 #include "difftrain/models/clip_text_model.h"
 #include "difftrain/models/flux_transformer.h"
+#include "difftrain/models/lora_training.h"
 #include "difftrain/models/t5_encoder.h"
 #include "source_dir.h"
 #include "test_util.h"
@@ -243,11 +244,33 @@ TEST(FluxFamily, EstimateMemoryCountsEveryPartFromItsConfig) {
   o.lora = true;
   o.lora_rank = 4;
   o.num_processes = 2;
+  // Default targets: Diffusers' train_dreambooth_lora_flux.py list, matched by suffix as PEFT
+  // does; the adapters models::LoraLayers attaches for that list are what is counted.
   const auto lora = family.estimate_memory(kFluxDir, o, {accel::ShardingStrategy::kFullShard});
-  // 2 double blocks x 4 targets + 2 single x 3, each A [4, 32] + B [32, 4].
-  EXPECT_EQ(lora[0].trainable_params, (2 * 4 + 2 * 3) * 2 * 4 * 32);
+  models::LoraConfig lc;
+  lc.rank = 4;
+  lc.target_modules = {"attn.to_k",
+                       "attn.to_q",
+                       "attn.to_v",
+                       "attn.to_out.0",
+                       "attn.add_k_proj",
+                       "attn.add_q_proj",
+                       "attn.add_v_proj",
+                       "attn.to_add_out",
+                       "ff.net.0.proj",
+                       "ff.net.2",
+                       "ff_context.net.0.proj",
+                       "ff_context.net.2"};
+  auto with_adapters = models::load_flux_transformer(kFluxDir + "/transformer");
+  models::LoraLayers adapters(*with_adapters, lc);
+  EXPECT_EQ(adapters->module_names().size(), 2u * 12 + 2u * 3);
+  EXPECT_EQ(lora[0].trainable_params, flux_numel(*adapters));
   EXPECT_EQ(lora[0].frozen_params, frozen + flux_numel(*transformer));
   EXPECT_LT(lora[0].optimizer_bytes, full[0].optimizer_bytes);
+  // Attention only: 2 double blocks x 4 targets + 2 single x 3, each A [4, 32] + B [32, 4].
+  o.lora_target_modules = {"to_q", "to_k", "to_v", "to_out.0"};
+  const auto attention = family.estimate_memory(kFluxDir, o, {accel::ShardingStrategy::kNoShard});
+  EXPECT_EQ(attention[0].trainable_params, (2 * 4 + 2 * 3) * 2 * 4 * 32);
 }
 
 TEST(FluxFamily, RecognisesPipelineAndTransformerFoldersAndRefusesTrainingInOneLine) {
