@@ -32,8 +32,8 @@ std::string to_string(TextEncoderStack::Layout layout) {
 }
 
 torch::nn::Module* TextEncoderStack::Encoder::module() const {
-  return t5 ? static_cast<torch::nn::Module*>(t5.ptr().get())
-            : static_cast<torch::nn::Module*>(model.ptr().get());
+  if (t5) return t5.ptr().get();
+  return model ? static_cast<torch::nn::Module*>(model.ptr().get()) : nullptr;
 }
 
 TextEncoderStack::TextEncoderStack(Layout layout, std::vector<Encoder> encoders)
@@ -90,8 +90,26 @@ TextEncoderStack TextEncoderStack::load(Layout layout, const std::vector<Files>&
 
 std::vector<torch::nn::Module*> TextEncoderStack::modules() const {
   std::vector<torch::nn::Module*> out;
-  for (const auto& e : encoders_) out.push_back(e.module());
+  for (const auto& e : encoders_) {
+    if (e.module() != nullptr) out.push_back(e.module());
+  }
   return out;
+}
+
+TextEncoderStack TextEncoderStack::tokenizers_only() const {
+  TextEncoderStack out = *this;
+  for (auto& e : out.encoders_) {
+    e.model = models::ClipTextModel(nullptr);
+    e.t5 = models::T5EncoderModel(nullptr);
+  }
+  return out;
+}
+
+bool TextEncoderStack::has_models() const {
+  for (const auto& e : encoders_) {
+    if (e.module() == nullptr) return false;
+  }
+  return !encoders_.empty();
 }
 
 std::vector<std::string> TextEncoderStack::components() const {
@@ -202,6 +220,11 @@ PromptEmbeds TextEncoderStack::encode(const std::vector<std::string>& prompts, i
 PromptEmbeds TextEncoderStack::encode_ids(const std::vector<torch::Tensor>& ids,
                                           int64_t clip_skip) const {
   if (empty()) throw Error("the pipeline has no text encoder to encode prompts with");
+  if (!has_models()) {
+    throw Error(
+        "the text encoders were released after their embeddings were cached; encode "
+        "before releasing them");
+  }
   if (ids.size() != encoders_.size()) {
     throw Error("text-encoder stack: got token ids for " + std::to_string(ids.size()) +
                 " encoder(s), the stack has " + std::to_string(encoders_.size()));
@@ -240,19 +263,19 @@ PromptEmbeds TextEncoderStack::encode_ids(const std::vector<torch::Tensor>& ids,
 }
 
 void TextEncoderStack::to(const torch::Device& device, std::optional<torch::Dtype> dtype) {
-  for (auto& e : encoders_) {
+  for (auto* m : modules()) {
     if (dtype) {
-      e.module()->to(device, *dtype);
+      m->to(device, *dtype);
     } else {
-      e.module()->to(device);
+      m->to(device);
     }
   }
 }
 
 void TextEncoderStack::freeze() {
-  for (auto& e : encoders_) {
-    e.module()->eval();
-    for (auto& p : e.module()->parameters()) p.set_requires_grad(false);
+  for (auto* m : modules()) {
+    m->eval();
+    for (auto& p : m->parameters()) p.set_requires_grad(false);
   }
 }
 

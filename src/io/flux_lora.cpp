@@ -360,7 +360,7 @@ void convert_flux_lora(LoraWeights& lora, const FluxLoraDims& dims) {
             [](const LoraTarget& a, const LoraTarget& b) { return a.module < b.module; });
 }
 
-LoraWeights flux_lora_to_bfl(const LoraWeights& lora) {
+LoraWeights flux_lora_to_bfl(const LoraWeights& lora, int64_t mlp_dim) {
   LoraWeights out = lora;
   const auto it = out.components.find("transformer");
   if (it == out.components.end()) return out;
@@ -417,7 +417,8 @@ LoraWeights flux_lora_to_bfl(const LoraWeights& lora) {
     for (int64_t i = 0; i < n; ++i) {
       const auto p = parts.find(i);
       rows[static_cast<size_t>(i)] = p != parts.end() ? p->second->up.size(0) : part_rows;
-      if (p == parts.end() && i == 3) {
+      if (p == parts.end() && i == 3 && mlp_dim > 0) rows[3] = mlp_dim;
+      if (p == parts.end() && i == 3 && mlp_dim <= 0) {
         throw Error(
             fmt::format("LoRA {}: {} has LoRAs for the attention of a single block but "
                         "not for proj_mlp; its width is unknown here: write this LoRA in "

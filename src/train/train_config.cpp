@@ -2,6 +2,7 @@
 
 #include "difftrain/accel/sharding.h"
 #include "difftrain/core/error.h"
+#include "difftrain/diffusion/flow_match_objective.h"
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/diffusion/scheduler_config.h"
 #include "difftrain/settings/config_merge.h"
@@ -202,6 +203,14 @@ const std::vector<Option>& options() {
       DT_OPTION(snr_gamma),
       DT_OPTION(noise_offset),
       DT_OPTION(input_perturbation),
+      DT_OPTION(weighting_scheme),
+      DT_OPTION(logit_mean),
+      DT_OPTION(logit_std),
+      DT_OPTION(mode_scale),
+      DT_OPTION(timestep_sampling),
+      DT_OPTION(sigmoid_scale),
+      DT_OPTION(discrete_flow_shift),
+      DT_OPTION(max_sequence_length),
       DT_OPTION(use_ema),
       DT_OPTION(ema_decay),
       DT_OPTION(ema_inv_gamma),
@@ -228,6 +237,7 @@ const std::vector<Option>& options() {
       DT_OPTION(lora_dropout),
       DT_OPTION(lora_target_modules),
       DT_OPTION(lora_format),
+      DT_OPTION(lora_layers),
       DT_OPTION(caption_column),
       DT_OPTION(caption_extension),
       DT_OPTION(instance_prompt),
@@ -504,9 +514,17 @@ void TrainConfig::validate() const {
       throw Error(std::string("--validation_scheduler: ") + e.what());
     }
   }
-  require(guidance_scale >= 1, "--guidance_scale must be >= 1");
-  require(guidance_scale == 1 || class_dropout_prob > 0 || !pretrained_model_name_or_path.empty(),
+  require(!guidance_scale || *guidance_scale >= 1, "--guidance_scale must be >= 1");
+  require(!guidance_scale || *guidance_scale == 1 || class_dropout_prob > 0 ||
+              !pretrained_model_name_or_path.empty(),
           "--guidance_scale > 1 needs a null class: train with --class_dropout_prob (e.g. 0.1)");
+  one_of("weighting_scheme", weighting_scheme, diffusion::flow_weighting_schemes());
+  one_of("timestep_sampling", timestep_sampling, diffusion::flow_timestep_samplings());
+  require(logit_std > 0, "--logit_std must be positive");
+  require(sigmoid_scale > 0, "--sigmoid_scale must be positive");
+  require(discrete_flow_shift > 0, "--discrete_flow_shift must be positive (kohya uses 3.0)");
+  require(max_sequence_length >= 1 && max_sequence_length <= 512,
+          "--max_sequence_length must be in 1..512 (FLUX.1's T5 takes up to 512 tokens)");
   require(logging_steps >= 1, "--logging_steps must be at least 1");
   require(dataloader_num_workers >= 0, "--dataloader_num_workers must be >= 0");
   require(max_train_samples >= 0, "--max_train_samples must be >= 0 (0: all)");

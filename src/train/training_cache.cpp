@@ -165,7 +165,8 @@ void build_text_embedding_cache(
     for (auto& [name, list] : rows) tensors[name] = torch::cat(list);
     io::save_safetensors(file.string(), tensors, {{"captions", nlohmann::json(captions).dump()}});
     for (int r = 0; r < world; ++r) fs::remove(file.string() + ".part" + std::to_string(r));
-    log::info("cache_latents: encoded {} caption(s) into {} ({} rank(s))", n, file.string(), world);
+    log::info("text embeddings: encoded {} caption(s) into {} ({} rank(s))", n, file.string(),
+              world);
   }
 }
 

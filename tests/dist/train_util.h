@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include <array>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -58,6 +59,26 @@ inline void add_captioned_image(const std::string& dir, std::ofstream& meta,
                                 const std::string& caption) {
   io::save_png(dir + "/" + file, io::to_uint8_images(img.unsqueeze(0))[0]);
   meta << nlohmann::json({{"file_name", file}, {"text", caption}}).dump() << "\n";
+}
+
+// Twelve images of three shapes (32x32, 24x48 wide, 48x24 tall): a coloured square on grey,
+// captioned with its colour and shape.
+inline std::string make_mixed_aspect_folder(const std::string& dir) {
+  std::filesystem::create_directories(dir);
+  std::ofstream meta(dir + "/metadata.jsonl");
+  const std::vector<std::pair<std::string, std::array<int64_t, 2>>> shapes = {
+      {"square", {32, 32}}, {"wide", {24, 48}}, {"tall", {48, 24}}};
+  for (int i = 0; i < 12; ++i) {
+    const auto& [shape, hw] = shapes[static_cast<size_t>(i % 3)];
+    const auto& [name, rgb] = kCaptionColours[static_cast<size_t>(i % 4)];
+    auto img = torch::zeros({3, hw[0], hw[1]});
+    for (int ch = 0; ch < 3; ++ch) {
+      img[ch].narrow(0, hw[0] / 4, hw[0] / 2).narrow(1, hw[1] / 4, hw[1] / 2).fill_(rgb[ch]);
+    }
+    add_captioned_image(dir, meta, "img" + std::to_string(i) + ".png", img,
+                        "a " + name + " " + shape + " picture");
+  }
+  return dir;
 }
 
 inline io::TensorMap unet_weights(const std::string& out) {

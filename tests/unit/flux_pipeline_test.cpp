@@ -4,6 +4,7 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/diffusion/sampler.h"
+#include "difftrain/diffusion/text_encoders.h"
 #include "difftrain/families/family.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/safetensors.h"
@@ -273,14 +274,51 @@ TEST(FluxFamily, EstimateMemoryCountsEveryPartFromItsConfig) {
   EXPECT_EQ(attention[0].trainable_params, (2 * 4 + 2 * 3) * 2 * 4 * 32);
 }
 
-TEST(FluxFamily, RecognisesPipelineAndTransformerFoldersAndRefusesTrainingInOneLine) {
+TEST(FluxFamily, RecognisesPipelineAndTransformerFoldersAndMakesItsTrainingTask) {
   EXPECT_EQ(families::family_of(kFluxDir).name(), "flux");
   EXPECT_EQ(families::family_of(kFluxDir + "/transformer").name(), "flux");
   train::TaskOptions options;
   options.model.pretrained_model_name_or_path = kFluxDir;
-  const std::string msg = error_of([&] { families::make_training_task(options); });
-  EXPECT_NE(msg.find("FLUX.1"), std::string::npos) << msg;
-  EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  EXPECT_EQ(families::make_training_task(options)->name(), "FLUX.1 text-to-image");
+}
+
+// What a training run does with released encoders: the tokenizers-only copy tokenizes as before
+// and refuses to encode in one line; the pipeline renders from embeddings given in the request
+// (those of other prompts here) exactly as from the prompts they were made from.
+TEST(FluxPipeline, PromptEmbeddingsGivenReplaceTheEncodersAndReleasedOnesRefuse) {
+  using Stack = diffusion::TextEncoderStack;
+  const Stack text = Stack::load(
+      Stack::Layout::kClipT5,
+      {{"text_encoder", "tokenizer", kFluxDir + "/text_encoder", kFluxDir + "/tokenizer"},
+       {"text_encoder_2", "tokenizer_2", kFluxDir + "/text_encoder_2", kFluxDir + "/tokenizer_2"}});
+  const std::vector<std::string> prompts = {"a photo of a cat", "a red picture"};
+  const Stack tokens_only = text.tokenizers_only();
+  EXPECT_TRUE(text.has_models());
+  EXPECT_FALSE(tokens_only.has_models());
+  EXPECT_TRUE(tokens_only.modules().empty());
+  const auto ids = text.tokenize(prompts), again = tokens_only.tokenize(prompts);
+  ASSERT_EQ(again.size(), ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) EXPECT_TRUE(again[i].equal(ids[i]));
+  const std::string msg = error_of([&] { tokens_only.encode(prompts); });
+  EXPECT_NE(msg.find("released"), std::string::npos) << msg;
+
+  auto pipe = families::family_of(kFluxDir).load_pipeline(kFluxDir, {});
+  diffusion::GenerateRequest r;
+  r.prompts = prompts;
+  r.height = r.width = 32;
+  r.num_inference_steps = 3;
+  r.max_sequence_length = 16;
+  r.num_images = 2;
+  r.seeding = diffusion::Seeding::kPerImage;
+  const auto encoded = pipe->generate(r);
+  // One row per prompt: the per-image rows of that run, every second one.
+  const auto rows = torch::arange(0, 4, 2);
+  r.prompts = {"something else", "and another"};
+  r.prompt_embeds = encoded.prompt_embeds.index_select(0, rows);
+  r.pooled_prompt_embeds = encoded.pooled_prompt_embeds.index_select(0, rows);
+  EXPECT_TRUE(pipe->generate(r).images.equal(encoded.images));
+  r.pooled_prompt_embeds = torch::Tensor();
+  EXPECT_NE(error_of([&] { pipe->generate(r); }).find("go together"), std::string::npos);
 }
 
 }  // namespace

@@ -53,6 +53,10 @@ struct GenerateRequest {
   /// FLUX.1: the T5 token count prompts are padded or cut to (FluxPipeline's
   /// `max_sequence_length`); 0 = the pipeline's default (512).
   int64_t max_sequence_length = 0;
+  /// FLUX.1: the prompts' embeddings made beforehand, one row per prompt (FluxPipeline's
+  /// prompt_embeds [P, L, D] and pooled_prompt_embeds [P, Pd]); when defined the text encoders
+  /// are not called (a training run that released them renders validation images with these).
+  torch::Tensor prompt_embeds, pooled_prompt_embeds;
   /// UNet pipelines only: one class id per image for class-conditional UNets, empty otherwise.
   std::vector<int64_t> class_labels;
   /// UNet pipelines: the number of images (0 = one per class label, or 1). Text-to-image: images

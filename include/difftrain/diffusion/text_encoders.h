@@ -54,7 +54,7 @@ class TextEncoderStack {
     models::ClipTextModel model{nullptr};
     std::shared_ptr<models::T5Tokenizer> t5_tokenizer;
     models::T5EncoderModel t5{nullptr};
-    /// The encoder as a module, whichever kind it is.
+    /// The encoder as a module, whichever kind it is (null once released: tokenizers_only()).
     torch::nn::Module* module() const;
     /// Where they were read from ("" when built in memory).
     std::string model_dir, tokenizer_dir;
@@ -86,8 +86,14 @@ class TextEncoderStack {
   Encoder& operator[](size_t i) { return encoders_.at(i); }
   const std::vector<Encoder>& encoders() const { return encoders_; }
 
-  /// The encoders as modules, in order (for freezing, casting, LoRA).
+  /// The encoders as modules, in order (for freezing, casting, LoRA); released ones left out.
   std::vector<torch::nn::Module*> modules() const;
+  /// A copy with the tokenizers only, every encoder model dropped from the copy: what tokenizing
+  /// needs, and how a training task that has cached every embedding frees the encoders
+  /// (`text = text.tokenizers_only()`, once no other copy holds them). Encoding it throws.
+  TextEncoderStack tokenizers_only() const;
+  /// Whether every encoder's model is loaded (false after tokenizers_only()).
+  bool has_models() const;
   /// The pipeline components this stack stands for: each encoder's and tokenizer's.
   std::vector<std::string> components() const;
   /// The width D of the per-token embeddings (what a denoiser's cross-attention takes).

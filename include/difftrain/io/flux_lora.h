@@ -63,7 +63,9 @@ LoraWeights read_flux_lora(const std::string& path, const FluxLoraDims& dims,
 /// each part's scale folded into its up and alpha = n·c. norm_out.linear gets BFL's (shift,
 /// scale) order. Every module's delta is unchanged (up to rounding); convert_flux_lora reads it
 /// back. Other components are kept. Throws difftrain::Error for a transformer module with no BFL
-/// name.
-LoraWeights flux_lora_to_bfl(const LoraWeights& lora);
+/// name. `mlp_dim` is the single blocks' proj_mlp width (FluxLoraDims::mlp_dim), which a
+/// linear1 whose proj_mlp part is missing (Diffusers' default targets) needs for its zero rows;
+/// 0 = unknown (such a LoRA is then refused, naming the module).
+LoraWeights flux_lora_to_bfl(const LoraWeights& lora, int64_t mlp_dim = 0);
 
 }  // namespace difftrain::io

@@ -78,6 +78,15 @@ struct TrainConfig {
   std::optional<double> snr_gamma;
   double noise_offset = 0.0;
   double input_perturbation = 0.0;
+  // -- flow matching (FLUX.1; diffusion/flow_match_objective.h)
+  std::string weighting_scheme = "none";  ///< none | logit_normal | mode | cosmap | sigma_sqrt
+  double logit_mean = 0.0;
+  double logit_std = 1.0;
+  double mode_scale = 1.29;
+  std::string timestep_sampling = "sigma";  ///< sigma | uniform | sigmoid | shift | flux_shift
+  double sigmoid_scale = 1.0;
+  double discrete_flow_shift = 3.0;
+  int64_t max_sequence_length = 512;  ///< T5 tokens of each caption (FLUX.1)
   // -- EMA
   bool use_ema = true;
   std::optional<double> ema_decay;  ///< alias of ema_max_decay
@@ -95,7 +104,9 @@ struct TrainConfig {
   /// validation_steps updates, validation_steps is 0, or a validation prompt was given (a short
   /// smoke run skips it and says so); "always"; "never".
   std::string final_validation = "auto";
-  double guidance_scale = 1.0;
+  /// Validation guidance (unset: the pipeline's: UNet 1, SD 7.5, SDXL 5); for FLUX.1-dev also
+  /// the embedded guidance the transformer trains with (unset: 3.5, Diffusers' FLUX script).
+  std::optional<double> guidance_scale;
   int64_t validation_inference_steps = 50;  ///< sampler steps of validation sampling
   /// The validation sampler: a diffusion::sampler_names() name or Diffusers scheduler class, built
   /// from the training noise scheduler's config; "" = that config's own class (DDPMScheduler).
@@ -115,6 +126,10 @@ struct TrainConfig {
   double lora_dropout = 0.0;
   std::vector<std::string> lora_target_modules = {"to_q", "to_k", "to_v", "to_out.0"};
   std::string lora_format = "diffusers";  ///< diffusers | peft | kohya
+  /// Diffusers' FLUX/SD3 --lora_layers: comma-separated module names (suffixes) of the
+  /// transformer; "" = lora_target_modules when changed from its default, else the family's
+  /// default list.
+  std::string lora_layers;
   // -- text-to-image (pretrained_model_name_or_path is a Stable Diffusion folder; see
   //    docs/STABLE_DIFFUSION.md)
   std::string caption_column = "text";  ///< metadata.jsonl field holding each image's caption

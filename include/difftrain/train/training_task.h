@@ -66,6 +66,18 @@ struct NoiseOptions {
   uint64_t seed = 0;  ///< per-sample noise / timestep streams
 };
 
+/// Flow-matching models (FLUX.1): the objective's flags (diffusion::FlowMatchOptions, as
+/// Diffusers' FLUX scripts and kohya name them), the embedded guidance and the T5 length.
+struct FlowOptions {
+  std::string weighting_scheme = "none";
+  double logit_mean = 0.0, logit_std = 1.0, mode_scale = 1.29;
+  std::string timestep_sampling = "sigma";
+  double sigmoid_scale = 1.0, discrete_flow_shift = 3.0;
+  /// FLUX.1-dev's embedded guidance in training and validation (unset: 3.5).
+  std::optional<double> guidance_scale;
+  int64_t max_sequence_length = 512;
+};
+
 /// LoRA fine-tuning (PEFT LoraConfig on the UNet, and on the text encoder with
 /// train_text_encoder).
 struct LoraOptions {
@@ -75,6 +87,10 @@ struct LoraOptions {
   double dropout = 0.0;
   std::vector<std::string> target_modules = {"to_q", "to_k", "to_v", "to_out.0"};
   std::string format = "diffusers";  ///< diffusers | peft | kohya (the exported file)
+  /// Diffusers' FLUX --lora_layers (module names); empty = target_modules when changed from
+  /// their default, else the family's own list.
+  std::vector<std::string> layers;
+  bool target_modules_given = false;  ///< target_modules differ from the default
   bool train_text_encoder = false;
   std::vector<std::string> text_encoder_target_modules;
 };
@@ -83,7 +99,7 @@ struct LoraOptions {
 struct ValidationOptions {
   int64_t num_images = 20;
   int64_t inference_steps = 50;
-  double guidance_scale = 1.0;
+  double guidance_scale = 1.0;     ///< 1 = the pipeline's own
   std::string scheduler = "ddim";  ///< sampler name (diffusion::sampler_names())
   std::string prompt;              ///< text-to-image only ("" = no validation renders)
   std::string negative_prompt;
@@ -108,6 +124,7 @@ struct TaskOptions {
   DataOptions data;
   ModelOptions model;
   NoiseOptions noise;
+  FlowOptions flow;
   LoraOptions lora;
   ValidationOptions validation;
   TextOptions text;

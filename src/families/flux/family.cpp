@@ -56,9 +56,7 @@ class FluxFamily : public ModelFamily {
   }
   std::unique_ptr<train::TrainingTask> make_training_task(
       const train::TaskOptions& options) const override {
-    throw Error(options.model.pretrained_model_name_or_path +
-                " is a FLUX.1 folder; difftrain samples, converts and merges FLUX.1 models but "
-                "does not train them yet (planned: FLUX.1 LoRA and full training)");
+    return flux::make_flux_training_task(options);
   }
   diffusion::GenerateResult sample(const SampleOptions& a) const override {
     diffusion::GenerateRequest request;

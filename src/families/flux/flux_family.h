@@ -33,6 +33,10 @@ inline const std::vector<std::string>& default_flux_lora_targets() {
   return targets;
 }
 
+/// The FLUX.1 training task (flux_task.cpp): LoRA (transformer, optionally CLIP), DreamBooth and
+/// full fine-tuning with flow matching, as Diffusers' FLUX scripts.
+std::unique_ptr<train::TrainingTask> make_flux_training_task(const train::TaskOptions& options);
+
 /// io::read_lora of `path` with the FLUX.1 key layouts (kohya / BFL, ComfyUI, XLabs) turned into
 /// Diffusers module names for the transformer of the folder `dir` (its config gives the sizes a
 /// fused qkv / linear1 splits into).

@@ -48,10 +48,12 @@ struct FluxRun {
   torch::Tensor images, latents, prompt_embeds, pooled;
 };
 
-// One FluxPipeline.__call__ for `prompts` x k images from one generator seeded `seed`.
+// One FluxPipeline.__call__ for `prompts` (r.prompts from row `first`) x k images from one
+// generator seeded `seed`.
 FluxRun flux_run(FluxPipeline& p, const diffusion::GenerateRequest& r,
                  const std::vector<std::string>& prompts, const std::vector<std::string>& prompts_2,
-                 int64_t k, uint64_t seed, int64_t* step_counter, int64_t total_steps) {
+                 int64_t first, int64_t k, uint64_t seed, int64_t* step_counter,
+                 int64_t total_steps) {
   const torch::Device device = models::module_device(*p.transformer);
   const auto dtype = models::module_dtype(*p.transformer);
   const auto& tcfg = p.transformer->options();
@@ -60,9 +62,16 @@ FluxRun flux_run(FluxPipeline& p, const diffusion::GenerateRequest& r,
   const int64_t h = 2 * (r.height / vsf), w = 2 * (r.width / vsf);
   const int64_t channels = tcfg.in_channels() / 4;
 
-  // 1. encode_prompt (each embedding in its encoder's dtype, then the transformer's).
-  p.text_encoders.set_max_sequence_length(r.max_sequence_length);
-  const diffusion::PromptEmbeds text = p.text_encoders.encode(prompts, 0, prompts_2);
+  // 1. encode_prompt (each embedding in its encoder's dtype, then the transformer's), or the
+  // embeddings given.
+  diffusion::PromptEmbeds text;
+  if (r.prompt_embeds.defined()) {
+    text.embeds = r.prompt_embeds.narrow(0, first, n);
+    text.pooled = r.pooled_prompt_embeds.narrow(0, first, n);
+  } else {
+    p.text_encoders.set_max_sequence_length(r.max_sequence_length);
+    text = p.text_encoders.encode(prompts, 0, prompts_2);
+  }
   const torch::Tensor embeds = text.embeds.repeat_interleave(k, 0).to(device, dtype);
   const torch::Tensor pooled = text.pooled.repeat_interleave(k, 0).to(device, dtype);
   const torch::Tensor txt_ids =
@@ -226,6 +235,16 @@ diffusion::GenerateResult FluxPipeline::generate(const diffusion::GenerateReques
                             r.height, r.width, vsf));
   }
   const std::vector<std::string> prompts_2 = flux_second_prompts(r);
+  if (r.prompt_embeds.defined() != r.pooled_prompt_embeds.defined() ||
+      (r.prompt_embeds.defined() &&
+       (r.prompt_embeds.dim() != 3 || r.pooled_prompt_embeds.dim() != 2 ||
+        r.prompt_embeds.size(0) != static_cast<int64_t>(r.prompts.size()) ||
+        r.pooled_prompt_embeds.size(0) != r.prompt_embeds.size(0)))) {
+    throw Error(fmt::format(
+        "FluxPipeline: prompt_embeds and pooled_prompt_embeds go together, one row per prompt "
+        "([{}, L, D] and [{}, P])",
+        r.prompts.size(), r.prompts.size()));
+  }
   transformer->eval();
   vae->eval();
   for (auto* m : text_encoders.modules()) m->eval();
@@ -237,7 +256,7 @@ diffusion::GenerateResult FluxPipeline::generate(const diffusion::GenerateReques
   diffusion::GenerateResult out;
   if (r.seeding == diffusion::Seeding::kBatch) {
     const FluxRun run =
-        flux_run(*this, r, r.prompts, prompts_2, k, r.seed, &counter, r.num_inference_steps);
+        flux_run(*this, r, r.prompts, prompts_2, 0, k, r.seed, &counter, r.num_inference_steps);
     out.images = run.images;
     out.latents = run.latents;
     out.prompt_embeds = run.prompt_embeds;
@@ -248,7 +267,7 @@ diffusion::GenerateResult FluxPipeline::generate(const diffusion::GenerateReques
     for (int64_t i = 0; i < n; ++i) {
       for (int64_t j = 0; j < k; ++j) {
         const auto idx = static_cast<size_t>(i);
-        const FluxRun run = flux_run(*this, r, {r.prompts[idx]}, {prompts_2[idx]}, 1,
+        const FluxRun run = flux_run(*this, r, {r.prompts[idx]}, {prompts_2[idx]}, i, 1,
                                      r.seed + static_cast<uint64_t>(i * k + j), &counter, total);
         images.push_back(run.images);
         latents.push_back(run.latents);
@@ -263,6 +282,31 @@ diffusion::GenerateResult FluxPipeline::generate(const diffusion::GenerateReques
   }
   out.labels = diffusion::prompt_labels(r.prompts, k);
   return out;
+}
+
+void check_flux_parts(const FluxFolder& f, const models::FluxTransformer2DModelImpl& transformer,
+                      const models::AutoencoderKLImpl& vae,
+                      const diffusion::TextEncoderStack& text) {
+  const auto& tcfg = transformer.options();
+  const auto& vcfg = vae.config();
+  if (tcfg.in_channels() != 4 * vcfg.latent_channels) {
+    throw Error(fmt::format(
+        "{}: in_channels {} differs from 4 x the VAE's latent_channels {} (2x2 patches); the "
+        "folder mixes models",
+        f.transformer_dir, tcfg.in_channels(), vcfg.latent_channels));
+  }
+  if (tcfg.joint_attention_dim() != text.embed_dim()) {
+    throw Error(fmt::format(
+        "{}: joint_attention_dim {} differs from text_encoder_2's d_model {}; the folder mixes "
+        "models",
+        f.transformer_dir, tcfg.joint_attention_dim(), text.embed_dim()));
+  }
+  if (tcfg.pooled_projection_dim() != text.pooled_dim()) {
+    throw Error(fmt::format(
+        "{}: pooled_projection_dim {} differs from text_encoder's hidden_size {}; the folder "
+        "mixes models",
+        f.transformer_dir, tcfg.pooled_projection_dim(), text.pooled_dim()));
+  }
 }
 
 FluxPipeline load_flux_pipeline(const std::string& dir,
@@ -286,26 +330,7 @@ FluxPipeline load_flux_pipeline(const std::string& dir,
                 "; FLUX.1 is a flow-matching model: use flow_match_euler (or leave --scheduler "
                 "out for the folder's own)");
   }
-  const auto& tcfg = p.transformer->options();
-  const auto& vcfg = p.vae->config();
-  if (tcfg.in_channels() != 4 * vcfg.latent_channels) {
-    throw Error(fmt::format(
-        "{}: in_channels {} differs from 4 x the VAE's latent_channels {} (2x2 patches); the "
-        "folder mixes models",
-        f.transformer_dir, tcfg.in_channels(), vcfg.latent_channels));
-  }
-  if (tcfg.joint_attention_dim() != p.text_encoders.embed_dim()) {
-    throw Error(fmt::format(
-        "{}: joint_attention_dim {} differs from text_encoder_2's d_model {}; the folder mixes "
-        "models",
-        f.transformer_dir, tcfg.joint_attention_dim(), p.text_encoders.embed_dim()));
-  }
-  if (tcfg.pooled_projection_dim() != p.text_encoders.pooled_dim()) {
-    throw Error(fmt::format(
-        "{}: pooled_projection_dim {} differs from text_encoder's hidden_size {}; the folder "
-        "mixes models",
-        f.transformer_dir, tcfg.pooled_projection_dim(), p.text_encoders.pooled_dim()));
-  }
+  check_flux_parts(f, *p.transformer, *p.vae, p.text_encoders);
   if (!options.lora.empty()) {
     const io::LoraWeights lora = read_flux_lora(options.lora, dir);
     const auto t = models::merge_lora(*p.transformer, lora, options.lora_scale, "transformer");

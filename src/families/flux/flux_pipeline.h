@@ -61,6 +61,13 @@ class FluxPipeline : public diffusion::Pipeline {
   diffusion::GenerateResult generate(const diffusion::GenerateRequest& request) override;
 };
 
+/// Throws difftrain::Error when the parts of folder `f` do not fit together: the transformer's
+/// in_channels against 4 x the VAE's latent channels, joint_attention_dim against T5's d_model,
+/// pooled_projection_dim against CLIP's width (naming the file and the sizes).
+void check_flux_parts(const FluxFolder& f, const models::FluxTransformer2DModelImpl& transformer,
+                      const models::AutoencoderKLImpl& vae,
+                      const diffusion::TextEncoderStack& text);
+
 /// Loads the folder (float32 on the CPU, or `dtype`): both text encoders and tokenizers, the
 /// transformer, the VAE and the scheduler (options.scheduler: another flow-matching class name
 /// is taken, a DDPM-family sampler is refused), with options.lora merged into the transformer and

@@ -38,12 +38,13 @@ io::LoraWeights read_flux_lora(const std::string& path, const std::string& dir,
 }
 
 void adapt_flux_lora(io::LoraWeights& lora, const std::string& dir, io::LoraFormat format) {
-  io::convert_flux_lora(lora, flux_dims_of(dir));
+  const io::FluxLoraDims dims = flux_dims_of(dir);
+  io::convert_flux_lora(lora, dims);
   if (fs::is_regular_file(fs::path(dir) / "model_index.json")) {
     adapt_text_encoder_lora(lora, dir, "text_encoder");
   }
   // kohya files name the transformer's modules as BFL does (sd-scripts' networks.lora_flux).
-  if (format == io::LoraFormat::kKohya) lora = io::flux_lora_to_bfl(lora);
+  if (format == io::LoraFormat::kKohya) lora = io::flux_lora_to_bfl(lora, dims.mlp_dim);
 }
 
 }  // namespace difftrain::families::flux

@@ -4,9 +4,9 @@
 // folder: the frozen VAE and text encoder, captioned images (metadata.jsonl, or one instance
 // prompt, plus DreamBooth class images), optionally in aspect-ratio buckets, the latent and
 // text-embedding cache, validation renders from a prompt, and the final pipeline folder or LoRA.
-// The dataset, the caches and the class images are train/ components (text_image_dataset.h,
-// training_cache.h, class_images.h) and the text encoders a diffusion::TextEncoderStack; the
-// bodies are in text_to_image_task.cpp. What SDXL changes (the stack's layout, the UNet's added
+// The dataset, buckets, caches and class images are the TextImageData component
+// (../text_image_data.h, shared with FLUX.1) and the text encoders a diffusion::TextEncoderStack;
+// the bodies are in text_to_image_task.cpp. What SDXL changes (the stack's layout, the UNet's added
 // conditioning, the guidance) sits behind protected virtual hooks, which SdxlTask (sdxl_task.cpp)
 // overrides.
 #include <torch/torch.h>
@@ -15,6 +15,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include "../text_image_data.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/core/phase.h"
@@ -42,26 +43,13 @@ namespace fs = std::filesystem;
 using models::module_device;
 using models::module_dtype;
 
-// The latents [B, C, h, w] (scaled for the UNet) and text embeddings [B, L, D] of one half of a
-// batch; for SDXL also the pooled embeddings [B, P] and time ids [B, 6].
-struct EncodedBatch {
-  torch::Tensor latents;
-  torch::Tensor embeds;
-  torch::Tensor pooled, time_ids;
-};
-
 class TextToImageTask : public DiffusionTask {
  public:
   using DiffusionTask::DiffusionTask;
 
   std::string name() const override { return "text-to-image"; }
 
-  std::function<std::vector<int64_t>(int64_t)> sampler() const override {
-    if (!buckets_) return {};
-    auto layout = buckets_;
-    const uint64_t seed = o_.data.seed;
-    return [layout, seed](int64_t epoch) { return layout->epoch_order(seed, epoch); };
-  }
+  std::function<std::vector<int64_t>(int64_t)> sampler() const override { return data_.sampler(); }
 
   // Loads the folder's tokenizer, text encoder, VAE and UNet, builds the captioned dataset
   // (generating missing class images first with prior preservation) and, with cache_latents,
@@ -139,20 +127,6 @@ class TextToImageTask : public DiffusionTask {
   // Loads the folder's text encoders (frozen, eval, on acc.device()) and reads --clip_skip.
   void load_text_models(accel::Accelerator& acc);
 
-  // What the dataset adds for a caption that is not cached: each encoder's token ids [L].
-  CaptionIds caption_ids() const;
-
-  // Embeddings of a batch half's token ids, with grad when the text encoders train.
-  diffusion::PromptEmbeds encode_ids(const data::Batch& batch, const std::string& prefix);
-
-  // The cached entries of each caption (no grad), float32 on the CPU: "prompt_embeds" [N, L, D]
-  // and, with a pooled embedding, "pooled_prompt_embeds" [N, P].
-  std::map<std::string, torch::Tensor> encode_captions(const std::vector<std::string>& captions);
-
-  // What the text cache's name depends on besides the captions: the encoders' and tokenizers'
-  // files and clip_skip.
-  std::string text_cache_key() const;
-
   diffusion::StableDiffusion as_pipeline(const diffusion::SchedulerConfig& scheduler,
                                          const std::string& sampler);
 
@@ -160,29 +134,11 @@ class TextToImageTask : public DiffusionTask {
   // guidance (1 means the pipeline's: 7.5, SDXL 5), image i of it from seed + i.
   diffusion::GenerateRequest render_request(const std::string& prompt) const;
 
-  void build_dataset(accel::Accelerator& acc, const std::string& output_dir);
-
-  // Aspect-ratio buckets: each image to the bucket nearest its shape (sizes from the file
-  // headers), the dataset laid out in slots so every global batch comes from one bucket.
-  void assign_buckets(accel::Accelerator& acc, data::ImageFolderDataset& images,
-                      TextImageDataset& ds);
-
-  // DreamBooth: the class folder needs num_class_images images; the missing ones are drawn from
-  // the pretrained pipeline with the class prompt (image i from seed + i), split across ranks.
-  void generate_class_images(accel::Accelerator& acc);
-
-  // The latent cache (and, without train_text_encoder, the text-embedding cache).
-  void fill_cache(accel::Accelerator& acc, TextImageDataset& ds, const std::string& output_dir);
-
-  // Latents and text embeddings of one half of a batch (`prefix` "" or "class_"): cached or
-  // encoded now (the VAE and frozen text encoder under no-grad), with each sample's posterior
-  // draw from sample_generator(seed, epoch, key, kLatent).
+  // Latents and embeddings of one half of a batch (TextImageData), plus time_ids().
   EncodedBatch encode_batch(const data::Batch& batch, const std::string& prefix,
                             const std::vector<int64_t>& keys, int64_t epoch, torch::Device device);
 
-  std::shared_ptr<data::BucketLayout> buckets_;  // --resolution_buckets
-  std::string vae_dir_, vae_variant_;  // the VAE read (the pipeline's, or --pretrained_vae_...)
-  bool prior_ = false;  // DreamBooth prior preservation: batches carry class_* entries too
+  TextImageData data_{o_};  // the captioned dataset, buckets, caches (text_image_data.h)
 };
 
 }  // namespace t2i

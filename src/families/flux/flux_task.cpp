@@ -1,0 +1,376 @@
+// The FLUX.1 training task: Diffusers' train_dreambooth_lora_flux.py (LoRA on the transformer and
+// optionally CLIP, DreamBooth prior preservation) and train_dreambooth_flux.py (full fine-tuning)
+// on a FluxPipeline folder. The data side (captioned images, buckets, class images drawn with the
+// FLUX sampler, the latent and text caches) is t2i::TextImageData; the objective is
+// diffusion::FlowMatchObjective on the folder's FlowMatchEulerDiscreteScheduler tables and the
+// denoiser FluxDenoiser (packing, ids, t/1000, embedded guidance). With the text encoders frozen,
+// every caption's T5 and CLIP embeddings (and the validation prompt's) are computed once and the
+// encoders released.
+#include "../text_image_data.h"
+#include "difftrain/core/error.h"
+#include "difftrain/core/log.h"
+#include "difftrain/core/phase.h"
+#include "difftrain/diffusion/flow_match_objective.h"
+#include "difftrain/families/flux/denoiser.h"
+#include "difftrain/io/atomic_file.h"
+#include "difftrain/io/flux_lora.h"
+#include "difftrain/io/lora_format.h"
+#include "difftrain/io/safetensors.h"
+#include "difftrain/models/lora_training.h"
+#include "difftrain/models/module_info.h"
+#include "difftrain/models/pretrained.h"
+#include "flux_family.h"
+#include "flux_pipeline.h"
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <numeric>
+
+namespace difftrain::families::flux {
+namespace {
+namespace fs = std::filesystem;
+using train::t2i::EncodedBatch;
+using train::t2i::TextImageData;
+
+// What a FLUX.1 LoRA run trains when CLIP trains too: both adapter sets, under "transformer" and
+// "text_encoder", prepared, optimised and checkpointed as one module.
+class FluxLoraImpl : public torch::nn::Module {
+ public:
+  FluxLoraImpl(models::LoraLayers transformer, models::LoraLayers text_encoder) {
+    register_module("transformer", std::move(transformer));
+    register_module("text_encoder", std::move(text_encoder));
+  }
+};
+TORCH_MODULE(FluxLora);
+
+int64_t flux_frozen_bytes(const torch::nn::Module& m) {
+  const auto params = m.parameters();
+  return std::accumulate(
+      params.begin(), params.end(), int64_t{0},
+      [](int64_t n, const torch::Tensor& p) { return n + (p.requires_grad() ? 0 : p.nbytes()); });
+}
+
+class FluxTask : public train::TrainingTask {
+ public:
+  explicit FluxTask(train::TaskOptions options) : o_(std::move(options)), data_(o_) {}
+
+  std::string name() const override { return "FLUX.1 text-to-image"; }
+  void build(accel::Accelerator& acc, const std::string& output_dir) override;
+  std::shared_ptr<data::Dataset> dataset() const override { return data_.dataset(); }
+  std::function<std::vector<int64_t>(int64_t)> sampler() const override { return data_.sampler(); }
+  void set_epoch(int64_t epoch) override { data_.set_epoch(epoch); }
+  std::shared_ptr<torch::nn::Module> trainable() const override { return trainable_; }
+
+  std::string parameter_summary() const override {
+    int64_t trainable = 0, total = 0;
+    for (const auto& p : transformer_->parameters()) total += p.numel();
+    for (const auto& p : trainable_->parameters()) trainable += p.requires_grad() ? p.numel() : 0;
+    if (o_.lora.enabled) total += trainable;
+    return fmt::format("parameters {} (trainable {}{})", total, trainable,
+                       o_.lora.enabled ? ", LoRA" : "");
+  }
+
+  int64_t frozen_bytes() const override {
+    int64_t n = o_.lora.enabled ? flux_frozen_bytes(*transformer_) : 0;
+    n += flux_frozen_bytes(*vae_);
+    for (const auto* m : text_.modules()) n += flux_frozen_bytes(*m);
+    return n;
+  }
+
+  torch::Tensor loss(const data::Batch& batch, int64_t epoch, torch::Device device) override;
+
+  std::string validation_unavailable() const override {
+    return o_.validation.prompt.empty()
+               ? "give --validation_prompt to render images during training"
+               : "";
+  }
+  train::ValidationImages render_validation(const std::vector<int64_t>& mine, int64_t /*begin*/,
+                                            const SamplerStepCallback& on_step) override;
+  std::vector<std::string> validation_labels(int64_t K) const override {
+    std::vector<std::string> labels;
+    for (int64_t i = 0; i < K; ++i)
+      labels.push_back("seed " + std::to_string(o_.validation.seed + i));
+    return labels;
+  }
+  std::string validation_note() const override { return " (\"" + o_.validation.prompt + "\")"; }
+
+  void write_to_checkpoint(const fs::path& dir) const override {
+    if (o_.lora.enabled) return;
+    // With the weights (consolidated by `difftrain merge-weights`), a transformer folder.
+    io::write_file_atomic((dir / "config.json").string(),
+                          io::read_file(folder_.transformer_dir + "/config.json"));
+  }
+  void export_to(const fs::path& out) override;
+
+ private:
+  // The transformer's LoRA targets: --lora_layers, else --lora_target_modules when changed, else
+  // Diffusers' FLUX default (attention and feed-forward projections).
+  std::vector<std::string> lora_targets() const {
+    if (!o_.lora.layers.empty()) return o_.lora.layers;
+    if (o_.lora.target_modules_given) return o_.lora.target_modules;
+    return default_flux_lora_targets();
+  }
+  void check_flags() const;
+  void build_trainable(accel::Accelerator& acc);
+  // The FluxPipeline of the current weights (the folder's scheduler).
+  FluxPipeline as_pipeline() const;
+  // A text-to-image request for `prompt` at the run's resolution and guidance, image i from
+  // seed + i.
+  diffusion::GenerateRequest render_request(const std::string& prompt) const;
+
+  train::TaskOptions o_;
+  TextImageData data_;
+  FluxFolder folder_;
+  diffusion::TextEncoderStack text_;
+  models::AutoencoderKL vae_{nullptr};
+  models::FluxTransformer2DModel transformer_{nullptr};
+  models::LoraLayers lora_{nullptr}, text_lora_{nullptr};
+  std::shared_ptr<torch::nn::Module> trainable_;
+  std::unique_ptr<diffusion::FlowMatchObjective> objective_;
+  std::unique_ptr<FluxDenoiser> denoiser_;
+  bool guided_ = false;  // FLUX.1-dev embeds the guidance; schnell does not
+  double guidance_ = 3.5;
+  // The validation prompt's embeddings when the encoders are released (else undefined).
+  torch::Tensor validation_embeds_, validation_pooled_;
+};
+
+void FluxTask::check_flags() const {
+  const auto& n = o_.noise;
+  if (n.snr_gamma || n.noise_offset != 0 || n.input_perturbation != 0 ||
+      n.prediction_type != "epsilon") {
+    throw Error(
+        "--snr_gamma, --noise_offset, --input_perturbation and --prediction_type are DDPM "
+        "flags; FLUX.1 trains with flow matching: weigh it with --weighting_scheme "
+        "(none, logit_normal, mode, cosmap, sigma_sqrt) or --timestep_sampling");
+  }
+  if (o_.lora.train_text_encoder && !o_.lora.enabled) {
+    throw Error(
+        "--train_text_encoder trains CLIP LoRA adapters beside the transformer's: add --lora "
+        "(full fine-tuning trains the transformer only)");
+  }
+  if (o_.text.clip_skip != 1)
+    throw Error("--clip_skip does not apply to FLUX.1 (its CLIP is pooled)");
+}
+
+void FluxTask::build(accel::Accelerator& acc, const std::string& output_dir) {
+  const std::string& model = o_.model.pretrained_model_name_or_path;
+  TextImageData::check_options(o_, model);
+  check_flags();
+  folder_ = resolve_flux_folder(model);
+  // Frozen weights are read straight in bf16 under bf16 mixed precision (T5-XXL alone is
+  // ~9.5 GB there); what trains stays float32.
+  const bool bf16 = acc.mixed_precision() == accel::MixedPrecision::kBf16;
+  const torch::Dtype frozen = bf16 ? torch::kBFloat16 : torch::kFloat32;
+  const auto& f = folder_;
+  text_ = diffusion::TextEncoderStack::load(
+      diffusion::TextEncoderStack::Layout::kClipT5,
+      {{"text_encoder", "tokenizer", f.text_encoder_dir, f.tokenizer_dir},
+       {"text_encoder_2", "tokenizer_2", f.text_encoder_2_dir, f.tokenizer_2_dir}},
+      o_.model.variant, frozen);
+  text_.set_max_sequence_length(o_.flow.max_sequence_length);
+  text_.freeze();
+  text_.to(acc.device());
+  TextImageData::Parts parts;
+  parts.vae_dir = o_.model.vae.empty() ? f.vae_dir : o_.model.vae;
+  parts.vae_variant = o_.model.vae.empty() ? o_.model.variant : "";
+  if (!o_.model.vae.empty()) acc.print("VAE from {}", o_.model.vae);
+  vae_ = models::load_autoencoder_kl(parts.vae_dir, parts.vae_variant);
+  for (auto& p : vae_->parameters()) p.set_requires_grad(false);
+  vae_->to(acc.device(), frozen);
+  vae_->eval();
+  transformer_ = models::load_flux_transformer(
+      f.transformer_dir, o_.lora.enabled ? frozen : torch::kFloat32, o_.model.variant);
+  transformer_->to(acc.device());
+  check_flux_parts(f, *transformer_, *vae_, text_);
+  guided_ = transformer_->options().guidance_embeds();
+  guidance_ = o_.flow.guidance_scale.value_or(3.5);
+  if (!guided_ && o_.flow.guidance_scale) {
+    acc.warn("--guidance_scale {} is ignored: {} has no guidance embedding (FLUX.1-schnell)",
+             guidance_, f.transformer_dir);
+  }
+
+  diffusion::FlowMatchOptions fo;
+  fo.weighting_scheme = o_.flow.weighting_scheme;
+  fo.logit_mean = o_.flow.logit_mean;
+  fo.logit_std = o_.flow.logit_std;
+  fo.mode_scale = o_.flow.mode_scale;
+  fo.timestep_sampling = o_.flow.timestep_sampling;
+  fo.sigmoid_scale = o_.flow.sigmoid_scale;
+  fo.discrete_flow_shift = o_.flow.discrete_flow_shift;
+  fo.seed = o_.noise.seed;
+  nlohmann::json scheduler;
+  try {
+    scheduler = nlohmann::json::parse(io::read_file(f.scheduler_config));
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(f.scheduler_config + ": not valid JSON (" + e.what() + ")");
+  }
+  objective_ = std::make_unique<diffusion::FlowMatchObjective>(scheduler, f.scheduler_config, fo);
+  acc.print("objective: {}{}", objective_->name(),
+            guided_ ? fmt::format(", guidance {}", guidance_) : std::string(", no guidance"));
+
+  parts.vae = vae_;
+  parts.text = &text_;
+  parts.size_multiple = flux_vae_scale_factor(vae_->config());
+  parts.size_reason = "FLUX.1's VAE factor times 2, for its 2x2 patches";
+  // DreamBooth's class images come from the pretrained pipeline with the class prompt.
+  auto class_images = [this](int64_t count, uint64_t seed) {
+    FluxPipeline pipe = as_pipeline();
+    diffusion::GenerateRequest r = render_request(o_.text.class_prompt);
+    r.num_images = count;
+    r.seed = seed;
+    r.on_step = [](int64_t, int64_t) { core::note_progress(); };
+    return pipe.generate(r).images;
+  };
+  const bool frozen_text = !o_.lora.train_text_encoder;
+  data_.build(acc, output_dir, parts, class_images, /*cache_text=*/frozen_text);
+  if (frozen_text) {
+    if (!o_.validation.prompt.empty()) {
+      const auto e = data_.encode_captions({o_.validation.prompt});
+      validation_embeds_ = e.at("prompt_embeds");
+      validation_pooled_ = e.at("pooled_prompt_embeds");
+    }
+    // Every embedding the run needs is cached: the encoders go (tokenizers stay).
+    text_ = text_.tokenizers_only();
+    acc.print("text encoders released: the captions' T5 and CLIP embeddings are cached");
+  }
+  if (o_.model.gradient_checkpointing) transformer_->set_gradient_checkpointing(true);
+  build_trainable(acc);
+  denoiser_ = std::make_unique<FluxDenoiser>(transformer_);
+}
+
+void FluxTask::build_trainable(accel::Accelerator& acc) {
+  if (!o_.lora.enabled) {
+    trainable_ = transformer_.ptr();
+    return;
+  }
+  for (auto& p : transformer_->parameters()) p.set_requires_grad(false);
+  models::LoraConfig lc;
+  lc.rank = o_.lora.rank;
+  lc.alpha = o_.lora.alpha;
+  lc.dropout = o_.lora.dropout;
+  lc.target_modules = lora_targets();
+  lora_ = models::LoraLayers(*transformer_, lc);
+  trainable_ = lora_.ptr();
+  if (o_.lora.train_text_encoder) {
+    models::LoraConfig tc = lc;
+    tc.target_modules = o_.lora.text_encoder_target_modules;
+    text_lora_ = models::LoraLayers(*text_[0].model, tc);
+    trainable_ = FluxLora(lora_, text_lora_).ptr();
+  }
+  acc.print("LoRA rank {} alpha {} on {} transformer module(s){}", lc.rank, lc.alpha,
+            lora_->module_names().size(),
+            text_lora_ ? fmt::format(" and {} CLIP module(s)", text_lora_->module_names().size())
+                       : std::string());
+}
+
+torch::Tensor FluxTask::loss(const data::Batch& batch, int64_t epoch, torch::Device device) {
+  // Validation renders leave the transformer in eval mode; checkpointing needs training mode.
+  if (!transformer_->is_training()) transformer_->train();
+  const auto index = batch.at("index").to(torch::kCPU);
+  std::vector<int64_t> keys(index.data_ptr<int64_t>(), index.data_ptr<int64_t>() + index.numel());
+  EncodedBatch in = data_.encode(batch, "", keys, epoch, device);
+  const int64_t B = static_cast<int64_t>(keys.size());
+  if (data_.prior()) {
+    std::vector<int64_t> class_keys;
+    for (int64_t k : keys) class_keys.push_back(train::class_key(k));
+    const EncodedBatch cls = data_.encode(batch, "class_", class_keys, epoch, device);
+    in.latents = torch::cat({in.latents, cls.latents});
+    in.embeds = torch::cat({in.embeds, cls.embeds});
+    in.pooled = torch::cat({in.pooled, cls.pooled});
+    keys.insert(keys.end(), class_keys.begin(), class_keys.end());
+  }
+  diffusion::Conditioning cond = {{"encoder_hidden_states", in.embeds},
+                                  {"pooled_projections", in.pooled}};
+  if (guided_) {
+    cond["guidance"] = torch::full({in.latents.size(0)}, guidance_,
+                                   torch::TensorOptions().device(device).dtype(torch::kFloat32));
+  }
+  const auto noised = objective_->noise(in.latents, keys, epoch, device);
+  const auto prediction = denoiser_->denoise(noised.model_input, noised.timesteps, cond);
+  const auto losses = objective_->losses(prediction, noised);
+  if (!data_.prior()) return losses.mean();
+  return losses.narrow(0, 0, B).mean() + o_.text.prior_loss_weight * losses.narrow(0, B, B).mean();
+}
+
+FluxPipeline FluxTask::as_pipeline() const {
+  FluxPipeline p;
+  p.folder = folder_;
+  p.text_encoders = text_;
+  p.transformer = transformer_;
+  p.vae = vae_;
+  p.scheduler = diffusion::load_sampler(folder_.scheduler_config, "");
+  return p;
+}
+
+diffusion::GenerateRequest FluxTask::render_request(const std::string& prompt) const {
+  diffusion::GenerateRequest r;
+  r.prompts = {prompt};
+  r.num_inference_steps = o_.validation.inference_steps;
+  r.guidance_scale = guidance_;
+  r.height = r.width = o_.data.resolution;
+  r.max_sequence_length = o_.flow.max_sequence_length;
+  r.seeding = diffusion::Seeding::kPerImage;
+  return r;
+}
+
+train::ValidationImages FluxTask::render_validation(const std::vector<int64_t>& mine,
+                                                    int64_t /*begin*/,
+                                                    const SamplerStepCallback& on_step) {
+  const int64_t R = o_.data.resolution;
+  if (mine.empty()) return {torch::zeros({0, R, R, 3})};
+  FluxPipeline pipe = as_pipeline();
+  diffusion::GenerateRequest r = render_request(o_.validation.prompt);
+  if (validation_embeds_.defined()) {
+    r.prompt_embeds = validation_embeds_;
+    r.pooled_prompt_embeds = validation_pooled_;
+  }
+  r.num_images = static_cast<int64_t>(mine.size());
+  r.seed = o_.validation.seed + static_cast<uint64_t>(mine.front());
+  r.on_step = on_step;
+  return {pipe.generate(r).images};
+}
+
+void FluxTask::export_to(const fs::path& out) {
+  if (!o_.lora.enabled) {
+    models::save_flux_transformer(*transformer_, (out / "transformer").string());
+    train::t2i::copy_pipeline_parts(
+        folder_.dir, out,
+        {"vae", "scheduler", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"});
+    log::info("pipeline folder (FluxPipeline): {}", out.string());
+    return;
+  }
+  io::LoraWeights weights = lora_->to_lora_weights("transformer");
+  if (text_lora_) {
+    weights.components["text_encoder"] =
+        text_lora_->to_lora_weights("text_encoder").components["text_encoder"];
+  }
+  const auto path = (out / "pytorch_lora_weights.safetensors").string();
+  const std::map<std::string, std::string> meta = {
+      {"difftrain_rank", std::to_string(o_.lora.rank)},
+      {"difftrain_lora_alpha", std::to_string(o_.lora.alpha)}};
+  if (o_.lora.format == "kohya") {
+    // sd-scripts' FLUX names (BFL modules, q/k/v fused), as kohya-trained FLUX LoRAs have.
+    // FluxSingleTransformerBlock's mlp_ratio 4: linear1's proj_mlp rows when not trained.
+    const int64_t mlp_dim = 4 * transformer_->options().inner_dim();
+    io::write_lora(path, io::flux_lora_to_bfl(weights, mlp_dim), io::LoraFormat::kKohya, meta);
+  } else if (o_.lora.format == "peft") {
+    io::write_lora(path, weights, io::LoraFormat::kPeft, meta);
+  } else {
+    // As Diffusers' FLUX script saves it (FluxPipeline.save_lora_weights of PEFT state dicts):
+    // "transformer.<module>.lora_A.weight", alpha / r folded into lora_B.
+    io::Metadata m(meta.begin(), meta.end());
+    m.emplace("format", "pt");
+    io::save_safetensors(path, io::lora_to_tensors(weights, io::LoraFormat::kPeft), m);
+  }
+  log::info("LoRA weights ({} format): {}", o_.lora.format, path);
+}
+
+}  // namespace
+
+std::unique_ptr<train::TrainingTask> make_flux_training_task(const train::TaskOptions& options) {
+  return std::make_unique<FluxTask>(options);
+}
+
+}  // namespace difftrain::families::flux

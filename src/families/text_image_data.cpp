@@ -1,0 +1,251 @@
+// The data side of the text-to-image tasks (text_image_data.h).
+#include "text_image_data.h"
+
+#include <optional>
+#include <set>
+#include "difftrain/core/error.h"
+#include "difftrain/core/log.h"
+#include "difftrain/data/sample_rng.h"
+#include "difftrain/io/atomic_file.h"
+#include "difftrain/io/image.h"
+#include "difftrain/models/module_info.h"
+#include "difftrain/models/pretrained.h"
+#include "difftrain/train/class_images.h"
+#include "difftrain/train/training_cache.h"
+
+namespace difftrain::train::t2i {
+namespace fs = std::filesystem;
+
+void TextImageData::check_options(const TaskOptions& o, const std::string& model) {
+  const auto& d = o.data;
+  const auto& t = o.text;
+  if (d.dataset != "imagefolder") {
+    throw Error(model +
+                " is a text-to-image pipeline: train it on captioned images with --dataset "
+                "imagefolder --train_data_dir DIR (metadata.jsonl captions or --instance_prompt)");
+  }
+  if (t.cache_latents && (!d.center_crop || d.random_flip)) {
+    throw Error(
+        "--cache_latents encodes each image once, so it needs the same pixels every epoch: add "
+        "--center_crop and drop --random_flip (or train without --cache_latents)");
+  }
+  if (d.resolution_buckets && t.with_prior_preservation) {
+    throw Error(
+        "--resolution_buckets with --with_prior_preservation is not supported: a batch holds "
+        "instance and class images together, so they would need one size; train DreamBooth "
+        "with square crops");
+  }
+}
+
+void TextImageData::build(accel::Accelerator& acc, const std::string& output_dir, Parts parts,
+                          const ClassImages& class_images, bool cache_text) {
+  parts_ = std::move(parts);
+  const auto& d = o_.data;
+  const auto& t = o_.text;
+  const int64_t factor = parts_.size_multiple;
+  if (d.resolution % factor != 0) {
+    const int64_t below = d.resolution / factor * factor;
+    throw Error("--resolution " + std::to_string(d.resolution) + " is not a multiple of " +
+                std::to_string(factor) + " (" + parts_.size_reason + "); use " +
+                (below >= 8 ? std::to_string(below) + " or " : "") +
+                std::to_string(below + factor));
+  }
+  TextImageDataset::Half inst = captioned_images(d, d.train_data_dir, t.instance_prompt);
+  if (d.max_train_samples > 0 && d.max_train_samples < inst.images->size()) {
+    acc.warn("--max_train_samples is not applied to text-to-image data");
+  }
+  std::optional<TextImageDataset::Half> cls;
+  if (t.with_prior_preservation) {
+    prior_ = true;
+    train::generate_class_images(
+        acc, {t.class_data_dir, t.class_prompt, t.num_class_images, o_.data.seed}, class_images);
+    cls = captioned_images(d, t.class_data_dir, t.class_prompt);
+  }
+  std::shared_ptr<data::ImageFolderDataset> instance_images = inst.images;
+  dataset_ = std::make_shared<TextImageDataset>(std::move(inst), std::move(cls), caption_ids());
+  if (d.resolution_buckets) assign_buckets(acc, *instance_images, *dataset_);
+  if (t.cache_latents || cache_text) fill_cache(acc, *dataset_, output_dir, cache_text);
+}
+
+std::function<std::vector<int64_t>(int64_t)> TextImageData::sampler() const {
+  if (!buckets_) return {};
+  auto layout = buckets_;
+  const uint64_t seed = o_.data.seed;
+  return [layout, seed](int64_t epoch) { return layout->epoch_order(seed, epoch); };
+}
+
+CaptionIds TextImageData::caption_ids() const {
+  // Tokenizing needs no model: the dataset keeps none alive.
+  auto text = parts_.text->tokenizers_only();
+  return [text](data::Example& ex, const std::string& prefix, const std::string& caption) {
+    for (auto& [key, ids] : text.tokenize(caption)) ex[prefix + key] = ids;
+  };
+}
+
+diffusion::PromptEmbeds TextImageData::encode_ids(const data::Batch& batch,
+                                                  const std::string& prefix) {
+  std::vector<torch::Tensor> ids;
+  for (size_t i = 0; i < parts_.text->size(); ++i) {
+    ids.push_back(batch.at(prefix + diffusion::TextEncoderStack::ids_key(i)));
+  }
+  std::optional<torch::NoGradGuard> no_grad;
+  if (!o_.lora.train_text_encoder) no_grad.emplace();
+  return parts_.text->encode_ids(ids, parts_.clip_skip);
+}
+
+std::map<std::string, torch::Tensor> TextImageData::encode_captions(
+    const std::vector<std::string>& captions) {
+  const auto e = parts_.text->encode(captions, parts_.clip_skip);
+  std::map<std::string, torch::Tensor> out = {
+      {"prompt_embeds", e.embeds.to(torch::kCPU, torch::kFloat32)}};
+  if (e.pooled.defined()) out["pooled_prompt_embeds"] = e.pooled.to(torch::kCPU, torch::kFloat32);
+  return out;
+}
+
+std::string TextImageData::text_cache_key() const {
+  // The first encoder's config, files and clip_skip, then each further encoder's files (the
+  // names caches written before the stack had); a T5's token count.
+  const auto& text = *parts_.text;
+  std::string key = io::read_file(text[0].model_dir + "/config.json") +
+                    folder_stamp(text[0].model_dir) + folder_stamp(text[0].tokenizer_dir) +
+                    std::to_string(parts_.clip_skip);
+  for (size_t i = 1; i < text.size(); ++i) {
+    key += (i == 1 ? "xl;" : ";") + folder_stamp(text[i].model_dir) +
+           folder_stamp(text[i].tokenizer_dir);
+    if (text[i].t5_tokenizer) key += ";t5 " + std::to_string(text.max_sequence_length());
+  }
+  return key;
+}
+
+void TextImageData::assign_buckets(accel::Accelerator& acc, data::ImageFolderDataset& images,
+                                   TextImageDataset& ds) {
+  const auto& d = o_.data;
+  const int64_t factor = parts_.size_multiple;
+  if (d.bucket_step % factor != 0) {
+    throw Error("--bucket_step " + std::to_string(d.bucket_step) + " is not a multiple of " +
+                std::to_string(factor) + " (" + parts_.size_reason + ")");
+  }
+  data::BucketOptions bo;
+  bo.resolution = d.resolution;
+  bo.step = d.bucket_step;
+  bo.min_side = d.bucket_min_side;
+  bo.max_side = d.bucket_max_side;
+  std::vector<std::array<int64_t, 2>> sizes;
+  for (int64_t i = 0; i < images.size(); ++i) sizes.push_back(io::image_size(images.file(i)));
+  const int64_t group = acc.options().split_batches
+                            ? d.train_batch_size
+                            : d.train_batch_size * static_cast<int64_t>(acc.num_processes());
+  buckets_ = std::make_shared<data::BucketLayout>(data::make_buckets(bo), sizes, group);
+  images.set_target_sizes(buckets_->image_targets());
+  std::vector<int64_t> slots;
+  for (int64_t k = 0; k < buckets_->num_slots(); ++k) slots.push_back(buckets_->image_of_slot(k));
+  ds.set_slots(std::move(slots));
+  std::string lines;
+  for (const auto& line : buckets_->summary()) lines += (lines.empty() ? "" : ", ") + line;
+  acc.print("aspect-ratio buckets: {} image(s) in {} slot(s) ({}), batches of one bucket",
+            images.size(), buckets_->num_slots(), lines);
+}
+
+void TextImageData::fill_cache(accel::Accelerator& acc, TextImageDataset& ds,
+                               const std::string& output_dir, bool cache_text) {
+  const auto& d = o_.data;
+  const auto& t = o_.text;
+  const fs::path dir = t.cache_dir.empty() ? fs::path(output_dir) / "cache" : fs::path(t.cache_dir);
+  if (acc.is_main_process()) {
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) throw Error("cannot create cache_dir " + dir.string() + ": " + ec.message());
+  }
+  acc.wait_for_everyone();
+  if (t.cache_latents) {
+    // The key changes when the VAE, the images or their preprocessing change.
+    const std::string vae_key =
+        "latents-v2;" + io::read_file(parts_.vae_dir + "/config.json") +
+        file_stamp(models::weights_path(parts_.vae_dir, parts_.vae_variant)) +
+        std::to_string(d.resolution) + ";" + std::to_string(d.center_crop) + ";" +
+        (d.resolution_buckets
+             ? fmt::format("buckets {} {} {};", d.bucket_step, d.bucket_min_side, d.bucket_max_side)
+             : std::string());
+    auto cache_half = [&](TextImageDataset::Half& half, const std::string& name,
+                          const std::string& data_dir) {
+      const fs::path file =
+          dir / (name + "-" + cache_key(vae_key + folder_stamp(data_dir)) + ".safetensors");
+      std::tie(half.mean, half.logvar) =
+          cached_latents(acc, *half.images, file, *parts_.vae, o_.encode_batch_size);
+      // The cache needs centre crops without flips: each image's geometry is fixed.
+      half.geometry = centre_crop_geometry(*half.images);
+    };
+    cache_half(ds.instance(), "latents", d.train_data_dir);
+    if (ds.class_half()) cache_half(*ds.class_half(), "class-latents", t.class_data_dir);
+  }
+
+  if (!cache_text || o_.lora.train_text_encoder) return;
+  std::set<std::string> unique(ds.instance().captions.begin(), ds.instance().captions.end());
+  if (ds.class_half()) unique.insert(t.class_prompt);
+  std::string key = "embeds-v2;" + text_cache_key();
+  for (const auto& s : unique) key += "\n" + s;
+  const fs::path file = dir / ("text-embeddings-" + cache_key(key) + ".safetensors");
+  const std::vector<std::string> captions(unique.begin(), unique.end());
+  if (!fs::exists(file)) {
+    build_text_embedding_cache(acc, captions, file, [this](const std::vector<std::string>& c) {
+      return encode_captions(c);
+    });
+  }
+  acc.wait_for_everyone();
+  ds.cached_text = load_text_embedding_cache(file);
+}
+
+EncodedBatch TextImageData::encode(const data::Batch& batch, const std::string& prefix,
+                                   const std::vector<int64_t>& keys, int64_t epoch,
+                                   torch::Device device) {
+  EncodedBatch out;
+  torch::Tensor mean, logvar;
+  auto& vae = parts_.vae;
+  if (batch.count(prefix + "latent_mean")) {
+    mean = batch.at(prefix + "latent_mean").to(torch::kCPU, torch::kFloat32);
+    logvar = batch.at(prefix + "latent_logvar").to(torch::kCPU, torch::kFloat32);
+  } else {
+    torch::NoGradGuard no_grad;
+    const auto& px = batch.at(prefix + "pixel_values");
+    auto post = vae->encode(px.to(models::module_device(*vae), models::module_dtype(*vae)));
+    mean = post.mean.to(torch::kCPU, torch::kFloat32);
+    logvar = post.logvar.to(torch::kCPU, torch::kFloat32);
+  }
+  // Each sample's posterior draw comes from its own stream (cached or not, the same numbers).
+  std::vector<torch::Tensor> z;
+  const auto shape = mean.sizes().slice(1).vec();
+  for (size_t i = 0; i < keys.size(); ++i) {
+    auto g = data::sample_generator(o_.noise.seed, epoch, keys[i], data::SampleStream::kLatent);
+    const auto k = static_cast<int64_t>(i);
+    z.push_back(mean[k] + (0.5 * logvar[k]).exp() * torch::randn(shape, g, torch::kFloat32));
+  }
+  out.latents = vae->scale_latents(torch::stack(z)).to(device);
+  if (batch.count(prefix + "prompt_embeds")) {
+    out.embeds = batch.at(prefix + "prompt_embeds").to(device, torch::kFloat32);
+    if (batch.count(prefix + "pooled_prompt_embeds")) {
+      out.pooled = batch.at(prefix + "pooled_prompt_embeds").to(device, torch::kFloat32);
+    }
+  } else {
+    auto text = encode_ids(batch, prefix);
+    out.embeds = text.embeds.to(device);
+    if (text.pooled.defined()) out.pooled = text.pooled.to(device);
+  }
+  return out;
+}
+
+void copy_pipeline_parts(const fs::path& src, const fs::path& out,
+                         const std::vector<std::string>& parts) {
+  for (const auto& part : parts) {
+    std::error_code ec;
+    fs::remove_all(out / part, ec);
+    fs::copy(src / part, out / part, fs::copy_options::recursive, ec);
+    if (ec) {
+      throw Error("cannot copy " + (src / part).string() + " to " + (out / part).string() + ": " +
+                  ec.message());
+    }
+  }
+  io::write_file_atomic((out / "model_index.json").string(),
+                        io::read_file((src / "model_index.json").string()));
+}
+
+}  // namespace difftrain::train::t2i

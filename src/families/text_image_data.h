@@ -1,0 +1,108 @@
+#pragma once
+// The data side of a text-to-image training task, a component the Stable Diffusion / SDXL task
+// (stable_diffusion/text_to_image_task.h) and the FLUX.1 task (flux/flux_task.cpp) compose: the
+// captioned dataset (instance images, DreamBooth class images generated with the family's own
+// pipeline when missing), aspect-ratio buckets, the latent and text-embedding caches, and the
+// latents and prompt embeddings of a batch. Private to src/families. The family loads its VAE
+// and text encoders and hands them over (Parts); what it does with the encodings (a UNet's
+// conditioning, FLUX's packed tokens) stays in the family's task.
+#include <torch/torch.h>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+#include "difftrain/accel/accelerator.h"
+#include "difftrain/data/buckets.h"
+#include "difftrain/diffusion/text_encoders.h"
+#include "difftrain/models/autoencoder_kl.h"
+#include "difftrain/train/text_image_dataset.h"
+#include "difftrain/train/training_task.h"
+
+namespace difftrain::train::t2i {
+
+/// The latents [B, C, h, w] (scaled and shifted for the denoiser) and text embeddings [B, L, D]
+/// of one half of a batch; the pooled embeddings [B, P] where the encoders give one (SDXL,
+/// FLUX.1); SDXL's time ids [B, 6] (filled by its task).
+struct EncodedBatch {
+  torch::Tensor latents;
+  torch::Tensor embeds;
+  torch::Tensor pooled, time_ids;
+};
+
+class TextImageData {
+ public:
+  /// What the family loaded for its data: the frozen VAE (on the device) and where it came from
+  /// (the cache key), the task's text-encoder stack (the task may release its models once the
+  /// text cache is filled), Diffusers' clip_skip, and the multiple every image side must be (the
+  /// VAE's downsampling factor; FLUX.1 twice that, for its 2x2 patches).
+  struct Parts {
+    models::AutoencoderKL vae{nullptr};
+    std::string vae_dir, vae_variant;
+    diffusion::TextEncoderStack* text = nullptr;
+    int64_t clip_skip = 0;
+    int64_t size_multiple = 8;
+    std::string size_reason = "the VAE's downsampling factor";
+  };
+  /// Draws `count` class images [count, H, W, 3] in [0, 1] with the class prompt, image i from
+  /// seed + i (the family's pipeline).
+  using ClassImages = std::function<torch::Tensor(int64_t count, uint64_t seed)>;
+
+  explicit TextImageData(TaskOptions options) : o_(std::move(options)) {}
+
+  /// The flags a captioned-image run refuses before anything loads (another --dataset,
+  /// --cache_latents with random crops or flips, buckets with prior preservation); `model`
+  /// names the folder in the message.
+  static void check_options(const TaskOptions& o, const std::string& model);
+
+  /// Builds the dataset: checks the resolution against parts.size_multiple, generates missing
+  /// class images (prior preservation), assigns buckets, fills the latent cache (--cache_latents)
+  /// and, with `cache_text`, the text-embedding cache, which then replaces token ids.
+  void build(accel::Accelerator& acc, const std::string& output_dir, Parts parts,
+             const ClassImages& class_images, bool cache_text);
+
+  /// Latents and text embeddings of one half of a batch (`prefix` "" or "class_"): cached or
+  /// encoded now (the VAE under no-grad; the text encoders with grad when they train), each
+  /// sample's posterior draw from sample_generator(seed, epoch, key, kLatent).
+  EncodedBatch encode(const data::Batch& batch, const std::string& prefix,
+                      const std::vector<int64_t>& keys, int64_t epoch, torch::Device device);
+
+  std::shared_ptr<data::Dataset> dataset() const { return dataset_; }
+  void set_epoch(int64_t epoch) { dataset_->set_epoch(epoch); }
+  /// The bucket order of epoch e (empty without buckets).
+  std::function<std::vector<int64_t>(int64_t)> sampler() const;
+  /// DreamBooth prior preservation: batches carry class_* entries too.
+  bool prior() const { return prior_; }
+  /// Whether batches carry cached text embeddings instead of token ids.
+  bool text_cached() const { return !dataset_->cached_text.empty(); }
+
+  /// The cached entries of each caption (no grad), float32 on the CPU: "prompt_embeds" [N, L, D]
+  /// and, with a pooled embedding, "pooled_prompt_embeds" [N, P].
+  std::map<std::string, torch::Tensor> encode_captions(const std::vector<std::string>& captions);
+
+ private:
+  CaptionIds caption_ids() const;
+  diffusion::PromptEmbeds encode_ids(const data::Batch& batch, const std::string& prefix);
+  std::string text_cache_key() const;
+  void assign_buckets(accel::Accelerator& acc, data::ImageFolderDataset& images,
+                      TextImageDataset& ds);
+  // The latent cache (--cache_latents) and the text-embedding cache (cache_text).
+  void fill_cache(accel::Accelerator& acc, TextImageDataset& ds, const std::string& output_dir,
+                  bool cache_text);
+
+  TaskOptions o_;
+  Parts parts_;
+  std::shared_ptr<TextImageDataset> dataset_;
+  std::shared_ptr<data::BucketLayout> buckets_;
+  bool prior_ = false;
+};
+
+/// A fine-tuned pipeline folder's frozen parts: each of `parts` (folders: "vae", "scheduler",
+/// the text encoders and tokenizers) copied from the pretrained folder `src` into `out` as they
+/// came, and `src`'s model_index.json. Throws difftrain::Error naming a part that cannot be
+/// copied.
+void copy_pipeline_parts(const std::filesystem::path& src, const std::filesystem::path& out,
+                         const std::vector<std::string>& parts);
+
+}  // namespace difftrain::train::t2i
