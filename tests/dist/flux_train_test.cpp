@@ -236,7 +236,8 @@ TEST(FluxTrain, FullFineTuneUnderZero3EqualsUnsharded) {
 }
 
 // DreamBooth with prior preservation: class images drawn with the FLUX sampler, bf16 with the
-// frozen transformer, T5 and CLIP in bf16, validation renders from the cached prompt embeddings.
+// frozen transformer, T5 and CLIP in bf16 and gradient checkpointing (recomputed under the
+// forward's autocast), validation renders from the cached prompt embeddings.
 TEST(FluxTrain, DreamBoothWithPriorPreservationInBf16) {
   const std::string dir = make_temp_dir("flux_dreambooth");
   const std::string data = make_mixed_aspect_folder(dir + "/data");
@@ -260,7 +261,8 @@ TEST(FluxTrain, DreamBoothWithPriorPreservationInBf16) {
                            "a photo of sks picture",
                            "--num_validation_images",
                            "1",
-                           "--cache_latents"});
+                           "--cache_latents",
+                           "--gradient_checkpointing"});
   c.erase(std::find(c.begin(), c.end(), "--resolution_buckets"));
   c.erase(std::find(c.begin(), c.end(), "--bucket_step"),
           std::find(c.begin(), c.end(), "--bucket_step") + 2);
