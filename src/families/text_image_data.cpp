@@ -233,6 +233,18 @@ EncodedBatch TextImageData::encode(const data::Batch& batch, const std::string& 
   return out;
 }
 
+std::string prompt_validation_unavailable(const TaskOptions& o) {
+  return o.validation.prompt.empty() ? "give --validation_prompt to render images during training"
+                                     : "";
+}
+
+std::vector<std::string> prompt_validation_labels(const TaskOptions& o, int64_t K) {
+  std::vector<std::string> labels;
+  for (int64_t i = 0; i < K; ++i)
+    labels.push_back("seed " + std::to_string(o.validation.seed + static_cast<uint64_t>(i)));
+  return labels;
+}
+
 void copy_pipeline_parts(const fs::path& src, const fs::path& out,
                          const std::vector<std::string>& parts) {
   for (const auto& part : parts) {

@@ -98,6 +98,11 @@ class TextImageData {
   bool prior_ = false;
 };
 
+/// The validation every text-to-image task renders: --validation_prompt, image i from seed + i.
+/// Why a run cannot (no prompt given; "" when it can), and the grid's labels ("seed S").
+std::string prompt_validation_unavailable(const TaskOptions& o);
+std::vector<std::string> prompt_validation_labels(const TaskOptions& o, int64_t K);
+
 /// A fine-tuned pipeline folder's frozen parts: each of `parts` (folders: "vae", "scheduler",
 /// the text encoders and tokenizers) copied from the pretrained folder `src` into `out` as they
 /// came, and `src`'s model_index.json. Throws difftrain::Error naming a part that cannot be

@@ -12,6 +12,7 @@
 #include <torch/nn/init.h>
 
 #include <cmath>
+#include <optional>
 #include <string>
 
 namespace difftrain::models {
@@ -77,7 +78,8 @@ torch::Tensor LoraAdapterImpl::forward(const torch::Tensor& x) {
 }
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
-  torch::Tensor y = torch::nn::LinearImpl::forward(x);
+  torch::Tensor y =
+      qweight_.defined() ? quantized_linear(x, qweight_, bias) : torch::nn::LinearImpl::forward(x);
   if (lora_.is_empty()) return y;
   return y + lora_->forward(x);
 }
@@ -115,6 +117,7 @@ int64_t Conv2dImpl::fast_path_padding() const {
 }
 
 bool Conv2dImpl::blocked_applies(torch::IntArrayRef x_sizes) const {
+  if (qweight_.defined()) return false;
   if (is_pointwise()) {
     const bool training_step = torch::GradMode::is_enabled() || in_checkpointed_function();
     return training_step && lora_.is_empty() &&
@@ -148,6 +151,13 @@ torch::Tensor Conv2dImpl::forward_blocked(const torch::Tensor& x, bool x_blocked
 
 torch::Tensor Conv2dImpl::forward(const torch::Tensor& x) {
   torch::Tensor y;
+  if (qweight_.defined()) {
+    const auto* pad = compat::variant_get_if<torch::ExpandingArray<2>>(&options.padding());
+    if (pad == nullptr) throw Error("an 8-bit Conv2d with string padding is not supported");
+    y = quantized_conv2d(x, qweight_, bias, *options.stride(), **pad, *options.dilation(),
+                         options.groups());
+    return lora_.is_empty() ? y : y + lora_->forward(x);
+  }
   const int64_t pad = fast_path_padding();
   if (pad >= 0) {
     y = winograd_conv2d(x, weight, bias, pad);
@@ -168,5 +178,58 @@ void Conv2dImpl::set_lora(LoraAdapter adapter) {
   }
   lora_ = std::move(adapter);
 }
+
+namespace {
+
+// Drops `weight` from a layer's parameters for its 8-bit form (quantized_weight.h).
+QuantizedWeight quantize_layer_weight(torch::Tensor& weight,
+                                      torch::OrderedDict<std::string, torch::Tensor>& params,
+                                      WeightStorage storage) {
+  if (!weight.defined()) throw Error("quantize_weight: the layer's weight is already quantized");
+  if (weight.requires_grad()) {
+    throw Error("quantize_weight: the weight trains; only frozen weights are stored in 8 bits");
+  }
+  QuantizedWeight q = quantize(weight, storage);
+  params.erase("weight");
+  weight = torch::Tensor();
+  return q;
+}
+
+void move_quantized(QuantizedWeight& q, std::optional<torch::Device> device,
+                    std::optional<torch::Dtype> dtype, bool non_blocking) {
+  if (!q.defined()) return;
+  if (device) {
+    q.q = q.q.to(*device, non_blocking);
+    q.scale = q.scale.to(*device, non_blocking);
+  }
+  if (dtype) q.dtype = *dtype;
+}
+
+}  // namespace
+
+#define DIFFTRAIN_QUANTIZED_LAYER(Impl, Base)                                  \
+  void Impl::quantize_weight(WeightStorage storage) {                          \
+    qweight_ = quantize_layer_weight(weight, parameters_, storage);            \
+  }                                                                            \
+  torch::Dtype Impl::weight_dtype() const {                                    \
+    return qweight_.defined() ? qweight_.dtype : weight.scalar_type();         \
+  }                                                                            \
+  void Impl::to(torch::Device device, torch::Dtype dtype, bool non_blocking) { \
+    Base::to(device, dtype, non_blocking);                                     \
+    move_quantized(qweight_, device, dtype, non_blocking);                     \
+  }                                                                            \
+  void Impl::to(torch::Dtype dtype, bool non_blocking) {                       \
+    Base::to(dtype, non_blocking);                                             \
+    move_quantized(qweight_, std::nullopt, dtype, non_blocking);               \
+  }                                                                            \
+  void Impl::to(torch::Device device, bool non_blocking) {                     \
+    Base::to(device, non_blocking);                                            \
+    move_quantized(qweight_, device, std::nullopt, non_blocking);              \
+  }
+
+DIFFTRAIN_QUANTIZED_LAYER(LinearImpl, torch::nn::LinearImpl)
+DIFFTRAIN_QUANTIZED_LAYER(Conv2dImpl, torch::nn::Conv2dImpl)
+
+#undef DIFFTRAIN_QUANTIZED_LAYER
 
 }  // namespace difftrain::models

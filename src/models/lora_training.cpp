@@ -59,11 +59,13 @@ LoraLayersImpl::LoraLayersImpl(torch::nn::Module& model, const LoraConfig& confi
     LoraAdapter adapter{nullptr};
     if (linear != nullptr) {
       adapter = LoraAdapter(linear->options, options);
-      adapter->to(linear->weight.device());
+      adapter->to(linear->weight.defined() ? linear->weight.device()
+                                           : linear->quantized_weight().q.device());
       linear->set_lora(adapter);
     } else if (conv != nullptr) {
       adapter = LoraAdapter(conv->options, options);
-      adapter->to(conv->weight.device());
+      adapter->to(conv->weight.defined() ? conv->weight.device()
+                                         : conv->quantized_weight().q.device());
       conv->set_lora(adapter);
     } else {
       // A container whose name matches (e.g. "to_out"): PEFT would refuse it too.

@@ -28,8 +28,8 @@ torch::Tensor t5_activation(const torch::Tensor& x, const std::string& name) {
   return torch::relu(x);
 }
 
-torch::nn::Linear t5_linear(int64_t in, int64_t out) {
-  return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+Linear t5_linear(int64_t in, int64_t out) {
+  return Linear(torch::nn::LinearOptions(in, out).bias(false));
 }
 
 }  // namespace
@@ -169,7 +169,7 @@ torch::Tensor T5BlockImpl::forward(const torch::Tensor& h_in, const torch::Tenso
   torch::Tensor inner = options_.gated() ? t5_activation(wi_0_->forward(x), act) * wi_1_->forward(x)
                                          : t5_activation(wi_->forward(x), act);
   // Transformers runs wo in its weight's dtype.
-  inner = inner.to(wo_->weight.scalar_type());
+  inner = inner.to(wo_->weight_dtype());
   h = h + wo_->forward(inner);
   if (h.scalar_type() == torch::kHalf) {
     // Transformers' fp16 guard against inf.

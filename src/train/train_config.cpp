@@ -5,6 +5,7 @@
 #include "difftrain/diffusion/flow_match_objective.h"
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/diffusion/scheduler_config.h"
+#include "difftrain/models/quantized_weight.h"
 #include "difftrain/settings/config_merge.h"
 #include "difftrain/settings/sharding_config.h"
 
@@ -238,6 +239,7 @@ const std::vector<Option>& options() {
       DT_OPTION(lora_target_modules),
       DT_OPTION(lora_format),
       DT_OPTION(lora_layers),
+      DT_OPTION(base_weights_dtype),
       DT_OPTION(caption_column),
       DT_OPTION(caption_extension),
       DT_OPTION(instance_prompt),
@@ -518,6 +520,11 @@ void TrainConfig::validate() const {
   require(!guidance_scale || *guidance_scale == 1 || class_dropout_prob > 0 ||
               !pretrained_model_name_or_path.empty(),
           "--guidance_scale > 1 needs a null class: train with --class_dropout_prob (e.g. 0.1)");
+  one_of("base_weights_dtype", base_weights_dtype, {"none", "int8", "fp8_e4m3"});
+  (void)models::parse_weight_storage(base_weights_dtype, "--base_weights_dtype");
+  require(base_weights_dtype == "none" || lora,
+          "--base_weights_dtype stores a LoRA run's frozen base in 8 bits; add --lora (full "
+          "fine-tuning trains those weights)");
   one_of("weighting_scheme", weighting_scheme, diffusion::flow_weighting_schemes());
   one_of("timestep_sampling", timestep_sampling, diffusion::flow_timestep_samplings());
   require(logit_std > 0, "--logit_std must be positive");

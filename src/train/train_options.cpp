@@ -73,6 +73,7 @@ TrainerOptions trainer_options(const TrainConfig& c) {
                        "lora_alpha",
                        "lora_target_modules",
                        "lora_layers",
+                       "base_weights_dtype",
                        "max_sequence_length",
                        "use_ema",
                        "use_8bit_adam",
@@ -136,6 +137,7 @@ TaskOptions task_options(const TrainConfig& c) {
   o.model.model_config_name_or_path = c.model_config_name_or_path;
   o.model.variant = c.variant;
   o.model.vae = c.pretrained_vae_model_name_or_path;
+  o.model.base_weights_dtype = c.base_weights_dtype;
   o.model.class_conditional = c.class_conditional;
   o.model.class_dropout_prob = c.class_dropout_prob;
   o.model.gradient_checkpointing = c.gradient_checkpointing;

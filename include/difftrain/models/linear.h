@@ -3,7 +3,8 @@
 // output is added to the layer's (PEFT's `lora.Linear` / `lora.Conv2d` wrapping a base layer).
 // Parameters keep LibTorch's names (weight, bias), so Diffusers keys are unchanged; the adapter
 // is not a registered child, so state dicts, strict loading and saving never see it — it belongs
-// to a models::LoraLayers container (models/lora_training.h).
+// to a models::LoraLayers container (models/lora_training.h). A frozen weight may be stored in 8
+// bits instead (quantize_weight, models/quantized_weight.h).
 #include <torch/nn/modules/container/any.h>
 #include <torch/nn/modules/conv.h>
 #include <torch/nn/modules/dropout.h>
@@ -11,6 +12,8 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+
+#include "difftrain/models/quantized_weight.h"
 
 namespace difftrain::models {
 
@@ -67,8 +70,23 @@ class LinearImpl : public torch::nn::LinearImpl {
   void set_lora(LoraAdapter adapter);
   const LoraAdapter& lora() const { return lora_; }
 
+  /// Stores the frozen weight in 8 bits (quantized_weight.h): `weight` stops being a parameter
+  /// (undefined), forward and its input gradient dequantize it per call. Throws difftrain::Error
+  /// for a weight that requires grad, or kDense.
+  void quantize_weight(WeightStorage storage);
+  /// The 8-bit weight (undefined q when dense).
+  const QuantizedWeight& quantized_weight() const { return qweight_; }
+  /// The dtype the layer computes in: the weight's, or the quantized weight's former one.
+  torch::Dtype weight_dtype() const;
+  /// Module::to, also moving the 8-bit weight (its scales stay float32, its values 8-bit; a
+  /// dtype becomes what it dequantizes to).
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, bool non_blocking = false) override;
+
  private:
   LoraAdapter lora_{nullptr};
+  QuantizedWeight qweight_;
 };
 TORCH_MODULE(Linear);
 
@@ -81,6 +99,20 @@ class Conv2dImpl : public torch::nn::Conv2dImpl {
   /// Attaches (or with nullptr detaches) an adapter; it must have been made for this layer.
   void set_lora(LoraAdapter adapter);
   const LoraAdapter& lora() const { return lora_; }
+
+  /// Stores the frozen weight in 8 bits (quantized_weight.h): `weight` stops being a parameter
+  /// (undefined), forward and its input gradient dequantize it per call. Throws difftrain::Error
+  /// for a weight that requires grad, or kDense.
+  void quantize_weight(WeightStorage storage);
+  /// The 8-bit weight (undefined q when dense).
+  const QuantizedWeight& quantized_weight() const { return qweight_; }
+  /// The dtype the layer computes in: the weight's, or the quantized weight's former one.
+  torch::Dtype weight_dtype() const;
+  /// Module::to, also moving the 8-bit weight (its scales stay float32, its values 8-bit; a
+  /// dtype becomes what it dequantizes to).
+  void to(torch::Device device, torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Dtype dtype, bool non_blocking = false) override;
+  void to(torch::Device device, bool non_blocking = false) override;
 
   /// Whether forward_blocked applies to an input of these plain sizes ([B, in, H, W]): a training
   /// step (grad mode on, or a checkpointed function), a layer without an adapter, and either a
@@ -98,6 +130,7 @@ class Conv2dImpl : public torch::nn::Conv2dImpl {
   // where neither applies to this layer.
   int64_t fast_path_padding() const;
   LoraAdapter lora_{nullptr};
+  QuantizedWeight qweight_;
 };
 TORCH_MODULE(Conv2d);
 

@@ -11,6 +11,8 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
+#include "difftrain/models/linear.h"
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -67,7 +69,7 @@ class T5AttentionImpl : public torch::nn::Module {
   /// The bias of every (query, key) pair: [1, H, q_len, k_len] (block 0 only).
   torch::Tensor compute_bias(int64_t q_len, int64_t k_len);
 
-  torch::nn::Linear q{nullptr}, k{nullptr}, v{nullptr}, out{nullptr};
+  Linear q{nullptr}, k{nullptr}, v{nullptr}, out{nullptr};
   torch::nn::Embedding relative_attention_bias{nullptr};
 
  private:
@@ -100,7 +102,7 @@ class T5BlockImpl : public torch::nn::Module {
  private:
   T5EncoderOptions options_;
   T5LayerNorm norm0_{nullptr}, norm1_{nullptr};
-  torch::nn::Linear wi_{nullptr}, wi_0_{nullptr}, wi_1_{nullptr}, wo_{nullptr};
+  Linear wi_{nullptr}, wi_0_{nullptr}, wi_1_{nullptr}, wo_{nullptr};
 };
 TORCH_MODULE(T5Block);
 

@@ -126,6 +126,9 @@ struct TrainConfig {
   double lora_dropout = 0.0;
   std::vector<std::string> lora_target_modules = {"to_q", "to_k", "to_v", "to_out.0"};
   std::string lora_format = "diffusers";  ///< diffusers | peft | kohya
+  /// LoRA: the frozen base's Linear/Conv weights in 8 bits (kohya's --fp8_base): none | int8 |
+  /// fp8_e4m3 (LibTorch 2.1+).
+  std::string base_weights_dtype = "none";
   /// Diffusers' FLUX/SD3 --lora_layers: comma-separated module names (suffixes) of the
   /// transformer; "" = lora_target_modules when changed from its default, else the family's
   /// default list.

@@ -48,8 +48,11 @@ struct DataOptions {
 struct ModelOptions {
   std::string pretrained_model_name_or_path;
   std::string model_config_name_or_path;
-  std::string variant;                    ///< weights variant, e.g. fp16
-  std::string vae;                        ///< a separate VAE folder ("" = the pipeline's vae/)
+  std::string variant;  ///< weights variant, e.g. fp16
+  std::string vae;      ///< a separate VAE folder ("" = the pipeline's vae/)
+  /// LoRA runs: how the frozen base's Linear/Conv weights (denoiser and text encoders) are
+  /// stored: none | int8 | fp8_e4m3 (models/quantized_weight.h).
+  std::string base_weights_dtype = "none";
   std::optional<bool> class_conditional;  ///< default: when the dataset has labels
   double class_dropout_prob = 0.0;        ///< labels replaced by the null class
   bool gradient_checkpointing = false;
@@ -198,5 +201,20 @@ class TrainingTask {
   /// weights already holding the EMA average when EMA is used. Main rank only.
   virtual void export_to(const std::filesystem::path& out_dir) = 0;
 };
+
+/// Bytes held by the parameters of `m` that do not require grad and by its 8-bit frozen weights
+/// (models/quantized_weight.h): a task's frozen_bytes().
+int64_t frozen_parameter_bytes(const torch::nn::Module& m);
+
+/// --base_weights_dtype: stores the frozen Linear/Conv weights of `modules` (a LoRA run's base
+/// and its text encoders, adapters attached or not) in 8 bits (models/quantized_weight.h) and
+/// prints what it saved on the main rank; "none" does nothing.
+void quantize_frozen_base(accel::Accelerator& acc, const std::string& base_weights_dtype,
+                          const std::vector<torch::nn::Module*>& modules);
+
+/// The run header's count, "parameters N (trainable T[, LoRA])", of `model` trained through
+/// `trainable`: the model itself, or (lora) adapters held outside it, added to the total.
+std::string parameter_summary(const torch::nn::Module& model, const torch::nn::Module& trainable,
+                              bool lora);
 
 }  // namespace difftrain::train

@@ -26,7 +26,6 @@
 #include <torch/torch.h>
 
 #include <filesystem>
-#include <numeric>
 
 namespace difftrain::families::flux {
 namespace {
@@ -45,13 +44,6 @@ class FluxLoraImpl : public torch::nn::Module {
 };
 TORCH_MODULE(FluxLora);
 
-int64_t flux_frozen_bytes(const torch::nn::Module& m) {
-  const auto params = m.parameters();
-  return std::accumulate(
-      params.begin(), params.end(), int64_t{0},
-      [](int64_t n, const torch::Tensor& p) { return n + (p.requires_grad() ? 0 : p.nbytes()); });
-}
-
 class FluxTask : public train::TrainingTask {
  public:
   explicit FluxTask(train::TaskOptions options) : o_(std::move(options)), data_(o_) {}
@@ -64,35 +56,25 @@ class FluxTask : public train::TrainingTask {
   std::shared_ptr<torch::nn::Module> trainable() const override { return trainable_; }
 
   std::string parameter_summary() const override {
-    int64_t trainable = 0, total = 0;
-    for (const auto& p : transformer_->parameters()) total += p.numel();
-    for (const auto& p : trainable_->parameters()) trainable += p.requires_grad() ? p.numel() : 0;
-    if (o_.lora.enabled) total += trainable;
-    return fmt::format("parameters {} (trainable {}{})", total, trainable,
-                       o_.lora.enabled ? ", LoRA" : "");
+    return train::parameter_summary(*transformer_, *trainable_, o_.lora.enabled);
   }
 
   int64_t frozen_bytes() const override {
-    int64_t n = o_.lora.enabled ? flux_frozen_bytes(*transformer_) : 0;
-    n += flux_frozen_bytes(*vae_);
-    for (const auto* m : text_.modules()) n += flux_frozen_bytes(*m);
+    int64_t n = o_.lora.enabled ? train::frozen_parameter_bytes(*transformer_) : 0;
+    n += train::frozen_parameter_bytes(*vae_);
+    for (const auto* m : text_.modules()) n += train::frozen_parameter_bytes(*m);
     return n;
   }
 
   torch::Tensor loss(const data::Batch& batch, int64_t epoch, torch::Device device) override;
 
   std::string validation_unavailable() const override {
-    return o_.validation.prompt.empty()
-               ? "give --validation_prompt to render images during training"
-               : "";
+    return train::t2i::prompt_validation_unavailable(o_);
   }
   train::ValidationImages render_validation(const std::vector<int64_t>& mine, int64_t /*begin*/,
                                             const SamplerStepCallback& on_step) override;
   std::vector<std::string> validation_labels(int64_t K) const override {
-    std::vector<std::string> labels;
-    for (int64_t i = 0; i < K; ++i)
-      labels.push_back("seed " + std::to_string(o_.validation.seed + i));
-    return labels;
+    return train::t2i::prompt_validation_labels(o_, K);
   }
   std::string validation_note() const override { return " (\"" + o_.validation.prompt + "\")"; }
 
@@ -245,6 +227,7 @@ void FluxTask::build_trainable(accel::Accelerator& acc) {
     trainable_ = transformer_.ptr();
     return;
   }
+
   for (auto& p : transformer_->parameters()) p.set_requires_grad(false);
   models::LoraConfig lc;
   lc.rank = o_.lora.rank;
@@ -263,6 +246,11 @@ void FluxTask::build_trainable(accel::Accelerator& acc) {
             lora_->module_names().size(),
             text_lora_ ? fmt::format(" and {} CLIP module(s)", text_lora_->module_names().size())
                        : std::string());
+  // The 8-bit base, once the adapters are attached: the transformer's frozen layers and the
+  // encoders still loaded (CLIP under --train_text_encoder; released ones are gone).
+  auto frozen = text_.modules();
+  frozen.push_back(transformer_.ptr().get());
+  train::quantize_frozen_base(acc, o_.model.base_weights_dtype, frozen);
 }
 
 torch::Tensor FluxTask::loss(const data::Batch& batch, int64_t epoch, torch::Device device) {

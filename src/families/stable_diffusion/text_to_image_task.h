@@ -62,11 +62,7 @@ class TextToImageTask : public DiffusionTask {
   // prior_loss_weight).
   torch::Tensor loss(const data::Batch& batch, int64_t epoch, torch::Device device) override;
 
-  std::string validation_unavailable() const override {
-    return o_.validation.prompt.empty()
-               ? "give --validation_prompt to render images during training"
-               : "";
-  }
+  std::string validation_unavailable() const override { return prompt_validation_unavailable(o_); }
 
   // --validation_prompt rendered once per index i (image i from seed + i). `mine` is this
   // rank's contiguous range, padded at the end with copies the Trainer discards.
@@ -74,10 +70,7 @@ class TextToImageTask : public DiffusionTask {
                                      const SamplerStepCallback& on_step) override;
 
   std::vector<std::string> validation_labels(int64_t K) const override {
-    std::vector<std::string> labels;
-    for (int64_t i = 0; i < K; ++i)
-      labels.push_back("seed " + std::to_string(o_.validation.seed + i));
-    return labels;
+    return prompt_validation_labels(o_, K);
   }
 
   std::string validation_note() const override { return " (\"" + o_.validation.prompt + "\")"; }

@@ -32,13 +32,6 @@ class TextToImageLoraImpl : public torch::nn::Module {
 };
 TORCH_MODULE(TextToImageLora);
 
-int64_t frozen_bytes_of(const torch::nn::Module& m) {
-  int64_t n = 0;
-  for (const auto& p : m.parameters())
-    n += p.requires_grad() ? 0 : p.numel() * static_cast<int64_t>(p.element_size());
-  return n;
-}
-
 }  // namespace
 
 void DiffusionTask::build_noise_scheduler() {
@@ -106,20 +99,18 @@ void DiffusionTask::build_trainable(accel::Accelerator& acc, torch::nn::Module* 
     if (o_.lora.enabled) unet_->to(torch::kBFloat16);
     for (auto* m : frozen_modules()) m->to(torch::kBFloat16);
   }
+  // The 8-bit base: the UNet's and the text encoders' frozen layers (not the VAE's).
+  quantize_frozen_base(acc, o_.model.base_weights_dtype,
+                       {unet_.ptr().get(), text_encoder, text_encoder_2});
 }
 
 std::string DiffusionTask::parameter_summary() const {
-  int64_t trainable = 0, total = 0;
-  for (const auto& p : unet_->parameters()) total += p.numel();
-  for (const auto& p : trainable_->parameters()) trainable += p.requires_grad() ? p.numel() : 0;
-  if (o_.lora.enabled) total += trainable;
-  return fmt::format("parameters {} (trainable {}{})", total, trainable,
-                     o_.lora.enabled ? ", LoRA" : "");
+  return train::parameter_summary(*unet_, *trainable_, o_.lora.enabled);
 }
 
 int64_t DiffusionTask::frozen_bytes() const {
-  int64_t n = o_.lora.enabled ? frozen_bytes_of(*unet_) : 0;
-  for (const auto* m : frozen_modules()) n += frozen_bytes_of(*m);
+  int64_t n = o_.lora.enabled ? frozen_parameter_bytes(*unet_) : 0;
+  for (const auto* m : frozen_modules()) n += frozen_parameter_bytes(*m);
   return n;
 }
 

@@ -1,0 +1,226 @@
+// 8-bit frozen weights (quantized_weight.h): quantization, the dequantize-per-call Linear and
+// Conv2d as autograd functions that keep only the 8-bit tensor, and the whole-model pass.
+#include "difftrain/models/quantized_weight.h"
+
+#include "difftrain/core/error.h"
+#include "difftrain/core/torch_compat.h"
+#include "difftrain/models/linear.h"
+
+#include <torch/autograd.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+
+namespace difftrain::models {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::tensor_list;
+
+#if DIFFTRAIN_TORCH_AT_LEAST(2, 1)
+constexpr bool kHasFloat8 = true;
+const torch::Dtype kFloat8 = torch::kFloat8_e4m3fn;
+#else
+constexpr bool kHasFloat8 = false;
+const torch::Dtype kFloat8 = torch::kInt8;  // never used: parse refuses fp8 here
+#endif
+
+// The largest magnitude each storage holds: int8's 127, float8_e4m3fn's 448.
+double storage_max(WeightStorage s) { return s == WeightStorage::kInt8 ? 127.0 : 448.0; }
+
+// The dequantized weight in the dtype the call computes in: under autocast the matmul casts it
+// anyway, so it is made in the layer's own dtype; otherwise in the input's, as Linear needs.
+torch::Tensor weight_for(const torch::Tensor& q, const torch::Tensor& scale, torch::Dtype dtype,
+                         const torch::Tensor& x) {
+  const bool autocast = compat::autocast_enabled(x.device().type());
+  const torch::Dtype to = autocast ? dtype : x.scalar_type();
+  std::vector<int64_t> shape(static_cast<size_t>(q.dim()), 1);
+  shape[0] = q.size(0);
+  return (q.to(torch::kFloat32) * scale.view(shape)).to(to);
+}
+
+// y = x W^T + b; backward gives x's gradient only (the weight and bias are frozen).
+class QuantizedLinearFn : public torch::autograd::Function<QuantizedLinearFn> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& q,
+                               const torch::Tensor& scale, const torch::Tensor& bias,
+                               int64_t dtype) {
+    ctx->save_for_backward({q, scale});
+    ctx->saved_data["dtype"] = dtype;
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+    const auto w = weight_for(q, scale, static_cast<torch::Dtype>(dtype), x);
+    return torch::linear(x, w, bias.numel() > 0 ? bias : torch::Tensor());
+  }
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto& g = grads[0];
+    std::vector<int64_t> shape(static_cast<size_t>(saved[0].dim()), 1);
+    shape[0] = saved[0].size(0);
+    const auto w = (saved[0].to(torch::kFloat32) * saved[1].view(shape)).to(g.scalar_type());
+    const auto x_dtype = static_cast<torch::Dtype>(ctx->saved_data["x_dtype"].toInt());
+    return {g.matmul(w).to(x_dtype), {}, {}, {}, {}};
+  }
+};
+
+// conv2d with the same rule; the input gradient is the transposed convolution of the output's.
+class QuantizedConv2dFn : public torch::autograd::Function<QuantizedConv2dFn> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& q,
+                               const torch::Tensor& scale, const torch::Tensor& bias, int64_t dtype,
+                               std::vector<int64_t> geometry) {
+    // geometry: stride (2), padding (2), dilation (2), groups.
+    ctx->save_for_backward({q, scale});
+    ctx->saved_data["geometry"] = geometry;
+    ctx->saved_data["x_size"] = x.sizes().vec();
+    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
+    const auto w = weight_for(q, scale, static_cast<torch::Dtype>(dtype), x);
+    return torch::conv2d(x, w, bias.numel() > 0 ? bias : torch::Tensor(),
+                         {geometry[0], geometry[1]}, {geometry[2], geometry[3]},
+                         {geometry[4], geometry[5]}, geometry[6]);
+  }
+  static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const auto geo = ctx->saved_data["geometry"].toIntVector();
+    const auto x_size = ctx->saved_data["x_size"].toIntVector();
+    const auto x_dtype = static_cast<torch::Dtype>(ctx->saved_data["x_dtype"].toInt());
+    // LibTorch 1.13's CPU transposed convolution refuses bf16 (it checks the input against the
+    // weight as a forward convolution would): float32 there.
+    const auto& g_in = grads[0];
+    const bool cpu_half = g_in.device().is_cpu() && g_in.scalar_type() != torch::kFloat32 &&
+                          g_in.scalar_type() != torch::kFloat64;
+    const auto g = cpu_half ? g_in.to(torch::kFloat32) : g_in;
+    const auto w =
+        (saved[0].to(torch::kFloat32) * saved[1].view({-1, 1, 1, 1})).to(g.scalar_type());
+    // The transposed convolution's output_padding restores the input's size where the stride
+    // dropped rows or columns.
+    std::vector<int64_t> out_pad(2);
+    for (size_t d = 0; d < 2; ++d) {
+      const int64_t k = w.size(static_cast<int64_t>(d) + 2);
+      const int64_t full = (g.size(static_cast<int64_t>(d) + 2) - 1) * geo[d] - 2 * geo[2 + d] +
+                           geo[4 + d] * (k - 1) + 1;
+      out_pad[d] = x_size[d + 2] - full;
+    }
+    auto gx = torch::conv_transpose2d(g, w, {}, {geo[0], geo[1]}, {geo[2], geo[3]}, out_pad, geo[6],
+                                      {geo[4], geo[5]});
+    return {gx.to(x_dtype), {}, {}, {}, {}, {}};
+  }
+};
+
+}  // namespace
+
+WeightStorage parse_weight_storage(const std::string& name, const std::string& flag) {
+  if (name.empty() || name == "none" || name == "bf16" || name == "fp32" || name == "fp16") {
+    return WeightStorage::kDense;
+  }
+  if (name == "int8") return WeightStorage::kInt8;
+  if (name == "fp8_e4m3" || name == "float8_e4m3fn" || name == "fp8") {
+    if (!kHasFloat8) {
+      throw Error(flag + " " + name + ": this LibTorch (" +
+                  std::to_string(compat::kTorchVersion / 100) + "." +
+                  std::to_string(compat::kTorchVersion % 100) +
+                  ") has no float8; use int8, or a LibTorch 2.1+ build (scripts/debian13)");
+    }
+    return WeightStorage::kFloat8E4M3;
+  }
+  throw Error(flag + " is \"" + name + "\": expected one of none, int8, fp8_e4m3");
+}
+
+std::string to_string(WeightStorage storage) {
+  switch (storage) {
+    case WeightStorage::kDense: return "none";
+    case WeightStorage::kInt8: return "int8";
+    case WeightStorage::kFloat8E4M3: return "fp8_e4m3";
+  }
+  return "none";
+}
+
+bool float8_available() { return kHasFloat8; }
+
+torch::Tensor QuantizedWeight::dequantize() const {
+  std::vector<int64_t> shape(static_cast<size_t>(q.dim()), 1);
+  shape[0] = q.size(0);
+  return (q.to(torch::kFloat32) * scale.view(shape)).to(dtype);
+}
+
+int64_t QuantizedWeight::bytes() const {
+  return defined() ? static_cast<int64_t>(q.nbytes() + scale.nbytes()) : 0;
+}
+
+QuantizedWeight quantize(const torch::Tensor& w, WeightStorage storage) {
+  if (storage == WeightStorage::kDense) throw Error("quantize: kDense is not an 8-bit storage");
+  torch::NoGradGuard no_grad;
+  QuantizedWeight out;
+  out.dtype = w.scalar_type();
+  const auto rows = w.detach().to(torch::kFloat32).reshape({w.size(0), -1});
+  auto amax = rows.abs().amax(1);
+  auto scale = amax / storage_max(storage);
+  scale = torch::where(amax > 0, scale, torch::ones_like(scale));
+  const auto scaled = rows / scale.unsqueeze(1);
+  const auto q = storage == WeightStorage::kInt8 ? scaled.round().clamp(-127, 127).to(torch::kInt8)
+                                                 : scaled.clamp(-448, 448).to(kFloat8);
+  out.q = q.reshape(w.sizes()).contiguous();
+  out.scale = scale.contiguous();
+  return out;
+}
+
+namespace {
+// Autograd functions take defined tensors only (LibTorch 1.13 records each input's device): a
+// missing bias goes in as an empty one.
+torch::Tensor quantized_bias_arg(const torch::Tensor& bias, const torch::Tensor& x) {
+  return bias.defined() ? bias : torch::empty({0}, x.options());
+}
+}  // namespace
+
+torch::Tensor quantized_linear(const torch::Tensor& x, const QuantizedWeight& w,
+                               const torch::Tensor& bias) {
+  return QuantizedLinearFn::apply(x, w.q, w.scale, quantized_bias_arg(bias, x),
+                                  static_cast<int64_t>(w.dtype));
+}
+
+torch::Tensor quantized_conv2d(const torch::Tensor& x, const QuantizedWeight& w,
+                               const torch::Tensor& bias, torch::IntArrayRef stride,
+                               torch::IntArrayRef padding, torch::IntArrayRef dilation,
+                               int64_t groups) {
+  std::vector<int64_t> geometry = {stride[0],   stride[1],   padding[0], padding[1],
+                                   dilation[0], dilation[1], groups};
+  return QuantizedConv2dFn::apply(x, w.q, w.scale, bias, static_cast<int64_t>(w.dtype), geometry);
+}
+
+QuantizeSummary quantize_frozen_weights(torch::nn::Module& model, WeightStorage storage) {
+  QuantizeSummary s;
+  if (storage == WeightStorage::kDense) return s;
+  auto visit = [&](auto* layer) {
+    if (layer == nullptr || layer->quantized_weight().defined()) return;
+    const torch::Tensor& w = layer->weight;
+    if (!w.defined() || w.requires_grad()) return;
+    if (w.numel() < kMinQuantizedWeights || w.numel() / w.size(0) < kMinQuantizedFanIn) {
+      ++s.kept_dense;
+      return;
+    }
+    s.bytes_before += static_cast<int64_t>(w.nbytes());
+    s.weights += w.numel();
+    layer->quantize_weight(storage);
+    s.bytes_after += layer->quantized_weight().bytes();
+    ++s.layers;
+  };
+  visit(dynamic_cast<LinearImpl*>(&model));
+  visit(dynamic_cast<Conv2dImpl*>(&model));
+  for (const auto& m : model.modules(/*include_self=*/false)) {
+    visit(dynamic_cast<LinearImpl*>(m.get()));
+    visit(dynamic_cast<Conv2dImpl*>(m.get()));
+  }
+  return s;
+}
+
+int64_t quantized_weight_bytes(const torch::nn::Module& model) {
+  auto bytes_of = [](const torch::nn::Module* m) -> int64_t {
+    if (const auto* l = dynamic_cast<const LinearImpl*>(m)) return l->quantized_weight().bytes();
+    if (const auto* c = dynamic_cast<const Conv2dImpl*>(m)) return c->quantized_weight().bytes();
+    return 0;
+  };
+  int64_t n = bytes_of(&model);
+  for (const auto& m : model.modules(/*include_self=*/false)) n += bytes_of(m.get());
+  return n;
+}
+
+}  // namespace difftrain::models
