@@ -28,6 +28,8 @@ struct EstimateMemoryArgs {
   bool lora = false;
   int64_t rank = 4;
   std::vector<std::string> lora_target_modules;
+  std::string base_weights_dtype = "none";
+  bool train_text_encoder = false;
   int64_t batch_size = 1;
   int64_t resolution = 0;
   bool gradient_checkpointing = false;
@@ -76,6 +78,12 @@ CLI::App* add_estimate_memory_command(CLI::App& app) {
                   "Layers that get adapters (default to_q,to_k,to_v,to_out.0; FLUX.1: the 12 "
                   "projections of Diffusers' FLUX LoRA script)")
       ->delimiter(',');
+  cmd->add_option("--base_weights_dtype", g_args.base_weights_dtype,
+                  "LoRA: the frozen base's Linear/Conv weights in 8 bits: none (default), int8, "
+                  "fp8_e4m3");
+  cmd->add_flag("--train_text_encoder", g_args.train_text_encoder,
+                "FLUX.1: count the text encoders, which stay loaded for CLIP LoRA (otherwise "
+                "training releases them after caching)");
   cmd->add_option("--batch_size", g_args.batch_size, "Batch per process (default 1)");
   cmd->add_option("--resolution", g_args.resolution,
                   "UNet input height = width (latent size for latent models; default: the "
@@ -108,6 +116,8 @@ int run_estimate_memory() {
   o.lora = g_args.lora;
   o.lora_rank = g_args.rank;
   o.lora_target_modules = g_args.lora_target_modules;
+  o.base_weights_dtype = lower(g_args.base_weights_dtype);
+  o.train_text_encoder = g_args.train_text_encoder;
   o.batch_size = g_args.batch_size;
   o.resolution = g_args.resolution;
   o.gradient_checkpointing = g_args.gradient_checkpointing;

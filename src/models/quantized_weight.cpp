@@ -193,7 +193,7 @@ QuantizeSummary quantize_frozen_weights(torch::nn::Module& model, WeightStorage 
     if (layer == nullptr || layer->quantized_weight().defined()) return;
     const torch::Tensor& w = layer->weight;
     if (!w.defined() || w.requires_grad()) return;
-    if (w.numel() < kMinQuantizedWeights || w.numel() / w.size(0) < kMinQuantizedFanIn) {
+    if (!quantizes(w.numel(), w.size(0))) {
       ++s.kept_dense;
       return;
     }
@@ -221,6 +221,38 @@ int64_t quantized_weight_bytes(const torch::nn::Module& model) {
   int64_t n = bytes_of(&model);
   for (const auto& m : model.modules(/*include_self=*/false)) n += bytes_of(m.get());
   return n;
+}
+
+int64_t quantized_weight_count(const torch::nn::Module& model) {
+  auto count_of = [](const torch::nn::Module* m) -> int64_t {
+    if (const auto* l = dynamic_cast<const LinearImpl*>(m)) {
+      return l->quantized_weight().defined() ? l->quantized_weight().q.numel() : 0;
+    }
+    if (const auto* c = dynamic_cast<const Conv2dImpl*>(m)) {
+      return c->quantized_weight().defined() ? c->quantized_weight().q.numel() : 0;
+    }
+    return 0;
+  };
+  int64_t n = count_of(&model);
+  for (const auto& m : model.modules(/*include_self=*/false)) n += count_of(m.get());
+  return n;
+}
+
+int64_t stored_model_bytes(const torch::nn::Module& model, WeightStorage storage,
+                           int64_t dense_bytes) {
+  int64_t bytes = 0;
+  for (const auto& p : model.parameters()) bytes += p.numel() * dense_bytes;
+  auto adjust = [&](const torch::nn::Module* m) {
+    const torch::Tensor* w = nullptr;
+    if (const auto* l = dynamic_cast<const LinearImpl*>(m)) w = &l->weight;
+    if (const auto* c = dynamic_cast<const Conv2dImpl*>(m)) w = &c->weight;
+    if (w == nullptr || !w->defined()) return;
+    bytes += stored_weight_bytes(w->numel(), w->size(0), storage, dense_bytes) -
+             w->numel() * dense_bytes;
+  };
+  adjust(&model);
+  for (const auto& m : model.modules(/*include_self=*/false)) adjust(m.get());
+  return bytes;
 }
 
 }  // namespace difftrain::models

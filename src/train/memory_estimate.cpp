@@ -3,6 +3,7 @@
 #include "difftrain/accel/precision.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
+#include "difftrain/models/quantized_weight.h"
 #include "difftrain/optim/quantize.h"
 
 #include <fmt/format.h>
@@ -78,6 +79,10 @@ void check_memory_estimate_options(const MemoryEstimateOptions& o) {
   if (o.lora && o.lora_rank < 1) {
     throw Error(fmt::format("LoRA rank must be at least 1, got {}", o.lora_rank));
   }
+  const auto storage = models::parse_weight_storage(o.base_weights_dtype, "--base_weights_dtype");
+  if (storage != models::WeightStorage::kDense && !o.lora) {
+    throw Error("--base_weights_dtype stores a LoRA run's frozen base in 8 bits; add --lora");
+  }
 }
 
 int64_t MemoryEstimate::total_peak_bytes() const {
@@ -106,7 +111,12 @@ MemoryEstimate estimate_state_memory(const torch::nn::Module& trainable,
     }
   };
   add(trainable, true);
-  if (frozen_model != nullptr) add(*frozen_model, false);
+  if (frozen_model != nullptr) {
+    add(*frozen_model, false);
+    // An 8-bit base's weights are not parameters.
+    frozen_params += models::quantized_weight_count(*frozen_model);
+    frozen_bytes += models::quantized_weight_bytes(*frozen_model);
+  }
   return estimate_state_memory_from_counts(accel::plan_units(trainable, options.auto_wrap), numels,
                                            frozen_params, frozen_bytes, options);
 }

@@ -12,6 +12,7 @@
 #include "difftrain/models/clip_text_model.h"
 #include "difftrain/models/flux_transformer.h"
 #include "difftrain/models/lora_training.h"
+#include "difftrain/models/quantized_weight.h"
 #include "difftrain/models/t5_encoder.h"
 #include "source_dir.h"
 #include "test_util.h"
@@ -237,10 +238,12 @@ TEST(FluxFamily, EstimateMemoryCountsEveryPartFromItsConfig) {
             flux_numel(*transformer->named_children()["transformer_blocks"]->children()[0]));
   EXPECT_EQ(full[0].units[2].numel,
             flux_numel(*transformer->named_children()["single_transformer_blocks"]->children()[0]));
-  const int64_t frozen = flux_numel(*models::load_clip_text_model(kFluxDir + "/text_encoder")) +
-                         flux_numel(*models::load_t5_encoder(kFluxDir + "/text_encoder_2")) +
-                         flux_numel(*models::load_autoencoder_kl(kFluxDir + "/vae"));
-  EXPECT_EQ(full[0].frozen_params, frozen);
+  // The trainer releases the text encoders once the captions are cached: the VAE stays.
+  const int64_t vae = flux_numel(*models::load_autoencoder_kl(kFluxDir + "/vae"));
+  const int64_t encoders = flux_numel(*models::load_clip_text_model(kFluxDir + "/text_encoder")) +
+                           flux_numel(*models::load_t5_encoder(kFluxDir + "/text_encoder_2"));
+  EXPECT_EQ(full[0].frozen_params, vae);
+  const int64_t frozen = vae + encoders;  // with --train_text_encoder
   EXPECT_GT(full[0].activation_bytes, 0);
   o.lora = true;
   o.lora_rank = 4;
@@ -266,7 +269,28 @@ TEST(FluxFamily, EstimateMemoryCountsEveryPartFromItsConfig) {
   models::LoraLayers adapters(*with_adapters, lc);
   EXPECT_EQ(adapters->module_names().size(), 2u * 12 + 2u * 3);
   EXPECT_EQ(lora[0].trainable_params, flux_numel(*adapters));
-  EXPECT_EQ(lora[0].frozen_params, frozen + flux_numel(*transformer));
+  EXPECT_EQ(lora[0].frozen_params, vae + flux_numel(*transformer));
+  o.train_text_encoder = true;
+  const auto held = family.estimate_memory(kFluxDir, o, {accel::ShardingStrategy::kFullShard});
+  EXPECT_EQ(held[0].frozen_params, frozen + flux_numel(*transformer));
+  EXPECT_EQ(held[0].frozen_param_bytes, 4 * (frozen + flux_numel(*transformer)));
+  // An int8 base: the transformer's and the encoders' Linear weights at 1 byte plus their scales,
+  // as the trainer's pass stores them (the VAE and everything else at 4 bytes).
+  o.base_weights_dtype = "int8";
+  const auto q8 = family.estimate_memory(kFluxDir, o, {accel::ShardingStrategy::kFullShard});
+  int64_t expected = 4 * vae;
+  auto clip = models::load_clip_text_model(kFluxDir + "/text_encoder");
+  auto t5 = models::load_t5_encoder(kFluxDir + "/text_encoder_2");
+  for (torch::nn::Module* m :
+       std::vector<torch::nn::Module*>{transformer.get(), clip.get(), t5.get()}) {
+    for (auto& p : m->parameters()) p.set_requires_grad(false);
+    models::quantize_frozen_weights(*m, models::WeightStorage::kInt8);
+    expected += train::frozen_parameter_bytes(*m);
+  }
+  EXPECT_EQ(q8[0].frozen_param_bytes, expected);
+  EXPECT_LT(q8[0].frozen_param_bytes, held[0].frozen_param_bytes);
+  o.train_text_encoder = false;
+  o.base_weights_dtype = "none";
   EXPECT_LT(lora[0].optimizer_bytes, full[0].optimizer_bytes);
   // Attention only: 2 double blocks x 4 targets + 2 single x 3, each A [4, 32] + B [32, 4].
   o.lora_target_modules = {"to_q", "to_k", "to_v", "to_out.0"};

@@ -38,6 +38,20 @@ bool float8_available();
 inline constexpr int64_t kMinQuantizedWeights = 1024;
 inline constexpr int64_t kMinQuantizedFanIn = 16;
 
+/// The size rule: whether a frozen weight of `numel` elements in `out` output channels is stored
+/// in 8 bits.
+inline bool quantizes(int64_t numel, int64_t out) {
+  return numel >= kMinQuantizedWeights && out > 0 && numel / out >= kMinQuantizedFanIn;
+}
+
+/// Bytes such a weight takes stored as `storage`: numel + 4·out (the scales) where the rule
+/// quantizes it, else numel·dense_bytes (estimate-memory's count).
+inline int64_t stored_weight_bytes(int64_t numel, int64_t out, WeightStorage storage,
+                                   int64_t dense_bytes) {
+  if (storage == WeightStorage::kDense || !quantizes(numel, out)) return numel * dense_bytes;
+  return numel + 4 * out;
+}
+
 /// An 8-bit weight and its scales.
 struct QuantizedWeight {
   torch::Tensor q;                       ///< the weight's shape, int8 or float8_e4m3fn
@@ -82,7 +96,14 @@ struct QuantizeSummary {
 QuantizeSummary quantize_frozen_weights(torch::nn::Module& model, WeightStorage storage);
 
 /// Bytes held by the 8-bit weights and scales of the layers in `model` (counted nowhere else:
-/// they are not parameters).
+/// they are not parameters), and how many weights they hold.
 int64_t quantized_weight_bytes(const torch::nn::Module& model);
+int64_t quantized_weight_count(const torch::nn::Module& model);
+
+/// Bytes `model`'s parameters would take with its Linear/Conv weights stored as `storage` (the
+/// size rule) and every other parameter at `dense_bytes` each: estimate-memory's count of a
+/// frozen model built from its config.
+int64_t stored_model_bytes(const torch::nn::Module& model, WeightStorage storage,
+                           int64_t dense_bytes);
 
 }  // namespace difftrain::models

@@ -37,6 +37,14 @@ struct MemoryEstimateOptions {
   int64_t lora_rank = 4;
   /// Layers that get adapters; empty: the trainer's default (to_q, to_k, to_v, to_out.0).
   std::vector<std::string> lora_target_modules;
+  /// LoRA: the frozen base in 8 bits (the trainer's --base_weights_dtype: none | int8 |
+  /// fp8_e4m3): the denoiser's and held text encoders' Linear/Conv weights at 1 byte plus a
+  /// float32 scale per output channel, by models/quantized_weight.h's size rule.
+  std::string base_weights_dtype = "none";
+  /// FLUX.1: the text encoders stay loaded to encode each batch (CLIP LoRA, --train_text_encoder);
+  /// otherwise the trainer caches the captions' embeddings and releases them, and they are not
+  /// counted.
+  bool train_text_encoder = false;
   /// Per-process batch; activations are measured at batch 1 and scaled linearly.
   int64_t batch_size = 1;
   /// Height = width of the UNet input (the latent size for latent models: 64 for SD-1.5 at

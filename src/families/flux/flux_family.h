@@ -3,6 +3,7 @@
 
 #include "difftrain/families/family.h"
 #include "difftrain/models/flux_transformer.h"
+#include "difftrain/models/quantized_weight.h"
 #include "difftrain/models/t5_encoder.h"
 
 #include <map>
@@ -73,8 +74,11 @@ struct FluxParam {
 std::vector<std::pair<std::string, std::vector<FluxParam>>> flux_transformer_parameters(
     const models::FluxTransformer2DModelOptions& options);
 
-/// The parameters of a T5EncoderModel built from `options`, counted from the config.
+/// The parameters of a T5EncoderModel built from `options`, counted from the config, and the
+/// bytes they take with its Linear weights stored as `storage` (the others at `dense_bytes`).
 int64_t t5_encoder_parameter_count(const models::T5EncoderOptions& options);
+int64_t t5_encoder_stored_bytes(const models::T5EncoderOptions& options,
+                                models::WeightStorage storage, int64_t dense_bytes);
 
 /// `difftrain estimate-memory` for a FluxPipeline folder or a FluxTransformer2DModel config:
 /// state bytes from the parameter lists (full fine-tuning, or LoRA on to_q/to_k/to_v/to_out.0),

@@ -10,6 +10,7 @@
 #include "difftrain/models/clip_text_model.h"
 #include "difftrain/models/flux_packing.h"
 #include "difftrain/models/flux_transformer.h"
+#include "difftrain/models/quantized_weight.h"
 #include "difftrain/models/t5_encoder.h"
 #include "flux_family.h"
 
@@ -90,6 +91,20 @@ int64_t t5_encoder_parameter_count(const models::T5EncoderOptions& o) {
          o.relative_attention_num_buckets() * o.num_heads() + d;
 }
 
+int64_t t5_encoder_stored_bytes(const models::T5EncoderOptions& o, models::WeightStorage storage,
+                                int64_t dense_bytes) {
+  const int64_t d = o.d_model(), inner = o.num_heads() * o.d_kv(), ff = o.d_ff();
+  // Per layer: q, k, v [inner, d], o [d, inner], wi (or wi_0 and wi_1) [ff, d], wo [d, ff].
+  const int64_t linears =
+      3 * models::stored_weight_bytes(inner * d, inner, storage, dense_bytes) +
+      models::stored_weight_bytes(d * inner, d, storage, dense_bytes) +
+      (o.gated() ? 2 : 1) * models::stored_weight_bytes(ff * d, ff, storage, dense_bytes) +
+      models::stored_weight_bytes(d * ff, d, storage, dense_bytes);
+  const int64_t rest = o.vocab_size() * d + o.num_layers() * 2 * d +
+                       o.relative_attention_num_buckets() * o.num_heads() + d;
+  return o.num_layers() * linears + rest * dense_bytes;
+}
+
 std::vector<train::MemoryEstimate> estimate_flux_memory(
     const std::string& model_path, const train::MemoryEstimateOptions& options,
     const std::vector<accel::ShardingStrategy>& strategies) {
@@ -163,31 +178,61 @@ std::vector<train::MemoryEstimate> estimate_flux_memory(
     }
     units = {all};
   }
+  // The frozen base: bf16 under bf16 as the trainer keeps it, its Linear weights 8-bit under
+  // --base_weights_dtype (the trainer's size rule).
+  const auto storage = options.lora ? models::parse_weight_storage(options.base_weights_dtype,
+                                                                   "--base_weights_dtype")
+                                    : models::WeightStorage::kDense;
   int64_t frozen = options.lora ? base : 0;
-  int64_t frozen_bytes = frozen * frozen_size;
+  int64_t frozen_bytes = 0;
+  if (options.lora) {
+    for (const auto& [name, params] : blocks) {
+      for (const auto& param : params) {
+        frozen_bytes +=
+            param.in > 0 ? models::stored_weight_bytes(param.numel, param.out, storage, frozen_size)
+                         : param.numel * frozen_size;
+      }
+    }
+  }
   log::info("FluxTransformer2DModel {}: {} parameters{}", config.string(), base,
             options.lora ? fmt::format(" (frozen under LoRA rank {})", options.lora_rank) : "");
   if (pipeline) {
     // The frozen parts every rank holds, in bf16 under bf16 as the trainer keeps them.
     torch::NoGradGuard no_grad;
-    std::vector<std::pair<std::string, int64_t>> parts;
-    const auto te = models::read_clip_text_config((root / "text_encoder" / "config.json").string());
+    // The text encoders only while they encode batches (--train_text_encoder); otherwise the
+    // trainer caches every caption's embeddings and releases them before training.
+    struct Part {
+      std::string name;
+      int64_t params, bytes;
+    };
+    std::vector<Part> parts;
+    if (options.train_text_encoder) {
+      const auto te =
+          models::read_clip_text_config((root / "text_encoder" / "config.json").string());
+      const models::ClipTextModel clip(te);
+      int64_t n = 0;
+      for (const auto& p : clip->parameters()) n += p.numel();
+      parts.push_back({"text_encoder", n, models::stored_model_bytes(*clip, storage, frozen_size)});
+      const auto t5 =
+          models::T5EncoderOptions::load((root / "text_encoder_2" / "config.json").string());
+      parts.push_back({"text_encoder_2", t5_encoder_parameter_count(t5),
+                       t5_encoder_stored_bytes(t5, storage, frozen_size)});
+    } else {
+      log::info(
+          "text encoders: not counted (released once the captions' embeddings are cached; "
+          "--train_text_encoder keeps them)");
+    }
     int64_t n = 0;
-    for (const auto& p : models::ClipTextModel(te)->parameters()) n += p.numel();
-    parts.emplace_back("text_encoder", n);
-    parts.emplace_back("text_encoder_2", t5_encoder_parameter_count(models::T5EncoderOptions::load(
-                                             (root / "text_encoder_2" / "config.json").string())));
-    n = 0;
     for (const auto& p : models::AutoencoderKL(models::read_autoencoder_kl_config(
                                                    (root / "vae" / "config.json").string()))
                              ->parameters()) {
       n += p.numel();
     }
-    parts.emplace_back("vae", n);
-    for (const auto& [name, count] : parts) {
-      log::info("frozen {}: {} parameters", name, count);
-      frozen += count;
-      frozen_bytes += count * frozen_size;
+    parts.push_back({"vae", n, n * frozen_size});
+    for (const auto& part : parts) {
+      log::info("frozen {}: {} parameters", part.name, part.params);
+      frozen += part.params;
+      frozen_bytes += part.bytes;
     }
   }
   std::vector<train::MemoryEstimate> out;

@@ -3,6 +3,7 @@
 // encoders and VAE counted from their configs, and activations measured on one forward.
 
 #include "difftrain/families/unet/memory.h"
+#include "difftrain/models/quantized_weight.h"
 
 #include "difftrain/accel/precision.h"
 #include "difftrain/core/error.h"
@@ -116,6 +117,15 @@ int64_t measure_activation_bytes(models::UNetImpl& unet, const MemoryEstimateOpt
 
 std::vector<std::pair<std::string, int64_t>> pipeline_frozen_params(const std::string& model_path) {
   std::vector<std::pair<std::string, int64_t>> out;
+  for (const auto& part : pipeline_frozen_parts(model_path, models::WeightStorage::kDense, 4))
+    out.emplace_back(part.name, part.params);
+  return out;
+}
+
+std::vector<FrozenPart> pipeline_frozen_parts(const std::string& model_path,
+                                              models::WeightStorage text_storage,
+                                              int64_t dense_bytes) {
+  std::vector<FrozenPart> out;
   const fs::path root(model_path);
   if (!fs::is_directory(root) || !fs::exists(root / "model_index.json")) return out;
   auto count = [](const torch::nn::Module& m) {
@@ -130,12 +140,14 @@ std::vector<std::pair<std::string, int64_t>> pipeline_frozen_params(const std::s
     if (!fs::is_regular_file(config)) continue;
     auto c = models::read_clip_text_config(config.string());
     if (std::string(te) == "text_encoder_2") c.with_projection = true;
-    out.emplace_back(te, count(*models::ClipTextModel(c)));
+    const models::ClipTextModel model(c);
+    out.push_back(
+        {te, count(*model), models::stored_model_bytes(*model, text_storage, dense_bytes)});
   }
   const fs::path vae = root / "vae" / "config.json";
   if (fs::is_regular_file(vae)) {
-    out.emplace_back(
-        "vae", count(*models::AutoencoderKL(models::read_autoencoder_kl_config(vae.string()))));
+    const models::AutoencoderKL model(models::read_autoencoder_kl_config(vae.string()));
+    out.push_back({"vae", count(*model), count(*model) * dense_bytes});
   }
   return out;
 }
@@ -177,8 +189,11 @@ std::vector<MemoryEstimate> estimate_memory(
     if (!options.lora_target_modules.empty()) lc.target_modules = options.lora_target_modules;
     lora = models::LoraLayers(*unet, lc);
     trainable = lora.get();
-    // As the trainer: under bf16 the frozen base is held in bf16, the adapters stay fp32.
+    // As the trainer: under bf16 the frozen base is held in bf16, the adapters stay fp32; an
+    // 8-bit base quantized as the trainer's pass does it.
     if (options.mixed_precision == "bf16") unet->to(torch::kBFloat16);
+    models::quantize_frozen_weights(
+        *unet, models::parse_weight_storage(options.base_weights_dtype, "--base_weights_dtype"));
   }
   // Plan first: a bad auto-wrap policy fails before the (slow) forward.
   std::vector<MemoryEstimate> out;
@@ -189,12 +204,17 @@ std::vector<MemoryEstimate> estimate_memory(
   }
   // A text-to-image pipeline also holds its frozen text encoder(s) and VAE on every rank, in
   // bf16 under bf16 as the trainer keeps them.
-  const auto frozen = pipeline_frozen_params(model_path);
-  for (const auto& [name, n] : frozen) {
-    log::info("frozen {}: {} parameters", name, n);
+  // The text encoders' frozen layers are 8-bit too under --base_weights_dtype (not the VAE's).
+  const auto storage = options.lora ? models::parse_weight_storage(options.base_weights_dtype,
+                                                                   "--base_weights_dtype")
+                                    : models::WeightStorage::kDense;
+  const auto frozen =
+      pipeline_frozen_parts(model_path, storage, options.mixed_precision == "bf16" ? 2 : 4);
+  for (const auto& part : frozen) {
+    log::info("frozen {}: {} parameters", part.name, part.params);
     for (auto& e : out) {
-      e.frozen_params += n;
-      e.frozen_param_bytes += n * (options.mixed_precision == "bf16" ? 2 : 4);
+      e.frozen_params += part.params;
+      e.frozen_param_bytes += part.bytes;
     }
   }
   const int64_t activations = measure_activation_bytes(*unet, options, 1) * options.batch_size;

@@ -4,6 +4,7 @@
 // the UNet (or its LoRA adapters) built from its config, plus the pipeline's frozen parts and
 // activations measured on one forward. docs/SHARDING.md.
 
+#include "difftrain/models/quantized_weight.h"
 #include "difftrain/models/unet.h"
 #include "difftrain/train/memory_estimate.h"
 
@@ -34,6 +35,17 @@ std::string resolve_unet_config_path(const std::string& model_path);
 /// counts, from their configs: text_encoder, SDXL's text_encoder_2 (with projection) and vae.
 /// Empty for a UNet folder or config.
 std::vector<std::pair<std::string, int64_t>> pipeline_frozen_params(const std::string& model_path);
+
+/// One frozen part of a pipeline folder: its parameters and the bytes the trainer holds them in
+/// (`dense_bytes` each; a text encoder's Linear weights as `text_storage`, by the size rule).
+struct FrozenPart {
+  std::string name;
+  int64_t params = 0;
+  int64_t bytes = 0;
+};
+std::vector<FrozenPart> pipeline_frozen_parts(const std::string& model_path,
+                                              models::WeightStorage text_storage,
+                                              int64_t dense_bytes);
 
 /// Builds the UNet of `model_path` (see resolve_unet_config_path; random weights, fp32, nothing
 /// copied), adds LoRA adapters when options.lora as the trainer does (base frozen, alpha = rank),
