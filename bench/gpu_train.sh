@@ -9,7 +9,8 @@
 #   sdxl      configs/sdxl-base-1.0/unet/config.json (random weights), 128x128 latents, 77x2048
 #             text states + SDXL's added conditioning (text_embeds, time_ids), batch 2, bf16,
 #             LoRA rank 16
-#   flux      a slot: FLUX.1-sized transformer blocks, once difftrain has a FLUX family
+#   flux      FLUX.1-sized transformer blocks (bench_flux_step, difftrain only): LoRA r16 on a
+#             bf16 / int8 / fp8 base, full fine-tune without and with optimizer offload
 # then `difftrain train` on the built-in default for $TRAIN_STEPS steps on the GPU (samples/s of
 # its last logged window). Each pair runs interleaved for $ROUNDS rounds (fewer when
 # BENCH_DEADLINE comes first); medians are reported,
@@ -17,7 +18,7 @@
 # TFLOP/s and MFU (step FLOPs x steps/s / the GPU's peak) for both sides.
 #
 #   bash bench/gpu_train.sh [build-gpu] [steps]
-# Env: PYTHON (python3), ROUNDS (3), WARMUP (5), TRAIN_STEPS (200), PYSRC (a folder holding
+# Env: PYTHON (python3), ROUNDS (3), FLUX_ROUNDS (1), WARMUP (5), TRAIN_STEPS (200), PYSRC (a folder holding
 # diffusers-v0.31.0/src and peft-v0.14.0/src, e.g. bench/py/trim_refstack.py's output; default
 # .gpu-deps/py, as scripts/gpu_build fetch leaves it: a fallback only, appended to the peer's
 # sys.path, so the machine's own peft, accelerate and transformers win), GPU_PEAK_TFLOPS (the
@@ -70,13 +71,25 @@ else
   cases=("default no 32 32 0" "default bf16 32 32 0" "sd15 bf16 8 64 0" "sd15 bf16 8 64 16"
          "sdxl bf16 2 128 16")
 fi
-# ---- FLUX slot ----
-# FLUX.1-sized transformer blocks (bf16, LoRA rank 16, at 1024x1024 px: 64x64 latents packed into
-# 4096 tokens + 512 text tokens) are measured here once the family exists: add its case (e.g.
-# "flux bf16 1 64 16" with a config of a few FLUX.1 double- and single-stream blocks) and teach
-# bench_unet_step / diffusers_unet_step.py (FluxTransformer2DModel) to build it. Until then the
-# report says so in one line.
-flux_note="flux: not yet implemented (no FLUX transformer in difftrain)"
+# ---- FLUX.1-sized blocks (issue 42: the 8-bit base and ZeRO-Offload) ----
+# bench_flux_step: 2 double- + 4 single-stream blocks at FLUX.1's width (3072), 4096 image + 512
+# text tokens (1024x1024 px), bf16, gradient checkpointing: LoRA r16 on a bf16 / int8 / fp8_e4m3
+# base, and a full fine-tune step without and with optimizer offload (SHARD_GRAD_OP over a world
+# of one). difftrain only (no peer), one row per case, medians over the rounds.
+# Cases: "mode base offload".
+flux_common=(--num_layers 2 --num_single_layers 4 --heads 24 --image_tokens 4096 --text_tokens 512
+             --mixed_precision bf16 --gradient_checkpointing 1 --lora_rank 16 --steps "$steps"
+             --warmup "$warmup" --device "$device")
+flux_cases=("lora none 0" "lora int8 0" "lora fp8_e4m3 0" "full none 0" "full none 1")
+if [ "$smoke" = 1 ]; then
+  flux_common=(--num_layers 1 --num_single_layers 1 --heads 2 --image_tokens 64 --text_tokens 16
+               --mixed_precision bf16 --gradient_checkpointing 1 --lora_rank 4 --steps "$steps"
+               --warmup "$warmup" --device "$device")
+  flux_cases=("lora none 0" "lora int8 0" "full none 0" "full none 1")
+fi
+flux_results=$out_dir/flux.jsonl
+: >"$flux_results"
+flux_note=""
 
 results=$out_dir/results.jsonl
 : >"$results"
@@ -105,6 +118,44 @@ for ((round = 1; round <= rounds; round++)); do
       { cat "$work/py.err" >&2; exit 1; }
   done
 done
+
+# FLUX.1-sized blocks: each case in its own process (peak memory is per process).
+# FLUX_ROUNDS (default 1: each case builds a 1.2B-parameter model); a case starts only before
+# BENCH_DEADLINE.
+for ((round = 1; round <= ${FLUX_ROUNDS:-1}; round++)); do
+  for c in "${flux_cases[@]}"; do
+    if ((deadline > 0 && $(date +%s) > deadline)); then
+      echo "gpu_train: flux case '$c' skipped: past BENCH_DEADLINE" >&2
+      continue
+    fi
+    read -r mode base off <<<"$c"
+    "$build/bench/bench_flux_step" "${flux_common[@]}" --mode "$mode" --base_weights_dtype "$base" \
+      --offload "$off" | sed "s/^{/{\"case\": \"flux\", \"round\": $round, /" | tee -a "$flux_results" ||
+      echo "gpu_train: bench_flux_step --mode $mode --base_weights_dtype $base --offload $off failed" >&2
+  done
+done
+flux_note=$("$python" - "$flux_results" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+if not rows:
+    print("flux: no rows (bench_flux_step failed: see above)")
+    sys.exit()
+r0 = rows[0]
+print(f"FLUX.1-sized blocks {r0['blocks'][0]} double + {r0['blocks'][1]} single, width {r0['width']}, "
+      f"tokens {r0['tokens'][0]} + {r0['tokens'][1]}, {r0['mixed_precision']}, gradient checkpointing; "
+      f"medians of {len(rows) // max(1, len({(r['mode'], r['base_weights_dtype'], r['offload']) for r in rows}))} rounds")
+print("| mode | base | offload | trainable | frozen base GiB | ms/step | fwd+bwd ms | optimizer ms | peak GiB | host GiB |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+groups = {}
+for r in rows:
+    groups.setdefault((r["mode"], r["base_weights_dtype"], r["offload"]), []).append(r)
+med = lambda g, k: statistics.median(x[k] for x in g)
+for (mode, base, off), g in groups.items():
+    print(f"| {mode} | {base if mode == 'lora' else 'fp32 (trains)'} | {'cpu' if off else 'no'} | {g[0]['trainable']} "
+          f"| {g[0]['frozen_bytes'] / 2**30:.2f} | {med(g, 'ms_per_step'):.1f} | {med(g, 'ms_forward_backward'):.1f} "
+          f"| {med(g, 'ms_optimizer'):.1f} | {med(g, 'peak_mem_gib'):.2f} | {g[0]['host_bytes'] / 2**30:.2f} |")
+PY
+)
 
 # `difftrain train` on the built-in default, on the GPU, one process.
 train_args=(train --max_train_steps "$train_steps" --lr_warmup_steps 0 --checkpointing_steps 0 --num_validation_images 0

@@ -37,6 +37,8 @@ struct EstimateMemoryArgs {
   std::string auto_wrap_policy = "TRANSFORMER_BASED_WRAP";
   std::vector<std::string> wrap_classes;
   int64_t min_num_params = 100000000;
+  std::string offload_optimizer_device = "none";
+  std::string offload_param_device = "none";
   bool json = false;
 } g_args;
 
@@ -101,6 +103,11 @@ CLI::App* add_estimate_memory_command(CLI::App& app) {
       ->delimiter(',');
   cmd->add_option("--fsdp_min_num_params", g_args.min_num_params,
                   "SIZE_BASED_WRAP threshold (default 1e8)");
+  cmd->add_option("--offload_optimizer_device", g_args.offload_optimizer_device,
+                  "none | cpu: ZeRO-Offload: master shards, gradients and optimizer state in host "
+                  "memory (counted as host bytes)");
+  cmd->add_option("--offload_param_device", g_args.offload_param_device,
+                  "none | cpu: FULL_SHARD's parameter shards in host memory too");
   cmd->add_flag("--json", g_args.json, "Print one JSON object instead of tables");
   return cmd;
 }
@@ -125,6 +132,17 @@ int run_estimate_memory() {
   o.auto_wrap.policy = upper(g_args.auto_wrap_policy);
   o.auto_wrap.classes = g_args.wrap_classes;
   o.auto_wrap.min_num_params = g_args.min_num_params;
+  o.offload_optimizer =
+      settings::parse_offload_device(g_args.offload_optimizer_device, "--offload_optimizer_device");
+  o.offload_params =
+      settings::parse_offload_device(g_args.offload_param_device, "--offload_param_device");
+  {
+    accel::ShardingOptions requested;  // the trainer's rules for the run asked about
+    requested.strategy = o.strategy;
+    requested.offload_optimizer = o.offload_optimizer;
+    requested.offload_params = o.offload_params;
+    settings::check_offload(requested);
+  }
 
   const auto strategies = train::strategies_to_compare(o);
   const auto estimates =

@@ -67,6 +67,13 @@ CLI::App* add_launch_command(CLI::App& app) {
   flag("sharding_strategy", g_flags_in.sharding_strategy,
        "NO_SHARD | SHARD_OPTIMIZER | SHARD_GRAD_OP | FULL_SHARD (or zero0..zero3): passed on as "
        "DIFFTRAIN_SHARDING_STRATEGY (with the DIFFTRAIN_FSDP_* defaults)");
+  flag(
+      "offload_optimizer_device", g_flags_in.offload_optimizer_device,
+      "none | cpu: ZeRO-Offload of the master weights, gradients and optimizer state to host "
+      "memory, stepped on the CPU (needs a sharding strategy); DIFFTRAIN_OFFLOAD_OPTIMIZER_DEVICE");
+  flag("offload_param_device", g_flags_in.offload_param_device,
+       "none | cpu: FULL_SHARD's parameter shards in host memory too; "
+       "DIFFTRAIN_OFFLOAD_PARAM_DEVICE");
   flag("deepspeed_config_file", g_flags_in.deepspeed_config_file,
        "DeepSpeed JSON config: its ZeRO stage, fp16/bf16 and gradient_accumulation_steps are "
        "passed on to the ranks (wins over the config file's)");
@@ -82,7 +89,8 @@ CLI::App* add_launch_command(CLI::App& app) {
       "also DIFFTRAIN_SHARDING_STRATEGY DIFFTRAIN_FSDP_AUTO_WRAP_POLICY "
       "DIFFTRAIN_FSDP_TRANSFORMER_CLS_TO_WRAP DIFFTRAIN_FSDP_MIN_NUM_PARAMS "
       "DIFFTRAIN_FSDP_FORWARD_PREFETCH DIFFTRAIN_FSDP_BACKWARD_PREFETCH "
-      "DIFFTRAIN_SYNC_EACH_BATCH.\n"
+      "DIFFTRAIN_SYNC_EACH_BATCH DIFFTRAIN_OFFLOAD_OPTIMIZER_DEVICE "
+      "DIFFTRAIN_OFFLOAD_PARAM_DEVICE.\n"
       "Precedence: flags > config file > defaults.");
   return g_cmd;
 }

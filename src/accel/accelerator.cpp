@@ -135,19 +135,30 @@ void Accelerator::init() {
     if (device_.is_cpu()) warn_fp16_on_cpu_once();
   }
   sharding_ = options_.sharding ? *options_.sharding : ShardingOptions::from_env();
+  settings::check_offload(sharding_);
   if (num_processes() == 1 && sharding_.strategy != ShardingStrategy::kNoShard) {
-    log::info("sharding: one process, so {} has nothing to split; training unsharded",
-              to_string(sharding_.strategy));
-    sharding_.strategy = ShardingStrategy::kNoShard;
+    if (sharding_.offload_optimizer) {
+      // ZeRO-Offload on one device: the engine runs over a world of one for its host state.
+      log::info("sharding: one process: {} splits nothing, but runs for the offload",
+                to_string(sharding_.strategy));
+    } else {
+      log::info("sharding: one process, so {} has nothing to split; training unsharded",
+                to_string(sharding_.strategy));
+      sharding_.strategy = ShardingStrategy::kNoShard;
+    }
   }
   if (options_.seed) set_seed(*options_.seed);
   log::info(
       "accelerator: {} process(es), device {}, mixed_precision {}, gradient_accumulation_steps "
       "{}, split_batches {}, even_batches {}, bucket_cap_mb {}, find_unused_parameters {}, "
-      "sharding {}, {} intra-op thread(s) per process",
+      "sharding {}{}, {} intra-op thread(s) per process",
       num_processes(), device_.str(), to_string(state_->mixed_precision), accumulation_steps_,
       options_.split_batches, options_.even_batches, options_.ddp.bucket_cap_mb,
-      options_.ddp.find_unused_parameters, to_string(sharding_.strategy), at::get_num_threads());
+      options_.ddp.find_unused_parameters, to_string(sharding_.strategy),
+      sharding_.offload_params      ? " (optimizer and parameters offloaded to the CPU)"
+      : sharding_.offload_optimizer ? " (optimizer offloaded to the CPU)"
+                                    : "",
+      at::get_num_threads());
 }
 
 // ------------------------------------------------------------------ prepare
@@ -173,7 +184,7 @@ void Accelerator::prepare_module(torch::nn::Module& module) {
   buffers_.insert(buffers_.end(), buffers.begin(), buffers.end());
   grad_sync_of_model_.push_back(nullptr);
 
-  if (num_processes() == 1) return;
+  if (num_processes() == 1 && !sharding_.offload_optimizer) return;
   std::vector<std::pair<std::string, torch::Tensor>> named;
   bool trainable = false;
   for (const auto& item : module.named_parameters()) {
@@ -401,13 +412,18 @@ StateMemory Accelerator::memory() const {
     m.grad_bytes += e.grad_bytes;
     m.grad_peak_bytes += e.grad_peak_bytes;
     m.frozen_param_bytes += e.frozen_param_bytes;
+    m.host_bytes += e.host_bytes;  // offload: the engine counts its optimizer's state here
     // Optimizer state is counted once below, from the prepared optimizers.
   }
   m.param_peak_bytes = std::max(m.param_peak_bytes, m.param_bytes);
   m.grad_peak_bytes = std::max(m.grad_peak_bytes, m.grad_bytes);
-  for (const auto& w : optimizers_) {
-    auto o = w.lock();
+  for (size_t i = 0; i < optimizers_.size(); ++i) {
+    auto o = optimizers_[i].lock();
     if (!o) continue;
+    GradSync* engine = i < engine_of_optimizer_.size() ? engine_of_optimizer_[i] : nullptr;
+    if (engine != nullptr && engine->sharded_model() != nullptr && sharding_.offload_optimizer) {
+      continue;  // in the engine's host_bytes
+    }
     if (auto* flat = dynamic_cast<optim::FlatOptimizer*>(&o->optimizer())) {
       m.optimizer_bytes += flat->state_bytes();
     }

@@ -57,6 +57,8 @@ struct ShardedModel::Unit {
   distributed::PendingCollective reduce_work;  // reduce-scatter into reduce_out (ZeRO-2/3)
   distributed::PendingAllReduce allreduce_work;
   torch::Tensor reduce_out;  // [shard]
+  torch::Tensor dev_shard;   // offload under FULL_SHARD: the device's copy of the shard
+  torch::Tensor gather_src;  // the input of an all-gather in flight
 };
 
 struct ShardedModel::Param {
@@ -90,6 +92,9 @@ ShardedModel::ShardedModel(torch::nn::Module& module, const ShardingOptions& opt
     : module_(module), options_(options), group_(group) {
   world_ = group.size();
   rank_ = group.rank();
+  settings::check_offload(options_);
+  offload_ = options_.offload_optimizer;
+  offload_params_ = options_.offload_params;
   plans_ = plan_units(module, options.auto_wrap);
   std::map<std::string, const torch::nn::Module*> modules;
   for (const auto& item : module.named_modules("", true)) modules[item.key()] = item.value().get();
@@ -145,10 +150,25 @@ ShardedModel::ShardedModel(torch::nn::Module& module, const ShardingOptions& opt
       p.tensor.mutable_grad() = torch::Tensor();
     }
     track(mem_.param_bytes, mem_.param_peak_bytes, bytes_of(unit->full));
-    auto shard = unit->full.narrow(0, rank_ * unit->shard, unit->shard).clone();
+    const auto own = unit->full.narrow(0, rank_ * unit->shard, unit->shard);
+    torch::Tensor shard;
+    if (offload_) {
+      // The master shard in host memory, pinned where the device is a GPU.
+      auto host = own.options().device(torch::kCPU);
+      if (!own.device().is_cpu()) host = host.pinned_memory(true);
+      shard = torch::empty({unit->shard}, host);
+      shard.copy_(own);
+      mem_.host_bytes += bytes_of(shard);
+      if (full_shard && !offload_params_) {
+        unit->dev_shard = own.clone();
+        track(mem_.param_bytes, mem_.param_peak_bytes, bytes_of(unit->dev_shard));
+      }
+    } else {
+      shard = own.clone();
+      track(mem_.param_bytes, mem_.param_peak_bytes, bytes_of(shard));
+    }
     shard.requires_grad_(true);
     shard_tensors_.push_back(shard);
-    track(mem_.param_bytes, mem_.param_peak_bytes, bytes_of(shard));
     if (options_.strategy == ShardingStrategy::kShardOptimizer) {
       unit->full_grad = torch::zeros({unit->padded}, unit->full.options());
       track(mem_.grad_bytes, mem_.grad_peak_bytes, bytes_of(unit->full_grad));
@@ -190,7 +210,7 @@ ShardedModel::ShardedModel(torch::nn::Module& module, const ShardingOptions& opt
     }
   }
   log::info(
-      "sharding: {} over {} ranks, {} unit(s), largest {} elements, shard {} elements",
+      "sharding: {} over {} ranks, {} unit(s), largest {} elements, shard {} elements{}",
       to_string(options_.strategy), world_, units_.size(),
       [&] {
         int64_t m = 0;
@@ -201,7 +221,10 @@ ShardedModel::ShardedModel(torch::nn::Module& module, const ShardingOptions& opt
         int64_t s = 0;
         for (const auto& u : units_) s += u->shard;
         return s;
-      }());
+      }(),
+      offload_params_ ? "; optimizer and parameter shards in host memory"
+      : offload_      ? "; optimizer shards in host memory"
+                      : "");
 }
 
 ShardedModel::~ShardedModel() {
@@ -222,10 +245,12 @@ void ShardedModel::gather(size_t u, bool async) {
   if (unit.gathered || unit.gather_pending) return;
   realloc_storage(unit.full);
   track(mem_.param_bytes, mem_.param_peak_bytes, bytes_of(unit.full));
-  auto work = distributed::all_gather_into_async(unit.full, shard_tensors_[u].detach(), group_);
+  auto src = gather_source(u);
+  auto work = distributed::all_gather_into_async(unit.full, src, group_);
   ++stats_.gathers;
   if (async) {
     unit.gather_work = std::move(work);
+    unit.gather_src = src;  // alive until the gather is done
     unit.gather_pending = true;
     ++stats_.prefetched;
   } else {
@@ -234,10 +259,25 @@ void ShardedModel::gather(size_t u, bool async) {
   }
 }
 
+// What rank's all-gather of unit `u` sends: its shard on the device, in the parameters' dtype.
+torch::Tensor ShardedModel::gather_source(size_t u) {
+  if (!offload_) return shard_tensors_[u].detach();
+  const auto& unit = *units_[u];
+  if (unit.dev_shard.defined()) return unit.dev_shard;
+  // From the host (pinned on CUDA: the copy runs ahead on the stream the collective waits on).
+  return shard_tensors_[u].detach().to(unit.full.options(), /*non_blocking=*/true);
+}
+
+// `t` (on the device) in host memory; `t` itself when the device is the CPU.
+torch::Tensor ShardedModel::host_copy(const torch::Tensor& t) const {
+  return t.device().is_cpu() ? t : t.to(torch::kCPU);
+}
+
 void ShardedModel::wait_gather(size_t u) {
   auto& unit = *units_[u];
   if (unit.gather_pending) {
     unit.gather_work.wait();
+    unit.gather_src = torch::Tensor();
     unit.gather_pending = false;
     unit.gathered = true;
   }
@@ -411,14 +451,15 @@ void ShardedModel::finalize_reduction(size_t u) {
   if (!unit.reduce_launched) return;
   torch::NoGradGuard no_grad;
   auto& shard_grad = shard_tensors_[u].mutable_grad();
-  if (!shard_grad.defined()) shard_grad = torch::zeros({unit.shard}, unit.full.options());
+  if (!shard_grad.defined()) shard_grad = torch::zeros({unit.shard}, shard_tensors_[u].options());
+  // Under offload the shard's gradient is in host memory: the reduced shard is copied there.
   if (options_.strategy == ShardingStrategy::kShardOptimizer) {
     unit.allreduce_work.wait();
-    shard_grad.add_(unit.full_grad.narrow(0, rank_ * unit.shard, unit.shard));
+    shard_grad.add_(host_copy(unit.full_grad.narrow(0, rank_ * unit.shard, unit.shard)));
     unit.full_grad.zero_();
   } else {
     unit.reduce_work.wait();
-    shard_grad.add_(unit.reduce_out);
+    shard_grad.add_(host_copy(unit.reduce_out));
     unit.reduce_out = torch::Tensor();
     free_grad_buffer(u);
   }
@@ -557,12 +598,18 @@ std::shared_ptr<optim::FlatOptimizer> ShardedModel::make_shard_optimizer(
   user_optimizer_ = &user;
   unit_group_.clear();
   for (size_t g : group_map) unit_group_.push_back(g);  // shard group -> user group
-  // The shard tensors now live in the shard optimizer's buckets (it took their values).
-  track(mem_.grad_bytes, mem_.grad_peak_bytes, [&] {
+  // The shard tensors now live in the shard optimizer's buckets (it took their values), with a
+  // gradient slot each.
+  const int64_t shard_grad_bytes = [&] {
     int64_t b = 0;
     for (const auto& s : shard_tensors_) b += bytes_of(s);
     return b;
-  }());
+  }();
+  if (offload_) {
+    mem_.host_bytes += shard_grad_bytes;
+  } else {
+    track(mem_.grad_bytes, mem_.grad_peak_bytes, shard_grad_bytes);
+  }
   return shard_optimizer_;
 }
 
@@ -605,11 +652,15 @@ void ShardedModel::after_step() {
   std::lock_guard<std::recursive_mutex> lock(mutex_);
   torch::NoGradGuard no_grad;
   std::vector<distributed::PendingCollective> works;
+  std::vector<torch::Tensor> sources;  // alive until the gathers are done
   for (size_t u = 0; u < units_.size(); ++u) {
     auto& unit = *units_[u];
+    // Offload: the updated host shard returns to the device copy first (asynchronously from
+    // pinned memory on CUDA, so unit u+1's copy overlaps unit u's gather).
+    if (unit.dev_shard.defined()) unit.dev_shard.copy_(shard_tensors_[u].detach(), true);
     if (!unit.gathered) continue;  // gathered again before its next use
-    works.push_back(
-        distributed::all_gather_into_async(unit.full, shard_tensors_[u].detach(), group_));
+    sources.push_back(gather_source(u));
+    works.push_back(distributed::all_gather_into_async(unit.full, sources.back(), group_));
     ++stats_.gathers;
   }
   for (auto& w : works) w.wait();
@@ -662,7 +713,8 @@ std::vector<ShardedModel::OwnedRange> ShardedModel::owned_ranges(int rank) const
 
 StateMemory ShardedModel::memory() const {
   StateMemory m = mem_;
-  m.optimizer_bytes = shard_optimizer_ ? shard_optimizer_->state_bytes() : 0;
+  const int64_t state = shard_optimizer_ ? shard_optimizer_->state_bytes() : 0;
+  (offload_ ? m.host_bytes : m.optimizer_bytes) += state;
   return m;
 }
 

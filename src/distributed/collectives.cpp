@@ -59,7 +59,10 @@ void all_reduce(torch::Tensor& tensor, ReduceOp op, ProcessGroup& group) {
   check_mean(tensor, op, group, "all_reduce");
   if (group.size() == 1) return;
   // Gloo needs contiguous memory; reduce a contiguous copy and write it back if we made one.
+  // NCCL reduces device memory only: a host tensor (a norm, an offloaded optimizer's sums) goes
+  // through a copy on the current GPU.
   torch::Tensor buffer = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  if (buffer.device().is_cpu() && group.backend_name() == "nccl") buffer = buffer.to(torch::kCUDA);
   if (uses_shm(buffer, op, group)) {
     group.wait(group.shm()->launch(buffer), std::string("all_reduce(") + to_string(op) + ")");
   } else {

@@ -67,6 +67,20 @@ settings::SettingLayer flags_layer(const LaunchFlags& flags) {
     layer.set("sharding_strategy", settings::to_string(settings::parse_sharding_strategy(
                                        flags.sharding_strategy, "--sharding_strategy")));
   }
+  // Checked here, so a typo fails in the launcher rather than in every rank.
+  if (flags.given.count("offload_optimizer_device")) {
+    layer.set(
+        "offload_optimizer_device",
+        settings::parse_offload_device(flags.offload_optimizer_device, "--offload_optimizer_device")
+            ? "cpu"
+            : "none");
+  }
+  if (flags.given.count("offload_param_device")) {
+    layer.set("offload_param_device",
+              settings::parse_offload_device(flags.offload_param_device, "--offload_param_device")
+                  ? "cpu"
+                  : "none");
+  }
   return layer;
 }
 
@@ -110,7 +124,9 @@ LaunchOptions resolve_launch_options(const LaunchFlags& flags,
   for (const auto& f : kStringFields) {
     if (const auto* s = merged.find(f.name)) options.*f.option = s->value.get<std::string>();
   }
-  if (merged.find("sharding_strategy") != nullptr) {
+  if (merged.find("sharding_strategy") != nullptr ||
+      merged.find("offload_optimizer_device") != nullptr ||
+      merged.find("offload_param_device") != nullptr) {
     const settings::ShardingOptions sharding =
         settings::merged_sharding_options(merged, settings::ShardingOptions{});
     for (const auto& [name, value] : settings::sharding_env(sharding)) {

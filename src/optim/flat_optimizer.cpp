@@ -4,6 +4,7 @@
 #include "difftrain/io/atomic_file.h"
 
 #include <c10/util/strides.h>
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <map>
@@ -105,6 +106,12 @@ FlatOptimizer::FlatOptimizer(std::vector<torch::optim::OptimizerParamGroup> grou
         bucket.offsets.push_back(bucket.offsets.back() + group.params()[i].numel());
       }
       auto options = torch::TensorOptions().dtype(bucket.dtype).device(bucket.device);
+      // Host parameters a CUDA run keeps pinned (the sharding engine's offloaded shards) stay
+      // pinned, so their copies to and from the device can run asynchronously.
+      if (bucket.device.is_cpu() && torch::cuda::is_available() &&
+          group.params()[bucket.members.front()].is_pinned()) {
+        options = options.pinned_memory(true);
+      }
       bucket.params = torch::empty({bucket.numel()}, options);
       bucket.grads = torch::zeros({bucket.numel()}, options);
       torch::NoGradGuard no_grad;

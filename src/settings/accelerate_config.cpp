@@ -129,6 +129,7 @@ void read_fsdp(const YamlReader& r, const YAML::Node& fsdp) {
   s.strategy = ShardingStrategy::kFullShard;  // Accelerate's default
   bool strategy_given = false;
   std::optional<bool> reshard_after_forward;
+  bool offload = false;
   for (const auto& item : fsdp) {
     const std::string key = r.key_name(item.first, "fsdp_config");
     const YAML::Node& v = item.second;
@@ -200,9 +201,9 @@ void read_fsdp(const YamlReader& r, const YAML::Node& fsdp) {
                "consolidates them into one file");
       }
     } else if (key == "fsdp_offload_params") {
-      if (r.boolean(v, name)) {
-        r.warn(name, v, "offload is not supported: parameters stay in each rank's memory");
-      }
+      // FSDP's CPUOffload: the sharded parameters, their gradients and the optimizer step on the
+      // CPU. Parameter offload applies under FULL_SHARD only (settled after the loop).
+      offload = r.boolean(v, name);
     } else if (key == "fsdp_use_orig_params") {
       // difftrain's optimizer always sees the original parameters: either value works.
     } else if (key == "fsdp_sync_module_states") {
@@ -228,6 +229,17 @@ void read_fsdp(const YamlReader& r, const YAML::Node& fsdp) {
   if (!strategy_given && reshard_after_forward) {
     s.strategy =
         *reshard_after_forward ? ShardingStrategy::kFullShard : ShardingStrategy::kShardGradOp;
+  }
+  if (offload && s.strategy == ShardingStrategy::kNoShard) {
+    r.out.warnings.push_back(
+        r.origin +
+        ": fsdp_config.fsdp_offload_params=true: offload needs a sharded strategy; NO_SHARD "
+        "trains without offload");
+  } else if (offload) {
+    // Under SHARD_GRAD_OP the gathered parameters stay on the device between steps (as FSDP
+    // keeps them unsharded after forward): only the optimizer side is offloaded.
+    s.offload_optimizer = true;
+    s.offload_params = s.strategy == ShardingStrategy::kFullShard;
   }
   r.out.sharding_set = true;
 }
@@ -289,10 +301,11 @@ void read_deepspeed_section(const YamlReader& r, const YAML::Node& ds,
       const std::string d = v.IsNull() ? "none" : r.scalar(v, name);
       if (d == "none") continue;
       if (d != "cpu" && d != "nvme") r.fail(name, v, "none, cpu or nvme");
-      r.warn(name, v,
-             key == "offload_optimizer_device"
-                 ? "offload is not supported: optimizer state stays in each rank's memory"
-                 : "offload is not supported: parameters stay in each rank's memory");
+      if (d == "nvme") {
+        r.warn(name, v, "NVMe offload is not supported: offloading to CPU memory instead");
+      }
+      (key == "offload_optimizer_device" ? out.sharding.offload_optimizer
+                                         : out.sharding.offload_params) = true;
     } else if (key == "offload_optimizer_nvme_path" || key == "offload_param_nvme_path") {
       // Only used with an nvme device, which is reported above.
     } else if (key == "gradient_accumulation_steps") {
@@ -463,6 +476,8 @@ std::vector<std::pair<std::string, std::string>> sharding_env(const ShardingOpti
   env.emplace_back("DIFFTRAIN_FSDP_FORWARD_PREFETCH", b(o.forward_prefetch));
   env.emplace_back("DIFFTRAIN_FSDP_BACKWARD_PREFETCH", b(o.backward_prefetch));
   env.emplace_back("DIFFTRAIN_SYNC_EACH_BATCH", b(o.sync_each_batch));
+  env.emplace_back("DIFFTRAIN_OFFLOAD_OPTIMIZER_DEVICE", o.offload_optimizer ? "cpu" : "none");
+  env.emplace_back("DIFFTRAIN_OFFLOAD_PARAM_DEVICE", o.offload_params ? "cpu" : "none");
   return env;
 }
 

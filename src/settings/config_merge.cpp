@@ -87,6 +87,10 @@ SettingLayer external_config_layer(const ExternalTrainingConfig& ext, const std:
               s.forward_prefetch != d.forward_prefetch);
     layer.set("fsdp_backward_prefetch", s.backward_prefetch,
               s.backward_prefetch != d.backward_prefetch);
+    layer.set("offload_optimizer_device", std::string(s.offload_optimizer ? "cpu" : "none"),
+              s.offload_optimizer);
+    layer.set("offload_param_device", std::string(s.offload_params ? "cpu" : "none"),
+              s.offload_params);
   }
   if (ext.mixed_precision) layer.set("mixed_precision", *ext.mixed_precision);
   if (ext.gradient_accumulation_steps) {
@@ -124,6 +128,13 @@ ShardingOptions merged_sharding_options(const MergedSettings& merged, ShardingOp
     base.backward_prefetch = s->value.get<bool>();
   }
   if (const auto* s = merged.find("sync_each_batch")) base.sync_each_batch = s->value.get<bool>();
+  if (const auto* s = merged.find("offload_optimizer_device")) {
+    base.offload_optimizer =
+        parse_offload_device(s->value.get<std::string>(), "offload_optimizer_device");
+  }
+  if (const auto* s = merged.find("offload_param_device")) {
+    base.offload_params = parse_offload_device(s->value.get<std::string>(), "offload_param_device");
+  }
   return base;
 }
 

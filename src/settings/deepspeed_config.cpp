@@ -130,7 +130,6 @@ const std::map<std::string, Knob>& zero_knobs() {
       {"ignore_unused_parameters",
        {{"true"}, "parameters without gradients are always allowed (their gradient is zero)"}},
       {"legacy_stage1", {{"false"}, unsupported}},
-      {"cpu_offload", {{"false"}, "offload is not supported: state stays in each rank's memory"}},
       {"zero_hpz_partition_size", {{"1"}, unsupported + " (ZeRO++ hierarchical partitioning)"}},
       {"zero_quantized_weights", {{"false"}, unsupported + " (ZeRO++ quantized weights)"}},
       {"zero_quantized_gradients", {{"false"}, unsupported + " (ZeRO++ quantized gradients)"}},
@@ -167,7 +166,8 @@ const std::map<std::string, Knob>& top_level_knobs() {
       {"communication_data_type",
        {{"null"}, "collectives run in the gradients' dtype (fp32 master gradients)"}},
       {"zero_allow_untested_optimizer", {{"true", "false"}, ""}},  // difftrain's own optimizer
-      {"zero_force_ds_cpu_optimizer", {{"false"}, "no CPU optimizer: offload is not supported"}},
+      // Offload always steps difftrain's own CPU optimizer: either value works.
+      {"zero_force_ds_cpu_optimizer", {{"false", "true"}, ""}},
       {"seed", {{}, "difftrain's random draws derive from --seed"}},
       {"activation_checkpointing",
        {{}, "use difftrain's --gradient_checkpointing to recompute activations"}},
@@ -223,12 +223,22 @@ void read_zero(const DsReader& r, const json& zero) {
       if (d == "none" || d == "auto") continue;
       if (d != "cpu" && d != "nvme")
         r.fail(name + ".device", device, "\"none\", \"cpu\" or \"nvme\"");
-      r.warn(name + ".device", device,
-             key == "offload_optimizer"
-                 ? "offload is not supported: optimizer state stays in each rank's memory "
-                   "(sharded by ZeRO stage >= 1)"
-                 : "offload is not supported: parameters stay in each rank's memory (sharded by "
-                   "ZeRO stage 3)");
+      if (d == "nvme") {
+        r.warn(name + ".device", device,
+               "NVMe offload is not supported: offloading to CPU memory instead");
+      }
+      (key == "offload_optimizer" ? r.out.sharding.offload_optimizer
+                                  : r.out.sharding.offload_params) = true;
+      for (const auto& [k, v] : value.items()) {
+        if (k == "device" || k == "nvme_path" || k == "pin_memory") continue;
+        r.warn(name + "." + k, v,
+               "no effect: difftrain's offload keeps whole shards in (pinned, on CUDA) host "
+               "memory");
+      }
+    } else if (key == "cpu_offload") {
+      // The old spelling of offload_optimizer.device "cpu" (DeepSpeed before 0.3.16).
+      if (!value.is_boolean()) r.fail(name, value, "true or false");
+      if (value.get<bool>()) r.out.sharding.offload_optimizer = true;
     } else if (auto it = zero_knobs().find(key); it != zero_knobs().end()) {
       if (DsReader::is_auto(value) || it->second.neutral.count(value.dump())) continue;
       r.warn(name, value, it->second.reason);

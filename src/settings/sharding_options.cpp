@@ -71,6 +71,38 @@ ShardingStrategy parse_sharding_strategy(const std::string& text, const std::str
       origin, text));
 }
 
+bool parse_offload_device(const std::string& text, const std::string& origin) {
+  std::string l = text;
+  std::transform(l.begin(), l.end(), l.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (l.empty() || l == "none" || l == "false" || l == "no") return false;
+  if (l == "cpu" || l == "true" || l == "yes") return true;
+  if (l == "nvme") {
+    throw Error(fmt::format("{}: '{}': NVMe offload is not supported; use cpu (host memory)",
+                            origin, text));
+  }
+  throw Error(fmt::format("{}: '{}' is not an offload device; use none or cpu", origin, text));
+}
+
+void check_offload(const ShardingOptions& o) {
+  if (o.offload_params && !o.offload_optimizer) {
+    throw Error(
+        "offload_param_device cpu needs offload_optimizer_device cpu too (the host shards are "
+        "the optimizer's master weights): add --offload_optimizer_device cpu");
+  }
+  if (o.offload_optimizer && o.strategy == ShardingStrategy::kNoShard) {
+    throw Error(
+        "offload_optimizer_device cpu needs a sharding strategy (ZeRO stage 1-3): add "
+        "--sharding_strategy SHARD_OPTIMIZER, SHARD_GRAD_OP or FULL_SHARD");
+  }
+  if (o.offload_params && o.strategy != ShardingStrategy::kFullShard) {
+    throw Error(fmt::format(
+        "offload_param_device cpu needs FULL_SHARD (ZeRO-3): under {} every rank keeps the full "
+        "parameters on its device; use --sharding_strategy FULL_SHARD or drop the parameter "
+        "offload",
+        to_string(o.strategy)));
+  }
+}
+
 ShardingOptions ShardingOptions::from_env() { return from_env(ShardingOptions{}); }
 
 ShardingOptions ShardingOptions::from_env(const ShardingOptions& base) {
@@ -94,6 +126,10 @@ ShardingOptions ShardingOptions::from_env(const ShardingOptions& base) {
     o.backward_prefetch = parse_bool(*v, "DIFFTRAIN_FSDP_BACKWARD_PREFETCH");
   if (auto v = env("DIFFTRAIN_SYNC_EACH_BATCH"))
     o.sync_each_batch = parse_bool(*v, "DIFFTRAIN_SYNC_EACH_BATCH");
+  if (auto v = env("DIFFTRAIN_OFFLOAD_OPTIMIZER_DEVICE"))
+    o.offload_optimizer = parse_offload_device(*v, "DIFFTRAIN_OFFLOAD_OPTIMIZER_DEVICE");
+  if (auto v = env("DIFFTRAIN_OFFLOAD_PARAM_DEVICE"))
+    o.offload_params = parse_offload_device(*v, "DIFFTRAIN_OFFLOAD_PARAM_DEVICE");
   return o;
 }
 

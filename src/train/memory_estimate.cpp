@@ -72,6 +72,13 @@ void check_memory_estimate_options(const MemoryEstimateOptions& o) {
     throw Error(fmt::format("num_processes must be at least 1, got {}", o.num_processes));
   }
   if (o.batch_size < 1) throw Error(fmt::format("batch_size must be >= 1, got {}", o.batch_size));
+  // The strategy-dependent rules (settings::check_offload) are the caller's, for the strategy it
+  // asks about: the comparison rows of other strategies apply the offload where it can run.
+  if (o.offload_params && !o.offload_optimizer) {
+    throw Error(
+        "offload_param_device cpu needs offload_optimizer_device cpu too (the host shards are "
+        "the optimizer's master weights): add --offload_optimizer_device cpu");
+  }
   if (o.resolution < 0) {
     throw Error(
         fmt::format("resolution must be >= 0 (0: the config's sample_size), got {}", o.resolution));
@@ -129,7 +136,14 @@ MemoryEstimate estimate_state_memory_from_counts(std::vector<accel::UnitPlan> un
   MemoryEstimate e;
   const int64_t N = options.num_processes;
   e.num_processes = options.num_processes;
-  e.strategy = N == 1 ? accel::ShardingStrategy::kNoShard : options.strategy;
+  // One process trains unsharded, unless the optimizer is offloaded (the engine then runs over
+  // a world of one).
+  e.strategy =
+      N == 1 && !options.offload_optimizer ? accel::ShardingStrategy::kNoShard : options.strategy;
+  e.offload_optimizer =
+      options.offload_optimizer && e.strategy != accel::ShardingStrategy::kNoShard;
+  e.offload_params = e.offload_optimizer && options.offload_params &&
+                     e.strategy == accel::ShardingStrategy::kFullShard;
   e.units = std::move(units);
   e.frozen_params = frozen_params;
   e.frozen_param_bytes = frozen_bytes;
@@ -178,6 +192,23 @@ MemoryEstimate estimate_state_memory_from_counts(std::vector<accel::UnitPlan> un
       break;
     case accel::ShardingStrategy::kNoShard: break;
   }
+  if (e.offload_optimizer) {
+    // The master shards, their gradient slots and the optimizer state move to the host; ZeRO-3
+    // keeps a device copy of the shards for its gathers unless the parameters are offloaded too.
+    e.host_bytes = 4 * Sh + 4 * Sh + e.optimizer_bytes;
+    e.optimizer_bytes = 0;
+    e.grad_bytes -= 4 * Sh;
+    e.grad_peak_bytes -= 4 * Sh;
+    if (e.strategy == accel::ShardingStrategy::kFullShard) {
+      if (e.offload_params) {
+        e.param_bytes -= 4 * Sh;
+        e.param_peak_bytes -= 4 * Sh;
+      }
+    } else {
+      e.param_bytes -= 4 * Sh;
+      e.param_peak_bytes -= 4 * Sh;
+    }
+  }
   return e;
 }
 
@@ -207,6 +238,9 @@ nlohmann::json to_json(const MemoryEstimate& e) {
       {"optimizer_bytes", e.optimizer_bytes},
       {"frozen_param_bytes", e.frozen_param_bytes},
       {"activation_bytes", e.activation_bytes},
+      {"host_bytes", e.host_bytes},
+      {"offload_optimizer", e.offload_optimizer},
+      {"offload_params", e.offload_params},
       {"total_peak_bytes", e.total_peak_bytes()},
       {"trainable_params", e.trainable_params},
       {"frozen_params", e.frozen_params},
@@ -246,6 +280,9 @@ std::string format_memory_table(const MemoryEstimate& e, int64_t batch_size) {
   row("frozen weights", e.frozen_param_bytes);
   row(fmt::format("activations (batch {})", batch_size), e.activation_bytes);
   row("total peak", e.total_peak_bytes());
+  if (e.offload_optimizer) {
+    row(e.offload_params ? "host (offload + params)" : "host (offload)", e.host_bytes);
+  }
   const accel::UnitPlan* largest = nullptr;
   for (const auto& u : e.units) {
     if (largest == nullptr || u.numel > largest->numel) largest = &u;
@@ -260,16 +297,16 @@ std::string format_memory_table(const MemoryEstimate& e, int64_t batch_size) {
 }
 
 std::string format_strategy_comparison(const std::vector<MemoryEstimate>& estimates) {
-  std::string s = fmt::format("  {:<16}{:>12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>12}\n",
+  std::string s = fmt::format("  {:<16}{:>12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>12}\n",
                               "per rank", "params", "param peak", "grads", "grad peak", "optimizer",
-                              "frozen", "activations", "total peak");
+                              "frozen", "activations", "total peak", "host");
   for (const auto& e : estimates) {
-    s += fmt::format("  {:<16}{:>12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>12}\n",
+    s += fmt::format("  {:<16}{:>12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>12}{:>12}\n",
                      accel::to_string(e.strategy), format_bytes(e.param_bytes),
                      format_bytes(e.param_peak_bytes), format_bytes(e.grad_bytes),
                      format_bytes(e.grad_peak_bytes), format_bytes(e.optimizer_bytes),
                      format_bytes(e.frozen_param_bytes), format_bytes(e.activation_bytes),
-                     format_bytes(e.total_peak_bytes()));
+                     format_bytes(e.total_peak_bytes()), format_bytes(e.host_bytes));
   }
   return s;
 }
@@ -326,6 +363,11 @@ std::string memory_report(const std::string& model, const MemoryEstimateOptions&
       : options.use_8bit_adam        ? ", 8-bit AdamW"
                                      : ", AdamW",
       options.mixed_precision, options.batch_size);
+  if (options.offload_optimizer) {
+    s += options.offload_params
+             ? "offload: optimizer and parameter shards in host memory (FULL_SHARD)\n"
+             : "offload: master shards, gradients and optimizer state in host memory\n";
+  }
   s += format_memory_table(estimates.front(), options.batch_size);
   if (options.num_processes > 1) {
     s += fmt::format("\nEvery strategy on {} processes:\n", options.num_processes) +

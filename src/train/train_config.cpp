@@ -262,6 +262,8 @@ const std::vector<Option>& options() {
       DT_OPTION(fsdp_forward_prefetch),
       DT_OPTION(fsdp_backward_prefetch),
       DT_OPTION(sync_each_batch),
+      DT_OPTION(offload_optimizer_device),
+      DT_OPTION(offload_param_device),
       DT_OPTION(deepspeed_config),
       DT_OPTION(accelerate_config_file),
   };
@@ -362,6 +364,8 @@ const std::vector<ExternalField>& external_fields() {
       external_field("fsdp_min_num_params", &TrainConfig::fsdp_min_num_params),
       external_field("fsdp_forward_prefetch", &TrainConfig::fsdp_forward_prefetch),
       external_field("fsdp_backward_prefetch", &TrainConfig::fsdp_backward_prefetch),
+      external_field("offload_optimizer_device", &TrainConfig::offload_optimizer_device),
+      external_field("offload_param_device", &TrainConfig::offload_param_device),
       external_field("mixed_precision", &TrainConfig::mixed_precision),
       external_field("gradient_accumulation_steps", &TrainConfig::gradient_accumulation_steps),
       external_field("max_grad_norm", &TrainConfig::max_grad_norm),
@@ -453,6 +457,8 @@ void TrainConfig::validate() const {
          {"linear", "scaled_linear", "squaredcos_cap_v2"});
   one_of("lora_format", lora_format, {"diffusers", "peft", "kohya"});
   accel::parse_sharding_strategy(sharding_strategy, "--sharding_strategy");
+  settings::parse_offload_device(offload_optimizer_device, "--offload_optimizer_device");
+  settings::parse_offload_device(offload_param_device, "--offload_param_device");
   one_of("fsdp_auto_wrap_policy", fsdp_auto_wrap_policy,
          {"TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"});
   require(fsdp_min_num_params >= 1, "--fsdp_min_num_params must be at least 1");
@@ -584,6 +590,9 @@ accel::ShardingOptions TrainConfig::sharding_options() const {
   o.forward_prefetch = fsdp_forward_prefetch;
   o.backward_prefetch = fsdp_backward_prefetch;
   o.sync_each_batch = sync_each_batch;
+  o.offload_optimizer =
+      settings::parse_offload_device(offload_optimizer_device, "--offload_optimizer_device");
+  o.offload_params = settings::parse_offload_device(offload_param_device, "--offload_param_device");
   return o;
 }
 

@@ -12,7 +12,8 @@ TrainerOptions trainer_options(const TrainConfig& c) {
   // Sharding from the trainer's own options or config files; otherwise from `difftrain launch`
   // (its --sharding_strategy / FSDP or DeepSpeed config reach the ranks as DIFFTRAIN_* variables).
   if (c.sharding_strategy != "NO_SHARD" || !c.deepspeed_config.empty() ||
-      !c.accelerate_config_file.empty()) {
+      !c.accelerate_config_file.empty() || c.offload_optimizer_device != "none" ||
+      c.offload_param_device != "none") {
     o.sharding = c.sharding_options();
   }
   o.train_batch_size = c.train_batch_size;

@@ -411,8 +411,11 @@ struct Trainer::State {
           {"grad_bytes", mem.grad_bytes},
           {"grad_peak_bytes", mem.grad_peak_bytes},
           {"optimizer_bytes", mem.optimizer_bytes},
-          {"frozen_param_bytes", frozen}}},
-        {"sharding", accel::to_string(acc->sharding().strategy)}};
+          {"frozen_param_bytes", frozen},
+          {"host_bytes", mem.host_bytes}}},
+        {"sharding", accel::to_string(acc->sharding().strategy)},
+        {"offload_optimizer", acc->sharding().offload_optimizer},
+        {"offload_params", acc->sharding().offload_params}};
     std::error_code ec;
     fs::create_directories(log_dir, ec);
     io::write_file_atomic(

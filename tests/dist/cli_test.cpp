@@ -63,7 +63,7 @@ TEST(ConfigCommand, AccelerateConfigDrivesLaunchAndUnhonouredKeysAreReported) {
   EXPECT_EQ(r.out.find("DIFFTRAIN_SHARDING_STRATEGY"), std::string::npos) << r.log();
   EXPECT_NE(r.err.find("ignored dynamo_config"), std::string::npos) << r.log();
 
-  // distributed_type FSDP: the ranks get the sharding; what cannot be honoured is listed.
+  // distributed_type FSDP: the ranks get the sharding, and fsdp_offload_params the offload.
   std::ofstream(path) << "distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n"
                          "  fsdp_sharding_strategy: SHARD_GRAD_OP\n  fsdp_offload_params: true\n";
   const auto f =
@@ -71,7 +71,9 @@ TEST(ConfigCommand, AccelerateConfigDrivesLaunchAndUnhonouredKeysAreReported) {
   ASSERT_EQ(f.exit_code, 0) << f.log();
   EXPECT_NE(f.out.find("[rank 1] DIFFTRAIN_SHARDING_STRATEGY=SHARD_GRAD_OP"), std::string::npos)
       << f.log();
-  EXPECT_NE(f.err.find("fsdp_offload_params"), std::string::npos) << f.log();
+  EXPECT_NE(f.out.find("[rank 1] DIFFTRAIN_OFFLOAD_OPTIMIZER_DEVICE=cpu"), std::string::npos)
+      << f.log();
+  EXPECT_EQ(f.err.find("fsdp_offload_params"), std::string::npos) << f.log();
 }
 
 TEST(ConfigCommand, BadYamlIsAOneLineErrorWithThePath) {

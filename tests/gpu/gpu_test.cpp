@@ -9,6 +9,7 @@
 #include "../dist/train_util.h"
 #include "../unit/test_util.h"
 #include "../unit/thread_ranks.h"
+#include "cuda_required.h"
 
 #include "difftrain/accel/accelerator.h"
 #include "difftrain/io/safetensors.h"
@@ -30,51 +31,12 @@ namespace difftrain {
 namespace {
 
 namespace fs = std::filesystem;
+using gpu_test::NoTf32;
 using test::max_abs;
 using testing::kDifftrain;
 using testing::run;
 
 const std::string kGolden = std::string(difftrain_test::source_dir()) + "/tests/golden/diffusers/";
-
-// A GPU is there when the NVIDIA kernel driver lists one, or GPU 0's device node exists.
-// (/dev/nvidiactl alone proves nothing: the CUDA driver library, run as root, creates it even
-// where there is no GPU.)
-bool machine_has_nvidia_gpu() {
-  std::error_code ec;
-  if (fs::exists("/dev/nvidia0", ec)) return true;
-  const fs::path gpus = "/proc/driver/nvidia/gpus";
-  return fs::is_directory(gpus, ec) && fs::directory_iterator(gpus, ec) != fs::directory_iterator();
-}
-
-// Skips the test when this machine has no CUDA device; fails it when a device exists but
-// LibTorch cannot use it (a CPU-only LibTorch, a driver mismatch, a broken install).
-#define REQUIRE_CUDA()                                                                     \
-  do {                                                                                     \
-    const bool seen = torch::cuda::is_available();                                         \
-    if (!seen && !machine_has_nvidia_gpu()) {                                              \
-      GTEST_SKIP() << "no CUDA device on this machine (no /dev/nvidia0, no GPU in "        \
-                      "/proc/driver/nvidia/gpus, torch::cuda::is_available() is false): "  \
-                      "the gpu label needs one";                                           \
-    }                                                                                      \
-    ASSERT_TRUE(seen) << "this machine has an NVIDIA GPU but LibTorch sees no CUDA "       \
-                         "device: a CPU-only LibTorch, or a driver/runtime mismatch (see " \
-                         "`difftrain env`)";                                               \
-  } while (0)
-
-// Strict fp32 on the GPU for the parity checks: TF32 would change the last ~3 digits.
-struct NoTf32 {
-  NoTf32()
-      : cudnn_(at::globalContext().allowTF32CuDNN()),
-        matmul_(at::globalContext().allowTF32CuBLAS()) {
-    at::globalContext().setAllowTF32CuDNN(false);
-    at::globalContext().setAllowTF32CuBLAS(false);
-  }
-  ~NoTf32() {
-    at::globalContext().setAllowTF32CuDNN(cudnn_);
-    at::globalContext().setAllowTF32CuBLAS(matmul_);
-  }
-  bool cudnn_, matmul_;
-};
 
 // ---------------------------------------------------------------------------- forward
 

@@ -209,6 +209,64 @@ TEST(MemoryEstimate, OneProcessIsNoShard) {
   EXPECT_EQ(plain.param_bytes, 4 * trainable_numel(*unet));
 }
 
+TEST(MemoryEstimate, OffloadMovesTheOptimizerSideToTheHost) {
+  UNet unet = tiny_unet();
+  for (int N : {1, 2, 3}) {
+    for (const auto strategy : kSharded) {
+      for (bool params : {false, true}) {
+        MemoryEstimateOptions o;
+        o.num_processes = N;
+        o.strategy = strategy;
+        const auto plain = estimate_state_memory(*unet, o);
+        o.offload_optimizer = true;
+        o.offload_params = params;
+        const auto e = estimate_state_memory(*unet, o);
+        SCOPED_TRACE(std::string(difftrain::accel::to_string(strategy)) +
+                     " N=" + std::to_string(N) + (params ? " + params" : ""));
+        // One process keeps the strategy: the engine runs for the offload.
+        EXPECT_EQ(e.strategy, strategy);
+        EXPECT_TRUE(e.offload_optimizer);
+        EXPECT_EQ(e.offload_params, params && strategy == ShardingStrategy::kFullShard);
+        const int64_t Sh = e.shard_params, Ppad = e.padded_params;
+        EXPECT_EQ(e.optimizer_bytes, 0);
+        EXPECT_EQ(e.host_bytes, 4 * Sh + 4 * Sh + 8 * Sh);  // master, its gradient, AdamW
+        if (N > 1) {
+          // The optimizer side that left the device is what the host holds; FULL_SHARD without
+          // parameter offload keeps one more copy of the shards on the device, for its gathers.
+          const bool device_copy = strategy == ShardingStrategy::kFullShard && !e.offload_params;
+          EXPECT_EQ(plain.param_bytes + plain.grad_bytes + plain.optimizer_bytes +
+                        (device_copy ? 4 * Sh : 0),
+                    e.param_bytes + e.grad_bytes + e.host_bytes);
+        }
+        switch (strategy) {
+          case ShardingStrategy::kShardOptimizer:
+            EXPECT_EQ(e.param_bytes, 4 * Ppad);
+            EXPECT_EQ(e.grad_bytes, 4 * Ppad);
+            break;
+          case ShardingStrategy::kShardGradOp:
+            EXPECT_EQ(e.param_bytes, 4 * Ppad);
+            EXPECT_EQ(e.grad_bytes, 0);
+            EXPECT_EQ(e.grad_peak_bytes, 4 * Ppad);
+            break;
+          default:
+            EXPECT_EQ(e.param_bytes, e.offload_params ? 0 : 4 * Sh);
+            EXPECT_EQ(e.grad_bytes, 0);
+        }
+      }
+    }
+  }
+  // NO_SHARD rows of a comparison are without offload; a parameter offload alone is refused.
+  MemoryEstimateOptions o;
+  o.num_processes = 2;
+  o.offload_optimizer = true;
+  const auto none = estimate_state_memory(*unet, o);
+  EXPECT_FALSE(none.offload_optimizer);
+  EXPECT_EQ(none.host_bytes, 0);
+  o.offload_optimizer = false;
+  o.offload_params = true;
+  EXPECT_THROW(estimate_state_memory(*unet, o), difftrain::Error);
+}
+
 TEST(MemoryEstimate, LoraTrainsTheAdaptersAndCountsTheBaseAsFrozen) {
   UNet unet = tiny_unet();
   int64_t base = 0;

@@ -132,6 +132,9 @@ TEST(ShardingConfig, DeepSpeedWarnsEveryUnhonouredKeyOnce) {
       "stage3_new_knob": 1, "bucket_magic": 3}})",
                                         "ds.json");
   EXPECT_EQ(c.sharding.strategy, ShardingStrategy::kFullShard);
+  // Offload is honoured (pin_memory and nvme_path pass quietly; nvme runs as cpu, warned).
+  EXPECT_TRUE(c.sharding.offload_optimizer);
+  EXPECT_TRUE(c.sharding.offload_params);
   expect_one_line_each(c, "ds.json");
   const std::vector<std::string> expected = {
       "fp16.loss_scale=128: static loss scales are not supported",
@@ -139,8 +142,8 @@ TEST(ShardingConfig, DeepSpeedWarnsEveryUnhonouredKeyOnce) {
       "scheduler=\"WarmupLR\": not used: difftrain's own schedule",
       "steps_per_print=10: difftrain prints progress every --logging_steps",
       "zero_optimisation={\"stage\":2}: unknown key",
-      "zero_optimization.offload_optimizer.device=\"cpu\": offload is not supported",
-      "zero_optimization.offload_param.device=\"nvme\": offload is not supported",
+      "zero_optimization.offload_param.device=\"nvme\": NVMe offload is not supported: "
+      "offloading to CPU memory instead",
       "zero_optimization.overlap_comm=true: no effect",
       "zero_optimization.contiguous_gradients=true: no effect",
       "zero_optimization.reduce_bucket_size=500000000: no effect",
@@ -298,10 +301,11 @@ fsdp_config:
   fsdp_shard_everything: true
 )",
                                          "acc.yaml");
+  EXPECT_TRUE(c.sharding.offload_optimizer);  // FULL_SHARD, Accelerate's default: both
+  EXPECT_TRUE(c.sharding.offload_params);
   expect_one_line_each(c, "acc.yaml");
   const std::vector<std::string> expected = {
       "num_procesess=2: unknown key",
-      "fsdp_config.fsdp_offload_params=true: offload is not supported",
       "fsdp_config.fsdp_activation_checkpointing=true: not applied: use `difftrain train "
       "--gradient_checkpointing`",
       "fsdp_config.fsdp_state_dict_type=FULL_STATE_DICT: difftrain always writes sharded "
@@ -346,9 +350,9 @@ deepspeed_config:
   EXPECT_EQ(inline_section.gradient_accumulation_steps.value_or(0), 2);
   EXPECT_DOUBLE_EQ(inline_section.gradient_clipping.value_or(0), 1.5);
   EXPECT_EQ(inline_section.mixed_precision.value_or("?"), "fp16");
-  ASSERT_EQ(inline_section.warnings.size(), 1u) << all_lines(inline_section.warnings);
-  EXPECT_HAS(inline_section.warnings[0],
-             "ds.yaml: deepspeed_config.offload_optimizer_device=cpu: offload is not supported");
+  EXPECT_TRUE(inline_section.warnings.empty()) << all_lines(inline_section.warnings);
+  EXPECT_TRUE(inline_section.sharding.offload_optimizer);
+  EXPECT_FALSE(inline_section.sharding.offload_params);
 
   // deepspeed_config_file is relative to the YAML's folder, not the working directory.
   const auto dir = temp_dir("sharding_config_ds");
@@ -448,6 +452,7 @@ TEST(ShardingConfig, ShardingEnvRoundTripsThroughFromEnv) {
   o.forward_prefetch = false;
   o.backward_prefetch = false;
   o.sync_each_batch = true;
+  o.offload_optimizer = true;
   const auto env = difftrain::settings::sharding_env(o);
   const std::vector<std::pair<std::string, std::string>> expected = {
       {"DIFFTRAIN_SHARDING_STRATEGY", "SHARD_GRAD_OP"},
@@ -457,6 +462,8 @@ TEST(ShardingConfig, ShardingEnvRoundTripsThroughFromEnv) {
       {"DIFFTRAIN_FSDP_FORWARD_PREFETCH", "false"},
       {"DIFFTRAIN_FSDP_BACKWARD_PREFETCH", "false"},
       {"DIFFTRAIN_SYNC_EACH_BATCH", "true"},
+      {"DIFFTRAIN_OFFLOAD_OPTIMIZER_DEVICE", "cpu"},
+      {"DIFFTRAIN_OFFLOAD_PARAM_DEVICE", "none"},
   };
   EXPECT_EQ(env, expected);
 
@@ -474,6 +481,8 @@ TEST(ShardingConfig, ShardingEnvRoundTripsThroughFromEnv) {
   EXPECT_FALSE(back.forward_prefetch);
   EXPECT_FALSE(back.backward_prefetch);
   EXPECT_TRUE(back.sync_each_batch);
+  EXPECT_TRUE(back.offload_optimizer);
+  EXPECT_FALSE(back.offload_params);
 
   ::setenv("DIFFTRAIN_SHARDING_STRATEGY", "zero4", 1);
   EXPECT_HAS(error_of([] { ShardingOptions::from_env(); }),
@@ -486,6 +495,63 @@ TEST(ShardingConfig, ShardingEnvRoundTripsThroughFromEnv) {
   ::setenv("DIFFTRAIN_SYNC_EACH_BATCH", "perhaps", 1);
   EXPECT_HAS(error_of([] { ShardingOptions::from_env(); }),
              "DIFFTRAIN_SYNC_EACH_BATCH='perhaps' is not a boolean");
+  ::setenv("DIFFTRAIN_SYNC_EACH_BATCH", "false", 1);
+  ::setenv("DIFFTRAIN_OFFLOAD_PARAM_DEVICE", "nvme", 1);
+  EXPECT_HAS(error_of([] { ShardingOptions::from_env(); }),
+             "DIFFTRAIN_OFFLOAD_PARAM_DEVICE: 'nvme': NVMe offload is not supported; use cpu");
+}
+
+TEST(ShardingConfig, OffloadDevicesAndTheirCombinations) {
+  using difftrain::settings::check_offload;
+  using difftrain::settings::parse_offload_device;
+  EXPECT_FALSE(parse_offload_device("none", "x"));
+  EXPECT_FALSE(parse_offload_device("", "x"));
+  EXPECT_TRUE(parse_offload_device("cpu", "x"));
+  EXPECT_TRUE(parse_offload_device("CPU", "x"));
+  EXPECT_HAS(error_of([] { parse_offload_device("gpu", "--offload_param_device"); }),
+             "--offload_param_device: 'gpu' is not an offload device; use none or cpu");
+  ShardingOptions o;
+  o.offload_optimizer = true;
+  EXPECT_HAS(error_of([&] { check_offload(o); }),
+             "offload_optimizer_device cpu needs a sharding strategy (ZeRO stage 1-3)");
+  for (auto s : {ShardingStrategy::kShardOptimizer, ShardingStrategy::kShardGradOp,
+                 ShardingStrategy::kFullShard}) {
+    o.strategy = s;
+    EXPECT_NO_THROW(check_offload(o));
+  }
+  o.offload_params = true;
+  EXPECT_NO_THROW(check_offload(o));  // FULL_SHARD
+  o.strategy = ShardingStrategy::kShardGradOp;
+  EXPECT_HAS(error_of([&] { check_offload(o); }),
+             "offload_param_device cpu needs FULL_SHARD (ZeRO-3): under SHARD_GRAD_OP");
+  o.strategy = ShardingStrategy::kFullShard;
+  o.offload_optimizer = false;
+  EXPECT_HAS(error_of([&] { check_offload(o); }),
+             "offload_param_device cpu needs offload_optimizer_device cpu too");
+
+  // DeepSpeed's old cpu_offload flag, and FSDP's offload_params per strategy.
+  EXPECT_TRUE(parse_deepspeed_config(R"({"zero_optimization": {"stage": 2, "cpu_offload": true}})",
+                                     "old.json")
+                  .sharding.offload_optimizer);
+  const auto zero2 = parse_accelerate_config(
+      "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n"
+      "  fsdp_offload_params: true\n",
+      "a.yaml");
+  EXPECT_TRUE(zero2.sharding.offload_optimizer);
+  EXPECT_FALSE(zero2.sharding.offload_params);  // the full parameters stay on the device
+  EXPECT_TRUE(zero2.warnings.empty()) << all_lines(zero2.warnings);
+  const auto none = parse_accelerate_config(
+      "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: NO_SHARD\n"
+      "  fsdp_offload_params: true\n",
+      "a.yaml");
+  EXPECT_FALSE(none.sharding.offload_optimizer);
+  ASSERT_EQ(none.warnings.size(), 1u);
+  EXPECT_HAS(none.warnings[0], "fsdp_offload_params=true: offload needs a sharded strategy");
+  const auto partial = parse_deepspeed_config(
+      R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}})",
+      "p.json");
+  ASSERT_EQ(partial.warnings.size(), 1u);
+  EXPECT_HAS(partial.warnings[0], "zero_optimization.offload_optimizer.ratio=0.3: no effect");
 }
 
 // Linear(4, 8): 40 parameters, Linear(8, 8): 72, Linear(8, 2): 18; 130 in all.

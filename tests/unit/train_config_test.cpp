@@ -258,9 +258,12 @@ TEST(TrainConfig, AccelerateConfigFileFillsShardingOptions) {
   EXPECT_FALSE(c.fsdp_backward_prefetch);
   EXPECT_EQ(c.fsdp_min_num_params, 77);
   EXPECT_EQ(c.mixed_precision, "bf16");
-  ASSERT_EQ(c.warnings.size(), 2u) << ::testing::PrintToString(c.warnings);
-  EXPECT_HAS(c.warnings[0], "fsdp_config.fsdp_offload_params=true: offload is not supported");
-  EXPECT_EQ(c.warnings[1], "--fsdp_min_num_params=77 (set explicitly) wins over 5000 from " + yaml);
+  // fsdp_offload_params under FULL_SHARD: optimizer and parameters in host memory.
+  EXPECT_EQ(c.offload_optimizer_device, "cpu");
+  EXPECT_EQ(c.offload_param_device, "cpu");
+  EXPECT_TRUE(c.sharding_options().offload_params);
+  ASSERT_EQ(c.warnings.size(), 1u) << ::testing::PrintToString(c.warnings);
+  EXPECT_EQ(c.warnings[0], "--fsdp_min_num_params=77 (set explicitly) wins over 5000 from " + yaml);
   EXPECT_EQ(c.fsdp_auto_wrap_policy, "NO_WRAP");  // the file did not say: no warning
 }
 

@@ -32,6 +32,9 @@ struct StateMemory {
   int64_t grad_peak_bytes = 0;
   int64_t optimizer_bytes = 0;     ///< optimizer state (moments, scales)
   int64_t frozen_param_bytes = 0;  ///< parameters that do not train (replicated)
+  /// ZeRO-Offload: this rank's state in host memory (fp32 master shards, their gradients, the
+  /// optimizer state); the fields above then count the device's only.
+  int64_t host_bytes = 0;
 };
 
 /// StateMemory of parameters that are whole on every rank (no sharding): trainable ones count as

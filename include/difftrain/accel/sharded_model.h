@@ -42,6 +42,13 @@ struct ShardingStats {
 /// finish() waits and leaves this rank's gradient shard in shard_parameters()[u].grad(); under
 /// SHARD_GRAD_OP / FULL_SHARD the full gradient buffers are then freed.
 ///
+/// Offload (ShardingOptions::offload_optimizer, ZeRO-Offload): the shard parameters, their
+/// gradients and the shard optimizer live in host memory (pinned on CUDA) and the optimizer steps
+/// there; each finished gradient shard is copied to the host, and after the step the updated
+/// shards are copied back in the parameters' dtype and gathered. Under FULL_SHARD a device copy
+/// of each shard stays for the gathers, unless offload_params: then each gather copies from the
+/// host. On a CPU-only build the same code runs with the CPU as the device.
+///
 /// The Accelerator drives it through GradSync: each rank holds its shard of the averaged
 /// gradients (shards_gradients() true), make_optimizer() gives it the shard optimizer and
 /// checkpoint_state() the sharded checkpoints.
@@ -153,6 +160,8 @@ class ShardedModel final : public GradSync {
   void bind_grads(size_t u);
   void free_grad_buffer(size_t u);
   void prefetch_after(size_t u, bool backward);
+  torch::Tensor gather_source(size_t u);
+  torch::Tensor host_copy(const torch::Tensor& t) const;
   bool reducing() const { return sync_ || options_.sync_each_batch; }
   void track(int64_t& current, int64_t& peak, int64_t delta);
 
@@ -180,6 +189,8 @@ class ShardedModel final : public GradSync {
   std::vector<size_t> forward_order_, last_forward_order_;
   static constexpr size_t kInFlight = 2;
   std::deque<size_t> in_flight_;  // units whose reduction runs, oldest first
+  bool offload_ = false;          // master shards, gradients and optimizer state on the host
+  bool offload_params_ = false;   // FULL_SHARD: no device copy of the shards either
   StateMemory mem_;
   ShardingStats stats_;
   std::recursive_mutex mutex_;

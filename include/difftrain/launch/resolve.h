@@ -24,6 +24,9 @@ struct LaunchFlags {
   std::string sharding_strategy;
   /// --deepspeed_config_file ("" = none).
   std::string deepspeed_config_file;
+  /// --offload_optimizer_device / --offload_param_device (none | cpu; used when given).
+  std::string offload_optimizer_device;
+  std::string offload_param_device;
 };
 
 /// The options `difftrain launch` runs with, by the one merge of

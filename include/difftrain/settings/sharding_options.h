@@ -62,14 +62,34 @@ struct ShardingOptions {
   /// gradient shard (less memory, more communication), instead of accumulating full gradients
   /// locally and reducing once per update (Accelerate's sync_each_batch).
   bool sync_each_batch = false;
+  /// ZeRO-Offload (DeepSpeed's offload_optimizer.device "cpu", Accelerate's
+  /// offload_optimizer_device / fsdp_offload_params): each rank's fp32 master shards, their
+  /// gradients and the optimizer state live in host memory; the optimizer steps on the CPU and
+  /// the updated shards return to the device in the parameters' dtype. Needs a strategy other
+  /// than NO_SHARD (with one process too: the engine then shards over a world of one).
+  bool offload_optimizer = false;
+  /// FULL_SHARD with offload_optimizer only (DeepSpeed's offload_param.device "cpu"): no
+  /// parameter shard stays on the device; each unit is copied from the host shard and gathered
+  /// for its forward and backward, and freed after.
+  bool offload_params = false;
 
   /// Reads the DIFFTRAIN_SHARDING_STRATEGY, DIFFTRAIN_FSDP_AUTO_WRAP_POLICY,
   /// DIFFTRAIN_FSDP_TRANSFORMER_CLS_TO_WRAP (comma-separated), DIFFTRAIN_FSDP_MIN_NUM_PARAMS,
-  /// DIFFTRAIN_FSDP_FORWARD_PREFETCH, DIFFTRAIN_FSDP_BACKWARD_PREFETCH and
-  /// DIFFTRAIN_SYNC_EACH_BATCH environment variables (set by `difftrain launch`) over `base`.
+  /// DIFFTRAIN_FSDP_FORWARD_PREFETCH, DIFFTRAIN_FSDP_BACKWARD_PREFETCH,
+  /// DIFFTRAIN_SYNC_EACH_BATCH, DIFFTRAIN_OFFLOAD_OPTIMIZER_DEVICE and
+  /// DIFFTRAIN_OFFLOAD_PARAM_DEVICE ("none" | "cpu") environment variables (set by `difftrain
+  /// launch`) over `base`.
   static ShardingOptions from_env(const ShardingOptions& base);
   /// from_env() over the defaults.
   static ShardingOptions from_env();
 };
+
+/// Reads an offload device as DeepSpeed and Accelerate name it: "none" (or "" / "false") -> false,
+/// "cpu" (or "true") -> true. "nvme" and anything else throw difftrain::Error naming `origin`.
+bool parse_offload_device(const std::string& text, const std::string& origin);
+
+/// Throws difftrain::Error (one line, the fix included) when `options` cannot run: offload under
+/// NO_SHARD, parameter offload without FULL_SHARD or without optimizer offload.
+void check_offload(const ShardingOptions& options);
 
 }  // namespace difftrain::settings

@@ -45,6 +45,14 @@ struct MemoryEstimateOptions {
   /// otherwise the trainer caches the captions' embeddings and releases them, and they are not
   /// counted.
   bool train_text_encoder = false;
+  /// ZeRO-Offload (the trainer's --offload_optimizer_device cpu): master shards, their
+  /// gradients and the optimizer state counted as host bytes. Applies to the sharded
+  /// strategies (the NO_SHARD row of a comparison is without it); with one process the
+  /// requested strategy is kept, as the trainer keeps it.
+  bool offload_optimizer = false;
+  /// FULL_SHARD (with offload_optimizer): no device copy of the parameter shards
+  /// (--offload_param_device cpu). Other strategies' rows are without it.
+  bool offload_params = false;
   /// Per-process batch; activations are measured at batch 1 and scaled linearly.
   int64_t batch_size = 1;
   /// Height = width of the UNet input (the latent size for latent models: 64 for SD-1.5 at
@@ -64,6 +72,10 @@ struct MemoryEstimateOptions {
 ///                    optimizer over one parameter of S_u elements per unit
 ///   SHARD_GRAD_OP    params as ZeRO-1; grads 4·Sh, peak 4·Sh + 4·Ppad; optimizer as ZeRO-1
 ///   FULL_SHARD       params 4·Sh, peak 4·Sh + 4·(Uroot + 2·Umax); grads, optimizer as ZeRO-2
+/// With offload_optimizer, 4·Sh (master shards) + 4·Sh (their gradients) + the optimizer state are
+/// host_bytes instead, and the device keeps: ZeRO-1 params 4·Ppad, grads 4·Ppad; ZeRO-2 params
+/// 4·Ppad, grads 0 (peak 4·Ppad); ZeRO-3 params 4·Sh (0 with offload_params; peak + the gathered
+/// units), grads 0 (peak 4·Ppad); optimizer 0.
 /// The *_peak values are upper bounds; the others are what is held between steps.
 struct MemoryEstimate {
   int num_processes = 1;
@@ -77,6 +89,10 @@ struct MemoryEstimate {
   /// Parameters that do not train (the UNet under LoRA), replicated on every rank, in their
   /// dtype.
   int64_t frozen_param_bytes = 0;
+  /// Offload: this rank's state in host memory (the fields above are then the device's).
+  int64_t host_bytes = 0;
+  bool offload_optimizer = false;  ///< as estimated (false for NO_SHARD rows)
+  bool offload_params = false;
   /// Measured for batch_size (see measure_activation_bytes); 0 from estimate_state_memory().
   int64_t activation_bytes = 0;
   /// P, and the frozen parameters' elements.
@@ -88,7 +104,8 @@ struct MemoryEstimate {
   /// accel::plan_units() of the trainable module under the options' auto-wrap policy.
   std::vector<accel::UnitPlan> units;
 
-  /// param_peak + grad_peak + optimizer + frozen + activation bytes.
+  /// param_peak + grad_peak + optimizer + frozen + activation bytes (the device's; host_bytes
+  /// apart).
   int64_t total_peak_bytes() const;
 };
 

@@ -169,6 +169,12 @@ struct TrainConfig {
   bool fsdp_forward_prefetch = true;
   bool fsdp_backward_prefetch = true;  ///< BACKWARD_PRE when true, NO_PREFETCH when false
   bool sync_each_batch = false;        ///< reduce-scatter every micro-step under accumulation
+  /// none | cpu: ZeRO-Offload of the fp32 master shards, their gradients and the optimizer state
+  /// to host memory, the step on the CPU (Accelerate's --offload_optimizer_device; needs a
+  /// sharding strategy, or one process).
+  std::string offload_optimizer_device = "none";
+  /// none | cpu: FULL_SHARD's parameter shards in host memory too (--offload_param_device).
+  std::string offload_param_device = "none";
   /// A DeepSpeed JSON config whose ZeRO stage, fp16/bf16, gradient_accumulation_steps,
   /// gradient_clipping and train_micro_batch_size_per_gpu fill the options not set explicitly.
   std::string deepspeed_config;
