@@ -74,6 +74,24 @@ TEST(QuantizedWeight, StorageNamesAndFloat8WhereTheLibTorchHasIt) {
   EXPECT_LE(rel, 0.0625 + 1e-6);
 }
 
+TEST(QuantizedWeight, OnePassDequantizationEqualsTheTensorOpsBitForBit) {
+  // The CPU int8 path writes q * scale in one pass; it must give exactly what
+  // (q.to(float32) * scale).to(dtype) gives, in float32 and bf16, for Linear and Conv shapes.
+  torch::manual_seed(4);
+  for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    for (const std::vector<int64_t>& shape :
+         std::vector<std::vector<int64_t>>{{96, 200}, {32, 16, 3, 3}, {3, 1}}) {
+      const auto q = models::quantize(torch::randn(shape).to(dtype), WeightStorage::kInt8);
+      std::vector<int64_t> view(shape.size(), 1);
+      view[0] = shape[0];
+      const auto ops = (q.q.to(torch::kFloat32) * q.scale.view(view)).to(dtype);
+      const auto fused = q.dequantize();
+      EXPECT_EQ(fused.scalar_type(), dtype);
+      EXPECT_TRUE(torch::equal(fused, ops)) << c10::toString(dtype) << " " << shape.size();
+    }
+  }
+}
+
 TEST(QuantizedWeight, LinearComputesAndBackpropagatesAsItsDequantizedWeight) {
   torch::manual_seed(2);
   models::Linear layer(torch::nn::LinearOptions(48, 40));
