@@ -20,8 +20,10 @@
 // configuration per process, and the live heap after the steps), the frozen base's bytes, the
 // trainable count and host bytes.
 
+#include "bench_util.h"
 #include "difftrain/accel/accelerator.h"
 #include "difftrain/core/error.h"
+#include "difftrain/io/flux_lora.h"
 #include "difftrain/models/flux_transformer.h"
 #include "difftrain/models/lora_training.h"
 #include "difftrain/models/quantized_weight.h"
@@ -31,10 +33,6 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
-
-#ifdef DIFFTRAIN_WITH_CUDA
-#include <c10/cuda/CUDACachingAllocator.h>
-#endif
 
 #include <malloc.h>
 
@@ -53,18 +51,6 @@ using namespace difftrain;
 double live_heap_gib() {
   const struct mallinfo2 m = mallinfo2();
   return static_cast<double>(m.uordblks + m.hblkhd) / (1 << 30);
-}
-
-double peak_rss_gib() {
-  std::ifstream status("/proc/self/status");
-  for (std::string line; std::getline(status, line);) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / (1024.0 * 1024.0);
-  }
-  return 0;
-}
-
-void synchronize(const torch::Device& device) {
-  if (device.is_cuda()) torch::cuda::synchronize(device.index());
 }
 
 double seconds_since(std::chrono::steady_clock::time_point t) {
@@ -122,7 +108,6 @@ int run(int argc, char** argv) {
     models::LoraConfig lc;
     lc.rank = lora_rank;
     lc.alpha = static_cast<double>(lora_rank);
-    // Diffusers' train_dreambooth_lora_flux.py default targets (families/flux: the same list).
     lc.target_modules = {"attn.to_k",
                          "attn.to_q",
                          "attn.to_v",
@@ -186,25 +171,23 @@ int run(int argc, char** argv) {
     }
     acc.backward(loss);
     acc.clip_grad_norm_(params, 1.0);
-    synchronize(device);
+    bench::synchronize(device);
     auto t1 = std::chrono::steady_clock::now();
     fb_s += std::chrono::duration<double>(t1 - t0).count();
     opt->step();
     opt->zero_grad();
-    synchronize(device);
+    bench::synchronize(device);
     step_s += seconds_since(t1);
     return loss;
   };
   for (int64_t i = 0; i < warmup; ++i) step();
-  synchronize(device);
-#ifdef DIFFTRAIN_WITH_CUDA
-  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
-#endif
+  bench::synchronize(device);
+  bench::reset_peak_memory(device);
   fb_s = step_s = 0;
   const auto start = std::chrono::steady_clock::now();
   torch::Tensor loss;
   for (int64_t i = 0; i < steps; ++i) loss = step();
-  synchronize(device);
+  bench::synchronize(device);
   const double seconds = seconds_since(start);
 
   nlohmann::json out;
@@ -212,15 +195,7 @@ int run(int argc, char** argv) {
   out["mode"] = mode;
   out["device"] = device.str();
   out["threads"] = at::get_num_threads();
-  double peak = peak_rss_gib();
-  std::string peak_kind = "peak RSS";
-#ifdef DIFFTRAIN_WITH_CUDA
-  if (device.is_cuda()) {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
-    peak = static_cast<double>(stats.allocated_bytes[0].peak) / (1 << 30);
-    peak_kind = "max_memory_allocated";
-  }
-#endif
+  const auto peak = bench::peak_memory(device);
   const auto mem = acc.memory();
   out["blocks"] = {fo.num_layers(), fo.num_single_layers()};
   out["width"] = fo.inner_dim();
@@ -238,8 +213,8 @@ int run(int argc, char** argv) {
   out["ms_per_step"] = 1000.0 * seconds / static_cast<double>(steps);
   out["ms_forward_backward"] = 1000.0 * fb_s / static_cast<double>(steps);
   out["ms_optimizer"] = 1000.0 * step_s / static_cast<double>(steps);
-  out["peak_mem_gib"] = peak;
-  out["peak_mem_kind"] = peak_kind;
+  out["peak_mem_gib"] = peak.gib;
+  out["peak_mem_kind"] = peak.kind;
   // CPU: what the heap holds after the timed steps (weights, adapters, optimizer state; the
   // peak RSS above includes building the model in fp32 before it is cast or quantized).
   out["live_heap_gib"] = live_heap_gib();
@@ -251,10 +226,5 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_flux_step: %s\n", e.what());
-    return 1;
-  }
+  return difftrain::bench::run_main("bench_flux_step", [&] { return run(argc, argv); });
 }

@@ -20,6 +20,7 @@
 // caching allocator's peak allocated bytes, torch.cuda.max_memory_allocated; CPU: peak RSS),
 // parameter counts and the device.
 
+#include "bench_util.h"
 #include "difftrain/accel/accelerator.h"
 #include "difftrain/core/error.h"
 #include "difftrain/diffusion/noise_scheduler.h"
@@ -31,11 +32,6 @@
 #include <torch/csrc/autograd/profiler_legacy.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
-
-#ifdef DIFFTRAIN_WITH_CUDA
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDACachingAllocator.h>
-#endif
 
 #include <nlohmann/json.hpp>
 
@@ -50,18 +46,6 @@
 namespace {
 
 using namespace difftrain;
-
-double peak_rss_gib() {
-  std::ifstream status("/proc/self/status");
-  for (std::string line; std::getline(status, line);) {
-    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / (1024.0 * 1024.0);
-  }
-  return 0;
-}
-
-void synchronize(const torch::Device& device) {
-  if (device.is_cuda()) torch::cuda::synchronize(device.index());
-}
 
 int run(int argc, char** argv) {
   std::map<std::string, std::string> args;
@@ -169,10 +153,8 @@ int run(int argc, char** argv) {
     return loss;
   };
   for (int64_t i = 0; i < warmup; ++i) step();
-  synchronize(device);
-#ifdef DIFFTRAIN_WITH_CUDA
-  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
-#endif
+  bench::synchronize(device);
+  bench::reset_peak_memory(device);
   const auto start = std::chrono::steady_clock::now();
   torch::Tensor loss;
   {
@@ -181,7 +163,7 @@ int run(int argc, char** argv) {
       profile = std::make_unique<torch::autograd::profiler::RecordProfile>(get("profile", ""));
     }
     for (int64_t i = 0; i < steps; ++i) loss = step();
-    synchronize(device);
+    bench::synchronize(device);
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -190,16 +172,8 @@ int run(int argc, char** argv) {
   out["impl"] = "difftrain";
   out["config"] = config_path;
   out["device"] = device.str();
-  double peak = peak_rss_gib();
-  std::string peak_kind = "peak RSS";
-#ifdef DIFFTRAIN_WITH_CUDA
-  if (device.is_cuda()) {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
-    peak = static_cast<double>(stats.allocated_bytes[0].peak) / (1 << 30);
-    peak_kind = "max_memory_allocated";
-    out["device_name"] = at::cuda::getDeviceProperties(device.index())->name;
-  }
-#endif
+  const auto peak = bench::peak_memory(device);
+  if (!peak.device_name.empty()) out["device_name"] = peak.device_name;
   out["batch"] = batch;
   out["resolution"] = resolution;
   out["mixed_precision"] = precision;
@@ -210,8 +184,8 @@ int run(int argc, char** argv) {
   out["steps"] = steps;
   out["samples_per_s"] = static_cast<double>(steps * batch) / seconds;
   out["ms_per_step"] = 1000.0 * seconds / static_cast<double>(steps);
-  out["peak_mem_gib"] = peak;
-  out["peak_mem_kind"] = peak_kind;
+  out["peak_mem_gib"] = peak.gib;
+  out["peak_mem_kind"] = peak.kind;
   out["final_loss"] = loss.item<double>();
   std::cout << out.dump() << std::endl;
   return 0;
@@ -220,10 +194,5 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_unet_step: %s\n", e.what());
-    return 1;
-  }
+  return difftrain::bench::run_main("bench_unet_step", [&] { return run(argc, argv); });
 }

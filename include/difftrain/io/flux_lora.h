@@ -19,8 +19,28 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 namespace difftrain::io {
+
+/// The transformer's LoRA targets of Diffusers' train_dreambooth_lora_flux.py (HEAD) default
+/// --lora_layers, matched by suffix (PEFT's rule): every attention projection of both block kinds
+/// and the double blocks' feed-forwards. The trainer's default, and the benchmarks'.
+inline const std::vector<std::string>& diffusers_flux_lora_targets() {
+  static const std::vector<std::string> targets = {"attn.to_k",
+                                                   "attn.to_q",
+                                                   "attn.to_v",
+                                                   "attn.to_out.0",
+                                                   "attn.add_k_proj",
+                                                   "attn.add_q_proj",
+                                                   "attn.add_v_proj",
+                                                   "attn.to_add_out",
+                                                   "ff.net.0.proj",
+                                                   "ff.net.2",
+                                                   "ff_context.net.0.proj",
+                                                   "ff_context.net.2"};
+  return targets;
+}
 
 /// The sizes of the FluxTransformer2DModel a LoRA is for.
 struct FluxLoraDims {

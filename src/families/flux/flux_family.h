@@ -2,6 +2,7 @@
 // Private to src/families/flux: the FLUX.1 family's parts behind ModelFamily (family.cpp).
 
 #include "difftrain/families/family.h"
+#include "difftrain/io/flux_lora.h"
 #include "difftrain/models/flux_transformer.h"
 #include "difftrain/models/quantized_weight.h"
 #include "difftrain/models/t5_encoder.h"
@@ -15,23 +16,10 @@ namespace difftrain::families::flux {
 /// The transformer folder of `dir`: dir/transformer in a pipeline folder, else `dir`.
 std::string flux_transformer_dir(const std::string& dir);
 
-/// The transformer's LoRA targets when none are given: Diffusers' train_dreambooth_lora_flux.py
-/// (HEAD) default --lora_layers, matched by suffix (PEFT's rule): every attention projection of
-/// both block kinds and the double blocks' feed-forwards.
+/// The transformer's LoRA targets when none are given: Diffusers' FLUX script's default
+/// --lora_layers (io/flux_lora.h).
 inline const std::vector<std::string>& default_flux_lora_targets() {
-  static const std::vector<std::string> targets = {"attn.to_k",
-                                                   "attn.to_q",
-                                                   "attn.to_v",
-                                                   "attn.to_out.0",
-                                                   "attn.add_k_proj",
-                                                   "attn.add_q_proj",
-                                                   "attn.add_v_proj",
-                                                   "attn.to_add_out",
-                                                   "ff.net.0.proj",
-                                                   "ff.net.2",
-                                                   "ff_context.net.0.proj",
-                                                   "ff_context.net.2"};
-  return targets;
+  return io::diffusers_flux_lora_targets();
 }
 
 /// The FLUX.1 training task (flux_task.cpp): LoRA (transformer, optionally CLIP), DreamBooth and
