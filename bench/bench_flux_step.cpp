@@ -108,18 +108,7 @@ int run(int argc, char** argv) {
     models::LoraConfig lc;
     lc.rank = lora_rank;
     lc.alpha = static_cast<double>(lora_rank);
-    lc.target_modules = {"attn.to_k",
-                         "attn.to_q",
-                         "attn.to_v",
-                         "attn.to_out.0",
-                         "attn.add_k_proj",
-                         "attn.add_q_proj",
-                         "attn.add_v_proj",
-                         "attn.to_add_out",
-                         "ff.net.0.proj",
-                         "ff.net.2",
-                         "ff_context.net.0.proj",
-                         "ff_context.net.2"};
+    lc.target_modules = io::diffusers_flux_lora_targets();  // Diffusers' FLUX script's
     lora = models::LoraLayers(*model, lc);
     trainable = lora.ptr();
     for (const auto& p : model->parameters()) {
