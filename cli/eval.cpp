@@ -25,12 +25,15 @@ CLI::App* add_eval_command(CLI::App& app) {
   cmd->add_option("--num_inference_steps", g_options.num_inference_steps,
                   "DDIM steps (default 50)");
   cmd->add_option("--seed", g_options.seed, "Sampling seed (default 0)");
+  cmd->add_option("--guidance_scale", g_options.guidance_scale,
+                  "Classifier-free guidance against the null class (default 1: none; needs a "
+                  "model trained with --class_dropout_prob)");
   cmd->add_option("--data_dir", g_options.data_dir,
                   "Fashion-MNIST IDX folder (default /usr/share/datasets/fashion-mnist)");
   cmd->add_option("--cache_dir", g_options.cache_dir,
                   "Where the classifier is cached (default ~/.cache/difftrain)");
   cmd->add_option("--classifier_epochs", g_options.classifier_epochs,
-                  "Epochs of classifier training when not cached (default 1)");
+                  "Epochs of classifier training when not cached (default 2)");
   cmd->add_option("--classifier_train_samples", g_options.classifier_train_samples,
                   "Train the classifier on the first N images (default 0: all)");
   cmd->add_option("--test_samples", g_options.test_samples,

@@ -9,10 +9,12 @@
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/pretrained.h"
 #include "difftrain/optim/adamw.h"
+#include "difftrain/optim/lr_schedule.h"
 
 #include <torch/torch.h>
 
 #include <unistd.h>
+#include <chrono>
 #include <cstdlib>
 
 #include <filesystem>
@@ -21,20 +23,25 @@ namespace difftrain::train {
 namespace fs = std::filesystem;
 
 ClassifierImpl::ClassifierImpl() {
-  conv1_ =
-      register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 3).padding(1)));
-  conv2_ =
-      register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 3).padding(1)));
-  conv3_ =
-      register_module("conv3", torch::nn::Conv2d(torch::nn::Conv2dOptions(64, 128, 3).padding(1)));
+  auto conv = [&](const char* name, int64_t in, int64_t out) {
+    return register_module(name,
+                           torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).padding(1)));
+  };
+  conv1_ = conv("conv1", 1, 16);
+  conv2_ = conv("conv2", 16, 32);
+  conv3_ = conv("conv3", 32, 64);
+  norm1_ = register_module("norm1", torch::nn::BatchNorm2d(16));
+  norm2_ = register_module("norm2", torch::nn::BatchNorm2d(32));
+  norm3_ = register_module("norm3", torch::nn::BatchNorm2d(64));
+  dense_ = register_module("dense", torch::nn::Linear(64 * 4 * 4, 128));
   fc_ = register_module("fc", torch::nn::Linear(128, 10));
 }
 
 torch::Tensor ClassifierImpl::features(const torch::Tensor& x) {
-  auto h = torch::max_pool2d(torch::relu(conv1_(x)), 2);  // [B, 32, 16, 16]
-  h = torch::max_pool2d(torch::relu(conv2_(h)), 2);       // [B, 64, 8, 8]
-  h = torch::relu(conv3_(h));                             // [B, 128, 8, 8]
-  return h.mean({2, 3});                                  // [B, 128]
+  auto h = torch::max_pool2d(torch::relu(norm1_(conv1_(x))), 2);  // [B, 16, 16, 16]
+  h = torch::max_pool2d(torch::relu(norm2_(conv2_(h))), 2);       // [B, 32, 8, 8]
+  h = torch::max_pool2d(torch::relu(norm3_(conv3_(h))), 2);       // [B, 64, 4, 4]
+  return torch::relu(dense_(h.flatten(1)));                       // [B, 128]
 }
 
 torch::Tensor ClassifierImpl::forward(const torch::Tensor& x) { return fc_(features(x)); }
@@ -89,7 +96,7 @@ torch::Tensor batched_features(Classifier& net, const torch::Tensor& x, torch::T
 Classifier train_or_load_classifier(const EvalOptions& o, accel::Accelerator& acc) {
   const std::string cache = o.cache_dir.empty() ? user_cache_dir() : o.cache_dir;
   const std::string path =
-      (fs::path(cache) / ("fashion_mnist_classifier_e" + std::to_string(o.classifier_epochs) +
+      (fs::path(cache) / ("fashion_mnist_classifier_v3_e" + std::to_string(o.classifier_epochs) +
                           "_n" + std::to_string(o.classifier_train_samples) + ".safetensors"))
           .string();
   Classifier net;
@@ -108,14 +115,22 @@ Classifier train_or_load_classifier(const EvalOptions& o, accel::Accelerator& ac
   mo.limit = o.classifier_train_samples;
   auto dataset = std::make_shared<data::MnistDataset>(mo);
   data::DataLoaderOptions lo;
-  lo.batch_size = 64;
+  lo.batch_size = 128;
   lo.shuffle = true;
   lo.seed = o.seed;
   auto loader = acc.prepare_data_loader(std::make_shared<data::DataLoader>(dataset, lo));
   acc.prepare_module(*net);
-  auto opt = acc.prepare_optimizer(std::make_shared<optim::AdamW>(
-      net->parameters(), torch::optim::AdamWOptions(2e-3).weight_decay(1e-4)));
+  auto adamw = std::make_shared<optim::AdamW>(net->parameters(),
+                                              torch::optim::AdamWOptions(6e-3).weight_decay(1e-4));
+  auto opt = acc.prepare_optimizer(adamw);
+  // One cycle: a tenth of the updates warming up, then a cosine decay to 0.
+  optim::LRScheduleOptions so;
+  so.name = "cosine";
+  so.num_training_steps = loader->size() * o.classifier_epochs;
+  so.num_warmup_steps = so.num_training_steps / 10;
+  optim::LRScheduler schedule(*adamw, so);
   net->train();
+  const auto started = std::chrono::steady_clock::now();
   for (int64_t epoch = 0; epoch < o.classifier_epochs; ++epoch) {
     loader->set_epoch(epoch);
     double total = 0;
@@ -127,11 +142,14 @@ Classifier train_or_load_classifier(const EvalOptions& o, accel::Accelerator& ac
       acc.backward(loss);
       opt->step();
       opt->zero_grad();
+      schedule.step();
       total += loss.item<double>();
       ++n;
     }
     acc.print("classifier: epoch {} loss {:.4f}", epoch + 1, total / std::max<int64_t>(n, 1));
   }
+  acc.print("classifier: trained in {:.1f} s",
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
   net->eval();
   if (acc.is_main_process()) {
     if (fs::create_directories(cache)) {
@@ -157,6 +175,11 @@ nlohmann::json evaluate_model(const EvalOptions& o) {
         "10 class embeddings); " +
         o.model + " is not one");
   }
+  if (o.guidance_scale > 1 && *uc.num_class_embeds < 11) {
+    throw Error("--guidance_scale > 1 needs a null class after the 10 garment classes; " + o.model +
+                " has num_class_embeds " + std::to_string(*uc.num_class_embeds) +
+                " (train it with --class_dropout_prob, e.g. 0.1)");
+  }
   Classifier net = train_or_load_classifier(o, acc);
   net->eval();
   nlohmann::json result;
@@ -181,6 +204,7 @@ nlohmann::json evaluate_model(const EvalOptions& o) {
     so.num_images = 10 * o.num_per_class;
     so.num_inference_steps = o.num_inference_steps;
     so.seed = o.seed;
+    so.guidance_scale = o.guidance_scale;
     for (int64_t i = 0; i < so.num_images; ++i) so.class_labels.push_back(i % 10);
     const auto images = diffusion::sample_images(*unet, *sampler, so);  // [K, 32, 32, 1] in [0, 1]
     const auto x = images.permute({0, 3, 1, 2}).mul(2).sub(1).contiguous();
@@ -195,6 +219,7 @@ nlohmann::json evaluate_model(const EvalOptions& o) {
     result = {{"model", o.model},
               {"num_images", so.num_images},
               {"num_inference_steps", o.num_inference_steps},
+              {"guidance_scale", o.guidance_scale},
               {"accuracy", correct.mean().item<double>()},
               {"per_class_accuracy", per_class},
               {"frechet_distance", frechet_distance(features, test_features)},
