@@ -130,7 +130,10 @@ std::string usage_python(const ModelCard& card) {
   std::string py = "import torch\nfrom diffusers import " + card.pipeline_class + "\n\n";
   py += "pipeline = " + card.pipeline_class + ".from_pretrained(" + py_string(model) +
         (card.torch_dtype.empty() ? "" : ", torch_dtype=" + card.torch_dtype) + ")\n";
-  py += "pipeline.to(\"cuda\" if torch.cuda.is_available() else \"cpu\")\n";
+  // Half precision is for the GPU (Diffusers' cards: .to("cuda")); fp32 runs anywhere.
+  py += card.torch_dtype.empty()
+            ? "pipeline.to(\"cuda\" if torch.cuda.is_available() else \"cpu\")\n"
+            : "pipeline.to(\"cuda\")\n";
   if (card.lora) {
     py += card.lora_loader + "(" + py_string(here) +
           ", weight_name=" + py_string(card.lora_weight_name) + card.lora_loader_args + ")\n";
