@@ -22,6 +22,7 @@
 #include "difftrain/optim/adamw8bit.h"
 #include "difftrain/optim/lr_schedule.h"
 #include "difftrain/optim/prodigy.h"
+#include "difftrain/train/model_card.h"
 #include "difftrain/train/output_folder.h"
 #include "difftrain/version.h"
 
@@ -107,6 +108,9 @@ struct Trainer::State {
   int64_t global_step = 0;
   double last_loss = 0.0;
   bool wrote_run_info = false;
+  torch::Tensor card_images;  // main rank: the last validation render, for the model card
+  std::vector<std::string> card_labels;
+  int64_t card_images_step = -1;
   std::unique_ptr<OutputDirLock> output_lock;  // main rank: held for the whole run
 
   // ------------------------------------------------------------------ setup
@@ -514,8 +518,10 @@ struct Trainer::State {
     fs::create_directories(dir);
     char name[64];
     std::snprintf(name, sizeof name, "step-%06lld.png", static_cast<long long>(global_step));
-    auto grid = io::save_image_grid((dir / name).string(), torch::cat(keep),
-                                    task->validation_labels(K), task->validation_columns());
+    card_images = torch::cat(keep), card_labels = task->validation_labels(K);
+    card_images_step = global_step;
+    auto grid = io::save_image_grid((dir / name).string(), card_images, card_labels,
+                                    task->validation_columns());
     if (trackers) trackers->log_image("validation", grid, global_step);
     log::info("validation samples{}: {} ({:.1f} s)", task->validation_note(), (dir / name).string(),
               seconds_since(started));
@@ -529,6 +535,11 @@ struct Trainer::State {
     if (acc->is_main_process()) {
       if (ema) ema->copy_to(*task->trainable());  // the export uses EMA weights
       task->export_to(out_dir);
+      auto card = task->model_card();  // README.md, with the final render's images if any
+      card.run = model_card_run(o, acc->num_processes(), accel::to_string(acc->mixed_precision()),
+                                global_step);
+      const bool fresh = card_images_step == global_step;
+      write_model_card(out_dir, card, fresh ? card_images : torch::Tensor(), card_labels);
     }
     acc->wait_for_everyone();
   }

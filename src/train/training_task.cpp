@@ -48,4 +48,13 @@ std::string parameter_summary(const torch::nn::Module& model, const torch::nn::M
   return fmt::format("parameters {} (trainable {}{})", total, trained, lora ? ", LoRA" : "");
 }
 
+ModelCard TrainingTask::model_card() const {
+  ModelCard card;
+  card.title = "difftrain " + name() + " model";
+  card.description = "A model trained with `difftrain train` (task " + name() + ").";
+  card.license = "other";
+  card.pipeline_class = "DiffusionPipeline";
+  return card;
+}
+
 }  // namespace difftrain::train

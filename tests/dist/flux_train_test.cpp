@@ -272,6 +272,14 @@ TEST(FluxTrain, DreamBoothWithPriorPreservationInBf16) {
   EXPECT_EQ(std::distance(fs::directory_iterator(dir + "/class"), fs::directory_iterator()), 2);
   EXPECT_TRUE(fs::exists(dir + "/db/samples/step-000003.png")) << db.log();
   EXPECT_NE(db.err.find("text encoders released"), std::string::npos) << db.log();
+  ExpectedCard card = {kTinyFlux, "other", {"text-to-image", "flux"}, false, "", 0, ""};
+  card.lora = true;
+  card.instance_prompt = "a photo of sks picture";
+  card.widgets = 1;
+  card.widget_text = "a photo of sks picture";
+  const auto text = expect_model_card(dir + "/db", card);
+  EXPECT_NE(text.find("FLUX.1-dev/blob/main/LICENSE.md"), std::string::npos) << text;
+  EXPECT_NE(text.find("FluxPipeline.from_pretrained("), std::string::npos) << text;
   const auto l = losses(dir + "/db");
   ASSERT_EQ(l.size(), 3u);
   for (double v : l) EXPECT_TRUE(std::isfinite(v));

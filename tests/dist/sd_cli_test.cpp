@@ -139,6 +139,13 @@ TEST(SdCli, LoraTrainingOnTwoRanksLowersLossAndExports) {
   std::cout << "loss: first 8 " << first << ", last 8 " << last << "\n";
   EXPECT_LT(last, 0.9 * first);
   EXPECT_TRUE(fs::exists(out + "/samples/step-000040.png"));
+  ExpectedCard card = {
+      kSd, "creativeml-openrail-m", {"text-to-image", "stable-diffusion"}, false, "", 0, ""};
+  card.lora = true;
+  card.widgets = 2;
+  card.widget_text = "a red square at the top left";
+  const auto text = expect_model_card(out, card);
+  EXPECT_NE(text.find("weight_name=\"pytorch_lora_weights.safetensors\""), std::string::npos);
 
   // The export holds both components in Diffusers' layout and loads in `difftrain sample`.
   auto weights = io::read_lora(out + "/pytorch_lora_weights.safetensors");
@@ -185,6 +192,12 @@ TEST(SdCli, ResumeIsExactWithPriorPreservation) {
   };
   auto straight = train(cmd(dir + "/straight", "4"));
   ASSERT_EQ(straight.exit_code, 0) << straight.log();
+  ExpectedCard card = {
+      kSd, "creativeml-openrail-m", {"text-to-image", "stable-diffusion"}, false, "", 0, ""};
+  card.lora = true;
+  card.instance_prompt = "a photo of sks square";
+  const auto text = expect_model_card(dir + "/straight", card);
+  EXPECT_NE(text.find("## Trigger words"), std::string::npos) << text;
   EXPECT_EQ(std::distance(fs::directory_iterator(dir + "/class"), fs::directory_iterator()), 3);
   auto first = train(cmd(dir + "/resumed", "2"));
   ASSERT_EQ(first.exit_code, 0) << first.log();
@@ -290,6 +303,9 @@ TEST(SdCli, FullFineTuningShardedExportsPipeline) {
   EXPECT_LE(rel, 5e-3);
   for (const char* part : {"vae", "text_encoder", "tokenizer", "scheduler", "model_index.json"})
     EXPECT_TRUE(fs::exists(dir + "/sharded/" + part)) << part;
+  expect_model_card(
+      dir + "/sharded",
+      {kSd, "creativeml-openrail-m", {"text-to-image", "stable-diffusion"}, false, "", 0, ""});
   auto s = run({kDifftrain, "sample", "--model", dir + "/sharded", "--prompt", "a red square",
                 "--num_inference_steps", "2", "--output", dir + "/s.png"});
   EXPECT_EQ(s.exit_code, 0) << s.log();

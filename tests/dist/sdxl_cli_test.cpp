@@ -270,6 +270,15 @@ TEST(SdxlCli, DreamBoothBf16AndCachedEmbeddings) {
   EXPECT_EQ(std::distance(fs::directory_iterator(dir + "/class"), fs::directory_iterator()), 2);
   EXPECT_TRUE(fs::exists(dir + "/db/samples/step-000003.png")) << db.log();
   for (double l : losses(dir + "/db")) EXPECT_TRUE(std::isfinite(l));
+  ExpectedCard card = {kXl, "openrail++", {"text-to-image", "stable-diffusion-xl"}, false, "", 0,
+                       ""};
+  card.lora = true;
+  card.instance_prompt = "a photo of sks picture";
+  card.widgets = 1;
+  card.widget_text = "a photo of sks picture";
+  const auto text = expect_model_card(dir + "/db", card);
+  EXPECT_NE(text.find("| mixed precision | bf16 |"), std::string::npos) << text;
+  EXPECT_NE(text.find("StableDiffusionXLPipeline.from_pretrained("), std::string::npos) << text;
   // bf16 holds the frozen UNet base, both text encoders and the VAE at 2 bytes per parameter.
   int64_t frozen = 0;
   for (const char* f :
@@ -312,6 +321,9 @@ TEST(SdxlCli, FullFineTuningExportsAnSdxlPipeline) {
        {"unet", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"}) {
     EXPECT_TRUE(fs::is_directory(dir + "/full/" + part)) << part;
   }
+  expect_model_card(
+      dir + "/full",
+      {kXl, "openrail++", {"text-to-image", "stable-diffusion-xl"}, false, "", 0, ""});
   auto s = run({kDifftrain, "sample", "--model", dir + "/full", "--prompt", "a red wide picture",
                 "--height", "16", "--width", "48", "--num_inference_steps", "2", "--output",
                 dir + "/full.png", "--save_tensors", dir + "/full.safetensors"},

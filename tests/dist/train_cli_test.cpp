@@ -248,6 +248,10 @@ TEST(TrainCommand, FinalValidationFollowsTheRunLength) {
   const auto short_run = train(train_cmd(dir, dir + "/auto", common));
   ASSERT_EQ(short_run.exit_code, 0) << short_run.log();
   EXPECT_FALSE(fs::exists(dir + "/auto/samples/step-000002.png")) << short_run.log();
+  // The model card of a UNet built here: no base model, licence mit, no widget without a render.
+  const ExpectedCard scratch = {"", "mit", {"unconditional-image-generation", "ddpm"}, false, "",
+                                0,  ""};
+  expect_model_card(dir + "/auto", scratch);
   EXPECT_NE(short_run.log().find("final validation skipped: the run has 2 updates, fewer than "
                                  "--validation_steps 5"),
             std::string::npos)
@@ -257,6 +261,13 @@ TEST(TrainCommand, FinalValidationFollowsTheRunLength) {
   const auto forced = train(forced_cmd);
   ASSERT_EQ(forced.exit_code, 0) << forced.log();
   EXPECT_TRUE(fs::exists(dir + "/always/samples/step-000002.png")) << forced.log();
+  // ... and with the final render: its 2 images beside the card, named by their class.
+  auto rendered = scratch;
+  rendered.widgets = 2;
+  const auto card = expect_model_card(dir + "/always", rendered);
+  EXPECT_NE(card.find("text: \"T-shirt/top\""), std::string::npos) << card;
+  EXPECT_NE(card.find("Trained from scratch: there is no base model."), std::string::npos);
+  EXPECT_NE(card.find("DDPMPipeline.from_pretrained("), std::string::npos);
   auto long_cmd = train_cmd(dir, dir + "/long", common);
   long_cmd.insert(long_cmd.end(), {"--validation_steps", "2"});
   const auto long_run = train(long_cmd);
@@ -434,6 +445,13 @@ TEST(TrainCommand, LoraFineTuningTrainsOnlyAdaptersAndExports) {
                           out},
                          2);
     ASSERT_EQ(r.exit_code, 0) << r.log();
+    ExpectedCard lora_card = {
+        dir + "/base", "other", {"unconditional-image-generation"}, false, "", 0, ""};
+    lora_card.lora = true;
+    const auto card = expect_model_card(out, lora_card);
+    EXPECT_NE(card.find("| LoRA | rank 2, alpha 4, dropout 0 |"), std::string::npos) << card;
+    EXPECT_NE(card.find("| LoRA format | " + format + " |"), std::string::npos) << card;
+    EXPECT_NE(card.find("| ranks | 2 |"), std::string::npos) << card;
     // The base folder is untouched and the checkpoint holds only adapter weights.
     EXPECT_EQ(max_abs_diff(before, unet_weights(dir + "/base")), 0.0);
     for (const auto& [key, t] :

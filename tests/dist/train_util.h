@@ -10,11 +10,14 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <yaml-cpp/yaml.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <array>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -127,6 +130,72 @@ inline ProcessResult train(const std::vector<std::string>& cmd, int ranks = 1,
   }
   argv.insert(argv.end(), cmd.begin(), cmd.end());
   return run(argv, {}, timeout);
+}
+
+// What an export's README.md model card must say (train/model_card.h).
+struct ExpectedCard {
+  std::string base_model;  ///< "" = no base_model key (trained from scratch)
+  std::string license;
+  std::vector<std::string> tags;  ///< besides diffusers, diffusers-training, difftrain
+  bool lora = false;              ///< tags lora and template:sd-lora
+  std::string instance_prompt;    ///< "" = no key
+  size_t widgets = 0;             ///< validation images named (and written beside it)
+  std::string widget_text;        ///< every widget's text ("" = not checked)
+};
+
+// Checks the model card in `out`: its YAML front matter parses and holds the Hub's fields, and
+// each widget's image lies beside it. Returns the card's text.
+inline std::string expect_model_card(const std::string& out, const ExpectedCard& e) {
+  std::ifstream in(out + "/README.md");
+  EXPECT_TRUE(in.good()) << out << "/README.md is missing";
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string text = ss.str();
+  const auto end = text.find("\n---\n", 4);
+  EXPECT_EQ(text.rfind("---\n", 0), 0u) << text;
+  if (text.rfind("---\n", 0) != 0 || end == std::string::npos) return text;
+  YAML::Node y;
+  try {
+    y = YAML::Load(text.substr(4, end - 4));
+  } catch (const YAML::Exception& ex) {
+    ADD_FAILURE() << "the card's front matter is not YAML: " << ex.what() << "\n" << text;
+    return text;
+  }
+  if (e.base_model.empty()) {
+    EXPECT_FALSE(y["base_model"]) << text;
+  } else {
+    EXPECT_EQ(y["base_model"].as<std::string>(""), e.base_model) << text;
+  }
+  EXPECT_EQ(y["library_name"].as<std::string>(""), "diffusers") << text;
+  EXPECT_EQ(y["license"].as<std::string>(""), e.license) << text;
+  std::vector<std::string> tags;
+  for (const auto& t : y["tags"]) tags.push_back(t.as<std::string>());
+  auto want = e.tags;
+  want.insert(want.end(), {"diffusers", "diffusers-training", "difftrain"});
+  if (e.lora) want.insert(want.end(), {"lora", "template:sd-lora"});
+  for (const auto& t : want) {
+    EXPECT_NE(std::find(tags.begin(), tags.end(), t), tags.end()) << "tag " << t << "\n" << text;
+  }
+  if (!e.lora) {
+    EXPECT_EQ(std::find(tags.begin(), tags.end(), "lora"), tags.end()) << text;
+  }
+  if (e.instance_prompt.empty()) {
+    EXPECT_FALSE(y["instance_prompt"]) << text;
+  } else {
+    EXPECT_EQ(y["instance_prompt"].as<std::string>(""), e.instance_prompt) << text;
+  }
+  EXPECT_EQ(y["widget"].size(), e.widgets) << text;
+  for (size_t i = 0; i < y["widget"].size(); ++i) {
+    const auto url = y["widget"][i]["output"]["url"].as<std::string>("");
+    EXPECT_TRUE(std::filesystem::exists(out + "/" + url)) << url;
+    if (!e.widget_text.empty()) {
+      EXPECT_EQ(y["widget"][i]["text"].as<std::string>(""), e.widget_text) << text;
+    }
+  }
+  if (e.widgets == 0) {
+    EXPECT_FALSE(std::filesystem::exists(out + "/image_0.png"));
+  }
+  return text;
 }
 
 }  // namespace difftrain::testing

@@ -6,12 +6,15 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/data/dataset.h"
+#include "difftrain/io/atomic_file.h"
+#include "difftrain/io/image.h"
 #include "difftrain/io/safetensors.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -158,6 +161,21 @@ TEST(Trainer, RunsAFakeTaskThroughEveryHookAndLearns) {
     EXPECT_TRUE(fs::exists(fs::path(dir) / "run" / ckpt / "fake_task.txt")) << ckpt;
   }
   EXPECT_EQ(r.calls->exports, 1);
+  // The model card beside the export names the final render's 3 images, written next to it
+  // (the grey level of the last bias: not the step-20/40 renders').
+  const auto run_dir = fs::path(dir) / "run";
+  const std::string card = io::read_file((run_dir / "README.md").string());
+  EXPECT_NE(card.find("library_name: diffusers"), std::string::npos) << card;
+  EXPECT_NE(card.find("url: image_2.png"), std::string::npos) << card;
+  EXPECT_NE(card.find("| updates | 60 |"), std::string::npos) << card;
+  const auto level =
+      static_cast<uint8_t>(std::lround(255.0 * torch::sigmoid(r.bias.flatten()[0]).item<double>()));
+  for (int i = 0; i < 3; ++i) {
+    const auto png = run_dir / ("image_" + std::to_string(i) + ".png");
+    ASSERT_TRUE(fs::exists(png)) << png;
+    EXPECT_NEAR(io::load_image(png.string())[0][0][0].item<uint8_t>(), level, 1) << png;
+  }
+  EXPECT_FALSE(fs::exists(run_dir / "image_3.png"));
   // The regression is learnt: the loss from about 15 (the targets' variance) to below 0.2 in 60
   // updates (0.054 here), the weights within 0.2 of the true ones (0.05 here).
   const auto w = r.weight.flatten();
@@ -166,6 +184,24 @@ TEST(Trainer, RunsAFakeTaskThroughEveryHookAndLearns) {
               w[3].item<double>());
   EXPECT_LT(r.result.last_loss, 0.2);
   EXPECT_LT(max_abs(r.weight.flatten(), torch::tensor({1.0, -2.0, 0.5, 3.0})), 0.2);
+}
+
+// A run whose final validation is skipped writes its card without a widget: the images of an
+// earlier validation are not the exported weights'.
+TEST(Trainer, ModelCardWithoutAFinalRenderHasNoWidget) {
+  const auto dir = temp_dir("trainer_card");
+  auto o = options(dir + "/run");
+  o.max_train_steps = 4;
+  o.validation_steps = 2;
+  o.num_validation_images = 2;
+  o.final_validation = "never";
+  const auto r = run(o);
+  EXPECT_EQ(r.calls->renders, 1);
+  EXPECT_TRUE(fs::exists(fs::path(dir) / "run" / "samples" / "step-000002.png"));
+  const std::string card = io::read_file(dir + "/run/README.md");
+  EXPECT_NE(card.find("license: other"), std::string::npos) << card;
+  EXPECT_EQ(card.find("widget:"), std::string::npos) << card;
+  EXPECT_FALSE(fs::exists(dir + "/run/image_0.png"));
 }
 
 TEST(Trainer, AccumulatedMicroBatchesEqualOneBigBatch) {

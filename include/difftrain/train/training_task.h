@@ -12,6 +12,7 @@
 
 #include "difftrain/accel/accelerator.h"
 #include "difftrain/data/dataset.h"
+#include "difftrain/train/model_card.h"
 
 #include <torch/nn/module.h>
 
@@ -200,6 +201,12 @@ class TrainingTask {
   /// Writes the final artefact (a Diffusers pipeline folder or a LoRA file) into `out_dir`,
   /// weights already holding the EMA average when EMA is used. Main rank only.
   virtual void export_to(const std::filesystem::path& out_dir) = 0;
+  /// The family's part of the README.md model card written beside the export (model_card.h):
+  /// title, description, base model, licence, tags, the Diffusers pipeline class and how to
+  /// load and sample it, and add_task_details()'s rows. The Trainer adds the run's part and the
+  /// validation images. Called on the main rank after export_to(). The default: a card with
+  /// the task's name, licence "other" and the generic DiffusionPipeline.
+  virtual ModelCard model_card() const;
 };
 
 /// Bytes held by the parameters of `m` that do not require grad and by its 8-bit frozen weights

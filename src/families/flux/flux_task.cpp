@@ -23,6 +23,7 @@
 #include "flux_pipeline.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/torch.h>
 
 #include <filesystem>
@@ -85,6 +86,42 @@ class FluxTask : public train::TrainingTask {
                           io::read_file(folder_.transformer_dir + "/config.json"));
   }
   void export_to(const fs::path& out) override;
+
+  // As train_dreambooth_(lora_)flux.py's save_model_card: licence "other" (FLUX.1-dev's
+  // non-commercial licence, linked), tags flux and flux-diffusers, bf16 in the snippet.
+  train::ModelCard model_card() const override {
+    train::ModelCard card;
+    const bool lora = o_.lora.enabled, dreambooth = !o_.text.instance_prompt.empty();
+    card.base_model = o_.model.pretrained_model_name_or_path;
+    card.title =
+        std::string("Flux ") + (dreambooth ? "DreamBooth " : "") + (lora ? "LoRA" : "fine-tune");
+    card.description = "A text-to-image " + std::string(dreambooth ? "DreamBooth " : "") +
+                       "fine-tune of `" + card.base_model + "` (" +
+                       (lora ? std::string("LoRA adapters on the transformer") +
+                                   (o_.lora.train_text_encoder ? " and the CLIP text encoder" : "")
+                             : std::string("the whole transformer")) +
+                       "), trained with `difftrain train` (Diffusers' train_dreambooth" +
+                       (lora ? "_lora" : "") + "_flux.py) on " +
+                       (o_.data.train_data_dir.empty() ? std::string("its dataset")
+                                                       : "`" + o_.data.train_data_dir + "`") +
+                       ".";
+    card.license = "other";
+    card.license_note =
+        "Please adhere to the licensing terms as described "
+        "[here](https://huggingface.co/black-forest-labs/FLUX.1-dev/blob/main/LICENSE.md).";
+    card.tags = {"text-to-image", "flux", "flux-diffusers"};
+    card.pipeline_class = "FluxPipeline";
+    card.torch_dtype = "torch.bfloat16";
+    card.lora = lora;
+    card.lora_weight_name = "pytorch_lora_weights.safetensors";
+    train::add_task_details(card, o_);
+    if (lora)
+      train::set_card_detail(card, "LoRA target modules",
+                             fmt::format("{}", fmt::join(lora_targets(), ", ")));
+    const std::string side = std::to_string(o_.data.resolution);
+    card.sample_flags = {"--prompt", train::card_prompt(o_), "--height", side, "--width", side};
+    return card;
+  }
 
  private:
   // The transformer's LoRA targets: --lora_layers, else --lora_target_modules when changed, else

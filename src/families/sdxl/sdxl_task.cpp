@@ -17,6 +17,19 @@ class SdxlTask final : public t2i::TextToImageTask {
 
   std::string name() const override { return "sdxl"; }
 
+  // As Diffusers' _sdxl scripts: openrail++, the stable-diffusion-xl tags.
+  ModelCard model_card() const override {
+    ModelCard card = TextToImageTask::model_card();
+    card.title.replace(0, std::string("Stable Diffusion").size(), "SDXL");
+    if (const auto at = card.description.find(".py)"); at != std::string::npos) {
+      card.description.insert(at, "_sdxl");  // train_text_to_image_lora_sdxl.py, ...
+    }
+    card.license = "openrail++";
+    card.tags = {"text-to-image", "stable-diffusion-xl", "stable-diffusion-xl-diffusers"};
+    if (folder_.pipeline_class.empty()) card.pipeline_class = "StableDiffusionXLPipeline";
+    return card;
+  }
+
  protected:
   diffusion::TextEncoderStack::Layout text_layout() const override {
     return diffusion::TextEncoderStack::Layout::kDualClip;

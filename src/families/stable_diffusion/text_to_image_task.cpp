@@ -100,6 +100,36 @@ void TextToImageTask::export_to(const fs::path& out) {
   log::info("pipeline folder ({}): {}", folder_.pipeline_class, out.string());
 }
 
+ModelCard TextToImageTask::model_card() const {
+  ModelCard card;
+  const bool lora = o_.lora.enabled, dreambooth = !o_.text.instance_prompt.empty();
+  card.base_model = o_.model.pretrained_model_name_or_path;
+  card.title = std::string("Stable Diffusion ") + (dreambooth ? "DreamBooth " : "") +
+               (lora ? "LoRA" : "fine-tune");
+  const std::string what = lora ? std::string("LoRA adapters on the UNet") +
+                                      (o_.lora.train_text_encoder ? " and the text encoder(s)" : "")
+                                : std::string("the whole UNet");
+  card.description = "A text-to-image " + std::string(dreambooth ? "DreamBooth " : "") +
+                     "fine-tune of `" + card.base_model + "` (" + what + "), trained with " +
+                     "`difftrain train` (Diffusers' " +
+                     (dreambooth ? "train_dreambooth" : "train_text_to_image") +
+                     (lora ? "_lora" : "") + ".py) on " +
+                     (o_.data.train_data_dir.empty() ? std::string("its dataset")
+                                                     : "`" + o_.data.train_data_dir + "`") +
+                     ".";
+  card.license = "creativeml-openrail-m";
+  card.tags = {"text-to-image", "stable-diffusion", "stable-diffusion-diffusers"};
+  card.pipeline_class =
+      folder_.pipeline_class.empty() ? "StableDiffusionPipeline" : folder_.pipeline_class;
+  card.torch_dtype = "torch.float16";
+  card.lora = lora;
+  card.lora_weight_name = "pytorch_lora_weights.safetensors";
+  add_task_details(card, o_);
+  const std::string side = std::to_string(o_.data.resolution);
+  card.sample_flags = {"--prompt", card_prompt(o_), "--height", side, "--width", side};
+  return card;
+}
+
 void TextToImageTask::load_text_models(accel::Accelerator& acc) {
   using Layout = diffusion::TextEncoderStack::Layout;
   const bool xl = text_layout() == Layout::kDualClip;

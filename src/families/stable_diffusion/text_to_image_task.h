@@ -77,6 +77,10 @@ class TextToImageTask : public DiffusionTask {
 
   void export_to(const fs::path& out) override;
 
+  // Diffusers' train_(dreambooth_)lora / train_text_to_image card: creativeml-openrail-m, tags
+  // stable-diffusion and stable-diffusion-diffusers (SdxlTask changes the family's part).
+  ModelCard model_card() const override;
+
  protected:
   std::vector<torch::nn::Module*> frozen_modules() const override {
     auto out = text_.modules();

@@ -157,6 +157,68 @@ class UNetTask final : public DiffusionTask {
     return labels;
   }
 
+  // Diffusers' train_unconditional.py writes no card; this one follows the DreamBooth scripts'
+  // layout. A UNet built here has no base model (licence mit); DDPMPipeline takes no class
+  // labels, so a class-conditional UNet's snippet runs the pipeline's loop with them.
+  train::ModelCard model_card() const override {
+    train::ModelCard card;
+    const auto& m = o_.model;
+    const bool lora = o_.lora.enabled;
+    card.base_model = m.pretrained_model_name_or_path;
+    const std::string kind = class_conditional_ ? "class-conditional" : "unconditional";
+    const std::string data = o_.data.dataset == "fashion_mnist" ? "Fashion-MNIST"
+                             : o_.data.dataset == "mnist"       ? "MNIST"
+                                                                : "an image folder";
+    card.title = lora ? "DDPM " + kind + " UNet LoRA" : "DDPM " + kind + " UNet";
+    card.description =
+        "A " + kind + " UNet2DModel (DDPM, " + o_.noise.prediction_type + " prediction) " +
+        (lora                      ? "LoRA fine-tune of `" + card.base_model + "`"
+         : card.base_model.empty() ? std::string("trained from scratch")
+                                   : "fine-tuned from `" + card.base_model + "`") +
+        " on " + data + " with `difftrain train` (Diffusers' train_unconditional.py).";
+    card.license = card.base_model.empty() ? "mit" : "other";
+    if (!card.base_model.empty()) card.license_note = "The base model's licence applies.";
+    card.tags = {"unconditional-image-generation", "ddpm"};
+    card.pipeline_class = "DDPMPipeline";
+    card.lora = lora;
+    card.lora_weight_name = "pytorch_lora_weights.safetensors";
+    card.lora_loader = "pipeline.unet.load_lora_adapter";
+    card.lora_loader_args = ", prefix=\"unet\"";
+    train::add_task_details(card, o_);
+    if (class_conditional_) {
+      const int64_t shown = std::min<int64_t>(std::max<int64_t>(num_classes_, 1), 10);
+      const auto names = validation_labels(shown);
+      std::string ids, listed;
+      for (int64_t i = 0; i < shown; ++i) {
+        ids += (i ? "," : "") + std::to_string(i);
+        listed += (i ? ", " : "") + std::to_string(i) + " " + names[static_cast<size_t>(i)];
+      }
+      train::set_card_detail(card, "classes", std::to_string(num_classes_) + ": " + listed);
+      card.python_generate =
+          "# DDPMPipeline passes no class labels: its loop, with them.\n"
+          "labels = torch.tensor([" +
+          ids +
+          "], device=pipeline.device)\n"
+          "unet, scheduler = pipeline.unet, pipeline.scheduler\n"
+          "size = unet.config.sample_size\n"
+          "generator = torch.manual_seed(0)\n"
+          "x = torch.randn(len(labels), unet.config.in_channels, size, size, "
+          "generator=generator).to(pipeline.device)\n"
+          "scheduler.set_timesteps(1000)\n"
+          "for t in scheduler.timesteps:\n"
+          "    with torch.no_grad():\n"
+          "        eps = unet(x, t, class_labels=labels).sample\n"
+          "    x = scheduler.step(eps, t, x, generator=generator).prev_sample\n"
+          "image = pipeline.numpy_to_pil((x / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu()."
+          "numpy())[0]\n";
+      card.sample_flags = {"--class_labels", ids};
+    } else {
+      card.python_generate = "image = pipeline().images[0]\n";
+      card.sample_flags = {"--num_images", "4"};
+    }
+    return card;
+  }
+
   int64_t validation_columns() const override {
     return class_conditional_ ? std::max<int64_t>(num_classes_, 1) : 0;
   }
