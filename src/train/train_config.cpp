@@ -664,6 +664,14 @@ TrainConfig parse_train_config(const std::vector<std::string>& args) {
   if (given.count("num_train_epochs") && !given.count("max_train_steps")) {
     config.max_train_steps = 0;
   }
+  // The built-in default job (the built-in UNet, trained from scratch) trains with the recipe that
+  // measured best on it (docs/QUALITY.md): v-prediction with min-SNR-5 weighting, where
+  // Diffusers' scripts default to epsilon without weighting. Options given win; a pretrained or
+  // configured model keeps Diffusers' defaults.
+  if (config.pretrained_model_name_or_path.empty() && config.model_config_name_or_path.empty()) {
+    if (!given.count("prediction_type")) config.prediction_type = "v_prediction";
+    if (!given.count("snr_gamma")) config.snr_gamma = 5.0;
+  }
   config.validate();
   return config;
 }

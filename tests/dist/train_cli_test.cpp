@@ -593,6 +593,7 @@ TEST(EvalCommand, ScoresAClassConditionalModelWithACachedClassifier) {
   EXPECT_NE(first.err.find("classifier: training"), std::string::npos) << first.log();
   const auto j = nlohmann::json::parse(std::ifstream(dir + "/eval.json"));
   EXPECT_EQ(j.at("num_images"), 20);
+  EXPECT_EQ(j.at("guidance_scale"), 1.0);
   EXPECT_EQ(j.at("per_class_accuracy").size(), 10u);
   EXPECT_GE(j.at("accuracy").get<double>(), 0.0);
   EXPECT_LE(j.at("accuracy").get<double>(), 1.0);
@@ -604,6 +605,11 @@ TEST(EvalCommand, ScoresAClassConditionalModelWithACachedClassifier) {
   EXPECT_NE(second.err.find("classifier: loaded"), std::string::npos) << second.log();
   const auto j2 = nlohmann::json::parse(std::ifstream(dir + "/eval.json"));
   EXPECT_EQ(j2.at("frechet_distance"), j.at("frechet_distance"));  // same seed, same classifier
+  // Guidance needs the null class a --class_dropout_prob run adds after the 10 classes.
+  const auto unguided = run({kDifftrain, "eval", "--model", dir + "/model", "--guidance_scale", "2",
+                             "--cache_dir", dir + "/cache"});
+  EXPECT_EQ(unguided.exit_code, 1) << unguided.log();
+  EXPECT_NE(unguided.err.find("needs a null class"), std::string::npos) << unguided.log();
   const auto bad =
       run({kDifftrain, "eval", "--model",
            std::string(difftrain_test::source_dir()) + "/tests/golden/diffusers/unet2d_uncond",
