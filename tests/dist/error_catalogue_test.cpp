@@ -724,7 +724,7 @@ const std::vector<Case>& cases() {
       {"OutputDirHoldsAFinishedRun",
        "`difftrain train ...` again into the --output_dir of a finished run, without "
        "--resume_from_checkpoint or --overwrite_output_dir",
-       "--output_dir '<tmp>/out' already holds files (checkpoint-1, logs, metrics.jsonl, ... (6 "
+       "--output_dir '<tmp>/out' already holds files (README.md, checkpoint-1, logs, ... (7 "
        "entries)); continue that run with --resume_from_checkpoint latest, pass "
        "--overwrite_output_dir to delete them first, or pick another --output_dir",
        1,

@@ -384,8 +384,9 @@ TEST(TrainCommand, OutputFolderIsNeitherAnInputNorAnotherRunsFolder) {
   // A new run into the finished run's folder: refused, naming what is there.
   const auto again = train(train_cmd(dir, out, common));
   EXPECT_NE(again.exit_code, 0) << again.log();
-  EXPECT_NE(again.err.find("--output_dir '" + out + "' already holds files (checkpoint-1, "),
-            std::string::npos)
+  EXPECT_NE(
+      again.err.find("--output_dir '" + out + "' already holds files (README.md, checkpoint-1, "),
+      std::string::npos)
       << again.log();
   EXPECT_NE(again.err.find("--overwrite_output_dir"), std::string::npos) << again.log();
   EXPECT_EQ(max_abs_diff(before, unet_weights(out)), 0.0);
