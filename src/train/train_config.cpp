@@ -665,12 +665,14 @@ TrainConfig parse_train_config(const std::vector<std::string>& args) {
     config.max_train_steps = 0;
   }
   // The built-in default job (the built-in UNet, trained from scratch) trains with the recipe that
-  // measured best on it (docs/QUALITY.md): v-prediction with min-SNR-5 weighting, where
-  // Diffusers' scripts default to epsilon without weighting. Options given win; a pretrained or
-  // configured model keeps Diffusers' defaults.
+  // measured best on it (docs/QUALITY.md): v-prediction with min-SNR-5 weighting on the cosine
+  // (squaredcos_cap_v2) noise schedule, where Diffusers' scripts default to epsilon without
+  // weighting on the linear one. Options given win; a pretrained or configured model keeps
+  // Diffusers' defaults.
   if (config.pretrained_model_name_or_path.empty() && config.model_config_name_or_path.empty()) {
     if (!given.count("prediction_type")) config.prediction_type = "v_prediction";
     if (!given.count("snr_gamma")) config.snr_gamma = 5.0;
+    if (!given.count("ddpm_beta_schedule")) config.ddpm_beta_schedule = "squaredcos_cap_v2";
   }
   config.validate();
   return config;

@@ -39,8 +39,11 @@ TEST(TrainConfig, TheBuiltInJobTrainsWithTheMeasuredRecipe) {
   EXPECT_EQ(c.prediction_type, "v_prediction");
   ASSERT_TRUE(c.snr_gamma.has_value());
   EXPECT_DOUBLE_EQ(*c.snr_gamma, 5.0);
-  const auto given = parse_train_config({"--prediction_type", "epsilon"});
+  EXPECT_EQ(c.ddpm_beta_schedule, "squaredcos_cap_v2");
+  const auto given =
+      parse_train_config({"--prediction_type", "epsilon", "--ddpm_beta_schedule", "linear"});
   EXPECT_EQ(given.prediction_type, "epsilon");
+  EXPECT_EQ(given.ddpm_beta_schedule, "linear");
   EXPECT_DOUBLE_EQ(given.snr_gamma.value_or(0), 5.0);
   const auto dir = temp_dir("train_config_recipe");
   std::ofstream(dir + "/r.yaml") << "snr_gamma: 3\n";
@@ -51,7 +54,25 @@ TEST(TrainConfig, TheBuiltInJobTrainsWithTheMeasuredRecipe) {
     const auto other = parse_train_config({model, dir});
     EXPECT_EQ(other.prediction_type, "epsilon") << model;
     EXPECT_FALSE(other.snr_gamma.has_value()) << model;
+    EXPECT_EQ(other.ddpm_beta_schedule, "linear") << model;
   }
+}
+
+// configs/fashion_mnist.yaml is the built-in default written out: it trains what `difftrain train`
+// alone trains (it went stale once: epsilon after the default became v-prediction). Only where
+// the run's outputs go may differ.
+TEST(TrainConfig, TheWrittenOutDefaultIsTheBuiltInDefault) {
+  const auto yaml = std::string(difftrain_test::source_dir()) + "/configs/fashion_mnist.yaml";
+  auto written = parse_train_config({"--config", yaml}).to_json();
+  auto builtin = parse_train_config({}).to_json();
+  for (const auto* key :
+       {"output_dir", "report_to", "checkpointing_steps", "checkpoints_total_limit"}) {
+    written.erase(key);
+    builtin.erase(key);
+  }
+  const auto diff = nlohmann::json::diff(builtin, written);
+  EXPECT_TRUE(diff.empty()) << "configs/fashion_mnist.yaml differs from the built-in default: "
+                            << diff.dump();
 }
 
 // Diffusers derives the steps from --num_train_epochs unless --max_train_steps is given; the
