@@ -40,8 +40,10 @@ TEST(TrainConfig, TheBuiltInJobTrainsWithTheMeasuredRecipe) {
   ASSERT_TRUE(c.snr_gamma.has_value());
   EXPECT_DOUBLE_EQ(*c.snr_gamma, 5.0);
   EXPECT_EQ(c.ddpm_beta_schedule, "squaredcos_cap_v2");
-  const auto given =
-      parse_train_config({"--prediction_type", "epsilon", "--ddpm_beta_schedule", "linear"});
+  EXPECT_DOUBLE_EQ(c.adam_beta2, 0.99);
+  const auto given = parse_train_config(
+      {"--prediction_type", "epsilon", "--ddpm_beta_schedule", "linear", "--adam_beta2", "0.999"});
+  EXPECT_DOUBLE_EQ(given.adam_beta2, 0.999);
   EXPECT_EQ(given.prediction_type, "epsilon");
   EXPECT_EQ(given.ddpm_beta_schedule, "linear");
   EXPECT_DOUBLE_EQ(given.snr_gamma.value_or(0), 5.0);
@@ -55,6 +57,7 @@ TEST(TrainConfig, TheBuiltInJobTrainsWithTheMeasuredRecipe) {
     EXPECT_EQ(other.prediction_type, "epsilon") << model;
     EXPECT_FALSE(other.snr_gamma.has_value()) << model;
     EXPECT_EQ(other.ddpm_beta_schedule, "linear") << model;
+    EXPECT_DOUBLE_EQ(other.adam_beta2, 0.999) << model;
   }
 }
 
