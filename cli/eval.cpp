@@ -2,7 +2,10 @@
 // samples (train/eval.h). Prints one JSON object; --output also writes it to a file.
 #include "difftrain/families/unet/eval.h"
 #include "commands.h"
+#include "difftrain/diffusion/sampler.h"
 #include "difftrain/io/atomic_file.h"
+
+#include <fmt/ranges.h>
 
 #include <iostream>
 
@@ -23,7 +26,15 @@ CLI::App* add_eval_command(CLI::App& app) {
   cmd->add_option("--lora", g_options.lora, "LoRA file to apply first");
   cmd->add_option("--num_per_class", g_options.num_per_class, "Samples per class (default 20)");
   cmd->add_option("--num_inference_steps", g_options.num_inference_steps,
-                  "DDIM steps (default 50)");
+                  "Sampler steps (default 50)")
+      ->check(CLI::Range(int64_t{1}, int64_t{100000}));
+  cmd->add_option(
+      "--scheduler", g_options.scheduler,
+      fmt::format("The sampler: {}", fmt::join(diffusion::sampler_names(), ", ")) +
+          ", or a Diffusers scheduler class (default: the folder's scheduler, as validation and "
+          "`difftrain sample` use)");
+  cmd->add_option("--eta", g_options.eta, "DDIM eta: 0 deterministic, 1 DDPM-like noise")
+      ->check(CLI::Range(0.0, 10.0));
   cmd->add_option("--seed", g_options.seed, "Sampling seed (default 0)");
   cmd->add_option("--guidance_scale", g_options.guidance_scale,
                   "Classifier-free guidance against the null class (default 1: none; needs a "

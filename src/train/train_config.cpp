@@ -667,13 +667,20 @@ TrainConfig parse_train_config(const std::vector<std::string>& args) {
   // The built-in default job (the built-in UNet, trained from scratch) trains with the recipe that
   // measured best on it (docs/QUALITY.md): v-prediction with min-SNR-5 weighting on the cosine
   // (squaredcos_cap_v2) noise schedule and Adam beta2 0.99, where Diffusers' scripts default to
-  // epsilon without weighting on the linear one and beta2 0.999. Options given win; a pretrained or
-  // configured model keeps Diffusers' defaults.
+  // epsilon without weighting on the linear one and beta2 0.999; label dropout 0.1 and validation
+  // drawn by DDPM's ancestral sampler (its scheduler's class, as DDPMPipeline) with
+  // classifier-free guidance 2. Options given win; a pretrained or configured model keeps
+  // Diffusers' defaults.
   if (config.pretrained_model_name_or_path.empty() && config.model_config_name_or_path.empty()) {
     if (!given.count("prediction_type")) config.prediction_type = "v_prediction";
     if (!given.count("snr_gamma")) config.snr_gamma = 5.0;
     if (!given.count("ddpm_beta_schedule")) config.ddpm_beta_schedule = "squaredcos_cap_v2";
     if (!given.count("adam_beta2")) config.adam_beta2 = 0.99;
+    if (!given.count("class_dropout_prob")) config.class_dropout_prob = 0.1;
+    if (!given.count("validation_scheduler")) config.validation_scheduler = "ddpm";
+    if (!given.count("guidance_scale") && config.class_dropout_prob > 0) {
+      config.guidance_scale = 2.0;
+    }
   }
   config.validate();
   return config;

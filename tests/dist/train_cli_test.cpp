@@ -268,12 +268,28 @@ TEST(TrainCommand, FinalValidationFollowsTheRunLength) {
   EXPECT_NE(card.find("text: \"T-shirt/top\""), std::string::npos) << card;
   EXPECT_NE(card.find("Trained from scratch: there is no base model."), std::string::npos);
   EXPECT_NE(card.find("DDPMPipeline.from_pretrained("), std::string::npos);
+  // The snippet and the command draw as the validation render did: its sampler (DDIM, the
+  // default for a configured UNet) and step count.
+  EXPECT_NE(card.find("scheduler = DDIMScheduler.from_config(scheduler.config)"), std::string::npos)
+      << card;
+  EXPECT_NE(card.find("scheduler.set_timesteps(2)"), std::string::npos) << card;
+  EXPECT_NE(card.find("--num_inference_steps 2 --scheduler DDIMScheduler"), std::string::npos)
+      << card;
+  EXPECT_EQ(card.find("(cond - uncond)"), std::string::npos) << card;
   auto long_cmd = train_cmd(dir, dir + "/long", common);
-  long_cmd.insert(long_cmd.end(), {"--validation_steps", "2"});
+  long_cmd.insert(long_cmd.end(), {"--validation_steps", "2", "--class_dropout_prob", "0.1",
+                                   "--guidance_scale", "2", "--validation_scheduler", "ddpm"});
   const auto long_run = train(long_cmd);
   ASSERT_EQ(long_run.exit_code, 0) << long_run.log();
   EXPECT_TRUE(fs::exists(dir + "/long/samples/step-000002.png")) << long_run.log();
   EXPECT_EQ(long_run.log().find("final validation skipped"), std::string::npos);
+  // A guided render: the card guides against the null class (index 10, after the 10 garments)
+  // with the run's scale, on the folder's own DDPM scheduler.
+  const auto guided = expect_model_card(dir + "/long", rendered);
+  EXPECT_NE(guided.find("null = torch.full_like(labels, 10)"), std::string::npos) << guided;
+  EXPECT_NE(guided.find("out = uncond + 2 * (cond - uncond)"), std::string::npos) << guided;
+  EXPECT_EQ(guided.find("from_config"), std::string::npos) << guided;
+  EXPECT_NE(guided.find("--num_inference_steps 2 --guidance_scale 2"), std::string::npos) << guided;
 }
 
 TEST(TrainCommand, KillDuringSaveKeepsThePreviousCheckpoint) {
@@ -606,6 +622,16 @@ TEST(EvalCommand, ScoresAClassConditionalModelWithACachedClassifier) {
   EXPECT_NE(second.err.find("classifier: loaded"), std::string::npos) << second.log();
   const auto j2 = nlohmann::json::parse(std::ifstream(dir + "/eval.json"));
   EXPECT_EQ(j2.at("frechet_distance"), j.at("frechet_distance"));  // same seed, same classifier
+  // By default it draws with the folder's scheduler (DDPM here), as validation does; --scheduler
+  // picks another sampler from the same config (deterministic DDIM: other samples).
+  EXPECT_EQ(j.at("scheduler"), "DDPMScheduler");
+  auto with_ddim = eval;
+  with_ddim.insert(with_ddim.end(), {"--scheduler", "ddim"});
+  const auto third = run(with_ddim, {}, 300);
+  ASSERT_EQ(third.exit_code, 0) << third.log();
+  const auto j3 = nlohmann::json::parse(std::ifstream(dir + "/eval.json"));
+  EXPECT_EQ(j3.at("scheduler"), "DDIMScheduler");
+  EXPECT_NE(j3.at("frechet_distance"), j.at("frechet_distance"));
   // Guidance needs the null class a --class_dropout_prob run adds after the 10 classes.
   const auto unguided = run({kDifftrain, "eval", "--model", dir + "/model", "--guidance_scale", "2",
                              "--cache_dir", dir + "/cache"});

@@ -41,9 +41,19 @@ TEST(TrainConfig, TheBuiltInJobTrainsWithTheMeasuredRecipe) {
   EXPECT_DOUBLE_EQ(*c.snr_gamma, 5.0);
   EXPECT_EQ(c.ddpm_beta_schedule, "squaredcos_cap_v2");
   EXPECT_DOUBLE_EQ(c.adam_beta2, 0.99);
+  EXPECT_DOUBLE_EQ(c.class_dropout_prob, 0.1);
+  EXPECT_EQ(c.validation_scheduler, "ddpm");
+  EXPECT_DOUBLE_EQ(c.guidance_scale.value_or(0), 2.0);
   const auto given = parse_train_config(
-      {"--prediction_type", "epsilon", "--ddpm_beta_schedule", "linear", "--adam_beta2", "0.999"});
+      {"--prediction_type", "epsilon", "--ddpm_beta_schedule", "linear", "--adam_beta2", "0.999",
+       "--validation_scheduler", "ddim", "--guidance_scale", "3"});
   EXPECT_DOUBLE_EQ(given.adam_beta2, 0.999);
+  EXPECT_EQ(given.validation_scheduler, "ddim");
+  EXPECT_DOUBLE_EQ(given.guidance_scale.value_or(0), 3.0);
+  EXPECT_DOUBLE_EQ(given.class_dropout_prob, 0.1);
+  // Without label dropout there is no null class to guide against, so no guidance either.
+  const auto no_dropout = parse_train_config({"--class_dropout_prob", "0"});
+  EXPECT_FALSE(no_dropout.guidance_scale.has_value());
   EXPECT_EQ(given.prediction_type, "epsilon");
   EXPECT_EQ(given.ddpm_beta_schedule, "linear");
   EXPECT_DOUBLE_EQ(given.snr_gamma.value_or(0), 5.0);
@@ -58,6 +68,9 @@ TEST(TrainConfig, TheBuiltInJobTrainsWithTheMeasuredRecipe) {
     EXPECT_FALSE(other.snr_gamma.has_value()) << model;
     EXPECT_EQ(other.ddpm_beta_schedule, "linear") << model;
     EXPECT_DOUBLE_EQ(other.adam_beta2, 0.999) << model;
+    EXPECT_DOUBLE_EQ(other.class_dropout_prob, 0.0) << model;
+    EXPECT_EQ(other.validation_scheduler, "ddim") << model;
+    EXPECT_FALSE(other.guidance_scale.has_value()) << model;
   }
 }
 
@@ -153,7 +166,10 @@ TEST(TrainConfig, BadInputIsOneLineError) {
                parse_train_config({"--dataset", "imagefolder"});
              }),
              "needs --train_data_dir");
-  EXPECT_HAS(error_of([] { parse_train_config({"--guidance_scale", "3"}); }), "null class");
+  EXPECT_HAS(error_of([] {
+               parse_train_config({"--guidance_scale", "3", "--class_dropout_prob", "0"});
+             }),
+             "null class");
   EXPECT_HAS(error_of([] {
                parse_train_config({"--weighting_scheme", "lognorm"});
              }),

@@ -199,7 +199,9 @@ nlohmann::json evaluate_model(const EvalOptions& o) {
     const double reference =
         frechet_distance(test_features.slice(0, 0, half), test_features.slice(0, half));
 
-    auto sampler = diffusion::load_sampler(folder.scheduler_config, "ddim");
+    diffusion::SamplerOptions sampler_options;
+    sampler_options.eta = o.eta;
+    auto sampler = diffusion::load_sampler(folder.scheduler_config, o.scheduler, sampler_options);
     diffusion::SampleOptions so;
     so.num_images = 10 * o.num_per_class;
     so.num_inference_steps = o.num_inference_steps;
@@ -219,6 +221,8 @@ nlohmann::json evaluate_model(const EvalOptions& o) {
     result = {{"model", o.model},
               {"num_images", so.num_images},
               {"num_inference_steps", o.num_inference_steps},
+              {"scheduler", sampler->class_name()},
+              {"eta", o.eta},
               {"guidance_scale", o.guidance_scale},
               {"accuracy", correct.mean().item<double>()},
               {"per_class_accuracy", per_class},

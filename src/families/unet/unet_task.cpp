@@ -194,24 +194,49 @@ class UNetTask final : public DiffusionTask {
         listed += (i ? ", " : "") + std::to_string(i) + " " + names[static_cast<size_t>(i)];
       }
       train::set_card_detail(card, "classes", std::to_string(num_classes_) + ": " + listed);
+      // The validation render's settings, so the snippet and the command draw what the card's
+      // images show: its step count, and classifier-free guidance against the null class.
+      const auto& v = o_.validation;
+      const bool guided = null_class_ >= 0 && v.guidance_scale > 1;
+      const std::string steps = std::to_string(v.inference_steps);
+      const std::string scale = fmt::format("{:g}", v.guidance_scale);
+      const std::string sampler = diffusion::make_sampler(noise_scheduler_->config().to_json(),
+                                                          v.scheduler, "the training scheduler")
+                                      ->class_name();
+      const bool own_sampler = sampler == noise_scheduler_->class_name();
       card.python_generate =
-          "# DDPMPipeline passes no class labels: its loop, with them.\n"
+          "# DDPMPipeline passes no class labels: its loop, with them" +
+          std::string(guided ? " and classifier-free guidance" : "") +
+          ".\n"
           "labels = torch.tensor([" +
-          ids +
-          "], device=pipeline.device)\n"
-          "unet, scheduler = pipeline.unet, pipeline.scheduler\n"
+          ids + "], device=pipeline.device)\n" +
+          (guided ? "null = torch.full_like(labels, " + std::to_string(null_class_) + ")\n" : "") +
+          "unet, scheduler = pipeline.unet, pipeline.scheduler\n" +
+          (own_sampler ? std::string()
+                       : "from diffusers import " + sampler + "\nscheduler = " + sampler +
+                             ".from_config(scheduler.config)  # the validation sampler\n") +
           "size = unet.config.sample_size\n"
           "generator = torch.manual_seed(0)\n"
           "x = torch.randn(len(labels), unet.config.in_channels, size, size, "
           "generator=generator).to(pipeline.device)\n"
-          "scheduler.set_timesteps(1000)\n"
+          "scheduler.set_timesteps(" +
+          steps +
+          ")\n"
+          "x = x * scheduler.init_noise_sigma\n"
           "for t in scheduler.timesteps:\n"
-          "    with torch.no_grad():\n"
-          "        eps = unet(x, t, class_labels=labels).sample\n"
-          "    x = scheduler.step(eps, t, x, generator=generator).prev_sample\n"
+          "    x_in = scheduler.scale_model_input(x, t)\n"
+          "    with torch.no_grad():\n" +
+          (guided ? "        cond, uncond = unet(torch.cat([x_in, x_in]), t, "
+                    "class_labels=torch.cat([labels, null])).sample.chunk(2)\n"
+                    "    out = uncond + " +
+                        scale + " * (cond - uncond)\n"
+                  : "        out = unet(x_in, t, class_labels=labels).sample\n") +
+          "    x = scheduler.step(out, t, x, generator=generator).prev_sample\n"
           "image = pipeline.numpy_to_pil((x / 2 + 0.5).clamp(0, 1).permute(0, 2, 3, 1).cpu()."
           "numpy())[0]\n";
-      card.sample_flags = {"--class_labels", ids};
+      card.sample_flags = {"--class_labels", ids, "--num_inference_steps", steps};
+      if (!own_sampler) card.sample_flags.insert(card.sample_flags.end(), {"--scheduler", sampler});
+      if (guided) card.sample_flags.insert(card.sample_flags.end(), {"--guidance_scale", scale});
     } else {
       card.python_generate = "image = pipeline().images[0]\n";
       card.sample_flags = {"--num_images", "4"};

@@ -42,7 +42,11 @@ struct EvalOptions {
   std::string data_dir;              ///< Fashion-MNIST IDX folder ("" = Debian's)
   std::string cache_dir;             ///< where the classifier is cached ("" = ~/.cache/difftrain)
   int64_t num_per_class = 20;        ///< generated images per class
-  int64_t num_inference_steps = 50;  ///< DDIM steps
+  int64_t num_inference_steps = 50;  ///< sampler steps
+  /// A name of diffusion::sampler_names() or a Diffusers scheduler class; "" = the folder's
+  /// scheduler, which is what validation during training and `difftrain sample` draw with.
+  std::string scheduler;
+  double eta = 0.0;  ///< DDIM's eta (0: deterministic)
   uint64_t seed = 0;
   /// > 1: classifier-free guidance against the null class (a model trained with
   /// --class_dropout_prob), as `difftrain sample --guidance_scale`.
