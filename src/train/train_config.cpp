@@ -669,7 +669,7 @@ TrainConfig parse_train_config(const std::vector<std::string>& args) {
   // (squaredcos_cap_v2) noise schedule and Adam beta2 0.99, where Diffusers' scripts default to
   // epsilon without weighting on the linear one and beta2 0.999; label dropout 0.1 and validation
   // drawn by DDPM's ancestral sampler (its scheduler's class, as DDPMPipeline) with
-  // classifier-free guidance 2. Options given win; a pretrained or configured model keeps
+  // classifier-free guidance 1.5. Options given win; a pretrained or configured model keeps
   // Diffusers' defaults.
   if (config.pretrained_model_name_or_path.empty() && config.model_config_name_or_path.empty()) {
     if (!given.count("prediction_type")) config.prediction_type = "v_prediction";
@@ -679,7 +679,7 @@ TrainConfig parse_train_config(const std::vector<std::string>& args) {
     if (!given.count("class_dropout_prob")) config.class_dropout_prob = 0.1;
     if (!given.count("validation_scheduler")) config.validation_scheduler = "ddpm";
     if (!given.count("guidance_scale") && config.class_dropout_prob > 0) {
-      config.guidance_scale = 2.0;
+      config.guidance_scale = 1.5;
     }
   }
   config.validate();

@@ -43,7 +43,7 @@ TEST(TrainConfig, TheBuiltInJobTrainsWithTheMeasuredRecipe) {
   EXPECT_DOUBLE_EQ(c.adam_beta2, 0.99);
   EXPECT_DOUBLE_EQ(c.class_dropout_prob, 0.1);
   EXPECT_EQ(c.validation_scheduler, "ddpm");
-  EXPECT_DOUBLE_EQ(c.guidance_scale.value_or(0), 2.0);
+  EXPECT_DOUBLE_EQ(c.guidance_scale.value_or(0), 1.5);
   const auto given = parse_train_config(
       {"--prediction_type", "epsilon", "--ddpm_beta_schedule", "linear", "--adam_beta2", "0.999",
        "--validation_scheduler", "ddim", "--guidance_scale", "3"});
