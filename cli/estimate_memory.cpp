@@ -33,7 +33,7 @@ struct EstimateMemoryArgs {
   int64_t batch_size = 1;
   int64_t resolution = 0;
   bool gradient_checkpointing = false;
-  int64_t encoder_sequence_length = 77;
+  int64_t encoder_sequence_length = 0;
   std::string auto_wrap_policy = "TRANSFORMER_BASED_WRAP";
   std::vector<std::string> wrap_classes;
   int64_t min_num_params = 100000000;
@@ -93,8 +93,8 @@ CLI::App* add_estimate_memory_command(CLI::App& app) {
   cmd->add_flag("--gradient_checkpointing", g_args.gradient_checkpointing,
                 "Measure activations with gradient checkpointing");
   cmd->add_option("--encoder_sequence_length", g_args.encoder_sequence_length,
-                  "Tokens of encoder_hidden_states for cross-attention UNets (default 77; "
-                  "FLUX.1's T5: pass 512)");
+                  "Tokens of encoder_hidden_states (default: what `difftrain train` feeds: 77 "
+                  "CLIP tokens for cross-attention UNets, 512 T5 tokens for FLUX.1)");
   cmd->add_option("--fsdp_auto_wrap_policy", g_args.auto_wrap_policy,
                   "TRANSFORMER_BASED_WRAP (default), SIZE_BASED_WRAP or NO_WRAP");
   cmd->add_option("--fsdp_transformer_layer_cls_to_wrap", g_args.wrap_classes,

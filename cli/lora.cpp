@@ -41,8 +41,8 @@ int run_lora_convert() {
   for (const auto& [component, targets] : done.targets) {
     counts += (counts.empty() ? "" : ", ") + std::to_string(targets) + " " + component;
   }
-  log::info("difftrain lora convert: {} ({}) -> {} ({}): {} targets", a.input,
-            io::to_string(done.read_format), a.output, a.to, counts);
+  log::info("difftrain lora convert: {} ({}) -> {} ({}): {} targets", a.input, done.read_label,
+            a.output, a.to, counts);
   return 0;
 }
 
@@ -98,7 +98,10 @@ int run_lora() {
             g_args.output);
   const auto summary = families::family_of(g_args.model)
                            .merge_lora(g_args.model, g_args.lora, g_args.output, options);
-  log::info("wrote {} ({} files copied unchanged)", summary.weights_written, summary.files_copied);
+  std::string files;
+  for (const auto& f : summary.weights_written) files += (files.empty() ? "" : ", ") + f;
+  log::info("wrote {} merged weight file(s): {} ({} files copied unchanged)",
+            summary.weights_written.size(), files.empty() ? "none" : files, summary.files_copied);
   return 0;
 }
 

@@ -44,7 +44,7 @@ int run_train() {
     }
     return 0;
   }
-  families::run_training(train::parse_train_config(g_args));
+  families::run_training(families::parse_train_config(g_args));
   return 0;
 }
 

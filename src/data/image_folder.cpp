@@ -15,6 +15,8 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <set>
 #include <utility>
 
 namespace difftrain::data {
@@ -71,7 +73,22 @@ bool has_image_extension(const fs::path& path) {
   std::string ext = path.extension().string();
   std::transform(ext.begin(), ext.end(), ext.begin(),
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return ext == ".png" || ext == ".jpg" || ext == ".jpeg" || ext == ".bmp";
+  return ext == ".png" || ext == ".jpg" || ext == ".jpeg" || ext == ".bmp" || ext == ".webp";
+}
+
+// kohya's DreamBooth folder name "<repeats>_<name>" ("10_sks dog"): {repeats, name}, or repeats
+// -1 when the name is not of that form.
+std::pair<int64_t, std::string> kohya_folder(const std::string& folder) {
+  const auto underscore = folder.find('_');
+  if (underscore == 0 || underscore == std::string::npos || underscore + 1 == folder.size()) {
+    return {-1, ""};
+  }
+  const std::string digits = folder.substr(0, underscore);
+  if (digits.size() > 6 ||
+      !std::all_of(digits.begin(), digits.end(), [](unsigned char c) { return std::isdigit(c); })) {
+    return {-1, ""};
+  }
+  return {std::stoll(digits), folder.substr(underscore + 1)};
 }
 
 // Hidden files and folders (".git", ".ipynb_checkpoints") and "__MACOSX"-style folders are not
@@ -193,8 +210,10 @@ std::vector<Entry> read_metadata(const fs::path& metadata, const fs::path& dir,
   return entries;
 }
 
-// Every image below `dir`, sorted by relative path; symbolic links must stay inside.
-std::vector<Entry> scan_folder(const fs::path& dir, const fs::path& root) {
+// Every image below `dir`, sorted by relative path; symbolic links must stay inside. The other
+// files found (not hidden, not images) go to `others`, relative to `dir`.
+std::vector<Entry> scan_folder(const fs::path& dir, const fs::path& root,
+                               std::vector<std::string>& others) {
   std::vector<Entry> entries;
   std::error_code ec;
   fs::recursive_directory_iterator it(dir, fs::directory_options::skip_permission_denied, ec);
@@ -204,8 +223,12 @@ std::vector<Entry> scan_folder(const fs::path& dir, const fs::path& root) {
       if (it->is_directory(ec)) it.disable_recursion_pending();
       continue;
     }
-    if (!has_image_extension(path) || !it->is_regular_file(ec)) continue;
+    if (!it->is_regular_file(ec)) continue;
     const std::string relative = path.lexically_relative(dir).generic_string();
+    if (!has_image_extension(path)) {
+      others.push_back(relative);
+      continue;
+    }
     if (it->is_symlink(ec)) {
       const fs::path resolved = fs::weakly_canonical(path, ec);
       if (ec || !is_inside(root, resolved)) {
@@ -219,7 +242,39 @@ std::vector<Entry> scan_folder(const fs::path& dir, const fs::path& root) {
   if (ec) throw Error(fmt::format("{}: cannot list the folder ({})", dir.string(), ec.message()));
   std::sort(entries.begin(), entries.end(),
             [](const Entry& a, const Entry& b) { return a.file < b.file; });
+  std::sort(others.begin(), others.end());
   return entries;
+}
+
+// Says once (main rank) which files of a scanned folder are not trained on, and why: caption
+// files with no image beside them, files of other types (what kohya and Diffusers would also
+// pass over, but silently).
+void report_other_files(const std::string& dir, const std::vector<Entry>& images,
+                        const std::vector<std::string>& others, const std::string& caption_ext) {
+  std::set<std::string> stems;
+  for (const Entry& e : images) stems.insert(fs::path(e.file).replace_extension().generic_string());
+  std::vector<std::string> orphan_captions, other_types;
+  for (const auto& f : others) {
+    const fs::path p(f);
+    if (!caption_ext.empty() && p.extension() == caption_ext) {
+      if (stems.count(fs::path(p).replace_extension().generic_string()) == 0) {
+        orphan_captions.push_back(f);
+      }
+    } else if (p.filename() != "metadata.jsonl") {
+      other_types.push_back(f);
+    }
+  }
+  if ((orphan_captions.empty() && other_types.empty()) || log::rank() != 0) return;
+  std::string why;
+  if (!orphan_captions.empty()) {
+    why += fmt::format("{} {} file(s) with no image of the same name (first: {})",
+                       orphan_captions.size(), caption_ext, orphan_captions.front());
+  }
+  if (!other_types.empty()) {
+    why += fmt::format("{}{} file(s) that are not PNG, JPEG, WebP or BMP images (first: {})",
+                       why.empty() ? "" : "; ", other_types.size(), other_types.front());
+  }
+  log::warn("{}: skipped {} file(s): {}", dir, orphan_captions.size() + other_types.size(), why);
 }
 
 // kohya-style sidecar captions: `<dir>/<image without extension><extension>`, UTF-8, its first
@@ -278,6 +333,48 @@ std::vector<std::string> infer_labels(std::vector<Entry>& entries) {
   return names;
 }
 
+// kohya's layout: images in first-level "<N>_<name>" folders, used N times per epoch. It counts
+// once one first-level folder is so named; then images elsewhere are not trained on (kohya skips
+// them too), and said so. Fills `kohya` (folder -> its images) and returns the images kept.
+std::vector<Entry> kohya_repeat_folders(std::vector<Entry> entries, const std::string& dir,
+                                        std::map<std::string, int64_t>& kohya_) {
+  bool kohya = false;
+  for (const Entry& e : entries) {
+    const auto slash = e.file.find('/');
+    if (slash != std::string::npos && kohya_folder(e.file.substr(0, slash)).first >= 0) {
+      kohya = true;
+      break;
+    }
+  }
+  if (!kohya) return entries;
+  std::vector<Entry> kept;
+  std::vector<std::string> outside;
+  for (Entry& e : entries) {
+    const auto slash = e.file.find('/');
+    const std::string folder = slash == std::string::npos ? "" : e.file.substr(0, slash);
+    const auto [repeats, name] = kohya_folder(folder);
+    if (repeats < 0) {
+      outside.push_back(e.file);
+      continue;
+    }
+    if (repeats == 0) {
+      throw Error(fmt::format(
+          "{}/{}: a kohya folder with 0 repeats; name it <repeats>_<name> with repeats >= 1 "
+          "(e.g. 10_{})",
+          dir, folder, name));
+    }
+    ++kohya_[folder];
+    kept.push_back(std::move(e));
+  }
+  if (!outside.empty() && log::rank() == 0) {
+    log::warn(
+        "{}: skipped {} image(s) outside the kohya <repeats>_<name> folders (first: {}); move "
+        "them into one such as 1_{}",
+        dir, outside.size(), outside.front(), "images");
+  }
+  return kept;
+}
+
 }  // namespace
 
 ImageFolderDataset::ImageFolderDataset(ImageFolderOptions options) : options_(std::move(options)) {
@@ -314,8 +411,11 @@ ImageFolderDataset::ImageFolderDataset(ImageFolderOptions options) : options_(st
       for (int64_t k = 0; k <= max_label; ++k) class_names_.push_back(std::to_string(k));
     }
   } else {
-    entries = scan_folder(dir, root);
-    class_names_ = infer_labels(entries);
+    std::vector<std::string> others;
+    entries = scan_folder(dir, root, others);
+    report_other_files(options_.dir, entries, others, options_.caption_extension);
+    entries = kohya_repeat_folders(std::move(entries), options_.dir, kohya_);
+    if (kohya_.empty()) class_names_ = infer_labels(entries);
   }
   if (const int64_t both = read_sidecar_captions(entries, dir, options_.caption_extension);
       both > 0 && log::rank() == 0) {
@@ -323,6 +423,12 @@ ImageFolderDataset::ImageFolderDataset(ImageFolderOptions options) : options_(st
         "{}: {} image(s) have both a metadata.jsonl caption and a {} file; metadata.jsonl "
         "wins",
         options_.dir, both, options_.caption_extension);
+  }
+  // kohya: an image of "10_sks dog" without a caption file is captioned "sks dog".
+  for (Entry& e : entries) {
+    if (e.caption || kohya_.empty()) continue;
+    const auto [repeats, name] = kohya_folder(e.file.substr(0, e.file.find('/')));
+    if (repeats >= 1) e.caption = name;
   }
   if (entries.empty()) {
     throw Error(fmt::format(
@@ -364,10 +470,32 @@ ImageFolderDataset::ImageFolderDataset(ImageFolderOptions options) : options_(st
     entries = std::move(good);
   }
 
+  // Repeats: each image listed (repeats of its kohya folder) x options.repeats times in a row,
+  // so every use has an index (and augmentation stream) of its own.
+  if (options_.repeats < 1) {
+    throw Error(fmt::format("{}: repeats is {}; each image must be used at least once (1)",
+                            options_.dir, options_.repeats));
+  }
+  const int64_t images = static_cast<int64_t>(entries.size());
   for (Entry& e : entries) {
-    files_.push_back(std::move(e.file));
-    if (e.label) labels_.push_back(*e.label);
-    captions_.push_back(std::move(e.caption));
+    int64_t n = options_.repeats;
+    if (!kohya_.empty()) n *= kohya_folder(e.file.substr(0, e.file.find('/'))).first;
+    for (int64_t k = 0; k < n; ++k) {
+      files_.push_back(e.file);
+      if (e.label) labels_.push_back(*e.label);
+      captions_.push_back(e.caption);
+    }
+  }
+  if (log::rank() == 0 && (!kohya_.empty() || options_.repeats > 1)) {
+    std::string folders;
+    for (const auto& [folder, count] : kohya_) {
+      folders += fmt::format("{}{} ({} x {})", folders.empty() ? "" : ", ", folder, count,
+                             kohya_folder(folder).first);
+    }
+    log::info("{}: {} image(s){}{}: {} examples per epoch", options_.dir, images,
+              folders.empty() ? "" : " in kohya repeat folders " + folders,
+              options_.repeats > 1 ? fmt::format(", x {} (repeats)", options_.repeats) : "",
+              files_.size());
   }
 }
 

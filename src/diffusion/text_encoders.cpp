@@ -2,9 +2,11 @@
 #include "difftrain/diffusion/text_encoders.h"
 
 #include "difftrain/core/error.h"
+#include "difftrain/core/log.h"
 #include "difftrain/models/module_info.h"
 #include "difftrain/models/pretrained.h"
 
+#include <fmt/format.h>
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
@@ -177,6 +179,44 @@ std::string TextEncoderStack::ids_key(size_t i) {
   return i == 0 ? "input_ids" : "input_ids_" + std::to_string(i + 1);
 }
 
+namespace {
+std::string prompt_excerpt(const std::string& prompt);
+}  // namespace
+
+std::vector<std::string> TextEncoderStack::truncation_report(
+    const std::vector<std::string>& prompts, const std::string& what) const {
+  std::vector<std::string> lines;
+  for (const auto& e : encoders_) {
+    int64_t cut_prompts = 0, most = 0, first = -1;
+    int64_t kept = 0;
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      int64_t cut = 0;
+      if (e.t5_tokenizer) {
+        kept = max_sequence_length_ - 1;  // </s> takes the last place
+        cut = static_cast<int64_t>(e.t5_tokenizer->piece_ids(prompts[i]).size()) - kept;
+      } else {
+        kept = e.tokenizer.model_max_length() - 2;  // bos and eos
+        cut = e.tokenizer.encode(prompts[i]).num_tokens - kept;
+      }
+      if (cut <= 0) continue;
+      ++cut_prompts;
+      if (first < 0) first = static_cast<int64_t>(i);
+      most = std::max(most, cut);
+    }
+    if (cut_prompts == 0) continue;
+    lines.push_back(fmt::format(
+        "{} of {} {}(s) are longer than {}'s {} tokens ({}): up to {} token(s) cut from one, "
+        "the first {} {}; they are encoded truncated, as Diffusers does",
+        cut_prompts, prompts.size(), what, e.component, kept,
+        e.t5_tokenizer
+            ? "--max_sequence_length " + std::to_string(max_sequence_length_) + " with </s>"
+            : "model_max_length " + std::to_string(e.tokenizer.model_max_length()) +
+                  " with bos and eos",
+        most, what, prompt_excerpt(prompts[static_cast<size_t>(first)])));
+  }
+  return lines;
+}
+
 std::map<std::string, torch::Tensor> TextEncoderStack::tokenize(const std::string& caption) const {
   std::map<std::string, torch::Tensor> out;
   for (size_t i = 0; i < encoders_.size(); ++i) {
@@ -202,6 +242,10 @@ std::vector<torch::Tensor> TextEncoderStack::tokenize(
 PromptEmbeds TextEncoderStack::encode(const std::vector<std::string>& prompts, int64_t clip_skip,
                                       const std::vector<std::string>& prompts_2) const {
   torch::NoGradGuard no_grad;
+  if (!truncation_warned_ && log::rank() == 0) {
+    truncation_warned_ = true;
+    for (const auto& line : truncation_report(prompts)) log::warn("{}", line);
+  }
   auto ids = tokenize(prompts);
   if (!prompts_2.empty()) {
     if (layout_ != Layout::kClipT5) {

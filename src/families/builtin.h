@@ -60,6 +60,12 @@ void adapt_unet_lora(io::LoraWeights& lora, const std::string& dir, io::LoraForm
 void adapt_text_encoder_lora(io::LoraWeights& lora, const std::string& dir,
                              const std::string& component);
 
+/// The defaults of the Diffusers script a Stable Diffusion (`sdxl` false) or SDXL run of `config`
+/// follows: train_text_to_image[_lora][_sdxl].py for captioned images, train_dreambooth[_lora]
+/// [_sdxl].py with --instance_prompt (full SDXL DreamBooth, which Diffusers has no script for,
+/// takes train_dreambooth.py's at SDXL's resolution).
+train::ScriptDefaults text_to_image_script_defaults(const train::TrainConfig& config, bool sdxl);
+
 /// Stable Diffusion and SDXL's `difftrain sample` (StableDiffusion(XL)Pipeline semantics).
 diffusion::GenerateResult sample_text_to_image(const SampleOptions& options);
 

@@ -87,6 +87,15 @@ std::unique_ptr<train::TrainingTask> make_training_task(const train::TaskOptions
   return family.make_training_task(options);
 }
 
+train::TrainConfig parse_train_config(const std::vector<std::string>& args) {
+  train::TrainConfig config = train::parse_train_config(args);
+  if (config.pretrained_model_name_or_path.empty()) return config;
+  if (auto defaults = family_of(config.pretrained_model_name_or_path).training_defaults(config)) {
+    train::apply_script_defaults(config, *defaults);
+  }
+  return config;
+}
+
 train::TrainResult run_training(train::TrainConfig config) {
   auto trainer_options = train::trainer_options(config);
   auto task = make_training_task(train::task_options(config));

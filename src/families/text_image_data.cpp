@@ -29,6 +29,11 @@ void TextImageData::check_options(const TaskOptions& o, const std::string& model
         "--cache_latents encodes each image once, so it needs the same pixels every epoch: add "
         "--center_crop and drop --random_flip (or train without --cache_latents)");
   }
+  if (d.crop_width > 0 && t.with_prior_preservation) {
+    throw Error(
+        "--resolution W,H with --with_prior_preservation is not supported: the class images are "
+        "square; give one side (--resolution N) for DreamBooth with prior preservation");
+  }
   if (d.resolution_buckets && t.with_prior_preservation) {
     throw Error(
         "--resolution_buckets with --with_prior_preservation is not supported: a batch holds "
@@ -43,6 +48,16 @@ void TextImageData::build(accel::Accelerator& acc, const std::string& output_dir
   const auto& d = o_.data;
   const auto& t = o_.text;
   const int64_t factor = parts_.size_multiple;
+  for (const int64_t side : {d.width(), d.height()}) {
+    if (side % factor != 0) {
+      const int64_t below = side / factor * factor;
+      throw Error("--resolution " + std::to_string(d.width()) + "," + std::to_string(d.height()) +
+                  ": " + std::to_string(side) + " is not a multiple of " + std::to_string(factor) +
+                  " (" + parts_.size_reason + "); use " +
+                  (below >= 8 ? std::to_string(below) + " or " : "") +
+                  std::to_string(below + factor));
+    }
+  }
   if (d.resolution % factor != 0) {
     const int64_t below = d.resolution / factor * factor;
     throw Error("--resolution " + std::to_string(d.resolution) + " is not a multiple of " +
@@ -62,8 +77,24 @@ void TextImageData::build(accel::Accelerator& acc, const std::string& output_dir
     cls = captioned_images(d, t.class_data_dir, t.class_prompt);
   }
   std::shared_ptr<data::ImageFolderDataset> instance_images = inst.images;
+  if (acc.is_main_process()) {
+    // Once per run, for every caption: what the tokenizers will cut.
+    std::set<std::string> unique(inst.captions.begin(), inst.captions.end());
+    if (cls) unique.insert(cls->captions.begin(), cls->captions.end());
+    for (const auto& line :
+         parts_.text->truncation_report({unique.begin(), unique.end()}, "caption")) {
+      log::warn("{}", line);
+    }
+  }
+  parts_.text->set_truncation_reported();  // the caption cache's encode() stays silent
   dataset_ = std::make_shared<TextImageDataset>(std::move(inst), std::move(cls), caption_ids());
-  if (d.resolution_buckets) assign_buckets(acc, *instance_images, *dataset_);
+  if (d.resolution_buckets) {
+    assign_buckets(acc, *instance_images, *dataset_);
+  } else if (d.crop_width > 0) {
+    // kohya's --resolution W,H: every image cropped to W x H.
+    instance_images->set_target_sizes(std::vector<std::array<int64_t, 2>>(
+        static_cast<size_t>(instance_images->size()), {d.crop_height, d.crop_width}));
+  }
   if (t.cache_latents || cache_text) fill_cache(acc, *dataset_, output_dir, cache_text);
 }
 
@@ -163,6 +194,8 @@ void TextImageData::fill_cache(accel::Accelerator& acc, TextImageDataset& ds,
         "latents-v2;" + io::read_file(parts_.vae_dir + "/config.json") +
         file_stamp(models::weights_path(parts_.vae_dir, parts_.vae_variant)) +
         std::to_string(d.resolution) + ";" + std::to_string(d.center_crop) + ";" +
+        (d.crop_width > 0 ? fmt::format("crop {}x{};", d.crop_width, d.crop_height)
+                          : std::string()) +
         (d.resolution_buckets
              ? fmt::format("buckets {} {} {};", d.bucket_step, d.bucket_min_side, d.bucket_max_side)
              : std::string());

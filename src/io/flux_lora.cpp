@@ -362,6 +362,7 @@ void convert_flux_lora(LoraWeights& lora, const FluxLoraDims& dims) {
 
 LoraWeights flux_lora_to_bfl(const LoraWeights& lora, int64_t mlp_dim) {
   LoraWeights out = lora;
+  out.kohya_numbered_text_encoders = true;  // CLIP is lora_te1_ in sd-scripts' FLUX files
   const auto it = out.components.find("transformer");
   if (it == out.components.end()) return out;
   // BFL module -> its parts (index -> target).

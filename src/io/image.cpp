@@ -3,6 +3,10 @@
 #include "difftrain/core/error.h"
 #include "difftrain/io/atomic_file.h"
 
+#ifndef DIFFTRAIN_HAVE_WEBP
+#define DIFFTRAIN_HAVE_WEBP 0
+#endif
+
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -15,6 +19,7 @@
 #include <fstream>
 #include <memory>
 #include <sstream>
+#include <string_view>
 
 // The stb single-file libraries (Debian's libstb-dev headers), compiled here and only here.
 // Their code is not ours: its warnings are silenced for these includes only.
@@ -40,8 +45,58 @@
 #include <stb/stb_image_write.h>
 #pragma GCC diagnostic pop
 
+#if DIFFTRAIN_HAVE_WEBP
+#include <webp/decode.h>
+#include <webp/encode.h>
+#endif
+
 namespace difftrain::io {
 namespace {
+
+// "RIFF" <size> "WEBP": the container every WebP file starts with.
+bool is_webp(std::string_view b) {
+  return b.size() >= 12 && b.substr(0, 4) == "RIFF" && b.substr(8, 4) == "WEBP";
+}
+
+#if DIFFTRAIN_HAVE_WEBP
+// A WebP file (lossy, lossless, with or without alpha; an animation's first frame is refused by
+// libwebp's simple API) as uint8 [H, W, channels], converted as stb_image converts: 1 = grey
+// ((77 R + 150 G + 29 B) >> 8), 2 = grey + alpha, 3 = RGB (alpha dropped, PIL's
+// `.convert("RGB")`), 4 = RGBA, 0 = as stored (RGB, or RGBA with alpha).
+torch::Tensor decode_webp(const std::string& bytes, const std::string& name, int channels) {
+  const auto* data = reinterpret_cast<const uint8_t*>(bytes.data());
+  WebPBitstreamFeatures features;
+  if (WebPGetFeatures(data, bytes.size(), &features) != VP8_STATUS_OK) {
+    throw Error("cannot load image '" + name + "': not a valid WebP file (" +
+                std::to_string(bytes.size()) + " bytes); re-create it or convert it to PNG");
+  }
+  if (features.has_animation) {
+    throw Error("cannot load image '" + name +
+                "': an animated WebP; extract one frame (e.g. as PNG) to train on it");
+  }
+  if (features.width > (1 << 14) || features.height > (1 << 14)) {
+    throw Error("cannot load image '" + name + "': " + std::to_string(features.width) + "x" +
+                std::to_string(features.height) + " pixels, more than 16384 on a side");
+  }
+  int w = 0, h = 0;
+  std::unique_ptr<uint8_t, void (*)(void*)> rgba(WebPDecodeRGBA(data, bytes.size(), &w, &h),
+                                                 WebPFree);
+  if (!rgba) {
+    throw Error("cannot load image '" + name +
+                "': the WebP data is damaged or truncated; re-create it or convert it to PNG");
+  }
+  auto image = torch::from_blob(rgba.get(), {h, w, 4}, torch::kUInt8).clone();
+  const int c = channels != 0 ? channels : (features.has_alpha ? 4 : 3);
+  if (c == 4) return image;
+  if (c == 3) return image.narrow(2, 0, 3).contiguous();
+  const auto px = image.to(torch::kInt32);
+  auto grey = (px.select(2, 0) * 77 + px.select(2, 1) * 150 + px.select(2, 2) * 29)
+                  .div(256, "floor")
+                  .to(torch::kUInt8);
+  if (c == 1) return grey.unsqueeze(2).contiguous();
+  return torch::stack(std::vector<torch::Tensor>{grey, image.select(2, 3)}, 2).contiguous();
+}
+#endif
 
 std::string shape_str(const torch::Tensor& t) {
   std::ostringstream out;
@@ -325,6 +380,15 @@ torch::Tensor decode_image(const std::string& bytes, const std::string& name, in
   if (bytes.size() > static_cast<size_t>(INT_MAX)) {
     throw Error("cannot load image '" + name + "': the file is larger than 2 GiB");
   }
+  if (is_webp(bytes)) {
+#if DIFFTRAIN_HAVE_WEBP
+    return decode_webp(bytes, name, channels);
+#else
+    throw Error("cannot load image '" + name +
+                "': a WebP file, and this difftrain was built without libwebp (install "
+                "libwebp-dev and rebuild), or convert it to PNG");
+#endif
+  }
   if (jpeg_has_oversized_huffman_table(bytes)) {
     throw Error("cannot load image '" + name +
                 "': a JPEG Huffman table declares more than 256 codes; the file is corrupt — "
@@ -390,6 +454,31 @@ std::string encode_jpeg(const torch::Tensor& image, int quality) {
     throw Error("encode_jpeg: stb_image_write could not encode the " + shape_str(image) + " image");
   }
   return jpeg;
+}
+
+bool webp_supported() { return DIFFTRAIN_HAVE_WEBP != 0; }
+
+std::string encode_webp_lossless(const torch::Tensor& image) {
+  if (!image.defined() || image.dim() != 3 || image.scalar_type() != torch::kUInt8 ||
+      (image.size(2) != 3 && image.size(2) != 4) || image.size(0) < 1 || image.size(1) < 1 ||
+      image.size(0) > 16383 || image.size(1) > 16383) {
+    throw Error("encode_webp_lossless: the image is " +
+                (image.defined() ? shape_str(image) : std::string("undefined")) +
+                ": expected uint8 [H, W, 3 or 4] with 1 <= H, W <= 16383");
+  }
+#if DIFFTRAIN_HAVE_WEBP
+  const auto pixels = image.to(torch::kCPU).contiguous();
+  const int w = static_cast<int>(pixels.size(1)), h = static_cast<int>(pixels.size(0));
+  uint8_t* out = nullptr;
+  const size_t n = pixels.size(2) == 4
+                       ? WebPEncodeLosslessRGBA(pixels.data_ptr<uint8_t>(), w, h, w * 4, &out)
+                       : WebPEncodeLosslessRGB(pixels.data_ptr<uint8_t>(), w, h, w * 3, &out);
+  std::unique_ptr<uint8_t, void (*)(void*)> owned(out, WebPFree);
+  if (n == 0) throw Error("encode_webp_lossless: libwebp could not encode the image");
+  return std::string(reinterpret_cast<const char*>(out), n);
+#else
+  throw Error("encode_webp_lossless: this difftrain was built without libwebp (libwebp-dev)");
+#endif
 }
 
 torch::Tensor load_image(const std::string& path, int channels) {
@@ -514,6 +603,19 @@ std::array<int64_t, 2> image_size(const std::string& path) {
   std::string bytes(256 * 1024, '\0');
   in.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
   bytes.resize(static_cast<size_t>(in.gcount()));
+  if (is_webp(bytes)) {
+#if DIFFTRAIN_HAVE_WEBP
+    int ww = 0, wh = 0;
+    if (WebPGetInfo(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), &ww, &wh) == 0) {
+      throw Error("cannot load image '" + path + "': not a valid WebP file; convert it to PNG");
+    }
+    return {int64_t{wh}, int64_t{ww}};
+#else
+    throw Error("cannot load image '" + path +
+                "': a WebP file, and this difftrain was built without libwebp (install "
+                "libwebp-dev and rebuild), or convert it to PNG");
+#endif
+  }
   int w = 0, h = 0, c = 0;
   auto info = [&](const std::string& b) {
     return stbi_info_from_memory(reinterpret_cast<const stbi_uc*>(b.data()),

@@ -497,6 +497,20 @@ LoraWeights parse_lora(const std::map<std::string, torch::Tensor>& tensors, cons
   return out;
 }
 
+std::string format_label(const LoraWeights& lora) {
+  std::string label = to_string(lora.format);
+  if (lora.format == LoraFormat::kPeft) {
+    bool prefixed = !lora.components.empty();
+    for (const auto& [component, targets] : lora.components) {
+      for (const auto& t : targets) {
+        if (t.format == LoraFormat::kPeft && t.key.rfind(component + ".", 0) != 0) prefixed = false;
+      }
+    }
+    if (prefixed) label = "diffusers";
+  }
+  return lora.mixed ? label + ", mixed" : label;
+}
+
 std::string kohya_name(const std::string& module) {
   std::string name = module;
   for (char& c : name) {

@@ -92,8 +92,11 @@ std::map<std::string, torch::Tensor> to_tensors(const LoraWeights& lora, LoraFor
                       (format == LoraFormat::kKohya ? " or write a Diffusers or PEFT file" : ""));
     }
   };
+  // SDXL's pair, SD3's three, and FLUX.1's CLIP (sd-scripts numbers it lora_te1_, and Diffusers'
+  // FLUX loader rejects lora_te_) are numbered; SD 1.x/2.x's lone CLIP is lora_te_.
   const bool several_te =
-      lora.components.count("text_encoder_2") > 0 || lora.components.count("text_encoder_3") > 0;
+      lora.components.count("text_encoder_2") > 0 || lora.components.count("text_encoder_3") > 0 ||
+      lora.components.count("transformer") > 0 || lora.kohya_numbered_text_encoders;
   size_t targets = 0;
   for (const auto& [component, list] : lora.components) {
     if (list.empty()) continue;

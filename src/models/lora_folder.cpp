@@ -190,6 +190,7 @@ LoraFolderMergeSummary merge_lora_into_folder(const std::string& model_dir,
                                    ? "model.safetensors"
                                    : "model." + options.variant + ".safetensors";
       io::save_safetensors((staging / component / name).string(), tensors, {{"format", "pt"}});
+      summary.weights_written.push_back((out / component / name).string());
       // Other weight files of the encoder hold it without the LoRA.
       for (const auto& e : fs::directory_iterator(staging / component)) {
         const std::string f = e.path().filename().string();
@@ -201,10 +202,11 @@ LoraFolderMergeSummary merge_lora_into_folder(const std::string& model_dir,
       }
     }
   });
-  summary.weights_written = (out / unet_rel / fs::path(weights).filename()).string();
+  summary.weights_written.insert(summary.weights_written.begin(),
+                                 (out / unet_rel / fs::path(weights).filename()).string());
 
   log::info("LoRA {} ({} format): merged into {} UNet modules{} with lora_scale {}; wrote {}",
-            lora_path, io::to_string(lora.format), summary.modules_merged,
+            lora_path, io::format_label(lora), summary.modules_merged,
             merged_encoders.empty()
                 ? std::string()
                 : fmt::format(" and {} text encoder modules", summary.text_encoder_modules_merged),

@@ -171,7 +171,9 @@ void add_task_details(ModelCard& card, const TaskOptions& o) {
   if (d.only_class) dataset += fmt::format(", class {} only", *d.only_class);
   if (d.max_train_samples > 0) dataset += fmt::format(", first {} examples", d.max_train_samples);
   rows.emplace_back("dataset", dataset);
-  std::string resolution = std::to_string(d.resolution);
+  std::string resolution =
+      d.crop_width > 0 ? fmt::format("{} x {} (width x height)", d.crop_width, d.crop_height)
+                       : std::to_string(d.resolution);
   if (d.center_crop) resolution += ", center crop";
   if (d.random_flip) resolution += ", random flip";
   rows.emplace_back("resolution", resolution);
@@ -247,7 +249,8 @@ ModelCardRun model_card_run(const TrainerOptions& o, int64_t ranks,
   r.ema = o.use_ema;
   r.seed = o.seed;
   r.command = user_command();
-  r.config_json = o.config.is_null() ? "" : o.config.dump(2);
+  const nlohmann::json& shown = o.shown_config.is_null() ? o.config : o.shown_config;
+  r.config_json = shown.is_null() ? "" : shown.dump(2);
   r.output_dir = o.output_dir;
   return r;
 }

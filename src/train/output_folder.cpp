@@ -73,8 +73,9 @@ std::vector<std::string> output_dir_entries(const std::string& output_dir) {
   return names;
 }
 
-void clear_output_dir(const std::string& output_dir) {
+void clear_output_dir(const std::string& output_dir, const std::vector<std::string>& keep) {
   for (const auto& name : output_dir_entries(output_dir)) {
+    if (std::find(keep.begin(), keep.end(), name) != keep.end()) continue;
     const fs::path path = fs::path(output_dir) / name;
     std::error_code ec;
     fs::remove_all(path, ec);

@@ -20,6 +20,7 @@ data::ImageFolderOptions image_folder_options(const DataOptions& d, const std::s
   o.seed = d.seed;
   o.caption_column = d.caption_column;
   o.caption_extension = d.caption_extension;
+  o.repeats = d.dataset_repeats;
   o.channels = channels;
   return o;
 }
@@ -103,7 +104,8 @@ int64_t count_images(const std::string& dir) {
     std::string ext = e.path().extension().string();
     std::transform(ext.begin(), ext.end(), ext.begin(),
                    [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
-    if (e.is_regular_file() && (ext == ".png" || ext == ".jpg" || ext == ".jpeg" || ext == ".bmp"))
+    if (e.is_regular_file() &&
+        (ext == ".png" || ext == ".jpg" || ext == ".jpeg" || ext == ".bmp" || ext == ".webp"))
       ++n;
   }
   return n;

@@ -154,6 +154,31 @@ Option make(const char* name, std::vector<std::string> TrainConfig::*m) {
 
 #define DT_OPTION(name) make(#name, &TrainConfig::name)
 
+// --resolution N, or kohya's --resolution W,H (also WxH): a W x H crop, square when W == H.
+Option resolution_option() {
+  return {"resolution", "int",
+          [](TrainConfig& c, const Raw& r) {
+            const auto sep = r.text.find_first_of(",xX");
+            c.resolution_width = c.resolution_height = 0;
+            if (sep == std::string::npos) {
+              c.resolution = to_int(r);
+              return;
+            }
+            const int64_t w = to_int(Raw{r.text.substr(0, sep), r.where});
+            const int64_t h = to_int(Raw{r.text.substr(sep + 1), r.where});
+            if (w < 8 || h < 8) bad(r, "N or W,H (kohya's width,height) with sides >= 8");
+            c.resolution = std::max(w, h);
+            if (w != h) c.resolution_width = w, c.resolution_height = h;
+          },
+          [](const TrainConfig& c) {
+            if (c.resolution_width > 0) {
+              return nlohmann::json(std::to_string(c.resolution_width) + "," +
+                                    std::to_string(c.resolution_height));
+            }
+            return nlohmann::json(c.resolution);
+          }};
+}
+
 const std::vector<Option>& options() {
   static const std::vector<Option> table = {
       DT_OPTION(model_config_name_or_path),
@@ -162,7 +187,7 @@ const std::vector<Option>& options() {
       DT_OPTION(pretrained_vae_model_name_or_path),
       DT_OPTION(dataset),
       DT_OPTION(train_data_dir),
-      DT_OPTION(resolution),
+      resolution_option(),
       DT_OPTION(center_crop),
       DT_OPTION(resolution_buckets),
       DT_OPTION(bucket_step),
@@ -173,6 +198,7 @@ const std::vector<Option>& options() {
       DT_OPTION(class_dropout_prob),
       DT_OPTION(only_class),
       DT_OPTION(max_train_samples),
+      DT_OPTION(dataset_repeats),
       DT_OPTION(skip_bad_images),
       DT_OPTION(dataloader_num_workers),
       DT_OPTION(train_batch_size),
@@ -287,9 +313,80 @@ size_t edit_distance(const std::string& a, const std::string& b) {
   return row[b.size()];
 }
 
+// Other tools' names for what difftrain has (kohya sd-scripts, SimpleTuner): difftrain's option
+// (and how to use it), or, after a '!', what to do instead where difftrain has none.
+const std::map<std::string, std::string>& foreign_options() {
+  static const std::map<std::string, std::string> table = {
+      {"network_dim", "--rank (the LoRA rank)"},
+      {"network_alpha", "--lora_alpha"},
+      {"network_dropout", "--lora_dropout"},
+      {"network_module", "--lora (difftrain trains LoRA with --lora)"},
+      {"network_weights",
+       "!difftrain does not start a LoRA from an existing file; continue a difftrain run with "
+       "--resume_from_checkpoint, or train a new LoRA"},
+      {"lora_rank", "--rank"},
+      {"fp8_base", "--base_weights_dtype fp8_e4m3 (or int8)"},
+      {"fp8_base_unet", "--base_weights_dtype fp8_e4m3"},
+      {"text_encoder_lr",
+       "--learning_rate (the text encoder's LoRA trains at the same rate; difftrain has no "
+       "separate one)"},
+      {"unet_lr", "--learning_rate"},
+      {"max_train_epochs", "--num_train_epochs"},
+      {"num_epochs", "--num_train_epochs"},
+      {"save_every_n_steps", "--checkpointing_steps"},
+      {"save_every_n_epochs", "--checkpointing_steps (in updates)"},
+      {"save_model_as", "--lora_format (diffusers, peft or kohya; always .safetensors)"},
+      {"optimizer_type", "--optimizer adamw|prodigy (and --use_8bit_adam for AdamW8bit)"},
+      {"enable_bucket", "--resolution_buckets"},
+      {"min_bucket_reso", "--bucket_min_side"},
+      {"max_bucket_reso", "--bucket_max_side"},
+      {"bucket_reso_steps", "--bucket_step"},
+      {"max_data_loader_n_workers", "--dataloader_num_workers"},
+      {"min_snr_gamma", "--snr_gamma"},
+      {"reg_data_dir", "--class_data_dir with --with_prior_preservation and --class_prompt"},
+      {"log_with", "--report_to"},
+      {"sample_prompts", "--validation_prompt"},
+      {"sample_every_n_steps", "--validation_steps"},
+      {"validation_epochs", "--validation_steps (in updates)"},
+      {"lr_scheduler_num_cycles", "--lr_num_cycles"},
+      {"lr_scheduler_power", "--lr_power"},
+      {"t5xxl_max_token_length", "--max_sequence_length"},
+      {"ae", "--pretrained_vae_model_name_or_path"},
+      {"full_bf16", "--mixed_precision bf16"},
+      {"full_fp16", "--mixed_precision fp16"},
+      {"model_prediction_type", "--prediction_type (UNets; FLUX.1 always predicts the velocity)"},
+      {"output_name",
+       "!the LoRA is always <output_dir>/pytorch_lora_weights.safetensors (Diffusers' name); "
+       "pick the folder with --output_dir"},
+      {"xformers", "!difftrain picks its attention kernel itself: leave it out"},
+      {"sdpa", "!difftrain picks its attention kernel itself: leave it out"},
+      {"mem_eff_attn", "!difftrain picks its attention kernel itself: leave it out"},
+  };
+  return table;
+}
+
+// Other tools' spellings of difftrain's own options, read as them.
+const std::map<std::string, std::string>& option_aliases() {
+  static const std::map<std::string, std::string> table = {
+      {"repeats", "dataset_repeats"},  // Diffusers' advanced DreamBooth scripts
+  };
+  return table;
+}
+
 const Option& find(const std::string& name, const std::string& where) {
   std::string key = name;
   std::replace(key.begin(), key.end(), '-', '_');
+  if (const auto alias = option_aliases().find(key); alias != option_aliases().end()) {
+    key = alias->second;
+  }
+  if (const auto other = foreign_options().find(key); other != foreign_options().end()) {
+    // A leading '!' marks a sentence of its own; else the text names difftrain's option.
+    const std::string& hint = other->second;
+    throw Error(where + ": \"" + name + "\" is another tool's option (kohya sd-scripts, " +
+                "SimpleTuner); " +
+                (hint.rfind('!', 0) == 0 ? hint.substr(1) : "difftrain's is " + hint) +
+                " (difftrain train --help lists them)");
+  }
   const Option* best = nullptr;
   size_t best_d = 1000;
   for (const auto& o : options()) {
@@ -419,7 +516,10 @@ void apply_external(TrainConfig& c, const std::set<std::string>& given) {
   }
   for (const auto& f : external_fields()) {
     const settings::MergedSetting* s = merged.find(f.name);
-    if (s != nullptr && s->source == settings::SettingSource::kConfigFile) f.set(c, s->value);
+    if (s != nullptr && s->source == settings::SettingSource::kConfigFile) {
+      f.set(c, s->value);
+      c.given.insert(f.name);
+    }
   }
 }
 
@@ -429,6 +529,46 @@ nlohmann::json TrainConfig::to_json() const {
   nlohmann::json out = nlohmann::json::object();
   for (const auto& o : options()) out[o.name] = o.get(*this);
   return out;
+}
+
+nlohmann::json TrainConfig::shown_json() const {
+  nlohmann::json out = to_json();
+  for (const auto& name : not_applicable) out.erase(name);
+  return out;
+}
+
+void apply_script_defaults(TrainConfig& c, const ScriptDefaults& d) {
+  const auto unset = [&](const char* name) { return c.given.count(name) == 0; };
+  if (unset("resolution")) c.resolution = d.resolution;
+  if (unset("train_batch_size")) c.train_batch_size = d.train_batch_size;
+  // Diffusers' scripts: --max_train_steps None, so the epochs decide the length.
+  if (unset("max_train_steps") && unset("num_train_epochs")) {
+    c.max_train_steps = 0;
+    c.num_train_epochs = d.num_train_epochs;
+  }
+  if (unset("learning_rate")) c.learning_rate = d.learning_rate;
+  if (unset("lr_scheduler")) c.lr_scheduler = d.lr_scheduler;
+  if (unset("lr_warmup_steps")) c.lr_warmup_steps = d.lr_warmup_steps;
+  if (unset("adam_beta1")) c.adam_beta1 = d.adam_beta1;
+  if (unset("adam_beta2")) c.adam_beta2 = d.adam_beta2;
+  if (unset("adam_weight_decay")) c.adam_weight_decay = d.adam_weight_decay;
+  if (unset("adam_epsilon")) c.adam_epsilon = d.adam_epsilon;
+  if (unset("checkpointing_steps")) c.checkpointing_steps = d.checkpointing_steps;
+  if (unset("num_validation_images")) c.num_validation_images = d.num_validation_images;
+  if (unset("use_ema")) c.use_ema = d.use_ema;
+  if (!d.lora_target_modules.empty() && unset("lora_target_modules") && c.lora_layers.empty()) {
+    c.lora_target_modules = d.lora_target_modules;
+  }
+  c.defaults_from = d.script;
+  c.not_applicable.insert(d.not_applicable.begin(), d.not_applicable.end());
+  if (!c.use_ema)
+    c.not_applicable.insert({"ema_decay", "ema_inv_gamma", "ema_power", "ema_max_decay"});
+  if (!c.lora) {
+    c.not_applicable.insert({"rank", "lora_alpha", "lora_dropout", "lora_target_modules",
+                             "lora_format", "lora_layers", "base_weights_dtype",
+                             "text_encoder_lora_target_modules"});
+  }
+  c.validate();
 }
 
 std::vector<std::vector<std::string>> train_option_table() {
@@ -541,6 +681,10 @@ void TrainConfig::validate() const {
   require(logging_steps >= 1, "--logging_steps must be at least 1");
   require(dataloader_num_workers >= 0, "--dataloader_num_workers must be >= 0");
   require(max_train_samples >= 0, "--max_train_samples must be >= 0 (0: all)");
+  require(dataset_repeats >= 1,
+          "--dataset_repeats must be at least 1 (each image used that many times per epoch), "
+          "got " +
+              std::to_string(dataset_repeats));
   require(!only_class || *only_class >= 0, "--only_class must be >= 0");
   require(report_to == "all" || report_to == "none" || report_to == "tensorboard" ||
               report_to == "jsonl" || report_to == "tensorboard,jsonl" ||
@@ -652,6 +796,7 @@ TrainConfig parse_train_config(const std::vector<std::string>& args) {
     }
   }
   // Configs users already have: an Accelerate file, then a DeepSpeed file (more specific).
+  config.given = given;  // apply_external() adds what the files set
   apply_external(config, given);
   config.sharding_strategy = accel::to_string(
       accel::parse_sharding_strategy(config.sharding_strategy, "--sharding_strategy"));
@@ -659,6 +804,13 @@ TrainConfig parse_train_config(const std::vector<std::string>& args) {
                  config.fsdp_auto_wrap_policy.begin(),
                  [](unsigned char ch) { return static_cast<char>(std::toupper(ch)); });
   if (config.ema_decay) config.ema_max_decay = *config.ema_decay;
+  // kohya: --resolution W,H with buckets is the buckets' area, W x H pixels.
+  if (config.resolution_width > 0 && config.resolution_buckets) {
+    config.resolution = static_cast<int64_t>(
+        std::llround(std::sqrt(static_cast<double>(config.resolution_width) *
+                               static_cast<double>(config.resolution_height))));
+    config.resolution_width = config.resolution_height = 0;
+  }
   // As Diffusers' scripts: the epochs decide the length unless --max_train_steps is given. The
   // default 1200 updates stand only when neither is given (the built-in default job).
   if (given.count("num_train_epochs") && !given.count("max_train_steps")) {

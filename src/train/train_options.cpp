@@ -43,6 +43,7 @@ TrainerOptions trainer_options(const TrainConfig& c) {
   o.ema_power = c.ema_power;
   o.output_dir = c.output_dir;
   o.overwrite_output_dir = c.overwrite_output_dir;
+  if (c.cache_dir.empty()) o.keep_on_overwrite = {"cache"};
   o.inputs = {{"pretrained_model_name_or_path", c.pretrained_model_name_or_path},
               {"pretrained_vae_model_name_or_path", c.pretrained_vae_model_name_or_path},
               {"model_config_name_or_path", c.model_config_name_or_path},
@@ -59,6 +60,8 @@ TrainerOptions trainer_options(const TrainConfig& c) {
   o.final_validation = c.final_validation;
   o.validation_prompt_given = !c.validation_prompt.empty();
   o.config = c.to_json();
+  o.shown_config = c.shown_json();
+  o.defaults_from = c.defaults_from;
   // Options whose change makes a checkpoint a different run: refused at resume.
   o.structural_keys = {"model_config_name_or_path",
                        "pretrained_model_name_or_path",
@@ -83,6 +86,7 @@ TrainerOptions trainer_options(const TrainConfig& c) {
                        "ddpm_beta_schedule",
                        "only_class",
                        "max_train_samples",
+                       "dataset_repeats",
                        "class_dropout_prob",
                        "caption_column",
                        "instance_prompt",
@@ -120,6 +124,8 @@ TaskOptions task_options(const TrainConfig& c) {
   o.data.dataset = c.dataset;
   o.data.train_data_dir = c.train_data_dir;
   o.data.resolution = c.resolution;
+  o.data.crop_width = c.resolution_width;
+  o.data.crop_height = c.resolution_height;
   o.data.center_crop = c.center_crop;
   o.data.random_flip = c.random_flip;
   o.data.resolution_buckets = c.resolution_buckets;
@@ -132,6 +138,7 @@ TaskOptions task_options(const TrainConfig& c) {
   o.data.caption_extension = c.caption_extension;
   o.data.only_class = c.only_class;
   o.data.max_train_samples = c.max_train_samples;
+  o.data.dataset_repeats = c.dataset_repeats;
   o.data.seed = c.seed;
 
   o.model.pretrained_model_name_or_path = c.pretrained_model_name_or_path;

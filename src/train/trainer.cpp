@@ -28,6 +28,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <csignal>
@@ -112,6 +113,7 @@ struct Trainer::State {
   std::vector<std::string> card_labels;
   int64_t card_images_step = -1;
   std::unique_ptr<OutputDirLock> output_lock;  // main rank: held for the whole run
+  std::vector<std::string> overwritten;        // main rank: what --overwrite_output_dir will clear
 
   // ------------------------------------------------------------------ setup
   void make_accelerator() {
@@ -144,8 +146,9 @@ struct Trainer::State {
       output_lock = OutputDirLock::acquire(o.output_dir);
       const auto held = output_dir_entries(o.output_dir);
       if (!held.empty() && o.overwrite_output_dir) {
-        log::info("--overwrite_output_dir: clearing {} ({} entries)", o.output_dir, held.size());
-        clear_output_dir(o.output_dir);
+        // Cleared only once every input has been read (clear_overwritten_run(), after
+        // prepare()): a typo in --train_data_dir must not cost the finished run.
+        overwritten = held;
       } else if (!held.empty() && o.resume_from_checkpoint.empty()) {
         std::string names;
         for (size_t i = 0; i < held.size() && i < 3; ++i) names += (i ? ", " : "") + held[i];
@@ -157,6 +160,26 @@ struct Trainer::State {
       remove_unfinished_checkpoints(o.output_dir);
     }
     acc->wait_for_everyone();
+  }
+
+  // --overwrite_output_dir: the previous run's files go once every rank has built its models and
+  // data (every input checked), right before the run writes its first file. The content-keyed
+  // caches this run read or filled there (--cache_dir's default, <output_dir>/cache) stay.
+  void clear_overwritten_run() {
+    acc->wait_for_everyone();
+    if (!acc->is_main_process() || overwritten.empty()) return;
+    std::vector<std::string> gone;
+    for (const auto& name : overwritten) {
+      if (std::find(o.keep_on_overwrite.begin(), o.keep_on_overwrite.end(), name) ==
+          o.keep_on_overwrite.end()) {
+        gone.push_back(name);
+      }
+    }
+    log::info("--overwrite_output_dir: the inputs are read; clearing {} ({} entries{})",
+              o.output_dir, gone.size(),
+              gone.size() < overwritten.size() ? ", the caches kept" : "");
+    clear_output_dir(o.output_dir, o.keep_on_overwrite);
+    overwritten.clear();
   }
 
   // The logs folder, once the run is known to start (a refused resume leaves no empty logs/).
@@ -280,7 +303,11 @@ struct Trainer::State {
 
   void print_header() const {
     if (!acc->is_main_process()) return;
-    log::info("difftrain train: resolved configuration\n{}", o.config.dump(2));
+    const nlohmann::json& shown = o.shown_config.is_null() ? o.config : o.shown_config;
+    log::info("difftrain train: resolved configuration\n{}", shown.dump(2));
+    if (!o.defaults_from.empty()) {
+      log::info("  defaults: Diffusers' {} (the options given win)", o.defaults_from);
+    }
     log::info(
         "  examples {} | classes {} | processes {} on {} ({}) | batch per process {} | "
         "accumulation {} | global batch {}",
@@ -573,14 +600,19 @@ struct Trainer::State {
   // The main rank says once which signal stopped the run and what happens now.
   void announce_stop() {
     const int signo = g_stop_signal.load();
+    // Said now, since a second signal ends the run before it can say anything more.
+    const std::string last = acc->is_main_process() ? latest_checkpoint(o.output_dir) : "";
     acc->print(
         "{} received: saving checkpoint-{}, then stopping (a second signal to the launcher "
-        "stops at once)",
+        "stops at once{}); continue with --resume_from_checkpoint latest --output_dir {}",
         signo == SIGINT    ? "SIGINT"
         : signo == SIGTERM ? "SIGTERM"
                            : "a stop signal (on "
                              "another rank)",
-        global_step);
+        global_step,
+        last.empty() ? ", with no checkpoint saved yet"
+                     : ", and the run resumes from " + fs::path(last).filename().string(),
+        o.output_dir);
   }
 
   [[noreturn]] void throw_interrupted() {
@@ -594,7 +626,19 @@ struct Trainer::State {
   TrainResult train() {
     StopSignals signals;
     const int64_t world = acc->num_processes();
-    const int64_t global_batch = o.train_batch_size * world * o.gradient_accumulation_steps;
+    // Samples per update as counted in samples/s: the global batch, or the whole dataset when it
+    // is smaller (each update then repeats examples: Accelerate's even batches wrap around).
+    const int64_t examples = task->dataset()->size();
+    const int64_t full_batch = o.train_batch_size * world * o.gradient_accumulation_steps;
+    const int64_t global_batch = std::min(full_batch, examples);
+    if (examples < full_batch) {
+      acc->warn(
+          "the dataset has {} example(s), fewer than one global batch of {} (--train_batch_size "
+          "{} x {} process(es) x --gradient_accumulation_steps {}): each update repeats examples, "
+          "and samples/s counts the {} distinct ones; lower --train_batch_size, or use more images "
+          "(or --dataset_repeats)",
+          examples, full_batch, o.train_batch_size, world, o.gradient_accumulation_steps, examples);
+    }
     auto window_start = Clock::now();
     const auto run_start = window_start;
     const int64_t first_step = global_step;
@@ -777,6 +821,7 @@ TrainResult Trainer::run() {
   s.make_accelerator();
   s.make_output_folders();
   s.prepare();
+  s.clear_overwritten_run();
   const std::string resume_dir = s.resume_dir();
   s.make_logs_folder();
   s.print_header();

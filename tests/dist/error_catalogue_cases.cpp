@@ -713,6 +713,38 @@ const std::vector<Case>& error_catalogue_cases() {
          EXPECT_EQ(first.exit_code, 0) << first.log();
          return BadRun{tiny_train(t, {})};
        }},
+      // ------------------------------------------------------------------ issue 56
+      {"KohyaOptionName", "`difftrain train ... --network_dim 16` (kohya sd-scripts' name)",
+       "--network_dim: \"network_dim\" is another tool's option (kohya sd-scripts, SimpleTuner); "
+       "difftrain's is --rank (the LoRA rank) (difftrain train --help lists them)",
+       1,
+       [](const std::string& t) {
+         return BadRun{tiny_train(t, {"--network_dim", "16"})};
+       }},
+      {"SdxlLoraForFlux",
+       "`difftrain sample --model tests/golden/flux/tiny_flux --lora "
+       "tests/golden/sdxl/tiny_sdxl_lora/pytorch_lora_weights.safetensors --prompt a`",
+       "LoRA <golden>/sdxl/tiny_sdxl_lora/pytorch_lora_weights.safetensors has no transformer "
+       "targets (12 text_encoder, 18 text_encoder_2, 132 unet): it is a sdxl LoRA, not one for "
+       "<golden>/flux/tiny_flux (flux family); give a LoRA trained on this model's family",
+       1,
+       [](const std::string& t) {
+         return BadRun{{"sample", "--model", kGolden + "/flux/tiny_flux", "--lora",
+                        kGolden + "/sdxl/tiny_sdxl_lora/pytorch_lora_weights.safetensors",
+                        "--prompt", "a", "--num_inference_steps", "1", "--output", t + "/s.png"}};
+       }},
+      {"LoraConvertOntoItsInput",
+       "`difftrain lora convert --input L.safetensors --output L.safetensors --to kohya`",
+       "--output <tmp>/l.safetensors is the --input file; write the converted LoRA to a new file "
+       "(the input is not overwritten)",
+       1,
+       [](const std::string& t) {
+         std::filesystem::copy_file(
+             kGolden + "/flux/tiny_flux_lora/pytorch_lora_weights.safetensors",
+             t + "/l.safetensors");
+         return BadRun{{"lora", "convert", "--input", t + "/l.safetensors", "--output",
+                        t + "/l.safetensors", "--to", "kohya"}};
+       }},
   };
   return kCases;
 }

@@ -89,6 +89,12 @@ TEST(Preemption, SigtermDuringALongSaveOfALargeModelFinishesTheCheckpoint) {
   ASSERT_FALSE(r.timed_out) << r.log();
   EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.log();
   EXPECT_NE(r.err.find("parameters 57"), std::string::npos) << r.log();
+  // Said at the first signal, since a second one ends the run before it can say more (issue 56).
+  EXPECT_NE(r.err.find("with no checkpoint saved yet); continue with --resume_from_checkpoint "
+                       "latest --output_dir " +
+                       out),
+            std::string::npos)
+      << r.log();
   // The launcher waited for the ranks that made progress, and said so.
   EXPECT_NE(r.err.find("it may finish while it makes progress"), std::string::npos) << r.log();
   EXPECT_EQ(r.err.find("is killed while"), std::string::npos) << r.log();

@@ -406,6 +406,18 @@ TEST(TrainCommand, OutputFolderIsNeitherAnInputNorAnotherRunsFolder) {
       << again.log();
   EXPECT_NE(again.err.find("--overwrite_output_dir"), std::string::npos) << again.log();
   EXPECT_EQ(max_abs_diff(before, unet_weights(out)), 0.0);
+  // --overwrite_output_dir with an input that does not exist (issue 56): refused, and the
+  // finished run is still all there (the clearing waits until every input has been read).
+  auto typo = train_cmd(dir, out, common);
+  typo.insert(typo.end(), {"--overwrite_output_dir", "--dataset", "imagefolder", "--train_data_dir",
+                           dir + "/typo"});
+  const auto refused = train(typo);
+  EXPECT_NE(refused.exit_code, 0) << refused.log();
+  EXPECT_NE(refused.err.find(dir + "/typo"), std::string::npos) << refused.log();
+  EXPECT_EQ(refused.err.find("clearing"), std::string::npos) << refused.log();
+  EXPECT_TRUE(fs::exists(out + "/checkpoint-1/trainer_state.json")) << refused.log();
+  EXPECT_TRUE(fs::exists(out + "/README.md")) << refused.log();
+  EXPECT_EQ(max_abs_diff(before, unet_weights(out)), 0.0);
   // --overwrite_output_dir clears it completely: none of the first run's checkpoints are left.
   auto overwrite = train_cmd(dir, out, common);
   overwrite.push_back("--overwrite_output_dir");

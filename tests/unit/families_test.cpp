@@ -166,5 +166,123 @@ TEST(Families, AClassNoFamilyClaimsIsRefusedInOneLineListingTheKnownOnes) {
       std::string::npos);
 }
 
+// A family's run starts from the defaults of the Diffusers script it follows (issue 56: a FLUX.1
+// LoRA ran with train_unconditional.py's lr 1e-3, cosine schedule and EMA); given options win.
+TEST(Families, ARunStartsFromItsFamilysDiffusersScriptDefaults) {
+  const auto flux = kGoldenDir + "flux/tiny_flux";
+  const auto sd = kGoldenDir + "sd/tiny_sd";
+  const auto xl = kGoldenDir + "sdxl/tiny_sdxl";
+  const auto parse = [](std::vector<std::string> args) {
+    return families::parse_train_config(args);
+  };
+  auto f = parse({"--pretrained_model_name_or_path", flux, "--lora"});
+  EXPECT_EQ(f.defaults_from, "train_dreambooth_lora_flux.py");
+  EXPECT_DOUBLE_EQ(f.learning_rate, 1e-4);
+  EXPECT_EQ(f.lr_scheduler, "constant");
+  EXPECT_EQ(f.lr_warmup_steps, 500);
+  EXPECT_DOUBLE_EQ(f.adam_beta1, 0.9);
+  EXPECT_DOUBLE_EQ(f.adam_weight_decay, 1e-4);
+  EXPECT_EQ(f.train_batch_size, 4);
+  EXPECT_EQ(f.resolution, 512);
+  EXPECT_FALSE(f.use_ema);
+  EXPECT_EQ(f.max_train_steps, 0);
+  EXPECT_EQ(f.num_train_epochs, 1);
+  EXPECT_EQ(f.checkpointing_steps, 500);
+  EXPECT_EQ(f.lora_target_modules.size(), 12u);
+  const auto shown = f.shown_json();
+  for (const char* gone : {"prediction_type", "ddpm_beta_schedule", "validation_scheduler",
+                           "snr_gamma", "ema_max_decay", "class_conditional"}) {
+    EXPECT_FALSE(shown.contains(gone)) << gone;
+  }
+  EXPECT_TRUE(shown.contains("weighting_scheme"));
+  // Given options win, from flags and from a YAML file.
+  const auto dir = temp_dir("families_defaults");
+  write_text(dir + "/run.yaml", "lr_scheduler: cosine\nuse_ema: true\n");
+  auto given = parse({"--pretrained_model_name_or_path", flux, "--lora", "--learning_rate", "2e-3",
+                      "--config", dir + "/run.yaml", "--max_train_steps", "9", "--lora_layers",
+                      "attn.to_q"});
+  EXPECT_DOUBLE_EQ(given.learning_rate, 2e-3);
+  EXPECT_EQ(given.lr_scheduler, "cosine");
+  EXPECT_TRUE(given.use_ema);
+  EXPECT_EQ(given.max_train_steps, 9);
+  EXPECT_EQ(given.lora_target_modules, train::TrainConfig{}.lora_target_modules);  // --lora_layers
+  EXPECT_EQ(parse({"--pretrained_model_name_or_path", flux}).defaults_from,
+            "train_dreambooth_flux.py");
+
+  // Stable Diffusion and SDXL: text-to-image or DreamBooth, LoRA or full.
+  struct Case {
+    std::string model;
+    std::vector<std::string> flags;
+    std::string script;
+    double lr, weight_decay;
+    int64_t batch, resolution, epochs;
+  };
+  const std::vector<Case> cases = {
+      {sd, {"--lora"}, "train_text_to_image_lora.py", 1e-4, 1e-2, 16, 512, 100},
+      {sd, {}, "train_text_to_image.py", 1e-4, 1e-2, 16, 512, 100},
+      {sd,
+       {"--lora", "--instance_prompt", "sks"},
+       "train_dreambooth_lora.py",
+       5e-4,
+       1e-2,
+       4,
+       512,
+       1},
+      {sd, {"--instance_prompt", "sks"}, "train_dreambooth.py", 5e-6, 1e-2, 4, 512, 1},
+      {xl, {"--lora"}, "train_text_to_image_lora_sdxl.py", 1e-4, 1e-2, 16, 1024, 100},
+      {xl, {}, "train_text_to_image_sdxl.py", 1e-4, 1e-2, 16, 1024, 100},
+      {xl,
+       {"--lora", "--instance_prompt", "sks"},
+       "train_dreambooth_lora_sdxl.py",
+       1e-4,
+       1e-4,
+       4,
+       1024,
+       1},
+  };
+  for (const auto& c : cases) {
+    std::vector<std::string> args = {"--pretrained_model_name_or_path", c.model};
+    args.insert(args.end(), c.flags.begin(), c.flags.end());
+    const auto r = parse(args);
+    EXPECT_EQ(r.defaults_from, c.script);
+    EXPECT_DOUBLE_EQ(r.learning_rate, c.lr) << c.script;
+    EXPECT_DOUBLE_EQ(r.adam_weight_decay, c.weight_decay) << c.script;
+    EXPECT_EQ(r.train_batch_size, c.batch) << c.script;
+    EXPECT_EQ(r.resolution, c.resolution) << c.script;
+    EXPECT_EQ(r.num_train_epochs, c.epochs) << c.script;
+    EXPECT_EQ(r.lr_scheduler, "constant") << c.script;
+    EXPECT_FALSE(r.use_ema) << c.script;
+    EXPECT_FALSE(r.shown_json().contains("discrete_flow_shift")) << c.script;
+    EXPECT_TRUE(r.shown_json().contains("prediction_type")) << c.script;
+  }
+  // No pretrained folder: the built-in job's own recipe, no script.
+  EXPECT_EQ(parse({}).defaults_from, "");
+  EXPECT_DOUBLE_EQ(parse({}).learning_rate, train::TrainConfig{}.learning_rate);
+}
+
+// A LoRA made for another family is refused in one line naming it (issue 56: an SDXL LoRA given
+// to FLUX.1 merged 0 transformer modules and exited 0); a text-encoder-only one passes.
+TEST(Families, ALoraForAnotherFamilyIsRefusedNamingIt) {
+  const auto flux = kGoldenDir + "flux/tiny_flux";
+  const auto xl_lora = kGoldenDir + "sdxl/tiny_sdxl_lora/pytorch_lora_weights.safetensors";
+  const auto flux_lora = kGoldenDir + "flux/tiny_flux_lora/pytorch_lora_weights.safetensors";
+  const auto e =
+      error_of([&] { families::check_lora_fits_family(io::read_lora(xl_lora), xl_lora, flux); });
+  EXPECT_EQ(e.find('\n'), std::string::npos) << e;
+  for (const char* part : {"has no transformer targets", "a sdxl LoRA", "flux family"}) {
+    EXPECT_NE(e.find(part), std::string::npos) << part << " in: " << e;
+  }
+  const auto sd = kGoldenDir + "sd/tiny_sd";
+  const auto to_sd =
+      error_of([&] { families::check_lora_fits_family(io::read_lora(flux_lora), flux_lora, sd); });
+  EXPECT_NE(to_sd.find("has no unet targets"), std::string::npos) << to_sd;
+  EXPECT_NE(to_sd.find("a flux LoRA"), std::string::npos) << to_sd;
+  // Its own family's LoRA, and one with only the text encoder's targets, pass.
+  EXPECT_NO_THROW(families::check_lora_fits_family(io::read_lora(flux_lora), flux_lora, flux));
+  io::LoraWeights te_only = io::read_lora(flux_lora);
+  te_only.components.erase("transformer");
+  EXPECT_NO_THROW(families::check_lora_fits_family(te_only, flux_lora, flux));
+}
+
 }  // namespace
 }  // namespace difftrain::test

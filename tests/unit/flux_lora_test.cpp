@@ -186,6 +186,27 @@ TEST(FluxLora, KohyaFilesWrittenHereReadBackWithRanksAlphasAndDeltas) {
     std::printf("%s -> kohya -> read: max delta difference %.3g (limit 1e-5)\n", file, d);
     EXPECT_LE(d, 1e-5);
     for (const auto& t : back.targets("transformer")) EXPECT_EQ(t.rank(), 4) << t.module;
+    // CLIP as sd-scripts' lora_flux names it, lora_te1_ (issue 56: Diffusers' FLUX loader
+    // refuses lora_te_), also without a transformer target and without the BFL conversion.
+    size_t te1 = 0;
+    for (const auto& [key, e] : header.tensors) {
+      (void)e;
+      EXPECT_NE(key.rfind("lora_te_", 0), 0u) << key;
+      te1 += key.rfind("lora_te1_text_model_", 0) == 0 ? 1 : 0;
+    }
+    EXPECT_EQ(te1, 3 * lora.count("text_encoder")) << "down, up and alpha of each CLIP target";
+    auto clip_only = lora;
+    clip_only.components.erase("transformer");
+    const std::string clip_out = test::temp_dir("flux_lora_clip") + "/clip.safetensors";
+    io::write_lora(clip_out, io::flux_lora_to_bfl(clip_only), io::LoraFormat::kKohya);
+    for (const auto& [key, e] : io::read_safetensors_header(clip_out).tensors) {
+      (void)e;
+      EXPECT_EQ(key.rfind("lora_te1_", 0), 0u) << key;
+    }
+    io::write_lora(clip_out, lora, io::LoraFormat::kKohya);  // "transformer": FLUX numbering too
+    EXPECT_EQ(io::read_safetensors_header(clip_out).tensors.count(
+                  "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight"),
+              1u);
     // Diffusers / PEFT round trips of the converted LoRA.
     for (auto format : {io::LoraFormat::kDiffusers, io::LoraFormat::kPeft}) {
       const std::string p = test::temp_dir("flux_lora_write2") + "/lora.safetensors";

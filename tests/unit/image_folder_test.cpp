@@ -5,6 +5,7 @@
 
 #include "difftrain/data/image_folder.h"
 #include "difftrain/core/error.h"
+#include "difftrain/io/atomic_file.h"
 #include "difftrain/io/image.h"
 
 #include "test_util.h"
@@ -147,6 +148,49 @@ TEST(ImageFolder, FirstLevelSubFoldersAreClasses) {
   save(one + "/train/a.png", random_image(4, 4, 3, 6));
   save(one + "/train/b.png", random_image(4, 4, 3, 7));
   EXPECT_EQ(ImageFolderDataset(opts(one)).num_classes(), 0);
+}
+
+// kohya's layout (issue 56): "<N>_<name>" sub-folders repeat their images N times per epoch,
+// an image without a caption file is captioned <name>, images elsewhere are skipped, no labels
+// are inferred; --dataset_repeats multiplies every image; WebP files are images.
+TEST(ImageFolder, KohyaRepeatFoldersAndDatasetRepeats) {
+  const auto dir = temp_dir("if_kohya");
+  save(dir + "/3_sks dog/a.png", random_image(4, 4, 3, 1));
+  write_text(dir + "/3_sks dog/a.txt", "a photo of sks dog on grass");
+  difftrain::io::write_file_atomic(dir + "/3_sks dog/b.webp",
+                                   difftrain::io::encode_webp_lossless(random_image(4, 4, 3, 2)));
+  save(dir + "/1_dog/c.png", random_image(4, 4, 3, 3));
+  save(dir + "/stray.png", random_image(4, 4, 3, 4));  // outside the kohya folders
+  save(dir + "/misc/d.png", random_image(4, 4, 3, 5));
+  write_text(dir + "/orphan.txt", "a caption without its image");
+  const ImageFolderDataset ds(opts(dir));
+  EXPECT_EQ(ds.size(), 3 + 3 + 1);
+  EXPECT_EQ(ds.num_classes(), 0);
+  EXPECT_EQ(listing(ds), (std::vector<std::string>{
+                             "1_dog/c.png", "3_sks dog/a.png", "3_sks dog/a.png", "3_sks dog/a.png",
+                             "3_sks dog/b.webp", "3_sks dog/b.webp", "3_sks dog/b.webp"}));
+  EXPECT_EQ(ds.caption(0), "dog");
+  EXPECT_EQ(ds.caption(1), "a photo of sks dog on grass");
+  EXPECT_EQ(ds.caption(4), "sks dog");
+  // Each repeat has its own index, so its own augmentation stream; the pixels are the file's.
+  expect_close("repeat of a.png", ds.get(1).at("pixel_values"), ds.get(3).at("pixel_values"), 0);
+  EXPECT_EQ(ds.get(3).at("index").item<int64_t>(), 3);
+
+  auto twice = opts(dir);
+  twice.repeats = 2;
+  EXPECT_EQ(ImageFolderDataset(twice).size(), 14);
+  // A flat folder with repeats: each image twice, in a row.
+  const auto flat = temp_dir("if_repeats");
+  save(flat + "/a.png", random_image(4, 4, 3, 6));
+  save(flat + "/b.png", random_image(4, 4, 3, 7));
+  auto flat_opts = opts(flat);
+  flat_opts.repeats = 2;
+  EXPECT_EQ(listing(ImageFolderDataset(flat_opts)),
+            (std::vector<std::string>{"a.png", "a.png", "b.png", "b.png"}));
+  flat_opts.repeats = 0;
+  EXPECT_HAS(error_of([&] { ImageFolderDataset{flat_opts}; }), "repeats is 0");
+  save(dir + "/0_cat/e.png", random_image(4, 4, 3, 8));
+  EXPECT_HAS(error_of([&] { ImageFolderDataset{opts(dir)}; }), "0 repeats");
 }
 
 TEST(ImageFolder, MetadataListsFilesLabelsAndCaptions) {

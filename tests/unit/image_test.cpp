@@ -212,6 +212,36 @@ TEST(ImageLoad, ErrorsNameThePath) {
   fs::remove_all(dir);
 }
 
+// WebP (libwebp): a lossless file decodes to its pixels exactly, alpha is dropped for RGB as
+// PIL's convert("RGB") does, grey is stb's luminance, and image_size reads the header (issue 56:
+// kohya and Diffusers train on .webp files).
+TEST(ImageLoad, WebpDecodesExactlyAndConverts) {
+  ASSERT_TRUE(difftrain::io::webp_supported()) << "built without libwebp-dev (scripts/setup)";
+  const auto dir = temp_dir("webp");
+  const auto rgb = random_image(7, 5, 3, 11);
+  const std::string path = dir + "/a.webp";
+  difftrain::io::write_file_atomic(path, difftrain::io::encode_webp_lossless(rgb));
+  EXPECT_TRUE(torch::equal(load_image(path, 3), rgb));
+  EXPECT_EQ(difftrain::io::image_size(path), (std::array<int64_t, 2>{7, 5}));
+  const auto rgba = random_image(6, 9, 4, 12);
+  const auto bytes = difftrain::io::encode_webp_lossless(rgba);
+  EXPECT_TRUE(torch::equal(difftrain::io::decode_image(bytes, "rgba.webp", 4), rgba));
+  EXPECT_TRUE(
+      torch::equal(difftrain::io::decode_image(bytes, "rgba.webp", 3), rgba.narrow(2, 0, 3)));
+  EXPECT_EQ(difftrain::io::decode_image(bytes, "rgba.webp", 0).size(2), 4);
+  const auto px = rgba.to(torch::kInt64);
+  const auto grey =
+      (px.select(2, 0) * 77 + px.select(2, 1) * 150 + px.select(2, 2) * 29).div(256, "floor");
+  EXPECT_TRUE(torch::equal(
+      difftrain::io::decode_image(bytes, "rgba.webp", 1).squeeze(2).to(torch::kInt64), grey));
+  // Damaged data names the file.
+  EXPECT_HAS(error_of([&] {
+               difftrain::io::decode_image(bytes.substr(0, bytes.size() / 2), "cut.webp", 3);
+             }),
+             "cut.webp");
+  fs::remove_all(dir);
+}
+
 TEST(ImageConvert, ToUint8RoundsLikeDiffusers) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   // [1, 1, 1, 8]: (x * 255).round() with clamping; 0.25 → 63.75 → 64, 0.75 → 191.25 → 191.

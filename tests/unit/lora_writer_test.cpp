@@ -334,7 +334,8 @@ TEST(LoraFolderMerge, Fp16VariantFolderKeepsItsLayoutAndDtype) {
   EXPECT_EQ(summary.skipped_files, std::vector<std::string>{"diffusion_pytorch_model.safetensors"});
   EXPECT_EQ(summary.files_copied, 2);
   EXPECT_EQ(summary.weights_written,
-            (fs::absolute(out) / "diffusion_pytorch_model.fp16.safetensors").string());
+            std::vector<std::string>{
+                (fs::absolute(out) / "diffusion_pytorch_model.fp16.safetensors").string()});
   EXPECT_FALSE(fs::exists(out + "/diffusion_pytorch_model.safetensors"));
   EXPECT_TRUE(fs::is_regular_file(fs::symlink_status(out + "/extra/README.md")));
   EXPECT_EQ(fs::file_size(out + "/extra/README.md"), 6u);

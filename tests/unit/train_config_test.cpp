@@ -330,4 +330,89 @@ TEST(TrainConfig, AccelerateConfigFileFillsShardingOptions) {
   EXPECT_EQ(c.fsdp_auto_wrap_policy, "NO_WRAP");  // the file did not say: no warning
 }
 
+// Other tools' option names are refused naming difftrain's equivalent (issue 56); Diffusers'
+// --repeats is read as --dataset_repeats.
+TEST(TrainConfig, OtherToolsOptionsNameDifftrainsEquivalent) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--network_dim", "difftrain's is --rank"},
+      {"--network_alpha", "difftrain's is --lora_alpha"},
+      {"--fp8_base", "--base_weights_dtype fp8_e4m3"},
+      {"--text_encoder_lr", "difftrain's is --learning_rate"},
+      {"--enable_bucket", "--resolution_buckets"},
+      {"--xformers", "leave it out"},
+  };
+  for (const auto& [flag, hint] : cases) {
+    const auto e = error_of([&, flag = flag] { parse_train_config({flag, "8"}); });
+    EXPECT_HAS(e, "\"" + flag.substr(2) + "\" is another tool's option");
+    EXPECT_HAS(e, hint);
+  }
+  EXPECT_EQ(parse_train_config({"--repeats", "3"}).dataset_repeats, 3);
+  EXPECT_EQ(parse_train_config({"--dataset_repeats", "2"}).dataset_repeats, 2);
+  EXPECT_HAS(error_of([] {
+               parse_train_config({"--dataset_repeats", "0"});
+             }),
+             "--dataset_repeats must be at least 1");
+}
+
+// kohya's --resolution W,H (width, height): a W x H crop, square when the sides agree, and with
+// buckets the buckets' area (resolution round(sqrt(W H))).
+TEST(TrainConfig, ResolutionTakesKohyasWidthCommaHeight) {
+  const auto wide = parse_train_config({"--resolution", "512,768"});
+  EXPECT_EQ(wide.resolution_width, 512);
+  EXPECT_EQ(wide.resolution_height, 768);
+  EXPECT_EQ(wide.to_json()["resolution"], "512,768");
+  const auto square = parse_train_config({"--resolution", "64,64"});
+  EXPECT_EQ(square.resolution, 64);
+  EXPECT_EQ(square.resolution_width, 0);
+  EXPECT_EQ(square.to_json()["resolution"], 64);
+  const auto buckets = parse_train_config({"--resolution", "512,768", "--resolution_buckets"});
+  EXPECT_EQ(buckets.resolution, 627);  // sqrt(512 * 768) = 627.1
+  EXPECT_EQ(buckets.resolution_width, 0);
+  EXPECT_HAS(error_of([] {
+               parse_train_config({"--resolution", "512,x"});
+             }),
+             "--resolution is \"x\": expected an integer");
+  EXPECT_HAS(error_of([] {
+               parse_train_config({"--resolution", "4,512"});
+             }),
+             "expected N or W,H (kohya's width,height) with sides >= 8");
+}
+
+// The options a run was given are recorded; a script's defaults fill only the others.
+TEST(TrainConfig, ScriptDefaultsFillOnlyWhatWasNotGiven) {
+  auto c = parse_train_config(
+      {"--learning_rate", "3e-4", "--pretrained_model_name_or_path", "x", "--lora"});
+  EXPECT_TRUE(c.given.count("learning_rate"));
+  EXPECT_FALSE(c.given.count("lr_scheduler"));
+  difftrain::train::ScriptDefaults d;
+  d.script = "train_x.py";
+  d.lora_target_modules = {"a", "b"};
+  d.not_applicable = {"prediction_type"};
+  difftrain::train::apply_script_defaults(c, d);
+  EXPECT_DOUBLE_EQ(c.learning_rate, 3e-4);  // given wins
+  EXPECT_EQ(c.lr_scheduler, "constant");
+  EXPECT_EQ(c.lr_warmup_steps, 500);
+  EXPECT_DOUBLE_EQ(c.adam_beta1, 0.9);
+  EXPECT_FALSE(c.use_ema);
+  EXPECT_EQ(c.train_batch_size, 4);
+  EXPECT_EQ(c.max_train_steps, 0);  // Diffusers' None: the epochs decide
+  EXPECT_EQ(c.num_train_epochs, 1);
+  EXPECT_EQ(c.lora_target_modules, (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(c.defaults_from, "train_x.py");
+  const auto shown = c.shown_json();
+  EXPECT_FALSE(shown.contains("prediction_type"));
+  EXPECT_FALSE(shown.contains("ema_max_decay"));  // no EMA: its settings do not apply
+  EXPECT_TRUE(shown.contains("rank"));
+  EXPECT_TRUE(c.to_json().contains("prediction_type"));  // checkpoints keep every option
+  // Steps given: the epochs do not replace them; a DeepSpeed file's batch counts as given.
+  auto steps = parse_train_config({"--max_train_steps", "7"});
+  difftrain::train::apply_script_defaults(steps, d);
+  EXPECT_EQ(steps.max_train_steps, 7);
+  const auto dir = temp_dir("train_config_script_defaults");
+  std::ofstream(dir + "/ds.json") << R"({"train_micro_batch_size_per_gpu": 2})";
+  auto ds = parse_train_config({"--deepspeed_config", dir + "/ds.json"});
+  difftrain::train::apply_script_defaults(ds, d);
+  EXPECT_EQ(ds.train_batch_size, 2);
+}
+
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include <array>
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -36,6 +37,9 @@ struct ImageFolderOptions {
   /// it (kohya's `--caption_extension`). Read for every image metadata.jsonl gives no caption;
   /// where both exist metadata.jsonl wins (said once). "" reads none.
   std::string caption_extension = ".txt";
+  /// Times each image is used per epoch (kohya's --dataset_repeats, Diffusers' --repeats), on
+  /// top of its kohya repeat folder's count; >= 1.
+  int64_t repeats = 1;
   /// Output channels: 3 (RGB: grey is replicated, alpha dropped, as PIL's `.convert("RGB")`) or
   /// 1 (luminance, stb's (77 R + 150 G + 29 B) / 256, close to PIL's `.convert("L")`).
   int channels = 3;
@@ -52,6 +56,13 @@ struct ImageFolderOptions {
 ///   image sits directly in a first-level sub-folder and there are at least two sub-folders, the
 ///   label of an image is the index of its sub-folder among the sorted sub-folder names
 ///   (HF imagefolder's inferred `label` ClassLabel); otherwise there are no labels.
+/// - kohya's layout (a scanned folder one of whose first-level sub-folders is named
+///   `<N>_<name>`, e.g. `10_sks dog/`): only the images in such folders, each used N times per
+///   epoch, captioned `<name>` when no caption file or metadata gives one (kohya's class
+///   tokens); no inferred labels. Images elsewhere are skipped, with one warning.
+/// - Every image is then used `repeats` times (examples i*n .. i*n+n-1 are one file, each with
+///   its own augmentation stream). Files of a scanned folder that are neither images nor their
+///   caption files are reported once, as caption files with no image.
 /// No file may lie outside `dir`: absolute file_names, `..` components and symbolic links that
 /// resolve outside it are rejected at construction (so a downloaded metadata.jsonl cannot make
 /// training read other files).
@@ -81,7 +92,7 @@ class ImageFolderDataset : public Dataset {
   /// resolution < 1; channels other than 1 or 3; every image bad with skip_bad_images.
   explicit ImageFolderDataset(ImageFolderOptions options);
 
-  /// Number of images used.
+  /// Number of examples per epoch: the images used, each counted once per repeat.
   int64_t size() const override { return static_cast<int64_t>(files_.size()); }
   /// Example `index` (see the class doc). Throws difftrain::Error naming the file when it cannot
   /// be decoded, and for an index out of range.
@@ -127,6 +138,7 @@ class ImageFolderDataset : public Dataset {
   std::vector<std::string> class_names_;
   std::vector<std::string> skipped_files_;
   std::vector<std::array<int64_t, 2>> target_sizes_;  // empty: square
+  std::map<std::string, int64_t> kohya_;              // kohya folder -> its images
   int64_t epoch_ = 0;
 };
 

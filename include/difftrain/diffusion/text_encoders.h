@@ -116,6 +116,16 @@ class TextEncoderStack {
   /// The token ids of several prompts, one [N, model_max_length] per encoder.
   std::vector<torch::Tensor> tokenize(const std::vector<std::string>& prompts) const;
 
+  /// What the tokenizers cut from `prompts` (Diffusers warns "The following part of your input
+  /// was truncated ..."): one line per encoder that cuts any, naming how many of the prompts it
+  /// cuts, the most tokens cut from one, and the first such prompt; empty when all fit. `what`
+  /// names them ("prompt", "caption").
+  std::vector<std::string> truncation_report(const std::vector<std::string>& prompts,
+                                             const std::string& what = "prompt") const;
+  /// encode() warns once (main rank) about the prompts it cuts, unless the caller already said
+  /// it (a training run reports its captions before encoding them): this silences it.
+  void set_truncation_reported() const { truncation_warned_ = true; }
+
   /// kClipT5: the T5 token count prompts are padded or cut to (FluxPipeline's
   /// max_sequence_length, default 512). Throws difftrain::Error for n < 1.
   void set_max_sequence_length(int64_t n);
@@ -139,6 +149,8 @@ class TextEncoderStack {
   Layout layout_ = Layout::kClip;
   std::vector<Encoder> encoders_;
   int64_t max_sequence_length_ = 512;
+  // encode() warns about cut prompts once per stack (a run's validations encode them again).
+  mutable bool truncation_warned_ = false;
 };
 
 /// "clip", "dual-clip" or "clip-t5".

@@ -23,6 +23,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -42,8 +43,8 @@ struct FolderInfo {
 /// unreadable file gives a FolderInfo the default family handles, with that family's messages.
 FolderInfo inspect_folder(const std::string& dir);
 
-/// `difftrain sample`'s request, as the flags give it (README, "difftrain sample"); the base holds
-/// how to load the pipeline (scheduler, eta, lora, lora_scale, variant, vae).
+/// `difftrain sample`'s request, as the flags give it (docs/COMMANDS.md, "difftrain sample"); the
+/// base holds how to load the pipeline (scheduler, eta, lora, lora_scale, variant, vae).
 struct SampleOptions : diffusion::PipelineLoadOptions {
   std::string model;
   int64_t num_inference_steps = 0;
@@ -113,6 +114,14 @@ class ModelFamily {
   /// options.lora merged. Throws difftrain::Error naming what is wrong with the folder.
   virtual std::unique_ptr<diffusion::Pipeline> load_pipeline(
       const std::string& dir, const diffusion::PipelineLoadOptions& options) const = 0;
+  /// The defaults of the Diffusers training script that a run of `config` on this family follows
+  /// (by --lora and --instance_prompt: LoRA or full, DreamBooth or captioned images), applied by
+  /// parse_train_config() to the options not given; nullopt keeps TrainConfig's own
+  /// (train_unconditional.py's, the UNet family).
+  virtual std::optional<train::ScriptDefaults> training_defaults(
+      const train::TrainConfig& /*config*/) const {
+    return std::nullopt;
+  }
   /// The training task for `options` (nothing is loaded until build()).
   virtual std::unique_ptr<train::TrainingTask> make_training_task(
       const train::TaskOptions& options) const = 0;
@@ -134,10 +143,20 @@ const ModelFamily& default_family();
 
 /// The task `options` describe: its pretrained folder's family, else the default family's.
 std::unique_ptr<train::TrainingTask> make_training_task(const train::TaskOptions& options);
+/// Refuses a LoRA file made for another kind of model: when `lora` has no target for the
+/// denoiser of the model folder `model`'s family (its first lora_components() entry) but has
+/// targets for a component that family does not have (an SD UNet LoRA given to FLUX.1), throws
+/// difftrain::Error naming the families whose denoiser it targets. A LoRA with denoiser targets,
+/// or with targets only for the family's own text encoders, passes (unmatched components are
+/// warned about where it is merged).
+void check_lora_fits_family(const io::LoraWeights& lora, const std::string& lora_path,
+                            const std::string& model);
+
 /// What convert_lora() did.
 struct LoraConversion {
   io::LoraFormat read_format = io::LoraFormat::kDiffusers;  ///< the input's layout
-  std::map<std::string, size_t> targets;                    ///< targets written, by component
+  std::string read_label;  ///< the input's layout as named to users (io::format_label)
+  std::map<std::string, size_t> targets;  ///< targets written, by component
 };
 
 /// `difftrain lora convert`: reads the LoRA file `input` (any layout io::read_lora takes) and
@@ -164,6 +183,11 @@ void sample_to_files(const SampleOptions& options, const SampleOutputs& outputs)
 /// --dtype: fp32/float32 (unset), bf16/bfloat16 or fp16/float16. Throws difftrain::Error for
 /// anything else.
 std::optional<torch::Dtype> parse_sample_dtype(const std::string& text);
+
+/// `difftrain train`'s options: train::parse_train_config(args), then the defaults of the
+/// pretrained folder's family (ModelFamily::training_defaults) for the options not given.
+/// Throws difftrain::Error for bad options or an unknown family.
+train::TrainConfig parse_train_config(const std::vector<std::string>& args);
 
 /// Runs the training job `config` describes (Trainer + make_training_task). Every rank calls it.
 train::TrainResult run_training(train::TrainConfig config);

@@ -21,10 +21,11 @@ std::string encode_png(const torch::Tensor& image);
 /// old file or the whole new one. PIL: `Image.fromarray(image).save(path)`.
 void save_png(const std::string& path, const torch::Tensor& image);
 
-/// Reads a PNG, JPEG, BMP, GIF (first frame), TGA, PSD, HDR, PIC or PNM file as uint8 [H, W, C].
+/// Reads a PNG, JPEG, WebP (libwebp; not animated), BMP, GIF (first frame), TGA, PSD, HDR, PIC or
+/// PNM file as uint8 [H, W, C].
 /// `channels` 1..4 converts (1 = grey, 3 = RGB like PIL's `.convert("RGB")`, 4 = RGBA); 0 keeps
 /// the file's own count. 16-bit and HDR images are reduced to 8 bits. A missing, unreadable,
-/// corrupt or unsupported file (e.g. WebP, 16-bit PNM), or one wider or taller than 16384 pixels,
+/// corrupt or unsupported file (e.g. 16-bit PNM), or one wider or taller than 16384 pixels,
 /// throws a one-line difftrain::Error naming the path. A JPEG's EXIF Orientation (or a PNG's eXIf
 /// chunk) is applied as PIL's `ImageOps.exif_transpose` does: a phone photo stored sideways comes
 /// out upright.
@@ -34,6 +35,13 @@ torch::Tensor load_image(const std::string& path, int channels = 3);
 /// (the size load_image would return). Throws a one-line difftrain::Error naming the path for a
 /// missing, unreadable or unrecognised file.
 std::array<int64_t, 2> image_size(const std::string& path);
+
+/// Whether this build reads WebP files (it was built with libwebp-dev).
+bool webp_supported();
+
+/// Lossless WebP bytes of uint8 [H, W, 3 or 4] (libwebp's WebPEncodeLossless*); throws
+/// difftrain::Error in a build without libwebp.
+std::string encode_webp_lossless(const torch::Tensor& image);
 
 /// JPEG bytes of uint8 [H, W, C] (C 1..4; stb_image_write, baseline, `quality` 1..100).
 std::string encode_jpeg(const torch::Tensor& image, int quality = 95);

@@ -75,12 +75,22 @@ struct LoraWeights {
   /// Targets of one component are sorted by module name. Keys with no component prefix are the
   /// UNet's, as Diffusers' load_attn_procs assumes (except PEFT `text_model.` ones).
   std::map<std::string, std::vector<LoraTarget>> components;
+  /// Writing kohya keys: a lone CLIP text encoder as lora_te1_, not lora_te_ (sd-scripts'
+  /// networks.lora_flux numbering, which Diffusers' FLUX loader requires). Set for FLUX.1 LoRAs
+  /// (flux_lora_to_bfl); a file with a "transformer" component is written so too.
+  bool kohya_numbered_text_encoders = false;
 
   /// The targets of `component`; empty if the file has none for it.
   const std::vector<LoraTarget>& targets(const std::string& component) const;
   /// Number of targets of `component`.
   size_t count(const std::string& component) const { return targets(component).size(); }
 };
+
+/// How a file's layout is named to users: "diffusers" for lora_A/lora_B keys under a component
+/// prefix (transformer., unet., text_encoder.: what Diffusers' save_lora_weights writes today,
+/// and difftrain's --lora_format diffusers export of FLUX.1), else to_string(lora.format), with
+/// "mixed" appended when the targets use several conventions.
+std::string format_label(const LoraWeights& lora);
 
 /// Options of read_lora() / parse_lora().
 struct LoraReadOptions {

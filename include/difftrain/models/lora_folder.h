@@ -27,8 +27,10 @@ struct LoraFolderMergeOptions {
 
 /// What merge_lora_into_folder() did.
 struct LoraFolderMergeSummary {
-  std::string unet_dir;         ///< the UNet folder read: `model_dir` or `model_dir`/unet
-  std::string weights_written;  ///< the merged UNet weights file in the output folder
+  std::string unet_dir;  ///< the UNet folder read: `model_dir` or `model_dir`/unet
+  /// The merged weight files in the output folder (every shard of a sharded denoiser, then the
+  /// text encoders').
+  std::vector<std::string> weights_written;
   io::LoraFormat format = io::LoraFormat::kDiffusers;  ///< the LoRA file's format
   int64_t modules_merged = 0;                          ///< UNet weights changed
   /// Text-encoder weights changed (a pipeline's text_encoder and SDXL's text_encoder_2).

@@ -60,9 +60,10 @@ struct MemoryEstimateOptions {
   int64_t resolution = 0;
   /// Recompute resnets and attentions in backward (the trainer's --gradient_checkpointing).
   bool gradient_checkpointing = false;
-  /// Tokens of encoder_hidden_states for cross-attention UNets: 77 as CLIP's in Diffusers'
-  /// text-to-image scripts (`difftrain train` itself, without a text encoder, feeds 1).
-  int64_t encoder_sequence_length = 77;
+  /// Tokens of encoder_hidden_states; 0 = the family's training default: 77 for cross-attention
+  /// UNets (CLIP's, as Diffusers' text-to-image scripts), 512 T5 tokens for FLUX.1 (`difftrain
+  /// train`'s --max_sequence_length).
+  int64_t encoder_sequence_length = 0;
 };
 
 /// Per-rank bytes of one run. With P trainable elements in units of n_u elements, S_u =

@@ -28,8 +28,9 @@ inline constexpr const char* kOutputLockName = ".difftrain.lock";
 /// empty. Transformers' training scripts refuse such a folder without --overwrite_output_dir.
 std::vector<std::string> output_dir_entries(const std::string& output_dir);
 
-/// Removes everything in `output_dir` but its lock file (--overwrite_output_dir).
-void clear_output_dir(const std::string& output_dir);
+/// Removes everything in `output_dir` but its lock file and the entries named in `keep`
+/// (--overwrite_output_dir).
+void clear_output_dir(const std::string& output_dir, const std::vector<std::string>& keep = {});
 
 /// An exclusive kernel lock (flock) on `<output_dir>/.difftrain.lock` for the life of the object:
 /// released on any exit of the process, SIGKILL included. The file records the holder's pid, host

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,10 @@ struct TrainConfig {
   std::string dataset = "fashion_mnist";  ///< fashion_mnist | mnist | imagefolder
   std::string train_data_dir;             ///< dataset folder ("" = the dataset's default)
   int64_t resolution = 32;
+  /// `--resolution W,H` (kohya's width,height) with W != H: fixed W x H crops, or with
+  /// --resolution_buckets buckets of about W x H pixels (resolution becomes round(sqrt(W H)), as
+  /// kohya's bucket area). 0 = square. Shown in the configuration as "W,H".
+  int64_t resolution_width = 0, resolution_height = 0;
   bool center_crop = false;
   /// Aspect-ratio buckets (data/buckets.h) instead of square crops: each image is trained at
   /// the bucket of about resolution x resolution pixels nearest its shape.
@@ -39,6 +44,9 @@ struct TrainConfig {
   double class_dropout_prob = 0.0;    ///< labels replaced by the null class (enables CFG sampling)
   std::optional<int64_t> only_class;  ///< train on one class only (e.g. a LoRA subset)
   int64_t max_train_samples = 0;      ///< 0 = all
+  /// Each image used this many times per epoch (kohya's --dataset_repeats, Diffusers' --repeats;
+  /// both names are read), on top of kohya `<N>_<name>` folders' N.
+  int64_t dataset_repeats = 1;
   bool skip_bad_images = false;
   int64_t dataloader_num_workers = 0;
   // -- schedule of the run
@@ -187,15 +195,58 @@ struct TrainConfig {
   /// the trainer on the main rank.
   std::vector<std::string> warnings;
 
+  /// Not an option: the names of the options the YAML file or a flag set (parse_train_config());
+  /// a family's script defaults (apply_script_defaults()) fill only the others.
+  std::set<std::string> given;
+  /// Not an option: the Diffusers script whose defaults the run started from ("" = difftrain's
+  /// own: the built-in job, train_unconditional.py's for a UNet); the run header names it.
+  std::string defaults_from;
+  /// Not an option: options that do not apply to the run's family (the DDPM objective's for a
+  /// flow-matching model, the flow-matching ones for a UNet, class labels for text-to-image):
+  /// left out of the configuration the run header and the model card show.
+  std::set<std::string> not_applicable;
+
   /// The sharding options of the fields above (classes split on commas); include
   /// difftrain/accel/sharding.h to call it.
   settings::ShardingOptions sharding_options() const;
 
   /// Every option as JSON (unset optionals as null), in the table's order of names.
   nlohmann::json to_json() const;
+  /// to_json() without the options in not_applicable: what the run header and model card show.
+  nlohmann::json shown_json() const;
   /// Throws difftrain::Error (one line) for impossible values and combinations.
   void validate() const;
 };
+
+/// The argparse defaults of the Diffusers training script a family's run follows
+/// (train_dreambooth_lora_flux.py, train_text_to_image_lora_sdxl.py, ...), for the options a run
+/// was not given. Diffusers' `--max_train_steps None` is max_train_steps 0 (the epochs decide).
+struct ScriptDefaults {
+  std::string script;  ///< the script's file name, e.g. "train_dreambooth_lora_flux.py"
+  int64_t resolution = 512;
+  int64_t train_batch_size = 4;
+  int64_t num_train_epochs = 1;
+  double learning_rate = 1e-4;
+  std::string lr_scheduler = "constant";
+  int64_t lr_warmup_steps = 500;
+  double adam_beta1 = 0.9;
+  double adam_beta2 = 0.999;
+  double adam_weight_decay = 1e-2;
+  double adam_epsilon = 1e-8;
+  int64_t checkpointing_steps = 500;
+  int64_t num_validation_images = 4;
+  bool use_ema = false;  ///< Diffusers' --use_ema is store_true where the script has it
+  /// The LoRA targets the script adapts (empty: keep lora_target_modules' default); not set when
+  /// --lora_layers is given.
+  std::vector<std::string> lora_target_modules;
+  /// Options that do not apply to the family (TrainConfig::not_applicable).
+  std::vector<std::string> not_applicable;
+};
+
+/// Sets every field of `defaults` whose option `config` was not given (config.given), records
+/// the script in config.defaults_from and the family's not-applicable options, and validates
+/// the result. Throws difftrain::Error as TrainConfig::validate() does.
+void apply_script_defaults(TrainConfig& config, const ScriptDefaults& defaults);
 
 /// Reads `--config FILE.yaml` (if among `args`) and then the flags in `args` (without the
 /// program and command names): `--name value`, `--name=value`, bare `--flag` for booleans.

@@ -50,6 +50,9 @@ struct TrainerOptions {
   // outputs
   std::string output_dir;             ///< "" = runs/<UTC time>
   bool overwrite_output_dir = false;  ///< clear a non-empty output_dir first (else refused)
+  /// Entries of output_dir that --overwrite_output_dir keeps (the default cache folder, whose
+  /// files are keyed by their content); the rest is cleared once every input has been read.
+  std::vector<std::string> keep_on_overwrite;
   /// The folders and files the run reads: output_dir may be none of them, hold none of them and
   /// lie inside none of them (check_output_dir_against_inputs).
   std::vector<RunInput> inputs;
@@ -65,6 +68,11 @@ struct TrainerOptions {
   bool validation_prompt_given = false;   ///< text-to-image: --validation_prompt was set
   /// The resolved run configuration: printed first, stored in run_info and every checkpoint.
   nlohmann::json config;
+  /// `config` without the options that do not apply to the family (TrainConfig::shown_json()):
+  /// what the run header and the model card show ("" = config).
+  nlohmann::json shown_config;
+  /// The Diffusers script whose defaults the run started from ("" = difftrain's own).
+  std::string defaults_from;
   /// Keys of `config` a resume must not change (refused), and keys whose change only breaks
   /// bit-exact continuation (a warning).
   std::vector<std::string> structural_keys, exactness_keys;

@@ -31,6 +31,11 @@ struct DataOptions {
   std::string dataset = "fashion_mnist";  ///< fashion_mnist | mnist | imagefolder
   std::string train_data_dir;             ///< "" = the dataset's default folder
   int64_t resolution = 32;
+  /// --resolution W,H (kohya's form) without buckets: every image cropped to width x height;
+  /// 0 = resolution x resolution. height() / width() give the crop either way.
+  int64_t crop_width = 0, crop_height = 0;
+  int64_t height() const { return crop_height > 0 ? crop_height : resolution; }
+  int64_t width() const { return crop_width > 0 ? crop_width : resolution; }
   bool center_crop = false;
   bool random_flip = false;
   bool resolution_buckets = false;  ///< aspect-ratio buckets (data/buckets.h)
@@ -41,7 +46,10 @@ struct DataOptions {
   std::string caption_extension = ".txt";  ///< kohya's sidecar caption files ("" = none)
   std::optional<int64_t> only_class;       ///< MNIST-like data: one class only
   int64_t max_train_samples = 0;           ///< 0 = all
-  uint64_t seed = 0;                       ///< augmentation streams
+  /// Each image of an image folder used this many times per epoch (kohya's --dataset_repeats),
+  /// on top of kohya <N>_<name> folders' own N.
+  int64_t dataset_repeats = 1;
+  uint64_t seed = 0;  ///< augmentation streams
 };
 
 /// The model to train: a fresh UNet (built-in or --model_config_name_or_path) or a pretrained

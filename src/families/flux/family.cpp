@@ -4,6 +4,7 @@
 #include "../builtin.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
+#include "difftrain/io/flux_lora.h"
 #include "flux_family.h"
 #include "flux_pipeline.h"
 
@@ -53,6 +54,26 @@ class FluxFamily : public ModelFamily {
   std::unique_ptr<diffusion::Pipeline> load_pipeline(
       const std::string& dir, const diffusion::PipelineLoadOptions& options) const override {
     return std::make_unique<flux::FluxPipeline>(flux::load_flux_pipeline(dir, options));
+  }
+  std::optional<train::ScriptDefaults> training_defaults(
+      const train::TrainConfig& config) const override {
+    // train_dreambooth_lora_flux.py and train_dreambooth_flux.py (which also take captioned
+    // folders): the same defaults, LoRA on Diffusers' FLUX targets.
+    train::ScriptDefaults d;
+    d.script = config.lora ? "train_dreambooth_lora_flux.py" : "train_dreambooth_flux.py";
+    d.resolution = 512;
+    d.train_batch_size = 4;
+    d.num_train_epochs = 1;
+    d.learning_rate = 1e-4;
+    d.adam_weight_decay = 1e-4;
+    d.lora_target_modules = io::diffusers_flux_lora_targets();
+    // Flow matching: the DDPM objective's options, the UNet validation sampler (FLUX.1 samples
+    // with its folder's FlowMatchEulerDiscreteScheduler) and class labels do not apply.
+    d.not_applicable = {"prediction_type",   "ddpm_num_steps",     "ddpm_beta_schedule",
+                        "snr_gamma",         "input_perturbation", "validation_scheduler",
+                        "class_conditional", "class_dropout_prob", "only_class",
+                        "clip_skip"};
+    return d;
   }
   std::unique_ptr<train::TrainingTask> make_training_task(
       const train::TaskOptions& options) const override {

@@ -333,6 +333,7 @@ FluxPipeline load_flux_pipeline(const std::string& dir,
   check_flux_parts(f, *p.transformer, *p.vae, p.text_encoders);
   if (!options.lora.empty()) {
     const io::LoraWeights lora = read_flux_lora(options.lora, dir);
+    check_lora_fits_family(lora, options.lora, dir);
     const auto t = models::merge_lora(*p.transformer, lora, options.lora_scale, "transformer");
     int64_t te_merged = 0;
     for (const auto& e : p.text_encoders.encoders()) {
@@ -343,7 +344,7 @@ FluxPipeline load_flux_pipeline(const std::string& dir,
     log::info(
         "LoRA {} ({} format): merged into {} transformer and {} text encoder modules, "
         "scale {}",
-        options.lora, io::to_string(lora.format), t.modules_merged, te_merged, options.lora_scale);
+        options.lora, io::format_label(lora), t.modules_merged, te_merged, options.lora_scale);
     const int64_t others = t.other_component_targets - te_merged;
     if (others > 0) {
       log::warn("LoRA {}: {} targets for other components (e.g. text_encoder_2) were not applied",

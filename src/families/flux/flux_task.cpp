@@ -118,8 +118,9 @@ class FluxTask : public train::TrainingTask {
     if (lora)
       train::set_card_detail(card, "LoRA target modules",
                              fmt::format("{}", fmt::join(lora_targets(), ", ")));
-    const std::string side = std::to_string(o_.data.resolution);
-    card.sample_flags = {"--prompt", train::card_prompt(o_), "--height", side, "--width", side};
+    card.sample_flags = {"--prompt", train::card_prompt(o_),
+                         "--height", std::to_string(o_.data.height()),
+                         "--width",  std::to_string(o_.data.width())};
     return card;
   }
 
@@ -334,7 +335,8 @@ diffusion::GenerateRequest FluxTask::render_request(const std::string& prompt) c
   r.prompts = {prompt};
   r.num_inference_steps = o_.validation.inference_steps;
   r.guidance_scale = guidance_;
-  r.height = r.width = o_.data.resolution;
+  r.height = o_.data.height();
+  r.width = o_.data.width();
   r.max_sequence_length = o_.flow.max_sequence_length;
   r.seeding = diffusion::Seeding::kPerImage;
   return r;
@@ -343,8 +345,7 @@ diffusion::GenerateRequest FluxTask::render_request(const std::string& prompt) c
 train::ValidationImages FluxTask::render_validation(const std::vector<int64_t>& mine,
                                                     int64_t /*begin*/,
                                                     const SamplerStepCallback& on_step) {
-  const int64_t R = o_.data.resolution;
-  if (mine.empty()) return {torch::zeros({0, R, R, 3})};
+  if (mine.empty()) return {torch::zeros({0, o_.data.height(), o_.data.width(), 3})};
   FluxPipeline pipe = as_pipeline();
   diffusion::GenerateRequest r = render_request(o_.validation.prompt);
   if (validation_embeds_.defined()) {

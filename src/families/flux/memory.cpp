@@ -247,6 +247,9 @@ std::vector<train::MemoryEstimate> estimate_flux_memory(
   // latents packed 2x2, encoder_sequence_length T5 tokens), a = a0 + L (a10 - a0) + S (a01 - a0).
   const int64_t R = options.resolution > 0 ? options.resolution : 128;
   if (R % 2 != 0) throw Error(fmt::format("resolution {} must be even (FLUX packs 2x2)", R));
+  // `difftrain train`'s --max_sequence_length default, as Diffusers' FLUX scripts.
+  const int64_t text_tokens =
+      options.encoder_sequence_length > 0 ? options.encoder_sequence_length : 512;
   auto measure = [&](int64_t doubles, int64_t singles) {
     auto reduced = o;
     reduced.num_layers(doubles);
@@ -255,7 +258,7 @@ std::vector<train::MemoryEstimate> estimate_flux_memory(
     m->train();
     m->set_gradient_checkpointing(options.gradient_checkpointing);
     torch::AutoGradMode grad_on(true);
-    const int64_t S = options.encoder_sequence_length;
+    const int64_t S = text_tokens;
     const auto x = torch::randn({1, (R / 2) * (R / 2), o.in_channels()});
     const auto c = torch::randn({1, S, o.joint_attention_dim()});
     const auto p = torch::randn({1, o.pooled_projection_dim()});
@@ -274,9 +277,8 @@ std::vector<train::MemoryEstimate> estimate_flux_memory(
   log::info(
       "activations: {} per double block, {} per single block at {}x{} latents and {} text "
       "tokens, batch {}{}",
-      train::format_bytes(a_double), train::format_bytes(a_single), R, R,
-      options.encoder_sequence_length, options.batch_size,
-      options.gradient_checkpointing ? ", gradient checkpointing" : "");
+      train::format_bytes(a_double), train::format_bytes(a_single), R, R, text_tokens,
+      options.batch_size, options.gradient_checkpointing ? ", gradient checkpointing" : "");
   for (auto& e : out) e.activation_bytes = activations;
   return out;
 }

@@ -103,6 +103,7 @@ models::LoraFolderMergeSummary merge_flux_lora(const std::string& model_dir,
   }
   const bool pipeline = fs::is_regular_file(from / "model_index.json", ec);
   const io::LoraWeights lora = read_flux_lora(lora_path, model_dir, options.read);
+  check_lora_fits_family(lora, lora_path, model_dir);
   if (lora.count("transformer") == 0 && (!pipeline || lora.count("text_encoder") == 0)) {
     throw Error("LoRA file '" + lora_path + "' has no targets for the transformer" +
                 (pipeline ? " or the text encoder" : "") + "; nothing to merge");
@@ -128,8 +129,16 @@ models::LoraFolderMergeSummary merge_flux_lora(const std::string& model_dir,
                            options.variant, options.lora_scale, written[rel]);
       (component == "transformer" ? summary.modules_merged : summary.text_encoder_modules_merged) +=
           n;
-      if (component == "transformer" && !written[rel].empty()) {
-        summary.weights_written = (out / rel / *written[rel].begin()).string();
+      for (const auto& file : written[rel]) {
+        // Every shard, the transformer's first (a pipeline's components are folders of their
+        // own; a bare transformer folder has only the transformer).
+        const std::string path = (out / rel / file).string();
+        if (std::find(summary.weights_written.begin(), summary.weights_written.end(), path) ==
+            summary.weights_written.end()) {
+          auto at = component == "transformer" ? summary.weights_written.begin()
+                                               : summary.weights_written.end();
+          summary.weights_written.insert(at, path);
+        }
       }
     }
     // Everything else as it is (symlinks followed, Hugging Face cache style).
@@ -151,7 +160,7 @@ models::LoraFolderMergeSummary merge_flux_lora(const std::string& model_dir,
   log::info(
       "LoRA {} ({} format): merged into {} transformer and {} text encoder modules with "
       "lora_scale {}; wrote {}",
-      lora_path, io::to_string(lora.format), summary.modules_merged,
+      lora_path, io::format_label(lora), summary.modules_merged,
       summary.text_encoder_modules_merged, options.lora_scale, output_dir);
   for (const auto& [component, n] : summary.skipped_components) {
     log::warn("LoRA {}: {} targets for the {} were not merged", lora_path, n, component);

@@ -24,6 +24,10 @@ class StableDiffusionFamily : public UNetBasedFamily {
     return std::make_unique<diffusion::StableDiffusion>(
         diffusion::load_stable_diffusion(dir, options));
   }
+  std::optional<train::ScriptDefaults> training_defaults(
+      const train::TrainConfig& config) const override {
+    return text_to_image_script_defaults(config, /*sdxl=*/false);
+  }
   std::unique_ptr<train::TrainingTask> make_training_task(
       const train::TaskOptions& options) const override {
     return train::make_text_to_image_task(options);

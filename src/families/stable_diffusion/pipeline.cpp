@@ -2,6 +2,7 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
+#include "difftrain/families/family.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/models/lora.h"
@@ -235,6 +236,7 @@ StableDiffusion load_stable_diffusion(const std::string& dir,
 
   if (!options.lora.empty()) {
     io::LoraWeights lora = io::read_lora(options.lora);
+    families::check_lora_fits_family(lora, options.lora, dir);
     auto u = models::merge_lora(*sd.unet, lora, options.lora_scale, "unet");
     int64_t te_merged = 0;
     for (const auto& e : sd.text_encoders.encoders()) {
@@ -243,7 +245,7 @@ StableDiffusion load_stable_diffusion(const std::string& dir,
           models::merge_lora(*e.model.ptr(), lora, options.lora_scale, e.component).modules_merged;
     }
     log::info("LoRA {} ({} format): merged into {} UNet and {} text encoder modules, scale {}",
-              options.lora, io::to_string(lora.format), u.modules_merged, te_merged,
+              options.lora, io::format_label(lora), u.modules_merged, te_merged,
               options.lora_scale);
     const int64_t others = u.other_component_targets - te_merged;
     if (others > 0) {

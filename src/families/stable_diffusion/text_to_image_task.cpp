@@ -76,8 +76,7 @@ ValidationImages TextToImageTask::render_validation(const std::vector<int64_t>& 
                                                     int64_t /*begin*/,
                                                     const SamplerStepCallback& on_step) {
   const auto& v = o_.validation;
-  const int64_t R = o_.data.resolution;
-  if (mine.empty()) return {torch::zeros({0, R, R, 3})};
+  if (mine.empty()) return {torch::zeros({0, o_.data.height(), o_.data.width(), 3})};
   diffusion::StableDiffusion pipe = as_pipeline(noise_scheduler_->config(), v.scheduler);
   diffusion::GenerateRequest r = render_request(v.prompt);
   r.negative_prompts = {v.negative_prompt};
@@ -125,8 +124,9 @@ ModelCard TextToImageTask::model_card() const {
   card.lora = lora;
   card.lora_weight_name = "pytorch_lora_weights.safetensors";
   add_task_details(card, o_);
-  const std::string side = std::to_string(o_.data.resolution);
-  card.sample_flags = {"--prompt", card_prompt(o_), "--height", side, "--width", side};
+  card.sample_flags = {"--prompt", card_prompt(o_),
+                       "--height", std::to_string(o_.data.height()),
+                       "--width",  std::to_string(o_.data.width())};
   return card;
 }
 
@@ -162,7 +162,8 @@ diffusion::GenerateRequest TextToImageTask::render_request(const std::string& pr
   r.prompts = {prompt};
   r.num_inference_steps = v.inference_steps;
   r.guidance_scale = v.guidance_scale > 1 ? v.guidance_scale : default_guidance();
-  r.height = r.width = o_.data.resolution;
+  r.height = o_.data.height();
+  r.width = o_.data.width();
   r.clip_skip = skip_;
   r.seeding = diffusion::Seeding::kPerImage;
   return r;

@@ -95,7 +95,9 @@ int64_t measure_activation_bytes(models::UNetImpl& unet, const MemoryEstimateOpt
   unet.set_gradient_checkpointing(options.gradient_checkpointing);
   torch::AutoGradMode grad_on(true);
 
-  auto cond = make_conditioning(unet, batch_size, options.encoder_sequence_length);
+  // CLIP's 77 tokens unless given.
+  auto cond = make_conditioning(
+      unet, batch_size, options.encoder_sequence_length > 0 ? options.encoder_sequence_length : 77);
   auto x = torch::randn({batch_size, c.in_channels, h, w});
   auto t = torch::randint(0, 1000, {batch_size}, torch::kInt64);
   // measure_forward_bytes warms up on the same shapes, its graph dropped: thread pools, oneDNN's

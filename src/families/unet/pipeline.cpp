@@ -2,6 +2,7 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
+#include "difftrain/families/family.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/models/lora.h"
@@ -71,9 +72,10 @@ models::UNet load_unet_with_lora(const std::string& unet_dir, const std::string&
   models::UNet unet = models::load_unet(unet_dir);
   if (!lora_path.empty()) {
     io::LoraWeights lora = io::read_lora(lora_path);
+    families::check_lora_fits_family(lora, lora_path, unet_dir);
     auto summary = models::merge_lora(*unet, lora, lora_scale, "unet");
     log::info("LoRA {} ({} format): merged into {} UNet modules with lora_scale {}", lora_path,
-              io::to_string(lora.format), summary.modules_merged, lora_scale);
+              io::format_label(lora), summary.modules_merged, lora_scale);
     if (summary.other_component_targets > 0) {
       log::warn("LoRA {}: {} targets for other components (text encoders) were not applied",
                 lora_path, summary.other_component_targets);

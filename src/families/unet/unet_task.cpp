@@ -295,6 +295,11 @@ class UNetTask final : public DiffusionTask {
 
   void build_dataset() {
     const auto& d = o_.data;
+    if (d.crop_width > 0) {
+      throw Error("--resolution " + std::to_string(d.crop_width) + "," +
+                  std::to_string(d.crop_height) +
+                  ": a UNet is trained on square images here; give one side (--resolution N)");
+    }
     if (d.dataset == "imagefolder") {
       data::ImageFolderOptions o =
           image_folder_options(d, d.train_data_dir, static_cast<int>(channels_));
