@@ -48,8 +48,8 @@ void TextImageData::build(accel::Accelerator& acc, const std::string& output_dir
   const auto& d = o_.data;
   const auto& t = o_.text;
   const int64_t factor = parts_.size_multiple;
-  for (const int64_t side : {d.width(), d.height()}) {
-    if (side % factor != 0) {
+  for (const int64_t side : {d.crop_width, d.crop_height}) {  // --resolution W,H
+    if (side > 0 && side % factor != 0) {
       const int64_t below = side / factor * factor;
       throw Error("--resolution " + std::to_string(d.width()) + "," + std::to_string(d.height()) +
                   ": " + std::to_string(side) + " is not a multiple of " + std::to_string(factor) +

@@ -32,11 +32,11 @@ const std::string kSdxlLora = kGolden + "/sdxl/tiny_sdxl_lora/pytorch_lora_weigh
   EXPECT_NE((result).err.find(part), std::string::npos) << "lacks '" << (part) << "'\n" \
                                                         << (result).log()
 
-// A solid-colour 32 x 32 image [3, H, W] in [-1, 1].
-torch::Tensor colour(float r, float g, float b) {
-  auto img = torch::empty({3, 32, 32});
-  img[0].fill_(r), img[1].fill_(g), img[2].fill_(b);
-  return img;
+// A solid-colour 32 x 32 PNG (r, g, b in [-1, 1]) at `path`.
+void save_colour(const std::string& path, float r, float g, float b) {
+  auto img = torch::empty({1, 3, 32, 32});
+  img[0][0].fill_(r), img[0][1].fill_(g), img[0][2].fill_(b);
+  io::save_png(path, io::to_uint8_images((img + 1) / 2)[0]);
 }
 
 void write_caption(const std::string& path, const std::string& text) {
@@ -49,45 +49,28 @@ void write_caption(const std::string& path, const std::string& text) {
 std::string kohya_folder(const std::string& dir) {
   fs::create_directories(dir + "/2_sks");
   fs::create_directories(dir + "/1_other");
-  io::write_file_atomic(
-      dir + "/2_sks/a.webp",
-      io::encode_webp_lossless(io::to_uint8_images((colour(1, -1, -1).unsqueeze(0) + 1) / 2)[0]));
+  save_colour(dir + "/2_sks/a.png", 1, -1, -1);  // then as WebP
+  io::write_file_atomic(dir + "/2_sks/a.webp",
+                        io::encode_webp_lossless(io::load_image(dir + "/2_sks/a.png")));
+  fs::remove(dir + "/2_sks/a.png");
   std::string long_caption = "sks";
   for (int i = 0; i < 300; ++i) long_caption += " word" + std::to_string(i);
   write_caption(dir + "/2_sks/a.txt", long_caption);
-  io::save_png(dir + "/2_sks/b.png",
-               io::to_uint8_images((colour(-1, 1, -1).unsqueeze(0) + 1) / 2)[0]);
-  io::save_png(dir + "/1_other/c.png",
-               io::to_uint8_images((colour(-1, -1, 1).unsqueeze(0) + 1) / 2)[0]);
+  save_colour(dir + "/2_sks/b.png", -1, 1, -1);
+  save_colour(dir + "/1_other/c.png", -1, -1, 1);
   write_caption(dir + "/1_other/c.txt", "a blue square");
-  io::save_png(dir + "/stray.png", io::to_uint8_images((colour(1, 1, -1).unsqueeze(0) + 1) / 2)[0]);
+  save_colour(dir + "/stray.png", 1, 1, -1);
   write_caption(dir + "/orphan.txt", "a caption whose image is missing");
   return dir;
 }
 
 std::vector<std::string> flux_lora_cmd(const std::string& data, const std::string& out,
                                        std::vector<std::string> extra) {
-  std::vector<std::string> cmd = {"train",
-                                  "--pretrained_model_name_or_path",
-                                  kFlux,
-                                  "--dataset",
-                                  "imagefolder",
-                                  "--train_data_dir",
-                                  data,
-                                  "--lora",
-                                  "--resolution",
-                                  "32",
-                                  "--center_crop",
-                                  "--max_sequence_length",
-                                  "16",
-                                  "--max_train_steps",
-                                  "2",
-                                  "--logging_steps",
-                                  "1",
-                                  "--output_dir",
-                                  out};
-  cmd.insert(cmd.end(), extra.begin(), extra.end());
-  return cmd;
+  std::vector<std::string> flags = {
+      "--lora", "--resolution",      "32", "--center_crop",   "--max_sequence_length",
+      "16",     "--max_train_steps", "2",  "--logging_steps", "1"};
+  flags.insert(flags.end(), extra.begin(), extra.end());
+  return folder_train_cmd(kFlux, data, out, flags);
 }
 
 // The configuration a run saved with its checkpoint `step`.
@@ -148,7 +131,7 @@ TEST(NewUserProbe, FluxLoraRunStartsFromDiffusersDefaultsOnAKohyaFolder) {
   // finished run is touched.
   const std::string bare = dir + "/bare";
   fs::create_directories(bare);
-  io::save_png(bare + "/x.png", io::to_uint8_images((colour(1, 1, 1).unsqueeze(0) + 1) / 2)[0]);
+  save_colour(bare + "/x.png", 1, 1, 1);
   auto again = train(flux_lora_cmd(bare, out, {"--overwrite_output_dir"}));
   EXPECT_NE(again.exit_code, 0) << again.log();
   EXPECT_LOG_HAS(again, "x.png");

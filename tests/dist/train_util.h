@@ -122,6 +122,24 @@ inline std::vector<std::string> train_cmd(const std::string& dir, const std::str
   return cmd;
 }
 
+// `difftrain train` of the pretrained folder `model` on the image folder `data` into `out`,
+// then `flags`.
+inline std::vector<std::string> folder_train_cmd(const std::string& model, const std::string& data,
+                                                 const std::string& out,
+                                                 std::vector<std::string> flags) {
+  std::vector<std::string> cmd = {"train",
+                                  "--pretrained_model_name_or_path",
+                                  model,
+                                  "--dataset",
+                                  "imagefolder",
+                                  "--train_data_dir",
+                                  data,
+                                  "--output_dir",
+                                  out};
+  cmd.insert(cmd.end(), flags.begin(), flags.end());
+  return cmd;
+}
+
 inline ProcessResult train(const std::vector<std::string>& cmd, int ranks = 1,
                            double timeout = 300) {
   std::vector<std::string> argv = {kDifftrain};
