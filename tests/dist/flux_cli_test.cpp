@@ -185,6 +185,16 @@ TEST(FluxCli, ForwardOfTheTransformerEqualsDiffusers) {
       flux_diff(io::load_safetensors(dir + "/out.safetensors").tensors.at("out"), io.at("B.out"));
   std::cout << "forward vs Diffusers: " << d << "\n";
   EXPECT_LE(d, 1e-4);
+  // A LoRA of another family is refused here too (issue 56).
+  auto sdxl =
+      run({kDifftrain, "forward", "--model", kFlux, "--inputs", dir + "/in.safetensors", "--lora",
+           std::string(difftrain_test::source_dir()) +
+               "/tests/golden/sdxl/tiny_sdxl_lora/pytorch_lora_weights.safetensors",
+           "--output", dir + "/sdxl.safetensors"},
+          {}, 120);
+  EXPECT_NE(sdxl.exit_code, 0) << sdxl.log();
+  EXPECT_NE(sdxl.err.find("it is a sdxl LoRA"), std::string::npos) << sdxl.log();
+  EXPECT_FALSE(fs::exists(dir + "/sdxl.safetensors"));
 }
 
 }  // namespace

@@ -29,6 +29,7 @@ torch::Tensor forward_flux(const std::string& dir,
       models::load_flux_transformer(flux_transformer_dir(dir), torch::kFloat32);
   if (!lora.empty()) {
     const io::LoraWeights weights = read_flux_lora(lora, dir);
+    check_lora_fits_family(weights, lora, dir);
     const auto s = models::merge_lora(*model, weights, lora_scale, "transformer");
     log::info("LoRA {}: merged into {} transformer modules, scale {}", lora, s.modules_merged,
               lora_scale);
