@@ -414,7 +414,9 @@ ImageFolderDataset::ImageFolderDataset(ImageFolderOptions options) : options_(st
     std::vector<std::string> others;
     entries = scan_folder(dir, root, others);
     report_other_files(options_.dir, entries, others, options_.caption_extension);
-    entries = kohya_repeat_folders(std::move(entries), options_.dir, kohya_);
+    if (options_.kohya_repeat_folders) {
+      entries = kohya_repeat_folders(std::move(entries), options_.dir, kohya_);
+    }
     if (kohya_.empty()) class_names_ = infer_labels(entries);
   }
   if (const int64_t both = read_sidecar_captions(entries, dir, options_.caption_extension);

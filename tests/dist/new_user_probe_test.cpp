@@ -178,6 +178,42 @@ TEST(NewUserProbe, WrongFamilyLorasAndMisleadingLabels) {
   EXPECT_LOG_HAS(ok, "wrote 2 merged weight file(s): " + dir +
                          "/merged/transformer/diffusion_pytorch_model.safetensors, ");
 
+  // A sharded transformer: every shard the merge rewrites is named (the first only, before).
+  const std::string sharded = dir + "/sharded";
+  fs::copy(kFlux, sharded, fs::copy_options::recursive);
+  const std::string tdir = sharded + "/transformer";
+  const auto all = io::load_safetensors(tdir + "/diffusion_pytorch_model.safetensors").tensors;
+  fs::remove(tdir + "/diffusion_pytorch_model.safetensors");
+  std::vector<io::TensorMap> shards(2);
+  nlohmann::json weight_map = nlohmann::json::object();
+  for (const auto& [name, t] : all) {
+    // The double blocks in the second shard, the rest (single blocks too) in the first: the
+    // LoRA adapts modules of both.
+    const size_t s = name.rfind("transformer_blocks.", 0) == 0 ? 1 : 0;
+    shards[s][name] = t;
+    weight_map[name] =
+        "diffusion_pytorch_model-0000" + std::to_string(s + 1) + "-of-00002.safetensors";
+  }
+  for (size_t s = 0; s < 2; ++s) {
+    io::save_safetensors(
+        tdir + "/diffusion_pytorch_model-0000" + std::to_string(s + 1) + "-of-00002.safetensors",
+        shards[s]);
+  }
+  io::write_file_atomic(
+      tdir + "/diffusion_pytorch_model.safetensors.index.json",
+      nlohmann::json{{"metadata", {{"total_size", 0}}}, {"weight_map", weight_map}}.dump());
+  auto shard_merge = run({kDifftrain, "lora", "merge", "--model", sharded, "--lora", kFluxLora,
+                          "--output", dir + "/sharded-merged"},
+                         {}, 120);
+  ASSERT_EQ(shard_merge.exit_code, 0) << shard_merge.log();
+  EXPECT_LOG_HAS(shard_merge, "wrote 3 merged weight file(s): " + dir +
+                                  "/sharded-merged/transformer/"
+                                  "diffusion_pytorch_model-00001-of-00002.safetensors, " +
+                                  dir +
+                                  "/sharded-merged/transformer/"
+                                  "diffusion_pytorch_model-00002-of-00002.safetensors, " +
+                                  dir + "/sharded-merged/text_encoder/model.safetensors");
+
   const std::string copy = dir + "/copy.safetensors";
   fs::copy_file(kFluxLora, copy);
   auto same = run(

@@ -191,6 +191,16 @@ TEST(ImageFolder, KohyaRepeatFoldersAndDatasetRepeats) {
   EXPECT_HAS(error_of([&] { ImageFolderDataset{flat_opts}; }), "repeats is 0");
   save(dir + "/0_cat/e.png", random_image(4, 4, 3, 8));
   EXPECT_HAS(error_of([&] { ImageFolderDataset{opts(dir)}; }), "0 repeats");
+  // Without kohya's reading (the class-conditional UNet task), such folders are HF classes.
+  const auto classes = temp_dir("if_kohya_classes");
+  save(classes + "/0_airplane/a.png", random_image(4, 4, 3, 9));
+  save(classes + "/1_car/b.png", random_image(4, 4, 3, 10));
+  auto hf = opts(classes);
+  hf.kohya_repeat_folders = false;
+  const ImageFolderDataset labelled(hf);
+  EXPECT_EQ(labelled.size(), 2);
+  EXPECT_EQ(labelled.class_names(), (std::vector<std::string>{"0_airplane", "1_car"}));
+  EXPECT_FALSE(labelled.caption(0).has_value());
 }
 
 TEST(ImageFolder, MetadataListsFilesLabelsAndCaptions) {

@@ -37,6 +37,10 @@ struct ImageFolderOptions {
   /// it (kohya's `--caption_extension`). Read for every image metadata.jsonl gives no caption;
   /// where both exist metadata.jsonl wins (said once). "" reads none.
   std::string caption_extension = ".txt";
+  /// Read kohya's `<N>_<name>` repeat folders (see the class doc). False keeps Hugging Face's
+  /// imagefolder reading of such folders as classes (`0_airplane/`, `1_car/` label 0 and 1), as
+  /// the class-conditional UNet task does.
+  bool kohya_repeat_folders = true;
   /// Times each image is used per epoch (kohya's --dataset_repeats, Diffusers' --repeats), on
   /// top of its kohya repeat folder's count; >= 1.
   int64_t repeats = 1;
@@ -56,10 +60,10 @@ struct ImageFolderOptions {
 ///   image sits directly in a first-level sub-folder and there are at least two sub-folders, the
 ///   label of an image is the index of its sub-folder among the sorted sub-folder names
 ///   (HF imagefolder's inferred `label` ClassLabel); otherwise there are no labels.
-/// - kohya's layout (a scanned folder one of whose first-level sub-folders is named
-///   `<N>_<name>`, e.g. `10_sks dog/`): only the images in such folders, each used N times per
-///   epoch, captioned `<name>` when no caption file or metadata gives one (kohya's class
-///   tokens); no inferred labels. Images elsewhere are skipped, with one warning.
+/// - kohya's layout (with kohya_repeat_folders, a scanned folder one of whose first-level
+///   sub-folders is named `<N>_<name>`, e.g. `10_sks dog/`): only the images in such folders, each
+///   used N times per epoch, captioned `<name>` when no caption file or metadata gives one (kohya's
+///   class tokens); no inferred labels. Images elsewhere are skipped, with one warning.
 /// - Every image is then used `repeats` times (examples i*n .. i*n+n-1 are one file, each with
 ///   its own augmentation stream). Files of a scanned folder that are neither images nor their
 ///   caption files are reported once, as caption files with no image.

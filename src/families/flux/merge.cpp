@@ -129,17 +129,12 @@ models::LoraFolderMergeSummary merge_flux_lora(const std::string& model_dir,
                            options.variant, options.lora_scale, written[rel]);
       (component == "transformer" ? summary.modules_merged : summary.text_encoder_modules_merged) +=
           n;
-      for (const auto& file : written[rel]) {
-        // Every shard, the transformer's first (a pipeline's components are folders of their
-        // own; a bare transformer folder has only the transformer).
-        const std::string path = (out / rel / file).string();
-        if (std::find(summary.weights_written.begin(), summary.weights_written.end(), path) ==
-            summary.weights_written.end()) {
-          auto at = component == "transformer" ? summary.weights_written.begin()
-                                               : summary.weights_written.end();
-          summary.weights_written.insert(at, path);
-        }
-      }
+      // Every file written, in order, the transformer's shards before the text encoder's.
+      std::vector<std::string> paths;
+      for (const auto& file : written[rel]) paths.push_back((out / rel / file).string());
+      auto& listed = summary.weights_written;
+      listed.insert(component == "transformer" ? listed.begin() : listed.end(), paths.begin(),
+                    paths.end());
     }
     // Everything else as it is (symlinks followed, Hugging Face cache style).
     for (auto it = fs::recursive_directory_iterator(

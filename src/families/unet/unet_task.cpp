@@ -303,6 +303,8 @@ class UNetTask final : public DiffusionTask {
     if (d.dataset == "imagefolder") {
       data::ImageFolderOptions o =
           image_folder_options(d, d.train_data_dir, static_cast<int>(channels_));
+      // Sub-folders are classes here (HF imagefolder), also when named like kohya's "1_dog".
+      o.kohya_repeat_folders = false;
       auto ds = std::make_shared<data::ImageFolderDataset>(o);
       // Skipped images (--skip_bad_images) are reported once, by the dataset on the main rank.
       num_classes_ = ds->num_classes();
