@@ -34,13 +34,12 @@ CLI::App* add_train_command(CLI::App& app) {
 
 int run_train() {
   if (g_help) {
-    std::cout
-        << "usage: difftrain train [--config FILE.yaml] [--<option> VALUE ...]\n"
-           "Flags override the YAML file. Booleans also work as bare flags (--use_ema).\n"
-           "A pretrained FLUX.1, SD or SDXL folder starts from the defaults of the Diffusers\n"
-           "script its run follows (train_dreambooth_lora_flux.py, ...; the run header names\n"
-           "it); the defaults below are the built-in job's. See docs/TRAINING.md.\n\n"
-           "options (type, default):\n";
+    std::cout << "usage: difftrain train [--config FILE.yaml] [--<option> VALUE ...]\n"
+                 "Flags override the YAML file. Booleans also work as bare flags (--use_ema).\n"
+                 "A pretrained folder's family starts from the defaults of the Diffusers script\n"
+                 "its run follows (the run header names it); the defaults below are the built-in\n"
+                 "job's. See docs/TRAINING.md.\n\n"
+                 "options (type, default):\n";
     for (const auto& row : train::train_option_table()) {
       std::cout << "  --" << row[0] << std::string(row[0].size() < 30 ? 30 - row[0].size() : 1, ' ')
                 << row[1] << std::string(row[1].size() < 8 ? 8 - row[1].size() : 1, ' ') << row[2]

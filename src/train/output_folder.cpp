@@ -73,9 +73,11 @@ std::vector<std::string> output_dir_entries(const std::string& output_dir) {
   return names;
 }
 
-void clear_output_dir(const std::string& output_dir, const std::vector<std::string>& keep) {
+size_t clear_output_dir(const std::string& output_dir, const std::vector<std::string>& keep) {
+  size_t removed = 0;
   for (const auto& name : output_dir_entries(output_dir)) {
     if (std::find(keep.begin(), keep.end(), name) != keep.end()) continue;
+    ++removed;
     const fs::path path = fs::path(output_dir) / name;
     std::error_code ec;
     fs::remove_all(path, ec);
@@ -84,6 +86,7 @@ void clear_output_dir(const std::string& output_dir, const std::vector<std::stri
                   "; remove it by hand or pick another --output_dir");
     }
   }
+  return removed;
 }
 
 std::unique_ptr<OutputDirLock> OutputDirLock::acquire(const std::string& output_dir) {

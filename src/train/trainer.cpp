@@ -113,7 +113,7 @@ struct Trainer::State {
   std::vector<std::string> card_labels;
   int64_t card_images_step = -1;
   std::unique_ptr<OutputDirLock> output_lock;  // main rank: held for the whole run
-  std::vector<std::string> overwritten;        // main rank: what --overwrite_output_dir will clear
+  size_t overwritten = 0;  // main rank: the entries --overwrite_output_dir will clear
 
   // ------------------------------------------------------------------ setup
   void make_accelerator() {
@@ -148,7 +148,7 @@ struct Trainer::State {
       if (!held.empty() && o.overwrite_output_dir) {
         // Cleared only once every input has been read (clear_overwritten_run(), after
         // prepare()): a typo in --train_data_dir must not cost the finished run.
-        overwritten = held;
+        overwritten = held.size();
       } else if (!held.empty() && o.resume_from_checkpoint.empty()) {
         std::string names;
         for (size_t i = 0; i < held.size() && i < 3; ++i) names += (i ? ", " : "") + held[i];
@@ -167,19 +167,11 @@ struct Trainer::State {
   // caches this run read or filled there (--cache_dir's default, <output_dir>/cache) stay.
   void clear_overwritten_run() {
     acc->wait_for_everyone();
-    if (!acc->is_main_process() || overwritten.empty()) return;
-    std::vector<std::string> gone;
-    for (const auto& name : overwritten) {
-      if (std::find(o.keep_on_overwrite.begin(), o.keep_on_overwrite.end(), name) ==
-          o.keep_on_overwrite.end()) {
-        gone.push_back(name);
-      }
-    }
-    log::info("--overwrite_output_dir: the inputs are read; clearing {} ({} entries{})",
-              o.output_dir, gone.size(),
-              gone.size() < overwritten.size() ? ", the caches kept" : "");
-    clear_output_dir(o.output_dir, o.keep_on_overwrite);
-    overwritten.clear();
+    if (!acc->is_main_process() || overwritten == 0) return;
+    const size_t removed = clear_output_dir(o.output_dir, o.keep_on_overwrite);
+    log::info("--overwrite_output_dir: the inputs are read; clearing {}: {} entries removed{}",
+              o.output_dir, removed, removed < overwritten ? ", the caches kept" : "");
+    overwritten = 0;
   }
 
   // The logs folder, once the run is known to start (a refused resume leaves no empty logs/).

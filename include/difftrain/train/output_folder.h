@@ -2,6 +2,7 @@
 // The run's output folder, guarded: never one of the run's inputs, never another run's folder
 // unless resumed or --overwrite_output_dir, never two runs at once (docs/RELIABILITY.md).
 
+#include <cstddef>
 #include <memory>
 #include <string>
 #include <vector>
@@ -29,8 +30,8 @@ inline constexpr const char* kOutputLockName = ".difftrain.lock";
 std::vector<std::string> output_dir_entries(const std::string& output_dir);
 
 /// Removes everything in `output_dir` but its lock file and the entries named in `keep`
-/// (--overwrite_output_dir).
-void clear_output_dir(const std::string& output_dir, const std::vector<std::string>& keep = {});
+/// (--overwrite_output_dir). Returns how many entries it removed.
+size_t clear_output_dir(const std::string& output_dir, const std::vector<std::string>& keep = {});
 
 /// An exclusive kernel lock (flock) on `<output_dir>/.difftrain.lock` for the life of the object:
 /// released on any exit of the process, SIGKILL included. The file records the holder's pid, host
