@@ -1,11 +1,9 @@
-// `difftrain lora convert` (families/family.h: convert_lora) and the name resolution the built-in
-// families' adapt_lora share.
-#include "builtin.h"
+// `difftrain lora convert` (families/family.h: convert_lora), the check that a LoRA fits a
+// family, and the text-encoder name resolution families' adapt_lora share.
 #include "difftrain/core/error.h"
+#include "difftrain/families/family.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/pretrained.h"
-#include "difftrain/models/sgm_names.h"
-#include "difftrain/models/unet_config.h"
 
 #include <fmt/format.h>
 
@@ -29,19 +27,6 @@ std::vector<std::string> weight_module_names(const std::string& path) {
 }
 
 }  // namespace
-
-void adapt_unet_lora(io::LoraWeights& lora, const std::string& dir, io::LoraFormat format) {
-  const bool pipeline = fs::exists(fs::path(dir) / "model_index.json");
-  const std::string unet_dir = pipeline ? (fs::path(dir) / "unet").string() : dir;
-  const auto config = models::UNetConfig::load((fs::path(unet_dir) / "config.json").string());
-  const auto names = weight_module_names(models::weights_path(unet_dir));
-  // kohya names resolve against the UNet's module names, and against their SGM names (kohya's
-  // SDXL files); a UNet with added conditioning (SDXL's) is written with SGM names in kohya form.
-  io::resolve_kohya_names(lora, "unet", names, models::sgm_aliases(config, names));
-  if (format == io::LoraFormat::kKohya && config.addition_embed_type) {
-    lora = models::with_sgm_unet_names(lora, config);
-  }
-}
 
 void adapt_text_encoder_lora(io::LoraWeights& lora, const std::string& dir,
                              const std::string& component) {

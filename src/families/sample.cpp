@@ -1,8 +1,8 @@
 // `difftrain sample`'s entry point (families::sample: the folder's family, with progress lines)
 // and its --device, shared by the families' sample code.
-#include "builtin.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
+#include "difftrain/families/family.h"
 #include "difftrain/io/image.h"
 #include "difftrain/io/prompt_file.h"
 #include "difftrain/io/safetensors.h"

@@ -5,6 +5,7 @@
 
 #include "difftrain/families/unet/memory.h"
 #include "difftrain/families/unet/pipeline.h"
+#include "difftrain/families/unet/unet_based_family.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/pretrained.h"
@@ -35,10 +36,78 @@ TEST(Families, EachBuiltInFamilyIsRegisteredOnceWithItsOwnClasses) {
   std::set<std::string> names, classes;
   for (const auto* f : families::families()) {
     EXPECT_TRUE(names.insert(f->name()).second) << f->name();
+    if (f->name() == "registrar-test") {  // AFamilyRegistersThroughThePublicRegistrar's
+      names.erase(f->name());
+      continue;
+    }
     for (const auto& c : f->pipeline_classes()) EXPECT_TRUE(classes.insert(c).second) << c;
     EXPECT_FALSE(f->lora_components().empty()) << f->name();
   }
   EXPECT_EQ(names, (std::set<std::string>{"unet", "stable-diffusion", "sdxl", "flux"}));
+  EXPECT_EQ(families::default_family().name(), "unet");
+}
+
+// A family registered through the public API (as a program outside the tree does): found by
+// name and by its folders' class, and refused when it collides with a registered one.
+class RegistrarTestFamily : public families::UNetBasedFamily {
+ public:
+  RegistrarTestFamily(std::string name, std::string pipeline_class, bool is_default = false)
+      : name_(std::move(name)), class_(std::move(pipeline_class)), default_(is_default) {}
+  std::string name() const override { return name_; }
+  std::vector<std::string> pipeline_classes() const override { return {class_}; }
+  bool matches_components(const nlohmann::json&) const override { return false; }
+  bool is_default() const override { return default_; }
+  std::vector<std::string> lora_components() const override { return {"unet"}; }
+  std::unique_ptr<diffusion::Pipeline> load_pipeline(
+      const std::string&, const diffusion::PipelineLoadOptions&) const override {
+    return nullptr;
+  }
+  std::unique_ptr<train::TrainingTask> make_training_task(
+      const train::TaskOptions&) const override {
+    return nullptr;
+  }
+  diffusion::GenerateResult sample(const families::SampleOptions&) const override { return {}; }
+
+ private:
+  std::string name_, class_;
+  bool default_;
+};
+
+TEST(Families, AFamilyRegistersThroughThePublicRegistrar) {
+  const size_t before = families::families().size();
+  families::register_family(
+      std::make_unique<RegistrarTestFamily>("registrar-test", "RegistrarTestPipeline"));
+  ASSERT_EQ(families::families().size(), before + 1);
+  EXPECT_EQ(families::families().back()->name(), "registrar-test");
+  ASSERT_NE(families::find_family("registrar-test"), nullptr);
+  EXPECT_EQ(families::find_family("no-such-family"), nullptr);
+  const auto dir = temp_dir("families_registrar");
+  EXPECT_EQ(
+      family_name(folder_with_index(dir + "/own", R"({"_class_name": "RegistrarTestPipeline"})")),
+      "registrar-test");
+  // An unknown class now lists the new family's class too.
+  const auto unknown = folder_with_index(dir + "/unknown", R"({"_class_name": "NoSuchPipeline"})");
+  EXPECT_NE(error_of([&] {
+              (void)families::family_of(unknown);
+            }).find("RegistrarTestPipeline (registrar-test)"),
+            std::string::npos);
+  // Collisions: a name, a class, a second default.
+  EXPECT_NE(error_of([&] {
+              (void)families::register_family(
+                  std::make_unique<RegistrarTestFamily>("sdxl", "OtherPipeline"));
+            }).find("a family named \"sdxl\" is already registered"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              (void)families::register_family(std::make_unique<RegistrarTestFamily>(
+                  "registrar-test-2", "StableDiffusionXLPipeline"));
+            }).find("claims class StableDiffusionXLPipeline, which family \"sdxl\" already reads"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              (void)families::register_family(std::make_unique<RegistrarTestFamily>(
+                  "registrar-test-3", "ThirdPipeline", /*is_default=*/true));
+            }).find("says it is the default, and so does \"unet\""),
+            std::string::npos);
+  EXPECT_EQ(families::families().size(), before + 1);
   EXPECT_EQ(families::default_family().name(), "unet");
 }
 

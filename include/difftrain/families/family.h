@@ -1,7 +1,8 @@
 #pragma once
-// Model families: what difftrain knows about one kind of model (a UNet pipeline, Stable Diffusion
-// 1.x/2.x, SDXL; next FLUX.1), each in its own folder (src/families/<name>/) and registered once
-// in src/families/registry.cpp. A family says how to recognise its folders (model_index.json's
+// Model families: what difftrain knows about one kind of model, each in its own folder
+// (src/families/<name>/, registered by DIFFTRAIN_BUILTIN_FAMILY in its family.cpp) or in a
+// program of its own (register_family() before difftrain's command line runs). A family says how to
+// recognise its folders (model_index.json's
 // `_class_name`, or a bare model's config.json), makes its training task, samples from its
 // pipeline, and names the pipeline components a LoRA file adapts. `difftrain train` and
 // `difftrain sample` ask the registry which family a folder belongs to; a `_class_name` that no
@@ -85,6 +86,12 @@ class ModelFamily {
   /// For a model_index.json without `_class_name`: whether its components look like this
   /// family's (e.g. a text_encoder_2 entry for SDXL).
   virtual bool matches_components(const nlohmann::json& index) const = 0;
+  /// When several families' matches_components() accept one model_index.json, the highest rank
+  /// wins: a family whose components include another's ranks above it (two CLIPs above one).
+  virtual int component_match_rank() const { return 0; }
+  /// The family of folders no family claims (it reports what is wrong with them) and of runs
+  /// without a pretrained folder. Exactly one registered family says so.
+  virtual bool is_default() const { return false; }
   /// The pipeline components a LoRA file may adapt, by Diffusers' key prefix ("unet",
   /// "text_encoder", ...).
   virtual std::vector<std::string> lora_components() const = 0;
@@ -131,14 +138,24 @@ class ModelFamily {
   virtual diffusion::GenerateResult sample(const SampleOptions& options) const = 0;
 };
 
-/// Every registered family, in the order folders are matched.
+/// Adds `family` to the registry. The built-in families are registered by their folders
+/// (DIFFTRAIN_BUILTIN_FAMILY); a program that brings its own family calls this before
+/// difftrain's command line (cli/main.h: difftrain::cli::run) or the library's entry points.
+/// Throws difftrain::Error when a registered family has the same name, claims one of its
+/// pipeline or model classes, or is also the default.
+void register_family(std::unique_ptr<ModelFamily> family);
+
+/// Every registered family: the built-in ones (by folder name), then those register_family()
+/// added, in that order.
 const std::vector<const ModelFamily*>& families();
+/// The registered family named `name`, or nullptr.
+const ModelFamily* find_family(const std::string& name);
 /// The family of the folder `dir`: by model_index.json's `_class_name`, by the bare model's
 /// config.json, by the components of a model_index.json without `_class_name`, and the UNet
 /// family for anything else (which then reports what is wrong with the folder). Throws
 /// difftrain::Error naming the class and every known one when no family claims `_class_name`.
 const ModelFamily& family_of(const std::string& dir);
-/// The family trained when there is no pretrained folder (a UNet built from a config).
+/// The family trained when there is no pretrained folder (ModelFamily::is_default()).
 const ModelFamily& default_family();
 
 /// The task `options` describe: its pretrained folder's family, else the default family's.
@@ -180,6 +197,22 @@ struct SampleOutputs {
 /// sample(), then the grid (and the tensors) written, with a closing log line (images/s).
 void sample_to_files(const SampleOptions& options, const SampleOutputs& outputs);
 
+/// --device: "auto" (the first CUDA device when one is visible, else the CPU), "cpu", "cuda" or
+/// "cuda:N", as in Diffusers' pipe.to(device). Throws difftrain::Error for anything else or a
+/// CUDA device that is not there.
+torch::Device parse_sample_device(const std::string& text);
+
+/// The prompts of a text-to-image `difftrain sample`: --prompt (repeatable) or --prompt_file
+/// (io::read_prompt_file's rules), at least one; `folder_kind` (e.g. "Stable Diffusion") names
+/// the folder in the error without any.
+std::vector<std::string> sample_prompts(const SampleOptions& a, const std::string& folder_kind);
+
+/// ModelFamily::adapt_lora's part for a text encoder: the LoRA's kohya names of `component`
+/// resolved against dir/`component`/model.safetensors' weight names, when the LoRA has targets
+/// for it and the folder is there.
+void adapt_text_encoder_lora(io::LoraWeights& lora, const std::string& dir,
+                             const std::string& component);
+
 /// --dtype: fp32/float32 (unset), bf16/bfloat16 or fp16/float16. Throws difftrain::Error for
 /// anything else.
 std::optional<torch::Dtype> parse_sample_dtype(const std::string& text);
@@ -193,3 +226,10 @@ train::TrainConfig parse_train_config(const std::vector<std::string>& args);
 train::TrainResult run_training(train::TrainConfig config);
 
 }  // namespace difftrain::families
+
+/// In a built-in family's family.cpp, inside namespace difftrain::families: registers `Class`
+/// (default-constructed) under the folder's name, `folder` (src/families/<folder>/). The build
+/// calls one register_builtin_family_<folder>() per folder that has a family.cpp (generated
+/// builtin_families.cpp), so no list of families is written anywhere.
+#define DIFFTRAIN_BUILTIN_FAMILY(folder, Class) \
+  void register_builtin_family_##folder() { register_family(std::make_unique<Class>()); }

@@ -1,7 +1,7 @@
 // The FLUX.1 family: FluxPipeline folders (FLUX.1-dev with embedded guidance, FLUX.1-schnell
 // without) and bare FluxTransformer2DModel folders. Sampling in flux_pipeline.cpp, LoRA names in
 // lora.cpp and merge.cpp, the memory model in memory.cpp.
-#include "../builtin.h"
+#include "difftrain/families/family.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/io/flux_lora.h"
@@ -29,6 +29,7 @@ class FluxFamily : public ModelFamily {
   bool matches_components(const nlohmann::json& index) const override {
     return flux_has_component(index, "transformer") && flux_has_component(index, "text_encoder_2");
   }
+  int component_match_rank() const override { return 3; }  // a transformer, above the UNets
   std::vector<std::string> lora_components() const override {
     return {"transformer", "text_encoder"};
   }
@@ -125,9 +126,6 @@ class FluxFamily : public ModelFamily {
 
 }  // namespace
 
-const ModelFamily& flux_family() {
-  static const FluxFamily family;
-  return family;
-}
+DIFFTRAIN_BUILTIN_FAMILY(flux, FluxFamily)
 
 }  // namespace difftrain::families

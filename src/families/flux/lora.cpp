@@ -1,8 +1,8 @@
 // FLUX.1 LoRA files against a folder: the transformer's sizes turn BFL names (kohya, ComfyUI,
 // XLabs) into Diffusers modules (io/flux_lora.h); CLIP's kohya names resolve against
 // text_encoder/'s weights.
-#include "../builtin.h"
 #include "difftrain/core/error.h"
+#include "difftrain/families/family.h"
 #include "difftrain/io/flux_lora.h"
 #include "difftrain/models/flux_transformer.h"
 #include "flux_family.h"

@@ -1,7 +1,9 @@
 // The SDXL family: StableDiffusionXLPipeline folders (two text encoders, pooled embeddings and
 // micro-conditioning; sampling shared with Stable Diffusion, training in sdxl_task.cpp).
-#include "../builtin.h"
 #include "difftrain/families/stable_diffusion/pipeline.h"
+#include "difftrain/families/stable_diffusion/text_to_image.h"
+#include "difftrain/families/unet/unet_based_family.h"
+#include "sdxl_task.h"
 
 namespace difftrain::families {
 namespace {
@@ -16,6 +18,7 @@ class SdxlFamily : public UNetBasedFamily {
     return index.contains("text_encoder_2") && index["text_encoder_2"].is_array() &&
            !index["text_encoder_2"].empty() && !index["text_encoder_2"][0].is_null();
   }
+  int component_match_rank() const override { return 2; }  // two CLIPs, above one
   std::vector<std::string> lora_components() const override {
     return {"unet", "text_encoder", "text_encoder_2"};
   }
@@ -39,9 +42,6 @@ class SdxlFamily : public UNetBasedFamily {
 
 }  // namespace
 
-const ModelFamily& sdxl_family() {
-  static const SdxlFamily family;
-  return family;
-}
+DIFFTRAIN_BUILTIN_FAMILY(sdxl, SdxlFamily)
 
 }  // namespace difftrain::families

@@ -1,7 +1,9 @@
 // The Stable Diffusion 1.x/2.x family: StableDiffusionPipeline folders (text-to-image sampling,
 // text-to-image / LoRA / DreamBooth training in text_to_image_task.h).
-#include "../builtin.h"
 #include "difftrain/families/stable_diffusion/pipeline.h"
+#include "difftrain/families/stable_diffusion/text_to_image.h"
+#include "difftrain/families/unet/unet_based_family.h"
+#include "text_to_image_task.h"
 
 namespace difftrain::families {
 namespace {
@@ -18,6 +20,7 @@ class StableDiffusionFamily : public UNetBasedFamily {
            !(index["text_encoder"].is_array() && !index["text_encoder"].empty() &&
              index["text_encoder"][0].is_null());
   }
+  int component_match_rank() const override { return 1; }  // a text encoder, above a UNet alone
   std::vector<std::string> lora_components() const override { return {"unet", "text_encoder"}; }
   std::unique_ptr<diffusion::Pipeline> load_pipeline(
       const std::string& dir, const diffusion::PipelineLoadOptions& options) const override {
@@ -39,9 +42,6 @@ class StableDiffusionFamily : public UNetBasedFamily {
 
 }  // namespace
 
-const ModelFamily& stable_diffusion_family() {
-  static const StableDiffusionFamily family;
-  return family;
-}
+DIFFTRAIN_BUILTIN_FAMILY(stable_diffusion, StableDiffusionFamily)
 
 }  // namespace difftrain::families

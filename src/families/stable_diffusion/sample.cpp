@@ -1,10 +1,10 @@
 // `difftrain sample` for Stable Diffusion 1.x/2.x and SDXL folders: StableDiffusion(XL)Pipeline
 // semantics (the SDXL family calls it too).
-#include "../builtin.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/families/stable_diffusion/pipeline.h"
+#include "difftrain/families/stable_diffusion/text_to_image.h"
 #include "difftrain/families/unet/pipeline.h"
 
 #include <fmt/format.h>

@@ -140,4 +140,8 @@ class TextToImageTask : public DiffusionTask {
 
 }  // namespace t2i
 
+/// Diffusers' train_text_to_image(_lora).py and train_dreambooth(_lora).py on a Stable Diffusion
+/// 1.x/2.x folder (text_to_image_task.cpp).
+std::unique_ptr<TrainingTask> make_text_to_image_task(TaskOptions options);
+
 }  // namespace difftrain::train

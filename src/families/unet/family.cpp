@@ -2,11 +2,12 @@
 // DDIMPipeline folders, or a bare UNet2DModel / UNet2DConditionModel folder with its
 // scheduler_config.json), trained as train_unconditional.py does (unet_task.cpp). The default
 // family: a run without a pretrained folder builds its UNet from a config.
-#include "../builtin.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/families/unet/pipeline.h"
+#include "difftrain/families/unet/unet_based_family.h"
+#include "unet_task.h"
 
 #include <fmt/format.h>
 
@@ -44,6 +45,7 @@ class UNetFamily : public UNetBasedFamily {
   bool matches_components(const nlohmann::json& index) const override {
     return index.contains("unet");
   }
+  bool is_default() const override { return true; }
   std::vector<std::string> lora_components() const override { return {"unet"}; }
   std::unique_ptr<diffusion::Pipeline> load_pipeline(
       const std::string& dir, const diffusion::PipelineLoadOptions& options) const override {
@@ -96,9 +98,6 @@ class UNetFamily : public UNetBasedFamily {
 
 }  // namespace
 
-const ModelFamily& unet_family() {
-  static const UNetFamily family;
-  return family;
-}
+DIFFTRAIN_BUILTIN_FAMILY(unet, UNetFamily)
 
 }  // namespace difftrain::families

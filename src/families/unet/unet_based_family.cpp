@@ -1,13 +1,46 @@
-// What the UNet-based families share (builtin.h: UNetBasedFamily): forward, lora merge, the
-// memory model and the UNet's LoRA names.
-#include "builtin.h"
+// What the UNet-based families share (families/unet/unet_based_family.h): forward, lora merge,
+// the memory model and the UNet's LoRA names.
+#include "difftrain/families/unet/unet_based_family.h"
 #include "difftrain/io/lora_format.h"
+#include "difftrain/io/safetensors.h"
+#include "difftrain/models/pretrained.h"
+#include "difftrain/models/sgm_names.h"
+#include "difftrain/models/unet_config.h"
 
 #include <filesystem>
 #include "difftrain/families/unet/memory.h"
 #include "difftrain/families/unet/pipeline.h"
 
 namespace difftrain::families {
+namespace fs = std::filesystem;
+namespace {
+
+// The module names of the safetensors weights `path` (keys ending in .weight), from its header.
+std::vector<std::string> weight_module_names(const std::string& path) {
+  std::vector<std::string> names;
+  for (const auto& [key, entry] : io::read_safetensors_header(path).tensors) {
+    (void)entry;
+    if (key.size() > 7 && key.compare(key.size() - 7, 7, ".weight") == 0) {
+      names.push_back(key.substr(0, key.size() - 7));
+    }
+  }
+  return names;
+}
+
+}  // namespace
+
+void adapt_unet_lora(io::LoraWeights& lora, const std::string& dir, io::LoraFormat format) {
+  const bool pipeline = fs::exists(fs::path(dir) / "model_index.json");
+  const std::string unet_dir = pipeline ? (fs::path(dir) / "unet").string() : dir;
+  const auto config = models::UNetConfig::load((fs::path(unet_dir) / "config.json").string());
+  const auto names = weight_module_names(models::weights_path(unet_dir));
+  // kohya names resolve against the UNet's module names, and against their SGM names (kohya's
+  // SDXL files); a UNet with added conditioning (SDXL's) is written with SGM names in kohya form.
+  io::resolve_kohya_names(lora, "unet", names, models::sgm_aliases(config, names));
+  if (format == io::LoraFormat::kKohya && config.addition_embed_type) {
+    lora = models::with_sgm_unet_names(lora, config);
+  }
+}
 
 void UNetBasedFamily::adapt_lora(io::LoraWeights& lora, const std::string& dir,
                                  io::LoraFormat format) const {
@@ -42,39 +75,6 @@ std::vector<train::MemoryEstimate> UNetBasedFamily::estimate_memory(
     const std::string& model_path, const train::MemoryEstimateOptions& options,
     const std::vector<accel::ShardingStrategy>& strategies) const {
   return train::estimate_memory(model_path, options, strategies);
-}
-
-}  // namespace difftrain::families
-
-namespace difftrain::families {
-
-train::ScriptDefaults text_to_image_script_defaults(const train::TrainConfig& c, bool sdxl) {
-  train::ScriptDefaults d;
-  const bool dreambooth = !c.instance_prompt.empty();
-  const std::string xl = sdxl ? "_sdxl" : "";
-  const std::string lora = c.lora ? "_lora" : "";
-  d.resolution = sdxl ? 1024 : 512;
-  if (dreambooth) {
-    // train_dreambooth.py, train_dreambooth_lora.py, train_dreambooth_lora_sdxl.py.
-    d.script = (sdxl && !c.lora) ? "train_dreambooth.py" : "train_dreambooth" + lora + xl + ".py";
-    d.train_batch_size = 4;
-    d.num_train_epochs = 1;
-    d.learning_rate = c.lora ? (sdxl ? 1e-4 : 5e-4) : 5e-6;
-    d.adam_weight_decay = (c.lora && sdxl) ? 1e-4 : 1e-2;
-  } else {
-    // train_text_to_image.py, train_text_to_image_lora.py, train_text_to_image[_lora]_sdxl.py.
-    d.script = "train_text_to_image" + lora + xl + ".py";
-    d.train_batch_size = 16;
-    d.num_train_epochs = 100;
-    d.learning_rate = 1e-4;
-    d.adam_weight_decay = 1e-2;
-  }
-  // A UNet's objective: the flow-matching flags and class labels do not apply.
-  d.not_applicable = {"class_conditional",   "class_dropout_prob", "only_class",
-                      "weighting_scheme",    "logit_mean",         "logit_std",
-                      "mode_scale",          "timestep_sampling",  "sigmoid_scale",
-                      "discrete_flow_shift", "max_sequence_length"};
-  return d;
 }
 
 }  // namespace difftrain::families
