@@ -23,7 +23,7 @@
 #include "bench_util.h"
 #include "difftrain/accel/accelerator.h"
 #include "difftrain/core/error.h"
-#include "difftrain/io/flux_lora.h"
+#include "difftrain/families/flux/lora_layouts.h"
 #include "difftrain/models/flux_transformer.h"
 #include "difftrain/models/lora_training.h"
 #include "difftrain/models/quantized_weight.h"
@@ -108,7 +108,7 @@ int run(int argc, char** argv) {
     models::LoraConfig lc;
     lc.rank = lora_rank;
     lc.alpha = static_cast<double>(lora_rank);
-    lc.target_modules = io::diffusers_flux_lora_targets();  // Diffusers' FLUX script's
+    lc.target_modules = families::flux::diffusers_flux_lora_targets();  // Diffusers' FLUX script's
     lora = models::LoraLayers(*model, lc);
     trainable = lora.ptr();
     for (const auto& p : model->parameters()) {

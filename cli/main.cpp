@@ -1,7 +1,8 @@
-// difftrain: distributed training of diffusion models. This file only registers the commands and
-// turns exceptions into exit codes.
+// difftrain's command line (cli/run.h: run_cli): this file only registers the commands and turns
+// exceptions into exit codes. The `difftrain` program is program.cpp.
 
 #include "commands.h"
+#include "difftrain/cli/run.h"
 #include "difftrain/core/env.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/exit.h"
@@ -71,6 +72,3 @@ int run_cli(int argc, char** argv) {
 }
 
 }  // namespace difftrain::cli
-
-// Everything run_cli made is gone when it returns: skip the static destructors (exit.h).
-int main(int argc, char** argv) { difftrain::exit_process(difftrain::cli::run_cli(argc, argv)); }

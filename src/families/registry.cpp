@@ -82,9 +82,16 @@ void add(std::unique_ptr<ModelFamily> family) {
                       family->name(), other->name()));
     }
   }
+  // What io's LoRA reader and writer learn from it: its components and its own key layouts.
+  for (const auto& c : family->lora_components()) io::register_lora_component(c);
+  for (auto& layout : family->lora_key_layouts()) io::register_lora_key_layout(std::move(layout));
   r.all.push_back(family.get());
   r.owned.push_back(std::move(family));
 }
+
+// The built-in families are registered when the program starts too, so that what they add to
+// io (LoRA components and key layouts) is there before any file is read.
+[[maybe_unused]] const bool kBuiltinAtStart = (ensure_builtin(), true);
 
 }  // namespace
 
@@ -189,8 +196,28 @@ std::unique_ptr<train::TrainingTask> make_training_task(const train::TaskOptions
   return family.make_training_task(options);
 }
 
+train::FamilyOptionLookup family_option_lookup() {
+  train::FamilyOptionLookup lookup;
+  lookup.options_for = [](const std::string& pretrained) {
+    const ModelFamily& f = pretrained.empty() ? default_family() : family_of(pretrained);
+    train::FamilyOptions o;
+    o.family = f.name();
+    o.specs = f.options();
+    return o;
+  };
+  lookup.owner_of = [](const std::string& name) {
+    for (const auto* f : families()) {
+      for (const auto& spec : f->options()) {
+        if (spec.name == name) return f->name();
+      }
+    }
+    return std::string();
+  };
+  return lookup;
+}
+
 train::TrainConfig parse_train_config(const std::vector<std::string>& args) {
-  train::TrainConfig config = train::parse_train_config(args);
+  train::TrainConfig config = train::parse_train_config(args, family_option_lookup());
   if (config.pretrained_model_name_or_path.empty()) return config;
   if (auto defaults = family_of(config.pretrained_model_name_or_path).training_defaults(config)) {
     train::apply_script_defaults(config, *defaults);

@@ -1,5 +1,7 @@
 #include "difftrain/io/lora_adapter_config.h"
 
+#include "difftrain/io/lora_layout.h"
+
 #include "difftrain/core/error.h"
 
 #include <nlohmann/json.hpp>
@@ -136,13 +138,11 @@ LoraAdapterConfig parse_lora_adapter_config(const std::string& json_text,
 
 std::map<std::string, LoraAdapterConfig> parse_lora_adapter_metadata(const std::string& json_text,
                                                                      const std::string& where) {
-  static const char* kComponents[] = {"unet", "text_encoder", "text_encoder_2", "text_encoder_3",
-                                      "transformer"};
   const Json j = parse_object(json_text, where);
   std::map<std::string, Json> split;
   for (const auto& [key, value] : j.items()) {
-    for (const char* c : kComponents) {
-      const std::string head = std::string(c) + ".";
+    for (const auto& c : lora_components()) {
+      const std::string head = c + ".";
       if (key.size() > head.size() && key.compare(0, head.size(), head) == 0) {
         split[c][key.substr(head.size())] = value;
       }

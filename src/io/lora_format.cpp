@@ -1,6 +1,6 @@
 #include "difftrain/io/lora_format.h"
 
-#include "difftrain/io/flux_lora.h"
+#include "difftrain/io/lora_layout.h"
 
 #include "difftrain/core/error.h"
 #include "difftrain/io/atomic_file.h"
@@ -19,10 +19,6 @@
 
 namespace difftrain::io {
 namespace {
-
-// Pipeline components a dotted key may start with; anything else is a UNet module path.
-constexpr std::array<const char*, 5> kComponents = {"unet", "text_encoder", "text_encoder_2",
-                                                    "text_encoder_3", "transformer"};
 
 // kohya's key prefixes and the pipeline component each names.
 struct KohyaPrefix {
@@ -90,8 +86,10 @@ void split_component(const std::string& path, std::string& component, std::strin
   static const std::string kPeftWrap = "base_model.model.";
   std::string rest = starts_with(path, kPeftWrap) ? path.substr(kPeftWrap.size()) : path;
   component.clear();
-  for (const char* c : kComponents) {
-    const std::string head = std::string(c) + ".";
+  // The pipeline components the families registered (io/lora_layout.h); anything else is a
+  // module path of Diffusers' oldest layout, which names the UNet's modules bare.
+  for (const auto& c : lora_components()) {
+    const std::string head = c + ".";
     if (starts_with(rest, head)) {
       component = c;
       rest = rest.substr(head.size());
@@ -124,6 +122,15 @@ std::optional<KeyInfo> classify_kohya(const std::string& key) {
     if (starts_with(name, p.prefix) && name.size() > std::strlen(p.prefix)) {
       info.component = p.component;
       info.module = name.substr(std::strlen(p.prefix));
+      return info;
+    }
+  }
+  // Another registered component's, as the writer names it: lora_<component>_<module>.
+  for (const auto& c : lora_components()) {
+    const std::string prefix = "lora_" + c + "_";
+    if (starts_with(name, prefix) && name.size() > prefix.size()) {
+      info.component = c;
+      info.module = name.substr(prefix.size());
       return info;
     }
   }
@@ -371,8 +378,9 @@ LoraWeights read_lora(const std::string& path, const LoraReadOptions& options) {
     if (fs::is_regular_file(beside)) opts.adapter_config = beside.string();
   }
   auto st = load_safetensors(file);
-  // ComfyUI / XLabs FLUX keys read as kohya's (io/flux_lora.h); the family converts BFL names.
-  if (is_bfl_flux_lora(st.tensors)) st.tensors = normalize_flux_lora_keys(st.tensors);
+  // A family's own key layout (e.g. FLUX.1's ComfyUI / XLabs keys) read in a generic form
+  // (io/lora_layout.h); the family resolves the module names.
+  st.tensors = normalize_lora_keys(st.tensors);
   return parse_lora(st.tensors, file, opts, st.metadata);
 }
 

@@ -6,6 +6,7 @@
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/lora_adapter_config.h"
 #include "difftrain/io/lora_format.h"
+#include "difftrain/io/lora_layout.h"
 #include "difftrain/io/safetensors.h"
 
 #include <torch/torch.h>
@@ -59,17 +60,14 @@ void check_pair(const std::string& where, const std::string& component, const Lo
   }
 }
 
-bool known_component(const std::string& c) {
-  return c == "unet" || c == "text_encoder" || c == "text_encoder_2" || c == "text_encoder_3" ||
-         c == "transformer";
-}
-
 // kohya's prefix of `component`; a lone text encoder is lora_te_, SDXL's pair lora_te1_/lora_te2_.
 std::string kohya_prefix(const std::string& component, bool several_text_encoders) {
   if (component == "unet") return "lora_unet_";
   if (component == "transformer") return "lora_transformer_";
   if (component == "text_encoder") return several_text_encoders ? "lora_te1_" : "lora_te_";
-  return "lora_te" + component.substr(std::string("text_encoder_").size()) + "_";
+  const std::string te = "text_encoder_";
+  if (component.rfind(te, 0) == 0) return "lora_te" + component.substr(te.size()) + "_";
+  return "lora_" + component + "_";  // another family's component, as the reader takes it
 }
 
 // up * scale, formed in float64 and rounded once to up's dtype; up itself when scale is 1 or
@@ -100,10 +98,12 @@ std::map<std::string, torch::Tensor> to_tensors(const LoraWeights& lora, LoraFor
   size_t targets = 0;
   for (const auto& [component, list] : lora.components) {
     if (list.empty()) continue;
-    if (!known_component(component)) {
+    if (!is_lora_component(component)) {
+      std::string known;
+      for (const auto& c : lora_components()) known += (known.empty() ? "" : ", ") + c;
       writer_fail(where, "component '" + component +
-                             "' has no key prefix in LoRA files; use unet, text_encoder, "
-                             "text_encoder_2, text_encoder_3 or transformer");
+                             "' is no pipeline component a registered model family has; use " +
+                             known);
     }
     for (const auto& t : list) {
       ++targets;

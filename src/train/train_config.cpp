@@ -1,10 +1,10 @@
 #include "difftrain/train/train_config.h"
 
+#include "option_text.h"
 #include "other_tools_options.h"
 
 #include "difftrain/accel/sharding.h"
 #include "difftrain/core/error.h"
-#include "difftrain/diffusion/flow_match_objective.h"
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/diffusion/scheduler_config.h"
 #include "difftrain/models/quantized_weight.h"
@@ -28,61 +28,13 @@
 namespace difftrain::train {
 namespace {
 
-std::string lower(std::string s) {
-  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
-  return s;
-}
-
-// A value as written (YAML scalar or flag), with where it came from for messages.
-struct Raw {
-  std::string text;
-  std::string where;  // "--name" or "FILE: name"
-};
-
-[[noreturn]] void bad(const Raw& raw, const std::string& expected) {
-  throw Error(raw.where + " is \"" + raw.text + "\": expected " + expected);
-}
-
-bool is_null(const Raw& raw) {
-  const auto t = lower(raw.text);
-  return t == "null" || t == "none" || t == "~" || t.empty();
-}
-
-bool to_bool(const Raw& raw) {
-  const auto t = lower(raw.text);
-  if (t == "true" || t == "1" || t == "yes" || t == "on") return true;
-  if (t == "false" || t == "0" || t == "no" || t == "off") return false;
-  bad(raw, "true or false");
-}
-
-int64_t to_int(const Raw& raw) {
-  errno = 0;
-  char* end = nullptr;
-  const long long v = std::strtoll(raw.text.c_str(), &end, 10);
-  if (raw.text.empty() || *end != '\0' || errno != 0) bad(raw, "an integer");
-  return v;
-}
-
-double to_double(const Raw& raw) {
-  errno = 0;
-  char* end = nullptr;
-  const double v = std::strtod(raw.text.c_str(), &end);
-  if (raw.text.empty() || *end != '\0' || errno != 0 || !std::isfinite(v)) bad(raw, "a number");
-  return v;
-}
-
-std::vector<std::string> to_list(const Raw& raw) {
-  std::vector<std::string> out;
-  std::stringstream in(raw.text);
-  std::string item;
-  while (std::getline(in, item, ',')) {
-    item.erase(0, item.find_first_not_of(" \t"));
-    item.erase(item.find_last_not_of(" \t") + 1);
-    if (!item.empty()) out.push_back(item);
-  }
-  if (out.empty()) bad(raw, "a comma-separated list");
-  return out;
-}
+using option_text::bad;
+using option_text::is_null;
+using option_text::Raw;
+using option_text::to_bool;
+using option_text::to_double;
+using option_text::to_int;
+using option_text::to_list;
 
 struct Option {
   std::string name;
@@ -232,14 +184,6 @@ const std::vector<Option>& options() {
       DT_OPTION(snr_gamma),
       DT_OPTION(noise_offset),
       DT_OPTION(input_perturbation),
-      DT_OPTION(weighting_scheme),
-      DT_OPTION(logit_mean),
-      DT_OPTION(logit_std),
-      DT_OPTION(mode_scale),
-      DT_OPTION(timestep_sampling),
-      DT_OPTION(sigmoid_scale),
-      DT_OPTION(discrete_flow_shift),
-      DT_OPTION(max_sequence_length),
       DT_OPTION(use_ema),
       DT_OPTION(ema_decay),
       DT_OPTION(ema_inv_gamma),
@@ -315,12 +259,42 @@ size_t edit_distance(const std::string& a, const std::string& b) {
   return row[b.size()];
 }
 
-const Option& find(const std::string& name, const std::string& where) {
+// What find() looks names up in: the trainer's options and those of the run's family.
+struct OptionScope {
+  std::vector<Option> all;  // options(), then the family's
+  const FamilyOptionLookup* lookup = nullptr;
+  std::string family;      // the run's family ("" = none)
+  std::string pretrained;  // its --pretrained_model_name_or_path
+};
+
+// The family's options as Options that read and write TrainConfig::family.
+std::vector<Option> family_options_as_options(const FamilyOptions& family) {
+  std::vector<Option> out;
+  for (const auto& spec : family.specs) {
+    const std::string name = spec.name, type = spec.type;
+    out.push_back({name, type,
+                   [name, type](TrainConfig& c, const Raw& r) {
+                     c.family.values[name] = parse_option_value(type, r.text, r.where);
+                   },
+                   [name](const TrainConfig& c) {
+                     return c.family.values.contains(name) ? c.family.values.at(name)
+                                                           : nlohmann::json();
+                   }});
+  }
+  return out;
+}
+
+std::string canonical_name(const std::string& name) {
   std::string key = name;
   std::replace(key.begin(), key.end(), '-', '_');
   if (const auto alias = option_aliases().find(key); alias != option_aliases().end()) {
     key = alias->second;
   }
+  return key;
+}
+
+const Option& find(const std::string& name, const std::string& where, const OptionScope& scope) {
+  const std::string key = canonical_name(name);
   if (const auto other = foreign_options().find(key); other != foreign_options().end()) {
     // A leading '!' marks a sentence of its own; else the text names difftrain's option.
     const std::string& hint = other->second;
@@ -331,10 +305,23 @@ const Option& find(const std::string& name, const std::string& where) {
   }
   const Option* best = nullptr;
   size_t best_d = 1000;
-  for (const auto& o : options()) {
+  for (const auto& o : scope.all) {
     if (o.name == key) return o;
     const size_t d = edit_distance(key, o.name);
     if (d < best_d) best_d = d, best = &o;
+  }
+  if (scope.lookup != nullptr && scope.lookup->owner_of) {
+    const std::string owner = scope.lookup->owner_of(key);
+    if (!owner.empty()) {
+      throw Error(fmt::format(
+          "{}: \"{}\" is an option of the {} family; this run trains {} ({}), which does not "
+          "take it (difftrain train --help --family {} lists that family's options)",
+          where, name, owner,
+          scope.family.empty() ? std::string("a model") : "the " + scope.family + " family",
+          scope.pretrained.empty() ? std::string("no --pretrained_model_name_or_path")
+                                   : scope.pretrained,
+          owner));
+    }
   }
   std::string hint = best != nullptr && best_d <= 4 ? "; did you mean " + best->name + "?" : "";
   throw Error(where + ": unknown option \"" + name + "\"" + hint +
@@ -355,7 +342,8 @@ std::string scalar_text(const YAML::Node& node, const std::string& where) {
   throw Error(where + " must be a single value or a list, not a mapping");
 }
 
-void apply_yaml(TrainConfig& config, const std::string& path, std::set<std::string>& given) {
+void apply_yaml(TrainConfig& config, const std::string& path, std::set<std::string>& given,
+                const OptionScope& scope) {
   if (!std::filesystem::is_regular_file(path)) {
     throw Error("--config " + path + ": no such file; pass a YAML file of train options");
   }
@@ -375,7 +363,7 @@ void apply_yaml(TrainConfig& config, const std::string& path, std::set<std::stri
     const std::string name = item.first.Scalar();
     if (name == "config") throw Error(path + ": \"config\" cannot be nested in a config file");
     const std::string where = path + ": " + name;
-    const Option& option = find(name, path);
+    const Option& option = find(name, path, scope);
     option.set(config, Raw{scalar_text(item.second, where), where});
     given.insert(option.name);
   }
@@ -465,11 +453,44 @@ void apply_external(TrainConfig& c, const std::set<std::string>& given) {
   }
 }
 
+// --pretrained_model_name_or_path as the YAML files and then the flags give it (the last wins).
+std::string pretrained_model_of(const std::vector<std::string>& args,
+                                const std::vector<std::string>& yaml_files) {
+  const std::string key = "pretrained_model_name_or_path";
+  std::string found;
+  for (const auto& path : yaml_files) {
+    try {
+      const YAML::Node root = YAML::LoadFile(path);
+      if (!root.IsMap()) continue;
+      for (const auto& item : root) {
+        if (item.first.IsScalar() && canonical_name(item.first.Scalar()) == key &&
+            item.second.IsScalar()) {
+          found = item.second.Scalar();
+        }
+      }
+    } catch (const std::exception&) {
+      // apply_yaml() reports a missing or malformed file in its own words.
+    }
+  }
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (args[i].rfind("--", 0) != 0) continue;
+    std::string name = args[i].substr(2);
+    const auto eq = name.find('=');
+    const std::string value = eq != std::string::npos ? name.substr(eq + 1)
+                              : i + 1 < args.size()   ? args[i + 1]
+                                                      : std::string();
+    if (eq != std::string::npos) name = name.substr(0, eq);
+    if (canonical_name(name) == key) found = value;
+  }
+  return found;
+}
+
 }  // namespace
 
 nlohmann::json TrainConfig::to_json() const {
   nlohmann::json out = nlohmann::json::object();
   for (const auto& o : options()) out[o.name] = o.get(*this);
+  for (const auto& [name, value] : family.values.items()) out[name] = value;
   return out;
 }
 
@@ -479,44 +500,16 @@ nlohmann::json TrainConfig::shown_json() const {
   return out;
 }
 
-void apply_script_defaults(TrainConfig& c, const ScriptDefaults& d) {
-  const auto unset = [&](const char* name) { return c.given.count(name) == 0; };
-  if (unset("resolution")) c.resolution = d.resolution;
-  if (unset("train_batch_size")) c.train_batch_size = d.train_batch_size;
-  // Diffusers' scripts: --max_train_steps None, so the epochs decide the length.
-  if (unset("max_train_steps") && unset("num_train_epochs")) {
-    c.max_train_steps = 0;
-    c.num_train_epochs = d.num_train_epochs;
-  }
-  if (unset("learning_rate")) c.learning_rate = d.learning_rate;
-  if (unset("lr_scheduler")) c.lr_scheduler = d.lr_scheduler;
-  if (unset("lr_warmup_steps")) c.lr_warmup_steps = d.lr_warmup_steps;
-  if (unset("adam_beta1")) c.adam_beta1 = d.adam_beta1;
-  if (unset("adam_beta2")) c.adam_beta2 = d.adam_beta2;
-  if (unset("adam_weight_decay")) c.adam_weight_decay = d.adam_weight_decay;
-  if (unset("adam_epsilon")) c.adam_epsilon = d.adam_epsilon;
-  if (unset("checkpointing_steps")) c.checkpointing_steps = d.checkpointing_steps;
-  if (unset("num_validation_images")) c.num_validation_images = d.num_validation_images;
-  if (unset("use_ema")) c.use_ema = d.use_ema;
-  if (!d.lora_target_modules.empty() && unset("lora_target_modules") && c.lora_layers.empty()) {
-    c.lora_target_modules = d.lora_target_modules;
-  }
-  c.defaults_from = d.script;
-  c.not_applicable.insert(d.not_applicable.begin(), d.not_applicable.end());
-  if (!c.use_ema)
-    c.not_applicable.insert({"ema_decay", "ema_inv_gamma", "ema_power", "ema_max_decay"});
-  if (!c.lora) {
-    c.not_applicable.insert({"rank", "lora_alpha", "lora_dropout", "lora_target_modules",
-                             "lora_format", "lora_layers", "base_weights_dtype",
-                             "text_encoder_lora_target_modules"});
-  }
-  c.validate();
-}
-
 std::vector<std::vector<std::string>> train_option_table() {
   std::vector<std::vector<std::string>> rows;
   const TrainConfig defaults;
   for (const auto& o : options()) rows.push_back({o.name, o.type, o.get(defaults).dump()});
+  return rows;
+}
+
+std::vector<std::vector<std::string>> family_option_table(const std::vector<OptionSpec>& specs) {
+  std::vector<std::vector<std::string>> rows;
+  for (const auto& s : specs) rows.push_back({s.name, s.type, s.default_value.dump(), s.help});
   return rows;
 }
 
@@ -613,13 +606,6 @@ void TrainConfig::validate() const {
   require(base_weights_dtype == "none" || lora,
           "--base_weights_dtype stores a LoRA run's frozen base in 8 bits; add --lora (full "
           "fine-tuning trains those weights)");
-  one_of("weighting_scheme", weighting_scheme, diffusion::flow_weighting_schemes());
-  one_of("timestep_sampling", timestep_sampling, diffusion::flow_timestep_samplings());
-  require(logit_std > 0, "--logit_std must be positive");
-  require(sigmoid_scale > 0, "--sigmoid_scale must be positive");
-  require(discrete_flow_shift > 0, "--discrete_flow_shift must be positive (kohya uses 3.0)");
-  require(max_sequence_length >= 1 && max_sequence_length <= 512,
-          "--max_sequence_length must be in 1..512 (FLUX.1's T5 takes up to 512 tokens)");
   require(logging_steps >= 1, "--logging_steps must be at least 1");
   require(dataloader_num_workers >= 0, "--dataloader_num_workers must be >= 0");
   require(max_train_samples >= 0, "--max_train_samples must be >= 0 (0: all)");
@@ -682,22 +668,33 @@ accel::ShardingOptions TrainConfig::sharding_options() const {
   return o;
 }
 
-TrainConfig parse_train_config(const std::vector<std::string>& args) {
+TrainConfig parse_train_config(const std::vector<std::string>& args,
+                               const FamilyOptionLookup& lookup) {
   TrainConfig config;
   std::set<std::string> given;  // options set by the YAML or a flag
-  // The YAML file first, wherever --config appears, so flags always win.
+  std::vector<std::string> yaml_files;
   for (size_t i = 0; i < args.size(); ++i) {
-    std::string path;
     if (args[i] == "--config") {
       if (i + 1 >= args.size()) throw Error("--config needs a YAML file");
-      path = args[i + 1];
+      yaml_files.push_back(args[i + 1]);
     } else if (args[i].rfind("--config=", 0) == 0) {
-      path = args[i].substr(9);
-    } else {
-      continue;
+      yaml_files.push_back(args[i].substr(9));
     }
-    apply_yaml(config, path, given);
   }
+  // The family's options need the model first: its folder from the YAML files and the flags (the
+  // last one given wins, as below), before any other option is read.
+  OptionScope scope;
+  scope.all = options();
+  scope.lookup = &lookup;
+  if (lookup.options_for) {
+    scope.pretrained = pretrained_model_of(args, yaml_files);
+    config.family = lookup.options_for(scope.pretrained);
+    scope.family = config.family.family;
+    const auto extra = family_options_as_options(config.family);
+    scope.all.insert(scope.all.end(), extra.begin(), extra.end());
+  }
+  // The YAML file first, wherever --config appears, so flags always win.
+  for (const auto& path : yaml_files) apply_yaml(config, path, given, scope);
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& arg = args[i];
     if (arg.rfind("--", 0) != 0 || arg.size() == 2) {
@@ -713,7 +710,7 @@ TrainConfig parse_train_config(const std::vector<std::string>& args) {
       if (!value) ++i;
       continue;
     }
-    const Option option = find(name, "--" + name);
+    const Option option = find(name, "--" + name, scope);
     if (!value) {
       const bool next_is_value = i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0;
       if (option.type.rfind("bool", 0) == 0 && !next_is_value) {
@@ -729,7 +726,7 @@ TrainConfig parse_train_config(const std::vector<std::string>& args) {
   }
   // The resolved configuration is logged and saved as JSON, which must be UTF-8: a value that is
   // not is refused here, naming the option, instead of failing later inside the JSON writer.
-  for (const auto& o : options()) {
+  for (const auto& o : scope.all) {
     try {
       (void)o.get(config).dump();
     } catch (const nlohmann::json::type_error&) {
@@ -776,6 +773,7 @@ TrainConfig parse_train_config(const std::vector<std::string>& args) {
       config.guidance_scale = 1.5;
     }
   }
+  config.family.complete_and_check();
   config.validate();
   return config;
 }

@@ -78,7 +78,6 @@ TrainerOptions trainer_options(const TrainConfig& c) {
                        "lora_target_modules",
                        "lora_layers",
                        "base_weights_dtype",
-                       "max_sequence_length",
                        "use_ema",
                        "use_8bit_adam",
                        "prediction_type",
@@ -98,23 +97,14 @@ TrainerOptions trainer_options(const TrainConfig& c) {
   // Options whose change breaks bit-exact continuation: a warning.
   // The batch per rank and the accumulation are not among them: a resume compares the global
   // batch (per rank x ranks x accumulation), which any world size can keep.
-  o.exactness_keys = {"seed",
-                      "learning_rate",
-                      "lr_scheduler",
-                      "lr_warmup_steps",
-                      "max_train_steps",
-                      "noise_offset",
-                      "snr_gamma",
-                      "mixed_precision",
-                      "random_flip",
-                      "weighting_scheme",
-                      "logit_mean",
-                      "logit_std",
-                      "mode_scale",
-                      "timestep_sampling",
-                      "sigmoid_scale",
-                      "discrete_flow_shift",
-                      "guidance_scale"};
+  o.exactness_keys = {
+      "seed",         "learning_rate", "lr_scheduler",    "lr_warmup_steps", "max_train_steps",
+      "noise_offset", "snr_gamma",     "mixed_precision", "random_flip",     "guidance_scale"};
+  // The family's own, as it declared them.
+  for (const auto& spec : c.family.specs) {
+    if (spec.structural) o.structural_keys.push_back(spec.name);
+    if (spec.exactness) o.exactness_keys.push_back(spec.name);
+  }
   o.warnings = c.warnings;
   return o;
 }
@@ -158,16 +148,6 @@ TaskOptions task_options(const TrainConfig& c) {
   o.noise.input_perturbation = c.input_perturbation;
   o.noise.seed = c.seed;
 
-  o.flow.weighting_scheme = c.weighting_scheme;
-  o.flow.logit_mean = c.logit_mean;
-  o.flow.logit_std = c.logit_std;
-  o.flow.mode_scale = c.mode_scale;
-  o.flow.timestep_sampling = c.timestep_sampling;
-  o.flow.sigmoid_scale = c.sigmoid_scale;
-  o.flow.discrete_flow_shift = c.discrete_flow_shift;
-  o.flow.guidance_scale = c.guidance_scale;
-  o.flow.max_sequence_length = c.max_sequence_length;
-
   o.lora.enabled = c.lora;
   o.lora.rank = c.rank;
   o.lora.alpha = c.lora_alpha.value_or(static_cast<double>(c.rank));
@@ -192,6 +172,7 @@ TaskOptions task_options(const TrainConfig& c) {
   o.validation.num_images = c.num_validation_images;
   o.validation.inference_steps = c.validation_inference_steps;
   o.validation.guidance_scale = c.guidance_scale.value_or(1.0);
+  o.validation.guidance_scale_given = c.guidance_scale;
   o.validation.scheduler = c.validation_scheduler;
   o.validation.prompt = c.validation_prompt;
   o.validation.negative_prompt = c.validation_negative_prompt;
@@ -208,6 +189,7 @@ TaskOptions task_options(const TrainConfig& c) {
   o.text.clip_skip = c.clip_skip;
 
   o.encode_batch_size = c.train_batch_size;
+  o.family = c.family;
   return o;
 }
 

@@ -10,11 +10,13 @@
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/pretrained.h"
 #include "difftrain/train/memory_estimate.h"
+#include "difftrain/train/trainer.h"
 
 #include "test_util.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <set>
 #include <string>
@@ -23,6 +25,10 @@
 namespace difftrain::test {
 namespace {
 namespace fs = std::filesystem;
+
+#define EXPECT_HAS(text, part)                               \
+  EXPECT_NE(std::string(text).find(part), std::string::npos) \
+      << "expected \"" << (part) << "\" in: " << (text)
 
 std::string family_name(const std::string& dir) { return families::family_of(dir).name(); }
 
@@ -57,7 +63,25 @@ class RegistrarTestFamily : public families::UNetBasedFamily {
   std::vector<std::string> pipeline_classes() const override { return {class_}; }
   bool matches_components(const nlohmann::json&) const override { return false; }
   bool is_default() const override { return default_; }
-  std::vector<std::string> lora_components() const override { return {"unet"}; }
+  std::vector<std::string> lora_components() const override { return {"registrar_part"}; }
+  // Its own key layout: "mytool/<module>/down|up" for the registrar_part component.
+  std::vector<io::LoraKeyLayout> lora_key_layouts() const override {
+    io::LoraKeyLayout layout;
+    layout.name = "registrar test";
+    layout.matches = [](const std::map<std::string, torch::Tensor>& t) {
+      return !t.empty() && t.begin()->first.rfind("mytool/", 0) == 0;
+    };
+    layout.normalize = [](const std::map<std::string, torch::Tensor>& t) {
+      std::map<std::string, torch::Tensor> out;
+      for (const auto& [key, value] : t) {
+        const auto slash = key.rfind('/');
+        out["registrar_part." + key.substr(7, slash - 7) + ".lora." + key.substr(slash + 1) +
+            ".weight"] = value;
+      }
+      return out;
+    };
+    return {layout};
+  }
   std::unique_ptr<diffusion::Pipeline> load_pipeline(
       const std::string&, const diffusion::PipelineLoadOptions&) const override {
     return nullptr;
@@ -109,6 +133,103 @@ TEST(Families, AFamilyRegistersThroughThePublicRegistrar) {
             std::string::npos);
   EXPECT_EQ(families::families().size(), before + 1);
   EXPECT_EQ(families::default_family().name(), "unet");
+  // What it adds to io: its component, in every format, and its own key layout.
+  EXPECT_TRUE(io::is_lora_component("registrar_part"));
+  io::save_safetensors(dir + "/own_layout.safetensors",
+                       {{"mytool/blocks.0.proj/down", torch::ones({2, 8})},
+                        {"mytool/blocks.0.proj/up", torch::full({8, 2}, 0.5)}});
+  const auto lora = io::read_lora(dir + "/own_layout.safetensors");
+  ASSERT_EQ(lora.count("registrar_part"), 1u);
+  EXPECT_EQ(lora.components.at("registrar_part").front().module, "blocks.0.proj");
+  for (const auto format :
+       {io::LoraFormat::kDiffusers, io::LoraFormat::kPeft, io::LoraFormat::kKohya}) {
+    const auto path = dir + "/written_" + io::to_string(format) + ".safetensors";
+    io::write_lora(path, lora, format);
+    const auto back = io::read_lora(path);
+    ASSERT_EQ(back.count("registrar_part"), 1u) << io::to_string(format);
+    EXPECT_EQ(back.components.at("registrar_part").front().up.sum().item<double>(), 8.0);
+  }
+}
+
+TEST(Families, AFamilyDeclaresItsOwnOptionsAndAnotherFamilysAreRefused) {
+  const auto flux = kGoldenDir + "flux/tiny_flux";
+  const auto parse = [](std::vector<std::string> args) {
+    return families::parse_train_config(args);
+  };
+  // The flow-matching group and max_sequence_length are FLUX.1's, not the trainer's.
+  const auto names = [](const std::vector<std::vector<std::string>>& rows) {
+    std::set<std::string> out;
+    for (const auto& r : rows) out.insert(r[0]);
+    return out;
+  };
+  EXPECT_EQ(names(train::train_option_table()).count("weighting_scheme"), 0u);
+  const auto* flux_family = families::find_family("flux");
+  ASSERT_NE(flux_family, nullptr);
+  const auto flux_rows = names(train::family_option_table(flux_family->options()));
+  for (const char* n :
+       {"weighting_scheme", "logit_mean", "logit_std", "mode_scale", "timestep_sampling",
+        "sigmoid_scale", "discrete_flow_shift", "max_sequence_length"}) {
+    EXPECT_EQ(flux_rows.count(n), 1u) << n;
+  }
+  // Defaults, flags and YAML alike; the values reach the configuration and the task.
+  auto c = parse({"--pretrained_model_name_or_path", flux, "--lora"});
+  EXPECT_EQ(c.family.family, "flux");
+  EXPECT_EQ(c.family.text("weighting_scheme"), "none");
+  EXPECT_EQ(c.family.integer("max_sequence_length"), 512);
+  EXPECT_EQ(c.to_json().at("discrete_flow_shift"), 3.0);
+  const auto dir = temp_dir("families_options");
+  write_text(dir + "/run.yaml", "weighting_scheme: logit_normal\nlogit_std: 2\n");
+  c = parse({"--pretrained_model_name_or_path", flux, "--config", dir + "/run.yaml",
+             "--max_sequence_length=16"});
+  EXPECT_EQ(c.family.text("weighting_scheme"), "logit_normal");
+  EXPECT_DOUBLE_EQ(c.family.number("logit_std"), 2.0);
+  EXPECT_EQ(c.family.integer("max_sequence_length"), 16);
+  EXPECT_EQ(c.given.count("logit_std"), 1u);
+  EXPECT_EQ(train::task_options(c).family.integer("max_sequence_length"), 16);
+  // The model can come from the YAML file too.
+  write_text(dir + "/model.yaml", "pretrained_model_name_or_path: " + flux + "\n");
+  EXPECT_EQ(
+      parse({"--config", dir + "/model.yaml", "--logit_mean", "0.5"}).family.number("logit_mean"),
+      0.5);
+  const auto trainer = train::trainer_options(c);
+  const auto has = [](const std::vector<std::string>& v, const char* n) {
+    return std::find(v.begin(), v.end(), n) != v.end();
+  };
+  EXPECT_TRUE(has(trainer.structural_keys, "max_sequence_length"));
+  EXPECT_TRUE(has(trainer.exactness_keys, "weighting_scheme"));
+  // The same refusals as before, from the family's checks.
+  const auto error = [&](std::vector<std::string> flags) {
+    flags.insert(flags.begin(), {"--pretrained_model_name_or_path", flux});
+    return error_of([&] { (void)families::parse_train_config(flags); });
+  };
+  EXPECT_HAS(error({"--weighting_scheme", "lognorm"}),
+             "--weighting_scheme is \"lognorm\": expected one of none, logit_normal, mode, "
+             "cosmap, sigma_sqrt");
+  EXPECT_HAS(error({"--timestep_sampling", "linear"}), "--timestep_sampling is \"linear\"");
+  EXPECT_HAS(error({"--logit_std", "0"}), "--logit_std must be positive");
+  EXPECT_HAS(error({"--max_sequence_length", "600"}), "--max_sequence_length must be in 1..512");
+  EXPECT_HAS(error({"--logit_mean", "x"}), "--logit_mean is \"x\": expected a number");
+  // Another family's run refuses them in one line naming the family they belong to.
+  const auto sd_error = error_of([&] {
+    (void)parse({"--pretrained_model_name_or_path", kTinySdGolden, "--weighting_scheme", "mode"});
+  });
+  EXPECT_HAS(sd_error, "\"weighting_scheme\" is an option of the flux family");
+  EXPECT_HAS(sd_error, "this run trains the stable-diffusion family");
+  EXPECT_EQ(sd_error.find('\n'), std::string::npos);
+  EXPECT_HAS(error_of([&] {
+               (void)parse({"--max_sequence_length", "77"});
+             }),
+             "is an option of the flux family; this run trains the unet family (no "
+             "--pretrained_model_name_or_path)");
+  write_text(dir + "/flow.yaml", "discrete_flow_shift: 2\n");
+  EXPECT_HAS(error_of([&] {
+               (void)parse({"--config", dir + "/flow.yaml"});
+             }),
+             "\"discrete_flow_shift\" is an option of the flux family");
+  // An SD run has no family options, and its shown configuration none of FLUX.1's.
+  const auto sd = parse({"--pretrained_model_name_or_path", kTinySdGolden});
+  EXPECT_TRUE(sd.family.values.empty());
+  EXPECT_FALSE(sd.to_json().contains("weighting_scheme"));
 }
 
 TEST(Families, AFolderIsRecognisedByItsClassName) {

@@ -4,8 +4,8 @@
 // split as BFL fuses them; kohya files written here read back with their ranks and alphas; broken
 // files are refused naming the key.
 
-#include "difftrain/io/flux_lora.h"
 #include "difftrain/core/error.h"
+#include "difftrain/families/flux/lora_layouts.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/lora.h"
@@ -30,7 +30,7 @@ const std::string kFluxLoraModel =
     std::string(difftrain_test::source_dir()) + "/tests/golden/flux/tiny_flux";
 
 // The tiny transformer: 2 double and 2 single blocks, D = 32, MLP 128.
-io::FluxLoraDims flux_tiny_dims() { return {2, 2, 32, 128}; }
+families::flux::FluxLoraDims flux_tiny_dims() { return {2, 2, 32, 128}; }
 
 // Every target's delta, by "<component>.<module>"; CLIP kohya names resolved against its weights.
 std::map<std::string, torch::Tensor> flux_deltas(io::LoraWeights lora) {
@@ -70,12 +70,13 @@ double flux_max_delta_diff(const std::map<std::string, torch::Tensor>& a,
 }
 
 TEST(FluxLora, TheThreeFixtureFilesGiveEveryModuleTheSameDelta) {
-  const auto reference = flux_deltas(
-      io::read_flux_lora(kFluxLoraFixture + "/pytorch_lora_weights.safetensors", flux_tiny_dims()));
+  const auto reference = flux_deltas(families::flux::read_flux_lora(
+      kFluxLoraFixture + "/pytorch_lora_weights.safetensors", flux_tiny_dims()));
   EXPECT_EQ(reference.size(), 44u);  // 32 transformer + 12 CLIP modules
   for (const char* file : {"diffusers_alpha_lora.safetensors", "kohya_flux_lora.safetensors"}) {
     SCOPED_TRACE(file);
-    const auto lora = io::read_flux_lora(kFluxLoraFixture + "/" + file, flux_tiny_dims());
+    const auto lora =
+        families::flux::read_flux_lora(kFluxLoraFixture + "/" + file, flux_tiny_dims());
     EXPECT_EQ(lora.count("transformer"), 32u);
     EXPECT_EQ(lora.count("text_encoder"), 12u);
     EXPECT_EQ(lora.count("unet"), 0u);
@@ -85,8 +86,8 @@ TEST(FluxLora, TheThreeFixtureFilesGiveEveryModuleTheSameDelta) {
   }
   // The kohya file's txt qkv is block-sparse (rank 12 stacked): split back into rank-4 LoRAs with
   // scale alpha / 12; its img qkv is dense (one shared down, rank 4).
-  const auto kohya =
-      io::read_flux_lora(kFluxLoraFixture + "/kohya_flux_lora.safetensors", flux_tiny_dims());
+  const auto kohya = families::flux::read_flux_lora(
+      kFluxLoraFixture + "/kohya_flux_lora.safetensors", flux_tiny_dims());
   for (const auto& t : kohya.targets("transformer")) {
     if (t.module == "transformer_blocks.0.attn.add_k_proj") {
       EXPECT_EQ(t.rank(), 4);
@@ -115,7 +116,7 @@ TEST(FluxLora, Linear1ComfyUiAndXlabsFilesSplitAsBflFusesThem) {
   const torch::Tensor down = torch::randn({4, D}), up = torch::randn({3 * D + 4 * D, 4});
   flux_put(kohya, "lora_unet_single_blocks_1_linear1", down, up, 2.0);
   io::LoraWeights lora = io::parse_lora(kohya, "linear1.safetensors");
-  io::convert_flux_lora(lora, dims);
+  families::flux::convert_flux_lora(lora, dims);
   const auto deltas = flux_deltas(lora);
   const torch::Tensor full = (up.matmul(down) * 0.5).to(torch::kFloat64);
   EXPECT_LE(
@@ -132,7 +133,7 @@ TEST(FluxLora, Linear1ComfyUiAndXlabsFilesSplitAsBflFusesThem) {
       {"diffusion_model.single_blocks.1.linear1.lora_B.weight", up},
       {"diffusion_model.single_blocks.1.linear1.alpha", torch::tensor(2.0F)}};
   io::save_safetensors(dir + "/comfy.safetensors", comfy);
-  const auto c = flux_deltas(io::read_flux_lora(dir + "/comfy.safetensors", dims));
+  const auto c = flux_deltas(families::flux::read_flux_lora(dir + "/comfy.safetensors", dims));
   EXPECT_LE(flux_max_delta_diff(c, deltas), 1e-9);
 
   // XLabs: processor.qkv_lora1 (img q/k/v, shared down) and proj_lora2 (txt out), scale 1.
@@ -144,7 +145,7 @@ TEST(FluxLora, Linear1ComfyUiAndXlabsFilesSplitAsBflFusesThem) {
       {"double_blocks.0.processor.proj_lora2.down.weight", pd},
       {"double_blocks.0.processor.proj_lora2.up.weight", pu}};
   io::save_safetensors(dir + "/xlabs.safetensors", xlabs);
-  const auto x = flux_deltas(io::read_flux_lora(dir + "/xlabs.safetensors", dims));
+  const auto x = flux_deltas(families::flux::read_flux_lora(dir + "/xlabs.safetensors", dims));
   ASSERT_EQ(x.size(), 4u);
   EXPECT_LE(max_abs(x.at("transformer.transformer_blocks.0.attn.to_v"),
                     xu.narrow(0, 2 * D, D).matmul(xd).to(torch::kFloat64)),
@@ -165,7 +166,7 @@ TEST(FluxLora, AnUnprefixedPeftAdapterIsTheTransformers) {
     if (key.rfind(head, 0) == 0) bare["base_model.model." + key.substr(head.size())] = t;
   }
   io::LoraWeights lora = io::parse_lora(bare, "adapter_model.safetensors");
-  io::convert_flux_lora(lora, flux_tiny_dims());
+  families::flux::convert_flux_lora(lora, flux_tiny_dims());
   EXPECT_EQ(lora.count("transformer"), 32u);
   EXPECT_EQ(lora.count("unet"), 0u);
 }
@@ -175,13 +176,13 @@ TEST(FluxLora, KohyaFilesWrittenHereReadBackWithRanksAlphasAndDeltas) {
   for (const char* file :
        {"pytorch_lora_weights.safetensors", "diffusers_alpha_lora.safetensors"}) {
     SCOPED_TRACE(file);
-    const auto lora = io::read_flux_lora(kFluxLoraFixture + "/" + file, dims);
+    const auto lora = families::flux::read_flux_lora(kFluxLoraFixture + "/" + file, dims);
     const std::string out = test::temp_dir("flux_lora_write") + "/kohya.safetensors";
-    io::write_lora(out, io::flux_lora_to_bfl(lora), io::LoraFormat::kKohya);
+    io::write_lora(out, families::flux::flux_lora_to_bfl(lora), io::LoraFormat::kKohya);
     const auto header = io::read_safetensors_header(out);
     EXPECT_EQ(header.tensors.count("lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight"), 1u);
     EXPECT_EQ(header.tensors.count("lora_unet_single_blocks_1_modulation_lin.alpha"), 1u);
-    const auto back = io::read_flux_lora(out, dims);
+    const auto back = families::flux::read_flux_lora(out, dims);
     const double d = flux_max_delta_diff(flux_deltas(back), flux_deltas(lora));
     std::printf("%s -> kohya -> read: max delta difference %.3g (limit 1e-5)\n", file, d);
     EXPECT_LE(d, 1e-5);
@@ -198,7 +199,7 @@ TEST(FluxLora, KohyaFilesWrittenHereReadBackWithRanksAlphasAndDeltas) {
     auto clip_only = lora;
     clip_only.components.erase("transformer");
     const std::string clip_out = test::temp_dir("flux_lora_clip") + "/clip.safetensors";
-    io::write_lora(clip_out, io::flux_lora_to_bfl(clip_only), io::LoraFormat::kKohya);
+    io::write_lora(clip_out, families::flux::flux_lora_to_bfl(clip_only), io::LoraFormat::kKohya);
     for (const auto& [key, e] : io::read_safetensors_header(clip_out).tensors) {
       (void)e;
       EXPECT_EQ(key.rfind("lora_te1_", 0), 0u) << key;
@@ -211,7 +212,8 @@ TEST(FluxLora, KohyaFilesWrittenHereReadBackWithRanksAlphasAndDeltas) {
     for (auto format : {io::LoraFormat::kDiffusers, io::LoraFormat::kPeft}) {
       const std::string p = test::temp_dir("flux_lora_write2") + "/lora.safetensors";
       io::write_lora(p, lora, format);
-      EXPECT_LE(flux_max_delta_diff(flux_deltas(io::read_flux_lora(p, dims)), flux_deltas(lora)),
+      EXPECT_LE(flux_max_delta_diff(flux_deltas(families::flux::read_flux_lora(p, dims)),
+                                    flux_deltas(lora)),
                 1e-5);
     }
   }
@@ -223,13 +225,13 @@ TEST(FluxLora, BrokenFilesAreRefusedNamingTheKey) {
   flux_put(beyond, "lora_unet_double_blocks_7_img_attn_proj", torch::randn({4, 32}),
            torch::randn({32, 4}), 4);
   io::LoraWeights a = io::parse_lora(beyond, "beyond.safetensors");
-  std::string msg = error_of([&] { io::convert_flux_lora(a, dims); });
+  std::string msg = error_of([&] { families::flux::convert_flux_lora(a, dims); });
   EXPECT_NE(msg.find("double block 7 is beyond the model's 2"), std::string::npos) << msg;
   std::map<std::string, torch::Tensor> rows;
   flux_put(rows, "lora_unet_double_blocks_0_img_attn_qkv", torch::randn({4, 32}),
            torch::randn({90, 4}), 4);
   io::LoraWeights b = io::parse_lora(rows, "rows.safetensors");
-  msg = error_of([&] { io::convert_flux_lora(b, dims); });
+  msg = error_of([&] { families::flux::convert_flux_lora(b, dims); });
   EXPECT_NE(msg.find("lora_unet_double_blocks_0_img_attn_qkv"), std::string::npos) << msg;
   EXPECT_NE(msg.find("90 rows"), std::string::npos) << msg;
   EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;

@@ -171,22 +171,6 @@ TEST(TrainConfig, BadInputIsOneLineError) {
              }),
              "null class");
   EXPECT_HAS(error_of([] {
-               parse_train_config({"--weighting_scheme", "lognorm"});
-             }),
-             "expected one of none, logit_normal, mode, cosmap, sigma_sqrt");
-  EXPECT_HAS(error_of([] {
-               parse_train_config({"--timestep_sampling", "linear"});
-             }),
-             "--timestep_sampling is \"linear\"");
-  EXPECT_HAS(error_of([] {
-               parse_train_config({"--logit_std", "0"});
-             }),
-             "--logit_std must be positive");
-  EXPECT_HAS(error_of([] {
-               parse_train_config({"--max_sequence_length", "600"});
-             }),
-             "--max_sequence_length must be in 1..512");
-  EXPECT_HAS(error_of([] {
                parse_train_config({"--config", "/nonexistent.yaml"});
              }),
              "/nonexistent.yaml: no such file");

@@ -12,6 +12,7 @@
 
 #include "difftrain/diffusion/generate.h"
 #include "difftrain/io/lora_format.h"
+#include "difftrain/io/lora_layout.h"
 #include "difftrain/models/lora_folder.h"
 #include "difftrain/train/memory_estimate.h"
 #include "difftrain/train/train_config.h"
@@ -95,6 +96,10 @@ class ModelFamily {
   /// The pipeline components a LoRA file may adapt, by Diffusers' key prefix ("unet",
   /// "text_encoder", ...).
   virtual std::vector<std::string> lora_components() const = 0;
+  /// The family's own key layouts of LoRA files (FLUX.1's ComfyUI / XLabs keys), which
+  /// io::read_lora() rewrites into a generic layout once the family is registered (none by
+  /// default). Its kohya or BFL module names are the family's to resolve (adapt_lora).
+  virtual std::vector<io::LoraKeyLayout> lora_key_layouts() const { return {}; }
   /// Prepares `lora` for writing in `format` for the model folder `dir` (`difftrain lora
   /// convert --model`): resolves kohya module names against the folder's weight names (read from
   /// the safetensors headers only) and applies the family's foreign key layout (SDXL: kohya names
@@ -129,6 +134,11 @@ class ModelFamily {
       const train::TrainConfig& /*config*/) const {
     return std::nullopt;
   }
+  /// The `difftrain train` options of this family's runs beyond the trainer's (train::OptionSpec:
+  /// name, type, default, help, check), its own and those of the components it composes (e.g.
+  /// train::flow_matching_option_specs()). A run receives them parsed in TrainConfig::family and
+  /// TaskOptions::family; another family's run refuses them, naming this family.
+  virtual std::vector<train::OptionSpec> options() const { return {}; }
   /// The training task for `options` (nothing is loaded until build()).
   virtual std::unique_ptr<train::TrainingTask> make_training_task(
       const train::TaskOptions& options) const = 0;
@@ -221,6 +231,10 @@ std::optional<torch::Dtype> parse_sample_dtype(const std::string& text);
 /// pretrained folder's family (ModelFamily::training_defaults) for the options not given.
 /// Throws difftrain::Error for bad options or an unknown family.
 train::TrainConfig parse_train_config(const std::vector<std::string>& args);
+
+/// What train::parse_train_config() needs to read the options of a run's family from the
+/// registry (ModelFamily::options()), and to name the family of an option the run's has not.
+train::FamilyOptionLookup family_option_lookup();
 
 /// Runs the training job `config` describes (Trainer + make_training_task). Every rank calls it.
 train::TrainResult run_training(train::TrainConfig config);

@@ -3,6 +3,7 @@
 // give it (train_unconditional.py, train_text_to_image_lora.py), read from a YAML file and then
 // from command-line flags that override it. See docs/TRAINING.md for the table.
 #include "difftrain/settings/sharding_options.h"
+#include "difftrain/train/option_spec.h"
 
 #include <nlohmann/json.hpp>
 
@@ -86,15 +87,6 @@ struct TrainConfig {
   std::optional<double> snr_gamma;
   double noise_offset = 0.0;
   double input_perturbation = 0.0;
-  // -- flow matching (FLUX.1; diffusion/flow_match_objective.h)
-  std::string weighting_scheme = "none";  ///< none | logit_normal | mode | cosmap | sigma_sqrt
-  double logit_mean = 0.0;
-  double logit_std = 1.0;
-  double mode_scale = 1.29;
-  std::string timestep_sampling = "sigma";  ///< sigma | uniform | sigmoid | shift | flux_shift
-  double sigmoid_scale = 1.0;
-  double discrete_flow_shift = 3.0;
-  int64_t max_sequence_length = 512;  ///< T5 tokens of each caption (FLUX.1)
   // -- EMA
   bool use_ema = true;
   std::optional<double> ema_decay;  ///< alias of ema_max_decay
@@ -112,8 +104,8 @@ struct TrainConfig {
   /// validation_steps updates, validation_steps is 0, or a validation prompt was given (a short
   /// smoke run skips it and says so); "always"; "never".
   std::string final_validation = "auto";
-  /// Validation guidance (unset: the pipeline's: UNet 1, SD 7.5, SDXL 5); for FLUX.1-dev also
-  /// the embedded guidance the transformer trains with (unset: 3.5, Diffusers' FLUX script).
+  /// Validation guidance (unset: the pipeline's own, e.g. UNet 1, SD 7.5, SDXL 5); a family whose
+  /// model embeds the guidance also trains with it (unset: its script's default).
   std::optional<double> guidance_scale;
   int64_t validation_inference_steps = 50;  ///< sampler steps of validation sampling
   /// The validation sampler: a diffusion::sampler_names() name or Diffusers scheduler class, built
@@ -190,6 +182,10 @@ struct TrainConfig {
   /// --config_file of `accelerate launch`).
   std::string accelerate_config_file;
 
+  /// The options the run's family declares (ModelFamily::options()), with their values: given,
+  /// else the family's defaults. Shown and saved with the trainer's (to_json()).
+  FamilyOptions family;
+
   /// Not an option: what parse_train_config() could not honour in deepspeed_config /
   /// accelerate_config_file, and explicit options that won over them; one line each, printed by
   /// the trainer on the main rank.
@@ -210,7 +206,7 @@ struct TrainConfig {
   /// difftrain/accel/sharding.h to call it.
   settings::ShardingOptions sharding_options() const;
 
-  /// Every option as JSON (unset optionals as null), in the table's order of names.
+  /// Every option as JSON (unset optionals as null), the family's included.
   nlohmann::json to_json() const;
   /// to_json() without the options in not_applicable: what the run header and model card show.
   nlohmann::json shown_json() const;
@@ -250,15 +246,21 @@ void apply_script_defaults(TrainConfig& config, const ScriptDefaults& defaults);
 
 /// Reads `--config FILE.yaml` (if among `args`) and then the flags in `args` (without the
 /// program and command names): `--name value`, `--name=value`, bare `--flag` for booleans.
+/// Names the trainer does not have are looked up in the options of the run's family
+/// (`lookup.options_for(--pretrained_model_name_or_path)`, into TrainConfig::family); an option
+/// another family declares is refused in one line naming that family (`lookup.owner_of`).
 /// Then deepspeed_config / accelerate_config_file (if given; a DeepSpeed file wins over an
 /// Accelerate one) fill the sharding options, mixed_precision, gradient_accumulation_steps,
 /// max_grad_norm and train_batch_size that the YAML and flags did not set (explicit wins, with a
 /// warning when they differ; "auto" in the file keeps difftrain's value).
 /// Unknown names (with the closest known one suggested), wrong types and missing values throw
 /// difftrain::Error before any work. The result is validated.
-TrainConfig parse_train_config(const std::vector<std::string>& args);
+TrainConfig parse_train_config(const std::vector<std::string>& args,
+                               const FamilyOptionLookup& lookup = {});
 
-/// Names of every option, for help text: {name, type, default as text}.
+/// Names of every trainer option, for help text: {name, type, default as text}.
 std::vector<std::vector<std::string>> train_option_table();
+/// The same rows for a family's options, then its help line: {name, type, default, help}.
+std::vector<std::vector<std::string>> family_option_table(const std::vector<OptionSpec>& specs);
 
 }  // namespace difftrain::train

@@ -13,6 +13,7 @@
 #include "difftrain/accel/accelerator.h"
 #include "difftrain/data/dataset.h"
 #include "difftrain/train/model_card.h"
+#include "difftrain/train/option_spec.h"
 
 #include <torch/nn/module.h>
 
@@ -78,18 +79,6 @@ struct NoiseOptions {
   uint64_t seed = 0;  ///< per-sample noise / timestep streams
 };
 
-/// Flow-matching models (FLUX.1): the objective's flags (diffusion::FlowMatchOptions, as
-/// Diffusers' FLUX scripts and kohya name them), the embedded guidance and the T5 length.
-struct FlowOptions {
-  std::string weighting_scheme = "none";
-  double logit_mean = 0.0, logit_std = 1.0, mode_scale = 1.29;
-  std::string timestep_sampling = "sigma";
-  double sigmoid_scale = 1.0, discrete_flow_shift = 3.0;
-  /// FLUX.1-dev's embedded guidance in training and validation (unset: 3.5).
-  std::optional<double> guidance_scale;
-  int64_t max_sequence_length = 512;
-};
-
 /// LoRA fine-tuning (PEFT LoraConfig on the UNet, and on the text encoder with
 /// train_text_encoder).
 struct LoraOptions {
@@ -111,7 +100,10 @@ struct LoraOptions {
 struct ValidationOptions {
   int64_t num_images = 20;
   int64_t inference_steps = 50;
-  double guidance_scale = 1.0;     ///< 1 = the pipeline's own
+  double guidance_scale = 1.0;  ///< 1 = the pipeline's own
+  /// --guidance_scale as given (unset: the pipeline's own; a family whose model embeds the
+  /// guidance trains with it too, unset: its script's default).
+  std::optional<double> guidance_scale_given;
   std::string scheduler = "ddim";  ///< sampler name (diffusion::sampler_names())
   std::string prompt;              ///< text-to-image only ("" = no validation renders)
   std::string negative_prompt;
@@ -136,11 +128,12 @@ struct TaskOptions {
   DataOptions data;
   ModelOptions model;
   NoiseOptions noise;
-  FlowOptions flow;
   LoraOptions lora;
   ValidationOptions validation;
   TextOptions text;
   int64_t encode_batch_size = 16;  ///< images per VAE call when caching latents
+  /// The options the family declares (ModelFamily::options()), with the run's values.
+  FamilyOptions family;
 };
 
 /// This rank's share of a validation grid.

@@ -4,7 +4,8 @@
 #include "difftrain/families/family.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
-#include "difftrain/io/flux_lora.h"
+#include "difftrain/families/flux/lora_layouts.h"
+#include "difftrain/train/flow_matching_options.h"
 #include "flux_family.h"
 #include "flux_pipeline.h"
 
@@ -67,7 +68,7 @@ class FluxFamily : public ModelFamily {
     d.num_train_epochs = 1;
     d.learning_rate = 1e-4;
     d.adam_weight_decay = 1e-4;
-    d.lora_target_modules = io::diffusers_flux_lora_targets();
+    d.lora_target_modules = families::flux::diffusers_flux_lora_targets();
     // Flow matching: the DDPM objective's options, the UNet validation sampler (FLUX.1 samples
     // with its folder's FlowMatchEulerDiscreteScheduler) and class labels do not apply.
     d.not_applicable = {"prediction_type",   "ddpm_num_steps",     "ddpm_beta_schedule",
@@ -75,6 +76,25 @@ class FluxFamily : public ModelFamily {
                         "class_conditional", "class_dropout_prob", "only_class",
                         "clip_skip"};
     return d;
+  }
+  std::vector<io::LoraKeyLayout> lora_key_layouts() const override {
+    return {flux::flux_lora_key_layout()};
+  }
+  std::vector<train::OptionSpec> options() const override {
+    auto specs = train::flow_matching_option_specs();
+    train::OptionSpec length{"max_sequence_length", "int", 512,
+                             "T5 tokens of each caption (Diffusers' FLUX scripts' flag)",
+                             [](const nlohmann::json& v, const std::string& where) {
+                               const int64_t n = v.get<int64_t>();
+                               if (n < 1 || n > 512) {
+                                 throw Error(where +
+                                             " must be in 1..512 (FLUX.1's T5 takes up "
+                                             "to 512 tokens)");
+                               }
+                             }};
+    length.structural = true;  // the cached text embeddings and the run's captions
+    specs.push_back(std::move(length));
+    return specs;
   }
   std::unique_ptr<train::TrainingTask> make_training_task(
       const train::TaskOptions& options) const override {

@@ -2,7 +2,7 @@
 // Private to src/families/flux: the FLUX.1 family's parts behind ModelFamily (family.cpp).
 
 #include "difftrain/families/family.h"
-#include "difftrain/io/flux_lora.h"
+#include "difftrain/families/flux/lora_layouts.h"
 #include "difftrain/models/flux_transformer.h"
 #include "difftrain/models/quantized_weight.h"
 #include "difftrain/models/t5_encoder.h"
@@ -17,9 +17,9 @@ namespace difftrain::families::flux {
 std::string flux_transformer_dir(const std::string& dir);
 
 /// The transformer's LoRA targets when none are given: Diffusers' FLUX script's default
-/// --lora_layers (io/flux_lora.h).
+/// --lora_layers (families/flux/lora_layouts.h).
 inline const std::vector<std::string>& default_flux_lora_targets() {
-  return io::diffusers_flux_lora_targets();
+  return families::flux::diffusers_flux_lora_targets();
 }
 
 /// The FLUX.1 training task (flux_task.cpp): LoRA (transformer, optionally CLIP), DreamBooth and
@@ -33,8 +33,8 @@ io::LoraWeights read_flux_lora(const std::string& path, const std::string& dir,
                                const io::LoraReadOptions& options = {});
 
 /// ModelFamily::adapt_lora: kohya / BFL names of the transformer become Diffusers module names
-/// (io/flux_lora.h, with the sizes of `dir`'s transformer), CLIP's kohya names are resolved
-/// against text_encoder/.
+/// (families/flux/lora_layouts.h, with the sizes of `dir`'s transformer), CLIP's kohya names are
+/// resolved against text_encoder/.
 void adapt_flux_lora(io::LoraWeights& lora, const std::string& dir, io::LoraFormat format);
 
 /// `difftrain lora merge` for a FluxPipeline folder (or a bare transformer folder): the

@@ -12,13 +12,14 @@
 #include "difftrain/core/phase.h"
 #include "difftrain/diffusion/flow_match_objective.h"
 #include "difftrain/families/flux/denoiser.h"
+#include "difftrain/families/flux/lora_layouts.h"
 #include "difftrain/io/atomic_file.h"
-#include "difftrain/io/flux_lora.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/lora_training.h"
 #include "difftrain/models/module_info.h"
 #include "difftrain/models/pretrained.h"
+#include "difftrain/train/flow_matching_options.h"
 #include "flux_family.h"
 #include "flux_pipeline.h"
 
@@ -189,7 +190,7 @@ void FluxTask::build(accel::Accelerator& acc, const std::string& output_dir) {
       {{"text_encoder", "tokenizer", f.text_encoder_dir, f.tokenizer_dir},
        {"text_encoder_2", "tokenizer_2", f.text_encoder_2_dir, f.tokenizer_2_dir}},
       o_.model.variant, frozen);
-  text_.set_max_sequence_length(o_.flow.max_sequence_length);
+  text_.set_max_sequence_length(o_.family.integer("max_sequence_length"));
   text_.freeze();
   text_.to(acc.device());
   TextImageData::Parts parts;
@@ -205,21 +206,13 @@ void FluxTask::build(accel::Accelerator& acc, const std::string& output_dir) {
   transformer_->to(acc.device());
   check_flux_parts(f, *transformer_, *vae_, text_);
   guided_ = transformer_->options().guidance_embeds();
-  guidance_ = o_.flow.guidance_scale.value_or(3.5);
-  if (!guided_ && o_.flow.guidance_scale) {
+  guidance_ = o_.validation.guidance_scale_given.value_or(3.5);
+  if (!guided_ && o_.validation.guidance_scale_given) {
     acc.warn("--guidance_scale {} is ignored: {} has no guidance embedding (FLUX.1-schnell)",
              guidance_, f.transformer_dir);
   }
 
-  diffusion::FlowMatchOptions fo;
-  fo.weighting_scheme = o_.flow.weighting_scheme;
-  fo.logit_mean = o_.flow.logit_mean;
-  fo.logit_std = o_.flow.logit_std;
-  fo.mode_scale = o_.flow.mode_scale;
-  fo.timestep_sampling = o_.flow.timestep_sampling;
-  fo.sigmoid_scale = o_.flow.sigmoid_scale;
-  fo.discrete_flow_shift = o_.flow.discrete_flow_shift;
-  fo.seed = o_.noise.seed;
+  const diffusion::FlowMatchOptions fo = train::flow_matching_options(o_.family, o_.noise.seed);
   nlohmann::json scheduler;
   try {
     scheduler = nlohmann::json::parse(io::read_file(f.scheduler_config));
@@ -337,7 +330,7 @@ diffusion::GenerateRequest FluxTask::render_request(const std::string& prompt) c
   r.guidance_scale = guidance_;
   r.height = o_.data.height();
   r.width = o_.data.width();
-  r.max_sequence_length = o_.flow.max_sequence_length;
+  r.max_sequence_length = o_.family.integer("max_sequence_length");
   r.seeding = diffusion::Seeding::kPerImage;
   return r;
 }
@@ -380,7 +373,8 @@ void FluxTask::export_to(const fs::path& out) {
     // sd-scripts' FLUX names (BFL modules, q/k/v fused), as kohya-trained FLUX LoRAs have.
     // FluxSingleTransformerBlock's mlp_ratio 4: linear1's proj_mlp rows when not trained.
     const int64_t mlp_dim = 4 * transformer_->options().inner_dim();
-    io::write_lora(path, io::flux_lora_to_bfl(weights, mlp_dim), io::LoraFormat::kKohya, meta);
+    io::write_lora(path, families::flux::flux_lora_to_bfl(weights, mlp_dim), io::LoraFormat::kKohya,
+                   meta);
   } else if (o_.lora.format == "peft") {
     io::write_lora(path, weights, io::LoraFormat::kPeft, meta);
   } else {

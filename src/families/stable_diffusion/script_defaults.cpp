@@ -25,11 +25,8 @@ train::ScriptDefaults text_to_image_script_defaults(const train::TrainConfig& c,
     d.learning_rate = 1e-4;
     d.adam_weight_decay = 1e-2;
   }
-  // A UNet's objective: the flow-matching flags and class labels do not apply.
-  d.not_applicable = {"class_conditional",   "class_dropout_prob", "only_class",
-                      "weighting_scheme",    "logit_mean",         "logit_std",
-                      "mode_scale",          "timestep_sampling",  "sigmoid_scale",
-                      "discrete_flow_shift", "max_sequence_length"};
+  // Class labels do not apply to text-to-image.
+  d.not_applicable = {"class_conditional", "class_dropout_prob", "only_class"};
   return d;
 }
 

@@ -1,5 +1,5 @@
-// FLUX.1 LoRA layouts <-> Diffusers module targets (flux_lora.h).
-#include "difftrain/io/flux_lora.h"
+// FLUX.1 LoRA layouts <-> Diffusers module targets (families/flux/lora_layouts.h).
+#include "difftrain/families/flux/lora_layouts.h"
 
 #include "difftrain/core/error.h"
 #include "difftrain/io/safetensors.h"
@@ -11,7 +11,11 @@
 #include <optional>
 #include <regex>
 
-namespace difftrain::io {
+namespace difftrain::families::flux {
+using io::LoraFormat;
+using io::LoraReadOptions;
+using io::LoraTarget;
+using io::LoraWeights;
 namespace {
 
 bool flux_starts_with(const std::string& s, const std::string& p) { return s.rfind(p, 0) == 0; }
@@ -461,9 +465,13 @@ LoraWeights flux_lora_to_bfl(const LoraWeights& lora, int64_t mlp_dim) {
 
 LoraWeights read_flux_lora(const std::string& path, const FluxLoraDims& dims,
                            const LoraReadOptions& options) {
-  LoraWeights lora = read_lora(path, options);
+  LoraWeights lora = io::read_lora(path, options);
   convert_flux_lora(lora, dims);
   return lora;
 }
 
-}  // namespace difftrain::io
+io::LoraKeyLayout flux_lora_key_layout() {
+  return {"FLUX.1 ComfyUI / XLabs", is_bfl_flux_lora, normalize_flux_lora_keys};
+}
+
+}  // namespace difftrain::families::flux

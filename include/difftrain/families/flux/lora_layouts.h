@@ -13,6 +13,7 @@
 // depth converts, also linear1 (which Diffusers 0.31 converts at FLUX.1's width only).
 
 #include "difftrain/io/lora_format.h"
+#include "difftrain/io/lora_layout.h"
 
 #include <torch/types.h>
 
@@ -21,7 +22,7 @@
 #include <string>
 #include <vector>
 
-namespace difftrain::io {
+namespace difftrain::families::flux {
 
 /// The transformer's LoRA targets of Diffusers' train_dreambooth_lora_flux.py (HEAD) default
 /// --lora_layers, matched by suffix (PEFT's rule): every attention projection of both block kinds
@@ -68,11 +69,11 @@ std::map<std::string, torch::Tensor> normalize_flux_lora_keys(
 /// without `.alpha` gets alpha = rank (scale 1; Diffusers 0.31 refuses such files). Throws
 /// difftrain::Error naming the key for a block beyond `dims`, an up whose rows do not fit the
 /// fused module, or a name that is no FLUX module.
-void convert_flux_lora(LoraWeights& lora, const FluxLoraDims& dims);
+void convert_flux_lora(io::LoraWeights& lora, const FluxLoraDims& dims);
 
 /// read_lora() of a FLUX file in any of the layouts above, converted (convert_flux_lora).
-LoraWeights read_flux_lora(const std::string& path, const FluxLoraDims& dims,
-                           const LoraReadOptions& options = {});
+io::LoraWeights read_flux_lora(const std::string& path, const FluxLoraDims& dims,
+                               const io::LoraReadOptions& options = {});
 
 /// The inverse of convert_flux_lora for writing kohya / BFL files: the "transformer" targets of
 /// `lora` become kohya underscore BFL names of component "unet" (write_lora(kKohya) then writes
@@ -86,6 +87,10 @@ LoraWeights read_flux_lora(const std::string& path, const FluxLoraDims& dims,
 /// name. `mlp_dim` is the single blocks' proj_mlp width (FluxLoraDims::mlp_dim), which a
 /// linear1 whose proj_mlp part is missing (Diffusers' default targets) needs for its zero rows;
 /// 0 = unknown (such a LoRA is then refused, naming the module).
-LoraWeights flux_lora_to_bfl(const LoraWeights& lora, int64_t mlp_dim = 0);
+io::LoraWeights flux_lora_to_bfl(const io::LoraWeights& lora, int64_t mlp_dim = 0);
 
-}  // namespace difftrain::io
+/// The ComfyUI and XLabs FLUX.1 key layouts as an io::LoraKeyLayout (is_bfl_flux_lora,
+/// normalize_flux_lora_keys), which the FLUX.1 family registers so io::read_lora() takes them.
+io::LoraKeyLayout flux_lora_key_layout();
+
+}  // namespace difftrain::families::flux
