@@ -5,52 +5,21 @@
 // ModelFamily::estimate_memory and train::memory_report; this file only parses flags.
 
 #include "commands.h"
-#include "difftrain/accel/precision.h"
-#include "difftrain/accel/sharding.h"
 #include "difftrain/distributed/process_group.h"
 #include "difftrain/families/family.h"
 #include "difftrain/train/memory_estimate.h"
 
-#include <cctype>
 #include <iostream>
 
 namespace difftrain::cli {
 
 namespace {
 
-struct EstimateMemoryArgs {
+// The flags (train::MemoryEstimateFlags, parsed by the library), the folder and the output form.
+struct EstimateMemoryArgs : train::MemoryEstimateFlags {
   std::string model;
-  int num_processes = 1;
-  std::string sharding_strategy = "NO_SHARD";
-  std::string mixed_precision = "no";
-  bool use_8bit_adam = false;
-  std::string optimizer = "adamw";
-  bool lora = false;
-  int64_t rank = 4;
-  std::vector<std::string> lora_target_modules;
-  std::string base_weights_dtype = "none";
-  bool train_text_encoder = false;
-  int64_t batch_size = 1;
-  int64_t resolution = 0;
-  bool gradient_checkpointing = false;
-  int64_t encoder_sequence_length = 0;
-  std::string auto_wrap_policy = "TRANSFORMER_BASED_WRAP";
-  std::vector<std::string> wrap_classes;
-  int64_t min_num_params = 100000000;
-  std::string offload_optimizer_device = "none";
-  std::string offload_param_device = "none";
   bool json = false;
 } g_args;
-
-std::string upper(std::string s) {
-  for (auto& c : s) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  return s;
-}
-
-std::string lower(std::string s) {
-  for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return s;
-}
 
 }  // namespace
 
@@ -114,35 +83,7 @@ CLI::App* add_estimate_memory_command(CLI::App& app) {
 
 int run_estimate_memory() {
   distributed::configure_threads();
-  train::MemoryEstimateOptions o;
-  o.num_processes = g_args.num_processes;
-  o.strategy = accel::parse_sharding_strategy(g_args.sharding_strategy, "--sharding_strategy");
-  o.mixed_precision = accel::to_string(accel::parse_mixed_precision(g_args.mixed_precision));
-  o.use_8bit_adam = g_args.use_8bit_adam;
-  o.optimizer = lower(g_args.optimizer);
-  o.lora = g_args.lora;
-  o.lora_rank = g_args.rank;
-  o.lora_target_modules = g_args.lora_target_modules;
-  o.base_weights_dtype = lower(g_args.base_weights_dtype);
-  o.train_text_encoder = g_args.train_text_encoder;
-  o.batch_size = g_args.batch_size;
-  o.resolution = g_args.resolution;
-  o.gradient_checkpointing = g_args.gradient_checkpointing;
-  o.encoder_sequence_length = g_args.encoder_sequence_length;
-  o.auto_wrap.policy = upper(g_args.auto_wrap_policy);
-  o.auto_wrap.classes = g_args.wrap_classes;
-  o.auto_wrap.min_num_params = g_args.min_num_params;
-  o.offload_optimizer =
-      settings::parse_offload_device(g_args.offload_optimizer_device, "--offload_optimizer_device");
-  o.offload_params =
-      settings::parse_offload_device(g_args.offload_param_device, "--offload_param_device");
-  {
-    accel::ShardingOptions requested;  // the trainer's rules for the run asked about
-    requested.strategy = o.strategy;
-    requested.offload_optimizer = o.offload_optimizer;
-    requested.offload_params = o.offload_params;
-    settings::check_offload(requested);
-  }
+  const train::MemoryEstimateOptions o = train::memory_estimate_options(g_args);
 
   const auto strategies = train::strategies_to_compare(o);
   const auto estimates =

@@ -1,8 +1,8 @@
-#include "difftrain/data/sample_rng.h"
+#include "difftrain/core/sample_rng.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 
-namespace difftrain::data {
+namespace difftrain::core {
 namespace {
 
 uint64_t mix(uint64_t x) {
@@ -27,4 +27,4 @@ at::Generator sample_generator(uint64_t seed, int64_t epoch, int64_t index, Samp
   return at::make_generator<at::CPUGeneratorImpl>(sample_seed(seed, epoch, index, stream));
 }
 
-}  // namespace difftrain::data
+}  // namespace difftrain::core

@@ -2,7 +2,7 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
-#include "difftrain/data/sample_rng.h"
+#include "difftrain/core/sample_rng.h"
 #include "difftrain/io/image.h"
 
 #include <ATen/Parallel.h>
@@ -575,7 +575,7 @@ Example ImageFolderDataset::get(int64_t index) const {
   }
   std::optional<at::Generator> gen;
   if (!options_.center_crop || options_.random_flip) {
-    gen = sample_generator(options_.seed, epoch_, index, SampleStream::kAugmentation);
+    gen = core::sample_generator(options_.seed, epoch_, index, core::SampleStream::kAugmentation);
   }
   int64_t top = 0, left = 0;
   if (options_.center_crop) {

@@ -2,8 +2,8 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
+#include "difftrain/core/sample_rng.h"
 #include "difftrain/data/idx.h"
-#include "difftrain/data/sample_rng.h"
 
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -135,7 +135,8 @@ Example MnistDataset::get(int64_t index) const {
             .squeeze(0);
   }
   if (options_.random_flip) {
-    auto gen = sample_generator(options_.seed, epoch_, index, SampleStream::kAugmentation);
+    auto gen =
+        core::sample_generator(options_.seed, epoch_, index, core::SampleStream::kAugmentation);
     if (torch::rand({1}, gen).item<float>() < 0.5f) x = x.flip({2});
   }
   return {{"pixel_values", x.contiguous()},

@@ -3,7 +3,7 @@
 #include "difftrain/diffusion/flow_match_objective.h"
 
 #include "difftrain/core/error.h"
-#include "difftrain/data/sample_rng.h"
+#include "difftrain/core/sample_rng.h"
 #include "difftrain/diffusion/sampler.h"
 
 #include <fmt/format.h>
@@ -159,9 +159,9 @@ NoisedBatch FlowMatchObjective::noise(const torch::Tensor& x0, const std::vector
   const auto shape = x0.sizes().slice(1).vec();
   std::vector<torch::Tensor> noises, draws;
   for (int64_t key : keys) {
-    auto gn = data::sample_generator(options_.seed, epoch, key, data::SampleStream::kNoise);
+    auto gn = core::sample_generator(options_.seed, epoch, key, core::SampleStream::kNoise);
     noises.push_back(torch::randn(shape, gn, torch::kFloat32));
-    auto gt = data::sample_generator(options_.seed, epoch, key, data::SampleStream::kTimestep);
+    auto gt = core::sample_generator(options_.seed, epoch, key, core::SampleStream::kTimestep);
     draws.push_back(draw(gt));
   }
   return from_draws(x0.to(device), torch::stack(noises).to(device), torch::cat(draws));

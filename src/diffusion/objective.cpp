@@ -2,7 +2,7 @@
 #include "difftrain/diffusion/objective.h"
 
 #include "difftrain/core/error.h"
-#include "difftrain/data/sample_rng.h"
+#include "difftrain/core/sample_rng.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -51,16 +51,16 @@ NoisedBatch DdpmObjective::noise(const torch::Tensor& x0, const std::vector<int6
   offset_shape[0] = shape[0];
   std::vector<torch::Tensor> noises, timesteps, perturb;
   for (int64_t key : keys) {
-    auto gn = data::sample_generator(n.seed, epoch, key, data::SampleStream::kNoise);
+    auto gn = core::sample_generator(n.seed, epoch, key, core::SampleStream::kNoise);
     auto noise = torch::randn(shape, gn, torch::kFloat32);
     if (n.noise_offset > 0) {
       noise = noise + n.noise_offset * torch::randn(offset_shape, gn, torch::kFloat32);
     }
     noises.push_back(noise);
-    auto gt = data::sample_generator(n.seed, epoch, key, data::SampleStream::kTimestep);
+    auto gt = core::sample_generator(n.seed, epoch, key, core::SampleStream::kTimestep);
     timesteps.push_back(torch::randint(0, T, {1}, gt, torch::kInt64));
     if (n.input_perturbation > 0) {
-      auto gp = data::sample_generator(n.seed, epoch, key, data::SampleStream::kPerturbation);
+      auto gp = core::sample_generator(n.seed, epoch, key, core::SampleStream::kPerturbation);
       perturb.push_back(torch::randn(shape, gp, torch::kFloat32));
     }
   }

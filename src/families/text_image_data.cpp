@@ -5,7 +5,7 @@
 #include <set>
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
-#include "difftrain/data/sample_rng.h"
+#include "difftrain/core/sample_rng.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/image.h"
 #include "difftrain/models/module_info.h"
@@ -248,7 +248,7 @@ EncodedBatch TextImageData::encode(const data::Batch& batch, const std::string& 
   std::vector<torch::Tensor> z;
   const auto shape = mean.sizes().slice(1).vec();
   for (size_t i = 0; i < keys.size(); ++i) {
-    auto g = data::sample_generator(o_.noise.seed, epoch, keys[i], data::SampleStream::kLatent);
+    auto g = core::sample_generator(o_.noise.seed, epoch, keys[i], core::SampleStream::kLatent);
     const auto k = static_cast<int64_t>(i);
     z.push_back(mean[k] + (0.5 * logvar[k]).exp() * torch::randn(shape, g, torch::kFloat32));
   }

@@ -2,7 +2,7 @@
 // prepare -> resume -> for each update (accumulate, step, log, checkpoint, validate) -> export.
 // What a model family adds (data, models, loss, validation renders, export) comes from its
 // TrainingTask.
-#include "difftrain/train/trainer.h"
+#include "trainer_state.h"
 
 #include "checkpoint_files.h"
 #include "difftrain/accel/accelerator.h"
@@ -38,36 +38,6 @@
 #include <thread>
 
 namespace difftrain::train {
-namespace fs = std::filesystem;
-namespace {
-
-std::atomic<int> g_stop_signal{0};
-extern "C" void on_stop_signal(int signo) { g_stop_signal.store(signo); }
-
-// Thrown from a sampler step when this rank is asked to stop: the validation in progress is
-// abandoned in favour of the checkpoint.
-struct ValidationAbandoned {};
-
-// Installs SIGINT/SIGTERM handlers for the run and puts the previous ones back afterwards.
-class StopSignals {
- public:
-  StopSignals() {
-    g_stop_signal.store(0);
-    struct sigaction action {};
-    action.sa_handler = on_stop_signal;
-    sigemptyset(&action.sa_mask);
-    sigaction(SIGINT, &action, &old_int_);
-    sigaction(SIGTERM, &action, &old_term_);
-  }
-  ~StopSignals() {
-    sigaction(SIGINT, &old_int_, nullptr);
-    sigaction(SIGTERM, &old_term_, nullptr);
-  }
-
- private:
-  struct sigaction old_int_ {};
-  struct sigaction old_term_ {};
-};
 
 std::string format_duration(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "?";
@@ -83,721 +53,478 @@ std::string format_duration(double seconds) {
   return buf;
 }
 
-using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
-}  // namespace
+void Trainer::State::make_accelerator() {
+  accel::AcceleratorOptions ao;
+  if (!o.mixed_precision.empty()) ao.mixed_precision = o.mixed_precision;
+  ao.gradient_accumulation_steps = o.gradient_accumulation_steps;
+  ao.seed = o.seed;
+  ao.sharding = o.sharding;
+  acc = std::make_unique<accel::Accelerator>(ao);
+  for (const auto& w : o.warnings) acc->warn("{}", w);
+}
 
-struct Trainer::State {
-  TrainerOptions o;
-  std::unique_ptr<TrainingTask> task;
-  std::unique_ptr<accel::Accelerator> acc;
-  fs::path out_dir, log_dir;
-
-  std::shared_ptr<data::DataLoader> loader;
-  std::shared_ptr<optim::FlatOptimizer> raw_optimizer;
-  std::shared_ptr<accel::AcceleratedOptimizer> optimizer;
-  std::shared_ptr<optim::LRScheduler> lr_schedule;
-  std::shared_ptr<accel::AcceleratedScheduler> scheduler;
-  std::unique_ptr<diffusion::EMAModel> ema;
-  std::unique_ptr<accel::Trackers> trackers;  // main rank only
-
-  int64_t updates_per_epoch = 0;
-  int64_t total_steps = 0;
-  int64_t global_step = 0;
-  double last_loss = 0.0;
-  bool wrote_run_info = false;
-  torch::Tensor card_images;  // main rank: the last validation render, for the model card
-  std::vector<std::string> card_labels;
-  int64_t card_images_step = -1;
-  std::unique_ptr<OutputDirLock> output_lock;  // main rank: held for the whole run
-  size_t overwritten = 0;  // main rank: the entries --overwrite_output_dir will clear
-
-  // ------------------------------------------------------------------ setup
-  void make_accelerator() {
-    accel::AcceleratorOptions ao;
-    if (!o.mixed_precision.empty()) ao.mixed_precision = o.mixed_precision;
-    ao.gradient_accumulation_steps = o.gradient_accumulation_steps;
-    ao.seed = o.seed;
-    ao.sharding = o.sharding;
-    acc = std::make_unique<accel::Accelerator>(ao);
-    for (const auto& w : o.warnings) acc->warn("{}", w);
+void Trainer::State::make_output_folders() {
+  if (o.output_dir.empty()) {
+    auto stamp = torch::tensor({static_cast<int64_t>(std::time(nullptr))}, torch::kInt64);
+    stamp = acc->broadcast(stamp, 0);
+    std::time_t t = static_cast<std::time_t>(stamp.item<int64_t>());
+    char buf[32];
+    std::strftime(buf, sizeof buf, "%Y%m%d-%H%M%S", std::gmtime(&t));
+    o.output_dir = std::string("runs/") + buf;
   }
-
-  // The run folder (rank 0's clock names it when not given) and its logs folder. The main rank
-  // refuses a folder that is one of the inputs or holds another run (unless resumed or
-  // --overwrite_output_dir), and locks it for the run before touching anything in it.
-  void make_output_folders() {
-    if (o.output_dir.empty()) {
-      auto stamp = torch::tensor({static_cast<int64_t>(std::time(nullptr))}, torch::kInt64);
-      stamp = acc->broadcast(stamp, 0);
-      std::time_t t = static_cast<std::time_t>(stamp.item<int64_t>());
-      char buf[32];
-      std::strftime(buf, sizeof buf, "%Y%m%d-%H%M%S", std::gmtime(&t));
-      o.output_dir = std::string("runs/") + buf;
+  out_dir = fs::path(o.output_dir);
+  log_dir =
+      fs::path(o.logging_dir).is_absolute() ? fs::path(o.logging_dir) : out_dir / o.logging_dir;
+  if (acc->is_main_process()) {
+    check_output_dir_against_inputs(o.output_dir, o.inputs);
+    output_lock = OutputDirLock::acquire(o.output_dir);
+    const auto held = output_dir_entries(o.output_dir);
+    if (!held.empty() && o.overwrite_output_dir) {
+      // Cleared only once every input has been read (clear_overwritten_run(), after
+      // prepare()): a typo in --train_data_dir must not cost the finished run.
+      overwritten = held.size();
+    } else if (!held.empty() && o.resume_from_checkpoint.empty()) {
+      std::string names;
+      for (size_t i = 0; i < held.size() && i < 3; ++i) names += (i ? ", " : "") + held[i];
+      if (held.size() > 3) names += ", ... (" + std::to_string(held.size()) + " entries)";
+      throw Error("--output_dir '" + o.output_dir + "' already holds files (" + names +
+                  "); continue that run with --resume_from_checkpoint latest, pass "
+                  "--overwrite_output_dir to delete them first, or pick another --output_dir");
     }
-    out_dir = fs::path(o.output_dir);
-    log_dir =
-        fs::path(o.logging_dir).is_absolute() ? fs::path(o.logging_dir) : out_dir / o.logging_dir;
-    if (acc->is_main_process()) {
-      check_output_dir_against_inputs(o.output_dir, o.inputs);
-      output_lock = OutputDirLock::acquire(o.output_dir);
-      const auto held = output_dir_entries(o.output_dir);
-      if (!held.empty() && o.overwrite_output_dir) {
-        // Cleared only once every input has been read (clear_overwritten_run(), after
-        // prepare()): a typo in --train_data_dir must not cost the finished run.
-        overwritten = held.size();
-      } else if (!held.empty() && o.resume_from_checkpoint.empty()) {
-        std::string names;
-        for (size_t i = 0; i < held.size() && i < 3; ++i) names += (i ? ", " : "") + held[i];
-        if (held.size() > 3) names += ", ... (" + std::to_string(held.size()) + " entries)";
-        throw Error("--output_dir '" + o.output_dir + "' already holds files (" + names +
-                    "); continue that run with --resume_from_checkpoint latest, pass "
-                    "--overwrite_output_dir to delete them first, or pick another --output_dir");
-      }
-      remove_unfinished_checkpoints(o.output_dir);
+    remove_unfinished_checkpoints(o.output_dir);
+  }
+  acc->wait_for_everyone();
+}
+
+void Trainer::State::clear_overwritten_run() {
+  acc->wait_for_everyone();
+  if (!acc->is_main_process() || overwritten == 0) return;
+  const size_t removed = clear_output_dir(o.output_dir, o.keep_on_overwrite);
+  log::info("--overwrite_output_dir: the inputs are read; clearing {}: {} entries removed{}",
+            o.output_dir, removed, removed < overwritten ? ", the caches kept" : "");
+  overwritten = 0;
+}
+
+void Trainer::State::make_logs_folder() {
+  if (!acc->is_main_process()) return;
+  std::error_code ec;
+  fs::create_directories(log_dir, ec);
+  if (ec) {
+    // It lies inside output_dir unless --logging_dir is absolute: name the folder the user gave.
+    if (fs::path(o.logging_dir).is_absolute()) {
+      throw Error("cannot create --logging_dir '" + log_dir.string() + "': " + ec.message() +
+                  "; pass a writable --logging_dir");
     }
-    acc->wait_for_everyone();
+    throw Error("cannot create output_dir '" + out_dir.string() + "': " + ec.message() +
+                "; pass a writable --output_dir");
   }
+}
 
-  // --overwrite_output_dir: the previous run's files go once every rank has built its models and
-  // data (every input checked), right before the run writes its first file. The content-keyed
-  // caches this run read or filled there (--cache_dir's default, <output_dir>/cache) stay.
-  void clear_overwritten_run() {
-    acc->wait_for_everyone();
-    if (!acc->is_main_process() || overwritten == 0) return;
-    const size_t removed = clear_output_dir(o.output_dir, o.keep_on_overwrite);
-    log::info("--overwrite_output_dir: the inputs are read; clearing {}: {} entries removed{}",
-              o.output_dir, removed, removed < overwritten ? ", the caches kept" : "");
-    overwritten = 0;
+void Trainer::State::prepare() {
+  task->build(*acc, o.output_dir);
+  auto trainable = task->trainable();
+
+  data::DataLoaderOptions lo;
+  lo.batch_size = o.train_batch_size;
+  lo.shuffle = true;
+  lo.num_workers = static_cast<int>(o.dataloader_num_workers);
+  lo.seed = o.seed;
+  lo.sampler = task->sampler();
+  loader = std::make_shared<data::DataLoader>(task->dataset(), lo);
+
+  double lr = o.learning_rate;
+  if (o.scale_lr) {
+    lr *= static_cast<double>(o.gradient_accumulation_steps * o.train_batch_size *
+                              acc->num_processes());
   }
+  auto adam = torch::optim::AdamWOptions(lr)
+                  .betas({o.adam_beta1, o.adam_beta2})
+                  .weight_decay(o.adam_weight_decay)
+                  .eps(o.adam_epsilon);
+  std::vector<torch::Tensor> params;
+  std::vector<std::string> names;
+  for (const auto& p : trainable->named_parameters()) {
+    if (!p.value().requires_grad()) continue;
+    params.push_back(p.value());
+    names.push_back(p.key());
+  }
+  std::string kind = o.optimizer;
+  for (auto& ch : kind) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  if (kind == "prodigy") {
+    optim::ProdigyOptions po;
+    po.beta3 = o.prodigy_beta3;
+    po.decouple = o.prodigy_decouple;
+    po.use_bias_correction = o.prodigy_use_bias_correction;
+    po.safeguard_warmup = o.prodigy_safeguard_warmup;
+    if (lr <= 0.1) {
+      log::warn(
+          "--learning_rate {} with Prodigy: it estimates the step size itself and multiplies "
+          "it by the learning rate, so around 1.0 is the usual choice",
+          lr);
+    }
+    raw_optimizer = std::make_shared<optim::Prodigy>(params, adam, po);
+  } else if (o.use_8bit_adam) {
+    raw_optimizer = std::make_shared<optim::AdamW8bit>(params, adam);
+  } else {
+    raw_optimizer = std::make_shared<optim::AdamW>(params, adam);
+  }
+  raw_optimizer->set_parameter_names(names);
 
-  // The logs folder, once the run is known to start (a refused resume leaves no empty logs/).
-  void make_logs_folder() {
+  acc->prepare_module(*trainable);
+  optimizer = acc->prepare_optimizer(raw_optimizer);
+  loader = acc->prepare_data_loader(loader);
+
+  const int64_t accumulation = o.gradient_accumulation_steps;
+  updates_per_epoch = (loader->size() + accumulation - 1) / accumulation;
+  total_steps = o.max_train_steps > 0 ? o.max_train_steps : o.num_train_epochs * updates_per_epoch;
+
+  optim::LRScheduleOptions so;
+  so.name = o.lr_scheduler;
+  so.num_warmup_steps = o.lr_warmup_steps;
+  so.num_training_steps = total_steps;
+  so.num_cycles = o.lr_num_cycles;
+  so.power = o.lr_power;
+  lr_schedule = std::make_shared<optim::LRScheduler>(*raw_optimizer, so);
+  auto sched = lr_schedule;
+  scheduler =
+      acc->prepare_scheduler([sched] { sched->step(); }, [sched] { return sched->state_dict(); },
+                             [sched](const nlohmann::json& s) { sched->load_state_dict(s); });
+
+  if (o.use_ema) {
+    diffusion::EMAOptions eo;
+    eo.decay = o.ema_max_decay;
+    eo.use_ema_warmup = true;
+    eo.inv_gamma = o.ema_inv_gamma;
+    eo.power = o.ema_power;
+    auto full = acc->summon_full_params();
+    ema = std::make_unique<diffusion::EMAModel>(*trainable, eo);
+  }
+}
+
+std::string Trainer::State::resume_dir() const {
+  if (o.resume_from_checkpoint.empty()) return "";
+  const std::string dir = o.resume_from_checkpoint == "latest" ? latest_checkpoint(o.output_dir)
+                                                               : o.resume_from_checkpoint;
+  if (dir.empty()) {
+    acc->print("resume_from_checkpoint latest: no checkpoint in {}; starting a new run",
+               o.output_dir);
+  } else if (!fs::exists(dir)) {
+    throw Error("resume_from_checkpoint '" + dir +
+                "' does not exist; pass a checkpoint-<step> folder of an earlier run, or "
+                "latest (the newest one in --output_dir)");
+  } else if (!fs::exists(fs::path(dir) / "trainer_state.json")) {
+    throw Error("resume_from_checkpoint '" + dir +
+                "' is not a complete difftrain checkpoint (no trainer_state.json); pass a "
+                "checkpoint-<step> folder or latest");
+  }
+  return dir;
+}
+
+void Trainer::State::print_header() const {
+  if (!acc->is_main_process()) return;
+  const nlohmann::json& shown = o.shown_config.is_null() ? o.config : o.shown_config;
+  log::info("difftrain train: resolved configuration\n{}", shown.dump(2));
+  if (!o.defaults_from.empty()) {
+    log::info("  defaults: Diffusers' {} (the options given win)", o.defaults_from);
+  }
+  log::info(
+      "  examples {} | classes {} | processes {} on {} ({}) | batch per process {} | "
+      "accumulation {} | global batch {}",
+      task->dataset()->size(), task->num_classes(), acc->num_processes(), acc->device().str(),
+      acc->group().backend_name(), o.train_batch_size, o.gradient_accumulation_steps,
+      o.train_batch_size * acc->num_processes() * o.gradient_accumulation_steps);
+  log::info("  updates per epoch {} | total updates {} | {}", updates_per_epoch, total_steps,
+            task->parameter_summary());
+}
+
+void Trainer::State::save_checkpoint() {
+  core::PhaseScope phase("saving checkpoint-" + std::to_string(global_step));
+  const auto started = Clock::now();
+  const std::string dir = (out_dir / ("checkpoint-" + std::to_string(global_step))).string();
+  acc->save_state(dir, [&](const std::string& temp) {
     if (!acc->is_main_process()) return;
-    std::error_code ec;
-    fs::create_directories(log_dir, ec);
-    if (ec) {
-      // It lies inside output_dir unless --logging_dir is absolute: name the folder the user gave.
-      if (fs::path(o.logging_dir).is_absolute()) {
-        throw Error("cannot create --logging_dir '" + log_dir.string() + "': " + ec.message() +
-                    "; pass a writable --logging_dir");
-      }
-      throw Error("cannot create output_dir '" + out_dir.string() + "': " + ec.message() +
-                  "; pass a writable --output_dir");
-    }
-  }
-
-  // The task's models and data, then the loader, optimizer, LR schedule and EMA, prepared.
-  void prepare() {
-    task->build(*acc, o.output_dir);
-    auto trainable = task->trainable();
-
-    data::DataLoaderOptions lo;
-    lo.batch_size = o.train_batch_size;
-    lo.shuffle = true;
-    lo.num_workers = static_cast<int>(o.dataloader_num_workers);
-    lo.seed = o.seed;
-    lo.sampler = task->sampler();
-    loader = std::make_shared<data::DataLoader>(task->dataset(), lo);
-
-    double lr = o.learning_rate;
-    if (o.scale_lr) {
-      lr *= static_cast<double>(o.gradient_accumulation_steps * o.train_batch_size *
-                                acc->num_processes());
-    }
-    auto adam = torch::optim::AdamWOptions(lr)
-                    .betas({o.adam_beta1, o.adam_beta2})
-                    .weight_decay(o.adam_weight_decay)
-                    .eps(o.adam_epsilon);
-    std::vector<torch::Tensor> params;
-    std::vector<std::string> names;
-    for (const auto& p : trainable->named_parameters()) {
-      if (!p.value().requires_grad()) continue;
-      params.push_back(p.value());
-      names.push_back(p.key());
-    }
-    std::string kind = o.optimizer;
-    for (auto& ch : kind) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-    if (kind == "prodigy") {
-      optim::ProdigyOptions po;
-      po.beta3 = o.prodigy_beta3;
-      po.decouple = o.prodigy_decouple;
-      po.use_bias_correction = o.prodigy_use_bias_correction;
-      po.safeguard_warmup = o.prodigy_safeguard_warmup;
-      if (lr <= 0.1) {
-        log::warn(
-            "--learning_rate {} with Prodigy: it estimates the step size itself and multiplies "
-            "it by the learning rate, so around 1.0 is the usual choice",
-            lr);
-      }
-      raw_optimizer = std::make_shared<optim::Prodigy>(params, adam, po);
-    } else if (o.use_8bit_adam) {
-      raw_optimizer = std::make_shared<optim::AdamW8bit>(params, adam);
-    } else {
-      raw_optimizer = std::make_shared<optim::AdamW>(params, adam);
-    }
-    raw_optimizer->set_parameter_names(names);
-
-    acc->prepare_module(*trainable);
-    optimizer = acc->prepare_optimizer(raw_optimizer);
-    loader = acc->prepare_data_loader(loader);
-
-    const int64_t accumulation = o.gradient_accumulation_steps;
-    updates_per_epoch = (loader->size() + accumulation - 1) / accumulation;
-    total_steps =
-        o.max_train_steps > 0 ? o.max_train_steps : o.num_train_epochs * updates_per_epoch;
-
-    optim::LRScheduleOptions so;
-    so.name = o.lr_scheduler;
-    so.num_warmup_steps = o.lr_warmup_steps;
-    so.num_training_steps = total_steps;
-    so.num_cycles = o.lr_num_cycles;
-    so.power = o.lr_power;
-    lr_schedule = std::make_shared<optim::LRScheduler>(*raw_optimizer, so);
-    auto sched = lr_schedule;
-    scheduler =
-        acc->prepare_scheduler([sched] { sched->step(); }, [sched] { return sched->state_dict(); },
-                               [sched](const nlohmann::json& s) { sched->load_state_dict(s); });
-
-    if (o.use_ema) {
-      diffusion::EMAOptions eo;
-      eo.decay = o.ema_max_decay;
-      eo.use_ema_warmup = true;
-      eo.inv_gamma = o.ema_inv_gamma;
-      eo.power = o.ema_power;
-      auto full = acc->summon_full_params();
-      ema = std::make_unique<diffusion::EMAModel>(*trainable, eo);
-    }
-  }
-
-  // The checkpoint folder to resume from ("" = a new run).
-  std::string resume_dir() const {
-    if (o.resume_from_checkpoint.empty()) return "";
-    const std::string dir = o.resume_from_checkpoint == "latest" ? latest_checkpoint(o.output_dir)
-                                                                 : o.resume_from_checkpoint;
-    if (dir.empty()) {
-      acc->print("resume_from_checkpoint latest: no checkpoint in {}; starting a new run",
-                 o.output_dir);
-    } else if (!fs::exists(dir)) {
-      throw Error("resume_from_checkpoint '" + dir +
-                  "' does not exist; pass a checkpoint-<step> folder of an earlier run, or "
-                  "latest (the newest one in --output_dir)");
-    } else if (!fs::exists(fs::path(dir) / "trainer_state.json")) {
-      throw Error("resume_from_checkpoint '" + dir +
-                  "' is not a complete difftrain checkpoint (no trainer_state.json); pass a "
-                  "checkpoint-<step> folder or latest");
-    }
-    return dir;
-  }
-
-  void print_header() const {
-    if (!acc->is_main_process()) return;
-    const nlohmann::json& shown = o.shown_config.is_null() ? o.config : o.shown_config;
-    log::info("difftrain train: resolved configuration\n{}", shown.dump(2));
-    if (!o.defaults_from.empty()) {
-      log::info("  defaults: Diffusers' {} (the options given win)", o.defaults_from);
-    }
-    log::info(
-        "  examples {} | classes {} | processes {} on {} ({}) | batch per process {} | "
-        "accumulation {} | global batch {}",
-        task->dataset()->size(), task->num_classes(), acc->num_processes(), acc->device().str(),
-        acc->group().backend_name(), o.train_batch_size, o.gradient_accumulation_steps,
-        o.train_batch_size * acc->num_processes() * o.gradient_accumulation_steps);
-    log::info("  updates per epoch {} | total updates {} | {}", updates_per_epoch, total_steps,
-              task->parameter_summary());
-  }
-
-  // ------------------------------------------------------------------ checkpoints
-  void save_checkpoint() {
-    core::PhaseScope phase("saving checkpoint-" + std::to_string(global_step));
-    const auto started = Clock::now();
-    const std::string dir = (out_dir / ("checkpoint-" + std::to_string(global_step))).string();
-    acc->save_state(dir, [&](const std::string& temp) {
-      if (!acc->is_main_process()) return;
-      task->write_to_checkpoint(temp);
-      if (ema) {
-        io::save_safetensors((fs::path(temp) / "ema.safetensors").string(), ema->state_tensors(),
-                             {{"format", "pt"}});
-        io::write_file_atomic((fs::path(temp) / "ema.json").string(),
-                              ema->state_meta().dump(2) + "\n");
-      }
-      // Fault injection for the tests: die in the middle of this save, or stall in it
-      // ("<step>:<seconds>", without progress: a slow or stuck disk).
-      if (const char* kill_at = std::getenv("DIFFTRAIN_FAULT_KILL_IN_SAVE");
-          kill_at != nullptr && std::to_string(global_step) == kill_at) {
-        std::raise(SIGKILL);
-      }
-      if (const char* sleep_at = std::getenv("DIFFTRAIN_FAULT_SLEEP_IN_SAVE")) {
-        const std::string spec = sleep_at;
-        const auto colon = spec.find(':');
-        if (colon != std::string::npos && spec.substr(0, colon) == std::to_string(global_step)) {
-          std::this_thread::sleep_for(
-              std::chrono::duration<double>(std::stod(spec.substr(colon + 1))));
-        }
-      }
-      nlohmann::json state = {{"global_step", global_step},
-                              {"num_processes", acc->num_processes()},
-                              {"global_batch", o.train_batch_size * acc->num_processes() *
-                                                   o.gradient_accumulation_steps},
-                              {"config", o.config}};
-      // Written last: its presence marks a complete checkpoint.
-      io::write_file_atomic((fs::path(temp) / "trainer_state.json").string(), state.dump(2) + "\n");
-    });
-    acc->print("saved checkpoint {} ({:.1f} s)", dir, seconds_since(started));
-    if (acc->is_main_process() && o.checkpoints_total_limit) {
-      rotate_checkpoints(o.output_dir, *o.checkpoints_total_limit);
-    }
-    acc->wait_for_everyone();
-  }
-
-  // Restores a checkpoint into global_step and every prepared object.
-  void load_checkpoint(const std::string& dir) {
-    const fs::path root(dir);
-    // Every file (trainer_state.json and EMA included) against checksums.json, once, up front.
-    accel::verify_checkpoint(dir);
-    nlohmann::json state;
-    const std::string state_path = (root / "trainer_state.json").string();
-    try {
-      state = nlohmann::json::parse(io::read_file(state_path));
-    } catch (const nlohmann::json::exception& e) {
-      throw Error("'" + state_path + "' is not valid JSON (" + e.what() + ")");
-    }
-    const auto& now = o.config;
-    const auto& saved = state.at("config");
-    for (const auto& key : o.structural_keys) {
-      if (saved.contains(key) && saved[key] != now[key]) {
-        throw Error("cannot resume from " + dir + ": it was trained with --" + key + " " +
-                    saved[key].dump() + " but this run has " + now[key].dump() +
-                    "; use the same value or start a new --output_dir");
-      }
-    }
-    // The same global batch on another world size (2 x 4, 1 x 8, 1 x 4 with accumulation 2)
-    // continues exactly: the loader resumes at the same sample of the global order.
-    const int64_t global_now =
-        o.train_batch_size * acc->num_processes() * o.gradient_accumulation_steps;
-    int64_t global_then = 0;
-    if (state.contains("global_batch")) {
-      global_then = state.at("global_batch").get<int64_t>();
-    } else if (saved.contains("train_batch_size") && state.contains("num_processes")) {
-      global_then = saved.at("train_batch_size").get<int64_t>() *
-                    state.at("num_processes").get<int64_t>() *
-                    saved.value("gradient_accumulation_steps", int64_t{1});
-    }
-    if (global_then > 0 && global_then != global_now) {
-      acc->warn(
-          "resuming with a global batch of {} (--train_batch_size {} x {} process(es) x "
-          "--gradient_accumulation_steps {}; checkpoint: {}); the run will not match an "
-          "uninterrupted one exactly",
-          global_now, o.train_batch_size, acc->num_processes(), o.gradient_accumulation_steps,
-          global_then);
-    }
-    for (const auto& key : o.exactness_keys) {
-      if (saved.contains(key) && saved[key] != now[key]) {
-        acc->warn(
-            "resuming with --{} {} (checkpoint: {}); the run will not match an "
-            "uninterrupted one exactly",
-            key, now[key].dump(), saved[key].dump());
-      }
-    }
-    acc->load_state(dir, /*verify=*/false);
+    task->write_to_checkpoint(temp);
     if (ema) {
-      const auto meta_path = (root / "ema.json").string();
-      if (!fs::exists(meta_path)) throw Error("cannot resume EMA: " + meta_path + " is missing");
-      ema->load_state(nlohmann::json::parse(io::read_file(meta_path)),
-                      io::load_safetensors((root / "ema.safetensors").string()).tensors,
-                      (root / "ema.safetensors").string());
+      io::save_safetensors((fs::path(temp) / "ema.safetensors").string(), ema->state_tensors(),
+                           {{"format", "pt"}});
+      io::write_file_atomic((fs::path(temp) / "ema.json").string(),
+                            ema->state_meta().dump(2) + "\n");
     }
-    global_step = state.at("global_step").get<int64_t>();
-  }
-
-  // ------------------------------------------------------------------ logs
-  void write_run_info() {
-    // Measured by the Accelerator: what this rank holds (shards under sharding), plus the frozen
-    // weights the task keeps outside it.
-    const auto mem = acc->memory();
-    const int64_t frozen = mem.frozen_param_bytes + task->frozen_bytes();
-    nlohmann::json info = {
-        {"config", o.config},
-        {"rank", acc->process_index()},
-        {"world_size", acc->num_processes()},
-        {"threads", at::get_num_threads()},
-        {"device", acc->device().str()},
-        {"versions", {{"difftrain", DIFFTRAIN_VERSION}, {"libtorch", TORCH_VERSION}}},
-        {"examples", task->dataset()->size()},
-        {"total_steps", total_steps},
-        {"state_bytes",
-         {{"param_bytes", mem.param_bytes},
-          {"param_peak_bytes", mem.param_peak_bytes},
-          {"grad_bytes", mem.grad_bytes},
-          {"grad_peak_bytes", mem.grad_peak_bytes},
-          {"optimizer_bytes", mem.optimizer_bytes},
-          {"frozen_param_bytes", frozen},
-          {"host_bytes", mem.host_bytes}}},
-        {"sharding", accel::to_string(acc->sharding().strategy)},
-        {"offload_optimizer", acc->sharding().offload_optimizer},
-        {"offload_params", acc->sharding().offload_params}};
-    std::error_code ec;
-    fs::create_directories(log_dir, ec);
-    io::write_file_atomic(
-        (log_dir / ("run_info.rank" + std::to_string(acc->process_index()) + ".json")).string(),
-        info.dump(2) + "\n");
-    wrote_run_info = true;
-  }
-
-  // ------------------------------------------------------------------ validation
-  // num_validation_images split across ranks (no rank waits idle in a collective while rank 0
-  // samples), rendered with the EMA weights when EMA is on, gathered into one grid on the main
-  // rank: samples/step-<step>.png and a TensorBoard image.
-  // --final_validation auto: a run shorter than one validation period (a smoke test, a benchmark)
-  // skips the images after its last update, which would cost more than the training itself.
-  bool final_validation_wanted() {
-    if (o.final_validation == "never" || o.num_validation_images == 0) return false;
-    if (o.final_validation == "always" || o.validation_steps == 0 || o.validation_prompt_given ||
-        total_steps >= o.validation_steps) {
-      return true;
+    // Fault injection for the tests: die in the middle of this save, or stall in it
+    // ("<step>:<seconds>", without progress: a slow or stuck disk).
+    if (const char* kill_at = std::getenv("DIFFTRAIN_FAULT_KILL_IN_SAVE");
+        kill_at != nullptr && std::to_string(global_step) == kill_at) {
+      std::raise(SIGKILL);
     }
-    acc->print(
-        "final validation skipped: the run has {} updates, fewer than --validation_steps {} "
-        "(--final_validation always renders it)",
-        total_steps, o.validation_steps);
-    return false;
-  }
-
-  // Returns false when a stop signal abandoned it (agreed by every rank; nothing written).
-  bool validate() {
-    const int64_t K = o.num_validation_images;
-    if (K == 0) return true;
-    const std::string unavailable = task->validation_unavailable();
-    if (!unavailable.empty()) {
-      acc->print("validation skipped: {}", unavailable);
-      return true;
-    }
-    core::PhaseScope phase("rendering validation images at step " + std::to_string(global_step));
-    std::vector<int64_t> all(K);
-    for (int64_t i = 0; i < K; ++i) all[i] = i;
-    const auto mine = acc->split_between_processes(all, /*apply_padding=*/true);
-    const auto started = Clock::now();
-    acc->print("validation at step {}: sampling {} image(s), {} per rank", global_step, K,
-               mine.size());
-    const auto range = acc->split_range(K);
-    auto trainable = task->trainable();
-    auto full = acc->summon_full_params();  // sampling and the EMA swap read every parameter
-    if (ema) ema->store(*trainable), ema->copy_to(*trainable);
-    torch::Tensor images;  // [k, H, W, C]
-    // A line every few seconds from the main rank (a long validation must not look like a hang),
-    // and at a stop signal the render is dropped: the checkpoint matters more than the images.
-    auto last_line = Clock::now();
-    const auto on_step = [&](int64_t step, int64_t steps) {
-      core::note_progress();
-      if (g_stop_signal.load() != 0) throw ValidationAbandoned{};
-      if (acc->is_main_process() && step < steps && seconds_since(last_line) >= 5.0) {
-        const double s = seconds_since(started);
-        log::info(
-            "validation: sampling step {}/{} ({:.1f} s, ETA {})", step, steps, s,
-            format_duration(s / static_cast<double>(step) * static_cast<double>(steps - step)));
-        last_line = Clock::now();
+    if (const char* sleep_at = std::getenv("DIFFTRAIN_FAULT_SLEEP_IN_SAVE")) {
+      const std::string spec = sleep_at;
+      const auto colon = spec.find(':');
+      if (colon != std::string::npos && spec.substr(0, colon) == std::to_string(global_step)) {
+        std::this_thread::sleep_for(
+            std::chrono::duration<double>(std::stod(spec.substr(colon + 1))));
       }
-    };
-    bool abandoned = false;
-    try {
-      // Under bf16 the frozen LoRA base is bf16 and the adapters fp32: autocast joins them.
-      auto autocast = acc->autocast();
-      images = task->render_validation(mine, range.first, on_step).images;
-    } catch (const ValidationAbandoned&) {
-      abandoned = true;
     }
-    if (ema) ema->restore(*trainable);
-    trainable->train();
-    // Every rank learns whether any abandoned it before the gather (a rank that finished its
-    // share while another stopped must not wait in the gather for images that never come).
-    auto any_abandoned =
-        acc->reduce(torch::tensor({static_cast<double>(abandoned || g_stop_signal.load() != 0)},
-                                  torch::kFloat64),
-                    "sum");
-    if (any_abandoned.item<double>() > 0) {
-      acc->print(
-          "validation at step {} abandoned after {:.1f} s: a stop signal came; saving the "
-          "checkpoint instead",
-          global_step, seconds_since(started));
-      return false;
+    nlohmann::json state = {
+        {"global_step", global_step},
+        {"num_processes", acc->num_processes()},
+        {"global_batch", o.train_batch_size * acc->num_processes() * o.gradient_accumulation_steps},
+        {"config", o.config}};
+    // Written last: its presence marks a complete checkpoint.
+    io::write_file_atomic((fs::path(temp) / "trainer_state.json").string(), state.dump(2) + "\n");
+  });
+  acc->print("saved checkpoint {} ({:.1f} s)", dir, seconds_since(started));
+  if (acc->is_main_process() && o.checkpoints_total_limit) {
+    rotate_checkpoints(o.output_dir, *o.checkpoints_total_limit);
+  }
+  acc->wait_for_everyone();
+}
+
+void Trainer::State::load_checkpoint(const std::string& dir) {
+  const fs::path root(dir);
+  // Every file (trainer_state.json and EMA included) against checksums.json, once, up front.
+  accel::verify_checkpoint(dir);
+  nlohmann::json state;
+  const std::string state_path = (root / "trainer_state.json").string();
+  try {
+    state = nlohmann::json::parse(io::read_file(state_path));
+  } catch (const nlohmann::json::exception& e) {
+    throw Error("'" + state_path + "' is not valid JSON (" + e.what() + ")");
+  }
+  const auto& now = o.config;
+  const auto& saved = state.at("config");
+  for (const auto& key : o.structural_keys) {
+    if (saved.contains(key) && saved[key] != now[key]) {
+      throw Error("cannot resume from " + dir + ": it was trained with --" + key + " " +
+                  saved[key].dump() + " but this run has " + now[key].dump() +
+                  "; use the same value or start a new --output_dir");
     }
-    auto gathered = acc->gather(images.contiguous());
-    if (!acc->is_main_process()) return true;
-    // Each rank's block is its range padded to the same length; keep the real images in order.
-    const auto per_rank = static_cast<int64_t>(mine.size());
-    std::vector<torch::Tensor> keep;
-    for (int r = 0; r < acc->num_processes(); ++r) {
-      const int64_t count = K / acc->num_processes() + (r < K % acc->num_processes() ? 1 : 0);
-      if (count > 0) keep.push_back(gathered.narrow(0, r * per_rank, count));
+  }
+  // The same global batch on another world size (2 x 4, 1 x 8, 1 x 4 with accumulation 2)
+  // continues exactly: the loader resumes at the same sample of the global order.
+  const int64_t global_now =
+      o.train_batch_size * acc->num_processes() * o.gradient_accumulation_steps;
+  int64_t global_then = 0;
+  if (state.contains("global_batch")) {
+    global_then = state.at("global_batch").get<int64_t>();
+  } else if (saved.contains("train_batch_size") && state.contains("num_processes")) {
+    global_then = saved.at("train_batch_size").get<int64_t>() *
+                  state.at("num_processes").get<int64_t>() *
+                  saved.value("gradient_accumulation_steps", int64_t{1});
+  }
+  if (global_then > 0 && global_then != global_now) {
+    acc->warn(
+        "resuming with a global batch of {} (--train_batch_size {} x {} process(es) x "
+        "--gradient_accumulation_steps {}; checkpoint: {}); the run will not match an "
+        "uninterrupted one exactly",
+        global_now, o.train_batch_size, acc->num_processes(), o.gradient_accumulation_steps,
+        global_then);
+  }
+  for (const auto& key : o.exactness_keys) {
+    if (saved.contains(key) && saved[key] != now[key]) {
+      acc->warn(
+          "resuming with --{} {} (checkpoint: {}); the run will not match an "
+          "uninterrupted one exactly",
+          key, now[key].dump(), saved[key].dump());
     }
-    const fs::path dir = out_dir / "samples";
-    fs::create_directories(dir);
-    char name[64];
-    std::snprintf(name, sizeof name, "step-%06lld.png", static_cast<long long>(global_step));
-    card_images = torch::cat(keep), card_labels = task->validation_labels(K);
-    card_images_step = global_step;
-    auto grid = io::save_image_grid((dir / name).string(), card_images, card_labels,
-                                    task->validation_columns());
-    if (trackers) trackers->log_image("validation", grid, global_step);
-    log::info("validation samples{}: {} ({:.1f} s)", task->validation_note(), (dir / name).string(),
-              seconds_since(started));
+  }
+  acc->load_state(dir, /*verify=*/false);
+  if (ema) {
+    const auto meta_path = (root / "ema.json").string();
+    if (!fs::exists(meta_path)) throw Error("cannot resume EMA: " + meta_path + " is missing");
+    ema->load_state(nlohmann::json::parse(io::read_file(meta_path)),
+                    io::load_safetensors((root / "ema.safetensors").string()).tensors,
+                    (root / "ema.safetensors").string());
+  }
+  global_step = state.at("global_step").get<int64_t>();
+}
+
+void Trainer::State::write_run_info() {
+  // Measured by the Accelerator: what this rank holds (shards under sharding), plus the frozen
+  // weights the task keeps outside it.
+  const auto mem = acc->memory();
+  const int64_t frozen = mem.frozen_param_bytes + task->frozen_bytes();
+  nlohmann::json info = {
+      {"config", o.config},
+      {"rank", acc->process_index()},
+      {"world_size", acc->num_processes()},
+      {"threads", at::get_num_threads()},
+      {"device", acc->device().str()},
+      {"versions", {{"difftrain", DIFFTRAIN_VERSION}, {"libtorch", TORCH_VERSION}}},
+      {"examples", task->dataset()->size()},
+      {"total_steps", total_steps},
+      {"state_bytes",
+       {{"param_bytes", mem.param_bytes},
+        {"param_peak_bytes", mem.param_peak_bytes},
+        {"grad_bytes", mem.grad_bytes},
+        {"grad_peak_bytes", mem.grad_peak_bytes},
+        {"optimizer_bytes", mem.optimizer_bytes},
+        {"frozen_param_bytes", frozen},
+        {"host_bytes", mem.host_bytes}}},
+      {"sharding", accel::to_string(acc->sharding().strategy)},
+      {"offload_optimizer", acc->sharding().offload_optimizer},
+      {"offload_params", acc->sharding().offload_params}};
+  std::error_code ec;
+  fs::create_directories(log_dir, ec);
+  io::write_file_atomic(
+      (log_dir / ("run_info.rank" + std::to_string(acc->process_index()) + ".json")).string(),
+      info.dump(2) + "\n");
+  wrote_run_info = true;
+}
+
+bool Trainer::State::final_validation_wanted() {
+  if (o.final_validation == "never" || o.num_validation_images == 0) return false;
+  if (o.final_validation == "always" || o.validation_steps == 0 || o.validation_prompt_given ||
+      total_steps >= o.validation_steps) {
     return true;
   }
+  acc->print(
+      "final validation skipped: the run has {} updates, fewer than --validation_steps {} "
+      "(--final_validation always renders it)",
+      total_steps, o.validation_steps);
+  return false;
+}
 
-  // ------------------------------------------------------------------ export
-  void export_final() {
-    core::PhaseScope phase("exporting the trained model");
-    auto full = acc->summon_full_params();
-    if (acc->is_main_process()) {
-      if (ema) ema->copy_to(*task->trainable());  // the export uses EMA weights
-      task->export_to(out_dir);
-      auto card = task->model_card();  // README.md, with the final render's images if any
-      card.run = model_card_run(o, acc->num_processes(), accel::to_string(acc->mixed_precision()),
-                                global_step);
-      const bool fresh = card_images_step == global_step;
-      write_model_card(out_dir, card, fresh ? card_images : torch::Tensor(), card_labels);
-    }
-    acc->wait_for_everyone();
+bool Trainer::State::validate() {
+  const int64_t K = o.num_validation_images;
+  if (K == 0) return true;
+  const std::string unavailable = task->validation_unavailable();
+  if (!unavailable.empty()) {
+    acc->print("validation skipped: {}", unavailable);
+    return true;
   }
-
-  // The command that continues this run: the user's own (DIFFTRAIN_COMMAND; the launcher's when
-  // launched) with the run's folder and --resume_from_checkpoint latest added where missing.
-  std::string resume_command() const {
-    std::string cmd = user_command();
-    if (cmd.empty()) cmd = "difftrain train <your options>";
-    // The folder now holds this run: clearing it again would delete the checkpoint.
-    for (const char* flag : {" --overwrite_output_dir true", " --overwrite_output_dir 1",
-                             " --overwrite_output_dir=true", " --overwrite_output_dir"}) {
-      for (auto at = cmd.find(flag); at != std::string::npos; at = cmd.find(flag)) {
-        cmd.erase(at, std::string(flag).size());
-      }
+  core::PhaseScope phase("rendering validation images at step " + std::to_string(global_step));
+  std::vector<int64_t> all(K);
+  for (int64_t i = 0; i < K; ++i) all[i] = i;
+  const auto mine = acc->split_between_processes(all, /*apply_padding=*/true);
+  const auto started = Clock::now();
+  acc->print("validation at step {}: sampling {} image(s), {} per rank", global_step, K,
+             mine.size());
+  const auto range = acc->split_range(K);
+  auto trainable = task->trainable();
+  auto full = acc->summon_full_params();  // sampling and the EMA swap read every parameter
+  if (ema) ema->store(*trainable), ema->copy_to(*trainable);
+  torch::Tensor images;  // [k, H, W, C]
+  // A line every few seconds from the main rank (a long validation must not look like a hang),
+  // and at a stop signal the render is dropped: the checkpoint matters more than the images.
+  auto last_line = Clock::now();
+  const auto on_step = [&](int64_t step, int64_t steps) {
+    core::note_progress();
+    if (stop_requested()) throw ValidationAbandoned{};
+    if (acc->is_main_process() && step < steps && seconds_since(last_line) >= 5.0) {
+      const double s = seconds_since(started);
+      log::info("validation: sampling step {}/{} ({:.1f} s, ETA {})", step, steps, s,
+                format_duration(s / static_cast<double>(step) * static_cast<double>(steps - step)));
+      last_line = Clock::now();
     }
-    if (cmd.find("--output_dir") == std::string::npos) {
-      cmd += " --output_dir " + shell_command({o.output_dir});
-    }
-    if (cmd.find("--resume_from_checkpoint") == std::string::npos) {
-      cmd += " --resume_from_checkpoint latest";
-    } else if (o.resume_from_checkpoint != "latest") {
-      cmd += " (with --resume_from_checkpoint latest)";
-    }
-    return cmd;
+  };
+  bool abandoned = false;
+  try {
+    // Under bf16 the frozen LoRA base is bf16 and the adapters fp32: autocast joins them.
+    auto autocast = acc->autocast();
+    images = task->render_validation(mine, range.first, on_step).images;
+  } catch (const ValidationAbandoned&) {
+    abandoned = true;
   }
-
-  // ------------------------------------------------------------------ the loop
-  bool abandoned_validation = false;
-
-  // The main rank says once which signal stopped the run and what happens now.
-  void announce_stop() {
-    const int signo = g_stop_signal.load();
-    // Said now, since a second signal ends the run before it can say anything more.
-    const std::string last = acc->is_main_process() ? latest_checkpoint(o.output_dir) : "";
+  if (ema) ema->restore(*trainable);
+  trainable->train();
+  // Every rank learns whether any abandoned it before the gather (a rank that finished its
+  // share while another stopped must not wait in the gather for images that never come).
+  auto any_abandoned = acc->reduce(
+      torch::tensor({static_cast<double>(abandoned || stop_requested())}, torch::kFloat64), "sum");
+  if (any_abandoned.item<double>() > 0) {
     acc->print(
-        "{} received: saving checkpoint-{}, then stopping (a second signal to the launcher "
-        "stops at once{}); continue with --resume_from_checkpoint latest --output_dir {}",
-        signo == SIGINT    ? "SIGINT"
-        : signo == SIGTERM ? "SIGTERM"
-                           : "a stop signal (on "
-                             "another rank)",
-        global_step,
-        last.empty() ? ", with no checkpoint saved yet"
-                     : ", and the run resumes from " + fs::path(last).filename().string(),
-        o.output_dir);
+        "validation at step {} abandoned after {:.1f} s: a stop signal came; saving the "
+        "checkpoint instead",
+        global_step, seconds_since(started));
+    return false;
   }
-
-  [[noreturn]] void throw_interrupted() {
-    if (trackers) trackers->flush();
-    throw Error("training interrupted by a signal at step " + std::to_string(global_step) +
-                (abandoned_validation ? " (validation abandoned)" : "") + "; checkpoint saved in " +
-                (out_dir / ("checkpoint-" + std::to_string(global_step))).string() +
-                "; continue with: " + resume_command());
+  auto gathered = acc->gather(images.contiguous());
+  if (!acc->is_main_process()) return true;
+  // Each rank's block is its range padded to the same length; keep the real images in order.
+  const auto per_rank = static_cast<int64_t>(mine.size());
+  std::vector<torch::Tensor> keep;
+  for (int r = 0; r < acc->num_processes(); ++r) {
+    const int64_t count = K / acc->num_processes() + (r < K % acc->num_processes() ? 1 : 0);
+    if (count > 0) keep.push_back(gathered.narrow(0, r * per_rank, count));
   }
+  const fs::path dir = out_dir / "samples";
+  fs::create_directories(dir);
+  char name[64];
+  std::snprintf(name, sizeof name, "step-%06lld.png", static_cast<long long>(global_step));
+  card_images = torch::cat(keep), card_labels = task->validation_labels(K);
+  card_images_step = global_step;
+  auto grid = io::save_image_grid((dir / name).string(), card_images, card_labels,
+                                  task->validation_columns());
+  if (trackers) trackers->log_image("validation", grid, global_step);
+  log::info("validation samples{}: {} ({:.1f} s)", task->validation_note(), (dir / name).string(),
+            seconds_since(started));
+  return true;
+}
 
-  TrainResult train() {
-    StopSignals signals;
-    const int64_t world = acc->num_processes();
-    // Samples per update as counted in samples/s: the global batch, or the whole dataset when it
-    // is smaller (each update then repeats examples: Accelerate's even batches wrap around).
-    const int64_t examples = task->dataset()->size();
-    const int64_t full_batch = o.train_batch_size * world * o.gradient_accumulation_steps;
-    const int64_t global_batch = std::min(full_batch, examples);
-    if (examples < full_batch) {
-      acc->warn(
-          "the dataset has {} example(s), fewer than one global batch of {} (--train_batch_size "
-          "{} x {} process(es) x --gradient_accumulation_steps {}): each update repeats examples, "
-          "and samples/s counts the {} distinct ones; lower --train_batch_size, or use more images "
-          "(or --dataset_repeats)",
-          examples, full_batch, o.train_batch_size, world, o.gradient_accumulation_steps, examples);
-    }
-    auto window_start = Clock::now();
-    const auto run_start = window_start;
-    const int64_t first_step = global_step;
-    int64_t window_steps = 0;
-    // The training loop's own speed, as the Python peer (bench/vs_peer.sh) times it: the updates
-    // after the first kTimingSkip (warm-up: first-touch allocations, oneDNN kernel creation).
-    constexpr int64_t kTimingSkip = 2;
-    std::optional<Clock::time_point> timed_start;
-    // Seconds spent saving checkpoints and validating: left out of it/s, the ETA and the timing
-    // line, which measure the updates (issue 38: a validation made updates look 15x slower).
-    double window_paused_s = 0.0, timed_paused_s = 0.0, run_paused_s = 0.0;
-    auto paused = [&](auto&& work) {
-      const auto begin = Clock::now();
-      work();
-      const double s = seconds_since(begin);
-      window_paused_s += s;
-      run_paused_s += s;
-      if (timed_start) timed_paused_s += s;
-    };
-    double window_loss = 0.0, micro_loss = 0.0;
-    int64_t micro_count = 0;
-    bool stopped = false;
-    auto trainable = task->trainable();
-    auto params = trainable->parameters();
-
-    while (global_step < total_steps && !stopped) {
-      const int64_t epoch = loader->state().epoch;
-      task->set_epoch(epoch);
-      trainable->train();
-      for (const auto& batch : *loader) {
-        // accumulate: one micro-batch's forward and backward
-        auto micro = acc->accumulate();
-        torch::Tensor loss;
-        {
-          auto autocast = acc->autocast();
-          loss = task->loss(batch, epoch, acc->device());
-        }
-        acc->backward(loss);
-        micro_loss += loss.item<double>();
-        ++micro_count;
-        core::note_progress();
-        // step: clip (the norm is logged even without clipping), update, schedule
-        double grad_norm = std::numeric_limits<double>::quiet_NaN();
-        if (acc->sync_gradients()) {
-          grad_norm = acc->clip_grad_norm_(params, o.max_grad_norm > 0
-                                                       ? o.max_grad_norm
-                                                       : std::numeric_limits<double>::infinity());
-        }
-        const double lr_used = lr_schedule->get_last_lr().at(0);
-        optimizer->step();
-        scheduler->step();
-        optimizer->zero_grad();
-        if (!acc->sync_gradients()) continue;
-
-        ++global_step;
-        if (ema) {
-          // The EMA reads every parameter: gathered for it under FULL_SHARD.
-          auto full = acc->summon_full_params();
-          ema->step(*trainable);
-        }
-        // One small all-reduce per update: the loss over every rank, and whether any rank was
-        // asked to stop (the launcher signals every rank, but they must stop at the same step).
-        auto agreed = torch::tensor({micro_loss / std::max<int64_t>(micro_count, 1),
-                                     static_cast<double>(g_stop_signal.load() != 0)},
-                                    torch::kFloat64);
-        agreed = acc->reduce(agreed, "sum");
-        last_loss = agreed[0].item<double>() / static_cast<double>(world);
-        stopped = agreed[1].item<double>() > 0;
-        micro_loss = 0.0;
-        micro_count = 0;
-        window_loss += last_loss;
-        ++window_steps;
-
-        // log
-        if (!wrote_run_info) write_run_info();
-        if (trackers) {
-          std::map<std::string, double> scalars = {
-              {"loss", last_loss}, {"lr", lr_used}, {"grad_norm", grad_norm}};
-          scalars["samples_per_second"] =
-              static_cast<double>((global_step - first_step) * global_batch) /
-              std::max(seconds_since(run_start) - run_paused_s, 1e-9);
-          if (acc->mixed_precision() == accel::MixedPrecision::kFp16) {
-            scalars["loss_scale"] = acc->loss_scale();
-          }
-          if (ema) scalars["ema_decay"] = ema->cur_decay_value();
-          trackers->log_scalars(scalars, global_step);
-        }
-        if (acc->is_main_process() &&
-            (global_step % o.logging_steps == 0 || global_step == total_steps)) {
-          const double its =
-              window_steps / std::max(seconds_since(window_start) - window_paused_s, 1e-9);
-          log::info(
-              "step {}/{} | {:.2f} it/s | {:.1f} samples/s | loss {:.4f} | lr {:.2e} | ETA {}",
-              global_step, total_steps, its, its * global_batch, window_loss / window_steps,
-              lr_used, format_duration((total_steps - global_step) / its));
-          window_start = Clock::now();
-          window_paused_s = 0.0;
-          window_steps = 0;
-          window_loss = 0.0;
-        }
-        if (global_step == first_step + kTimingSkip) timed_start = Clock::now();
-        // checkpoint, validate (the last step's come after the loop)
-        const bool last = global_step >= total_steps;
-        if (stopped) announce_stop();
-        bool saved = false, paused_here = false;
-        if (stopped ||
-            (o.checkpointing_steps > 0 && global_step % o.checkpointing_steps == 0 && !last)) {
-          paused([&] { save_checkpoint(); });
-          saved = paused_here = true;
-        }
-        if (!stopped && o.validation_steps > 0 && global_step % o.validation_steps == 0 && !last) {
-          paused([&] {
-            if (!validate()) stopped = abandoned_validation = true;
-          });
-          trainable->train();
-          paused_here = true;
-        }
-        // A signal that came during a save or a validation stops the run here, not one update
-        // later (a preempted job may not have the time for another update and save).
-        if (!stopped && paused_here) {
-          stopped = acc->reduce(torch::tensor({static_cast<double>(g_stop_signal.load() != 0)},
-                                              torch::kFloat64),
-                                "sum")
-                        .item<double>() > 0;
-          if (stopped) announce_stop();
-        }
-        if (stopped && !saved) paused([&] { save_checkpoint(); });
-        if (last || stopped) break;
-      }
-    }
-
-    if (stopped) throw_interrupted();
-    if (!wrote_run_info) write_run_info();
-    if (timed_start && global_step > first_step + kTimingSkip) {
-      const double seconds = seconds_since(*timed_start) - timed_paused_s;
-      const int64_t timed = global_step - first_step - kTimingSkip;
-      acc->print(
-          "timing: training loop {:.2f} samples/s, {:.1f} ms per update (updates {}-{}, {:.3f} s; "
-          "the first {} are warm-up; {:.3f} s of checkpoints and validation left out)",
-          static_cast<double>(timed * global_batch) / seconds, 1000.0 * seconds / timed,
-          first_step + kTimingSkip + 1, global_step, seconds, kTimingSkip, timed_paused_s);
-    }
-    auto phase_start = Clock::now();
-    auto phase = [&phase_start] {
-      const double s = seconds_since(phase_start);
-      phase_start = Clock::now();
-      return s;
-    };
-    save_checkpoint();
-    const double checkpoint_s = phase();
-    if (final_validation_wanted() && !validate()) {
-      abandoned_validation = true;
-      throw_interrupted();
-    }
-    const double validation_s = phase();
-    export_final();
-    const double export_s = phase();
-    acc->print(
-        "timing: end of run {:.2f} s (last checkpoint {:.2f} s, validation {:.2f} s, "
-        "export {:.2f} s)",
-        checkpoint_s + validation_s + export_s, checkpoint_s, validation_s, export_s);
-    if (trackers) trackers->flush();
-    acc->print("done: {} updates, final loss {:.4f}, output in {}", global_step, last_loss,
-               o.output_dir);
-    return {o.output_dir, global_step, last_loss};
+void Trainer::State::export_final() {
+  core::PhaseScope phase("exporting the trained model");
+  auto full = acc->summon_full_params();
+  if (acc->is_main_process()) {
+    if (ema) ema->copy_to(*task->trainable());  // the export uses EMA weights
+    task->export_to(out_dir);
+    auto card = task->model_card();  // README.md, with the final render's images if any
+    card.run = model_card_run(o, acc->num_processes(), accel::to_string(acc->mixed_precision()),
+                              global_step);
+    const bool fresh = card_images_step == global_step;
+    write_model_card(out_dir, card, fresh ? card_images : torch::Tensor(), card_labels);
   }
-};
+  acc->wait_for_everyone();
+}
+
+std::string Trainer::State::resume_command() const {
+  std::string cmd = user_command();
+  if (cmd.empty()) cmd = "difftrain train <your options>";
+  // The folder now holds this run: clearing it again would delete the checkpoint.
+  for (const char* flag : {" --overwrite_output_dir true", " --overwrite_output_dir 1",
+                           " --overwrite_output_dir=true", " --overwrite_output_dir"}) {
+    for (auto at = cmd.find(flag); at != std::string::npos; at = cmd.find(flag)) {
+      cmd.erase(at, std::string(flag).size());
+    }
+  }
+  if (cmd.find("--output_dir") == std::string::npos) {
+    cmd += " --output_dir " + shell_command({o.output_dir});
+  }
+  if (cmd.find("--resume_from_checkpoint") == std::string::npos) {
+    cmd += " --resume_from_checkpoint latest";
+  } else if (o.resume_from_checkpoint != "latest") {
+    cmd += " (with --resume_from_checkpoint latest)";
+  }
+  return cmd;
+}
+
+void Trainer::State::announce_stop() {
+  const int signo = stop ? stop->signal() : 0;
+  // Said now, since a second signal ends the run before it can say anything more.
+  const std::string last = acc->is_main_process() ? latest_checkpoint(o.output_dir) : "";
+  acc->print(
+      "{} received: saving checkpoint-{}, then stopping (a second signal to the launcher "
+      "stops at once{}); continue with --resume_from_checkpoint latest --output_dir {}",
+      signo == SIGINT    ? "SIGINT"
+      : signo == SIGTERM ? "SIGTERM"
+                         : "a stop signal (on "
+                           "another rank)",
+      global_step,
+      last.empty() ? ", with no checkpoint saved yet"
+                   : ", and the run resumes from " + fs::path(last).filename().string(),
+      o.output_dir);
+}
+
+[[noreturn]] void Trainer::State::throw_interrupted() {
+  if (trackers) trackers->flush();
+  throw Error("training interrupted by a signal at step " + std::to_string(global_step) +
+              (abandoned_validation ? " (validation abandoned)" : "") + "; checkpoint saved in " +
+              (out_dir / ("checkpoint-" + std::to_string(global_step))).string() +
+              "; continue with: " + resume_command());
+}
 
 Trainer::Trainer(TrainerOptions options, std::unique_ptr<TrainingTask> task)
     : s_(std::make_unique<State>()) {

@@ -5,7 +5,7 @@
 // transcription, the per-sample streams, and the option errors.
 
 #include "difftrain/core/error.h"
-#include "difftrain/data/sample_rng.h"
+#include "difftrain/core/sample_rng.h"
 #include "difftrain/diffusion/flow_match_objective.h"
 #include "difftrain/families/flux/denoiser.h"
 #include "difftrain/io/safetensors.h"
@@ -163,9 +163,9 @@ TEST(FlowMatchObjective, KohyaSamplingsFollowTheirFormulas) {
     o.discrete_flow_shift = shift;
     o.sigmoid_scale = scale;
     const FlowMatchObjective obj(flux_scheduler_config(), "scheduler_config.json", o);
-    auto g = difftrain::data::sample_generator(7, 0, 3, difftrain::data::SampleStream::kTimestep);
+    auto g = difftrain::core::sample_generator(7, 0, 3, difftrain::core::SampleStream::kTimestep);
     const double u = obj.draw(g).item<double>();
-    auto g2 = difftrain::data::sample_generator(7, 0, 3, difftrain::data::SampleStream::kTimestep);
+    auto g2 = difftrain::core::sample_generator(7, 0, 3, difftrain::core::SampleStream::kTimestep);
     const double z = mode == "uniform" ? torch::rand({1}, g2, torch::kFloat32).item<double>()
                                        : torch::randn({1}, g2, torch::kFloat32).item<double>();
     double expect = mode == "uniform" ? z : 1 / (1 + std::exp(-scale * z));
@@ -202,7 +202,7 @@ TEST(FlowMatchObjective, SigmaSqrtWeightsAndDensitiesHaveTheirShapes) {
     const FlowMatchObjective o2(flux_scheduler_config(), "scheduler_config.json", d);
     double sum = 0;
     for (int64_t k = 0; k < 4000; ++k) {
-      auto g = difftrain::data::sample_generator(1, 0, k, difftrain::data::SampleStream::kTimestep);
+      auto g = difftrain::core::sample_generator(1, 0, k, difftrain::core::SampleStream::kTimestep);
       const double u = o2.draw(g).item<double>();
       ASSERT_GT(u, 0.0);
       ASSERT_LT(u, 1.0);

@@ -4,7 +4,7 @@
 #include "difftrain/diffusion/objective.h"
 
 #include "difftrain/core/error.h"
-#include "difftrain/data/sample_rng.h"
+#include "difftrain/core/sample_rng.h"
 #include "difftrain/diffusion/scheduler_config.h"
 #include "difftrain/families/unet/denoiser.h"
 #include "test_util.h"
@@ -29,8 +29,8 @@ std::shared_ptr<diffusion::NoiseScheduler> ddpm(diffusion::PredictionType type) 
 // The draws DdpmObjective makes for sample `key`, redone here: noise [shape] and t.
 std::pair<torch::Tensor, int64_t> draws(uint64_t seed, int64_t epoch, int64_t key,
                                         const std::vector<int64_t>& shape) {
-  auto gn = data::sample_generator(seed, epoch, key, data::SampleStream::kNoise);
-  auto gt = data::sample_generator(seed, epoch, key, data::SampleStream::kTimestep);
+  auto gn = core::sample_generator(seed, epoch, key, core::SampleStream::kNoise);
+  auto gt = core::sample_generator(seed, epoch, key, core::SampleStream::kTimestep);
   return {torch::randn(shape, gn, torch::kFloat32),
           torch::randint(0, 1000, {1}, gt, torch::kInt64).item<int64_t>()};
 }
@@ -90,7 +90,7 @@ TEST(Objective, OffsetNoiseIsOneValuePerChannelForAnySampleRank) {
     auto x0 = torch::zeros(shape);
     const auto noised = objective.noise(x0, {1, 2}, 0, torch::kCPU);
     const std::vector<int64_t> one(shape.begin() + 1, shape.end());
-    auto gn = data::sample_generator(0, 0, 2, data::SampleStream::kNoise);
+    auto gn = core::sample_generator(0, 0, 2, core::SampleStream::kNoise);
     auto noise = torch::randn(one, gn, torch::kFloat32);
     std::vector<int64_t> offset_shape(one.size(), 1);
     offset_shape[0] = one[0];

@@ -5,7 +5,7 @@
 #include <ATen/core/Generator.h>
 #include <cstdint>
 
-namespace difftrain::data {
+namespace difftrain::core {
 
 /// The streams the trainer and the datasets draw from; one key per purpose, so that adding a draw
 /// to one purpose never shifts another's numbers.
@@ -25,4 +25,4 @@ uint64_t sample_seed(uint64_t seed, int64_t epoch, int64_t index, SampleStream s
 /// A CPU generator seeded sample_seed(...).
 at::Generator sample_generator(uint64_t seed, int64_t epoch, int64_t index, SampleStream stream);
 
-}  // namespace difftrain::data
+}  // namespace difftrain::core

@@ -66,6 +66,34 @@ struct MemoryEstimateOptions {
   int64_t encoder_sequence_length = 0;
 };
 
+/// `difftrain estimate-memory`'s flags as given (names and spellings of `difftrain train`'s).
+struct MemoryEstimateFlags {
+  int num_processes = 1;
+  std::string sharding_strategy = "NO_SHARD";  ///< any spelling parse_sharding_strategy takes
+  std::string mixed_precision = "no";
+  bool use_8bit_adam = false;
+  std::string optimizer = "adamw";  ///< any case
+  bool lora = false;
+  int64_t rank = 4;
+  std::vector<std::string> lora_target_modules;
+  std::string base_weights_dtype = "none";  ///< any case
+  bool train_text_encoder = false;
+  int64_t batch_size = 1;
+  int64_t resolution = 0;
+  bool gradient_checkpointing = false;
+  int64_t encoder_sequence_length = 0;
+  std::string auto_wrap_policy = "TRANSFORMER_BASED_WRAP";  ///< any case
+  std::vector<std::string> wrap_classes;
+  int64_t min_num_params = 100000000;
+  std::string offload_optimizer_device = "none";
+  std::string offload_param_device = "none";
+};
+
+/// The options `flags` describe, parsed and checked with the trainer's rules (sharding strategy,
+/// mixed precision, offload devices and their combination). Throws difftrain::Error (one line)
+/// naming the flag.
+MemoryEstimateOptions memory_estimate_options(const MemoryEstimateFlags& flags);
+
 /// Per-rank bytes of one run. With P trainable elements in units of n_u elements, S_u =
 /// ceil(n_u / N), Sh = Σ S_u, Ppad = N·Sh, Umax = max_u N·S_u, Uroot = N·S_root:
 ///   NO_SHARD         params 4P, grads 4P, optimizer over the full parameters

@@ -7,8 +7,8 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/core/paths.h"
+#include "difftrain/core/sample_rng.h"
 #include "difftrain/data/mnist.h"
-#include "difftrain/data/sample_rng.h"
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/families/unet/pipeline.h"
 #include "difftrain/io/atomic_file.h"
@@ -100,7 +100,7 @@ class UNetTask final : public DiffusionTask {
       if (cond) {
         int64_t label = label_cpu[i].item<int64_t>();
         if (dropout > 0 && null_class_ >= 0) {
-          auto gd = data::sample_generator(o_.noise.seed, epoch, idx, data::SampleStream::kDropout);
+          auto gd = core::sample_generator(o_.noise.seed, epoch, idx, core::SampleStream::kDropout);
           if (torch::rand({1}, gd).item<double>() < dropout) label = null_class_;
         }
         labels.push_back(label);
