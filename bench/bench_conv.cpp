@@ -8,8 +8,8 @@
 //   build/bench/bench_conv [--batch 16] [--rounds 5] [--steps 10]
 
 #include "difftrain/distributed/process_group.h"
+#include "difftrain/models/kernels/winograd_conv.h"
 #include "difftrain/models/linear.h"
-#include "difftrain/models/winograd_conv.h"
 
 #include <fmt/format.h>
 #include <torch/torch.h>

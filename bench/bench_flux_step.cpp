@@ -24,9 +24,9 @@
 #include "difftrain/accel/accelerator.h"
 #include "difftrain/core/error.h"
 #include "difftrain/families/flux/lora_layouts.h"
-#include "difftrain/models/flux_transformer.h"
-#include "difftrain/models/lora_training.h"
-#include "difftrain/models/quantized_weight.h"
+#include "difftrain/models/kernels/quantized_weight.h"
+#include "difftrain/models/lora/lora_training.h"
+#include "difftrain/models/transformers/flux_transformer.h"
 #include "difftrain/optim/adamw.h"
 #include "difftrain/optim/adamw8bit.h"
 

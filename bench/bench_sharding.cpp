@@ -13,7 +13,7 @@
 
 #include "difftrain/accel/accelerator.h"
 #include "difftrain/core/error.h"
-#include "difftrain/models/unet.h"
+#include "difftrain/models/unets/unet.h"
 #include "difftrain/optim/adamw.h"
 
 #include <torch/torch.h>

@@ -14,7 +14,7 @@
 //
 //   build/bench/bench_tokenizer [--benchmark_repetitions=3]
 
-#include "difftrain/models/clip_tokenizer.h"
+#include "difftrain/models/tokenizers/clip_tokenizer.h"
 #include "source_dir.h"
 
 #include <benchmark/benchmark.h>

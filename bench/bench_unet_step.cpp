@@ -25,8 +25,8 @@
 #include "difftrain/core/error.h"
 #include "difftrain/diffusion/noise_scheduler.h"
 #include "difftrain/diffusion/scheduler_config.h"
-#include "difftrain/models/lora_training.h"
-#include "difftrain/models/unet.h"
+#include "difftrain/models/lora/lora_training.h"
+#include "difftrain/models/unets/unet.h"
 #include "difftrain/optim/adamw.h"
 
 #include <torch/csrc/autograd/profiler_legacy.h>

@@ -1,8 +1,8 @@
 #include "commands.h"
 #include "difftrain/distributed/process_group.h"
 #include "difftrain/launch/env_report.h"
-#include "difftrain/models/fused_ops.h"
-#include "difftrain/models/winograd_conv.h"
+#include "difftrain/models/kernels/fused_ops.h"
+#include "difftrain/models/kernels/winograd_conv.h"
 
 #include <iostream>
 #include <string>

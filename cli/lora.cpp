@@ -10,7 +10,7 @@
 #include "difftrain/distributed/process_group.h"
 #include "difftrain/families/family.h"
 #include "difftrain/io/lora_format.h"
-#include "difftrain/models/lora_folder.h"
+#include "difftrain/models/lora/lora_folder.h"
 
 namespace difftrain::cli {
 

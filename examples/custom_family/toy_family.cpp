@@ -12,8 +12,8 @@
 #include "difftrain/models/attention.h"
 #include "difftrain/models/layers.h"
 #include "difftrain/models/linear.h"
-#include "difftrain/models/lora.h"
-#include "difftrain/models/lora_training.h"
+#include "difftrain/models/lora/lora.h"
+#include "difftrain/models/lora/lora_training.h"
 #include "difftrain/train/flow_matching_options.h"
 #include "difftrain/train/memory_estimate.h"
 

@@ -12,10 +12,7 @@
 
 namespace difftrain::families {
 namespace fs = std::filesystem;
-namespace {
-
-// The module names of the safetensors weights `path` (keys ending in .weight), from its header.
-std::vector<std::string> weight_module_names(const std::string& path) {
+std::vector<std::string> safetensors_module_names(const std::string& path) {
   std::vector<std::string> names;
   for (const auto& [key, entry] : io::read_safetensors_header(path).tensors) {
     (void)entry;
@@ -26,14 +23,12 @@ std::vector<std::string> weight_module_names(const std::string& path) {
   return names;
 }
 
-}  // namespace
-
 void adapt_text_encoder_lora(io::LoraWeights& lora, const std::string& dir,
                              const std::string& component) {
   const fs::path folder = fs::path(dir) / component;
   if (lora.count(component) == 0 || !fs::is_directory(folder)) return;
   io::resolve_kohya_names(lora, component,
-                          weight_module_names((folder / "model.safetensors").string()));
+                          safetensors_module_names((folder / "model.safetensors").string()));
 }
 
 void check_lora_fits_family(const io::LoraWeights& lora, const std::string& lora_path,

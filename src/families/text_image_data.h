@@ -16,7 +16,7 @@
 #include "difftrain/accel/accelerator.h"
 #include "difftrain/data/buckets.h"
 #include "difftrain/diffusion/text_encoders.h"
-#include "difftrain/models/autoencoder_kl.h"
+#include "difftrain/models/autoencoders/autoencoder_kl.h"
 #include "difftrain/train/text_image_dataset.h"
 #include "difftrain/train/training_task.h"
 

@@ -1,7 +1,7 @@
 #include "difftrain/models/attention.h"
 
 #include "difftrain/core/error.h"
-#include "difftrain/models/fused_ops.h"
+#include "difftrain/models/kernels/fused_ops.h"
 #include "difftrain/models/layers.h"
 
 #include <torch/nn/functional/activation.h>

@@ -1,8 +1,8 @@
 #include "difftrain/models/layers.h"
 
 #include "difftrain/core/error.h"
-#include "difftrain/models/fused_ops.h"
-#include "difftrain/models/winograd_conv.h"
+#include "difftrain/models/kernels/fused_ops.h"
+#include "difftrain/models/kernels/winograd_conv.h"
 
 #include <torch/autograd.h>
 #include <torch/nn/functional/activation.h>

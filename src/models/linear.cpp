@@ -3,8 +3,8 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/torch_compat.h"
 #include "difftrain/models/checkpointing.h"
-#include "difftrain/models/fused_ops.h"
-#include "difftrain/models/winograd_conv.h"
+#include "difftrain/models/kernels/fused_ops.h"
+#include "difftrain/models/kernels/winograd_conv.h"
 
 #include <torch/nn/functional/conv.h>
 #include <torch/nn/functional/dropout.h>

@@ -3,7 +3,7 @@
 #include "difftrain/accel/precision.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
-#include "difftrain/models/quantized_weight.h"
+#include "difftrain/models/kernels/quantized_weight.h"
 #include "difftrain/optim/quantize.h"
 
 #include <fmt/format.h>

@@ -7,7 +7,7 @@
 #include "difftrain/core/error.h"
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/diffusion/scheduler_config.h"
-#include "difftrain/models/quantized_weight.h"
+#include "difftrain/models/kernels/quantized_weight.h"
 #include "difftrain/settings/config_merge.h"
 #include "difftrain/settings/sharding_config.h"
 

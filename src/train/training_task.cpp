@@ -1,7 +1,7 @@
 // The counts every training task reports (training_task.h).
 #include "difftrain/train/training_task.h"
 
-#include "difftrain/models/quantized_weight.h"
+#include "difftrain/models/kernels/quantized_weight.h"
 
 #include <fmt/format.h>
 

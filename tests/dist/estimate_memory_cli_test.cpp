@@ -4,8 +4,8 @@
 
 #include "subprocess.h"
 
-#include "difftrain/models/unet.h"
-#include "difftrain/models/unet_config.h"
+#include "difftrain/models/unets/unet.h"
+#include "difftrain/models/unets/unet_config.h"
 #include "program_paths.h"
 #include "source_dir.h"
 

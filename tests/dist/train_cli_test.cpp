@@ -8,7 +8,7 @@
 
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"
-#include "difftrain/models/lora.h"
+#include "difftrain/models/lora/lora.h"
 #include "source_dir.h"
 
 #include <gtest/gtest.h>

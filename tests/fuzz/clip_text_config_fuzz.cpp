@@ -1,5 +1,5 @@
 // Fuzzes models::parse_clip_text_config (a Transformers CLIPTextModel / CLIPModel config.json).
-#include "difftrain/models/clip_text_model.h"
+#include "difftrain/models/text_encoders/clip_text_model.h"
 #include "fuzz_util.h"
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {

@@ -1,6 +1,6 @@
 // Fuzzes models::ClipTokenizer::encode on arbitrary bytes as the prompt (invalid UTF-8, HTML
 // entities, special-token texts, long words), with a small fixed vocabulary written once.
-#include "difftrain/models/clip_tokenizer.h"
+#include "difftrain/models/tokenizers/clip_tokenizer.h"
 #include "fuzz_files.h"
 #include "fuzz_util.h"
 

@@ -1,7 +1,7 @@
 // Fuzzes loading a CLIP tokenizer folder (models::ClipTokenizer::from_folder): the input holds
 // vocab.json, merges.txt, tokenizer_config.json and added_tokens.json separated by lines
 // "--8<--" (see split_parts); an empty part is an absent file. The tokenizer then encodes a prompt.
-#include "difftrain/models/clip_tokenizer.h"
+#include "difftrain/models/tokenizers/clip_tokenizer.h"
 #include "fuzz_files.h"
 #include "fuzz_util.h"
 

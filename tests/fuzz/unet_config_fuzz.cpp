@@ -1,6 +1,6 @@
 // Fuzzes models::UNetConfig::parse (a Diffusers UNet2DModel / UNet2DConditionModel config.json)
 // and its to_json round trip.
-#include "difftrain/models/unet_config.h"
+#include "difftrain/models/unets/unet_config.h"
 #include "fuzz_util.h"
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {

@@ -1,5 +1,5 @@
 // Fuzzes models::parse_autoencoder_kl_config (a Diffusers AutoencoderKL config.json).
-#include "difftrain/models/autoencoder_kl.h"
+#include "difftrain/models/autoencoders/autoencoder_kl.h"
 #include "fuzz_util.h"
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {

@@ -14,7 +14,7 @@
 #include "difftrain/accel/accelerator.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/pretrained.h"
-#include "difftrain/models/unet.h"
+#include "difftrain/models/unets/unet.h"
 #include "source_dir.h"
 
 #include <ATen/Context.h>

@@ -7,8 +7,8 @@
 #include "../unit/sharding_run.h"
 #include "cuda_required.h"
 
+#include "difftrain/models/kernels/quantized_weight.h"
 #include "difftrain/models/linear.h"
-#include "difftrain/models/quantized_weight.h"
 
 #include <torch/torch.h>
 

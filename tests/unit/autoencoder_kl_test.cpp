@@ -1,7 +1,7 @@
 // Diffusers' AutoencoderKL: parity with the tiny SD fixture (moments, posterior, seeded sample,
 // decode), exact key names, non-square inputs, other configurations, save/load, config errors.
 
-#include "difftrain/models/autoencoder_kl.h"
+#include "difftrain/models/autoencoders/autoencoder_kl.h"
 #include "difftrain/core/error.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/pretrained.h"

@@ -1,7 +1,7 @@
 // Transformers' CLIPTextModel: parity with the tiny SD fixture, clip skip and the gelu variants
 // against an independent float64 transcription, exact key names, strict loading, config errors.
 
-#include "difftrain/models/clip_text_model.h"
+#include "difftrain/models/text_encoders/clip_text_model.h"
 #include "difftrain/core/error.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/pretrained.h"

@@ -3,7 +3,7 @@
 // ASCII), special and added tokens, SD-2-style padding, the word cache under threads, and every
 // loading error.
 
-#include "difftrain/models/clip_tokenizer.h"
+#include "difftrain/models/tokenizers/clip_tokenizer.h"
 #include "difftrain/core/error.h"
 
 #include "test_util.h"

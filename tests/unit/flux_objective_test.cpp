@@ -9,7 +9,7 @@
 #include "difftrain/diffusion/flow_match_objective.h"
 #include "difftrain/families/flux/denoiser.h"
 #include "difftrain/io/safetensors.h"
-#include "difftrain/models/lora_training.h"
+#include "difftrain/models/lora/lora_training.h"
 
 #include "test_util.h"
 

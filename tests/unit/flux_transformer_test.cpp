@@ -3,12 +3,12 @@
 // checkpointing, bf16, a FLUX.1-schnell style config (no guidance), other sizes, save/load and
 // config errors. Tolerances are the fixture README's.
 
-#include "difftrain/models/flux_transformer.h"
+#include "difftrain/models/transformers/flux_transformer.h"
 #include "difftrain/core/error.h"
 #include "difftrain/io/safetensors.h"
-#include "difftrain/models/flux_packing.h"
 #include "difftrain/models/layers.h"
 #include "difftrain/models/pretrained.h"
+#include "difftrain/models/transformers/flux_packing.h"
 
 #include "test_util.h"
 

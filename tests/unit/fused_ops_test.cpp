@@ -2,12 +2,12 @@
 // ops: attention and GroupNorm(+SiLU) outputs and every gradient, on shapes that are not multiples
 // of the vector width, in contiguous and channels-last memory; then whole UNets with the kernels on
 // (channels-last activations) against the same UNets with them off.
-#include "difftrain/models/fused_ops.h"
+#include "difftrain/models/kernels/fused_ops.h"
 
 #include "difftrain/models/attention.h"
 #include "difftrain/models/linear.h"
-#include "difftrain/models/unet.h"
-#include "difftrain/models/unet_config.h"
+#include "difftrain/models/unets/unet.h"
+#include "difftrain/models/unets/unet_config.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>

@@ -9,9 +9,9 @@
 #include "difftrain/io/lora_adapter_config.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"
-#include "difftrain/models/lora.h"
+#include "difftrain/models/lora/lora.h"
 #include "difftrain/models/pretrained.h"
-#include "difftrain/models/unet.h"
+#include "difftrain/models/unets/unet.h"
 
 #include "test_util.h"
 

@@ -2,7 +2,7 @@
 // to the same updates; merge_lora adds exactly scale * up @ down to a module tree named like
 // Diffusers' UNet; malformed files and mismatched models give one-line errors naming the problem.
 
-#include "difftrain/models/lora.h"
+#include "difftrain/models/lora/lora.h"
 #include "difftrain/core/error.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"

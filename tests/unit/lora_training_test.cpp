@@ -2,15 +2,15 @@
 // adapted forward equals the base model with the exported LoRA merged in (Linear and Conv2d
 // targets, alpha != rank); backward reaches only the adapters; bad targets give one-line errors.
 
-#include "difftrain/models/lora_training.h"
+#include "difftrain/models/lora/lora_training.h"
 #include "difftrain/core/error.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/lora_adapter_config.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"
-#include "difftrain/models/lora.h"
+#include "difftrain/models/lora/lora.h"
 #include "difftrain/models/pretrained.h"
-#include "difftrain/models/unet.h"
+#include "difftrain/models/unets/unet.h"
 
 #include "test_util.h"
 

@@ -7,8 +7,8 @@
 #include "difftrain/core/error.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"
-#include "difftrain/models/lora.h"
-#include "difftrain/models/lora_folder.h"
+#include "difftrain/models/lora/lora.h"
+#include "difftrain/models/lora/lora_folder.h"
 #include "difftrain/models/pretrained.h"
 
 #include "test_util.h"

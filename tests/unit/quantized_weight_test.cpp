@@ -3,15 +3,15 @@
 // holding only 8 bits, LoRA training on top, the whole-model pass with its size rule, and the
 // forward error against the bf16 base on the FLUX.1 and SD fixtures.
 
-#include "difftrain/models/quantized_weight.h"
+#include "difftrain/models/kernels/quantized_weight.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/torch_compat.h"
 #include "difftrain/io/safetensors.h"
-#include "difftrain/models/flux_transformer.h"
 #include "difftrain/models/linear.h"
-#include "difftrain/models/lora_training.h"
+#include "difftrain/models/lora/lora_training.h"
 #include "difftrain/models/pretrained.h"
-#include "difftrain/models/unet.h"
+#include "difftrain/models/transformers/flux_transformer.h"
+#include "difftrain/models/unets/unet.h"
 #include "source_dir.h"
 #include "test_util.h"
 

@@ -5,7 +5,7 @@
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"
-#include "difftrain/models/lora_training.h"
+#include "difftrain/models/lora/lora_training.h"
 #include "source_dir.h"
 #include "test_util.h"
 

@@ -3,11 +3,11 @@
 // the UNet with "text_time" added conditioning, and the VAE. Tolerances are the README's.
 
 #include "difftrain/io/safetensors.h"
-#include "difftrain/models/autoencoder_kl.h"
-#include "difftrain/models/clip_text_model.h"
-#include "difftrain/models/clip_tokenizer.h"
+#include "difftrain/models/autoencoders/autoencoder_kl.h"
 #include "difftrain/models/pretrained.h"
-#include "difftrain/models/unet.h"
+#include "difftrain/models/text_encoders/clip_text_model.h"
+#include "difftrain/models/tokenizers/clip_tokenizer.h"
+#include "difftrain/models/unets/unet.h"
 #include "sdxl_fixture.h"
 #include "test_util.h"
 

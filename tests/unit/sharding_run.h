@@ -7,8 +7,8 @@
 #include "thread_ranks.h"
 
 #include "difftrain/accel/accelerator.h"
-#include "difftrain/models/lora_training.h"
-#include "difftrain/models/unet.h"
+#include "difftrain/models/lora/lora_training.h"
+#include "difftrain/models/unets/unet.h"
 #include "difftrain/optim/adamw.h"
 #include "difftrain/optim/adamw8bit.h"
 #include "difftrain/optim/prodigy.h"

@@ -5,8 +5,8 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/io/safetensors.h"
-#include "difftrain/models/t5_encoder.h"
-#include "difftrain/models/t5_tokenizer.h"
+#include "difftrain/models/text_encoders/t5_encoder.h"
+#include "difftrain/models/tokenizers/t5_tokenizer.h"
 #include "source_dir.h"
 #include "test_util.h"
 

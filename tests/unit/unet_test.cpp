@@ -1,13 +1,13 @@
 // Diffusers UNets: output parity with the Diffusers 0.31 fixtures, exact key names, strict loading,
 // save/reload, config errors, gradient checkpointing, and configurations beyond the fixtures.
 
-#include "difftrain/models/unet.h"
+#include "difftrain/models/unets/unet.h"
 #include "difftrain/core/error.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/attention.h"
 #include "difftrain/models/layers.h"
-#include "difftrain/models/lora.h"
+#include "difftrain/models/lora/lora.h"
 #include "difftrain/models/pretrained.h"
 
 #include "test_util.h"

@@ -5,9 +5,9 @@
 // blocked-layout variants (bit for bit the plain path's numbers) and ResnetBlock2D running between
 // its convolutions in that layout.
 // On a CPU without a oneDNN Winograd kernel the same tests check that nothing takes the path.
-#include "difftrain/models/winograd_conv.h"
+#include "difftrain/models/kernels/winograd_conv.h"
 
-#include "difftrain/models/fused_ops.h"
+#include "difftrain/models/kernels/fused_ops.h"
 #include "difftrain/models/layers.h"
 #include "difftrain/models/linear.h"
 

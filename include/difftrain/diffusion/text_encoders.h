@@ -6,10 +6,10 @@
 // itself: pipelines encode prompts with it, training tasks tokenize captions, encode batches and
 // key their caches with it, and LoRA finds its encoders by component name.
 
-#include "difftrain/models/clip_text_model.h"
-#include "difftrain/models/clip_tokenizer.h"
-#include "difftrain/models/t5_encoder.h"
-#include "difftrain/models/t5_tokenizer.h"
+#include "difftrain/models/text_encoders/clip_text_model.h"
+#include "difftrain/models/text_encoders/t5_encoder.h"
+#include "difftrain/models/tokenizers/clip_tokenizer.h"
+#include "difftrain/models/tokenizers/t5_tokenizer.h"
 
 #include <torch/types.h>
 

@@ -13,7 +13,7 @@
 #include "difftrain/diffusion/generate.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/lora_layout.h"
-#include "difftrain/models/lora_folder.h"
+#include "difftrain/models/lora/lora_folder.h"
 #include "difftrain/train/memory_estimate.h"
 #include "difftrain/train/train_config.h"
 #include "difftrain/train/trainer.h"
@@ -216,6 +216,10 @@ torch::Device parse_sample_device(const std::string& text);
 /// (io::read_prompt_file's rules), at least one; `folder_kind` (e.g. "Stable Diffusion") names
 /// the folder in the error without any.
 std::vector<std::string> sample_prompts(const SampleOptions& a, const std::string& folder_kind);
+
+/// The module names of the safetensors file `path`'s weights (its keys ending in ".weight", that
+/// suffix cut), read from the header alone: what kohya names resolve against.
+std::vector<std::string> safetensors_module_names(const std::string& path);
 
 /// ModelFamily::adapt_lora's part for a text encoder: the LoRA's kohya names of `component`
 /// resolved against dir/`component`/model.safetensors' weight names, when the LoRA has targets

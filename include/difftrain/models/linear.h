@@ -13,7 +13,7 @@
 
 #include <cstdint>
 
-#include "difftrain/models/quantized_weight.h"
+#include "difftrain/models/kernels/quantized_weight.h"
 
 namespace difftrain::models {
 

@@ -4,7 +4,7 @@
 // reads), with strict, named checks of every key and shape.
 
 #include "difftrain/io/safetensors.h"
-#include "difftrain/models/unet.h"
+#include "difftrain/models/unets/unet.h"
 
 #include <torch/nn/module.h>
 

@@ -6,7 +6,7 @@
 
 #include "difftrain/accel/accelerator.h"
 #include "difftrain/data/image_folder.h"
-#include "difftrain/models/autoencoder_kl.h"
+#include "difftrain/models/autoencoders/autoencoder_kl.h"
 
 #include <torch/types.h>
 

@@ -2,7 +2,7 @@
 #include "difftrain/families/flux/denoiser.h"
 
 #include "difftrain/core/error.h"
-#include "difftrain/models/flux_packing.h"
+#include "difftrain/models/transformers/flux_packing.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>

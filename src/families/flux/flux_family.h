@@ -3,9 +3,9 @@
 
 #include "difftrain/families/family.h"
 #include "difftrain/families/flux/lora_layouts.h"
-#include "difftrain/models/flux_transformer.h"
-#include "difftrain/models/quantized_weight.h"
-#include "difftrain/models/t5_encoder.h"
+#include "difftrain/models/kernels/quantized_weight.h"
+#include "difftrain/models/text_encoders/t5_encoder.h"
+#include "difftrain/models/transformers/flux_transformer.h"
 
 #include <map>
 #include <string>

@@ -16,9 +16,9 @@
 #include "difftrain/core/log.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/lora_format.h"
-#include "difftrain/models/flux_packing.h"
-#include "difftrain/models/lora.h"
+#include "difftrain/models/lora/lora.h"
 #include "difftrain/models/module_info.h"
+#include "difftrain/models/transformers/flux_packing.h"
 
 #include <fmt/format.h>
 #include <torch/torch.h>

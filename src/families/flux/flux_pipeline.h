@@ -9,8 +9,8 @@
 #include "difftrain/diffusion/generate.h"
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/diffusion/text_encoders.h"
-#include "difftrain/models/autoencoder_kl.h"
-#include "difftrain/models/flux_transformer.h"
+#include "difftrain/models/autoencoders/autoencoder_kl.h"
+#include "difftrain/models/transformers/flux_transformer.h"
 
 #include <torch/types.h>
 #include <nlohmann/json.hpp>

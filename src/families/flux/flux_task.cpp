@@ -16,7 +16,7 @@
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"
-#include "difftrain/models/lora_training.h"
+#include "difftrain/models/lora/lora_training.h"
 #include "difftrain/models/module_info.h"
 #include "difftrain/models/pretrained.h"
 #include "difftrain/train/flow_matching_options.h"

@@ -2,8 +2,8 @@
 // checkpoint with Diffusers' `transformer(...)` number for number.
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
-#include "difftrain/models/flux_transformer.h"
-#include "difftrain/models/lora.h"
+#include "difftrain/models/lora/lora.h"
+#include "difftrain/models/transformers/flux_transformer.h"
 #include "flux_family.h"
 
 #include <fmt/format.h>

@@ -4,7 +4,7 @@
 #include "difftrain/core/error.h"
 #include "difftrain/families/family.h"
 #include "difftrain/families/flux/lora_layouts.h"
-#include "difftrain/models/flux_transformer.h"
+#include "difftrain/models/transformers/flux_transformer.h"
 #include "flux_family.h"
 
 #include <filesystem>

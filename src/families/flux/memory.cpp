@@ -6,12 +6,12 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/io/atomic_file.h"
-#include "difftrain/models/autoencoder_kl.h"
-#include "difftrain/models/clip_text_model.h"
-#include "difftrain/models/flux_packing.h"
-#include "difftrain/models/flux_transformer.h"
-#include "difftrain/models/quantized_weight.h"
-#include "difftrain/models/t5_encoder.h"
+#include "difftrain/models/autoencoders/autoencoder_kl.h"
+#include "difftrain/models/kernels/quantized_weight.h"
+#include "difftrain/models/text_encoders/clip_text_model.h"
+#include "difftrain/models/text_encoders/t5_encoder.h"
+#include "difftrain/models/transformers/flux_packing.h"
+#include "difftrain/models/transformers/flux_transformer.h"
 #include "flux_family.h"
 
 #include <fmt/format.h>

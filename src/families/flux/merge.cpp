@@ -8,7 +8,7 @@
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/io/weight_index.h"
-#include "difftrain/models/lora.h"
+#include "difftrain/models/lora/lora.h"
 #include "flux_family.h"
 
 #include <fmt/format.h>

@@ -5,7 +5,7 @@
 #include "difftrain/families/family.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/lora_format.h"
-#include "difftrain/models/lora.h"
+#include "difftrain/models/lora/lora.h"
 #include "difftrain/models/module_info.h"
 #include "difftrain/models/pretrained.h"
 

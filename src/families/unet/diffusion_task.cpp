@@ -7,8 +7,8 @@
 #include "difftrain/diffusion/scheduler_config.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/lora_format.h"
-#include "difftrain/models/clip_text_model.h"
-#include "difftrain/models/sgm_names.h"
+#include "difftrain/models/text_encoders/clip_text_model.h"
+#include "difftrain/models/unets/sgm_names.h"
 
 #include <torch/torch.h>
 

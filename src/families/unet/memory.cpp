@@ -3,15 +3,15 @@
 // encoders and VAE counted from their configs, and activations measured on one forward.
 
 #include "difftrain/families/unet/memory.h"
-#include "difftrain/models/quantized_weight.h"
+#include "difftrain/models/kernels/quantized_weight.h"
 
 #include "difftrain/accel/precision.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
-#include "difftrain/models/autoencoder_kl.h"
-#include "difftrain/models/clip_text_model.h"
-#include "difftrain/models/lora_training.h"
-#include "difftrain/models/unet_config.h"
+#include "difftrain/models/autoencoders/autoencoder_kl.h"
+#include "difftrain/models/lora/lora_training.h"
+#include "difftrain/models/text_encoders/clip_text_model.h"
+#include "difftrain/models/unets/unet_config.h"
 
 #include <fmt/format.h>
 #include <torch/torch.h>

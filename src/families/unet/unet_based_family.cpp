@@ -4,8 +4,8 @@
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/pretrained.h"
-#include "difftrain/models/sgm_names.h"
-#include "difftrain/models/unet_config.h"
+#include "difftrain/models/unets/sgm_names.h"
+#include "difftrain/models/unets/unet_config.h"
 
 #include <filesystem>
 #include "difftrain/families/unet/memory.h"
@@ -13,27 +13,12 @@
 
 namespace difftrain::families {
 namespace fs = std::filesystem;
-namespace {
-
-// The module names of the safetensors weights `path` (keys ending in .weight), from its header.
-std::vector<std::string> weight_module_names(const std::string& path) {
-  std::vector<std::string> names;
-  for (const auto& [key, entry] : io::read_safetensors_header(path).tensors) {
-    (void)entry;
-    if (key.size() > 7 && key.compare(key.size() - 7, 7, ".weight") == 0) {
-      names.push_back(key.substr(0, key.size() - 7));
-    }
-  }
-  return names;
-}
-
-}  // namespace
 
 void adapt_unet_lora(io::LoraWeights& lora, const std::string& dir, io::LoraFormat format) {
   const bool pipeline = fs::exists(fs::path(dir) / "model_index.json");
   const std::string unet_dir = pipeline ? (fs::path(dir) / "unet").string() : dir;
   const auto config = models::UNetConfig::load((fs::path(unet_dir) / "config.json").string());
-  const auto names = weight_module_names(models::weights_path(unet_dir));
+  const auto names = safetensors_module_names(models::weights_path(unet_dir));
   // kohya names resolve against the UNet's module names, and against their SGM names (kohya's
   // SDXL files); a UNet with added conditioning (SDXL's) is written with SGM names in kohya form.
   io::resolve_kohya_names(lora, "unet", names, models::sgm_aliases(config, names));

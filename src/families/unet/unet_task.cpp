@@ -13,7 +13,7 @@
 #include "difftrain/families/unet/pipeline.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/models/pretrained.h"
-#include "difftrain/models/unet_config.h"
+#include "difftrain/models/unets/unet_config.h"
 
 #include <torch/torch.h>
 

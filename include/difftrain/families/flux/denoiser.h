@@ -5,7 +5,7 @@
 // the prediction is unpacked back to [B, C, H, W] for the loss.
 
 #include "difftrain/diffusion/denoiser.h"
-#include "difftrain/models/flux_transformer.h"
+#include "difftrain/models/transformers/flux_transformer.h"
 
 namespace difftrain::families::flux {
 

@@ -7,8 +7,8 @@
 #include "difftrain/diffusion/generate.h"
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/diffusion/text_encoders.h"
-#include "difftrain/models/autoencoder_kl.h"
-#include "difftrain/models/unet.h"
+#include "difftrain/models/autoencoders/autoencoder_kl.h"
+#include "difftrain/models/unets/unet.h"
 
 #include <cstdint>
 #include <functional>

@@ -3,7 +3,7 @@
 // interface (diffusion/denoiser.h).
 
 #include "difftrain/diffusion/denoiser.h"
-#include "difftrain/models/unet.h"
+#include "difftrain/models/unets/unet.h"
 
 namespace difftrain::diffusion {
 

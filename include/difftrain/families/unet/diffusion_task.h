@@ -10,8 +10,8 @@
 #include "difftrain/diffusion/noise_scheduler.h"
 #include "difftrain/diffusion/objective.h"
 #include "difftrain/families/unet/denoiser.h"
-#include "difftrain/models/lora_training.h"
-#include "difftrain/models/unet.h"
+#include "difftrain/models/lora/lora_training.h"
+#include "difftrain/models/unets/unet.h"
 #include "difftrain/train/text_image_dataset.h"
 #include "difftrain/train/training_task.h"
 

@@ -4,8 +4,8 @@
 // the UNet (or its LoRA adapters) built from its config, plus the pipeline's frozen parts and
 // activations measured on one forward. docs/SHARDING.md.
 
-#include "difftrain/models/quantized_weight.h"
-#include "difftrain/models/unet.h"
+#include "difftrain/models/kernels/quantized_weight.h"
+#include "difftrain/models/unets/unet.h"
 #include "difftrain/train/memory_estimate.h"
 
 #include <cstdint>

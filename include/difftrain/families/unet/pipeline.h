@@ -5,7 +5,7 @@
 
 #include "difftrain/diffusion/generate.h"
 #include "difftrain/diffusion/sampler.h"
-#include "difftrain/models/unet.h"
+#include "difftrain/models/unets/unet.h"
 
 #include <cstdint>
 #include <functional>

@@ -2,7 +2,7 @@
 // the per-word cache and the padded encoding. The text cleanup and the pre-tokenisation pattern
 // are in clip_text.cpp.
 
-#include "difftrain/models/clip_tokenizer.h"
+#include "difftrain/models/tokenizers/clip_tokenizer.h"
 
 #include "clip_text.h"
 #include "difftrain/core/error.h"

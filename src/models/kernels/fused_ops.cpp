@@ -1,4 +1,4 @@
-#include "difftrain/models/fused_ops.h"
+#include "difftrain/models/kernels/fused_ops.h"
 
 #include "difftrain/core/env.h"
 

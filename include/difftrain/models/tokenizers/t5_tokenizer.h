@@ -1,7 +1,7 @@
 #pragma once
 // The T5 tokenizer of FLUX.1's second text encoder: a SentencePiece unigram model
-// (`tokenizer_2/spiece.model`, read by src/models/sentencepiece_unigram.h) with Transformers'
-// T5Tokenizer conventions (slow tokenizer, legacy=True, as FluxPipeline calls it with
+// (`tokenizer_2/spiece.model`, read by src/models/tokenizers/sentencepiece_unigram.h) with
+// Transformers' T5Tokenizer conventions (slow tokenizer, legacy=True, as FluxPipeline calls it with
 // padding="max_length", truncation=True): the pieces' ids, cut to max_length - 1, then `</s>`, then
 // `<pad>` (0) up to max_length. No BOS. The 100 `<extra_id_N>` tokens follow the pieces
 // (`<extra_id_N>` = vocab_size

@@ -21,7 +21,7 @@
 //   transformer_blocks.k.attn1.to_q, ff.net.0.proj, ...).
 
 #include "difftrain/io/lora_format.h"
-#include "difftrain/models/unet_config.h"
+#include "difftrain/models/unets/unet_config.h"
 
 #include <map>
 #include <string>

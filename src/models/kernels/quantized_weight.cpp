@@ -1,6 +1,6 @@
 // 8-bit frozen weights (quantized_weight.h): quantization, the dequantize-per-call Linear and
 // Conv2d as autograd functions that keep only the 8-bit tensor, and the whole-model pass.
-#include "difftrain/models/quantized_weight.h"
+#include "difftrain/models/kernels/quantized_weight.h"
 
 #include "difftrain/core/error.h"
 #include "difftrain/core/torch_compat.h"

@@ -1,6 +1,6 @@
-#include "difftrain/models/unet_config.h"
+#include "difftrain/models/unets/unet_config.h"
 
-#include "json_fields.h"
+#include "../json_fields.h"
 
 #include "difftrain/core/error.h"
 #include "difftrain/io/atomic_file.h"

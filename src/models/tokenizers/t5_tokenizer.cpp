@@ -1,5 +1,5 @@
 // T5Tokenizer over the SentencePiece unigram model (t5_tokenizer.h, sentencepiece_unigram.h).
-#include "difftrain/models/t5_tokenizer.h"
+#include "difftrain/models/tokenizers/t5_tokenizer.h"
 
 #include "difftrain/core/error.h"
 #include "difftrain/io/atomic_file.h"

@@ -1,4 +1,4 @@
-#include "difftrain/models/winograd_conv.h"
+#include "difftrain/models/kernels/winograd_conv.h"
 
 #include "difftrain/core/env.h"
 

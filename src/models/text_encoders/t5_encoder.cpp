@@ -1,10 +1,10 @@
 // T5EncoderModel (t5_encoder.h), with Transformers' modeling_t5.py semantics in eval mode.
-#include "difftrain/models/t5_encoder.h"
+#include "difftrain/models/text_encoders/t5_encoder.h"
 
+#include "../json_fields.h"
 #include "difftrain/core/error.h"
 #include "difftrain/io/weight_index.h"
 #include "difftrain/models/pretrained.h"
-#include "json_fields.h"
 
 #include <torch/torch.h>
 

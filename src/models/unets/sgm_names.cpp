@@ -1,4 +1,4 @@
-#include "difftrain/models/sgm_names.h"
+#include "difftrain/models/unets/sgm_names.h"
 
 #include "difftrain/core/error.h"
 

@@ -5,8 +5,8 @@
 
 #include "difftrain/core/forward_hooks.h"
 #include "difftrain/core/no_split_modules.h"
-#include "difftrain/models/unet_blocks.h"
-#include "difftrain/models/unet_config.h"
+#include "difftrain/models/unets/unet_blocks.h"
+#include "difftrain/models/unets/unet_config.h"
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>

@@ -1,4 +1,4 @@
-#include "difftrain/models/flux_blocks.h"
+#include "difftrain/models/transformers/flux_blocks.h"
 
 #include "difftrain/models/layers.h"
 

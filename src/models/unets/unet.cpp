@@ -1,6 +1,6 @@
-#include "difftrain/models/unet.h"
+#include "difftrain/models/unets/unet.h"
 
-#include "difftrain/models/fused_ops.h"
+#include "difftrain/models/kernels/fused_ops.h"
 
 #include "difftrain/core/cpu_convolution_check.h"
 #include "difftrain/core/error.h"

@@ -1,10 +1,10 @@
-#include "difftrain/models/clip_text_model.h"
+#include "difftrain/models/text_encoders/clip_text_model.h"
 
+#include "../json_fields.h"
 #include "difftrain/core/error.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/layers.h"
 #include "difftrain/models/pretrained.h"
-#include "json_fields.h"
 
 #include <torch/autograd.h>
 

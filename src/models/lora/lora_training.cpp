@@ -1,4 +1,4 @@
-#include "difftrain/models/lora_training.h"
+#include "difftrain/models/lora/lora_training.h"
 
 #include "difftrain/core/error.h"
 

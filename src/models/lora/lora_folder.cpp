@@ -1,12 +1,12 @@
-#include "difftrain/models/lora_folder.h"
+#include "difftrain/models/lora/lora_folder.h"
 
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/safetensors.h"
-#include "difftrain/models/clip_text_model.h"
-#include "difftrain/models/lora.h"
+#include "difftrain/models/lora/lora.h"
 #include "difftrain/models/pretrained.h"
+#include "difftrain/models/text_encoders/clip_text_model.h"
 
 #include <cmath>
 #include <filesystem>

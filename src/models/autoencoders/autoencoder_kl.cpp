@@ -1,11 +1,11 @@
-#include "difftrain/models/autoencoder_kl.h"
+#include "difftrain/models/autoencoders/autoencoder_kl.h"
 
+#include "../json_fields.h"
 #include "difftrain/core/cpu_convolution_check.h"
 #include "difftrain/core/error.h"
 #include "difftrain/io/safetensors.h"
-#include "difftrain/models/fused_ops.h"
+#include "difftrain/models/kernels/fused_ops.h"
 #include "difftrain/models/pretrained.h"
-#include "json_fields.h"
 
 #include <filesystem>
 

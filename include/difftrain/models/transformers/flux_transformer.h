@@ -6,9 +6,9 @@
 #include "difftrain/core/forward_hooks.h"
 #include "difftrain/core/no_split_modules.h"
 #include "difftrain/io/safetensors.h"
-#include "difftrain/models/flux_blocks.h"
 #include "difftrain/models/layers.h"
 #include "difftrain/models/linear.h"
+#include "difftrain/models/transformers/flux_blocks.h"
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>

@@ -3,7 +3,7 @@
 // UNetMidBlock2D with attention), quant_conv, the diagonal Gaussian posterior, post_quant_conv and
 // Decoder (UpDecoderBlock2D blocks), with Diffusers' state-dict keys.
 
-#include "difftrain/models/unet_blocks.h"
+#include "difftrain/models/unets/unet_blocks.h"
 
 #include <torch/nn/module.h>
 

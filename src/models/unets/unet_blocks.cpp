@@ -1,4 +1,4 @@
-#include "difftrain/models/unet_blocks.h"
+#include "difftrain/models/unets/unet_blocks.h"
 
 #include "difftrain/core/error.h"
 #include "difftrain/models/checkpointing.h"

@@ -1,7 +1,7 @@
-#include "difftrain/models/lora.h"
+#include "difftrain/models/lora/lora.h"
 
-#include "difftrain/models/sgm_names.h"
-#include "difftrain/models/unet.h"
+#include "difftrain/models/unets/sgm_names.h"
+#include "difftrain/models/unets/unet.h"
 
 #include "difftrain/core/error.h"
 

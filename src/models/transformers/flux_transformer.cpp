@@ -1,12 +1,12 @@
-#include "difftrain/models/flux_transformer.h"
+#include "difftrain/models/transformers/flux_transformer.h"
 
 #include "difftrain/io/weight_index.h"
 
+#include "../json_fields.h"
 #include "difftrain/core/error.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/models/checkpointing.h"
 #include "difftrain/models/pretrained.h"
-#include "json_fields.h"
 
 #include <nlohmann/json.hpp>
 

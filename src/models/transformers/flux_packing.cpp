@@ -1,4 +1,4 @@
-#include "difftrain/models/flux_packing.h"
+#include "difftrain/models/transformers/flux_packing.h"
 
 #include "difftrain/core/error.h"
 
