@@ -35,42 +35,44 @@ CLI::App* add_estimate_memory_command(CLI::App& app) {
                   "FluxPipeline folder such as configs/flux1-dev) or a config.json; weights are "
                   "not needed")
       ->required();
-  cmd->add_option("--num_processes", g_args.num_processes, "Processes (ranks) N (default 1)");
+  cmd->add_option("--num_processes", g_args.options.num_processes,
+                  "Processes (ranks) N (default 1)");
   cmd->add_option("--sharding_strategy", g_args.sharding_strategy,
                   "NO_SHARD, SHARD_OPTIMIZER, SHARD_GRAD_OP or FULL_SHARD (or zero0..zero3)");
   cmd->add_option("--mixed_precision", g_args.mixed_precision,
                   "no | fp16 | bf16: autocast of the activation measurement");
-  cmd->add_flag("--use_8bit_adam", g_args.use_8bit_adam, "8-bit AdamW state instead of AdamW");
-  cmd->add_option("--optimizer", g_args.optimizer,
+  cmd->add_flag("--use_8bit_adam", g_args.options.use_8bit_adam,
+                "8-bit AdamW state instead of AdamW");
+  cmd->add_option("--optimizer", g_args.options.optimizer,
                   "adamw (default) or prodigy (16 bytes of state per trainable parameter)");
-  cmd->add_flag("--lora", g_args.lora, "Train LoRA adapters on the frozen UNet");
-  cmd->add_option("--rank", g_args.rank, "LoRA rank (default 4)");
-  cmd->add_option("--lora_target_modules", g_args.lora_target_modules,
+  cmd->add_flag("--lora", g_args.options.lora, "Train LoRA adapters on the frozen UNet");
+  cmd->add_option("--rank", g_args.options.lora_rank, "LoRA rank (default 4)");
+  cmd->add_option("--lora_target_modules", g_args.options.lora_target_modules,
                   "Layers that get adapters (default to_q,to_k,to_v,to_out.0; FLUX.1: the 12 "
                   "projections of Diffusers' FLUX LoRA script)")
       ->delimiter(',');
-  cmd->add_option("--base_weights_dtype", g_args.base_weights_dtype,
+  cmd->add_option("--base_weights_dtype", g_args.options.base_weights_dtype,
                   "LoRA: the frozen base's Linear/Conv weights in 8 bits: none (default), int8, "
                   "fp8_e4m3");
-  cmd->add_flag("--train_text_encoder", g_args.train_text_encoder,
+  cmd->add_flag("--train_text_encoder", g_args.options.train_text_encoder,
                 "FLUX.1: count the text encoders, which stay loaded for CLIP LoRA (otherwise "
                 "training releases them after caching)");
-  cmd->add_option("--batch_size", g_args.batch_size, "Batch per process (default 1)");
-  cmd->add_option("--resolution", g_args.resolution,
+  cmd->add_option("--batch_size", g_args.options.batch_size, "Batch per process (default 1)");
+  cmd->add_option("--resolution", g_args.options.resolution,
                   "UNet input height = width (latent size for latent models; default: the "
                   "config's sample_size); FLUX.1: the latent side (default 128, 1024 px)");
-  cmd->add_flag("--gradient_checkpointing", g_args.gradient_checkpointing,
+  cmd->add_flag("--gradient_checkpointing", g_args.options.gradient_checkpointing,
                 "Measure activations with gradient checkpointing");
-  cmd->add_option("--encoder_sequence_length", g_args.encoder_sequence_length,
+  cmd->add_option("--encoder_sequence_length", g_args.options.encoder_sequence_length,
                   "Tokens of encoder_hidden_states (default: what `difftrain train` feeds: 77 "
                   "CLIP tokens for cross-attention UNets, 512 T5 tokens for FLUX.1)");
-  cmd->add_option("--fsdp_auto_wrap_policy", g_args.auto_wrap_policy,
+  cmd->add_option("--fsdp_auto_wrap_policy", g_args.options.auto_wrap.policy,
                   "TRANSFORMER_BASED_WRAP (default), SIZE_BASED_WRAP or NO_WRAP");
-  cmd->add_option("--fsdp_transformer_layer_cls_to_wrap", g_args.wrap_classes,
+  cmd->add_option("--fsdp_transformer_layer_cls_to_wrap", g_args.options.auto_wrap.classes,
                   "Classes wrapped as units, comma-separated (default ResnetBlock2D, "
                   "Transformer2DModel, Attention)")
       ->delimiter(',');
-  cmd->add_option("--fsdp_min_num_params", g_args.min_num_params,
+  cmd->add_option("--fsdp_min_num_params", g_args.options.auto_wrap.min_num_params,
                   "SIZE_BASED_WRAP threshold (default 1e8)");
   cmd->add_option("--offload_optimizer_device", g_args.offload_optimizer_device,
                   "none | cpu: ZeRO-Offload: master shards, gradients and optimizer state in host "

@@ -517,13 +517,9 @@ void TrainConfig::validate() const {
   auto require = [](bool ok, const std::string& message) {
     if (!ok) throw Error(message);
   };
-  auto one_of = [&](const std::string& name, const std::string& value,
-                    const std::vector<std::string>& allowed) {
-    for (const auto& a : allowed)
-      if (a == value) return;
-    std::string list;
-    for (const auto& a : allowed) list += (list.empty() ? "" : ", ") + a;
-    throw Error("--" + name + " is \"" + value + "\": expected one of " + list);
+  auto one_of = [](const std::string& name, const std::string& value,
+                   std::vector<std::string> allowed) {
+    one_of_check(std::move(allowed))(value, "--" + name);  // the family options' check too
   };
   one_of("dataset", dataset, {"fashion_mnist", "mnist", "imagefolder"});
   if (!mixed_precision.empty()) one_of("mixed_precision", mixed_precision, {"no", "bf16", "fp16"});

@@ -66,25 +66,15 @@ struct MemoryEstimateOptions {
   int64_t encoder_sequence_length = 0;
 };
 
-/// `difftrain estimate-memory`'s flags as given (names and spellings of `difftrain train`'s).
+/// `difftrain estimate-memory`'s flags as given (names and spellings of `difftrain train`'s):
+/// the options taken as they are, and the ones given as text that memory_estimate_options()
+/// parses.
 struct MemoryEstimateFlags {
-  int num_processes = 1;
+  /// Every option but the four below; optimizer, base_weights_dtype (any case) and
+  /// auto_wrap.policy (any case) are normalised.
+  MemoryEstimateOptions options;
   std::string sharding_strategy = "NO_SHARD";  ///< any spelling parse_sharding_strategy takes
   std::string mixed_precision = "no";
-  bool use_8bit_adam = false;
-  std::string optimizer = "adamw";  ///< any case
-  bool lora = false;
-  int64_t rank = 4;
-  std::vector<std::string> lora_target_modules;
-  std::string base_weights_dtype = "none";  ///< any case
-  bool train_text_encoder = false;
-  int64_t batch_size = 1;
-  int64_t resolution = 0;
-  bool gradient_checkpointing = false;
-  int64_t encoder_sequence_length = 0;
-  std::string auto_wrap_policy = "TRANSFORMER_BASED_WRAP";  ///< any case
-  std::vector<std::string> wrap_classes;
-  int64_t min_num_params = 100000000;
   std::string offload_optimizer_device = "none";
   std::string offload_param_device = "none";
 };
