@@ -16,8 +16,8 @@
 #include <limits>
 #include <vector>
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kLanes = Vec::size();
+#include "fused_kernels_slab.h"  // NOLINT(bugprone-suspicious-include)
+#include "fused_kernels_vec.h"   // NOLINT(bugprone-suspicious-include)
 
 namespace {
 
@@ -28,33 +28,6 @@ float horizontal_sum(const Vec& v) {
   for (int64_t i = 0; i < kLanes; ++i) s += lanes[i];
   return s;
 }
-
-// exp(x) for the softmax and SiLU, inline: x = n ln2 + r with |r| <= ln2 / 2, Cephes' degree-6
-// polynomial for e^r, and 2^n through the exponent bits. Sleef's exp (Vec::exp) is an out-of-line
-// call that took a third of a small-head attention's time. Within 2 ulp of expf; NaN stays NaN;
-// +inf above 88.72; below -87.34 it returns 2^-126 (1.2e-38) instead of a denormal or 0.
-#if defined(CPU_CAPABILITY_AVX2) && defined(__FMA__)
-Vec fast_exp(const Vec& x) {
-  const __m256 v = _mm256_min_ps(_mm256_set1_ps(88.7228394f),
-                                 _mm256_max_ps(_mm256_set1_ps(-87.3365448f), __m256(x)));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), v);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e =
-      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return Vec(_mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-#else
-Vec fast_exp(const Vec& x) { return x.exp(); }
-#endif
 
 float dot(const float* a, const float* b, int64_t n) {
   Vec acc(0.f);
@@ -219,8 +192,6 @@ void scaled_rows(const float* src, int64_t stride, int64_t rows, int64_t d, floa
     for (int64_t c = 0; c < d; ++c) dst[r * d + c] = src[r * stride + c] * scale;
   }
 }
-
-Vec silu(const Vec& z) { return z / (Vec(1.f) + fast_exp(Vec(0.f) - z)); }
 
 }  // namespace
 
@@ -428,8 +399,6 @@ void silu_grad(const float* dy, const float* x, const float* a, const float* b, 
     out[i] = dy[i] * sig * (1.f + z * (1.f - sig));
   }
 }
-
-#include "fused_kernels_slab.h"  // NOLINT(bugprone-suspicious-include)
 
 // Per sample n: a_c = rstd_g * gamma_c, b_c = beta_c - mean_g * a_c for every channel c.
 void affine_coefficients(const GroupNormShape& s, int64_t n, const float* mean, const float* rstd,

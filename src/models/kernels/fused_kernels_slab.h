@@ -1,7 +1,11 @@
 // The blocked layout's GroupNorm loops (slabs of 16 channels, [L, 16] rows), for
-// fused_kernels_impl.h, which includes this file inside its anonymous namespace, after Vec,
-// kLanes, silu and fast_exp: each ISA's translation unit compiles it once. No include guard
-// on purpose.
+// fused_kernels_impl.h, which includes this file at its top: each ISA's translation unit
+// compiles it once, inside that unit's namespace.
+#pragma once
+
+#include "fused_kernels_vec.h"  // NOLINT(bugprone-suspicious-include)
+
+namespace {
 
 // Slabs of the blocked layout: rows of exactly kSlabVecs vectors (16 channels), walked with the
 // per-channel values and accumulators held in registers (the generic [L, C] loops above keep
@@ -119,3 +123,5 @@ void slab_grad_finish(float* dx, const float* x, int64_t L, const float* sc, con
     }
   }
 }
+
+}  // namespace
