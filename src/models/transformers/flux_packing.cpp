@@ -1,6 +1,7 @@
 #include "difftrain/models/transformers/flux_packing.h"
 
 #include "difftrain/core/error.h"
+#include "difftrain/models/transformers/patchify.h"
 
 #include <string>
 
@@ -24,11 +25,8 @@ torch::Tensor pack_latents(const torch::Tensor& z) {
         flux_shape_text(z.sizes()) +
         "; make the image size a multiple of 2x the VAE's downsampling factor");
   }
-  const int64_t B = z.size(0), C = z.size(1), H = z.size(2), W = z.size(3);
-  // [B, C, H/2, dy, W/2, dx] -> [B, H/2, W/2, C, dy, dx]
-  return z.reshape({B, C, H / 2, 2, W / 2, 2})
-      .permute({0, 2, 4, 1, 3, 5})
-      .reshape({B, (H / 2) * (W / 2), C * 4});
+  // [B, C, H/2, dy, W/2, dx] -> [B, H/2, W/2, C, dy, dx]: 2x2 patches, channels first.
+  return patchify(z, {2, 2}, PatchChannels::kFirst);
 }
 
 torch::Tensor unpack_latents(const torch::Tensor& x, int64_t height, int64_t width) {
@@ -40,11 +38,7 @@ torch::Tensor unpack_latents(const torch::Tensor& x, int64_t height, int64_t wid
         std::to_string(height) + " x " + std::to_string(width) + ", got " +
         flux_shape_text(x.sizes()) + "; pass the latent (not pixel) height and width");
   }
-  const int64_t B = x.size(0), C = x.size(2) / 4;
-  // [B, H/2, W/2, C, dy, dx] -> [B, C, H/2, dy, W/2, dx]
-  return x.reshape({B, height / 2, width / 2, C, 2, 2})
-      .permute({0, 3, 1, 4, 2, 5})
-      .reshape({B, C, height, width});
+  return unpatchify(x, {height, width}, {2, 2}, PatchChannels::kFirst);
 }
 
 torch::Tensor latent_image_ids(int64_t rows, int64_t cols, const torch::TensorOptions& options) {
@@ -52,10 +46,7 @@ torch::Tensor latent_image_ids(int64_t rows, int64_t cols, const torch::TensorOp
     throw Error("latent_image_ids: rows and cols must be positive, got " + std::to_string(rows) +
                 " x " + std::to_string(cols));
   }
-  torch::Tensor ids = torch::zeros({rows, cols, 3}, options);
-  ids.select(2, 1).add_(torch::arange(rows, options).unsqueeze(1));
-  ids.select(2, 2).add_(torch::arange(cols, options).unsqueeze(0));
-  return ids.reshape({rows * cols, 3});
+  return grid_ids({rows, cols}, /*lead=*/1, options);
 }
 
 }  // namespace difftrain::models

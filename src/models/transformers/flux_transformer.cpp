@@ -245,7 +245,7 @@ torch::Tensor FluxTransformer2DModelImpl::forward_impl(
   const torch::Tensor g = guidance.defined() ? guidance.to(dtype) * 1000 : torch::Tensor();
   const torch::Tensor temb = time_text_embed(t, g, pooled_projections);
   torch::Tensor txt = context_embedder_(encoder_hidden_states);
-  RotaryTables rope = flux_rotary_tables(ids, o.axes_dims_rope());
+  RotaryTables rope = rotary_tables(ids, o.axes_dims_rope());
   rope.cos = rope.cos.to(img.device());
   rope.sin = rope.sin.to(img.device());
   if (intermediates) {
@@ -290,7 +290,7 @@ torch::Tensor FluxTransformer2DModelImpl::forward_impl(
     if (intermediates) intermediates->single.push_back(h);
   }
   const std::vector<torch::Tensor> scale_shift = norm_out_(temb);  // scale FIRST
-  torch::Tensor n = flux_modulate(h.narrow(1, S, L), scale_shift[1], scale_shift[0]);
+  torch::Tensor n = modulate(h.narrow(1, S, L), scale_shift[1], scale_shift[0]);
   if (intermediates) intermediates->norm_out = n;
   return proj_out_(n);
 }
