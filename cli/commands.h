@@ -4,6 +4,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cctype>
+#include <string>
+
 namespace difftrain::cli {
 
 CLI::App* add_launch_command(CLI::App& app);
@@ -32,8 +35,19 @@ int run_sample();
 CLI::App* add_forward_command(CLI::App& app);
 int run_forward();
 
-CLI::App* add_eval_command(CLI::App& app);
-int run_eval();
+/// How --help shows a family option's value (train::OptionSpec::type): INT, FLOAT, TEXT, ...
+inline std::string option_type_name(std::string type) {
+  if (!type.empty() && type.back() == '?') type.pop_back();
+  if (type == "string") return "TEXT";
+  for (auto& c : type) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return type;
+}
+
+/// The registered families' own commands (families::FamilyCommand), one subcommand each.
+void add_family_commands(CLI::App& app);
+/// Whether one of them was parsed, and runs it (family_commands.cpp).
+bool family_command_parsed();
+int run_family_command();
 
 CLI::App* add_train_command(CLI::App& app);
 int run_train();

@@ -26,14 +26,12 @@ struct EstimateMemoryArgs : train::MemoryEstimateFlags {
 CLI::App* add_estimate_memory_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "estimate-memory",
-      "Per-rank memory of training a UNet or a FLUX.1 transformer (parameters, gradients, "
-      "optimizer state, frozen "
-      "weights, activations) under a sharding strategy, and under every strategy for comparison "
-      "(Accelerate: accelerate estimate-memory). See docs/SHARDING.md");
+      "Per-rank memory of training a model of any registered family (parameters, gradients, "
+      "optimizer state, frozen weights, activations) under a sharding strategy, and under every "
+      "strategy for comparison (Accelerate: accelerate estimate-memory). See docs/SHARDING.md");
   cmd->add_option("--model", g_args.model,
-                  "UNet folder (config.json), pipeline folder (model_index.json + unet/, or a "
-                  "FluxPipeline folder such as configs/flux1-dev) or a config.json; weights are "
-                  "not needed")
+                  "Pipeline folder (model_index.json; configs/ has weightless ones), bare denoiser "
+                  "folder (config.json) or a config.json; weights are not needed")
       ->required();
   cmd->add_option("--num_processes", g_args.options.num_processes,
                   "Processes (ranks) N (default 1)");
@@ -45,27 +43,27 @@ CLI::App* add_estimate_memory_command(CLI::App& app) {
                 "8-bit AdamW state instead of AdamW");
   cmd->add_option("--optimizer", g_args.options.optimizer,
                   "adamw (default) or prodigy (16 bytes of state per trainable parameter)");
-  cmd->add_flag("--lora", g_args.options.lora, "Train LoRA adapters on the frozen UNet");
+  cmd->add_flag("--lora", g_args.options.lora, "Train LoRA adapters on the frozen denoiser");
   cmd->add_option("--rank", g_args.options.lora_rank, "LoRA rank (default 4)");
   cmd->add_option("--lora_target_modules", g_args.options.lora_target_modules,
-                  "Layers that get adapters (default to_q,to_k,to_v,to_out.0; FLUX.1: the 12 "
-                  "projections of Diffusers' FLUX LoRA script)")
+                  "Layers that get adapters (default: those of the family's Diffusers LoRA "
+                  "script, e.g. to_q,to_k,to_v,to_out.0)")
       ->delimiter(',');
   cmd->add_option("--base_weights_dtype", g_args.options.base_weights_dtype,
                   "LoRA: the frozen base's Linear/Conv weights in 8 bits: none (default), int8, "
                   "fp8_e4m3");
   cmd->add_flag("--train_text_encoder", g_args.options.train_text_encoder,
-                "FLUX.1: count the text encoders, which stay loaded for CLIP LoRA (otherwise "
-                "training releases them after caching)");
+                "Count the text encoders, which stay loaded for text-encoder LoRA (families that "
+                "cache text embeddings otherwise release them)");
   cmd->add_option("--batch_size", g_args.options.batch_size, "Batch per process (default 1)");
   cmd->add_option("--resolution", g_args.options.resolution,
-                  "UNet input height = width (latent size for latent models; default: the "
-                  "config's sample_size); FLUX.1: the latent side (default 128, 1024 px)");
+                  "Denoiser input height = width (the latent side for latent models; default: "
+                  "the family's, e.g. the config's sample_size, or 128 for 1024 px)");
   cmd->add_flag("--gradient_checkpointing", g_args.options.gradient_checkpointing,
                 "Measure activations with gradient checkpointing");
   cmd->add_option("--encoder_sequence_length", g_args.options.encoder_sequence_length,
-                  "Tokens of encoder_hidden_states (default: what `difftrain train` feeds: 77 "
-                  "CLIP tokens for cross-attention UNets, 512 T5 tokens for FLUX.1)");
+                  "Tokens of encoder_hidden_states (default: what `difftrain train` feeds the "
+                  "family's denoiser, e.g. 77 CLIP tokens or 512 T5 tokens)");
   cmd->add_option("--fsdp_auto_wrap_policy", g_args.options.auto_wrap.policy,
                   "TRANSFORMER_BASED_WRAP (default), SIZE_BASED_WRAP or NO_WRAP");
   cmd->add_option("--fsdp_transformer_layer_cls_to_wrap", g_args.options.auto_wrap.classes,

@@ -25,13 +25,11 @@ CLI::App* add_forward_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "forward",
       "Run the denoiser once on tensors from a .safetensors file and write `out`, to compare "
-      "with Diffusers: a UNet (sample, timestep, optional class_labels / "
-      "encoder_hidden_states) or a FluxTransformer2DModel (hidden_states, "
-      "encoder_hidden_states, pooled_projections, timestep, guidance, img_ids, txt_ids)");
+      "with Diffusers: the inputs are the denoiser's forward arguments by their Diffusers names "
+      "(docs/COMMANDS.md lists each family's)");
   cmd->add_option("--model", g_args.model,
-                  "UNet or FluxTransformer2DModel folder (config.json + "
-                  "diffusion_pytorch_model.safetensors) or pipeline folder with unet/ or "
-                  "transformer/")
+                  "Denoiser folder (config.json + diffusion_pytorch_model.safetensors) or a "
+                  "pipeline folder, whose family finds its denoiser")
       ->required();
   cmd->add_option("--lora", g_args.lora, "LoRA weights to merge first (.safetensors)");
   cmd->add_option("--lora_scale", g_args.lora_scale, "Multiplier of the LoRA update (default 1)");

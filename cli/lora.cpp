@@ -53,13 +53,13 @@ CLI::App* add_lora_command(CLI::App& app) {
   cmd->require_subcommand(1);
   g_merge = cmd->add_subcommand(
       "merge",
-      "Fold a LoRA file (Diffusers, PEFT or kohya) into a model folder's UNet and write the "
-      "result as a new folder of the same layout (Diffusers: load_lora_weights + fuse_lora + "
-      "save_pretrained)");
+      "Fold a LoRA file (Diffusers, PEFT or kohya) into a model folder's denoiser and text "
+      "encoders and write the result as a new folder of the same layout (Diffusers: "
+      "load_lora_weights + fuse_lora + save_pretrained)");
   g_merge
       ->add_option("--model", g_args.model,
-                   "Pipeline folder (model_index.json + unet/ + ...) or UNet folder (config.json + "
-                   "diffusion_pytorch_model.safetensors)")
+                   "Pipeline folder (model_index.json and its components) or a bare denoiser "
+                   "folder (config.json + diffusion_pytorch_model.safetensors)")
       ->required();
   g_merge->add_option("--lora", g_args.lora, "LoRA weights (.safetensors)")->required();
   g_merge
@@ -69,20 +69,20 @@ CLI::App* add_lora_command(CLI::App& app) {
   g_merge->add_option("--lora_scale", g_args.lora_scale,
                       "Multiplier of the LoRA update (default 1, as trained)");
   g_merge->add_option("--variant", g_args.variant,
-                      "UNet weights variant to read and write, e.g. fp16 "
+                      "Weights variant to read and write, e.g. fp16 "
                       "(diffusion_pytorch_model.fp16.safetensors)");
   g_convert = cmd->add_subcommand(
       "convert",
       "Rewrite a LoRA file in another key layout: diffusers (save_lora_weights), peft or kohya "
-      "(kohya SDXL files name the UNet's modules in SGM form, input_blocks_4_1_...)");
+      "(with --model, the folder's family names the modules as its kohya files do)");
   g_convert->add_option("--input", g_convert_args.input, "LoRA file to read")->required();
   g_convert->add_option("--output", g_convert_args.output, "LoRA file to write")->required();
   g_convert->add_option("--to", g_convert_args.to, "diffusers, peft or kohya")
       ->required()
       ->check(CLI::IsMember({"diffusers", "peft", "kohya"}));
   g_convert->add_option("--model", g_convert_args.model,
-                        "The model folder the LoRA is for (pipeline or UNet folder): resolves "
-                        "kohya names, and makes kohya output for SDXL use SGM names");
+                        "The model folder the LoRA is for (pipeline or bare denoiser folder): its "
+                        "family resolves kohya names and applies its own key layout");
   return cmd;
 }
 

@@ -28,11 +28,11 @@ int run_cli(int argc, char** argv) {
   auto* sample = difftrain::cli::add_sample_command(app);
   auto* forward = difftrain::cli::add_forward_command(app);
   auto* train = difftrain::cli::add_train_command(app);
-  auto* eval = difftrain::cli::add_eval_command(app);
   auto* lora = difftrain::cli::add_lora_command(app);
   auto* merge_weights = difftrain::cli::add_merge_weights_command(app);
   auto* estimate_memory = difftrain::cli::add_estimate_memory_command(app);
   auto* tokenize = difftrain::cli::add_tokenize_command(app);
+  difftrain::cli::add_family_commands(app);
   std::vector<std::string> args(argv, argv + argc);
   difftrain::cli::take_launch_program_after_dashes(args);
   difftrain::cli::take_train_args(args);
@@ -50,11 +50,11 @@ int run_cli(int argc, char** argv) {
     if (sample->parsed()) return difftrain::cli::run_sample();
     if (forward->parsed()) return difftrain::cli::run_forward();
     if (train->parsed()) return difftrain::cli::run_train();
-    if (eval->parsed()) return difftrain::cli::run_eval();
     if (lora->parsed()) return difftrain::cli::run_lora();
     if (merge_weights->parsed()) return difftrain::cli::run_merge_weights();
     if (estimate_memory->parsed()) return difftrain::cli::run_estimate_memory();
     if (tokenize->parsed()) return difftrain::cli::run_tokenize();
+    if (difftrain::cli::family_command_parsed()) return difftrain::cli::run_family_command();
   } catch (const difftrain::Error& e) {
     std::string message = e.what();
     const std::string own_prefix = "difftrain launch: ";  // the launcher names itself already

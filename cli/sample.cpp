@@ -14,19 +14,28 @@ families::SampleOptions g_args;
 families::SampleOutputs g_out;
 std::string g_dtype = "fp32";
 CLI::Option* g_guidance = nullptr;
+// The registered families' own sample options (families::all_sample_options): name -> values.
+std::map<std::string, std::vector<std::string>> g_family_values;
+std::vector<std::pair<std::string, CLI::Option*>> g_family_flags;
+
+std::string family_names() {
+  std::vector<std::string> names;
+  for (const auto* f : families::families()) names.push_back(f->name());
+  return fmt::format("{}", fmt::join(names, ", "));
+}
 }  // namespace
 
 CLI::App* add_sample_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "sample",
-      "Generate images: text-to-image from a Stable Diffusion, SDXL or FLUX.1 folder (--prompt), "
-      "or a DDPM/DDIM UNet pipeline (Diffusers semantics: the same seed gives the same images); "
-      "writes a labelled PNG grid");
+      "Generate images from a model folder of any registered family (" + family_names() +
+          "): text-to-image with --prompt, or a DDPM/DDIM pipeline without (Diffusers semantics: "
+          "the same seed gives the same images); writes a labelled PNG grid. A family's own "
+          "options are marked [family]");
   cmd->add_option("--model", g_args.model,
-                  "Pipeline folder (model_index.json + unet/ + scheduler/, with vae/ text_encoder/ "
-                  "tokenizer/ for Stable Diffusion; FLUX.1: transformer/ vae/ text_encoder(_2)/ "
-                  "tokenizer(_2)/ scheduler/) or a UNet folder with scheduler_config.json "
-                  "beside config.json")
+                  "Pipeline folder (model_index.json and the components it lists) or a bare "
+                  "denoiser folder with scheduler_config.json beside config.json; its family is "
+                  "found from model_index.json's _class_name")
       ->required();
   cmd->add_option("--lora", g_args.lora,
                   "LoRA weights to merge first (.safetensors: Diffusers, PEFT or kohya keys)");
@@ -46,8 +55,9 @@ CLI::App* add_sample_command(CLI::App& app) {
                   "Comma-separated class ids for class-conditional models, one per image");
   g_guidance =
       cmd->add_option("--guidance_scale", g_args.guidance_scale,
-                      "Classifier-free guidance scale (> 1 guides against the null class); "
-                      "FLUX.1-dev: the embedded guidance (default 3.5)")
+                      "Classifier-free guidance scale (> 1 guides; class-conditional pipelines "
+                      "against the null class); a guidance-distilled transformer's embedded "
+                      "guidance (its pipeline's default)")
           ->check(CLI::Range(0.0, 100.0));
   cmd->add_option("--seed", g_args.seed, "Seed of the CPU generator (default 0)");
   cmd->add_option("--output", g_out.grid, "PNG grid to write (default samples.png)");
@@ -58,11 +68,6 @@ CLI::App* add_sample_command(CLI::App& app) {
   cmd->add_option("--prompt", g_args.prompts, "Text-to-image: the prompt (repeat for several)");
   cmd->add_option("--prompt_file", g_args.prompt_file, "Prompts, one per line");
   cmd->add_option("--negative_prompt", g_args.negative_prompt, "Guide away from this text");
-  cmd->add_option("--prompt_2", g_args.prompts_2,
-                  "FLUX.1: the prompt for the T5 encoder (repeat for several; default: --prompt)");
-  cmd->add_option("--max_sequence_length", g_args.max_sequence_length,
-                  "FLUX.1: T5 tokens per prompt, padded or cut (default 512)")
-      ->check(CLI::Range(int64_t{1}, int64_t{512}));
   cmd->add_option("--num_images_per_prompt", g_args.num_images_per_prompt,
                   "Images per prompt (default 1)")
       ->check(CLI::Range(int64_t{1}, int64_t{4096}));
@@ -79,26 +84,25 @@ CLI::App* add_sample_command(CLI::App& app) {
                   "Rescale the guided noise to the text prediction's std by this fraction "
                   "(Diffusers' guidance_rescale, 0 = off; 0.7 for zero-terminal-SNR models)")
       ->check(CLI::Range(0.0, 1.0));
-  auto pair = [&](const char* name, std::vector<int64_t>& into, const char* help) {
-    cmd->add_option(name, into, help)->expected(2)->check(CLI::Range(int64_t{0}, int64_t{1} << 20));
-  };
-  pair("--original_size", g_args.original_size,
-       "SDXL: the size the image claims to come from, H W (default: --height --width)");
-  pair("--crops_coords_top_left", g_args.crops_coords_top_left,
-       "SDXL: the crop's top-left corner, TOP LEFT (default 0 0)");
-  pair("--target_size", g_args.target_size, "SDXL: the target size, H W (default: the output's)");
-  pair("--negative_original_size", g_args.negative_original_size,
-       "SDXL: original size of the negative conditioning (default: --original_size)");
-  pair("--negative_crops_coords_top_left", g_args.negative_crops_coords_top_left,
-       "SDXL: crop corner of the negative conditioning (default: --crops_coords_top_left)");
-  pair("--negative_target_size", g_args.negative_target_size,
-       "SDXL: target size of the negative conditioning (default: --target_size)");
+  // Each family's own options, once per name; the model's family parses them (families::sample)
+  // and refuses another family's. A forked rank builds its command line again: start afresh.
+  g_family_flags.clear();
+  g_family_values.clear();
+  for (const auto& [spec, owners] : families::all_sample_options()) {
+    auto* opt = cmd->add_option("--" + spec.name, g_family_values[spec.name],
+                                fmt::format("[{}] {}", fmt::join(owners, ", "), spec.help));
+    opt->type_name(option_type_name(spec.type));
+    if (spec.values > 0) opt->expected(static_cast<int>(spec.values));
+    if (spec.values == 1) opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+    g_family_flags.emplace_back(spec.name, opt);
+  }
   cmd->add_option("--pretrained_vae_model_name_or_path,--vae", g_args.vae,
-                  "An AutoencoderKL folder to use instead of vae/ (SDXL's fp16-safe VAE)");
+                  "An AutoencoderKL folder to use instead of vae/ (e.g. an fp16-safe VAE)");
   cmd->add_option("--variant", g_args.variant, "Weights variant, e.g. fp16");
   cmd->add_option("--dtype", g_dtype,
                   "Weights and compute dtype: fp32 (default), bf16 or fp16 (Diffusers' "
-                  "torch_dtype; FLUX.1 ships bf16 and is read straight into it)")
+                  "torch_dtype; families that read their weights straight into it never hold a "
+                  "float32 copy)")
       ->check(CLI::IsMember({"fp32", "float32", "bf16", "bfloat16", "fp16", "float16"}));
   cmd->add_option("--device", g_args.device,
                   "auto (default: first visible CUDA device, else CPU), cpu, cuda or cuda:N; the "
@@ -109,6 +113,9 @@ CLI::App* add_sample_command(CLI::App& app) {
 int run_sample() {
   distributed::configure_threads();
   g_args.guidance_given = g_guidance->count() > 0;
+  for (const auto& [name, opt] : g_family_flags) {
+    if (opt->count() > 0) g_args.family_flags[name] = g_family_values[name];
+  }
   g_args.dtype = families::parse_sample_dtype(g_dtype);
   families::sample_to_files(g_args, g_out);
   return 0;

@@ -33,12 +33,12 @@ CLI::App* add_tokenize_command(CLI::App& app) {
       "them (padded and truncated to model_max_length): CLIP (vocab.json + merges.txt) or T5 "
       "(spiece.model)");
   cmd->add_option("--model", g_args.model,
-                  "Stable Diffusion pipeline folder (uses its tokenizer/) or a CLIP tokenizer "
-                  "folder (vocab.json, merges.txt, tokenizer_config.json) or a T5 tokenizer folder "
-                  "(spiece.model)")
+                  "Pipeline folder (uses its tokenizer/) or a CLIP tokenizer folder (vocab.json, "
+                  "merges.txt, tokenizer_config.json) or a T5 tokenizer folder (spiece.model)")
       ->required();
   cmd->add_option("--subfolder", g_args.subfolder,
-                  "The tokenizer's folder inside --model, e.g. tokenizer_2 (FLUX.1's T5)");
+                  "The tokenizer's folder inside --model, e.g. tokenizer_2 (a second "
+                  "tokenizer, such as a T5's)");
   cmd->add_option("--prompt", g_args.prompts, "A prompt; repeat the flag for several")
       ->expected(1)
       ->allow_extra_args(false)

@@ -26,7 +26,8 @@ void take_train_args(std::vector<std::string>& args) {
 CLI::App* add_train_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "train",
-      "Train a diffusion UNet (full or LoRA) on fashion_mnist, mnist or an image folder; "
+      "Train a diffusion model of any registered family (full or LoRA) on fashion_mnist, mnist "
+      "or an image folder; "
       "`difftrain train` alone trains the built-in Fashion-MNIST default. Run under "
       "`difftrain launch` for several processes. `difftrain train --help` lists every option.");
   cmd->set_help_flag();  // --help is the trainer's own (it lists the option table)

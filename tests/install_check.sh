@@ -62,7 +62,23 @@ for f in lora/pytorch_lora_weights.safetensors lora/toy_lora.safetensors lora/RE
   [ -e "$t/$f" ] || fail "toy-dit training wrote no $f"
 done
 "$toy" sample --model "$t/full" --prompt horizontal --prompt vertical --num_inference_steps 8 \
-  --output "$t/full.png" >"$t/sample.log" 2>&1 || { cat "$t/sample.log"; fail "sample of the toy-dit export failed"; }
+  --output "$t/full.png" --save_tensors "$t/full.safetensors" >"$t/sample.log" 2>&1 ||
+  { cat "$t/sample.log"; fail "sample of the toy-dit export failed"; }
+# Its own sample option: --toy_shift 1 is the default exactly, 3 draws otherwise; a UNet folder
+# refuses it naming toy-dit.
+for shift in 1 3; do
+  "$toy" sample --model "$t/full" --prompt horizontal --prompt vertical --num_inference_steps 8 \
+    --toy_shift $shift --output "$t/shift$shift.png" --save_tensors "$t/shift$shift.safetensors" \
+    >>"$t/sample.log" 2>&1 || { cat "$t/sample.log"; fail "sample with --toy_shift $shift failed"; }
+done
+cmp -s "$t/full.safetensors" "$t/shift1.safetensors" || fail "--toy_shift 1 changed the samples"
+if cmp -s "$t/full.safetensors" "$t/shift3.safetensors"; then fail "--toy_shift 3 changed nothing"; fi
+if "$toy" sample --model "$src/tests/golden/diffusers/unet2d_uncond" --toy_shift 2 \
+  --output "$t/unet.png" >"$t/refused_sample.log" 2>&1; then
+  fail "a UNet folder took --toy_shift"
+fi
+grep -q -- '--toy_shift is an option of the toy-dit family' "$t/refused_sample.log" ||
+  { cat "$t/refused_sample.log"; fail "--toy_shift was not refused naming its family"; }
 # Its own LoRA layout read by io, converted to kohya names (resolved by the family) and back, samples
 # exactly as the file it started from.
 "$toy" lora convert --input "$t/lora/toy_lora.safetensors" --output "$t/kohya.safetensors" --to kohya \

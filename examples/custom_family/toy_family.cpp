@@ -7,6 +7,7 @@
 #include "difftrain/core/log.h"
 #include "difftrain/data/dataset.h"
 #include "difftrain/diffusion/flow_match_objective.h"
+#include "difftrain/diffusion/text_encoders.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/attention.h"
@@ -53,22 +54,12 @@ ToyConfig ToyConfig::from_json(const nlohmann::json& j, const std::string& where
 
 namespace {
 
-// The toy's own text encoder: caption bytes -> embeddings [B, L, width] (frozen).
+// The toy's own text encoder model: byte ids [B, L] -> embeddings [B, L, width] (frozen).
 class ToyTextEncoderImpl : public torch::nn::Module {
  public:
-  explicit ToyTextEncoderImpl(const ToyConfig& c) : len_(c.text_len) {
+  explicit ToyTextEncoderImpl(const ToyConfig& c) : len(c.text_len), width(c.width) {
     token_embedding = register_module("token_embedding", torch::nn::Embedding(256, c.width));
-    position_embedding = register_parameter("position_embedding", torch::randn({len_, c.width}));
-  }
-  /// Captions -> byte ids [B, L] (0-padded, cut at L).
-  torch::Tensor tokenize(const std::vector<std::string>& prompts) const {
-    auto ids = torch::zeros({static_cast<int64_t>(prompts.size()), len_}, torch::kInt64);
-    for (size_t i = 0; i < prompts.size(); ++i) {
-      for (int64_t k = 0; k < len_ && k < static_cast<int64_t>(prompts[i].size()); ++k) {
-        ids[static_cast<int64_t>(i)][k] = static_cast<unsigned char>(prompts[i][k]);
-      }
-    }
-    return ids;
+    position_embedding = register_parameter("position_embedding", torch::randn({len, c.width}));
   }
   // ids: [B, L] -> [B, L, width]
   torch::Tensor forward(const torch::Tensor& ids) {
@@ -76,11 +67,65 @@ class ToyTextEncoderImpl : public torch::nn::Module {
   }
   torch::nn::Embedding token_embedding{nullptr};
   torch::Tensor position_embedding;
-
- private:
-  int64_t len_;
+  int64_t len, width;
 };
 TORCH_MODULE(ToyTextEncoder);
+
+// The same encoder as a pipeline component (diffusion::TextEncoder): its byte tokenizer (0-padded,
+// cut at text_len) and its model, composed into a TextEncoderStack as the built-in families
+// compose CLIP or T5 (here one encoder, its last hidden state: diffusion::last_hidden_state()).
+class ToyTextComponent final : public difftrain::diffusion::TextEncoder {
+ public:
+  explicit ToyTextComponent(ToyTextEncoder model)
+      : TextEncoder({"text_encoder", "tokenizer", "", ""}),
+        model_(std::move(model)),
+        len_(model_->len),
+        width_(model_->width) {}
+  std::string class_name() const override { return "ToyTextEncoder"; }
+  torch::nn::Module* module() const override {
+    return model_.is_empty() ? nullptr : model_.ptr().get();
+  }
+  std::shared_ptr<TextEncoder> clone() const override {
+    return std::make_shared<ToyTextComponent>(*this);
+  }
+  std::shared_ptr<TextEncoder> tokenizer_only() const override {
+    auto out = std::make_shared<ToyTextComponent>(*this);
+    out->model_ = ToyTextEncoder(nullptr);
+    return out;
+  }
+  int64_t hidden_size() const override { return width_; }
+  int64_t num_layers() const override { return 1; }
+  difftrain::diffusion::Tokens tokenize(const std::vector<std::string>& prompts) const override {
+    auto ids = torch::zeros({static_cast<int64_t>(prompts.size()), len_}, torch::kInt64);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      for (int64_t k = 0; k < len_ && k < static_cast<int64_t>(prompts[i].size()); ++k) {
+        ids[static_cast<int64_t>(i)][k] = static_cast<unsigned char>(prompts[i][k]);
+      }
+    }
+    return {ids, {}};
+  }
+  using TextEncoder::tokenize;
+  int64_t kept_tokens() const override { return len_; }
+  int64_t prompt_tokens(const std::string& prompt) const override {
+    return static_cast<int64_t>(prompt.size());
+  }
+  std::string length_rule() const override { return "text_len " + std::to_string(len_) + " bytes"; }
+  difftrain::diffusion::TextEncoding encode(
+      const difftrain::diffusion::Tokens& tokens,
+      const difftrain::diffusion::EncodeRequest& request) const override {
+    check_loaded();
+    if (request.skip_layers != 0)
+      throw Error("toy-dit's text encoder has one layer to skip none of");
+    auto& model = *model_.ptr();
+    difftrain::diffusion::TextEncoding out;
+    out.last_hidden_state = model.forward(tokens.input_ids.to(model.position_embedding.device()));
+    return out;
+  }
+
+ private:
+  ToyTextEncoder model_;
+  int64_t len_, width_;
+};
 
 // The denoiser: patches -> tokens, BasicTransformerBlocks conditioned on the caption (cross
 // attention) with the time embedding added to every token, tokens -> patches.
@@ -135,6 +180,13 @@ class ToyModelImpl : public torch::nn::Module {
   ToyDiT denoiser{nullptr};
 };
 TORCH_MODULE(ToyModel);
+
+// The model's text side as a stack: tokenize captions, encode prompts or cached ids.
+difftrain::diffusion::TextEncoderStack text_stack(const ToyModel& model) {
+  return difftrain::diffusion::TextEncoderStack(
+      difftrain::diffusion::last_hidden_state(),
+      {std::make_shared<ToyTextComponent>(model->text_encoder)});
+}
 
 io::TensorMap weights_of(const torch::nn::Module& m) {
   io::TensorMap out;
@@ -233,17 +285,24 @@ nlohmann::json flow_scheduler() {
 }
 
 // Euler steps of the flow from sigma 1 to 0: x <- x + (sigma_next - sigma) v.
+// `shift` > 1 spends more steps at high noise (sigma -> shift s / (1 + (shift - 1) s)), the
+// family's own `difftrain sample --toy_shift`.
 torch::Tensor generate(ToyModel& model, const std::vector<std::string>& prompts, int64_t steps,
-                       uint64_t seed, const std::function<void(int64_t, int64_t)>& on_step) {
+                       uint64_t seed, const std::function<void(int64_t, int64_t)>& on_step,
+                       double shift = 1.0) {
   torch::NoGradGuard no_grad;
   model->eval();
   const auto& c = model->config;
-  const auto context = model->text_encoder(model->text_encoder->tokenize(prompts));
+  const auto context = text_stack(model).encode(prompts).embeds;
   auto gen = at::detail::createCPUGenerator(seed);
   auto x = torch::randn({static_cast<int64_t>(prompts.size()), 1, c.size, c.size}, gen);
   for (int64_t i = 0; i < steps; ++i) {
-    const double s = 1.0 - static_cast<double>(i) / steps;
-    const double next = 1.0 - static_cast<double>(i + 1) / steps;
+    double s = 1.0 - static_cast<double>(i) / steps;
+    double next = 1.0 - static_cast<double>(i + 1) / steps;
+    if (shift != 1.0) {
+      s = shift * s / (1 + (shift - 1) * s);
+      next = shift * next / (1 + (shift - 1) * next);
+    }
     const auto t = torch::full({x.size(0)}, s * 1000.0);
     x = x + (next - s) * model->denoiser(x, t, context);
     if (on_step) on_step(i + 1, steps);
@@ -264,7 +323,7 @@ class ToyTask : public train::TrainingTask {
     captions_ = captions;
     data_ = std::make_shared<difftrain::data::TensorDataset>(
         difftrain::data::Example{{"x0", images},
-                                 {"ids", model_->text_encoder->tokenize(captions)},
+                                 {"ids", text_stack(model_).tokenize(captions)[0].input_ids},
                                  {"index", torch::arange(n)}});
     for (auto& p : model_->text_encoder->parameters()) p.set_requires_grad(false);
     if (o_.lora.enabled) {
@@ -302,7 +361,7 @@ class ToyTask : public train::TrainingTask {
     torch::Tensor context;
     {
       torch::NoGradGuard no_grad;
-      context = model_->text_encoder(batch.at("ids").to(device));
+      context = text_stack(model_).encode_ids({batch.at("ids")}).embeds;
     }
     const auto noised = objective_->noise(x0, keys, epoch, device);
     const auto prediction =
@@ -371,6 +430,12 @@ class ToyFamily : public difftrain::families::ModelFamily {
     samples.structural = true;
     specs.push_back(std::move(samples));
     return specs;
+  }
+  std::vector<train::OptionSpec> sample_options() const override {
+    return {{"toy_shift", "float", 1.0, "shift of the sampling sigmas (1: none)",
+             [](const nlohmann::json& v, const std::string& where) {
+               if (!(v.get<double>() > 0)) throw Error(where + " must be positive");
+             }}};
   }
   std::optional<train::ScriptDefaults> training_defaults(
       const train::TrainConfig& config) const override {
@@ -462,7 +527,7 @@ class ToyFamily : public difftrain::families::ModelFamily {
                          steps, prompts.size(), a.seed);
     if (a.on_start) a.on_start();
     difftrain::diffusion::GenerateResult r;
-    r.images = generate(model, prompts, steps, a.seed, a.on_step);
+    r.images = generate(model, prompts, steps, a.seed, a.on_step, a.family.number("toy_shift"));
     for (const auto& p : prompts) r.labels.push_back(p);
     return r;
   }

@@ -79,8 +79,8 @@ class FlowMatchEulerSampler : public Sampler {
   void set_timesteps_with(int64_t n, const TimestepOptions& options) override {
     if (use_dynamic_shifting_ && !options.mu) {
       throw Error(std::string(kFlowMatchName) +
-                  ": use_dynamic_shifting is true, so set_timesteps needs mu (FluxPipeline "
-                  "computes it from the image size: diffusion::flow_match_mu)");
+                  ": use_dynamic_shifting is true, so set_timesteps needs mu (a pipeline with "
+                  "dynamic shifting computes it from the image size: diffusion::flow_match_mu)");
     }
     std::vector<double> s = options.sigmas;
     if (s.empty()) {

@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <mutex>
+#include <optional>
 
 namespace difftrain::diffusion {
 namespace {
@@ -22,14 +24,52 @@ bool one_of(const std::string& value, const std::vector<std::string>& known) {
   return std::find(known.begin(), known.end(), value) != known.end();
 }
 
+struct RegisteredSamplings {
+  std::mutex mutex;
+  std::vector<FlowTimestepSampling> samplings;
+};
+
+RegisteredSamplings& registered_samplings() {
+  static RegisteredSamplings r;
+  return r;
+}
+
+// The registered sampling named `name`, if any (a copy: the registry may grow meanwhile).
+std::optional<FlowTimestepSampling> registered_sampling(const std::string& name) {
+  auto& r = registered_samplings();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (const auto& s : r.samplings) {
+    if (s.name == name) return s;
+  }
+  return std::nullopt;
+}
+
+const std::vector<std::string> kBuiltInSamplings = {"sigma", "uniform", "sigmoid", "shift"};
+
 }  // namespace
+
+void register_flow_timestep_sampling(FlowTimestepSampling sampling) {
+  if (sampling.name.empty() || !sampling.shift) {
+    throw Error("register_flow_timestep_sampling: a sampling needs a name and a shift");
+  }
+  if (one_of(sampling.name, flow_timestep_samplings())) {
+    throw Error("--timestep_sampling " + sampling.name + " is registered already");
+  }
+  auto& r = registered_samplings();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.samplings.push_back(std::move(sampling));
+}
 
 std::vector<std::string> flow_weighting_schemes() {
   return {"none", "logit_normal", "mode", "cosmap", "sigma_sqrt"};
 }
 
 std::vector<std::string> flow_timestep_samplings() {
-  return {"sigma", "uniform", "sigmoid", "shift", "flux_shift"};
+  std::vector<std::string> out = kBuiltInSamplings;
+  auto& r = registered_samplings();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (const auto& s : r.samplings) out.push_back(s.name);
+  return out;
 }
 
 FlowMatchObjective::FlowMatchObjective(const nlohmann::json& scheduler_config,
@@ -61,7 +101,7 @@ FlowMatchObjective::FlowMatchObjective(const nlohmann::json& scheduler_config,
   if (sampler->class_name() != "FlowMatchEulerDiscreteScheduler") {
     throw Error(source + ": a " + sampler->class_name() +
                 " config; flow-matching training needs a FlowMatchEulerDiscreteScheduler (the "
-                "scheduler/ folder of a FLUX.1 or SD3 pipeline)");
+                "scheduler/ folder of a flow-matching pipeline)");
   }
   timesteps_ = sampler->timesteps().to(torch::kFloat32).clone();
   sigmas_ = sampler->sigmas().to(torch::kFloat32).clone();
@@ -94,7 +134,7 @@ torch::Tensor FlowMatchObjective::draw(at::Generator& gen) const {
     const double s = o.discrete_flow_shift;
     t = (t * s) / (1 + (s - 1) * t);
   }
-  return t;  // sigmoid; flux_shift is shifted in sigmas_for (it needs the latent size)
+  return t;  // sigmoid; a registered sampling shifts it in sigmas_for (it needs the latent size)
 }
 
 FlowMatchObjective::Draws FlowMatchObjective::sigmas_for(const torch::Tensor& u_in,
@@ -109,15 +149,12 @@ FlowMatchObjective::Draws FlowMatchObjective::sigmas_for(const torch::Tensor& u_
     return d;
   }
   d.sigmas = u;
-  if (o.timestep_sampling == "flux_shift") {
-    if (x0_shape.size() != 4) {
-      throw Error("--timestep_sampling flux_shift needs 4-D latents [B, C, H, W]");
+  if (!one_of(o.timestep_sampling, kBuiltInSamplings)) {
+    const auto sampling = registered_sampling(o.timestep_sampling);
+    if (!sampling) {
+      throw Error("--timestep_sampling " + o.timestep_sampling + " is no longer registered");
     }
-    // kohya: mu on the line through (256, 0.5) and (4096, 1.15) at the packed sequence length.
-    const double m = (1.15 - 0.5) / (4096.0 - 256.0);
-    const double mu =
-        m * static_cast<double>((x0_shape[2] / 2) * (x0_shape[3] / 2)) + (0.5 - m * 256.0);
-    d.sigmas = std::exp(mu) / (std::exp(mu) + (1 / u - 1));
+    d.sigmas = sampling->shift(u, x0_shape).to(torch::kCPU, torch::kFloat32).reshape({-1});
   }
   return d;
 }

@@ -8,6 +8,7 @@
 #include "difftrain/io/safetensors.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/cuda.h>
 
 #include <algorithm>
@@ -59,6 +60,63 @@ torch::Device parse_sample_device(const std::string& text) {
   return *device;
 }
 
+std::vector<std::pair<train::OptionSpec, std::vector<std::string>>> all_sample_options() {
+  std::vector<std::pair<train::OptionSpec, std::vector<std::string>>> out;
+  for (const auto* f : families()) {
+    for (auto& spec : f->sample_options()) {
+      auto same = std::find_if(out.begin(), out.end(),
+                               [&](const auto& o) { return o.first.name == spec.name; });
+      if (same == out.end()) {
+        out.push_back({std::move(spec), {f->name()}});
+      } else {
+        same->second.push_back(f->name());
+      }
+    }
+  }
+  return out;
+}
+
+train::FamilyOptions parse_family_flags(
+    const std::string& family, std::vector<train::OptionSpec> specs,
+    const std::map<std::string, std::vector<std::string>>& values) {
+  train::FamilyOptions out;
+  out.family = family;
+  out.specs = std::move(specs);
+  for (const auto& [name, texts] : values) {
+    const auto* spec = out.find(name);
+    if (spec == nullptr)
+      throw Error("--" + name + " is not an option of the " + family + " family");
+    out.values[name] = train::parse_option_values(*spec, texts, "--" + name);
+  }
+  out.complete_and_check();
+  return out;
+}
+
+train::FamilyOptions sample_family_options(
+    const ModelFamily& family, const std::map<std::string, std::vector<std::string>>& flags,
+    const std::string& model) {
+  const auto specs = family.sample_options();
+  for (const auto& [name, texts] : flags) {
+    const bool declared = std::any_of(specs.begin(), specs.end(),
+                                      [&](const train::OptionSpec& s) { return s.name == name; });
+    if (!declared) {
+      std::vector<std::string> owners;
+      for (const auto& [s, names] : all_sample_options()) {
+        if (s.name == name) owners = names;
+      }
+      const std::string whose =
+          owners.empty() ? std::string("is no family's sample option")
+                         : fmt::format("is an option of the {} famil{}", fmt::join(owners, ", "),
+                                       owners.size() > 1 ? "ies" : "y");
+      throw Error(fmt::format(
+          "--{} {}; {} is a {} folder, which does not take it (difftrain sample --help lists "
+          "each family's options)",
+          name, whose, model, family.name()));
+    }
+  }
+  return parse_family_flags(family.name(), specs, flags);
+}
+
 diffusion::GenerateResult sample(SampleOptions options, double* seconds) {
   using Clock = std::chrono::steady_clock;
   // Timed from the first denoising step (after loading), a line every two seconds and at the end.
@@ -72,7 +130,9 @@ diffusion::GenerateResult sample(SampleOptions options, double* seconds) {
     const double rate = i / std::max(std::chrono::duration<double>(now - *start).count(), 1e-9);
     log::info("step {}/{}  {:.2f} it/s  ETA {:.0f}s", i, n, rate, (n - i) / rate);
   };
-  auto result = family_of(options.model).sample(options);
+  const ModelFamily& family = family_of(options.model);
+  options.family = sample_family_options(family, options.family_flags, options.model);
+  auto result = family.sample(options);
   if (seconds != nullptr) *seconds = std::chrono::duration<double>(Clock::now() - *start).count();
   return result;
 }

@@ -115,13 +115,10 @@ CaptionIds TextImageData::caption_ids() const {
 
 diffusion::PromptEmbeds TextImageData::encode_ids(const data::Batch& batch,
                                                   const std::string& prefix) {
-  std::vector<torch::Tensor> ids;
-  for (size_t i = 0; i < parts_.text->size(); ++i) {
-    ids.push_back(batch.at(prefix + diffusion::TextEncoderStack::ids_key(i)));
-  }
+  const auto tokens = parts_.text->tokens_of(batch, prefix);
   std::optional<torch::NoGradGuard> no_grad;
   if (!o_.lora.train_text_encoder) no_grad.emplace();
-  return parts_.text->encode_ids(ids, parts_.clip_skip);
+  return parts_.text->encode_tokens(tokens, parts_.clip_skip);
 }
 
 std::map<std::string, torch::Tensor> TextImageData::encode_captions(
@@ -135,15 +132,17 @@ std::map<std::string, torch::Tensor> TextImageData::encode_captions(
 
 std::string TextImageData::text_cache_key() const {
   // The first encoder's config, files and clip_skip, then each further encoder's files (the
-  // names caches written before the stack had); a T5's token count.
+  // names caches written before the stack had); what else an encoder's embeddings depend on
+  // (a T5's token count).
   const auto& text = *parts_.text;
-  std::string key = io::read_file(text[0].model_dir + "/config.json") +
-                    folder_stamp(text[0].model_dir) + folder_stamp(text[0].tokenizer_dir) +
+  std::string key = io::read_file(text[0].model_dir() + "/config.json") +
+                    folder_stamp(text[0].model_dir()) + folder_stamp(text[0].tokenizer_dir()) +
                     std::to_string(parts_.clip_skip);
   for (size_t i = 1; i < text.size(); ++i) {
-    key += (i == 1 ? "xl;" : ";") + folder_stamp(text[i].model_dir) +
-           folder_stamp(text[i].tokenizer_dir);
-    if (text[i].t5_tokenizer) key += ";t5 " + std::to_string(text.max_sequence_length());
+    key += (i == 1 ? "xl;" : ";") + folder_stamp(text[i].model_dir()) +
+           folder_stamp(text[i].tokenizer_dir());
+    const std::string extra = text[i].cache_key();
+    if (!extra.empty()) key += ";" + extra;
   }
   return key;
 }

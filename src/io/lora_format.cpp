@@ -411,12 +411,13 @@ LoraWeights parse_lora(const std::map<std::string, torch::Tensor>& tensors, cons
     if (!starts_with(key, "lora_") && ends_with(key, ".alpha") && key.size() > 6) continue;
     auto info = classify(key);
     if (!info) {
-      bad_lora_file(
-          path, "key '" + key +
-                    "' is not a LoRA weight in a known format (Diffusers "
-                    "'unet.<module>.lora.down.weight', PEFT 'unet.<module>.lora_A.weight', kohya "
-                    "'lora_unet_<module>.lora_down.weight'); LyCORIS (LoHa, LoKr), DoRA and "
-                    "bias-LoRA files are not supported");
+      bad_lora_file(path,
+                    "key '" + key +
+                        "' is not a LoRA weight in a known format (Diffusers "
+                        "'<component>.<module>.lora.down.weight', PEFT "
+                        "'<component>.<module>.lora_A.weight', kohya "
+                        "'lora_<component>_<module>.lora_down.weight'); LyCORIS (LoHa, LoKr), DoRA "
+                        "and bias-LoRA files are not supported");
     }
     auto& p = groups[info->component + '\n' + info->module];
     const int r = static_cast<int>(info->role);

@@ -60,14 +60,19 @@ void check_pair(const std::string& where, const std::string& component, const Lo
   }
 }
 
-// kohya's prefix of `component`; a lone text encoder is lora_te_, SDXL's pair lora_te1_/lora_te2_.
+// Whether a pipeline component is a text encoder ("text_encoder", "text_encoder_2", ...); every
+// other component a LoRA adapts is the denoiser.
+bool is_text_encoder(const std::string& component) {
+  return component.rfind("text_encoder", 0) == 0;
+}
+
+// kohya's prefix of `component`: lora_<component>_ for the denoiser; a lone text encoder is
+// lora_te_, a pair lora_te1_/lora_te2_.
 std::string kohya_prefix(const std::string& component, bool several_text_encoders) {
-  if (component == "unet") return "lora_unet_";
-  if (component == "transformer") return "lora_transformer_";
   if (component == "text_encoder") return several_text_encoders ? "lora_te1_" : "lora_te_";
   const std::string te = "text_encoder_";
   if (component.rfind(te, 0) == 0) return "lora_te" + component.substr(te.size()) + "_";
-  return "lora_" + component + "_";  // another family's component, as the reader takes it
+  return "lora_" + component + "_";  // the denoiser's component, as the reader takes it
 }
 
 // up * scale, formed in float64 and rounded once to up's dtype; up itself when scale is 1 or
@@ -120,8 +125,8 @@ std::map<std::string, torch::Tensor> to_tensors(const LoraWeights& lora, LoraFor
       const torch::Tensor down = t.down.contiguous();
       switch (format) {
         case LoraFormat::kDiffusers: {
-          const std::string layer =
-              component == "unet" || component == "transformer" ? ".lora." : ".lora_linear_layer.";
+          // Diffusers names a denoiser's layers `.lora.`, a text encoder's `.lora_linear_layer.`.
+          const std::string layer = is_text_encoder(component) ? ".lora_linear_layer." : ".lora.";
           const std::string stem = component + "." + t.module + layer;
           put(stem + "down.weight", down, component, t);
           put(stem + "up.weight", folded_up(t, fold), component, t);
@@ -181,8 +186,11 @@ void write_lora(const std::string& path, const LoraWeights& lora, LoraFormat for
   if (format == LoraFormat::kPeft) {
     // PEFT's adapter_config.json describes one model: the denoiser's targets when present.
     auto main = configs.begin();
-    for (const char* c : {"transformer", "unet"}) {
-      if (configs.count(c)) main = configs.find(c);
+    for (auto it = configs.begin(); it != configs.end(); ++it) {
+      if (!is_text_encoder(it->first)) {
+        main = it;
+        break;
+      }
     }
     const auto config_path =
         (std::filesystem::path(path).parent_path() / kPeftAdapterConfigName).string();

@@ -2,6 +2,12 @@
 #include "difftrain/train/flow_matching_options.h"
 
 #include "difftrain/core/error.h"
+#include "difftrain/diffusion/flow_match_objective.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <vector>
 
 #include <string>
 
@@ -18,6 +24,10 @@ std::function<void(const nlohmann::json&, const std::string&)> positive(std::str
 }  // namespace
 
 std::vector<OptionSpec> flow_matching_option_specs() {
+  // The samplings after Diffusers' "sigma" are kohya's (and those the families registered).
+  auto samplings = diffusion::flow_timestep_samplings();
+  const std::string kohya = fmt::format(
+      "{}", fmt::join(std::vector<std::string>(samplings.begin() + 1, samplings.end()), " | "));
   std::vector<OptionSpec> specs = {
       {"weighting_scheme", "string", "none",
        "flow-matching density and loss weight: none | logit_normal | mode | cosmap | sigma_sqrt",
@@ -26,10 +36,12 @@ std::vector<OptionSpec> flow_matching_option_specs() {
       {"logit_std", "float", 1.0, "logit_normal's standard deviation", positive()},
       {"mode_scale", "float", 1.29, "the mode scheme's scale", {}},
       {"timestep_sampling", "string", "sigma",
-       "how sigma is drawn: sigma (Diffusers' tables) | uniform | sigmoid | shift | flux_shift "
-       "(kohya's)",
-       one_of_check(diffusion::flow_timestep_samplings())},
-      {"sigmoid_scale", "float", 1.0, "kohya's sigmoid / shift / flux_shift scale", positive()},
+       "how sigma is drawn: sigma (Diffusers' tables) | " + kohya + " (kohya's)",
+       one_of_check(samplings)},
+      {"sigmoid_scale", "float", 1.0,
+       "kohya's scale of the sigmoid draws (every sampling but "
+       "sigma and uniform)",
+       positive()},
       {"discrete_flow_shift", "float", 3.0, "kohya's shift of sigma (timestep_sampling shift)",
        positive(" (kohya uses 3.0)")},
   };

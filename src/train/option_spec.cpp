@@ -91,6 +91,43 @@ nlohmann::json parse_option_value(const std::string& type, const std::string& te
                           where, type));
 }
 
+nlohmann::json parse_option_values(const OptionSpec& spec, const std::vector<std::string>& texts,
+                                   const std::string& where) {
+  nlohmann::json value;
+  if (spec.values == 1) {
+    if (texts.size() != 1) {
+      throw Error(fmt::format("{} takes one value, got {}", where, texts.size()));
+    }
+    value = parse_option_value(spec.type, texts[0], where);
+  } else {
+    if (spec.values > 1 && static_cast<int64_t>(texts.size()) != spec.values) {
+      throw Error(fmt::format("{} takes {} values, got {}", where, spec.values, texts.size()));
+    }
+    if (texts.empty()) throw Error(where + " needs a value");
+    value = nlohmann::json::array();
+    for (const auto& t : texts) value.push_back(parse_option_value(spec.type, t, where));
+  }
+  if (spec.check) spec.check(value, where);
+  return value;
+}
+
+std::function<void(const nlohmann::json&, const std::string&)> range_check(double lo, double hi) {
+  return [lo, hi](const nlohmann::json& value, const std::string& where) {
+    const auto one = [&](const nlohmann::json& v) {
+      if (!v.is_number()) return;
+      const double x = v.get<double>();
+      if (x < lo || x > hi) {
+        throw Error(fmt::format("{} is {}: expected a value in [{}, {}]", where, v.dump(), lo, hi));
+      }
+    };
+    if (value.is_array()) {
+      for (const auto& v : value) one(v);
+    } else {
+      one(value);
+    }
+  };
+}
+
 std::function<void(const nlohmann::json&, const std::string&)> one_of_check(
     std::vector<std::string> allowed) {
   return [allowed = std::move(allowed)](const nlohmann::json& value, const std::string& where) {

@@ -45,7 +45,8 @@ const std::map<std::string, std::string>& foreign_options() {
       {"full_bf16", "--mixed_precision bf16"},
       {"full_fp16", "--mixed_precision fp16"},
       {"model_prediction_type",
-       "--prediction_type (UNets; a flow-matching model always predicts the velocity)"},
+       "--prediction_type (epsilon / v-prediction models; a flow-matching model always "
+       "predicts the velocity)"},
       {"output_name",
        "!the LoRA is always <output_dir>/pytorch_lora_weights.safetensors (Diffusers' name); "
        "pick the folder with --output_dir"},

@@ -615,11 +615,11 @@ void TrainConfig::validate() const {
               report_to == "jsonl,tensorboard",
           "--report_to is \"" + report_to + "\": expected tensorboard, jsonl, all or none");
   require(!(model_config_name_or_path.size() && pretrained_model_name_or_path.size()),
-          "give --model_config_name_or_path (a fresh UNet) or --pretrained_model_name_or_path "
+          "give --model_config_name_or_path (a fresh model) or --pretrained_model_name_or_path "
           "(start from weights), not both");
   if (lora) {
     require(!pretrained_model_name_or_path.empty(),
-            "--lora fine-tunes a pretrained UNet: pass --pretrained_model_name_or_path DIR");
+            "--lora fine-tunes a pretrained model: pass --pretrained_model_name_or_path DIR");
     require(rank >= 1, "--rank must be at least 1");
     require(!lora_alpha || *lora_alpha > 0, "--lora_alpha must be positive");
     require(lora_dropout >= 0 && lora_dropout < 1, "--lora_dropout must be in [0, 1)");

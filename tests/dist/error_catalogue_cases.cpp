@@ -438,7 +438,7 @@ const std::vector<Case>& error_catalogue_cases() {
          return BadRun{tiny_train(t, {"--dataset", "foo"})};
        }},
       {"LoraWithoutPretrainedModel", "`difftrain train --model_config_name_or_path FILE --lora`",
-       "--lora fine-tunes a pretrained UNet: pass --pretrained_model_name_or_path DIR", 1,
+       "--lora fine-tunes a pretrained model: pass --pretrained_model_name_or_path DIR", 1,
        [](const std::string& t) { return BadRun{tiny_train(t, {"--lora"})}; }},
       {"ResolutionNotAMultipleOfTheVae",
        "`difftrain train --pretrained_model_name_or_path tests/golden/sd/tiny_sd ... --resolution "

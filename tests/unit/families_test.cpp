@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <map>
 #include <set>
 #include <string>
 #include <utility>
@@ -230,6 +231,60 @@ TEST(Families, AFamilyDeclaresItsOwnOptionsAndAnotherFamilysAreRefused) {
   const auto sd = parse({"--pretrained_model_name_or_path", kTinySdGolden});
   EXPECT_TRUE(sd.family.values.empty());
   EXPECT_FALSE(sd.to_json().contains("weighting_scheme"));
+}
+
+// `difftrain sample`'s family options: declared by the family, offered once per name by the CLI,
+// parsed for the model's family, refused for another's naming the family they belong to.
+TEST(Families, AFamilyDeclaresItsOwnSampleOptionsAndAnotherFamilysAreRefused) {
+  const auto flux = kGoldenDir + "flux/tiny_flux";
+  const auto sdxl = kGoldenDir + "sdxl/tiny_sdxl";
+  std::map<std::string, std::vector<std::string>> owners;
+  for (const auto& [spec, names] : families::all_sample_options()) owners[spec.name] = names;
+  EXPECT_EQ(owners["prompt_2"], std::vector<std::string>{"flux"});
+  EXPECT_EQ(owners["max_sequence_length"], std::vector<std::string>{"flux"});
+  EXPECT_EQ(owners["original_size"], std::vector<std::string>{"sdxl"});
+  EXPECT_EQ(owners.count("negative_target_size"), 1u);
+
+  const auto& flux_family = families::family_of(flux);
+  auto o = families::sample_family_options(flux_family, {}, flux);
+  EXPECT_TRUE(o.at("max_sequence_length").is_null());  // the pipeline's default
+  EXPECT_TRUE(o.at("prompt_2").empty());
+  o = families::sample_family_options(
+      flux_family, {{"prompt_2", {"a, with commas", "b"}}, {"max_sequence_length", {"16"}}}, flux);
+  EXPECT_EQ(o.at("prompt_2").get<std::vector<std::string>>(),
+            (std::vector<std::string>{"a, with commas", "b"}));
+  EXPECT_EQ(o.integer("max_sequence_length"), 16);
+  EXPECT_HAS(
+      error_of([&] {
+        families::sample_family_options(flux_family, {{"max_sequence_length", {"513"}}}, flux);
+      }),
+      "--max_sequence_length is 513: expected a value in [1, 512]");
+  const auto crossed = error_of([&] {
+    families::sample_family_options(flux_family, {{"original_size", {"64", "64"}}}, flux);
+  });
+  EXPECT_HAS(crossed, "--original_size is an option of the sdxl family; " + flux +
+                          " is a flux folder, which does not take it");
+  EXPECT_EQ(crossed.find('\n'), std::string::npos);
+
+  const auto& xl = families::family_of(sdxl);
+  o = families::sample_family_options(xl, {{"original_size", {"1024", "768"}}}, sdxl);
+  EXPECT_EQ(o.at("original_size").get<std::vector<int64_t>>(), (std::vector<int64_t>{1024, 768}));
+  EXPECT_TRUE(o.at("target_size").is_null());
+  EXPECT_HAS(error_of([&] {
+               families::sample_family_options(xl, {{"target_size", {"64"}}}, sdxl);
+             }),
+             "--target_size takes 2 values, got 1");
+  EXPECT_HAS(error_of([&] {
+               families::sample_family_options(xl, {{"prompt_2", {"x"}}}, sdxl);
+             }),
+             "--prompt_2 is an option of the flux family");
+  EXPECT_HAS(error_of([&] {
+               families::sample_family_options(xl, {{"nonsense", {"x"}}}, sdxl);
+             }),
+             "--nonsense is no family's sample option");
+  // SD 1.x/2.x takes none of them.
+  EXPECT_TRUE(families::sample_family_options(families::family_of(kTinySdGolden), {}, kTinySdGolden)
+                  .values.empty());
 }
 
 TEST(Families, AFolderIsRecognisedByItsClassName) {

@@ -7,6 +7,7 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/sample_rng.h"
 #include "difftrain/diffusion/flow_match_objective.h"
+#include "difftrain/families/family.h"
 #include "difftrain/families/flux/denoiser.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/lora/lora_training.h"
@@ -154,7 +155,18 @@ TEST(FlowMatchObjective, FullFineTuneAndLoraGradientsMatchTheTrainingScript) {
 
 // kohya's continuous samplings (flux_train_utils.get_noisy_model_input_and_timesteps), in float64
 // from the same normal draw.
+// flux_shift is the FLUX.1 family's sampling: registered with the family.
+void register_flux_family() { ASSERT_NE(difftrain::families::find_family("flux"), nullptr); }
+
 TEST(FlowMatchObjective, KohyaSamplingsFollowTheirFormulas) {
+  register_flux_family();
+  ASSERT_EQ(difftrain::diffusion::flow_timestep_samplings(),
+            (std::vector<std::string>{"sigma", "uniform", "sigmoid", "shift", "flux_shift"}));
+  EXPECT_NE(error_of([] {
+              difftrain::diffusion::register_flow_timestep_sampling(
+                  {"flux_shift", [](const torch::Tensor& u, torch::IntArrayRef) { return u; }});
+            }).find("registered already"),
+            std::string::npos);
   const double shift = 3.1582, scale = 1.3;
   for (const std::string mode : {"uniform", "sigmoid", "shift", "flux_shift"}) {
     SCOPED_TRACE(mode);
@@ -183,6 +195,39 @@ TEST(FlowMatchObjective, KohyaSamplingsFollowTheirFormulas) {
     EXPECT_NEAR(b.timesteps[0].item<double>(), 1000 * sigma, 1e-3);
     EXPECT_FALSE(b.weights.defined());
   }
+}
+
+// Video latents [B, C, F, H, W]: every timestep sampling gives each frame what an image of that
+// frame's size gets (flux_shift's sequence length is one frame's packed H x W); other ranks are
+// refused by the scheme that needs the size.
+TEST(FlowMatchObjective, VideoLatentsGetEachFrameTheImageDraws) {
+  register_flux_family();
+  for (const std::string mode : {"sigma", "uniform", "sigmoid", "shift", "flux_shift"}) {
+    SCOPED_TRACE(mode);
+    FlowMatchOptions o;
+    o.timestep_sampling = mode;
+    const FlowMatchObjective obj(flux_scheduler_config(), "scheduler_config.json", o);
+    torch::manual_seed(5);
+    const auto clip = torch::randn({2, 4, 3, 8, 6});
+    const auto noise = torch::randn_like(clip);
+    const auto u = torch::tensor({0.3f, 0.8f});
+    const auto video = obj.from_draws(clip, noise, u);
+    ASSERT_EQ(video.model_input.sizes(), clip.sizes());
+    for (int64_t f = 0; f < 3; ++f) {
+      const auto image = obj.from_draws(clip.select(2, f), noise.select(2, f), u);
+      EXPECT_TRUE(torch::equal(video.model_input.select(2, f), image.model_input)) << f;
+      EXPECT_TRUE(torch::equal(video.target.select(2, f), image.target)) << f;
+      EXPECT_TRUE(torch::equal(video.timesteps, image.timesteps));
+    }
+  }
+  FlowMatchOptions o;
+  o.timestep_sampling = "flux_shift";
+  const FlowMatchObjective obj(flux_scheduler_config(), "scheduler_config.json", o);
+  const auto flat = torch::zeros({2, 4, 8});
+  EXPECT_NE(error_of([&] {
+              obj.from_draws(flat, flat, torch::tensor({0.5f, 0.5f}));
+            }).find("[B, C, F, H, W]"),
+            std::string::npos);
 }
 
 TEST(FlowMatchObjective, SigmaSqrtWeightsAndDensitiesHaveTheirShapes) {

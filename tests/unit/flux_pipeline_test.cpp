@@ -311,10 +311,14 @@ TEST(FluxFamily, RecognisesPipelineAndTransformerFoldersAndMakesItsTrainingTask)
 // (those of other prompts here) exactly as from the prompts they were made from.
 TEST(FluxPipeline, PromptEmbeddingsGivenReplaceTheEncodersAndReleasedOnesRefuse) {
   using Stack = diffusion::TextEncoderStack;
-  const Stack text = Stack::load(
-      Stack::Layout::kClipT5,
-      {{"text_encoder", "tokenizer", kFluxDir + "/text_encoder", kFluxDir + "/tokenizer"},
-       {"text_encoder_2", "tokenizer_2", kFluxDir + "/text_encoder_2", kFluxDir + "/tokenizer_2"}});
+  const Stack text(
+      diffusion::pooled_and_sequence(0, 1),
+      {diffusion::ClipTextEncoder::load(
+           {"text_encoder", "tokenizer", kFluxDir + "/text_encoder", kFluxDir + "/tokenizer"},
+           false, ""),
+       diffusion::T5TextEncoder::load({"text_encoder_2", "tokenizer_2",
+                                       kFluxDir + "/text_encoder_2", kFluxDir + "/tokenizer_2"},
+                                      "")});
   const std::vector<std::string> prompts = {"a photo of a cat", "a red picture"};
   const Stack tokens_only = text.tokenizers_only();
   EXPECT_TRUE(text.has_models());
@@ -322,7 +326,9 @@ TEST(FluxPipeline, PromptEmbeddingsGivenReplaceTheEncodersAndReleasedOnesRefuse)
   EXPECT_TRUE(tokens_only.modules().empty());
   const auto ids = text.tokenize(prompts), again = tokens_only.tokenize(prompts);
   ASSERT_EQ(again.size(), ids.size());
-  for (size_t i = 0; i < ids.size(); ++i) EXPECT_TRUE(again[i].equal(ids[i]));
+  for (size_t i = 0; i < ids.size(); ++i) {
+    EXPECT_TRUE(again[i].input_ids.equal(ids[i].input_ids));
+  }
   const std::string msg = error_of([&] { tokens_only.encode(prompts); });
   EXPECT_NE(msg.find("released"), std::string::npos) << msg;
 

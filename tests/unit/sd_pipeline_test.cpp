@@ -235,7 +235,7 @@ TEST(SdPipeline, TrainedLoraReloadsEqualInEveryFormat) {
   models::LoraLayers unet_lora(*sd.unet, uc);
   models::LoraConfig tc = uc;
   tc.target_modules = {"q_proj", "k_proj", "v_proj", "out_proj"};
-  models::LoraLayers text_lora(*sd.text_encoders[0].model, tc);
+  models::LoraLayers text_lora(*sd.text_encoders[0].module(), tc);
   {
     // Move every adapter away from its zero start, as training does.
     torch::NoGradGuard no_grad;

@@ -62,8 +62,8 @@ TEST(SdxlPipeline, Txt2ImgMatchesDiffusers) {
   // The tokenizers' ids equal the reference's exactly.
   const auto ids = sd.text_encoders.tokenize(kPrompts);
   ASSERT_EQ(ids.size(), 2u);
-  EXPECT_TRUE(torch::equal(ids[0], ref.at("input_ids")));
-  EXPECT_TRUE(torch::equal(ids[1], ref.at("input_ids_2")));
+  EXPECT_TRUE(torch::equal(ids[0].input_ids, ref.at("input_ids")));
+  EXPECT_TRUE(torch::equal(ids[1].input_ids, ref.at("input_ids_2")));
 
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(42);
   EXPECT_EQ(max_abs(at::randn({2, 4, 16, 16}, gen, torch::kFloat32), ref.at("latents_init")), 0.0);
@@ -215,10 +215,12 @@ TEST(SdxlPipeline, ClipSkipTakesAnEarlierLayerOfBothEncoders) {
   auto sd = diffusion::load_stable_diffusion(kTinySdxl);
   torch::NoGradGuard no_grad;
   auto& text = sd.text_encoders;
-  const auto ids = text[0].tokenizer.encode_batch(kPrompts);
-  const auto ids_2 = text[1].tokenizer.encode_batch(kPrompts);
-  auto a = text[0].model->forward(ids, 0, true);
-  auto b = text[1].model->forward(ids_2, 0, true);
+  const auto& clip = text.as<diffusion::ClipTextEncoder>(0);
+  const auto& clip_2 = text.as<diffusion::ClipTextEncoder>(1);
+  const auto ids = clip.tokenizer().encode_batch(kPrompts);
+  const auto ids_2 = clip_2.tokenizer().encode_batch(kPrompts);
+  auto a = clip.model().ptr()->forward(ids, 0, true);
+  auto b = clip_2.model().ptr()->forward(ids_2, 0, true);
   for (int64_t skip : {0, 1}) {
     auto e = text.encode(kPrompts, skip);
     // hidden_states[-(skip + 2)] of each, concatenated; the pooled embedding never moves.

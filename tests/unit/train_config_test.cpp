@@ -150,7 +150,7 @@ TEST(TrainConfig, BadInputIsOneLineError) {
              }),
              "--train_batch_size must be at least 1");
   EXPECT_HAS(error_of([] { parse_train_config({"--lora"}); }),
-             "--lora fine-tunes a pretrained UNet");
+             "--lora fine-tunes a pretrained model");
   EXPECT_HAS(error_of([] {
                parse_train_config({"--mixed_precision", "fp8"});
              }),

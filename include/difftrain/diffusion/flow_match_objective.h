@@ -14,7 +14,8 @@
 // index = (u * N).long() into the scheduler's own training tables (FlowMatchEulerDiscreteScheduler
 // built from the folder's config and never set_timesteps: N timesteps that are float32
 // roundings, shifted by `shift` unless use_dynamic_shifting). kohya's continuous ways: uniform,
-// sigmoid, shift (--discrete_flow_shift), flux_shift (mu from the latent size).
+// sigmoid, shift (--discrete_flow_shift), and those families register (FLUX.1's flux_shift: mu
+// from the latent size). Latents are images [B, C, H, W] or clips [B, C, F, H, W].
 
 #include "difftrain/diffusion/objective.h"
 
@@ -23,6 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -38,14 +40,28 @@ struct FlowMatchOptions {
   double logit_std = 1.0;    ///< --logit_std (logit_normal)
   double mode_scale = 1.29;  ///< --mode_scale (mode)
   /// kohya's --timestep_sampling: sigma (Diffusers' tables, above) | uniform | sigmoid | shift |
-  /// flux_shift. The last four draw sigma continuously and are not bound to the tables.
+  /// a registered one (FlowTimestepSampling). All but sigma draw sigma continuously and are not
+  /// bound to the tables.
   std::string timestep_sampling = "sigma";
-  double sigmoid_scale = 1.0;        ///< --sigmoid_scale (sigmoid, shift, flux_shift)
+  /// --sigmoid_scale (sigmoid, shift and the registered samplings)
+  double sigmoid_scale = 1.0;
   double discrete_flow_shift = 3.0;  ///< --discrete_flow_shift (shift)
   uint64_t seed = 0;                 ///< the per-sample streams
 };
 
-/// The weighting schemes and timestep samplings the options take, for messages and --help.
+/// A timestep sampling a family adds to flow matching: kohya's sigmoid draw, then a shift that
+/// depends on the latents' size (FLUX.1's kohya `flux_shift`, registered by its family).
+struct FlowTimestepSampling {
+  std::string name;  ///< the --timestep_sampling value
+  /// sigmas [B] float32 from the sigmoid draws `u` [B] for latents of shape `x0_shape` (images
+  /// [B, C, H, W] or clips [B, C, F, H, W]); throws difftrain::Error for a shape it cannot size.
+  std::function<torch::Tensor(const torch::Tensor& u, torch::IntArrayRef x0_shape)> shift;
+};
+/// Adds `sampling` (a name already taken is refused by a difftrain::Error).
+void register_flow_timestep_sampling(FlowTimestepSampling sampling);
+
+/// The weighting schemes and timestep samplings the options take (the built-in samplings, then
+/// the registered ones), for messages and --help.
 std::vector<std::string> flow_weighting_schemes();
 std::vector<std::string> flow_timestep_samplings();
 
@@ -68,11 +84,11 @@ class FlowMatchObjective : public TrainingObjective {
   /// The value u each sample's generator gives: Diffusers' compute_density_for_timestep_sampling
   /// for one sample under "sigma" (logit_normal: sigmoid(N(mean, std)); mode: 1 - u -
   /// mode_scale (cos^2(pi u / 2) - 1 + u); else U[0, 1)), or kohya's sigma under the others
-  /// (before flux_shift's size-dependent shift, which from_draws applies). Float32 [1].
+  /// (before a registered sampling's size-dependent shift, which from_draws applies). Float32 [1].
   torch::Tensor draw(at::Generator& generator) const;
 
   /// The batch for draws `u` [B] (draw()'s values, float32), noise [B, ...] and x0 [B, ...]
-  /// (4-D [B, C, H, W] for flux_shift). timesteps are float32 [B] (the tables' values or
+  /// (images or clips). timesteps are float32 [B] (the tables' values or
   /// 1000 * sigma), weights float32 [B] (undefined when every weight is 1).
   NoisedBatch from_draws(const torch::Tensor& x0, const torch::Tensor& noise,
                          const torch::Tensor& u) const;

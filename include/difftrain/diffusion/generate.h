@@ -20,6 +20,7 @@
 // numbers are theirs.
 
 #include <torch/types.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdint>
 #include <functional>
@@ -47,15 +48,16 @@ struct GenerateRequest {
   /// prompt, or none = "").
   std::vector<std::string> prompts;
   std::vector<std::string> negative_prompts;
-  /// FLUX.1: the prompts for the second text encoder (T5; FluxPipeline's `prompt_2`): one per
-  /// prompt, one for all, or none (= the prompts).
+  /// The prompts for the second text encoder (Diffusers' `prompt_2`; FLUX.1's T5): one per
+  /// prompt, one for all, or none (= the prompts), for pipelines that take them.
   std::vector<std::string> prompts_2;
-  /// FLUX.1: the T5 token count prompts are padded or cut to (FluxPipeline's
-  /// `max_sequence_length`); 0 = the pipeline's default (512).
+  /// The token count a pipeline with a chosen text length pads or cuts prompts to (Diffusers'
+  /// `max_sequence_length`; FLUX.1's T5); 0 = the pipeline's default.
   int64_t max_sequence_length = 0;
-  /// FLUX.1: the prompts' embeddings made beforehand, one row per prompt (FluxPipeline's
-  /// prompt_embeds [P, L, D] and pooled_prompt_embeds [P, Pd]); when defined the text encoders
-  /// are not called (a training run that released them renders validation images with these).
+  /// The prompts' embeddings made beforehand, one row per prompt (Diffusers' prompt_embeds
+  /// [P, L, D] and pooled_prompt_embeds [P, Pd]), for pipelines that take them (FLUX.1); when
+  /// defined the text encoders are not called (a training run that released them renders
+  /// validation images with these).
   torch::Tensor prompt_embeds, pooled_prompt_embeds;
   /// UNet pipelines only: one class id per image for class-conditional UNets, empty otherwise.
   std::vector<int64_t> class_labels;
@@ -75,9 +77,10 @@ struct GenerateRequest {
   int64_t clip_skip = 0;
   /// Text-to-image: Diffusers' guidance_rescale (0 = off).
   double guidance_rescale = 0.0;
-  /// SDXL only (see TextToImageOptions): micro-conditioning pairs, empty = the defaults.
-  std::vector<int64_t> original_size, crops_coords_top_left, target_size;
-  std::vector<int64_t> negative_original_size, negative_crops_coords_top_left, negative_target_size;
+  /// A family's own `__call__` arguments by their Diffusers names, as its sample options
+  /// (ModelFamily::sample_options) declare them (e.g. SDXL's "original_size": [H, W]); absent or
+  /// null = the pipeline's default. The family's pipeline reads them; the others get none.
+  nlohmann::json options = nlohmann::json::object();
   uint64_t seed = 0;
   Seeding seeding = Seeding::kBatch;
   /// Called after each denoising step with (step from 1, number of steps); with kPerImage, once

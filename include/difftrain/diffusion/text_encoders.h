@@ -1,15 +1,15 @@
 #pragma once
-// A pipeline's text encoders as one component: the tokenizers, the encoders and how their
-// outputs make the prompt embeddings (Diffusers' encode_prompt, per pipeline). One CLIP (Stable
-// Diffusion 1.x/2.x), two CLIPs (SDXL) and CLIP + T5 (FLUX.1) are layouts of the same
-// class, so a family composes a TextEncoderStack instead of holding tokenizers and encoders
-// itself: pipelines encode prompts with it, training tasks tokenize captions, encode batches and
-// key their caches with it, and LoRA finds its encoders by component name.
+// A pipeline's text encoders as one component: the TextEncoders a family composes (text_encoder.h:
+// a tokenizer and its model each) and the PromptComposition that makes the prompt embeddings
+// from their outputs (prompt_composition.h; Diffusers' encode_prompt, per pipeline). Pipelines
+// encode prompts with it, training tasks tokenize captions, encode batches and key their caches
+// with it, and LoRA finds its encoders by component name. There is no closed list of layouts:
+// one CLIP, two CLIPs and CLIP + T5 are compositions, and a new encoder is a new TextEncoder.
 
-#include "difftrain/models/text_encoders/clip_text_model.h"
-#include "difftrain/models/text_encoders/t5_encoder.h"
-#include "difftrain/models/tokenizers/clip_tokenizer.h"
-#include "difftrain/models/tokenizers/t5_tokenizer.h"
+#include "difftrain/diffusion/clip_text_encoder.h"
+#include "difftrain/diffusion/prompt_composition.h"
+#include "difftrain/diffusion/t5_text_encoder.h"
+#include "difftrain/diffusion/text_encoder.h"
 
 #include <torch/types.h>
 
@@ -22,69 +22,31 @@
 
 namespace difftrain::diffusion {
 
-/// Prompt embeddings: per token [N, L, D] and, for layouts that have one, pooled [N, P].
-struct PromptEmbeds {
-  torch::Tensor embeds;
-  torch::Tensor pooled;  ///< undefined for kClip
-};
-
 class TextEncoderStack {
  public:
-  /// How the encoders' outputs make the prompt embeddings.
-  enum class Layout {
-    /// StableDiffusionPipeline: one CLIPTextModel; embeds = last_hidden_state after skipping
-    /// `clip_skip` layers (through final_layer_norm). No pooled embedding.
-    kClip,
-    /// StableDiffusionXLPipeline: CLIPTextModel + CLIPTextModelWithProjection; embeds =
-    /// cat(hidden_states[-(clip_skip + 2)] of each, -1) (before final_layer_norm); pooled = the
-    /// second's text_embeds.
-    kDualClip,
-    /// FluxPipeline: CLIPTextModel + T5EncoderModel; embeds = T5's last_hidden_state of
-    /// max_sequence_length() tokens (no attention mask), pooled = CLIP's pooler_output (77
-    /// tokens). clip_skip does not apply.
-    kClipT5,
-  };
-
-  /// One tokenizer and its encoder, and the pipeline components they came from: a CLIP (model,
-  /// tokenizer) or a T5 (t5, t5_tokenizer; model stays null).
-  struct Encoder {
-    std::string component;            ///< "text_encoder", "text_encoder_2"
-    std::string tokenizer_component;  ///< "tokenizer", "tokenizer_2"
-    models::ClipTokenizer tokenizer;
-    models::ClipTextModel model{nullptr};
-    std::shared_ptr<models::T5Tokenizer> t5_tokenizer;
-    models::T5EncoderModel t5{nullptr};
-    /// The encoder as a module, whichever kind it is (null once released: tokenizers_only()).
-    torch::nn::Module* module() const;
-    /// Where they were read from ("" when built in memory).
-    std::string model_dir, tokenizer_dir;
-  };
-
-  /// Where one encoder's files are (load()).
-  struct Files {
-    std::string component, tokenizer_component, model_dir, tokenizer_dir;
-  };
+  using Files = TextEncoderFiles;
 
   TextEncoderStack() = default;
-  /// Throws difftrain::Error when the encoders do not fit the layout (kClip: one; kDualClip:
-  /// two, the second with a text projection). Each tokenizer's model_max_length is capped at its
-  /// encoder's max_position_embeddings.
-  TextEncoderStack(Layout layout, std::vector<Encoder> encoders);
-
-  /// Reads each encoder (safetensors `variant`, on the CPU in `dtype`; T5 is read file by file in
-  /// that dtype, never whole in float32) and tokenizer; the second of kDualClip as
-  /// CLIPTextModelWithProjection, the second of kClipT5 as T5EncoderModel with its SentencePiece
-  /// tokenizer.
-  static TextEncoderStack load(Layout layout, const std::vector<Files>& files,
-                               const std::string& variant = "",
-                               torch::Dtype dtype = torch::kFloat32);
+  /// Throws difftrain::Error when the encoders do not fit the composition
+  /// (PromptComposition::check) or one is null.
+  TextEncoderStack(std::shared_ptr<const PromptComposition> composition, TextEncoders encoders);
 
   bool empty() const { return encoders_.empty(); }
-  Layout layout() const { return layout_; }
   size_t size() const { return encoders_.size(); }
-  const Encoder& operator[](size_t i) const { return encoders_.at(i); }
-  Encoder& operator[](size_t i) { return encoders_.at(i); }
-  const std::vector<Encoder>& encoders() const { return encoders_; }
+  /// Encoder i, in the composition's order.
+  const TextEncoder& operator[](size_t i) const { return *encoders_.at(i); }
+  TextEncoder& operator[](size_t i) { return *encoders_.at(i); }
+  /// Encoder i as the class it is (ClipTextEncoder, T5TextEncoder, a family's own); throws
+  /// difftrain::Error naming the component when it is another.
+  template <class T>
+  const T& as(size_t i) const {
+    const auto* e = dynamic_cast<const T*>(encoders_.at(i).get());
+    if (e == nullptr) wrong_class(i);
+    return *e;
+  }
+  const TextEncoders& encoders() const { return encoders_; }
+  /// The composition (null for an empty stack).
+  const std::shared_ptr<const PromptComposition>& composition() const { return composition_; }
 
   /// The encoders as modules, in order (for freezing, casting, LoRA); released ones left out.
   std::vector<torch::nn::Module*> modules() const;
@@ -98,12 +60,12 @@ class TextEncoderStack {
   std::vector<std::string> components() const;
   /// The width D of the per-token embeddings (what a denoiser's cross-attention takes).
   int64_t embed_dim() const;
-  /// The width P of the pooled embedding; 0 when the layout has none.
+  /// The width P of the pooled embedding; 0 when the composition has none.
   int64_t pooled_dim() const;
 
-  /// The largest Diffusers clip_skip the encoders take (kClip: layers - 1; kDualClip: the
-  /// shallower encoder's layers - 2, its embedding being the penultimate layer's already;
-  /// kClipT5: 0).
+  /// The largest Diffusers clip_skip the composition takes (one encoder: layers - 1;
+  /// concatenated hidden states: the shallower encoder's layers - 2, its embedding being the
+  /// penultimate layer's already; 0 where clip_skip does not apply).
   int64_t max_clip_skip() const;
   /// Diffusers' clip_skip from kohya's `--clip_skip` N (1 = the last layer): N - 1. Throws
   /// difftrain::Error for N < 1 or beyond max_clip_skip() + 1, naming the bound.
@@ -111,10 +73,18 @@ class TextEncoderStack {
 
   /// The batch key of encoder i's token ids: "input_ids", "input_ids_2", ...
   static std::string ids_key(size_t i);
-  /// `caption`'s token ids for every encoder ([model_max_length] int64), under ids_key(i).
+  /// The batch key of encoder i's attention mask (encoders that make one): "attention_mask",
+  /// "attention_mask_2", ...
+  static std::string mask_key(size_t i);
+  /// `caption`'s token ids for every encoder ([L] int64) under ids_key(i), and its mask under
+  /// mask_key(i) for the encoders that make one.
   std::map<std::string, torch::Tensor> tokenize(const std::string& caption) const;
-  /// The token ids of several prompts, one [N, model_max_length] per encoder.
-  std::vector<torch::Tensor> tokenize(const std::vector<std::string>& prompts) const;
+  /// The tokens of several prompts, one [N, L] per encoder.
+  std::vector<Tokens> tokenize(const std::vector<std::string>& prompts) const;
+  /// The tokens under ids_key / mask_key `prefix`-ed in a collated batch (what tokenize(caption)
+  /// put there), one per encoder.
+  std::vector<Tokens> tokens_of(const std::map<std::string, torch::Tensor>& batch,
+                                const std::string& prefix = "") const;
 
   /// What the tokenizers cut from `prompts` (Diffusers warns "The following part of your input
   /// was truncated ..."): one line per encoder that cuts any, naming how many of the prompts it
@@ -126,18 +96,21 @@ class TextEncoderStack {
   /// it (a training run reports its captions before encoding them): this silences it.
   void set_truncation_reported() const { truncation_warned_ = true; }
 
-  /// kClipT5: the T5 token count prompts are padded or cut to (FluxPipeline's
-  /// max_sequence_length, default 512). Throws difftrain::Error for n < 1.
+  /// The token count that encoders whose prompt length is the pipeline's choice pad or cut
+  /// prompts to (FluxPipeline's max_sequence_length for its T5); the others keep their
+  /// tokenizer's. Throws difftrain::Error for n < 1.
   void set_max_sequence_length(int64_t n);
-  int64_t max_sequence_length() const { return max_sequence_length_; }
 
-  /// Prompt embeddings of `prompts` on the first encoder's device, under no-grad. kClipT5 encodes
-  /// `prompts_2` with T5 when given (FluxPipeline's prompt_2; one per prompt), else `prompts`.
+  /// Prompt embeddings of `prompts` on the first encoder's device, under no-grad. `prompts_2`,
+  /// when given (one per prompt), go to the second encoder instead of `prompts` (Diffusers'
+  /// prompt_2).
   PromptEmbeds encode(const std::vector<std::string>& prompts, int64_t clip_skip = 0,
                       const std::vector<std::string>& prompts_2 = {}) const;
-  /// The same from token ids already made (one [N, L] per encoder, in order, on any device),
-  /// with grad as the caller's mode is (text-encoder training). Throws difftrain::Error for a
-  /// clip_skip beyond max_clip_skip().
+  /// The same from tokens already made (one per encoder, in order, on any device), with grad as
+  /// the caller's mode is (text-encoder training). Throws difftrain::Error for a clip_skip beyond
+  /// max_clip_skip().
+  PromptEmbeds encode_tokens(const std::vector<Tokens>& tokens, int64_t clip_skip = 0) const;
+  /// encode_tokens() of token ids alone (encoders that take no mask).
   PromptEmbeds encode_ids(const std::vector<torch::Tensor>& ids, int64_t clip_skip = 0) const;
 
   /// Every encoder to `device` (and `dtype`).
@@ -146,15 +119,13 @@ class TextEncoderStack {
   void freeze();
 
  private:
-  Layout layout_ = Layout::kClip;
-  std::vector<Encoder> encoders_;
-  int64_t max_sequence_length_ = 512;
+  [[noreturn]] void wrong_class(size_t i) const;
+
+  std::shared_ptr<const PromptComposition> composition_;
+  TextEncoders encoders_;
   // encode() warns about cut prompts once per stack (a run's validations encode them again).
   mutable bool truncation_warned_ = false;
 };
-
-/// "clip", "dual-clip" or "clip-t5".
-std::string to_string(TextEncoderStack::Layout layout);
 
 /// The CLIP tokenizer folder of `dir`: `dir` itself when it holds vocab.json, else
 /// `dir`/tokenizer (a pipeline folder: Stable Diffusion, SDXL, FLUX.1). Throws difftrain::Error

@@ -59,19 +59,33 @@ struct SampleOptions : diffusion::PipelineLoadOptions {
   std::vector<std::string> prompts;
   std::string prompt_file;
   std::string negative_prompt;
-  std::vector<std::string> prompts_2;  ///< --prompt_2 (FLUX.1's T5 prompt)
-  int64_t max_sequence_length = 0;     ///< --max_sequence_length (FLUX.1), 0 = 512
   int64_t num_images_per_prompt = 1;
   int64_t height = 0, width = 0;
   int64_t clip_skip = 1;        ///< kohya numbering: 1 = the last layer
   std::string device = "auto";  ///< auto | cpu | cuda | cuda:N
   double guidance_rescale = 0.0;
-  std::vector<int64_t> original_size, crops_coords_top_left, target_size;
-  std::vector<int64_t> negative_original_size, negative_crops_coords_top_left, negative_target_size;
+  /// The family options given as flags (ModelFamily::sample_options()): name -> the texts, one
+  /// per value as the command line split them. families::sample() parses them for the model's
+  /// family into `family`, and refuses another family's, naming it.
+  std::map<std::string, std::vector<std::string>> family_flags;
+  /// The model's family's sample options with their values (given, else the defaults).
+  train::FamilyOptions family;
   /// Called once the pipeline is loaded, right before the first denoising step.
   std::function<void()> on_start;
   /// Called after each denoising step with (step, steps).
   std::function<void(int64_t, int64_t)> on_step;
+};
+
+/// A command of a family's own on difftrain's command line (`difftrain NAME --flag V ...`), for
+/// what only that family does (the UNet family's `eval`, which scores Fashion-MNIST models). Its
+/// flags are train::OptionSpecs, given and checked as `difftrain sample`'s family options are;
+/// run() receives them parsed, with the defaults of those not given, and returns what the command
+/// prints on stdout as JSON (null: nothing). It throws difftrain::Error for bad input.
+struct FamilyCommand {
+  std::string name;  ///< the subcommand, e.g. "eval"
+  std::string help;  ///< one line for `difftrain --help`
+  std::vector<train::OptionSpec> options;
+  std::function<nlohmann::json(const train::FamilyOptions& options)> run;
 };
 
 /// One kind of model.
@@ -139,6 +153,13 @@ class ModelFamily {
   /// train::flow_matching_option_specs()). A run receives them parsed in TrainConfig::family and
   /// TaskOptions::family; another family's run refuses them, naming this family.
   virtual std::vector<train::OptionSpec> options() const { return {}; }
+  /// The `difftrain sample` options of this family's pipelines beyond the common ones (prompts,
+  /// steps, guidance, size, seed, scheduler, LoRA, dtype, device): Diffusers' `__call__` names,
+  /// with OptionSpec::values for flags that take several (e.g. `--original_size H W`). sample()
+  /// receives them parsed in SampleOptions::family; another family's folder refuses them.
+  virtual std::vector<train::OptionSpec> sample_options() const { return {}; }
+  /// Commands of the family's own on difftrain's command line (none by default).
+  virtual std::vector<FamilyCommand> commands() const { return {}; }
   /// The training task for `options` (nothing is loaded until build()).
   virtual std::unique_ptr<train::TrainingTask> make_training_task(
       const train::TaskOptions& options) const = 0;
@@ -191,6 +212,25 @@ struct LoraConversion {
 /// first (ModelFamily::adapt_lora). Throws difftrain::Error for a bad file or folder.
 LoraConversion convert_lora(const std::string& input, const std::string& output,
                             io::LoraFormat format, const std::string& model = "");
+
+/// The family options of a `difftrain sample` of `model` (a folder of `family`): the flags in
+/// `flags` parsed against family.sample_options(), the rest their defaults. Throws
+/// difftrain::Error for a flag the family does not take, naming the families that do, or a bad
+/// value.
+train::FamilyOptions sample_family_options(
+    const ModelFamily& family, const std::map<std::string, std::vector<std::string>>& flags,
+    const std::string& model);
+
+/// `values`' flags parsed against `specs` (each flag's texts, one per value), the rest their
+/// defaults, then every check: the options of a family's command or sample. Throws
+/// difftrain::Error for a flag no spec has or a bad value.
+train::FamilyOptions parse_family_flags(
+    const std::string& family, std::vector<train::OptionSpec> specs,
+    const std::map<std::string, std::vector<std::string>>& values);
+
+/// Every registered family's sample options, by name, each with the families that declare it
+/// (the union `difftrain sample` offers as flags).
+std::vector<std::pair<train::OptionSpec, std::vector<std::string>>> all_sample_options();
 
 /// `difftrain sample`: family_of(options.model).sample(options), timed from the first denoising
 /// step, with a progress line (step, it/s, ETA) every two seconds and at the end. `seconds` is

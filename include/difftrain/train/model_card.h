@@ -46,7 +46,7 @@ struct ModelCardRun {
 /// A model card: the family's part, the rows of the training details and the run's part.
 struct ModelCard {
   // ---- the family (TrainingTask::model_card())
-  std::string title;        ///< the card's heading, e.g. "Stable Diffusion LoRA text-to-image"
+  std::string title;        ///< the card's heading, e.g. "<family> LoRA text-to-image"
   std::string description;  ///< one paragraph: what was trained on what
   /// --pretrained_model_name_or_path as given (Diffusers' base_model); "" = trained from
   /// scratch: no base_model key, and the body says so.

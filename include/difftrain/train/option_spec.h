@@ -25,7 +25,21 @@ struct OptionSpec {
   std::function<void(const nlohmann::json& value, const std::string& where)> check;
   bool structural = false;  ///< a change makes a checkpoint another run: refused at resume
   bool exactness = false;   ///< a change breaks bit-exact continuation: a warning at resume
+  /// How many values the flag takes: 1 (the value is of `type`), N > 1 (exactly N, e.g. 2 for
+  /// `--original_size H W`) or -1 (any number, the flag repeatable: `--prompt_2 A --prompt_2 B`);
+  /// other than 1, the value is a JSON array of `type` elements. `difftrain sample`'s options.
+  int64_t values = 1;
 };
+
+/// The value of `spec` from the texts its flag was given (one per value, as the command line
+/// split them): parse_option_value() of each, an array unless spec.values is 1, then spec.check.
+/// Throws difftrain::Error naming `where` for the wrong number of values or a bad one.
+nlohmann::json parse_option_values(const OptionSpec& spec, const std::vector<std::string>& texts,
+                                   const std::string& where);
+
+/// A check for OptionSpec::check: every number in the value (a number or an array of them) lies
+/// in [lo, hi].
+std::function<void(const nlohmann::json&, const std::string&)> range_check(double lo, double hi);
 
 /// `text` (a flag's value or a YAML scalar; lists comma-separated) as `type`. Throws
 /// difftrain::Error "WHERE is \"TEXT\": expected ..." for a value that is not one.

@@ -18,7 +18,8 @@ namespace difftrain::train {
 /// Every option of the trainer, with its default. Optional fields are "not given".
 struct TrainConfig {
   // -- model
-  std::string model_config_name_or_path;      ///< config.json of a fresh UNet ("" = built-in)
+  /// config.json of a fresh model of the default family ("" = built-in)
+  std::string model_config_name_or_path;
   std::string pretrained_model_name_or_path;  ///< a local Diffusers folder to start from
   std::string variant;
   /// An AutoencoderKL folder used instead of the pipeline's vae/ (Diffusers'

@@ -11,11 +11,30 @@
 
 #include <fmt/format.h>
 
+#include <torch/torch.h>
+
+#include <cmath>
 #include <filesystem>
+#include <mutex>
 
 namespace difftrain::families {
 namespace {
 namespace fs = std::filesystem;
+
+// kohya's --timestep_sampling flux_shift (and musubi-tuner's for clips): the sigmoid draw
+// shifted by mu on the line through (256, 0.5) and (4096, 1.15) at the packed sequence length of
+// one frame, (H / 2) * (W / 2) of the last two axes.
+torch::Tensor flux_shift(const torch::Tensor& u, torch::IntArrayRef x0_shape) {
+  if (x0_shape.size() != 4 && x0_shape.size() != 5) {
+    throw Error(
+        "--timestep_sampling flux_shift needs image latents [B, C, H, W] or video latents "
+        "[B, C, F, H, W]");
+  }
+  const int64_t h = x0_shape[x0_shape.size() - 2], w = x0_shape[x0_shape.size() - 1];
+  const double m = (1.15 - 0.5) / (4096.0 - 256.0);
+  const double mu = m * static_cast<double>((h / 2) * (w / 2)) + (0.5 - m * 256.0);
+  return std::exp(mu) / (std::exp(mu) + (1 / u - 1));
+}
 
 bool flux_has_component(const nlohmann::json& index, const char* name) {
   return index.contains(name) && index[name].is_array() && index[name].size() == 2 &&
@@ -24,6 +43,12 @@ bool flux_has_component(const nlohmann::json& index, const char* name) {
 
 class FluxFamily : public ModelFamily {
  public:
+  FluxFamily() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+      diffusion::register_flow_timestep_sampling({"flux_shift", flux_shift});
+    });
+  }
   std::string name() const override { return "flux"; }
   std::vector<std::string> pipeline_classes() const override { return {"FluxPipeline"}; }
   std::vector<std::string> model_classes() const override { return {"FluxTransformer2DModel"}; }
@@ -96,6 +121,19 @@ class FluxFamily : public ModelFamily {
     specs.push_back(std::move(length));
     return specs;
   }
+  std::vector<train::OptionSpec> sample_options() const override {
+    train::OptionSpec prompt_2{"prompt_2",
+                               "string",
+                               nlohmann::json::array(),
+                               "the prompt for the T5 encoder (repeat for several; default: "
+                               "--prompt)",
+                               {}};
+    prompt_2.values = -1;
+    train::OptionSpec length{"max_sequence_length", "int?", nullptr,
+                             "T5 tokens per prompt, padded or cut (default 512)",
+                             train::range_check(1, 512)};
+    return {std::move(prompt_2), std::move(length)};
+  }
   std::unique_ptr<train::TrainingTask> make_training_task(
       const train::TaskOptions& options) const override {
     return flux::make_flux_training_task(options);
@@ -103,7 +141,7 @@ class FluxFamily : public ModelFamily {
   diffusion::GenerateResult sample(const SampleOptions& a) const override {
     diffusion::GenerateRequest request;
     request.prompts = sample_prompts(a, "FLUX.1");
-    request.prompts_2 = a.prompts_2;
+    request.prompts_2 = a.family.at("prompt_2").get<std::vector<std::string>>();
     if (!a.class_labels.empty()) throw Error("--class_labels is for class-conditional UNets");
     if (!a.negative_prompt.empty()) {
       throw Error(
@@ -112,14 +150,12 @@ class FluxFamily : public ModelFamily {
     }
     if (a.clip_skip != 1) throw Error("--clip_skip does not apply to FLUX.1 (its CLIP is pooled)");
     if (a.guidance_rescale != 0) throw Error("--guidance_rescale does not apply to FLUX.1");
-    if (!a.original_size.empty() || !a.crops_coords_top_left.empty() || !a.target_size.empty()) {
-      throw Error("--original_size, --crops_coords_top_left and --target_size are SDXL's");
-    }
     if (a.guidance_given) request.guidance_scale = a.guidance_scale;
     request.num_inference_steps = a.num_inference_steps;
     request.height = a.height;
     request.width = a.width;
-    request.max_sequence_length = a.max_sequence_length;
+    const auto& length = a.family.at("max_sequence_length");
+    request.max_sequence_length = length.is_null() ? 0 : length.get<int64_t>();
     request.num_images = a.num_images > 0 ? a.num_images : a.num_images_per_prompt;
     request.seed = a.seed;
     const torch::Device device = parse_sample_device(a.device);

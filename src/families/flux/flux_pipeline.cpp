@@ -309,17 +309,25 @@ void check_flux_parts(const FluxFolder& f, const models::FluxTransformer2DModelI
   }
 }
 
+diffusion::TextEncoderStack load_flux_text_encoders(const FluxFolder& f, const std::string& variant,
+                                                    torch::Dtype dtype) {
+  diffusion::TextEncoders encoders = {
+      diffusion::ClipTextEncoder::load(
+          {"text_encoder", "tokenizer", f.text_encoder_dir, f.tokenizer_dir},
+          /*with_projection=*/false, variant, dtype),
+      diffusion::T5TextEncoder::load(
+          {"text_encoder_2", "tokenizer_2", f.text_encoder_2_dir, f.tokenizer_2_dir}, variant,
+          dtype)};
+  return diffusion::TextEncoderStack(diffusion::pooled_and_sequence(0, 1), std::move(encoders));
+}
+
 FluxPipeline load_flux_pipeline(const std::string& dir,
                                 const diffusion::PipelineLoadOptions& options, torch::Dtype dtype) {
   FluxPipeline p;
   p.folder = resolve_flux_folder(dir);
   const FluxFolder& f = p.folder;
   if (options.dtype) dtype = *options.dtype;
-  p.text_encoders = diffusion::TextEncoderStack::load(
-      diffusion::TextEncoderStack::Layout::kClipT5,
-      {{"text_encoder", "tokenizer", f.text_encoder_dir, f.tokenizer_dir},
-       {"text_encoder_2", "tokenizer_2", f.text_encoder_2_dir, f.tokenizer_2_dir}},
-      options.variant, dtype);
+  p.text_encoders = load_flux_text_encoders(f, options.variant, dtype);
   // The big models are read straight in `dtype` (the LoRA merge below adds in float32 per module).
   p.transformer = models::load_flux_transformer(f.transformer_dir, dtype, options.variant);
   p.vae =
@@ -337,9 +345,10 @@ FluxPipeline load_flux_pipeline(const std::string& dir,
     const auto t = models::merge_lora(*p.transformer, lora, options.lora_scale, "transformer");
     int64_t te_merged = 0;
     for (const auto& e : p.text_encoders.encoders()) {
-      if (lora.count(e.component) == 0 || !e.model) continue;
+      // The CLIP only, as before the encoders were components: T5 LoRA keys are not merged.
+      if (lora.count(e->component()) == 0 || e->class_name() == "T5EncoderModel") continue;
       te_merged +=
-          models::merge_lora(*e.model.ptr(), lora, options.lora_scale, e.component).modules_merged;
+          models::merge_lora(*e->module(), lora, options.lora_scale, e->component()).modules_merged;
     }
     log::info(
         "LoRA {} ({} format): merged into {} transformer and {} text encoder modules, "

@@ -45,7 +45,7 @@ class FluxPipeline : public diffusion::Pipeline {
   FluxPipeline& operator=(FluxPipeline&&) = default;
 
   FluxFolder folder;
-  diffusion::TextEncoderStack text_encoders;  ///< Layout::kClipT5
+  diffusion::TextEncoderStack text_encoders;  ///< CLIP pooled + T5 per token
   models::FluxTransformer2DModel transformer{nullptr};
   models::AutoencoderKL vae{nullptr};
   std::unique_ptr<diffusion::Sampler> scheduler;
@@ -60,6 +60,12 @@ class FluxPipeline : public diffusion::Pipeline {
   /// unpacked, [K, 16, h, w]), prompt_embeds [K, L, D], pooled_prompt_embeds [K, P].
   diffusion::GenerateResult generate(const diffusion::GenerateRequest& request) override;
 };
+
+/// FluxPipeline's text side: CLIPTextModel (text_encoder, tokenizer) for the pooled embedding and
+/// T5EncoderModel (text_encoder_2, tokenizer_2) per token, 512 tokens until
+/// set_max_sequence_length(); read on the CPU in `dtype` (T5 file by file).
+diffusion::TextEncoderStack load_flux_text_encoders(const FluxFolder& f, const std::string& variant,
+                                                    torch::Dtype dtype);
 
 /// Throws difftrain::Error when the parts of folder `f` do not fit together: the transformer's
 /// in_channels against 4 x the VAE's latent channels, joint_attention_dim against T5's d_model,

@@ -185,11 +185,7 @@ void FluxTask::build(accel::Accelerator& acc, const std::string& output_dir) {
   const bool bf16 = acc.mixed_precision() == accel::MixedPrecision::kBf16;
   const torch::Dtype frozen = bf16 ? torch::kBFloat16 : torch::kFloat32;
   const auto& f = folder_;
-  text_ = diffusion::TextEncoderStack::load(
-      diffusion::TextEncoderStack::Layout::kClipT5,
-      {{"text_encoder", "tokenizer", f.text_encoder_dir, f.tokenizer_dir},
-       {"text_encoder_2", "tokenizer_2", f.text_encoder_2_dir, f.tokenizer_2_dir}},
-      o_.model.variant, frozen);
+  text_ = load_flux_text_encoders(f, o_.model.variant, frozen);
   text_.set_max_sequence_length(o_.family.integer("max_sequence_length"));
   text_.freeze();
   text_.to(acc.device());
@@ -270,7 +266,7 @@ void FluxTask::build_trainable(accel::Accelerator& acc) {
   if (o_.lora.train_text_encoder) {
     models::LoraConfig tc = lc;
     tc.target_modules = o_.lora.text_encoder_target_modules;
-    text_lora_ = models::LoraLayers(*text_[0].model, tc);
+    text_lora_ = models::LoraLayers(*text_[0].module(), tc);
     trainable_ = FluxLora(lora_, text_lora_).ptr();
   }
   acc.print("LoRA rank {} alpha {} on {} transformer module(s){}", lc.rank, lc.alpha,

@@ -1,6 +1,6 @@
 // The SDXL text-to-image task (Diffusers' train_text_to_image_lora_sdxl.py,
 // train_dreambooth_lora_sdxl.py, train_text_to_image_sdxl.py): the Stable-Diffusion task with
-// SDXL's text side: the dual-CLIP TextEncoderStack (CLIPTextModel and
+// SDXL's text side: the two-CLIP TextEncoderStack (CLIPTextModel and
 // CLIPTextModelWithProjection: prompt embeddings from both encoders' hidden_states[-(skip + 2)],
 // the pooled embedding from the second), and per-image time ids (original size, crop corner,
 // trained size) as the UNet's added conditioning; LoRA on both encoders with --train_text_encoder;
@@ -31,9 +31,7 @@ class SdxlTask final : public t2i::TextToImageTask {
   }
 
  protected:
-  diffusion::TextEncoderStack::Layout text_layout() const override {
-    return diffusion::TextEncoderStack::Layout::kDualClip;
-  }
+  bool two_text_encoders() const override { return true; }
 
   void check_unet() const override {
     if (!unet_->needs_added_conditioning()) {

@@ -240,9 +240,9 @@ StableDiffusion load_stable_diffusion(const std::string& dir,
     auto u = models::merge_lora(*sd.unet, lora, options.lora_scale, "unet");
     int64_t te_merged = 0;
     for (const auto& e : sd.text_encoders.encoders()) {
-      if (lora.count(e.component) == 0) continue;
+      if (lora.count(e->component()) == 0) continue;
       te_merged +=
-          models::merge_lora(*e.model.ptr(), lora, options.lora_scale, e.component).modules_merged;
+          models::merge_lora(*e->module(), lora, options.lora_scale, e->component()).modules_merged;
     }
     log::info("LoRA {} ({} format): merged into {} UNet and {} text encoder modules, scale {}",
               options.lora, io::format_label(lora), u.modules_merged, te_merged,
@@ -264,9 +264,14 @@ TextEncoderStack load_text_encoders(const StableDiffusionFolder& folder,
     files.push_back(
         {"text_encoder_2", "tokenizer_2", folder.text_encoder_2_dir, folder.tokenizer_2_dir});
   }
-  return TextEncoderStack::load(
-      folder.xl ? TextEncoderStack::Layout::kDualClip : TextEncoderStack::Layout::kClip, files,
-      variant);
+  // StableDiffusionPipeline: one CLIPTextModel's last_hidden_state; StableDiffusionXLPipeline:
+  // CLIPTextModel + CLIPTextModelWithProjection, penultimate layers side by side.
+  TextEncoders encoders;
+  for (size_t i = 0; i < files.size(); ++i) {
+    encoders.push_back(ClipTextEncoder::load(files[i], /*with_projection=*/i == 1, variant));
+  }
+  return TextEncoderStack(folder.xl ? concatenated_hidden_states("SDXL") : last_hidden_state(),
+                          std::move(encoders));
 }
 
 torch::Tensor xl_time_ids(const std::vector<int64_t>& original_size,
@@ -468,12 +473,18 @@ GenerateResult generate_text_to_image(StableDiffusion& sd, const GenerateRequest
   o.seed = r.seed;
   o.clip_skip = r.clip_skip;
   o.guidance_rescale = r.guidance_rescale;
-  o.original_size = r.original_size;
-  o.crops_coords_top_left = r.crops_coords_top_left;
-  o.target_size = r.target_size;
-  o.negative_original_size = r.negative_original_size;
-  o.negative_crops_coords_top_left = r.negative_crops_coords_top_left;
-  o.negative_target_size = r.negative_target_size;
+  // SDXL's micro-conditioning arrives among the request's family arguments (its sample options).
+  const auto pair = [&](const char* name) {
+    const auto it = r.options.find(name);
+    return it == r.options.end() || it->is_null() ? std::vector<int64_t>()
+                                                  : it->get<std::vector<int64_t>>();
+  };
+  o.original_size = pair("original_size");
+  o.crops_coords_top_left = pair("crops_coords_top_left");
+  o.target_size = pair("target_size");
+  o.negative_original_size = pair("negative_original_size");
+  o.negative_crops_coords_top_left = pair("negative_crops_coords_top_left");
+  o.negative_target_size = pair("negative_target_size");
   o.on_step = r.on_step;
   GenerateResult out;
   if (r.seeding == Seeding::kBatch) {

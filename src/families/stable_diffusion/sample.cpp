@@ -24,19 +24,14 @@ diffusion::GenerateResult sample_text_to_image(const SampleOptions& a) {
   request.seed = a.seed;
   request.clip_skip = a.clip_skip - 1;
   request.guidance_rescale = a.guidance_rescale;
-  request.original_size = a.original_size;
-  request.crops_coords_top_left = a.crops_coords_top_left;
-  request.target_size = a.target_size;
-  request.negative_original_size = a.negative_original_size;
-  request.negative_crops_coords_top_left = a.negative_crops_coords_top_left;
-  request.negative_target_size = a.negative_target_size;
+  // The family's own sample options (SDXL's micro-conditioning) go to its pipeline by name.
+  for (const auto& [name, value] : a.family.values.items()) {
+    if (!value.is_null()) request.options[name] = value;
+  }
   const torch::Device device = parse_sample_device(a.device);
   diffusion::StableDiffusion sd = diffusion::load_stable_diffusion(a.model, a);
   sd.to(device, a.dtype);
-  const bool micro = !a.original_size.empty() || !a.crops_coords_top_left.empty() ||
-                     !a.target_size.empty() || !a.negative_original_size.empty() ||
-                     !a.negative_crops_coords_top_left.empty() || !a.negative_target_size.empty();
-  if (micro && !sd.is_xl()) {
+  if (!request.options.empty() && !sd.is_xl()) {
     throw Error(
         "--original_size, --crops_coords_top_left and --target_size are SDXL's "
         "micro-conditioning; " +
@@ -54,7 +49,7 @@ diffusion::GenerateResult sample_text_to_image(const SampleOptions& a) {
       *o.guidance_scale, o.prompts.size(), o.num_images, a.seed,
       a.lora.empty() ? std::string() : fmt::format(", LoRA {} x{}", a.lora, a.lora_scale));
   for (size_t i = 0; i < o.prompts.size(); ++i) {
-    const auto& tokenizer = sd.text_encoders[0].tokenizer;
+    const auto& tokenizer = sd.text_encoders.as<diffusion::ClipTextEncoder>(0).tokenizer();
     const auto enc = tokenizer.encode(o.prompts[i]);
     if (enc.truncated) {
       log::warn("prompt {} has {} tokens; only the first {} are used", i, enc.num_tokens,

@@ -131,8 +131,7 @@ ModelCard TextToImageTask::model_card() const {
 }
 
 void TextToImageTask::load_text_models(accel::Accelerator& acc) {
-  using Layout = diffusion::TextEncoderStack::Layout;
-  const bool xl = text_layout() == Layout::kDualClip;
+  const bool xl = two_text_encoders();
   if (folder_.xl != xl) {
     throw Error(folder_.root + (xl ? ": not an SDXL folder (model_index.json lists no "
                                      "text_encoder_2)"

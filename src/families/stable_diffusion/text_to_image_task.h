@@ -91,10 +91,8 @@ class TextToImageTask : public DiffusionTask {
   // ---- What differs between SD-1.x/2.x and SDXL (SdxlTask, sdxl_task.cpp, overrides these).
   // The text side itself is the folder's TextEncoderStack (text_): one CLIP or two.
 
-  /// The text encoders the family's folders have: one CLIP (SDXL: two).
-  virtual diffusion::TextEncoderStack::Layout text_layout() const {
-    return diffusion::TextEncoderStack::Layout::kClip;
-  }
+  /// Whether the family's folders have two text encoders (SDXL) rather than one CLIP.
+  virtual bool two_text_encoders() const { return false; }
 
   /// Refuses a UNet of another family (SDXL's added conditioning in an SD folder).
   virtual void check_unet() const {

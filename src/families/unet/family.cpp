@@ -5,8 +5,10 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/diffusion/sampler.h"
+#include "difftrain/families/unet/eval.h"
 #include "difftrain/families/unet/pipeline.h"
 #include "difftrain/families/unet/unet_based_family.h"
+#include "difftrain/io/atomic_file.h"
 #include "unet_task.h"
 
 #include <fmt/format.h>
@@ -15,6 +17,79 @@
 
 namespace difftrain::families {
 namespace {
+
+// `difftrain eval`: the family's scoring of a class-conditional Fashion-MNIST model (eval.h).
+FamilyCommand eval_command() {
+  const auto at_least = [](double lo) {
+    return [lo](const nlohmann::json& v, const std::string& where) {
+      if (v.get<double>() < lo) throw Error(fmt::format("{} must be at least {}", where, lo));
+    };
+  };
+  FamilyCommand c;
+  c.name = "eval";
+  c.help =
+      "Score a class-conditional Fashion-MNIST model: a cached classifier's accuracy on its "
+      "samples, and the Fréchet distance of their features to the test set's";
+  c.options = {
+      {"model", "string", "", "Pipeline or bare denoiser folder (required)", {}},
+      {"lora", "string", "", "LoRA file to apply first", {}},
+      {"num_per_class", "int", 20, "Samples per class", at_least(1)},
+      {"num_inference_steps", "int", 50, "Sampler steps", train::range_check(1, 100000)},
+      {"scheduler",
+       "string",
+       "",
+       "The sampler (difftrain sample --help lists them), or a Diffusers scheduler class "
+       "(default: the folder's scheduler, as validation and `difftrain sample` use)",
+       {}},
+      {"eta", "float", 0.0, "DDIM eta: 0 deterministic, 1 DDPM-like noise",
+       train::range_check(0, 10)},
+      {"seed", "int", 0, "Sampling seed", at_least(0)},
+      {"guidance_scale",
+       "float",
+       1.0,
+       "Classifier-free guidance against the null class (1: none; needs a model trained with "
+       "--class_dropout_prob)",
+       {}},
+      {"data_dir",
+       "string",
+       "",
+       "Fashion-MNIST IDX folder (default /usr/share/datasets/"
+       "fashion-mnist)",
+       {}},
+      {"cache_dir",
+       "string",
+       "",
+       "Where the classifier is cached (default ~/.cache/difftrain)",
+       {}},
+      {"classifier_epochs", "int", 2, "Epochs of classifier training when not cached", at_least(1)},
+      {"classifier_train_samples", "int", 0, "Train the classifier on the first N images (0: all)",
+       at_least(0)},
+      {"test_samples", "int", 0, "Reference test images (0: all 10000)", at_least(0)},
+      {"output", "string", "", "Also write the JSON result to this file", {}},
+  };
+  c.run = [](const train::FamilyOptions& f) {
+    train::EvalOptions o;
+    o.model = f.text("model");
+    if (o.model.empty()) throw Error("difftrain eval needs --model DIR (a pipeline folder)");
+    o.lora = f.text("lora");
+    o.num_per_class = f.integer("num_per_class");
+    o.num_inference_steps = f.integer("num_inference_steps");
+    o.scheduler = f.text("scheduler");
+    o.eta = f.number("eta");
+    o.seed = static_cast<uint64_t>(f.integer("seed"));
+    o.guidance_scale = f.number("guidance_scale");
+    o.data_dir = f.text("data_dir");
+    o.cache_dir = f.text("cache_dir");
+    o.classifier_epochs = f.integer("classifier_epochs");
+    o.classifier_train_samples = f.integer("classifier_train_samples");
+    o.test_samples = f.integer("test_samples");
+    auto result = train::evaluate_model(o);
+    const auto output = f.text("output");
+    if (!result.is_null() && !output.empty()) io::write_file_atomic(output, result.dump(2) + "\n");
+    return result;
+  };
+  return c;
+}
 
 std::vector<int64_t> parse_labels(const std::string& text) {
   std::vector<int64_t> out;
@@ -51,6 +126,7 @@ class UNetFamily : public UNetBasedFamily {
       const std::string& dir, const diffusion::PipelineLoadOptions& options) const override {
     return std::make_unique<diffusion::UNetPipeline>(diffusion::load_unet_pipeline(dir, options));
   }
+  std::vector<FamilyCommand> commands() const override { return {eval_command()}; }
   std::unique_ptr<train::TrainingTask> make_training_task(
       const train::TaskOptions& options) const override {
     return train::make_unet_task(options);

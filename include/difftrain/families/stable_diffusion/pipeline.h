@@ -63,12 +63,14 @@ using StableDiffusionLoadOptions = PipelineLoadOptions;
 /// StableDiffusionPipeline / StableDiffusionXLPipeline folders. generate() runs text_to_image().
 struct StableDiffusion : Pipeline {
   StableDiffusionFolder folder;
-  /// tokenizer + text_encoder (kClip), SDXL: and tokenizer_2 + text_encoder_2 (kDualClip).
+  /// tokenizer + text_encoder (last_hidden_state()), SDXL: and tokenizer_2 + text_encoder_2
+  /// (concatenated_hidden_states()).
   TextEncoderStack text_encoders;
   models::AutoencoderKL vae{nullptr};
   models::UNet unet{nullptr};
   std::unique_ptr<Sampler> scheduler;
-  bool is_xl() const { return text_encoders.layout() == TextEncoderStack::Layout::kDualClip; }
+  /// Whether it is SDXL (two text encoders).
+  bool is_xl() const { return text_encoders.size() == 2; }
 
   /// The folder's pipeline class; "StableDiffusionPipeline" / "StableDiffusionXLPipeline" when
   /// assembled in memory (training).
@@ -84,8 +86,8 @@ struct StableDiffusion : Pipeline {
 StableDiffusion load_stable_diffusion(const std::string& dir,
                                       const StableDiffusionLoadOptions& options = {});
 
-/// The folder's text encoders and tokenizers: kClip (text_encoder, tokenizer) or, for SDXL,
-/// kDualClip (and text_encoder_2 with its projection, tokenizer_2); safetensors `variant`.
+/// The folder's text encoders and tokenizers: one CLIP (text_encoder, tokenizer) or, for SDXL,
+/// two (and text_encoder_2 with its projection, tokenizer_2); safetensors `variant`.
 TextEncoderStack load_text_encoders(const StableDiffusionFolder& folder,
                                     const std::string& variant = "");
 
