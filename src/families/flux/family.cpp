@@ -139,9 +139,12 @@ class FluxFamily : public ModelFamily {
     return flux::make_flux_training_task(options);
   }
   diffusion::GenerateResult sample(const SampleOptions& a) const override {
+    // families::sample() parses the family's options; a library caller may leave them out.
+    const train::FamilyOptions own =
+        a.family.specs.empty() ? parse_family_flags(name(), sample_options(), {}) : a.family;
     diffusion::GenerateRequest request;
     request.prompts = sample_prompts(a, "FLUX.1");
-    request.prompts_2 = a.family.at("prompt_2").get<std::vector<std::string>>();
+    request.prompts_2 = own.at("prompt_2").get<std::vector<std::string>>();
     if (!a.class_labels.empty()) throw Error("--class_labels is for class-conditional UNets");
     if (!a.negative_prompt.empty()) {
       throw Error(
@@ -154,7 +157,7 @@ class FluxFamily : public ModelFamily {
     request.num_inference_steps = a.num_inference_steps;
     request.height = a.height;
     request.width = a.width;
-    const auto& length = a.family.at("max_sequence_length");
+    const auto& length = own.at("max_sequence_length");
     request.max_sequence_length = length.is_null() ? 0 : length.get<int64_t>();
     request.num_images = a.num_images > 0 ? a.num_images : a.num_images_per_prompt;
     request.seed = a.seed;
