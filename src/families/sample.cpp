@@ -96,7 +96,8 @@ train::FamilyOptions sample_family_options(
     const ModelFamily& family, const std::map<std::string, std::vector<std::string>>& flags,
     const std::string& model) {
   const auto specs = family.sample_options();
-  for (const auto& [name, texts] : flags) {
+  for (const auto& flag : flags) {
+    const std::string& name = flag.first;  // a lambda may not capture a structured binding
     const bool declared = std::any_of(specs.begin(), specs.end(),
                                       [&](const train::OptionSpec& s) { return s.name == name; });
     if (!declared) {
