@@ -219,7 +219,7 @@ struct TrainConfig {
 /// (train_dreambooth_lora_flux.py, train_text_to_image_lora_sdxl.py, ...), for the options a run
 /// was not given. Diffusers' `--max_train_steps None` is max_train_steps 0 (the epochs decide).
 struct ScriptDefaults {
-  std::string script;  ///< the script's file name, e.g. "train_dreambooth_lora_flux.py"
+  std::string script;  ///< the script's file name, e.g. "train_dreambooth_lora.py"
   int64_t resolution = 512;
   int64_t train_batch_size = 4;
   int64_t num_train_epochs = 1;
