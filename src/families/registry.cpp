@@ -84,6 +84,9 @@ void add(std::unique_ptr<ModelFamily> family) {
   }
   // What io's LoRA reader and writer learn from it: its components and its own key layouts.
   for (const auto& c : family->lora_components()) io::register_lora_component(c);
+  if (const auto bare = family->lora_bare_component(); !bare.empty()) {
+    io::register_lora_bare_component(bare);
+  }
   for (auto& layout : family->lora_key_layouts()) io::register_lora_key_layout(std::move(layout));
   r.all.push_back(family.get());
   r.owned.push_back(std::move(family));
@@ -210,6 +213,16 @@ train::FamilyOptionLookup family_option_lookup() {
       for (const auto& spec : f->options()) {
         if (spec.name == name) return f->name();
       }
+    }
+    return std::string();
+  };
+  lookup.other_tools_hint = [](const std::string& family, const std::string& name) {
+    std::vector<const ModelFamily*> order;
+    if (const auto* own = find_family(family)) order.push_back(own);
+    for (const auto* f : families()) order.push_back(f);
+    for (const auto* f : order) {
+      const auto table = f->other_tools_options();
+      if (const auto it = table.find(name); it != table.end()) return it->second;
     }
     return std::string();
   };

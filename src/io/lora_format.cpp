@@ -20,18 +20,17 @@
 namespace difftrain::io {
 namespace {
 
-// kohya's key prefixes and the pipeline component each names.
+// kohya's prefixes of the text encoders' keys and the pipeline component each names; every other
+// component's keys are lora_<component>_<module> (the denoiser's as the family registered it).
 struct KohyaPrefix {
   const char* prefix;
   const char* component;
 };
-constexpr std::array<KohyaPrefix, 6> kKohyaPrefixes = {{
-    {"lora_unet_", "unet"},
+constexpr std::array<KohyaPrefix, 4> kKohyaPrefixes = {{
     {"lora_te1_", "text_encoder"},
     {"lora_te2_", "text_encoder_2"},
     {"lora_te3_", "text_encoder_3"},
     {"lora_te_", "text_encoder"},
-    {"lora_transformer_", "transformer"},
 }};
 
 enum class Role { kDown, kUp, kAlpha };
@@ -87,7 +86,8 @@ void split_component(const std::string& path, std::string& component, std::strin
   std::string rest = starts_with(path, kPeftWrap) ? path.substr(kPeftWrap.size()) : path;
   component.clear();
   // The pipeline components the families registered (io/lora_layout.h); anything else is a
-  // module path of Diffusers' oldest layout, which names the UNet's modules bare.
+  // module path of Diffusers' oldest layout, which names one component's modules bare (the
+  // component a family declared so; none: not a LoRA key).
   for (const auto& c : lora_components()) {
     const std::string head = c + ".";
     if (starts_with(rest, head)) {
@@ -97,7 +97,9 @@ void split_component(const std::string& path, std::string& component, std::strin
     }
   }
   if (starts_with(rest, kPeftWrap)) rest = rest.substr(kPeftWrap.size());
-  if (component.empty()) component = starts_with(rest, "text_model.") ? "text_encoder" : "unet";
+  if (component.empty()) {
+    component = starts_with(rest, "text_model.") ? "text_encoder" : lora_bare_component();
+  }
   module = rest;
 }
 
@@ -162,7 +164,9 @@ std::optional<KeyInfo> classify_legacy(const std::string& key) {
                    ".weight"};
       std::string module_attn;
       split_component(attn, info.component, module_attn);
-      const bool text = !processor && info.component != "unet";
+      if (info.component.empty()) return std::nullopt;
+      // A text encoder's projections are q_proj ... out_proj; the processor keys are never one's.
+      const bool text = !processor && starts_with(info.component, "text_encoder");
       const std::string leaf = text ? te_proj : std::string(proj) == "to_out" ? "to_out.0" : proj;
       info.module = module_attn.empty() ? leaf : module_attn + "." + leaf;
       return info;
@@ -180,7 +184,7 @@ std::optional<KeyInfo> classify_dotted(const std::string& key) {
       const std::string path = key.substr(0, key.size() - tail.size());
       KeyInfo info{LoraFormat::kDiffusers, "", "", true, role, path + layer, ".weight"};
       split_component(path, info.component, info.module);
-      if (info.module.empty()) return std::nullopt;
+      if (info.module.empty() || info.component.empty()) return std::nullopt;
       return info;
     }
   }
@@ -204,7 +208,7 @@ std::optional<KeyInfo> classify_dotted(const std::string& key) {
     if (path.empty()) continue;
     KeyInfo info{LoraFormat::kPeft, "", "", true, role, path + ".", suffix};
     split_component(path, info.component, info.module);
-    if (info.module.empty()) return std::nullopt;
+    if (info.module.empty() || info.component.empty()) return std::nullopt;
     return info;
   }
   return std::nullopt;

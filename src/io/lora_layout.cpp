@@ -11,6 +11,7 @@ struct Registered {
   std::mutex mutex;
   std::vector<LoraKeyLayout> layouts;
   std::vector<std::string> components;
+  std::string bare_component;
 };
 
 Registered& registered() {
@@ -52,6 +53,18 @@ std::vector<std::string> lora_components() {
   auto& r = registered();
   std::lock_guard<std::mutex> lock(r.mutex);
   return r.components;
+}
+
+void register_lora_bare_component(const std::string& component) {
+  auto& r = registered();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  if (r.bare_component.empty()) r.bare_component = component;
+}
+
+std::string lora_bare_component() {
+  auto& r = registered();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return r.bare_component;
 }
 
 bool is_lora_component(const std::string& component) {

@@ -3,8 +3,9 @@
 
 namespace difftrain::train {
 
-// Other tools' names for what difftrain has (kohya sd-scripts, SimpleTuner): difftrain's option
-// (and how to use it), or, after a '!', what to do instead where difftrain has none.
+// Other tools' names for what difftrain's trainer has (kohya sd-scripts, SimpleTuner): difftrain's
+// option (and how to use it), or, after a '!', what to do instead where difftrain has none. Flags
+// for what a family has are the family's (ModelFamily::other_tools_options()).
 const std::map<std::string, std::string>& foreign_options() {
   static const std::map<std::string, std::string> table = {
       {"network_dim", "--rank (the LoRA rank)"},
@@ -20,7 +21,6 @@ const std::map<std::string, std::string>& foreign_options() {
       {"text_encoder_lr",
        "--learning_rate (the text encoder's LoRA trains at the same rate; difftrain has no "
        "separate one)"},
-      {"unet_lr", "--learning_rate"},
       {"max_train_epochs", "--num_train_epochs"},
       {"num_epochs", "--num_train_epochs"},
       {"save_every_n_steps", "--checkpointing_steps"},
@@ -40,7 +40,6 @@ const std::map<std::string, std::string>& foreign_options() {
       {"validation_epochs", "--validation_steps (in updates)"},
       {"lr_scheduler_num_cycles", "--lr_num_cycles"},
       {"lr_scheduler_power", "--lr_power"},
-      {"t5xxl_max_token_length", "--max_sequence_length"},
       {"ae", "--pretrained_vae_model_name_or_path"},
       {"full_bf16", "--mixed_precision bf16"},
       {"full_fp16", "--mixed_precision fp16"},

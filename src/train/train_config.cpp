@@ -295,9 +295,14 @@ std::string canonical_name(const std::string& name) {
 
 const Option& find(const std::string& name, const std::string& where, const OptionScope& scope) {
   const std::string key = canonical_name(name);
+  std::string hint;
   if (const auto other = foreign_options().find(key); other != foreign_options().end()) {
+    hint = other->second;
+  } else if (scope.lookup != nullptr && scope.lookup->other_tools_hint) {
+    hint = scope.lookup->other_tools_hint(scope.family, key);
+  }
+  if (!hint.empty()) {
     // A leading '!' marks a sentence of its own; else the text names difftrain's option.
-    const std::string& hint = other->second;
     throw Error(where + ": \"" + name + "\" is another tool's option (kohya sd-scripts, " +
                 "SimpleTuner); " +
                 (hint.rfind('!', 0) == 0 ? hint.substr(1) : "difftrain's is " + hint) +
@@ -323,8 +328,9 @@ const Option& find(const std::string& name, const std::string& where, const Opti
           owner));
     }
   }
-  std::string hint = best != nullptr && best_d <= 4 ? "; did you mean " + best->name + "?" : "";
-  throw Error(where + ": unknown option \"" + name + "\"" + hint +
+  const std::string mean =
+      best != nullptr && best_d <= 4 ? "; did you mean " + best->name + "?" : "";
+  throw Error(where + ": unknown option \"" + name + "\"" + mean +
               " (difftrain train --help lists them)");
 }
 

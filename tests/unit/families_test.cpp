@@ -52,6 +52,9 @@ TEST(Families, EachBuiltInFamilyIsRegisteredOnceWithItsOwnClasses) {
   }
   EXPECT_EQ(names, (std::set<std::string>{"unet", "stable-diffusion", "sdxl", "flux"}));
   EXPECT_EQ(families::default_family().name(), "unet");
+  // Diffusers' oldest LoRA layout's bare module paths are the UNet's, as its families declare.
+  EXPECT_EQ(io::lora_bare_component(), "unet");
+  EXPECT_EQ(families::find_family("flux")->lora_bare_component(), "");
 }
 
 // A family registered through the public API (as a program outside the tree does): found by
@@ -227,6 +230,16 @@ TEST(Families, AFamilyDeclaresItsOwnOptionsAndAnotherFamilysAreRefused) {
                (void)parse({"--config", dir + "/flow.yaml"});
              }),
              "\"discrete_flow_shift\" is an option of the flux family");
+  // Other tools' flags for what a family has are the family's to point at (kohya's).
+  const auto t5 = error({"--t5xxl_max_token_length", "256"});
+  EXPECT_HAS(t5, "\"t5xxl_max_token_length\" is another tool's option");
+  EXPECT_HAS(t5, "difftrain's is --max_sequence_length");
+  EXPECT_HAS(error_of([&] {
+               (void)parse({"--pretrained_model_name_or_path", kTinySdGolden, "--unet_lr", "1e-4"});
+             }),
+             "\"unet_lr\" is another tool's option (kohya sd-scripts, SimpleTuner); difftrain's "
+             "is --learning_rate");
+  EXPECT_TRUE(flux_family->other_tools_options().count("unet_lr"));
   // An SD run has no family options, and its shown configuration none of FLUX.1's.
   const auto sd = parse({"--pretrained_model_name_or_path", kTinySdGolden});
   EXPECT_TRUE(sd.family.values.empty());

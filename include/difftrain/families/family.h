@@ -110,6 +110,9 @@ class ModelFamily {
   /// The pipeline components a LoRA file may adapt, by Diffusers' key prefix ("unet",
   /// "text_encoder", ...).
   virtual std::vector<std::string> lora_components() const = 0;
+  /// The component of lora_components() whose modules Diffusers' oldest LoRA layout names bare,
+  /// without the component ahead ("" = none; the UNet-based families' UNet).
+  virtual std::string lora_bare_component() const { return ""; }
   /// The family's own key layouts of LoRA files (FLUX.1's ComfyUI / XLabs keys), which
   /// io::read_lora() rewrites into a generic layout once the family is registered (none by
   /// default). Its kohya or BFL module names are the family's to resolve (adapt_lora).
@@ -160,6 +163,10 @@ class ModelFamily {
   virtual std::vector<train::OptionSpec> sample_options() const { return {}; }
   /// Commands of the family's own on difftrain's command line (none by default).
   virtual std::vector<FamilyCommand> commands() const { return {}; }
+  /// Other tools' training flags for what the family has (kohya's `--t5xxl_max_token_length`):
+  /// flag name without dashes -> difftrain's option and how to use it (or, after a '!', what to
+  /// do instead). `difftrain train` refuses such a flag in one line that points there.
+  virtual std::map<std::string, std::string> other_tools_options() const { return {}; }
   /// The training task for `options` (nothing is loaded until build()).
   virtual std::unique_ptr<train::TrainingTask> make_training_task(
       const train::TaskOptions& options) const = 0;

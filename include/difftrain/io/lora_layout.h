@@ -36,9 +36,15 @@ std::map<std::string, torch::Tensor> normalize_lora_keys(
 /// metadata may name, e.g. "transformer" (Diffusers' component folder names). Registering one
 /// twice is harmless.
 void register_lora_component(const std::string& component);
-/// The registered components; a dotted key that starts with none of them is a module path of the
-/// first component a family registered ("unet").
+/// The registered components. kohya keys `lora_<component>_<module>` name them (besides
+/// kohya's numbered text encoders, `lora_te_` / `lora_te<N>_`).
 std::vector<std::string> lora_components();
+/// Declares the component whose modules Diffusers' oldest LoRA layout names bare (dotted keys
+/// without a registered component ahead, and the attention-processor keys); the first one
+/// declared wins (a family's ModelFamily::lora_bare_component()).
+void register_lora_bare_component(const std::string& component);
+/// That component ("" = none declared: such keys are not read as LoRA keys).
+std::string lora_bare_component();
 /// Whether `component` is registered.
 bool is_lora_component(const std::string& component);
 

@@ -76,6 +76,9 @@ struct FamilyOptionLookup {
   std::function<FamilyOptions(const std::string& pretrained_model)> options_for;
   /// The family that declares option `name` ("" = none), for the refusal of another family's.
   std::function<std::string(const std::string& name)> owner_of;
+  /// Where another tool's flag `name` points (ModelFamily::other_tools_options(): the run's
+  /// `family` first, then every registered one's; "" = none).
+  std::function<std::string(const std::string& family, const std::string& name)> other_tools_hint;
 };
 
 }  // namespace difftrain::train

@@ -59,6 +59,10 @@ class FluxFamily : public ModelFamily {
   std::vector<std::string> lora_components() const override {
     return {"transformer", "text_encoder"};
   }
+  std::map<std::string, std::string> other_tools_options() const override {
+    // kohya's flux_train_network.py: its denoiser's rate and T5's sequence length.
+    return {{"unet_lr", "--learning_rate"}, {"t5xxl_max_token_length", "--max_sequence_length"}};
+  }
   void adapt_lora(io::LoraWeights& lora, const std::string& dir,
                   io::LoraFormat format) const override {
     flux::adapt_flux_lora(lora, dir, format);

@@ -27,6 +27,10 @@ void adapt_unet_lora(io::LoraWeights& lora, const std::string& dir, io::LoraForm
   }
 }
 
+std::map<std::string, std::string> UNetBasedFamily::other_tools_options() const {
+  return {{"unet_lr", "--learning_rate"}};
+}
+
 void UNetBasedFamily::adapt_lora(io::LoraWeights& lora, const std::string& dir,
                                  io::LoraFormat format) const {
   adapt_unet_lora(lora, dir, format);

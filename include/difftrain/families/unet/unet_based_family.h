@@ -24,6 +24,10 @@ class UNetBasedFamily : public ModelFamily {
   torch::Tensor forward(const std::string& dir, const std::map<std::string, torch::Tensor>& inputs,
                         const std::string& source, const std::string& lora,
                         double lora_scale) const override;
+  /// Diffusers' oldest LoRA layout names the UNet's modules bare.
+  std::string lora_bare_component() const override { return "unet"; }
+  /// kohya's `--unet_lr`.
+  std::map<std::string, std::string> other_tools_options() const override;
   std::vector<train::MemoryEstimate> estimate_memory(
       const std::string& model_path, const train::MemoryEstimateOptions& options,
       const std::vector<accel::ShardingStrategy>& strategies) const override;
