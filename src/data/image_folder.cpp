@@ -3,6 +3,7 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/core/sample_rng.h"
+#include "difftrain/data/media_reader.h"
 #include "difftrain/io/image.h"
 
 #include <ATen/Parallel.h>
@@ -69,12 +70,8 @@ struct Entry {
   int64_t line = 0;  // in metadata.jsonl; 0 when found by scanning
 };
 
-bool has_image_extension(const fs::path& path) {
-  std::string ext = path.extension().string();
-  std::transform(ext.begin(), ext.end(), ext.begin(),
-                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return ext == ".png" || ext == ".jpg" || ext == ".jpeg" || ext == ".bmp" || ext == ".webp";
-}
+// An image, or a clip a registered reader takes (data/media_reader.h).
+bool has_image_extension(const fs::path& path) { return is_media_file(path.string()); }
 
 // kohya's DreamBooth folder name "<repeats>_<name>" ("10_sks dog"): {repeats, name}, or repeats
 // -1 when the name is not of that form.
@@ -444,7 +441,7 @@ ImageFolderDataset::ImageFolderDataset(ImageFolderOptions options) : options_(st
     at::parallel_for(0, static_cast<int64_t>(entries.size()), 1, [&](int64_t lo, int64_t hi) {
       for (int64_t i = lo; i < hi; ++i) {
         try {
-          io::load_image((dir / entries[i].file).string(), options_.channels);
+          read_media((dir / entries[i].file).string(), options_.channels);
         } catch (const std::exception& e) {
           errors[i] = e.what();
           if (errors[i].empty()) errors[i] = "unknown error";
@@ -549,15 +546,19 @@ std::optional<std::string> ImageFolderDataset::caption(int64_t index) const {
 
 Example ImageFolderDataset::get(int64_t index) const {
   const std::string path = file(index);
-  torch::Tensor image;  // uint8 [H, W, C]
+  torch::Tensor frames;  // uint8 [F, H, W, C]; an image is one frame
   try {
-    image = io::load_image(path, options_.channels);
+    frames = read_media(path, options_.channels);
   } catch (const Error& e) {
     throw Error(std::string(e.what()) +
                 " (or set skip_bad_images to drop the files that cannot be decoded)");
   }
-  // [H, W, C] uint8 → [1, C, H, W] float in [0, 255]
-  auto x = image.permute({2, 0, 1}).to(torch::kFloat).unsqueeze(0);
+  // [F, H, W, C] uint8 → [F, C, H, W] float in [0, 255]; every frame gets the same transforms.
+  // (An image goes the way it always went, [H, W, C] → [C, H, W] → [1, C, H, W]: the resize's
+  // kernel follows the strides, and images stay bit-identical.)
+  const int64_t num_frames = frames.size(0);
+  auto x = num_frames == 1 ? frames[0].permute({2, 0, 1}).to(torch::kFloat).unsqueeze(0)
+                           : frames.permute({0, 3, 1, 2}).to(torch::kFloat);
   const auto [th, tw] = target_size(index);
   const int64_t h = x.size(2), w = x.size(3);
   // Cover th x tw: torchvision Resize(r) for a square (the shorter side becomes r, the longer
@@ -586,12 +587,14 @@ Example ImageFolderDataset::get(int64_t index) const {
     top = torch::randint(0, new_h - th + 1, {1}, *gen, torch::kLong).item<int64_t>();
     left = torch::randint(0, new_w - tw + 1, {1}, *gen, torch::kLong).item<int64_t>();
   }
-  x = x.squeeze(0).narrow(1, top, th).narrow(2, left, tw);
+  x = x.narrow(2, top, th).narrow(3, left, tw);
   bool flipped = false;
   if (options_.random_flip && torch::rand({1}, *gen).item<float>() < 0.5f) {
-    x = x.flip({2});
+    x = x.flip({3});
     flipped = true;
   }
+  // An image's pixel_values are [C, H, W], a clip's [C, F, H, W] (Diffusers' video layout).
+  x = num_frames == 1 ? x.squeeze(0) : x.permute({1, 0, 2, 3});
   // SDXL's crop coordinates are those of the flipped image when it is flipped (Diffusers flips
   // before cropping).
   const int64_t crop_left = flipped ? new_w - tw - left : left;

@@ -1,6 +1,9 @@
 #include "difftrain/diffusion/generate.h"
 
+#include "difftrain/core/error.h"
+
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/torch.h>
 
 namespace difftrain::diffusion {
@@ -12,6 +15,18 @@ std::map<std::string, torch::Tensor> GenerateResult::tensors() const {
   if (pooled_prompt_embeds.defined()) out["pooled_prompt_embeds"] = pooled_prompt_embeds;
   return out;
 }
+
+torch::Tensor media_frames(const torch::Tensor& media, const std::string& what) {
+  if (media.defined() && media.dim() == 5) return media;
+  if (media.defined() && media.dim() == 4) return media.unsqueeze(1);
+  throw Error(fmt::format("{} are {}: expected images [K, H, W, C] or clips [K, F, H, W, C]", what,
+                          media.defined() ? fmt::format("[{}]", fmt::join(media.sizes(), ", "))
+                                          : std::string("undefined")));
+}
+
+int64_t GenerateResult::num_frames() const { return frames().size(1); }
+
+torch::Tensor GenerateResult::frames() const { return media_frames(images, "generated media"); }
 
 std::vector<std::string> prompt_labels(const std::vector<std::string>& prompts,
                                        int64_t images_per_prompt) {

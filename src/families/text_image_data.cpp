@@ -6,6 +6,7 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/core/sample_rng.h"
+#include "difftrain/data/media_reader.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/image.h"
 #include "difftrain/models/module_info.h"
@@ -161,7 +162,7 @@ void TextImageData::assign_buckets(accel::Accelerator& acc, data::ImageFolderDat
   bo.min_side = d.bucket_min_side;
   bo.max_side = d.bucket_max_side;
   std::vector<std::array<int64_t, 2>> sizes;
-  for (int64_t i = 0; i < images.size(); ++i) sizes.push_back(io::image_size(images.file(i)));
+  for (int64_t i = 0; i < images.size(); ++i) sizes.push_back(data::media_size(images.file(i)));
   const int64_t group = acc.options().split_batches
                             ? d.train_batch_size
                             : d.train_batch_size * static_cast<int64_t>(acc.num_processes());

@@ -581,10 +581,28 @@ torch::Tensor make_grid(const torch::Tensor& images, const std::vector<std::stri
 torch::Tensor save_image_grid(const std::string& path, const torch::Tensor& images,
                               const std::vector<std::string>& labels, int64_t columns,
                               int64_t padding) {
-  if (!images.defined() || images.dim() != 4) {
+  if (!images.defined() || (images.dim() != 4 && images.dim() != 5)) {
     throw Error("save_image_grid(" + path + "): images are " +
                 (images.defined() ? shape_str(images) : std::string("undefined")) +
-                ": expected float [K, H, W, C] in [0, 1] (Diffusers' output_type \"np\")");
+                ": expected float [K, H, W, C] in [0, 1] (Diffusers' output_type \"np\") or "
+                "clips [K, F, H, W, C]");
+  }
+  if (images.dim() == 5) {
+    // A clip is a row of its frames (whatever `columns` says): the clip's label under its first,
+    // "frame f" under the rest.
+    const int64_t K = images.size(0), F = images.size(1);
+    std::vector<std::string> cells;
+    if (!labels.empty()) {
+      for (int64_t k = 0; k < K; ++k) {
+        for (int64_t f = 0; f < F; ++f) {
+          const auto at = static_cast<size_t>(k);
+          cells.push_back(f > 0                ? "frame " + std::to_string(f)
+                          : at < labels.size() ? labels[at]
+                                               : "");
+        }
+      }
+    }
+    return save_image_grid(path, images.flatten(0, 1), cells, F, padding);
   }
   torch::Tensor grid =
       make_grid(to_uint8_images(images.permute({0, 3, 1, 2})), labels, columns, padding);

@@ -301,9 +301,15 @@ void write_model_card(const fs::path& dir, ModelCard card, const torch::Tensor& 
                       const std::vector<std::string>& labels) {
   card.widget_texts.clear();
   if (images.defined() && images.size(0) > 0) {
-    const auto bytes = io::to_uint8_images(images.permute({0, 3, 1, 2}));  // [K, H, W, C]
-    for (int64_t i = 0; i < bytes.size(0); ++i) {
-      io::save_png((dir / ("image_" + std::to_string(i) + ".png")).string(), bytes[i]);
+    // A clip [F, H, W, C] is shown as its frames side by side.
+    const bool clips = images.dim() == 5;
+    const auto bytes = io::to_uint8_images(clips ? images.flatten(0, 1).permute({0, 3, 1, 2})
+                                                 : images.permute({0, 3, 1, 2}));
+    const int64_t count = images.size(0), frames = clips ? images.size(1) : 1;
+    for (int64_t i = 0; i < count; ++i) {
+      const auto file = (dir / ("image_" + std::to_string(i) + ".png")).string();
+      io::save_png(file, clips ? io::make_grid(bytes.narrow(0, i * frames, frames), {}, frames, 0)
+                               : bytes[i]);
       const auto at = static_cast<size_t>(i);
       card.widget_texts.push_back(!card.prompt.empty() ? card.prompt
                                   : at < labels.size() ? labels[at]

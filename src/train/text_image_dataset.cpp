@@ -1,6 +1,7 @@
 #include "difftrain/train/text_image_dataset.h"
 
 #include "difftrain/core/error.h"
+#include "difftrain/data/media_reader.h"
 
 #include <algorithm>
 #include <cctype>
@@ -101,12 +102,7 @@ int64_t count_images(const std::string& dir) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) return 0;
   for (const auto& e : fs::recursive_directory_iterator(dir, ec)) {
-    std::string ext = e.path().extension().string();
-    std::transform(ext.begin(), ext.end(), ext.begin(),
-                   [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
-    if (e.is_regular_file() &&
-        (ext == ".png" || ext == ".jpg" || ext == ".jpeg" || ext == ".bmp" || ext == ".webp"))
-      ++n;
+    if (e.is_regular_file() && data::is_media_file(e.path().string())) ++n;
   }
   return n;
 }

@@ -407,7 +407,7 @@ bool Trainer::State::validate() {
   auto trainable = task->trainable();
   auto full = acc->summon_full_params();  // sampling and the EMA swap read every parameter
   if (ema) ema->store(*trainable), ema->copy_to(*trainable);
-  torch::Tensor images;  // [k, H, W, C]
+  torch::Tensor images;  // [k, H, W, C], or clips [k, F, H, W, C]
   // A line every few seconds from the main rank (a long validation must not look like a hang),
   // and at a stop signal the render is dropped: the checkpoint matters more than the images.
   auto last_line = Clock::now();

@@ -3,6 +3,7 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/core/phase.h"
+#include "difftrain/data/media_reader.h"
 #include "difftrain/io/image.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/module_info.h"
@@ -117,7 +118,7 @@ std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> cached_latents
 torch::Tensor centre_crop_geometry(const data::ImageFolderDataset& images) {
   std::vector<int64_t> geometry;
   for (int64_t i = 0; i < images.size(); ++i) {
-    const auto size = io::image_size(images.file(i));
+    const auto size = data::media_size(images.file(i));
     const auto [th, tw] = images.target_size(i);
     const bool width_exact = size[0] * tw >= size[1] * th;
     const int64_t new_h = width_exact ? tw * size[0] / size[1] : th;

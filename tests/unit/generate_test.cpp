@@ -272,5 +272,31 @@ TEST(ImageGrid, SaveImageGridWritesMakeGridOfTheUint8Images) {
             std::string::npos);
 }
 
+// Media carry a frame axis (issue 57): an image is one frame, a clip [K, F, H, W, C] is written
+// as one row of its frames, its label under the first and "frame f" under the rest.
+TEST(ImageGrid, ClipsAreRowsOfTheirFramesAndImagesOneFrame) {
+  const std::string dir = test::temp_dir("clip_grid");
+  const auto clips = torch::rand({2, 3, 8, 6, 3});
+  const auto grid = io::save_image_grid(dir + "/c.png", clips, {"cat", "dog"}, 5);
+  const auto flat = io::to_uint8_images(clips.flatten(0, 1).permute({0, 3, 1, 2}));
+  EXPECT_TRUE(torch::equal(
+      grid, io::make_grid(flat, {"cat", "frame 1", "frame 2", "dog", "frame 1", "frame 2"}, 3)));
+  EXPECT_TRUE(torch::equal(io::load_image(dir + "/c.png"), grid));
+  diffusion::GenerateResult images;
+  images.images = torch::rand({4, 8, 6, 3});
+  EXPECT_EQ(images.num_frames(), 1);
+  EXPECT_TRUE(torch::equal(images.frames(), images.images.unsqueeze(1)));
+  diffusion::GenerateResult video;
+  video.images = clips;
+  EXPECT_EQ(video.num_frames(), 3);
+  EXPECT_EQ(video.frames().sizes(), clips.sizes());
+  EXPECT_NE(error_of([] {
+              diffusion::GenerateResult flat_result;
+              flat_result.images = torch::rand({8, 6, 3});
+              (void)flat_result.frames();
+            }).find("expected images [K, H, W, C] or clips [K, F, H, W, C]"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace difftrain

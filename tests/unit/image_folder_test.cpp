@@ -5,6 +5,7 @@
 
 #include "difftrain/data/image_folder.h"
 #include "difftrain/core/error.h"
+#include "difftrain/data/media_reader.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/image.h"
 
@@ -529,6 +530,81 @@ TEST(ImageFolder, AugmentationIsPerSampleAndDeterministic) {
   for (auto& t : threads) t.join();
   for (int64_t i = 0; i < 6; ++i)
     EXPECT_TRUE(torch::equal(parallel[i], b.get(i).at("pixel_values")));
+}
+
+// ---------------------------------------------------------------- clips (issue 57)
+
+// A test container of clips: a PNG holding 3 frames side by side, under the extension ".strip3".
+void register_strip_reader() {
+  static const bool once = [] {
+    MediaReader reader;
+    reader.name = "test strip";
+    reader.extensions = {".STRIP3"};  // registered in any case, matched in any case
+    reader.read = [](const std::string& path, int channels) {
+      const auto sheet = io::decode_image(io::read_file(path), path, channels);  // [H, 3W, C]
+      return sheet.reshape({sheet.size(0), 3, sheet.size(1) / 3, sheet.size(2)})
+          .permute({1, 0, 2, 3})
+          .contiguous();
+    };
+    reader.size = [](const std::string& path) {
+      auto hw = io::image_size(path);
+      return std::array<int64_t, 2>{hw[0], hw[1] / 3};
+    };
+    register_media_reader(reader);
+    return true;
+  }();
+  (void)once;
+}
+
+// Images and clips come through one reader interface: a registered clip reader's files are
+// listed beside the images, a clip's pixel_values are [C, F, H, W], and every frame gets exactly
+// the crop, resize and flip its image alone would get (an image is one frame, as before).
+TEST(ImageFolder, ClipsOfARegisteredReaderGetTheirFramesTheImageTransforms) {
+  register_strip_reader();
+  EXPECT_TRUE(is_media_file("a/b.strip3"));
+  EXPECT_TRUE(is_media_file("x.PNG"));
+  EXPECT_FALSE(is_media_file("notes.txt"));
+  EXPECT_HAS(error_of([] { read_media("clip.avi"); }), "no reader takes \".avi\" files");
+  const auto clips = temp_dir("if_clips"), frames = temp_dir("if_clip_frames");
+  std::vector<torch::Tensor> sheets;
+  for (int i = 0; i < 3; ++i) {
+    std::vector<torch::Tensor> f;
+    for (int k = 0; k < 3; ++k) f.push_back(random_image(7, 10, 3, 100 + 10 * i + k));
+    sheets.push_back(torch::cat(f, 1));
+    save(clips + "/" + std::to_string(i) + ".strip3", sheets.back());
+    for (int k = 0; k < 3; ++k) {
+      save(frames + "/f" + std::to_string(k) + "/" + std::to_string(i) + ".png", f[k]);
+    }
+  }
+  save(clips + "/still.png", random_image(7, 10, 3, 7));
+  EXPECT_EQ(media_size(clips + "/0.strip3"), (std::array<int64_t, 2>{7, 10}));
+  EXPECT_EQ(read_media(clips + "/0.strip3").sizes(), (torch::IntArrayRef{3, 7, 10, 3}));
+  for (const bool center : {true, false}) {
+    auto o = opts(clips, 6);
+    o.center_crop = center;
+    o.random_flip = true;
+    o.seed = 9;
+    ImageFolderDataset ds(o);
+    ASSERT_EQ(listing(ds),
+              (std::vector<std::string>{"0.strip3", "1.strip3", "2.strip3", "still.png"}));
+    EXPECT_EQ(ds.get(3).at("pixel_values").sizes(), (torch::IntArrayRef{3, 6, 6}));
+    for (int64_t epoch = 0; epoch < 3; ++epoch) {
+      ds.set_epoch(epoch);
+      for (int64_t i = 0; i < 3; ++i) {
+        const auto x = ds.get(i).at("pixel_values");
+        ASSERT_EQ(x.sizes(), (torch::IntArrayRef{3, 3, 6, 6}));
+        for (int64_t k = 0; k < 3; ++k) {
+          o.dir = frames + "/f" + std::to_string(k);
+          ImageFolderDataset frame(o);
+          frame.set_epoch(epoch);
+          const auto alone = frame.get(i);  // the same (seed, epoch, index): the same draws
+          EXPECT_LE(max_abs(x.select(1, k), alone.at("pixel_values")), 1e-6)
+              << "clip " << i << " frame " << k << " epoch " << epoch;
+          EXPECT_TRUE(torch::equal(ds.get(i).at("crop_top_left"), alone.at("crop_top_left")));
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -99,6 +99,31 @@ TEST(Objective, OffsetNoiseIsOneValuePerChannelForAnySampleRank) {
   }
 }
 
+// Video latents [B, C, F, H, W] (issue 57): the DDPM objective draws a clip's noise as it draws an
+// image's of [C, F x H, W] (one stream, the offset one value per channel), with every option on,
+// and its losses reduce over the frames too.
+TEST(Objective, DdpmTakesVideoLatentsAsImagesOfStackedFrames) {
+  for (auto type : {diffusion::PredictionType::kEpsilon, diffusion::PredictionType::kVPrediction}) {
+    diffusion::DdpmObjectiveOptions options;
+    options.noise_offset = 0.05;
+    options.input_perturbation = 0.1;
+    options.snr_gamma = 5.0;
+    diffusion::DdpmObjective objective(ddpm(type), options);
+    torch::manual_seed(3);
+    const auto clip = torch::randn({2, 4, 3, 5, 6});
+    const auto video = objective.noise(clip, {4, 11}, 2, torch::kCPU);
+    const auto image = objective.noise(clip.reshape({2, 4, 15, 6}), {4, 11}, 2, torch::kCPU);
+    ASSERT_EQ(video.model_input.sizes(), clip.sizes());
+    EXPECT_TRUE(torch::equal(video.model_input.reshape({2, 4, 15, 6}), image.model_input));
+    EXPECT_TRUE(torch::equal(video.target.reshape({2, 4, 15, 6}), image.target));
+    EXPECT_TRUE(torch::equal(video.timesteps, image.timesteps));
+    EXPECT_TRUE(torch::equal(video.weights, image.weights));
+    const auto prediction = torch::randn_like(clip);
+    EXPECT_TRUE(torch::allclose(objective.losses(prediction, video),
+                                objective.losses(prediction.reshape({2, 4, 15, 6}), image)));
+  }
+}
+
 TEST(Objective, LossesReduceOverEveryNonBatchDimensionWithMinSnrWeights) {
   diffusion::DdpmObjectiveOptions options;
   options.snr_gamma = 5.0;

@@ -90,12 +90,13 @@ struct GenerateRequest {
 
 /// What Pipeline::generate() produced.
 struct GenerateResult {
-  /// [K, H, W, C] float32 in [0, 1] on the CPU (Diffusers' output_type "np"); text-to-image
-  /// prompt-major (prompt 0's images first).
+  /// The media, float32 in [0, 1] on the CPU (Diffusers' output_type "np"): images
+  /// [K, H, W, C], clips [K, F, H, W, C] (a video pipeline's `frames`); an image is one frame
+  /// (frames()). Text-to-image prompt-major (prompt 0's first).
   torch::Tensor images;
-  /// Text-to-image only (undefined for UNet pipelines): the final latents [K, c, h, w] and the
-  /// prompt embeddings, [2K, L, D] with guidance (negative rows first), else [K, L, D]; with
-  /// kPerImage, each image's run's rows one after the other.
+  /// Text-to-image only (undefined for UNet pipelines): the final latents [K, c, h, w] (clips
+  /// [K, c, f, h, w]) and the prompt embeddings, [2K, L, D] with guidance (negative rows first),
+  /// else [K, L, D]; with kPerImage, each image's run's rows one after the other.
   torch::Tensor latents, prompt_embeds;
   /// The pooled text embedding [K, P] where the pipeline has one (FLUX.1's CLIP pooler output).
   torch::Tensor pooled_prompt_embeds;
@@ -107,7 +108,15 @@ struct GenerateResult {
   /// The tensors `difftrain sample --save_tensors` writes: "images", plus "latents",
   /// "prompt_embeds" and "pooled_prompt_embeds" when defined.
   std::map<std::string, torch::Tensor> tensors() const;
+  /// Frames per item: 1 for images, F for clips.
+  int64_t num_frames() const;
+  /// The media with their frame axis, [K, F, H, W, C] (images as [K, 1, H, W, C]).
+  torch::Tensor frames() const;
 };
+
+/// `media` ([K, H, W, C] images or [K, F, H, W, C] clips) as [K, F, H, W, C]; throws
+/// difftrain::Error naming `what` for another rank.
+torch::Tensor media_frames(const torch::Tensor& media, const std::string& what);
 
 /// The grid captions of text-to-image results (GenerateResult::labels): for each prompt, its
 /// first 28 characters ("..." when cut), with " #j" for each of its images when it has several.

@@ -72,7 +72,8 @@ torch::Tensor make_grid(const torch::Tensor& images, const std::vector<std::stri
 /// make_grid(to_uint8_images(images.permute({0, 3, 1, 2})), labels, columns, padding), then
 /// save_png (atomic). Returns that grid, uint8 [H', W', 3], e.g. for a TensorBoard image
 /// (Trackers::log_image). The one grid writer of `difftrain sample` and the trainer's
-/// validation.
+/// validation. Clips [K, F, H, W, C] (video pipelines' frames) are written one row per clip, its
+/// label under the first frame and "frame f" under the others (`columns` does not apply).
 torch::Tensor save_image_grid(const std::string& path, const torch::Tensor& images,
                               const std::vector<std::string>& labels = {}, int64_t columns = 0,
                               int64_t padding = 2);

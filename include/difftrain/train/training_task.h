@@ -138,7 +138,9 @@ struct TaskOptions {
 
 /// This rank's share of a validation grid.
 struct ValidationImages {
-  torch::Tensor images;  ///< [k, H, W, C] float32 in [0, 1]
+  /// float32 in [0, 1]: images [k, H, W, C] or clips [k, F, H, W, C] (an image is one frame;
+  /// the trainer's grid shows a clip as a row of its frames).
+  torch::Tensor images;
 };
 
 /// One model family's side of a training run. The Trainer calls, in order: build() on every

@@ -7,6 +7,9 @@
 #include "difftrain/models/kernels/fused_ops.h"
 #include "difftrain/models/pretrained.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <filesystem>
 
 namespace difftrain::models {
@@ -246,6 +249,12 @@ AutoencoderKLImpl::AutoencoderKLImpl(const AutoencoderKLConfig& config) : config
 
 DiagonalGaussian AutoencoderKLImpl::encode(const torch::Tensor& x) {
   // x: [B, in_channels, H, W] -> posterior over [B, latent_channels, H / f, W / f]
+  if (x.dim() == 5) {
+    throw Error(fmt::format(
+        "AutoencoderKL encodes images [B, C, H, W], and these pixels are clips [{}] (video files "
+        "among the training data): this model family trains on images; give it image files",
+        fmt::join(x.sizes(), ", ")));
+  }
   TORCH_CHECK(x.dim() == 4 && x.size(1) == config_.in_channels,
               "AutoencoderKL.encode: x must be [B, ", config_.in_channels, ", H, W], got ",
               x.sizes());
