@@ -1,7 +1,7 @@
 // Sampling speed of the fixture UNet2DModel (tests/golden/diffusers/unet2d_uncond, DDIM, 10
 // steps) side by side in one run: images/s for several batch sizes and intra-op thread counts,
 // reported as ratios to one image at a time on one thread. This is the loop `difftrain sample`
-// runs (diffusion::sample_images).
+// runs (families::unet::sample_images).
 //
 //   build/bench/bench_sample [--model DIR] [--steps 10] [--rounds 3] [--batches 1,4,16]
 //                            [--threads 1,2]
@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
   }
   // Side by side: glibc's allocator defaults first (what a plain LibTorch program gets), then
   // the tuning configure_threads() applies (distributed::configure_allocator).
-  auto folder = difftrain::diffusion::resolve_pipeline_folder(model);
+  auto folder = difftrain::families::unet::resolve_pipeline_folder(model);
   auto unet = difftrain::models::load_unet(folder.unet_dir);
   auto scheduler = difftrain::diffusion::load_sampler(folder.scheduler_config, "ddim");
   std::printf("model %s, DDIM %lld steps, median of %lld rounds\n", model.c_str(),
@@ -64,15 +64,15 @@ int main(int argc, char** argv) {
       setenv("DIFFTRAIN_NUM_THREADS", std::to_string(t).c_str(), 1);
       difftrain::distributed::configure_threads();
       for (int64_t b : batches) {
-        difftrain::diffusion::SampleOptions o;
+        difftrain::families::unet::SampleOptions o;
         o.num_images = b;
         o.num_inference_steps = steps;
-        difftrain::diffusion::sample_images(*unet, *scheduler, o);  // warm-up
+        difftrain::families::unet::sample_images(*unet, *scheduler, o);  // warm-up
         std::vector<double> secs;
         for (int64_t r = 0; r < rounds; ++r) {
           o.seed = static_cast<uint64_t>(r);
           auto start = std::chrono::steady_clock::now();
-          difftrain::diffusion::sample_images(*unet, *scheduler, o);
+          difftrain::families::unet::sample_images(*unet, *scheduler, o);
           secs.push_back(
               std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
         }

@@ -14,7 +14,8 @@
 #include "difftrain/train/class_images.h"
 #include "difftrain/train/training_cache.h"
 
-namespace difftrain::train::t2i {
+namespace difftrain::families {
+using namespace difftrain::train;
 namespace fs = std::filesystem;
 
 void TextImageData::check_options(const TaskOptions& o, const std::string& model) {
@@ -293,4 +294,4 @@ void copy_pipeline_parts(const fs::path& src, const fs::path& out,
                         io::read_file((src / "model_index.json").string()));
 }
 
-}  // namespace difftrain::train::t2i
+}  // namespace difftrain::families

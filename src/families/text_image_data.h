@@ -20,7 +20,7 @@
 #include "difftrain/train/text_image_dataset.h"
 #include "difftrain/train/training_task.h"
 
-namespace difftrain::train::t2i {
+namespace difftrain::families {
 
 /// The latents [B, C, h, w] (scaled and shifted for the denoiser) and text embeddings [B, L, D]
 /// of one half of a batch; the pooled embeddings [B, P] where the encoders give one (SDXL,
@@ -49,12 +49,12 @@ class TextImageData {
   /// seed + i (the family's pipeline).
   using ClassImages = std::function<torch::Tensor(int64_t count, uint64_t seed)>;
 
-  explicit TextImageData(TaskOptions options) : o_(std::move(options)) {}
+  explicit TextImageData(train::TaskOptions options) : o_(std::move(options)) {}
 
   /// The flags a captioned-image run refuses before anything loads (another --dataset,
   /// --cache_latents with random crops or flips, buckets with prior preservation); `model`
   /// names the folder in the message.
-  static void check_options(const TaskOptions& o, const std::string& model);
+  static void check_options(const train::TaskOptions& o, const std::string& model);
 
   /// Builds the dataset: checks the resolution against parts.size_multiple, generates missing
   /// class images (prior preservation), assigns buckets, fills the latent cache (--cache_latents)
@@ -82,26 +82,26 @@ class TextImageData {
   std::map<std::string, torch::Tensor> encode_captions(const std::vector<std::string>& captions);
 
  private:
-  CaptionIds caption_ids() const;
+  train::CaptionIds caption_ids() const;
   diffusion::PromptEmbeds encode_ids(const data::Batch& batch, const std::string& prefix);
   std::string text_cache_key() const;
   void assign_buckets(accel::Accelerator& acc, data::ImageFolderDataset& images,
-                      TextImageDataset& ds);
+                      train::TextImageDataset& ds);
   // The latent cache (--cache_latents) and the text-embedding cache (cache_text).
-  void fill_cache(accel::Accelerator& acc, TextImageDataset& ds, const std::string& output_dir,
-                  bool cache_text);
+  void fill_cache(accel::Accelerator& acc, train::TextImageDataset& ds,
+                  const std::string& output_dir, bool cache_text);
 
-  TaskOptions o_;
+  train::TaskOptions o_;
   Parts parts_;
-  std::shared_ptr<TextImageDataset> dataset_;
+  std::shared_ptr<train::TextImageDataset> dataset_;
   std::shared_ptr<data::BucketLayout> buckets_;
   bool prior_ = false;
 };
 
 /// The validation every text-to-image task renders: --validation_prompt, image i from seed + i.
 /// Why a run cannot (no prompt given; "" when it can), and the grid's labels ("seed S").
-std::string prompt_validation_unavailable(const TaskOptions& o);
-std::vector<std::string> prompt_validation_labels(const TaskOptions& o, int64_t K);
+std::string prompt_validation_unavailable(const train::TaskOptions& o);
+std::vector<std::string> prompt_validation_labels(const train::TaskOptions& o, int64_t K);
 
 /// A fine-tuned pipeline folder's frozen parts: each of `parts` (folders: "vae", "scheduler",
 /// the text encoders and tokenizers) copied from the pretrained folder `src` into `out` as they
@@ -110,4 +110,4 @@ std::vector<std::string> prompt_validation_labels(const TaskOptions& o, int64_t 
 void copy_pipeline_parts(const std::filesystem::path& src, const std::filesystem::path& out,
                          const std::vector<std::string>& parts);
 
-}  // namespace difftrain::train::t2i
+}  // namespace difftrain::families

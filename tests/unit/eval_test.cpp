@@ -8,7 +8,7 @@
 
 namespace {
 
-using difftrain::train::frechet_distance;
+using difftrain::families::unet::frechet_distance;
 
 double reference_distance(const torch::Tensor& a, const torch::Tensor& b) {
   auto x = a.to(torch::kFloat64), y = b.to(torch::kFloat64);

@@ -59,7 +59,7 @@ TEST(Families, EachBuiltInFamilyIsRegisteredOnceWithItsOwnClasses) {
 
 // A family registered through the public API (as a program outside the tree does): found by
 // name and by its folders' class, and refused when it collides with a registered one.
-class RegistrarTestFamily : public families::UNetBasedFamily {
+class RegistrarTestFamily : public families::unet::UNetBasedFamily {
  public:
   RegistrarTestFamily(std::string name, std::string pipeline_class, bool is_default = false)
       : name_(std::move(name)), class_(std::move(pipeline_class)), default_(is_default) {}
@@ -376,7 +376,7 @@ TEST(Families, ConvertLoraAsksTheFolderFamilyForTheNames) {
 }
 
 // `difftrain forward`, `estimate-memory` and `lora merge` ask the folder's family; for the UNet
-// families that is the UNet's own forward and train::estimate_memory, number for number.
+// families that is the UNet's own forward and families::unet::estimate_memory, number for number.
 TEST(Families, ForwardAndTheMemoryModelComeFromTheFolderFamily) {
   const std::string sd = kTinySdGolden;
   const auto& family = families::family_of(sd);
@@ -392,14 +392,14 @@ TEST(Families, ForwardAndTheMemoryModelComeFromTheFolderFamily) {
   const auto got = family.forward(sd, inputs, "inputs.safetensors", "", 1.0);
   torch::NoGradGuard no_grad;
   unet->eval();
-  const auto want = diffusion::forward_from_tensors(*unet, inputs, "inputs.safetensors");
+  const auto want = families::unet::forward_from_tensors(*unet, inputs, "inputs.safetensors");
   EXPECT_TRUE(torch::equal(got, want)) << max_abs(got, want);
 
   train::MemoryEstimateOptions o;
   o.resolution = 32;
   const auto estimates = family.estimate_memory(sd, o, {accel::ShardingStrategy::kNoShard});
   ASSERT_EQ(estimates.size(), 1u);
-  const auto direct = train::estimate_memory(sd, o);
+  const auto direct = families::unet::estimate_memory(sd, o);
   EXPECT_EQ(estimates[0].param_bytes, direct.param_bytes);
   EXPECT_EQ(estimates[0].frozen_param_bytes, direct.frozen_param_bytes);
   EXPECT_GT(estimates[0].frozen_params, 0);  // the text encoder and VAE of the pipeline

@@ -28,8 +28,8 @@ using difftrain::test::kDiffusersGolden;
 const std::string kSd = std::string(difftrain_test::source_dir()) + "/tests/golden/sd/tiny_sd";
 
 // The class-conditional fixture UNet (10 classes) with a DDIM sampler.
-diffusion::UNetPipeline class_conditional_pipeline() {
-  return diffusion::UNetPipeline(
+families::unet::UNetPipeline class_conditional_pipeline() {
+  return families::unet::UNetPipeline(
       models::load_unet(kDiffusersGolden + "unet2d"),
       diffusion::load_sampler(kDiffusersGolden + "unet2d_uncond/scheduler_config.json", "ddim"));
 }
@@ -47,13 +47,13 @@ TEST(GeneratePipeline, UNetBatchEqualsSampleImages) {
   r.on_step = [&](int64_t, int64_t) { ++calls; };
   const auto out = pipe.generate(r);
 
-  diffusion::SampleOptions o;
+  families::unet::SampleOptions o;
   o.num_images = 3;
   o.class_labels = {1, 7, 3};
   o.num_inference_steps = 3;
   o.guidance_scale = 2.0;
   o.seed = 5;
-  const auto want = diffusion::sample_images(*p.unet, *p.sampler, o);
+  const auto want = families::unet::sample_images(*p.unet, *p.sampler, o);
   EXPECT_TRUE(torch::equal(out.images, want)) << "max abs diff " << max_abs(out.images, want);
   EXPECT_EQ(calls, 3);
   EXPECT_FALSE(out.latents.defined());
@@ -62,7 +62,7 @@ TEST(GeneratePipeline, UNetBatchEqualsSampleImages) {
 }
 
 TEST(GeneratePipeline, UNetPerImageSeedsEachImage) {
-  diffusion::UNetPipeline p;
+  families::unet::UNetPipeline p;
   p.unet = models::load_unet(kDiffusersGolden + "unet2d_uncond");
   p.sampler =
       diffusion::load_sampler(kDiffusersGolden + "unet2d_uncond/scheduler_config.json", "ddim");
@@ -77,10 +77,10 @@ TEST(GeneratePipeline, UNetPerImageSeedsEachImage) {
   const auto out = pipe.generate(r);
   ASSERT_EQ(out.images.size(0), 3);
   for (int64_t i = 0; i < 3; ++i) {
-    diffusion::SampleOptions o;
+    families::unet::SampleOptions o;
     o.num_inference_steps = 2;
     o.seed = 11 + static_cast<uint64_t>(i);
-    const auto want = diffusion::sample_images(*unet, sampler, o);
+    const auto want = families::unet::sample_images(*unet, sampler, o);
     EXPECT_TRUE(torch::equal(out.images.narrow(0, i, 1), want))
         << "image " << i << " max abs diff " << max_abs(out.images.narrow(0, i, 1), want);
   }
@@ -99,7 +99,7 @@ TEST(GeneratePipeline, UNetDefaultsAndErrors) {
   EXPECT_EQ(resolved.num_images, 2);
   EXPECT_EQ(resolved.num_inference_steps, 50);  // DDIM
   EXPECT_EQ(*resolved.guidance_scale, 1.0);
-  diffusion::UNetPipeline ddpm;
+  families::unet::UNetPipeline ddpm;
   ddpm.sampler =
       diffusion::load_sampler(kDiffusersGolden + "unet2d_uncond/scheduler_config.json", "ddpm");
   EXPECT_EQ(ddpm.class_name(), "DDPMPipeline");
@@ -135,7 +135,7 @@ TEST(GeneratePipeline, ToDtypeCastsEveryModel) {
   EXPECT_FALSE(torch::equal(got, want));
   EXPECT_LT(max_abs(got, want), 0.1);
 
-  auto sd = diffusion::load_stable_diffusion(kSd);
+  auto sd = families::stable_diffusion::load_stable_diffusion(kSd);
   sd.to(torch::kCPU, torch::kBFloat16);
   for (auto* m : std::vector<torch::nn::Module*>{sd.text_encoders.modules()[0], sd.vae.get(),
                                                  sd.unet.get()}) {
@@ -155,18 +155,18 @@ TEST(GeneratePipeline, DdimPipelineFolderRunsDdim) {
   fs::copy_file(kDiffusersGolden + "unet2d_uncond/scheduler_config.json",
                 dir + "/scheduler/scheduler_config.json");
   test::write_text(dir + "/model_index.json", R"({"_class_name": "DDIMPipeline"})");
-  auto folder = diffusion::resolve_pipeline_folder(dir);
-  EXPECT_EQ(diffusion::load_pipeline_sampler(folder)->class_name(), "DDIMScheduler");
-  EXPECT_EQ(diffusion::load_pipeline_sampler(folder, "euler")->class_name(),
+  auto folder = families::unet::resolve_pipeline_folder(dir);
+  EXPECT_EQ(families::unet::load_pipeline_sampler(folder)->class_name(), "DDIMScheduler");
+  EXPECT_EQ(families::unet::load_pipeline_sampler(folder, "euler")->class_name(),
             "EulerDiscreteScheduler");
   test::write_text(dir + "/model_index.json", R"({"_class_name": "DDPMPipeline"})");
-  folder = diffusion::resolve_pipeline_folder(dir);
-  EXPECT_EQ(diffusion::load_pipeline_sampler(folder)->class_name(),
+  folder = families::unet::resolve_pipeline_folder(dir);
+  EXPECT_EQ(families::unet::load_pipeline_sampler(folder)->class_name(),
             diffusion::load_sampler(folder.scheduler_config, "")->class_name());
 }
 
 TEST(GeneratePipeline, TextToImageBatchEqualsTextToImage) {
-  auto sd = diffusion::load_stable_diffusion(kSd);
+  auto sd = families::stable_diffusion::load_stable_diffusion(kSd);
   diffusion::Pipeline& pipe = sd;
   EXPECT_EQ(pipe.class_name(), "StableDiffusionPipeline");
   diffusion::GenerateRequest r;
@@ -179,14 +179,14 @@ TEST(GeneratePipeline, TextToImageBatchEqualsTextToImage) {
   EXPECT_EQ(*resolved.guidance_scale, 7.5);
   const auto out = pipe.generate(r);
 
-  diffusion::TextToImageOptions o;
+  families::stable_diffusion::TextToImageOptions o;
   o.prompts = r.prompts;
   o.negative_prompts = r.negative_prompts;
   o.num_images_per_prompt = 2;
   o.num_inference_steps = 3;
   o.guidance_scale = 7.5;
   o.seed = 42;
-  const auto want = diffusion::text_to_image(sd, o);
+  const auto want = families::stable_diffusion::text_to_image(sd, o);
   EXPECT_TRUE(torch::equal(out.images, want.images))
       << "max abs diff " << max_abs(out.images, want.images);
   EXPECT_TRUE(torch::equal(out.latents, want.latents));
@@ -202,7 +202,7 @@ TEST(GeneratePipeline, TextToImageBatchEqualsTextToImage) {
 }
 
 TEST(GeneratePipeline, TextToImagePerImageSeedsEachImage) {
-  auto sd = diffusion::load_stable_diffusion(kSd);
+  auto sd = families::stable_diffusion::load_stable_diffusion(kSd);
   diffusion::Pipeline& pipe = sd;
   diffusion::GenerateRequest r;
   r.prompts = {"a photo of a cat", "a red square"};
@@ -217,7 +217,8 @@ TEST(GeneratePipeline, TextToImagePerImageSeedsEachImage) {
   const auto out = pipe.generate(r);
   ASSERT_EQ(out.images.size(0), 4);
   for (int64_t i = 0; i < 4; ++i) {
-    diffusion::TextToImageOptions o;  // what render_validation / class images ran per image
+    families::stable_diffusion::TextToImageOptions
+        o;  // what render_validation / class images ran per image
     o.prompts = {r.prompts[static_cast<size_t>(i / 2)]};
     o.negative_prompts = {r.negative_prompts[static_cast<size_t>(i / 2)]};
     o.num_inference_steps = 2;
@@ -225,7 +226,7 @@ TEST(GeneratePipeline, TextToImagePerImageSeedsEachImage) {
     o.height = o.width = 32;
     o.clip_skip = 1;
     o.seed = 7 + static_cast<uint64_t>(i);
-    const auto want = diffusion::text_to_image(sd, o);
+    const auto want = families::stable_diffusion::text_to_image(sd, o);
     EXPECT_TRUE(torch::equal(out.images.narrow(0, i, 1), want.images))
         << "image " << i << " max abs diff " << max_abs(out.images.narrow(0, i, 1), want.images);
     EXPECT_TRUE(torch::equal(out.latents.narrow(0, i, 1), want.latents));

@@ -291,22 +291,23 @@ TEST(MemoryEstimate, LoraTrainsTheAdaptersAndCountsTheBaseAsFrozen) {
   // estimate_memory builds the same thing from the folder (rank 4, the default targets).
   MemoryEstimateOptions lo = o;
   lo.lora = true;
-  const auto built = difftrain::train::estimate_memory(kDiffusersGolden + "unet_cond", lo);
+  const auto built = difftrain::families::unet::estimate_memory(kDiffusersGolden + "unet_cond", lo);
   EXPECT_EQ(built.trainable_params, adapters);
   EXPECT_EQ(built.frozen_params, base);
   EXPECT_EQ(built.param_bytes, e.param_bytes);
   EXPECT_GT(built.activation_bytes, 0);
   lo.lora_rank = 8;
-  EXPECT_EQ(difftrain::train::estimate_memory(kDiffusersGolden + "unet_cond", lo).trainable_params,
+  EXPECT_EQ(difftrain::families::unet::estimate_memory(kDiffusersGolden + "unet_cond", lo)
+                .trainable_params,
             2 * adapters);
 }
 
 TEST(MemoryEstimate, ActivationsAreLinearInBatchAndGrowWithResolution) {
   UNet unet = tiny_unet("unet2d");
   MemoryEstimateOptions o;
-  const int64_t b1 = difftrain::train::measure_activation_bytes(*unet, o, 1);
-  const int64_t b2 = difftrain::train::measure_activation_bytes(*unet, o, 2);
-  const int64_t b4 = difftrain::train::measure_activation_bytes(*unet, o, 4);
+  const int64_t b1 = difftrain::families::unet::measure_activation_bytes(*unet, o, 1);
+  const int64_t b2 = difftrain::families::unet::measure_activation_bytes(*unet, o, 2);
+  const int64_t b4 = difftrain::families::unet::measure_activation_bytes(*unet, o, 4);
   // Linear: a per-sample part plus a small batch-independent one (time embedding and the like,
   // ~0.4 MB here), so the step from batch 2 to 4 is twice the step from 1 to 2.
   const double per_sample = static_cast<double>(b2 - b1);
@@ -320,22 +321,22 @@ TEST(MemoryEstimate, ActivationsAreLinearInBatchAndGrowWithResolution) {
   EXPECT_NEAR(static_cast<double>(b4 - b2) / per_sample, 2.0, 0.2);
   EXPECT_LT(std::abs(b1 - per_sample), 0.4 * b1);
   o.resolution = 32;
-  const int64_t r32 = difftrain::train::measure_activation_bytes(*unet, o, 1);
+  const int64_t r32 = difftrain::families::unet::measure_activation_bytes(*unet, o, 1);
   std::printf("32x32: %lld bytes (%.2fx of 16x16)\n", static_cast<long long>(r32),
               static_cast<double>(r32) / b1);
   EXPECT_GT(r32, 3 * b1);
   // Gradient checkpointing keeps less.
   o.gradient_checkpointing = true;
-  const int64_t ckpt = difftrain::train::measure_activation_bytes(*unet, o, 1);
+  const int64_t ckpt = difftrain::families::unet::measure_activation_bytes(*unet, o, 1);
   std::printf("32x32 with gradient checkpointing: %lld bytes\n", static_cast<long long>(ckpt));
   EXPECT_LT(ckpt, r32);
   EXPECT_FALSE(unet->gradient_checkpointing());  // restored
   o.gradient_checkpointing = false;
   o.mixed_precision = "bf16";
-  EXPECT_GT(difftrain::train::measure_activation_bytes(*unet, o, 1), 0);
+  EXPECT_GT(difftrain::families::unet::measure_activation_bytes(*unet, o, 1), 0);
   o.resolution = 15;
   EXPECT_NE(difftrain::test::error_of([&] {
-              difftrain::train::measure_activation_bytes(*unet, o, 1);
+              difftrain::families::unet::measure_activation_bytes(*unet, o, 1);
             }).find("not divisible by 2"),
             std::string::npos);
 }
@@ -348,16 +349,17 @@ TEST(MemoryEstimate, ReadsTheInputsTheTrainerReadsAndScalesActivationsByBatch) {
   MemoryEstimateOptions o;
   o.num_processes = 2;
   o.strategy = ShardingStrategy::kShardOptimizer;
-  const auto from_folder = difftrain::train::estimate_memory(kDiffusersGolden + "unet2d", o);
+  const auto from_folder =
+      difftrain::families::unet::estimate_memory(kDiffusersGolden + "unet2d", o);
   const auto from_json =
-      difftrain::train::estimate_memory(kDiffusersGolden + "unet2d/config.json", o);
-  const auto from_pipeline = difftrain::train::estimate_memory(dir + "/pipe", o);
+      difftrain::families::unet::estimate_memory(kDiffusersGolden + "unet2d/config.json", o);
+  const auto from_pipeline = difftrain::families::unet::estimate_memory(dir + "/pipe", o);
   expect_same_state(from_folder, from_json);
   expect_same_state(from_folder, from_pipeline);
   EXPECT_EQ(from_folder.trainable_params, trainable_numel(*tiny_unet("unet2d")));
   // Several strategies share one model and one activation measurement.
   o.batch_size = 3;
-  const auto all = difftrain::train::estimate_memory(
+  const auto all = difftrain::families::unet::estimate_memory(
       kDiffusersGolden + "unet2d", o, {ShardingStrategy::kNoShard, ShardingStrategy::kFullShard});
   ASSERT_EQ(all.size(), 2u);
   EXPECT_EQ(all[0].activation_bytes, all[1].activation_bytes);
@@ -367,20 +369,22 @@ TEST(MemoryEstimate, ReadsTheInputsTheTrainerReadsAndScalesActivationsByBatch) {
 
   using difftrain::test::error_of;
   EXPECT_NE(error_of([&] {
-              difftrain::train::estimate_memory(dir + "/missing", o);
+              difftrain::families::unet::estimate_memory(dir + "/missing", o);
             }).find("does not exist"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { difftrain::train::estimate_memory(dir, o); }).find("has no config.json"),
+  EXPECT_NE(error_of([&] {
+              difftrain::families::unet::estimate_memory(dir, o);
+            }).find("has no config.json"),
             std::string::npos);
   o.num_processes = 0;
   EXPECT_NE(error_of([&] {
-              difftrain::train::estimate_memory(kDiffusersGolden + "unet2d", o);
+              difftrain::families::unet::estimate_memory(kDiffusersGolden + "unet2d", o);
             }).find("num_processes must be at least 1, got 0"),
             std::string::npos);
   o.num_processes = 2;
   o.auto_wrap.classes = {"NoSuchBlock"};
   EXPECT_NE(error_of([&] {
-              difftrain::train::estimate_memory(kDiffusersGolden + "unet2d", o);
+              difftrain::families::unet::estimate_memory(kDiffusersGolden + "unet2d", o);
             }).find("NoSuchBlock"),
             std::string::npos);
   fs::remove_all(dir);
@@ -398,7 +402,7 @@ TEST(MemoryEstimate, SdxlPipelineCountsBothEncodersAndTheVaeAsFrozen) {
   const int64_t te2 = numel(*difftrain::models::load_clip_text_model(xl + "/text_encoder_2"));
   const int64_t vae = numel(*difftrain::models::load_autoencoder_kl(xl + "/vae"));
   const int64_t unet = numel(*difftrain::models::load_unet(xl + "/unet"));
-  const auto frozen = difftrain::train::pipeline_frozen_params(xl);
+  const auto frozen = difftrain::families::unet::pipeline_frozen_params(xl);
   ASSERT_EQ(frozen.size(), 3u);
   EXPECT_EQ(frozen[0].second, te1);
   EXPECT_EQ(frozen[1].second, te2);
@@ -407,18 +411,18 @@ TEST(MemoryEstimate, SdxlPipelineCountsBothEncodersAndTheVaeAsFrozen) {
   MemoryEstimateOptions o;
   o.lora = true;
   o.resolution = 8;
-  const auto fp32 = difftrain::train::estimate_memory(xl, o);
+  const auto fp32 = difftrain::families::unet::estimate_memory(xl, o);
   EXPECT_EQ(fp32.frozen_params, unet + te1 + te2 + vae);
   EXPECT_EQ(fp32.frozen_param_bytes, 4 * (unet + te1 + te2 + vae));
   EXPECT_GT(fp32.activation_bytes, 0);
   o.mixed_precision = "bf16";
-  const auto bf16 = difftrain::train::estimate_memory(xl, o);
+  const auto bf16 = difftrain::families::unet::estimate_memory(xl, o);
   EXPECT_EQ(bf16.frozen_param_bytes, 2 * (unet + te1 + te2 + vae));
   EXPECT_EQ(bf16.trainable_params, fp32.trainable_params);
   // Full fine-tuning: the UNet trains, the encoders and the VAE stay frozen.
   o.lora = false;
   o.mixed_precision = "no";
-  const auto full = difftrain::train::estimate_memory(xl, o);
+  const auto full = difftrain::families::unet::estimate_memory(xl, o);
   EXPECT_EQ(full.trainable_params, unet);
   EXPECT_EQ(full.frozen_params, te1 + te2 + vae);
 }

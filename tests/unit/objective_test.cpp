@@ -160,12 +160,12 @@ TEST(Objective, LossesReduceOverEveryNonBatchDimensionWithMinSnrWeights) {
 TEST(Objective, TheUNetDenoiserTakesUNetConditioningByName) {
   diffusion::Conditioning cond = {{"encoder_hidden_states", torch::zeros({1, 2, 8})},
                                   {"class_labels", torch::zeros({1}, torch::kInt64)}};
-  const auto c = diffusion::UNetDenoiser::unet_conditioning(cond);
+  const auto c = families::unet::UNetDenoiser::unet_conditioning(cond);
   EXPECT_TRUE(c.encoder_hidden_states.defined());
   EXPECT_TRUE(c.class_labels.defined());
   EXPECT_FALSE(c.text_embeds.defined());
   const std::string message = error_of([] {
-    diffusion::UNetDenoiser::unet_conditioning({{"pooled_projections", torch::zeros({1, 4})}});
+    families::unet::UNetDenoiser::unet_conditioning({{"pooled_projections", torch::zeros({1, 4})}});
   });
   EXPECT_NE(message.find("pooled_projections"), std::string::npos) << message;
   EXPECT_NE(message.find("encoder_hidden_states"), std::string::npos) << message;

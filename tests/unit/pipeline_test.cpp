@@ -95,22 +95,22 @@ TEST(Pipeline, ClassConditionalSamplingAndGuidance) {
   auto unet = models::load_unet(kDiffusersGolden + "unet2d");
   auto scheduler =
       diffusion::load_sampler(kDiffusersGolden + "unet2d_uncond/scheduler_config.json", "ddim");
-  diffusion::SampleOptions o;
+  families::unet::SampleOptions o;
   o.num_images = 2;
   o.num_inference_steps = 4;
   o.class_labels = {1, 7};
-  auto a = diffusion::sample_images(*unet, *scheduler, o);
+  auto a = families::unet::sample_images(*unet, *scheduler, o);
   EXPECT_EQ(a.sizes(), (std::vector<int64_t>{2, 16, 16, 3}));
   // Each image depends on its own label only: swapping labels changes both images.
   o.class_labels = {7, 1};
-  auto b = diffusion::sample_images(*unet, *scheduler, o);
+  auto b = families::unet::sample_images(*unet, *scheduler, o);
   EXPECT_GT(max_abs(a[0], b[0]), 1e-3);
   // Guidance: eps = u + g (c - u) with u from the null class (num_class_embeds - 1 = 9); g = 1
   // equals unguided sampling, so check g > 1 against a manual recomputation of one step.
   o.class_labels = {1, 7};
   o.guidance_scale = 3.0;
   o.num_inference_steps = 1;
-  auto guided = diffusion::sample_images(*unet, *scheduler, o);
+  auto guided = families::unet::sample_images(*unet, *scheduler, o);
   scheduler->set_timesteps(1);
   const auto t = scheduler->timesteps()[0];
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(0);
@@ -130,18 +130,19 @@ TEST(Pipeline, ClassConditionalSamplingAndGuidance) {
   o.guidance_scale = 1.0;
   o.class_labels = {1};
   EXPECT_NE(error_of([&] {
-              diffusion::sample_images(*unet, *scheduler, o);
+              families::unet::sample_images(*unet, *scheduler, o);
             }).find("--class_labels has 1 entries for 2 images"),
             std::string::npos);
   o.class_labels = {1, 10};
   EXPECT_NE(error_of([&] {
-              diffusion::sample_images(*unet, *scheduler, o);
+              families::unet::sample_images(*unet, *scheduler, o);
             }).find("class label 10 is outside [0, 10)"),
             std::string::npos);
   o.class_labels = {};
-  EXPECT_NE(
-      error_of([&] { diffusion::sample_images(*unet, *scheduler, o); }).find("pass --class_labels"),
-      std::string::npos);
+  EXPECT_NE(error_of([&] {
+              families::unet::sample_images(*unet, *scheduler, o);
+            }).find("pass --class_labels"),
+            std::string::npos);
 }
 
 TEST(Pipeline, ResolvesPipelineAndUNetFolders) {
@@ -152,21 +153,21 @@ TEST(Pipeline, ResolvesPipelineAndUNetFolders) {
   std::ofstream(dir / "model_index.json")
       << R"({"_class_name": "DDIMPipeline", "unet": ["diffusers", "UNet2DModel"]})";
   EXPECT_NE(error_of([&] {
-              diffusion::resolve_pipeline_folder(dir.string());
+              families::unet::resolve_pipeline_folder(dir.string());
             }).find("scheduler/scheduler_config.json"),
             std::string::npos);
   std::ofstream(dir / "scheduler" / "scheduler_config.json") << "{}";
-  auto p = diffusion::resolve_pipeline_folder(dir.string());
+  auto p = families::unet::resolve_pipeline_folder(dir.string());
   EXPECT_EQ(p.pipeline_class, "DDIMPipeline");
   EXPECT_EQ(p.unet_dir, (dir / "unet").string());
-  auto u = diffusion::resolve_pipeline_folder(kDiffusersGolden + "unet2d_uncond");
+  auto u = families::unet::resolve_pipeline_folder(kDiffusersGolden + "unet2d_uncond");
   EXPECT_EQ(u.unet_dir, kDiffusersGolden + "unet2d_uncond");
   EXPECT_NE(error_of([&] {
-              diffusion::resolve_pipeline_folder(kDiffusersGolden + "unet2d");
+              families::unet::resolve_pipeline_folder(kDiffusersGolden + "unet2d");
             }).find("scheduler_config.json: no such file"),
             std::string::npos);
   EXPECT_NE(error_of([&] {
-              diffusion::resolve_pipeline_folder((dir / "nope").string());
+              families::unet::resolve_pipeline_folder((dir / "nope").string());
             }).find("no such folder"),
             std::string::npos);
   fs::remove_all(dir);

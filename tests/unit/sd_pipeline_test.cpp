@@ -40,7 +40,7 @@ nlohmann::json fixture_index() {
 
 TEST(SdPipeline, Txt2ImgMatchesDiffusers) {
   auto ref = io::load_safetensors(kSd + "/txt2img_seed42.safetensors").tensors;
-  auto sd = diffusion::load_stable_diffusion(kSd);
+  auto sd = families::stable_diffusion::load_stable_diffusion(kSd);
   EXPECT_EQ(sd.scheduler->class_name(), "DDIMScheduler");
 
   // The initial latents come from a CPU generator seeded 42, as torch.randn in Python.
@@ -48,12 +48,12 @@ TEST(SdPipeline, Txt2ImgMatchesDiffusers) {
   auto drawn = at::randn({2, 4, 16, 16}, gen, torch::kFloat32);
   EXPECT_EQ(max_abs(drawn, ref.at("latents_init")), 0.0);
 
-  diffusion::TextToImageOptions o;
+  families::stable_diffusion::TextToImageOptions o;
   o.prompts = {"a photo of a cat", "an astronaut riding a horse on mars, highly detailed"};
   o.guidance_scale = 7.5;
   o.num_inference_steps = 10;
   o.seed = 42;
-  auto out = diffusion::text_to_image(sd, o);
+  auto out = families::stable_diffusion::text_to_image(sd, o);
   EXPECT_TRUE(torch::equal(sd.scheduler->timesteps(), ref.at("timesteps")));
   const double embeds = max_abs(out.prompt_embeds, ref.at("prompt_embeds"));
   const double scale = ref.at("latents_final").abs().max().item<double>();
@@ -68,13 +68,13 @@ TEST(SdPipeline, Txt2ImgMatchesDiffusers) {
 }
 
 TEST(SdPipeline, ImagesPerPromptAreRepeatedPromptMajor) {
-  auto sd = diffusion::load_stable_diffusion(kSd);
-  diffusion::TextToImageOptions o;
+  auto sd = families::stable_diffusion::load_stable_diffusion(kSd);
+  families::stable_diffusion::TextToImageOptions o;
   o.prompts = {"a photo of a cat", "a dog"};
   o.num_images_per_prompt = 2;
   o.num_inference_steps = 2;
   o.seed = 3;
-  auto out = diffusion::text_to_image(sd, o);
+  auto out = families::stable_diffusion::text_to_image(sd, o);
   ASSERT_EQ(out.images.size(0), 4);
   // Rows: negatives [4] then prompts [4]: cat, cat, dog, dog.
   ASSERT_EQ(out.prompt_embeds.size(0), 8);
@@ -83,32 +83,37 @@ TEST(SdPipeline, ImagesPerPromptAreRepeatedPromptMajor) {
   EXPECT_LE(max_abs(out.prompt_embeds[0], out.prompt_embeds[3]), 1e-5);  // "" negatives
   // Without guidance no negative prompt is encoded.
   o.guidance_scale = 1.0;
-  EXPECT_EQ(diffusion::text_to_image(sd, o).prompt_embeds.size(0), 4);
+  EXPECT_EQ(families::stable_diffusion::text_to_image(sd, o).prompt_embeds.size(0), 4);
 }
 
 TEST(SdPipeline, NonSquareSizeAndErrors) {
-  auto sd = diffusion::load_stable_diffusion(kSd);
-  diffusion::TextToImageOptions o;
+  auto sd = families::stable_diffusion::load_stable_diffusion(kSd);
+  families::stable_diffusion::TextToImageOptions o;
   o.prompts = {"a cat"};
   o.num_inference_steps = 1;
   o.height = 32;
   o.width = 48;
-  EXPECT_EQ(diffusion::text_to_image(sd, o).images.sizes(), (std::vector<int64_t>{1, 32, 48, 3}));
+  EXPECT_EQ(families::stable_diffusion::text_to_image(sd, o).images.sizes(),
+            (std::vector<int64_t>{1, 32, 48, 3}));
   o.width = 33;
-  EXPECT_NE(error_of([&] { diffusion::text_to_image(sd, o); }).find("multiples of 2"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { families::stable_diffusion::text_to_image(sd, o); }).find("multiples of 2"),
+      std::string::npos);
   o.width = 32;
   o.negative_prompts = {"a", "b"};
-  EXPECT_NE(error_of([&] { diffusion::text_to_image(sd, o); }).find("negative prompts"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { families::stable_diffusion::text_to_image(sd, o); }).find("negative prompts"),
+      std::string::npos);
   o.negative_prompts = {};
   o.prompts = {};
-  EXPECT_NE(error_of([&] { diffusion::text_to_image(sd, o); }).find("at least one prompt"),
+  EXPECT_NE(error_of([&] {
+              families::stable_diffusion::text_to_image(sd, o);
+            }).find("at least one prompt"),
             std::string::npos);
 }
 
 TEST(SdPipeline, ClipSkipChangesEmbeddings) {
-  auto sd = diffusion::load_stable_diffusion(kSd);
+  auto sd = families::stable_diffusion::load_stable_diffusion(kSd);
   auto last = sd.text_encoders.encode({"a photo of a cat"}, 0).embeds;
   auto pen = sd.text_encoders.encode({"a photo of a cat"}, 1).embeds;
   EXPECT_EQ(last.sizes(), pen.sizes());
@@ -116,30 +121,33 @@ TEST(SdPipeline, ClipSkipChangesEmbeddings) {
 }
 
 TEST(SdPipeline, FolderChecks) {
-  EXPECT_TRUE(diffusion::is_stable_diffusion_folder(kSd));
-  EXPECT_FALSE(diffusion::is_stable_diffusion_folder(kSd + "/unet"));
+  EXPECT_TRUE(families::stable_diffusion::is_stable_diffusion_folder(kSd));
+  EXPECT_FALSE(families::stable_diffusion::is_stable_diffusion_folder(kSd + "/unet"));
   EXPECT_NE(error_of([] {
-              diffusion::resolve_stable_diffusion_folder("/no/such/sd");
+              families::stable_diffusion::resolve_stable_diffusion_folder("/no/such/sd");
             }).find("no such folder"),
             std::string::npos);
 
   auto index = fixture_index();
   index["safety_checker"] = {"stable_diffusion", "StableDiffusionSafetyChecker"};
-  auto notes = diffusion::resolve_stable_diffusion_folder(folder_with_index("sd_safety", index));
+  auto notes = families::stable_diffusion::resolve_stable_diffusion_folder(
+      folder_with_index("sd_safety", index));
   ASSERT_EQ(notes.notes.size(), 1u);
   EXPECT_NE(notes.notes[0].find("safety_checker"), std::string::npos);
 
   index = fixture_index();
   index["text_encoder_2"] = {"transformers", "CLIPTextModelWithProjection"};
   EXPECT_NE(error_of([&] {
-              diffusion::resolve_stable_diffusion_folder(folder_with_index("sd_xl", index));
+              families::stable_diffusion::resolve_stable_diffusion_folder(
+                  folder_with_index("sd_xl", index));
             }).find("no tokenizer_2"),
             std::string::npos);
 
   index = fixture_index();
   index["vae"] = {"diffusers", "AutoencoderTiny"};
-  const std::string msg = error_of(
-      [&] { diffusion::resolve_stable_diffusion_folder(folder_with_index("sd_vae", index)); });
+  const std::string msg = error_of([&] {
+    families::stable_diffusion::resolve_stable_diffusion_folder(folder_with_index("sd_vae", index));
+  });
   EXPECT_NE(msg.find("AutoencoderTiny"), std::string::npos) << msg;
   EXPECT_NE(msg.find("supported: AutoencoderKL"), std::string::npos) << msg;
 
@@ -147,20 +155,23 @@ TEST(SdPipeline, FolderChecks) {
   // folder trained silently as text-to-image).
   index = fixture_index();
   index["_class_name"] = "StableDiffusionInpaintPipeline";
-  const std::string inpaint = error_of(
-      [&] { diffusion::resolve_stable_diffusion_folder(folder_with_index("sd_inpaint", index)); });
+  const std::string inpaint = error_of([&] {
+    families::stable_diffusion::resolve_stable_diffusion_folder(
+        folder_with_index("sd_inpaint", index));
+  });
   EXPECT_NE(inpaint.find("model_index.json: pipeline class \"StableDiffusionInpaintPipeline\" is "
                          "not supported; difftrain runs StableDiffusionPipeline"),
             std::string::npos)
       << inpaint;
   index["_class_name"] = "StableDiffusionImg2ImgPipeline";  // the same weights: accepted
-  EXPECT_NO_THROW(
-      diffusion::resolve_stable_diffusion_folder(folder_with_index("sd_img2img", index)));
+  EXPECT_NO_THROW(families::stable_diffusion::resolve_stable_diffusion_folder(
+      folder_with_index("sd_img2img", index)));
 
   index = fixture_index();
   index.erase("vae");
   EXPECT_NE(error_of([&] {
-              diffusion::resolve_stable_diffusion_folder(folder_with_index("sd_novae", index));
+              families::stable_diffusion::resolve_stable_diffusion_folder(
+                  folder_with_index("sd_novae", index));
             }).find("no \"vae\" component"),
             std::string::npos);
 }
@@ -185,19 +196,19 @@ TEST(SdPipeline, FolderSchedulerAndAnySamplerFollowThePipelineLoop) {
   io::write_file_atomic(dir + "/model_index.json", index.dump(2));
 
   for (const std::string kind : {"", "euler", "dpmpp_2m_karras"}) {
-    diffusion::StableDiffusionLoadOptions lo;
+    families::stable_diffusion::StableDiffusionLoadOptions lo;
     lo.scheduler = kind;
-    auto sd = diffusion::load_stable_diffusion(dir, lo);
+    auto sd = families::stable_diffusion::load_stable_diffusion(dir, lo);
     const std::string want = kind.empty()      ? "PNDMScheduler"
                              : kind == "euler" ? "EulerDiscreteScheduler"
                                                : "DPMSolverMultistepScheduler";
     EXPECT_EQ(sd.scheduler->class_name(), want);
-    diffusion::TextToImageOptions o;
+    families::stable_diffusion::TextToImageOptions o;
     o.prompts = {"a photo of a cat"};
     o.guidance_scale = 5.0;
     o.num_inference_steps = 4;
     o.seed = 7;
-    const auto out = diffusion::text_to_image(sd, o);
+    const auto out = families::stable_diffusion::text_to_image(sd, o);
 
     // The same loop by hand, with a second sampler of the same kind.
     auto sampler = diffusion::load_sampler(dir + "/scheduler/scheduler_config.json", kind);
@@ -228,7 +239,7 @@ TEST(SdPipeline, FolderSchedulerAndAnySamplerFollowThePipelineLoop) {
 // each layout and loaded back through load_stable_diffusion(lora=...): the merged pipeline draws
 // the images the adapters drew.
 TEST(SdPipeline, TrainedLoraReloadsEqualInEveryFormat) {
-  auto sd = diffusion::load_stable_diffusion(kSd);
+  auto sd = families::stable_diffusion::load_stable_diffusion(kSd);
   models::LoraConfig uc;
   uc.rank = 4;
   uc.alpha = 8;
@@ -243,11 +254,11 @@ TEST(SdPipeline, TrainedLoraReloadsEqualInEveryFormat) {
     for (auto& p : unet_lora->parameters()) p.add_(torch::randn_like(p) * 0.2);
     for (auto& p : text_lora->parameters()) p.add_(torch::randn_like(p) * 0.2);
   }
-  diffusion::TextToImageOptions o;
+  families::stable_diffusion::TextToImageOptions o;
   o.prompts = {"a photo of a cat"};
   o.num_inference_steps = 3;
   o.seed = 5;
-  const auto adapted = diffusion::text_to_image(sd, o).images;
+  const auto adapted = families::stable_diffusion::text_to_image(sd, o).images;
   io::LoraWeights weights = unet_lora->to_lora_weights("unet");
   weights.components["text_encoder"] =
       text_lora->to_lora_weights("text_encoder").components["text_encoder"];
@@ -257,15 +268,15 @@ TEST(SdPipeline, TrainedLoraReloadsEqualInEveryFormat) {
   for (auto format : {io::LoraFormat::kDiffusers, io::LoraFormat::kPeft, io::LoraFormat::kKohya}) {
     const std::string path = dir + "/lora_" + io::to_string(format) + ".safetensors";
     io::write_lora(path, weights, format);
-    diffusion::StableDiffusionLoadOptions lo;
+    families::stable_diffusion::StableDiffusionLoadOptions lo;
     lo.lora = path;
-    auto merged = diffusion::load_stable_diffusion(kSd, lo);
-    const double d = max_abs(diffusion::text_to_image(merged, o).images, adapted);
+    auto merged = families::stable_diffusion::load_stable_diffusion(kSd, lo);
+    const double d = max_abs(families::stable_diffusion::text_to_image(merged, o).images, adapted);
     std::cout << io::to_string(format) << ": merged vs adapters " << d << "\n";
     EXPECT_LE(d, 1e-4) << io::to_string(format);
   }
-  auto plain = diffusion::load_stable_diffusion(kSd);
-  EXPECT_GT(max_abs(diffusion::text_to_image(plain, o).images, adapted), 1e-3);
+  auto plain = families::stable_diffusion::load_stable_diffusion(kSd);
+  EXPECT_GT(max_abs(families::stable_diffusion::text_to_image(plain, o).images, adapted), 1e-3);
 }
 
 }  // namespace

@@ -19,8 +19,8 @@ inline const std::vector<std::string> kSdxlPrompts = {
 
 /// txt2img_seed42.json's call: height = width = 32, guidance 5, 8 steps, seed 42, the negative
 /// prompt "blurry, low quality".
-inline diffusion::TextToImageOptions sdxl_fixture_call() {
-  diffusion::TextToImageOptions o;
+inline families::stable_diffusion::TextToImageOptions sdxl_fixture_call() {
+  families::stable_diffusion::TextToImageOptions o;
   o.prompts = kSdxlPrompts;
   o.negative_prompts = {"blurry, low quality"};
   o.guidance_scale = 5.0;

@@ -222,10 +222,10 @@ TEST(SdxlLora, EveryWrittenFormatReloadsToTheSameModels) {
 TEST(SdxlLora, Txt2ImgWithEitherFileMatchesDiffusers) {
   auto ref = io::load_safetensors(kLora + "/txt2img_lora_seed42.safetensors").tensors;
   for (const char* file : {"pytorch_lora_weights.safetensors", "kohya_sgm_lora.safetensors"}) {
-    diffusion::StableDiffusionLoadOptions lo;
+    families::stable_diffusion::StableDiffusionLoadOptions lo;
     lo.lora = kLora + "/" + file;
-    auto sd = diffusion::load_stable_diffusion(kXl, lo);
-    auto out = diffusion::text_to_image(sd, test::sdxl_fixture_call());
+    auto sd = families::stable_diffusion::load_stable_diffusion(kXl, lo);
+    auto out = families::stable_diffusion::text_to_image(sd, test::sdxl_fixture_call());
     const double scale = ref.at("latents_final").abs().max().item<double>();
     EXPECT_LE(max_abs(out.latents, ref.at("latents_final")), 1e-4 * scale) << file;
     EXPECT_LE(max_abs(out.images, ref.at("images")), 1e-4) << file;
@@ -245,8 +245,8 @@ TEST(SdxlLora, MergedFolderSamplesAsTheUnmergedLora) {
   EXPECT_EQ(summary.text_encoder_modules_merged, 2 * 6 + 3 * 6);
   EXPECT_TRUE(summary.skipped_components.empty());
   auto ref = io::load_safetensors(kLora + "/txt2img_lora_seed42.safetensors").tensors;
-  auto sd = diffusion::load_stable_diffusion(out);
-  auto merged = diffusion::text_to_image(sd, test::sdxl_fixture_call());
+  auto sd = families::stable_diffusion::load_stable_diffusion(out);
+  auto merged = families::stable_diffusion::text_to_image(sd, test::sdxl_fixture_call());
   const double scale = ref.at("latents_final").abs().max().item<double>();
   EXPECT_LE(max_abs(merged.latents, ref.at("latents_final")), 1e-4 * scale);
   EXPECT_LE(max_abs(merged.images, ref.at("images")), 1e-4);

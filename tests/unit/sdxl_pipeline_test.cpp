@@ -25,7 +25,7 @@ using difftrain::test::kTinySdxl;
 const std::vector<std::string>& kPrompts = test::kSdxlPrompts;
 
 // Compares a run with a txt2img reference file (tolerances of the fixture README).
-void expect_matches_reference(const diffusion::TextToImageResult& out,
+void expect_matches_reference(const families::stable_diffusion::TextToImageResult& out,
                               const std::map<std::string, torch::Tensor>& ref) {
   // prompt_embeds: [negative rows; positive rows].
   const auto embeds = torch::cat({ref.at("negative_prompt_embeds"), ref.at("prompt_embeds")});
@@ -45,7 +45,7 @@ void expect_matches_reference(const diffusion::TextToImageResult& out,
 }
 
 TEST(SdxlPipeline, FolderIsRecognised) {
-  auto f = diffusion::resolve_stable_diffusion_folder(kTinySdxl);
+  auto f = families::stable_diffusion::resolve_stable_diffusion_folder(kTinySdxl);
   EXPECT_TRUE(f.xl);
   EXPECT_TRUE(f.force_zeros_for_empty_prompt);
   EXPECT_EQ(f.pipeline_class, "StableDiffusionXLPipeline");
@@ -56,7 +56,7 @@ TEST(SdxlPipeline, FolderIsRecognised) {
 
 TEST(SdxlPipeline, Txt2ImgMatchesDiffusers) {
   auto ref = io::load_safetensors(kTinySdxl + "/txt2img_seed42.safetensors").tensors;
-  auto sd = diffusion::load_stable_diffusion(kTinySdxl);
+  auto sd = families::stable_diffusion::load_stable_diffusion(kTinySdxl);
   ASSERT_TRUE(sd.is_xl());
   EXPECT_EQ(sd.scheduler->class_name(), "EulerDiscreteScheduler");
   // The tokenizers' ids equal the reference's exactly.
@@ -68,14 +68,14 @@ TEST(SdxlPipeline, Txt2ImgMatchesDiffusers) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(42);
   EXPECT_EQ(max_abs(at::randn({2, 4, 16, 16}, gen, torch::kFloat32), ref.at("latents_init")), 0.0);
 
-  auto out = diffusion::text_to_image(sd, test::sdxl_fixture_call());
+  auto out = families::stable_diffusion::text_to_image(sd, test::sdxl_fixture_call());
   EXPECT_LE(max_abs(sd.scheduler->timesteps(), ref.at("timesteps")), 0.0);
   EXPECT_NEAR(sd.scheduler->init_noise_sigma(), ref.at("init_noise_sigma").item<double>(), 1e-5);
   expect_matches_reference(out, ref);
 }
 
 TEST(SdxlPipeline, GenerateDefaultsToGuidanceFiveAndTheFolderSize) {
-  auto sd = diffusion::load_stable_diffusion(kTinySdxl);
+  auto sd = families::stable_diffusion::load_stable_diffusion(kTinySdxl);
   diffusion::Pipeline& pipe = sd;
   EXPECT_EQ(pipe.class_name(), "StableDiffusionXLPipeline");
   diffusion::GenerateRequest r;
@@ -89,32 +89,32 @@ TEST(SdxlPipeline, GenerateDefaultsToGuidanceFiveAndTheFolderSize) {
 }
 
 TEST(SdxlPipeline, NoNegativePromptGivesZeroNegativesWhenTheFolderSaysSo) {
-  auto sd = diffusion::load_stable_diffusion(kTinySdxl);
+  auto sd = families::stable_diffusion::load_stable_diffusion(kTinySdxl);
   auto o = test::sdxl_fixture_call();
   o.negative_prompts.clear();
   o.num_inference_steps = 1;
-  auto out = diffusion::text_to_image(sd, o);
+  auto out = families::stable_diffusion::text_to_image(sd, o);
   EXPECT_EQ(out.prompt_embeds.narrow(0, 0, 2).abs().max().item<double>(), 0.0);
   EXPECT_EQ(out.pooled_prompt_embeds.narrow(0, 0, 2).abs().max().item<double>(), 0.0);
   EXPECT_GT(out.prompt_embeds.narrow(0, 2, 2).abs().max().item<double>(), 0.0);
 
   // With force_zeros_for_empty_prompt false the negatives are the encoding of "".
   sd.folder.force_zeros_for_empty_prompt = false;
-  auto empty = diffusion::text_to_image(sd, o);
+  auto empty = families::stable_diffusion::text_to_image(sd, o);
   auto expect = sd.text_encoders.encode({"", ""});
   EXPECT_EQ(max_abs(empty.prompt_embeds.narrow(0, 0, 2), expect.embeds), 0.0);
   EXPECT_EQ(max_abs(empty.pooled_prompt_embeds.narrow(0, 0, 2), expect.pooled), 0.0);
 }
 
 TEST(SdxlPipeline, MicroConditioningReachesTheTimeIds) {
-  auto sd = diffusion::load_stable_diffusion(kTinySdxl);
+  auto sd = families::stable_diffusion::load_stable_diffusion(kTinySdxl);
   auto o = test::sdxl_fixture_call();
   o.num_inference_steps = 1;
   o.original_size = {1024, 768};
   o.crops_coords_top_left = {16, 8};
   o.target_size = {64, 48};
   o.negative_original_size = {512, 512};
-  auto out = diffusion::text_to_image(sd, o);
+  auto out = families::stable_diffusion::text_to_image(sd, o);
   const auto ids = out.add_time_ids;
   ASSERT_EQ(ids.sizes(), (c10::IntArrayRef{4, 6}));
   auto row = [&](int64_t i) {
@@ -124,14 +124,16 @@ TEST(SdxlPipeline, MicroConditioningReachesTheTimeIds) {
   EXPECT_EQ(row(0), (std::vector<int64_t>{512, 512, 16, 8, 64, 48}));  // negative
   EXPECT_EQ(row(3), (std::vector<int64_t>{1024, 768, 16, 8, 64, 48}));
   // And it changes the image against the default call.
-  auto base = diffusion::text_to_image(sd, [] {
+  auto base = families::stable_diffusion::text_to_image(sd, [] {
     auto c = test::sdxl_fixture_call();
     c.num_inference_steps = 1;
     return c;
   }());
   EXPECT_GT(max_abs(out.latents, base.latents), 1e-3);
   o.crops_coords_top_left = {1, 2, 3};
-  EXPECT_NE(error_of([&] { diffusion::text_to_image(sd, o); }).find("crops_coords_top_left"),
+  EXPECT_NE(error_of([&] {
+              families::stable_diffusion::text_to_image(sd, o);
+            }).find("crops_coords_top_left"),
             std::string::npos);
 }
 
@@ -139,7 +141,8 @@ TEST(SdxlPipeline, GuidanceRescaleMatchesAFloat64Recomputation) {
   torch::manual_seed(3);
   auto cfg = torch::randn({2, 4, 5, 5}, torch::kFloat64);
   auto text = torch::randn({2, 4, 5, 5}, torch::kFloat64) * 3;
-  auto got = diffusion::rescale_noise_cfg(cfg.to(torch::kFloat32), text.to(torch::kFloat32), 0.7);
+  auto got = families::stable_diffusion::rescale_noise_cfg(cfg.to(torch::kFloat32),
+                                                           text.to(torch::kFloat32), 0.7);
   for (int64_t b = 0; b < 2; ++b) {
     // Sample std with Bessel's correction, per sample over C, H, W.
     auto std_of = [](const torch::Tensor& t) {
@@ -150,16 +153,17 @@ TEST(SdxlPipeline, GuidanceRescaleMatchesAFloat64Recomputation) {
     auto want = 0.7 * cfg[b] * ratio + 0.3 * cfg[b];
     EXPECT_LE(max_abs(got[b], want), 1e-5);
   }
-  auto sd = diffusion::load_stable_diffusion(kTinySdxl);
+  auto sd = families::stable_diffusion::load_stable_diffusion(kTinySdxl);
   auto o = test::sdxl_fixture_call();
   o.num_inference_steps = 2;
-  auto plain = diffusion::text_to_image(sd, o);
+  auto plain = families::stable_diffusion::text_to_image(sd, o);
   o.guidance_rescale = 0.7;
-  auto rescaled = diffusion::text_to_image(sd, o);
+  auto rescaled = families::stable_diffusion::text_to_image(sd, o);
   EXPECT_GT(max_abs(plain.latents, rescaled.latents), 1e-3);
   o.guidance_rescale = 1.5;
-  EXPECT_NE(error_of([&] { diffusion::text_to_image(sd, o); }).find("guidance_rescale"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { families::stable_diffusion::text_to_image(sd, o); }).find("guidance_rescale"),
+      std::string::npos);
 }
 
 TEST(SdxlPipeline, BrokenFoldersAreNamed) {
@@ -178,32 +182,35 @@ TEST(SdxlPipeline, BrokenFoldersAreNamed) {
   // No tokenizer_2 listed.
   auto bad = index;
   bad.erase("tokenizer_2");
-  auto msg = error_of([&] { diffusion::resolve_stable_diffusion_folder(make("xl_a", bad, all)); });
+  auto msg = error_of(
+      [&] { families::stable_diffusion::resolve_stable_diffusion_folder(make("xl_a", bad, all)); });
   EXPECT_NE(msg.find("no tokenizer_2"), std::string::npos) << msg;
   // text_encoder_2 listed but its folder is missing.
   msg = error_of([&] {
-    diffusion::resolve_stable_diffusion_folder(make(
+    families::stable_diffusion::resolve_stable_diffusion_folder(make(
         "xl_b", index, {"unet", "vae", "text_encoder", "tokenizer", "tokenizer_2", "scheduler"}));
   });
   EXPECT_NE(msg.find("text_encoder_2"), std::string::npos) << msg;
   // A text_encoder_2 of the wrong class.
   bad = index;
   bad["text_encoder_2"] = {"transformers", "T5EncoderModel"};
-  msg = error_of([&] { diffusion::resolve_stable_diffusion_folder(make("xl_c", bad, all)); });
+  msg = error_of(
+      [&] { families::stable_diffusion::resolve_stable_diffusion_folder(make("xl_c", bad, all)); });
   EXPECT_NE(msg.find("T5EncoderModel"), std::string::npos) << msg;
   bad = index;
   bad["force_zeros_for_empty_prompt"] = "yes";
-  msg = error_of([&] { diffusion::resolve_stable_diffusion_folder(make("xl_d", bad, all)); });
+  msg = error_of(
+      [&] { families::stable_diffusion::resolve_stable_diffusion_folder(make("xl_d", bad, all)); });
   EXPECT_NE(msg.find("force_zeros_for_empty_prompt"), std::string::npos) << msg;
 }
 
 TEST(SdxlPipeline, AFloat16VaeDecodesInFloat32WhenForceUpcast) {
-  auto sd = diffusion::load_stable_diffusion(kTinySdxl);
+  auto sd = families::stable_diffusion::load_stable_diffusion(kTinySdxl);
   auto o = test::sdxl_fixture_call();
   o.num_inference_steps = 2;
-  auto ref = diffusion::text_to_image(sd, o);
+  auto ref = families::stable_diffusion::text_to_image(sd, o);
   sd.vae->to(torch::kFloat16);
-  auto out = diffusion::text_to_image(sd, o);
+  auto out = families::stable_diffusion::text_to_image(sd, o);
   // Decoded with float16 weights made float32 again: close to the float32 run, finite, and the
   // VAE is float16 again afterwards.
   EXPECT_TRUE(torch::isfinite(out.images).all().item<bool>());
@@ -212,7 +219,7 @@ TEST(SdxlPipeline, AFloat16VaeDecodesInFloat32WhenForceUpcast) {
 }
 
 TEST(SdxlPipeline, ClipSkipTakesAnEarlierLayerOfBothEncoders) {
-  auto sd = diffusion::load_stable_diffusion(kTinySdxl);
+  auto sd = families::stable_diffusion::load_stable_diffusion(kTinySdxl);
   torch::NoGradGuard no_grad;
   auto& text = sd.text_encoders;
   const auto& clip = text.as<diffusion::ClipTextEncoder>(0);

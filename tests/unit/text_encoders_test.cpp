@@ -24,11 +24,13 @@ const std::string kStackSd = std::string(difftrain_test::source_dir()) + "/tests
 const std::vector<std::string> kStackPrompts = {"a photo of a cat", "an astronaut riding a horse"};
 
 TextEncoderStack sd_stack() {
-  return diffusion::load_text_encoders(diffusion::resolve_stable_diffusion_folder(kStackSd));
+  return families::stable_diffusion::load_text_encoders(
+      families::stable_diffusion::resolve_stable_diffusion_folder(kStackSd));
 }
 
 TextEncoderStack sdxl_stack() {
-  return diffusion::load_text_encoders(diffusion::resolve_stable_diffusion_folder(test::kTinySdxl));
+  return families::stable_diffusion::load_text_encoders(
+      families::stable_diffusion::resolve_stable_diffusion_folder(test::kTinySdxl));
 }
 
 TEST(TextEncoderStack, OneClipIsTheLastHiddenStateAfterClipSkip) {

@@ -31,18 +31,18 @@ inline const std::string kUncondDir =
 inline torch::Tensor uncond_images(const std::string& kind, int64_t images, int64_t steps,
                                    uint64_t seed, torch::Dtype dtype = torch::kFloat32,
                                    const std::function<void(nlohmann::json&)>& config_edit = {}) {
-  auto folder = diffusion::resolve_pipeline_folder(kUncondDir);
+  auto folder = families::unet::resolve_pipeline_folder(kUncondDir);
   auto unet = models::load_unet(folder.unet_dir);
   unet->to(dtype);
   nlohmann::json config;
   std::ifstream(folder.scheduler_config) >> config;
   if (config_edit) config_edit(config);
   auto scheduler = diffusion::make_sampler(config, kind, folder.scheduler_config);
-  diffusion::SampleOptions o;
+  families::unet::SampleOptions o;
   o.num_images = images;
   o.num_inference_steps = steps;
   o.seed = seed;
-  return diffusion::sample_images(*unet, *scheduler, o);
+  return families::unet::sample_images(*unet, *scheduler, o);
 }
 
 inline torch::Tensor uncond_reference(const std::string& file) {
@@ -55,7 +55,7 @@ inline torch::Tensor uncond_reference(const std::string& file) {
 // which then draws exactly the float32 run's noise. That rounding (~1e-7 per step) is ~20x below
 // the UNet's own float32 rounding, so the result still measures the float32 run's rounding.
 inline torch::Tensor uncond_ddpm_float64(int64_t images, int64_t steps, uint64_t seed) {
-  auto folder = diffusion::resolve_pipeline_folder(kUncondDir);
+  auto folder = families::unet::resolve_pipeline_folder(kUncondDir);
   auto unet = models::load_unet(folder.unet_dir);
   unet->to(torch::kFloat64);
   unet->eval();

@@ -6,8 +6,8 @@
 // StableDiffusion(XL)Pipeline, FluxPipeline in src/families/flux/; families::load_pipeline in
 // families/family.h loads any of them):
 //
-//     diffusion::StableDiffusion pipe = diffusion::load_stable_diffusion("tiny_sd");
-//     pipe.to(torch::kCUDA);
+//     families::stable_diffusion::StableDiffusion pipe =
+//     families::stable_diffusion::load_stable_diffusion("tiny_sd"); pipe.to(torch::kCUDA);
 //     diffusion::GenerateRequest req;
 //     req.prompts = {"a photo of a cat"};
 //     req.seed = 42;

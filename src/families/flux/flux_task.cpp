@@ -1,7 +1,7 @@
 // The FLUX.1 training task: Diffusers' train_dreambooth_lora_flux.py (LoRA on the transformer and
 // optionally CLIP, DreamBooth prior preservation) and train_dreambooth_flux.py (full fine-tuning)
 // on a FluxPipeline folder. The data side (captioned images, buckets, class images drawn with the
-// FLUX sampler, the latent and text caches) is t2i::TextImageData; the objective is
+// FLUX sampler, the latent and text caches) is families::TextImageData; the objective is
 // diffusion::FlowMatchObjective on the folder's FlowMatchEulerDiscreteScheduler tables and the
 // denoiser FluxDenoiser (packing, ids, t/1000, embedded guidance). With the text encoders frozen,
 // every caption's T5 and CLIP embeddings (and the validation prompt's) are computed once and the
@@ -32,8 +32,8 @@
 namespace difftrain::families::flux {
 namespace {
 namespace fs = std::filesystem;
-using train::t2i::EncodedBatch;
-using train::t2i::TextImageData;
+using families::EncodedBatch;
+using families::TextImageData;
 
 // What a FLUX.1 LoRA run trains when CLIP trains too: both adapter sets, under "transformer" and
 // "text_encoder", prepared, optimised and checkpointed as one module.
@@ -71,12 +71,12 @@ class FluxTask : public train::TrainingTask {
   torch::Tensor loss(const data::Batch& batch, int64_t epoch, torch::Device device) override;
 
   std::string validation_unavailable() const override {
-    return train::t2i::prompt_validation_unavailable(o_);
+    return families::prompt_validation_unavailable(o_);
   }
   train::ValidationImages render_validation(const std::vector<int64_t>& mine, int64_t /*begin*/,
                                             const SamplerStepCallback& on_step) override;
   std::vector<std::string> validation_labels(int64_t K) const override {
-    return train::t2i::prompt_validation_labels(o_, K);
+    return families::prompt_validation_labels(o_, K);
   }
   std::string validation_note() const override { return " (\"" + o_.validation.prompt + "\")"; }
 
@@ -350,7 +350,7 @@ train::ValidationImages FluxTask::render_validation(const std::vector<int64_t>& 
 void FluxTask::export_to(const fs::path& out) {
   if (!o_.lora.enabled) {
     models::save_flux_transformer(*transformer_, (out / "transformer").string());
-    train::t2i::copy_pipeline_parts(
+    families::copy_pipeline_parts(
         folder_.dir, out,
         {"vae", "scheduler", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"});
     log::info("pipeline folder (FluxPipeline): {}", out.string());

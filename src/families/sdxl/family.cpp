@@ -8,7 +8,7 @@
 namespace difftrain::families {
 namespace {
 
-class SdxlFamily : public UNetBasedFamily {
+class SdxlFamily : public unet::UNetBasedFamily {
  public:
   std::string name() const override { return "sdxl"; }
   std::vector<std::string> pipeline_classes() const override {
@@ -24,12 +24,12 @@ class SdxlFamily : public UNetBasedFamily {
   }
   std::unique_ptr<diffusion::Pipeline> load_pipeline(
       const std::string& dir, const diffusion::PipelineLoadOptions& options) const override {
-    return std::make_unique<diffusion::StableDiffusion>(
-        diffusion::load_stable_diffusion(dir, options));
+    return std::make_unique<families::stable_diffusion::StableDiffusion>(
+        families::stable_diffusion::load_stable_diffusion(dir, options));
   }
   std::optional<train::ScriptDefaults> training_defaults(
       const train::TrainConfig& config) const override {
-    return text_to_image_script_defaults(config, /*sdxl=*/true);
+    return stable_diffusion::text_to_image_script_defaults(config, /*sdxl=*/true);
   }
   /// StableDiffusionXLPipeline's micro-conditioning (`_get_add_time_ids`), each a pair.
   std::vector<train::OptionSpec> sample_options() const override {
@@ -53,10 +53,10 @@ class SdxlFamily : public UNetBasedFamily {
   }
   std::unique_ptr<train::TrainingTask> make_training_task(
       const train::TaskOptions& options) const override {
-    return train::make_sdxl_task(options);
+    return families::sdxl::make_sdxl_task(options);
   }
   diffusion::GenerateResult sample(const SampleOptions& options) const override {
-    return sample_text_to_image(options);
+    return stable_diffusion::sample_text_to_image(options);
   }
 };
 

@@ -7,11 +7,15 @@
 // the cache holds both embeddings; a full fine-tune exports a whole SDXL folder.
 #include "../stable_diffusion/text_to_image_task.h"
 
-namespace difftrain::train {
+namespace difftrain::families::sdxl {
+using namespace difftrain::train;
+using namespace difftrain::diffusion;
+using namespace difftrain::families::unet;
+using namespace difftrain::families::stable_diffusion;
 
 namespace {
 
-class SdxlTask final : public t2i::TextToImageTask {
+class SdxlTask final : public families::stable_diffusion::TextToImageTask {
  public:
   using TextToImageTask::TextToImageTask;
 
@@ -65,4 +69,4 @@ std::unique_ptr<TrainingTask> make_sdxl_task(TaskOptions options) {
   return std::make_unique<SdxlTask>(std::move(options));
 }
 
-}  // namespace difftrain::train
+}  // namespace difftrain::families::sdxl

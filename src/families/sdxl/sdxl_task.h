@@ -4,7 +4,7 @@
 
 #include <memory>
 
-namespace difftrain::train {
+namespace difftrain::families::sdxl {
 /// Diffusers' train_text_to_image[_lora]_sdxl.py and train_dreambooth_lora_sdxl.py.
-std::unique_ptr<TrainingTask> make_sdxl_task(TaskOptions options);
-}  // namespace difftrain::train
+std::unique_ptr<train::TrainingTask> make_sdxl_task(train::TaskOptions options);
+}  // namespace difftrain::families::sdxl

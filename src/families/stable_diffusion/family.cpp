@@ -8,7 +8,7 @@
 namespace difftrain::families {
 namespace {
 
-class StableDiffusionFamily : public UNetBasedFamily {
+class StableDiffusionFamily : public unet::UNetBasedFamily {
  public:
   std::string name() const override { return "stable-diffusion"; }
   std::vector<std::string> pipeline_classes() const override {
@@ -24,19 +24,19 @@ class StableDiffusionFamily : public UNetBasedFamily {
   std::vector<std::string> lora_components() const override { return {"unet", "text_encoder"}; }
   std::unique_ptr<diffusion::Pipeline> load_pipeline(
       const std::string& dir, const diffusion::PipelineLoadOptions& options) const override {
-    return std::make_unique<diffusion::StableDiffusion>(
-        diffusion::load_stable_diffusion(dir, options));
+    return std::make_unique<families::stable_diffusion::StableDiffusion>(
+        families::stable_diffusion::load_stable_diffusion(dir, options));
   }
   std::optional<train::ScriptDefaults> training_defaults(
       const train::TrainConfig& config) const override {
-    return text_to_image_script_defaults(config, /*sdxl=*/false);
+    return stable_diffusion::text_to_image_script_defaults(config, /*sdxl=*/false);
   }
   std::unique_ptr<train::TrainingTask> make_training_task(
       const train::TaskOptions& options) const override {
-    return train::make_text_to_image_task(options);
+    return families::stable_diffusion::make_text_to_image_task(options);
   }
   diffusion::GenerateResult sample(const SampleOptions& options) const override {
-    return sample_text_to_image(options);
+    return stable_diffusion::sample_text_to_image(options);
   }
 };
 

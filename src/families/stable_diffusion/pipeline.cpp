@@ -16,7 +16,10 @@
 #include <optional>
 #include <set>
 
-namespace difftrain::diffusion {
+namespace difftrain::families::stable_diffusion {
+using namespace difftrain::diffusion;
+using namespace difftrain::train;
+using namespace difftrain::families::unet;
 
 namespace fs = std::filesystem;
 
@@ -558,4 +561,4 @@ GenerateResult StableDiffusion::generate(const GenerateRequest& request) {
   return generate_text_to_image(*this, resolve(request));
 }
 
-}  // namespace difftrain::diffusion
+}  // namespace difftrain::families::stable_diffusion

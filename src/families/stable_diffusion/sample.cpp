@@ -9,9 +9,12 @@
 
 #include <fmt/format.h>
 
-namespace difftrain::families {
+namespace difftrain::families::stable_diffusion {
+using namespace difftrain::diffusion;
+using namespace difftrain::train;
+using namespace difftrain::families::unet;
 
-diffusion::GenerateResult sample_text_to_image(const SampleOptions& a) {
+diffusion::GenerateResult sample_text_to_image(const families::SampleOptions& a) {
   diffusion::GenerateRequest request;
   request.prompts = sample_prompts(a, "Stable Diffusion");
   if (!a.class_labels.empty()) throw Error("--class_labels is for class-conditional UNets");
@@ -29,7 +32,8 @@ diffusion::GenerateResult sample_text_to_image(const SampleOptions& a) {
     if (!value.is_null()) request.options[name] = value;
   }
   const torch::Device device = parse_sample_device(a.device);
-  diffusion::StableDiffusion sd = diffusion::load_stable_diffusion(a.model, a);
+  families::stable_diffusion::StableDiffusion sd =
+      families::stable_diffusion::load_stable_diffusion(a.model, a);
   sd.to(device, a.dtype);
   if (!request.options.empty() && !sd.is_xl()) {
     throw Error(
@@ -61,4 +65,4 @@ diffusion::GenerateResult sample_text_to_image(const SampleOptions& a) {
   return sd.generate(request);
 }
 
-}  // namespace difftrain::families
+}  // namespace difftrain::families::stable_diffusion

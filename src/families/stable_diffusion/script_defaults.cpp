@@ -2,7 +2,10 @@
 // (families/stable_diffusion/text_to_image.h).
 #include "difftrain/families/stable_diffusion/text_to_image.h"
 
-namespace difftrain::families {
+namespace difftrain::families::stable_diffusion {
+using namespace difftrain::diffusion;
+using namespace difftrain::train;
+using namespace difftrain::families::unet;
 
 train::ScriptDefaults text_to_image_script_defaults(const train::TrainConfig& c, bool sdxl) {
   train::ScriptDefaults d;
@@ -30,4 +33,4 @@ train::ScriptDefaults text_to_image_script_defaults(const train::TrainConfig& c,
   return d;
 }
 
-}  // namespace difftrain::families
+}  // namespace difftrain::families::stable_diffusion

@@ -1,14 +1,16 @@
 // make_text_to_image_task: the Stable-Diffusion text-to-image task (text_to_image_task.h).
 #include "text_to_image_task.h"
 
-namespace difftrain::train {
-
-namespace t2i {
+namespace difftrain::families::stable_diffusion {
+using namespace difftrain::train;
+using namespace difftrain::diffusion;
+using namespace difftrain::families::unet;
 
 void TextToImageTask::build(accel::Accelerator& acc, const std::string& output_dir) {
   const auto& t = o_.text;
   TextImageData::check_options(o_, o_.model.pretrained_model_name_or_path);
-  folder_ = diffusion::resolve_stable_diffusion_folder(o_.model.pretrained_model_name_or_path);
+  folder_ = families::stable_diffusion::resolve_stable_diffusion_folder(
+      o_.model.pretrained_model_name_or_path);
   for (const auto& note : folder_.notes) acc.print("{}", note);
   load_text_models(acc);
   if (!o_.model.vae.empty()) acc.print("VAE from {}", o_.model.vae);
@@ -32,7 +34,7 @@ void TextToImageTask::build(accel::Accelerator& acc, const std::string& output_d
   parts.size_multiple = vae_->config().downsample_factor();
   // DreamBooth's class images come from the pretrained pipeline with the class prompt.
   auto class_images = [this](int64_t count, uint64_t seed) {
-    diffusion::StableDiffusion pipe =
+    families::stable_diffusion::StableDiffusion pipe =
         as_pipeline(diffusion::SchedulerConfig::load(folder_.scheduler_config), "ddim");
     diffusion::GenerateRequest r = render_request(o_.text.class_prompt);
     r.num_images = count;
@@ -77,7 +79,8 @@ ValidationImages TextToImageTask::render_validation(const std::vector<int64_t>& 
                                                     const SamplerStepCallback& on_step) {
   const auto& v = o_.validation;
   if (mine.empty()) return {torch::zeros({0, o_.data.height(), o_.data.width(), 3})};
-  diffusion::StableDiffusion pipe = as_pipeline(noise_scheduler_->config(), v.scheduler);
+  families::stable_diffusion::StableDiffusion pipe =
+      as_pipeline(noise_scheduler_->config(), v.scheduler);
   diffusion::GenerateRequest r = render_request(v.prompt);
   r.negative_prompts = {v.negative_prompt};
   r.num_images = static_cast<int64_t>(mine.size());
@@ -138,15 +141,15 @@ void TextToImageTask::load_text_models(accel::Accelerator& acc) {
                                    : ": an SDXL folder (model_index.json lists text_encoder_2); "
                                      "train it as SDXL"));
   }
-  text_ = diffusion::load_text_encoders(folder_, o_.model.variant);
+  text_ = families::stable_diffusion::load_text_encoders(folder_, o_.model.variant);
   skip_ = text_.clip_skip_from_kohya(o_.text.clip_skip);
   text_.freeze();
   text_.to(acc.device());
 }
 
-diffusion::StableDiffusion TextToImageTask::as_pipeline(const diffusion::SchedulerConfig& scheduler,
-                                                        const std::string& sampler) {
-  diffusion::StableDiffusion sd;
+families::stable_diffusion::StableDiffusion TextToImageTask::as_pipeline(
+    const diffusion::SchedulerConfig& scheduler, const std::string& sampler) {
+  families::stable_diffusion::StableDiffusion sd;
   sd.folder = folder_;
   sd.text_encoders = text_;
   sd.vae = vae_;
@@ -177,10 +180,8 @@ EncodedBatch TextToImageTask::encode_batch(const data::Batch& batch, const std::
   return out;
 }
 
-}  // namespace t2i
-
 std::unique_ptr<TrainingTask> make_text_to_image_task(TaskOptions options) {
-  return std::make_unique<t2i::TextToImageTask>(std::move(options));
+  return std::make_unique<TextToImageTask>(std::move(options));
 }
 
-}  // namespace difftrain::train
+}  // namespace difftrain::families::stable_diffusion

@@ -35,17 +35,16 @@
 #include "difftrain/train/text_image_dataset.h"
 #include "difftrain/train/training_cache.h"
 
-namespace difftrain::train {
+namespace difftrain::families::stable_diffusion {
 
-namespace t2i {
 namespace fs = std::filesystem;
 
 using models::module_device;
 using models::module_dtype;
 
-class TextToImageTask : public DiffusionTask {
+class TextToImageTask : public families::unet::DiffusionTask {
  public:
-  using DiffusionTask::DiffusionTask;
+  using families::unet::DiffusionTask::DiffusionTask;
 
   std::string name() const override { return "text-to-image"; }
 
@@ -66,8 +65,8 @@ class TextToImageTask : public DiffusionTask {
 
   // --validation_prompt rendered once per index i (image i from seed + i). `mine` is this
   // rank's contiguous range, padded at the end with copies the Trainer discards.
-  ValidationImages render_validation(const std::vector<int64_t>& mine, int64_t /*begin*/,
-                                     const SamplerStepCallback& on_step) override;
+  train::ValidationImages render_validation(const std::vector<int64_t>& mine, int64_t /*begin*/,
+                                            const SamplerStepCallback& on_step) override;
 
   std::vector<std::string> validation_labels(int64_t K) const override {
     return prompt_validation_labels(o_, K);
@@ -79,7 +78,7 @@ class TextToImageTask : public DiffusionTask {
 
   // Diffusers' train_(dreambooth_)lora / train_text_to_image card: creativeml-openrail-m, tags
   // stable-diffusion and stable-diffusion-diffusers (SdxlTask changes the family's part).
-  ModelCard model_card() const override;
+  train::ModelCard model_card() const override;
 
  protected:
   std::vector<torch::nn::Module*> frozen_modules() const override {
@@ -113,7 +112,7 @@ class TextToImageTask : public DiffusionTask {
   /// The pipeline's own guidance scale (StableDiffusionPipeline's 7.5).
   virtual double default_guidance() const { return 7.5; }
 
-  diffusion::StableDiffusionFolder folder_;
+  families::stable_diffusion::StableDiffusionFolder folder_;
   diffusion::TextEncoderStack text_;  // the folder's tokenizers and text encoders
   models::AutoencoderKL vae_{nullptr};
   int64_t skip_ = 0;  // Diffusers' clip_skip (kohya's --clip_skip minus 1)
@@ -122,8 +121,8 @@ class TextToImageTask : public DiffusionTask {
   // Loads the folder's text encoders (frozen, eval, on acc.device()) and reads --clip_skip.
   void load_text_models(accel::Accelerator& acc);
 
-  diffusion::StableDiffusion as_pipeline(const diffusion::SchedulerConfig& scheduler,
-                                         const std::string& sampler);
+  families::stable_diffusion::StableDiffusion as_pipeline(
+      const diffusion::SchedulerConfig& scheduler, const std::string& sampler);
 
   // A text-to-image request for `prompt` at the run's resolution, with the validation steps and
   // guidance (1 means the pipeline's: 7.5, SDXL 5), image i of it from seed + i.
@@ -136,10 +135,8 @@ class TextToImageTask : public DiffusionTask {
   TextImageData data_{o_};  // the captioned dataset, buckets, caches (text_image_data.h)
 };
 
-}  // namespace t2i
-
 /// Diffusers' train_text_to_image(_lora).py and train_dreambooth(_lora).py on a Stable Diffusion
 /// 1.x/2.x folder (text_to_image_task.cpp).
-std::unique_ptr<TrainingTask> make_text_to_image_task(TaskOptions options);
+std::unique_ptr<train::TrainingTask> make_text_to_image_task(train::TaskOptions options);
 
-}  // namespace difftrain::train
+}  // namespace difftrain::families::stable_diffusion

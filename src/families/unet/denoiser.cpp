@@ -5,7 +5,8 @@
 
 #include <fmt/format.h>
 
-namespace difftrain::diffusion {
+namespace difftrain::families::unet {
+using namespace difftrain::diffusion;
 
 models::UNetConditioning UNetDenoiser::unet_conditioning(const Conditioning& cond) {
   models::UNetConditioning c;
@@ -35,4 +36,4 @@ torch::Tensor UNetDenoiser::denoise(const torch::Tensor& x, const torch::Tensor&
   return unet_->forward(x, t, unet_conditioning(cond));
 }
 
-}  // namespace difftrain::diffusion
+}  // namespace difftrain::families::unet

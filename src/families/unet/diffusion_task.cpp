@@ -14,7 +14,8 @@
 
 #include <filesystem>
 
-namespace difftrain::train {
+namespace difftrain::families::unet {
+using namespace difftrain::train;
 namespace fs = std::filesystem;
 namespace {
 
@@ -127,7 +128,7 @@ torch::Tensor DiffusionTask::denoising_losses(const torch::Tensor& x0,
                                               const std::vector<int64_t>& keys, int64_t epoch,
                                               torch::Device device,
                                               const diffusion::Conditioning& cond) {
-  if (!denoiser_) denoiser_ = std::make_unique<diffusion::UNetDenoiser>(unet_);
+  if (!denoiser_) denoiser_ = std::make_unique<families::unet::UNetDenoiser>(unet_);
   const auto noised = objective_->noise(x0, keys, epoch, device);
   const auto prediction = denoiser_->denoise(noised.model_input, noised.timesteps, cond);
   return objective_->losses(prediction, noised);
@@ -158,4 +159,4 @@ void DiffusionTask::export_lora(const fs::path& out) const {
   log::info("LoRA weights ({} format): {}", o_.lora.format, path.string());
 }
 
-}  // namespace difftrain::train
+}  // namespace difftrain::families::unet

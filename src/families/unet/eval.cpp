@@ -19,7 +19,7 @@
 
 #include <filesystem>
 
-namespace difftrain::train {
+namespace difftrain::families::unet {
 namespace fs = std::filesystem;
 
 ClassifierImpl::ClassifierImpl() {
@@ -165,8 +165,8 @@ Classifier train_or_load_classifier(const EvalOptions& o, accel::Accelerator& ac
 
 nlohmann::json evaluate_model(const EvalOptions& o) {
   accel::Accelerator acc;
-  const auto folder = diffusion::resolve_pipeline_folder(o.model);
-  models::UNet unet = diffusion::load_unet_with_lora(folder.unet_dir, o.lora);
+  const auto folder = families::unet::resolve_pipeline_folder(o.model);
+  models::UNet unet = families::unet::load_unet_with_lora(folder.unet_dir, o.lora);
   const auto& uc = unet->config();
   if (!uc.num_class_embeds || *uc.num_class_embeds < 10 || uc.in_channels != 1 ||
       uc.sample_size.empty() || uc.sample_size[0] != 32) {
@@ -202,13 +202,14 @@ nlohmann::json evaluate_model(const EvalOptions& o) {
     diffusion::SamplerOptions sampler_options;
     sampler_options.eta = o.eta;
     auto sampler = diffusion::load_sampler(folder.scheduler_config, o.scheduler, sampler_options);
-    diffusion::SampleOptions so;
+    families::unet::SampleOptions so;
     so.num_images = 10 * o.num_per_class;
     so.num_inference_steps = o.num_inference_steps;
     so.seed = o.seed;
     so.guidance_scale = o.guidance_scale;
     for (int64_t i = 0; i < so.num_images; ++i) so.class_labels.push_back(i % 10);
-    const auto images = diffusion::sample_images(*unet, *sampler, so);  // [K, 32, 32, 1] in [0, 1]
+    const auto images =
+        families::unet::sample_images(*unet, *sampler, so);  // [K, 32, 32, 1] in [0, 1]
     const auto x = images.permute({0, 3, 1, 2}).mul(2).sub(1).contiguous();
     torch::Tensor logits;
     const auto features = batched_features(net, x, &logits);
@@ -234,4 +235,4 @@ nlohmann::json evaluate_model(const EvalOptions& o) {
   return result;
 }
 
-}  // namespace difftrain::train
+}  // namespace difftrain::families::unet

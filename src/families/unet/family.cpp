@@ -68,7 +68,7 @@ FamilyCommand eval_command() {
       {"output", "string", "", "Also write the JSON result to this file", {}},
   };
   c.run = [](const train::FamilyOptions& f) {
-    train::EvalOptions o;
+    families::unet::EvalOptions o;
     o.model = f.text("model");
     if (o.model.empty()) throw Error("difftrain eval needs --model DIR (a pipeline folder)");
     o.lora = f.text("lora");
@@ -83,7 +83,7 @@ FamilyCommand eval_command() {
     o.classifier_epochs = f.integer("classifier_epochs");
     o.classifier_train_samples = f.integer("classifier_train_samples");
     o.test_samples = f.integer("test_samples");
-    auto result = train::evaluate_model(o);
+    auto result = families::unet::evaluate_model(o);
     const auto output = f.text("output");
     if (!result.is_null() && !output.empty()) io::write_file_atomic(output, result.dump(2) + "\n");
     return result;
@@ -108,7 +108,7 @@ std::vector<int64_t> parse_labels(const std::string& text) {
   return out;
 }
 
-class UNetFamily : public UNetBasedFamily {
+class UNetFamily : public unet::UNetBasedFamily {
  public:
   std::string name() const override { return "unet"; }
   std::vector<std::string> pipeline_classes() const override {
@@ -124,12 +124,13 @@ class UNetFamily : public UNetBasedFamily {
   std::vector<std::string> lora_components() const override { return {"unet"}; }
   std::unique_ptr<diffusion::Pipeline> load_pipeline(
       const std::string& dir, const diffusion::PipelineLoadOptions& options) const override {
-    return std::make_unique<diffusion::UNetPipeline>(diffusion::load_unet_pipeline(dir, options));
+    return std::make_unique<families::unet::UNetPipeline>(
+        families::unet::load_unet_pipeline(dir, options));
   }
   std::vector<FamilyCommand> commands() const override { return {eval_command()}; }
   std::unique_ptr<train::TrainingTask> make_training_task(
       const train::TaskOptions& options) const override {
-    return train::make_unet_task(options);
+    return families::unet::make_unet_task(options);
   }
 
   diffusion::GenerateResult sample(const SampleOptions& a) const override {
@@ -138,7 +139,7 @@ class UNetFamily : public UNetBasedFamily {
                   " is not a text-to-image pipeline (no text_encoder in model_index.json); "
                   "--prompt needs a Stable Diffusion folder");
     }
-    diffusion::UNetPipeline pipeline = diffusion::load_unet_pipeline(a.model, a);
+    families::unet::UNetPipeline pipeline = families::unet::load_unet_pipeline(a.model, a);
     const std::string scheduler_class = pipeline.sampler->class_name();
 
     diffusion::GenerateRequest request;

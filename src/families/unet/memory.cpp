@@ -1,5 +1,5 @@
-// The UNet families' memory model (train::estimate_memory for UNet, SD and SDXL folders): the
-// UNet built from its config, LoRA adapters as the trainer adds them, the pipeline's frozen
+// The UNet families' memory model (families::unet::estimate_memory for UNet, SD and SDXL folders):
+// the UNet built from its config, LoRA adapters as the trainer adds them, the pipeline's frozen
 // encoders and VAE counted from their configs, and activations measured on one forward.
 
 #include "difftrain/families/unet/memory.h"
@@ -20,7 +20,8 @@
 #include <chrono>
 #include <filesystem>
 
-namespace difftrain::train {
+namespace difftrain::families::unet {
+using namespace difftrain::train;
 namespace fs = std::filesystem;
 namespace {
 
@@ -229,4 +230,4 @@ MemoryEstimate estimate_memory(const std::string& model_path,
   return estimate_memory(model_path, options, {options.strategy}).at(0);
 }
 
-}  // namespace difftrain::train
+}  // namespace difftrain::families::unet

@@ -16,7 +16,8 @@
 #include <algorithm>
 #include <filesystem>
 
-namespace difftrain::diffusion {
+namespace difftrain::families::unet {
+using namespace difftrain::diffusion;
 
 namespace fs = std::filesystem;
 
@@ -328,4 +329,4 @@ UNetPipeline load_unet_pipeline(const std::string& dir, const PipelineLoadOption
   return UNetPipeline(std::move(unet), std::move(sampler), std::move(folder));
 }
 
-}  // namespace difftrain::diffusion
+}  // namespace difftrain::families::unet

@@ -11,7 +11,7 @@
 #include "difftrain/families/unet/memory.h"
 #include "difftrain/families/unet/pipeline.h"
 
-namespace difftrain::families {
+namespace difftrain::families::unet {
 namespace fs = std::filesystem;
 
 void adapt_unet_lora(io::LoraWeights& lora, const std::string& dir, io::LoraFormat format) {
@@ -56,14 +56,14 @@ torch::Tensor UNetBasedFamily::forward(const std::string& dir,
                                        const std::string& source, const std::string& lora,
                                        double lora_scale) const {
   models::UNet unet =
-      diffusion::load_unet_with_lora(diffusion::resolve_unet_dir(dir), lora, lora_scale);
-  return diffusion::forward_from_tensors(*unet, inputs, source);
+      families::unet::load_unet_with_lora(families::unet::resolve_unet_dir(dir), lora, lora_scale);
+  return families::unet::forward_from_tensors(*unet, inputs, source);
 }
 
 std::vector<train::MemoryEstimate> UNetBasedFamily::estimate_memory(
     const std::string& model_path, const train::MemoryEstimateOptions& options,
     const std::vector<accel::ShardingStrategy>& strategies) const {
-  return train::estimate_memory(model_path, options, strategies);
+  return families::unet::estimate_memory(model_path, options, strategies);
 }
 
-}  // namespace difftrain::families
+}  // namespace difftrain::families::unet

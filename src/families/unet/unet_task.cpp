@@ -20,7 +20,8 @@
 #include <filesystem>
 #include <fstream>
 
-namespace difftrain::train {
+namespace difftrain::families::unet {
+using namespace difftrain::train;
 namespace fs = std::filesystem;
 namespace {
 
@@ -128,7 +129,7 @@ class UNetTask final : public DiffusionTask {
   ValidationImages render_validation(const std::vector<int64_t>& mine, int64_t begin,
                                      const SamplerStepCallback& on_step) override {
     const auto& v = o_.validation;
-    diffusion::UNetPipeline pipe(
+    families::unet::UNetPipeline pipe(
         unet_, diffusion::make_sampler(noise_scheduler_->config().to_json(), v.scheduler,
                                        "the training scheduler"));
     diffusion::GenerateRequest r;
@@ -403,4 +404,4 @@ std::unique_ptr<TrainingTask> make_unet_task(TaskOptions options) {
   return std::make_unique<UNetTask>(std::move(options));
 }
 
-}  // namespace difftrain::train
+}  // namespace difftrain::families::unet

@@ -4,8 +4,8 @@
 
 #include <memory>
 
-namespace difftrain::train {
+namespace difftrain::families::unet {
 /// Diffusers' train_unconditional.py: a fresh or pretrained UNet2DModel on MNIST-like data or an
 /// image folder.
-std::unique_ptr<TrainingTask> make_unet_task(TaskOptions options);
-}  // namespace difftrain::train
+std::unique_ptr<train::TrainingTask> make_unet_task(train::TaskOptions options);
+}  // namespace difftrain::families::unet

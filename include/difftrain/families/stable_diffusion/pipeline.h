@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-namespace difftrain::diffusion {
+namespace difftrain::families::stable_diffusion {
 
 /// Where a Stable Diffusion folder keeps its parts, as read from model_index.json.
 struct StableDiffusionFolder {
@@ -57,18 +57,18 @@ StableDiffusionFolder resolve_stable_diffusion_folder(const std::string& dir);
 StableDiffusionFolder parse_model_index(const std::string& json_text, const std::string& source);
 
 /// Options of load_stable_diffusion() (every field applies).
-using StableDiffusionLoadOptions = PipelineLoadOptions;
+using StableDiffusionLoadOptions = diffusion::PipelineLoadOptions;
 
 /// The loaded parts of a Stable Diffusion pipeline (float32, CPU when loaded): the Pipeline of
 /// StableDiffusionPipeline / StableDiffusionXLPipeline folders. generate() runs text_to_image().
-struct StableDiffusion : Pipeline {
+struct StableDiffusion : diffusion::Pipeline {
   StableDiffusionFolder folder;
   /// tokenizer + text_encoder (last_hidden_state()), SDXL: and tokenizer_2 + text_encoder_2
   /// (concatenated_hidden_states()).
-  TextEncoderStack text_encoders;
+  diffusion::TextEncoderStack text_encoders;
   models::AutoencoderKL vae{nullptr};
   models::UNet unet{nullptr};
-  std::unique_ptr<Sampler> scheduler;
+  std::unique_ptr<diffusion::Sampler> scheduler;
   /// Whether it is SDXL (two text encoders).
   bool is_xl() const { return text_encoders.size() == 2; }
 
@@ -77,8 +77,8 @@ struct StableDiffusion : Pipeline {
   std::string class_name() const override;
   void to(const torch::Device& device, std::optional<torch::Dtype> dtype = std::nullopt) override;
   /// Defaults: one image per prompt, 50 steps, guidance 7.5 (SDXL 5).
-  GenerateRequest resolve(GenerateRequest request) const override;
-  GenerateResult generate(const GenerateRequest& request) override;
+  diffusion::GenerateRequest resolve(diffusion::GenerateRequest request) const override;
+  diffusion::GenerateResult generate(const diffusion::GenerateRequest& request) override;
 };
 
 /// Loads every part of the folder (see resolve_stable_diffusion_folder) and merges the LoRA.
@@ -88,8 +88,8 @@ StableDiffusion load_stable_diffusion(const std::string& dir,
 
 /// The folder's text encoders and tokenizers: one CLIP (text_encoder, tokenizer) or, for SDXL,
 /// two (and text_encoder_2 with its projection, tokenizer_2); safetensors `variant`.
-TextEncoderStack load_text_encoders(const StableDiffusionFolder& folder,
-                                    const std::string& variant = "");
+diffusion::TextEncoderStack load_text_encoders(const StableDiffusionFolder& folder,
+                                               const std::string& variant = "");
 
 /// SDXL's micro-conditioning: [original_size (h, w), crops_coords_top_left (top, left),
 /// target_size (h, w)] as one row [1, 6] float32 (`_get_add_time_ids`).
@@ -154,4 +154,4 @@ struct TextToImageResult {
 /// models cannot take.
 TextToImageResult text_to_image(StableDiffusion& sd, const TextToImageOptions& options);
 
-}  // namespace difftrain::diffusion
+}  // namespace difftrain::families::stable_diffusion

@@ -3,7 +3,7 @@
 // text-to-image and DreamBooth scripts, and StableDiffusion(XL)Pipeline sampling.
 #include "difftrain/families/family.h"
 
-namespace difftrain::families {
+namespace difftrain::families::stable_diffusion {
 
 /// The defaults of the Diffusers script a Stable Diffusion (`sdxl` false) or SDXL run of `config`
 /// follows: train_text_to_image[_lora][_sdxl].py for captioned images, train_dreambooth[_lora]
@@ -14,4 +14,4 @@ train::ScriptDefaults text_to_image_script_defaults(const train::TrainConfig& co
 /// `difftrain sample` for a StableDiffusion(XL)Pipeline folder.
 diffusion::GenerateResult sample_text_to_image(const SampleOptions& options);
 
-}  // namespace difftrain::families
+}  // namespace difftrain::families::stable_diffusion

@@ -20,11 +20,11 @@
 #include <string>
 #include <vector>
 
-namespace difftrain::train {
+namespace difftrain::families::unet {
 
-class DiffusionTask : public TrainingTask {
+class DiffusionTask : public train::TrainingTask {
  public:
-  explicit DiffusionTask(TaskOptions options) : o_(std::move(options)) {}
+  explicit DiffusionTask(train::TaskOptions options) : o_(std::move(options)) {}
 
   std::shared_ptr<data::Dataset> dataset() const override { return dataset_; }
   void set_epoch(int64_t epoch) override { set_epoch_(epoch); }
@@ -58,7 +58,7 @@ class DiffusionTask : public TrainingTask {
   /// kohya format for an SDXL UNet uses SGM module names.
   void export_lora(const std::filesystem::path& out) const;
 
-  TaskOptions o_;
+  train::TaskOptions o_;
   std::shared_ptr<data::Dataset> dataset_;
   std::function<void(int64_t)> set_epoch_;
   models::UNet unet_{nullptr};
@@ -71,4 +71,4 @@ class DiffusionTask : public TrainingTask {
   std::unique_ptr<diffusion::Denoiser> denoiser_;  ///< the UNet, made on first use
 };
 
-}  // namespace difftrain::train
+}  // namespace difftrain::families::unet

@@ -15,7 +15,7 @@
 #include <cstdint>
 #include <string>
 
-namespace difftrain::train {
+namespace difftrain::families::unet {
 
 /// A small CNN for 1x32x32 images in [-1, 1]: three conv 3x3 + BatchNorm + ReLU + pool stages
 /// (16, 32, 64 channels) → 64x4x4 flattened → dense 128 (the features) → 10 logits. Keeping the
@@ -69,4 +69,4 @@ nlohmann::json evaluate_model(const EvalOptions& options);
 /// |mu1 - mu2|^2 + tr(S1 + S2 - 2 (S1^1/2 S2 S1^1/2)^1/2).
 double frechet_distance(const torch::Tensor& a, const torch::Tensor& b);
 
-}  // namespace difftrain::train
+}  // namespace difftrain::families::unet

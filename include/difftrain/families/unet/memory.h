@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-namespace difftrain::train {
+namespace difftrain::families::unet {
 
 /// Bytes the autograd graph of one training forward keeps alive, measured: `unet` runs once with
 /// grad enabled (in train mode, under bf16 autocast when options.mixed_precision is "bf16";
@@ -23,7 +23,8 @@ namespace difftrain::train {
 /// returned. A warm-up pass without grad on the same shapes first keeps one-time allocations
 /// (kernel caches) out. An estimate: it counts what backward needs plus the output, not the
 /// transient peak inside backward.
-int64_t measure_activation_bytes(models::UNetImpl& unet, const MemoryEstimateOptions& options,
+int64_t measure_activation_bytes(models::UNetImpl& unet,
+                                 const train::MemoryEstimateOptions& options,
                                  int64_t batch_size = 1);
 
 /// The config.json a model path names, as the trainer reads it: a pipeline folder
@@ -53,11 +54,12 @@ std::vector<FrozenPart> pipeline_frozen_parts(const std::string& model_path,
 /// options.batch_size. For a pipeline folder the text encoder(s) and VAE are added to the frozen
 /// parameters (pipeline_frozen_params; bf16 bytes under bf16, else fp32), and an SDXL UNet is
 /// measured with its added conditioning (pooled text embedding and 6 time ids).
-MemoryEstimate estimate_memory(const std::string& model_path, const MemoryEstimateOptions& options);
+train::MemoryEstimate estimate_memory(const std::string& model_path,
+                                      const train::MemoryEstimateOptions& options);
 
 /// estimate_memory() for each of `strategies` (same model, one activation measurement).
-std::vector<MemoryEstimate> estimate_memory(const std::string& model_path,
-                                            const MemoryEstimateOptions& options,
-                                            const std::vector<accel::ShardingStrategy>& strategies);
+std::vector<train::MemoryEstimate> estimate_memory(
+    const std::string& model_path, const train::MemoryEstimateOptions& options,
+    const std::vector<accel::ShardingStrategy>& strategies);
 
-}  // namespace difftrain::train
+}  // namespace difftrain::families::unet

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-namespace difftrain::diffusion {
+namespace difftrain::families::unet {
 
 /// Where a model folder keeps its parts.
 struct PipelineFolder {
@@ -74,19 +74,20 @@ struct SampleOptions {
 /// DDPM or DDIM, whose init_noise_sigma is 1 and scale_model_input the identity).
 /// Returns images [K, H, W, C] float32 in [0, 1] = (x / 2 + 0.5).clamp(0, 1), Diffusers'
 /// output_type="np". The UNet runs in eval mode under no-grad.
-torch::Tensor sample_images(models::UNetImpl& unet, Sampler& scheduler,
+torch::Tensor sample_images(models::UNetImpl& unet, diffusion::Sampler& scheduler,
                             const SampleOptions& options);
 
 /// An unconditional or class-conditional UNet pipeline (Diffusers' DDPMPipeline /
 /// DDIMPipeline): the UNet and the sampler it runs with. generate() runs sample_images().
-class UNetPipeline : public Pipeline {
+class UNetPipeline : public diffusion::Pipeline {
  public:
   UNetPipeline() = default;
-  UNetPipeline(models::UNet unet, std::unique_ptr<Sampler> sampler, PipelineFolder folder = {});
+  UNetPipeline(models::UNet unet, std::unique_ptr<diffusion::Sampler> sampler,
+               PipelineFolder folder = {});
 
   PipelineFolder folder;  ///< where it came from (empty when assembled in memory, e.g. training)
   models::UNet unet{nullptr};
-  std::unique_ptr<Sampler> sampler;
+  std::unique_ptr<diffusion::Sampler> sampler;
 
   /// The folder's pipeline class, else "DDIMPipeline" with a DDIM sampler and "DDPMPipeline"
   /// with any other.
@@ -94,20 +95,22 @@ class UNetPipeline : public Pipeline {
   void to(const torch::Device& device, std::optional<torch::Dtype> dtype = std::nullopt) override;
   /// Defaults: one image per class label (or 1), 1000 steps with DDPM and 50 with every other
   /// sampler, guidance 1 (none).
-  GenerateRequest resolve(GenerateRequest request) const override;
-  GenerateResult generate(const GenerateRequest& request) override;
+  diffusion::GenerateRequest resolve(diffusion::GenerateRequest request) const override;
+  diffusion::GenerateResult generate(const diffusion::GenerateRequest& request) override;
 };
 
 /// The sampler of the pipeline folder `folder` with `difftrain sample`'s defaults: `scheduler`
 /// (a name of sampler_names() or a Diffusers class) or, when empty, the folder's scheduler
 /// class, except that a DDIMPipeline folder runs "ddim" (DDIMPipeline turns whatever scheduler it
 /// is given into a DDIMScheduler); `eta` is DDIM's (the other samplers ignore it).
-std::unique_ptr<Sampler> load_pipeline_sampler(const PipelineFolder& folder,
-                                               const std::string& scheduler = "", double eta = 0.0);
+std::unique_ptr<diffusion::Sampler> load_pipeline_sampler(const PipelineFolder& folder,
+                                                          const std::string& scheduler = "",
+                                                          double eta = 0.0);
 
 /// Loads the UNet pipeline folder `dir` (resolve_pipeline_folder): its UNet with options.lora
 /// merged, and load_pipeline_sampler(folder, options.scheduler, options.eta). variant and vae do
 /// not apply (a warning says so when given).
-UNetPipeline load_unet_pipeline(const std::string& dir, const PipelineLoadOptions& options = {});
+UNetPipeline load_unet_pipeline(const std::string& dir,
+                                const diffusion::PipelineLoadOptions& options = {});
 
-}  // namespace difftrain::diffusion
+}  // namespace difftrain::families::unet

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-namespace difftrain::families {
+namespace difftrain::families::unet {
 
 /// A ModelFamily whose denoiser is a UNet (families/unet/).
 class UNetBasedFamily : public ModelFamily {
@@ -38,4 +38,4 @@ class UNetBasedFamily : public ModelFamily {
 /// conditioning.
 void adapt_unet_lora(io::LoraWeights& lora, const std::string& dir, io::LoraFormat format);
 
-}  // namespace difftrain::families
+}  // namespace difftrain::families::unet
