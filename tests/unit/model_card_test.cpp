@@ -186,6 +186,19 @@ TEST(ModelCard, WriteSavesTheImagesItNamesAndNoWidgetWithoutImages) {
   const YAML::Node z = card_front_matter(io::read_file(dir + "/two/README.md"));
   EXPECT_EQ(z["widget"][0]["text"].as<std::string>(), "Trouser");
   EXPECT_EQ(z["widget"][1]["text"].as<std::string>(), " ");
+  // Clips [K, F, H, W, C] (issue 57): each clip's widget image is its frames side by side.
+  fs::create_directories(dir + "/clips");
+  const auto clips = torch::rand({2, 3, 8, 6, 3});
+  train::write_model_card(dir + "/clips", card, clips, {"a", "b"});
+  const YAML::Node c = card_front_matter(io::read_file(dir + "/clips/README.md"));
+  ASSERT_EQ(c["widget"].size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    const auto frames = io::to_uint8_images(clips[i].permute({0, 3, 1, 2}));  // [3, 8, 6, 3]
+    const auto strip = torch::cat({frames[0], frames[1], frames[2]}, 1);      // [8, 18, 3]
+    EXPECT_TRUE(
+        torch::equal(io::load_image(dir + "/clips/image_" + std::to_string(i) + ".png"), strip))
+        << i;
+  }
 }
 
 }  // namespace
