@@ -1,8 +1,11 @@
 // Sampling and training outputs of SD, SDXL and FLUX.1 against files saved from the program
 // before issue 57's family seam (main at 81f9702; tests/golden/pre57/make_outputs.py made them):
 // every command of tests/golden/pre57/commands.json is run again, and its output must be the
-// same bits on the machine kind (CPU features, LibTorch) the files were made on, and within
-// 2e-4 of the largest value elsewhere (another kernel path rounds differently; said in the log).
+// same bits on the machine kind (CPU features, LibTorch) the files were made on. Elsewhere
+// another kernel path rounds differently (said in the log): a sample within 2e-4 of its largest
+// value; a trained tensor's mean difference within 1e-3 of its mean magnitude, since Adam's first
+// steps move a weight by about the learning rate whatever its gradient's size, and a gradient
+// near zero may change sign with the rounding; losses within 2e-4 (relative).
 
 #include "subprocess.h"
 
@@ -111,10 +114,11 @@ TEST_P(Pre57Output, AreTheOldProgramsBits) {
   ASSERT_EQ(r.exit_code, 0) << r.log();
 
   const bool same_machine = machine(env) == read_text(kHere + "/outputs/machine.txt");
+  const bool trained = command.at("args").at(0) == "train";
   std::cout << GetParam() << ": "
             << (same_machine ? "the machine kind the files were made on: bits compared"
                              : "another machine kind than the files' (outputs/machine.txt): "
-                               "compared within 2e-4 of the largest value")
+                               "compared within tolerances")
             << "\n";
   const auto output = command.at("output").get<std::string>();
   const auto now = io::load_safetensors(work + "/" + output).tensors;
@@ -130,6 +134,10 @@ TEST_P(Pre57Output, AreTheOldProgramsBits) {
       EXPECT_TRUE(torch::equal(t, old))
           << key << " differs from the old program's by "
           << (t.to(torch::kFloat64) - old.to(torch::kFloat64)).abs().max().item<double>();
+    } else if (trained) {
+      const auto a = t.to(torch::kFloat64), b = old.to(torch::kFloat64);
+      EXPECT_LE((a - b).abs().mean().item<double>(), 1e-3 * b.abs().mean().item<double>() + 1e-9)
+          << key;
     } else {
       const double scale = std::max(1.0, old.to(torch::kFloat64).abs().max().item<double>());
       const double diff =
@@ -137,7 +145,7 @@ TEST_P(Pre57Output, AreTheOldProgramsBits) {
       EXPECT_LE(diff, 2e-4 * scale) << key;
     }
   }
-  if (command.at("args").at(0) == "train") {
+  if (trained) {
     const auto run_dir = output.substr(0, output.find('/'));
     const auto now_losses = losses(work + "/" + run_dir + "/metrics.jsonl");
     const auto old_losses =
