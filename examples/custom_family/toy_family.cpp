@@ -449,9 +449,7 @@ class ToyFamily : public difftrain::families::ModelFamily {
     d.checkpointing_steps = 0;
     d.num_validation_images = 2;
     d.lora_target_modules = {"to_q", "to_k", "to_v", "to_out.0"};
-    d.not_applicable = {"prediction_type", "ddpm_num_steps",       "ddpm_beta_schedule",
-                        "snr_gamma",       "validation_scheduler", "class_conditional",
-                        "clip_skip"};
+    d.not_applicable = {"validation_scheduler", "clip_skip"};
     return d;
   }
   void adapt_lora(io::LoraWeights& lora, const std::string& dir, io::LoraFormat) const override {

@@ -209,12 +209,17 @@ train::FamilyOptionLookup family_option_lookup() {
     return o;
   };
   lookup.owner_of = [](const std::string& name) {
+    std::vector<std::string> owners;
     for (const auto* f : families()) {
       for (const auto& spec : f->options()) {
-        if (spec.name == name) return f->name();
+        if (spec.name == name) owners.push_back(f->name());
       }
     }
-    return std::string();
+    return owners;
+  };
+  lookup.instead_of = [](const std::string& family, const std::string& name) {
+    const auto* f = find_family(family);
+    return f == nullptr ? std::string() : f->instead_of_option(name);
   };
   lookup.other_tools_hint = [](const std::string& family, const std::string& name) {
     std::vector<const ModelFamily*> order;
@@ -231,10 +236,17 @@ train::FamilyOptionLookup family_option_lookup() {
 
 train::TrainConfig parse_train_config(const std::vector<std::string>& args) {
   train::TrainConfig config = train::parse_train_config(args, family_option_lookup());
-  if (config.pretrained_model_name_or_path.empty()) return config;
-  if (auto defaults = family_of(config.pretrained_model_name_or_path).training_defaults(config)) {
-    train::apply_script_defaults(config, *defaults);
+  const ModelFamily& family = config.pretrained_model_name_or_path.empty()
+                                  ? default_family()
+                                  : family_of(config.pretrained_model_name_or_path);
+  if (!config.pretrained_model_name_or_path.empty()) {
+    if (auto defaults = family.training_defaults(config)) {
+      train::apply_script_defaults(config, *defaults);
+    }
   }
+  family.configure_training(config);
+  config.family.complete_and_check();
+  config.validate();
   return config;
 }
 

@@ -26,6 +26,9 @@ void apply_script_defaults(TrainConfig& c, const ScriptDefaults& d) {
   if (!d.lora_target_modules.empty() && unset("lora_target_modules") && c.lora_layers.empty()) {
     c.lora_target_modules = d.lora_target_modules;
   }
+  for (const auto& [name, value] : d.family_options.items()) {
+    if (unset(name.c_str()) && c.family.find(name) != nullptr) c.family.values[name] = value;
+  }
   c.defaults_from = d.script;
   c.not_applicable.insert(d.not_applicable.begin(), d.not_applicable.end());
   if (!c.use_ema)
@@ -35,6 +38,7 @@ void apply_script_defaults(TrainConfig& c, const ScriptDefaults& d) {
                              "lora_format", "lora_layers", "base_weights_dtype",
                              "text_encoder_lora_target_modules"});
   }
+  c.family.complete_and_check();
   c.validate();
 }
 

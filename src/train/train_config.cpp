@@ -12,6 +12,7 @@
 #include "difftrain/settings/sharding_config.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -77,14 +78,6 @@ Option make(const char* name, bool TrainConfig::*m) {
           [m](const TrainConfig& c) { return nlohmann::json(c.*m); }};
 }
 template <>
-Option make(const char* name, std::optional<bool> TrainConfig::*m) {
-  return {name, "bool?",
-          [m](TrainConfig& c, const Raw& r) {
-            c.*m = is_null(r) ? std::nullopt : std::optional<bool>(to_bool(r));
-          },
-          [m](const TrainConfig& c) { return c.*m ? nlohmann::json(*(c.*m)) : nlohmann::json(); }};
-}
-template <>
 Option make(const char* name, std::optional<int64_t> TrainConfig::*m) {
   return {name, "int?",
           [m](TrainConfig& c, const Raw& r) {
@@ -148,9 +141,6 @@ const std::vector<Option>& options() {
       DT_OPTION(bucket_min_side),
       DT_OPTION(bucket_max_side),
       DT_OPTION(random_flip),
-      DT_OPTION(class_conditional),
-      DT_OPTION(class_dropout_prob),
-      DT_OPTION(only_class),
       DT_OPTION(max_train_samples),
       DT_OPTION(dataset_repeats),
       DT_OPTION(skip_bad_images),
@@ -178,12 +168,6 @@ const std::vector<Option>& options() {
       DT_OPTION(adam_epsilon),
       DT_OPTION(max_grad_norm),
       DT_OPTION(mixed_precision),
-      DT_OPTION(prediction_type),
-      DT_OPTION(ddpm_num_steps),
-      DT_OPTION(ddpm_beta_schedule),
-      DT_OPTION(snr_gamma),
-      DT_OPTION(noise_offset),
-      DT_OPTION(input_perturbation),
       DT_OPTION(use_ema),
       DT_OPTION(ema_decay),
       DT_OPTION(ema_inv_gamma),
@@ -316,16 +300,18 @@ const Option& find(const std::string& name, const std::string& where, const Opti
     if (d < best_d) best_d = d, best = &o;
   }
   if (scope.lookup != nullptr && scope.lookup->owner_of) {
-    const std::string owner = scope.lookup->owner_of(key);
-    if (!owner.empty()) {
+    const std::vector<std::string> owners = scope.lookup->owner_of(key);
+    if (!owners.empty()) {
+      std::string instead;
+      if (scope.lookup->instead_of) instead = scope.lookup->instead_of(scope.family, key);
       throw Error(fmt::format(
-          "{}: \"{}\" is an option of the {} family; this run trains {} ({}), which does not "
-          "take it (difftrain train --help --family {} lists that family's options)",
-          where, name, owner,
+          "{}: \"{}\" is an option of the {} famil{}; this run trains {} ({}), which does not "
+          "take it{} (difftrain train --help --family {} lists that family's options)",
+          where, name, fmt::join(owners, ", "), owners.size() > 1 ? "ies" : "y",
           scope.family.empty() ? std::string("a model") : "the " + scope.family + " family",
           scope.pretrained.empty() ? std::string("no --pretrained_model_name_or_path")
                                    : scope.pretrained,
-          owner));
+          instead.empty() ? std::string() : "; " + instead, owners.front()));
     }
   }
   const std::string mean =
@@ -529,9 +515,6 @@ void TrainConfig::validate() const {
   };
   one_of("dataset", dataset, {"fashion_mnist", "mnist", "imagefolder"});
   if (!mixed_precision.empty()) one_of("mixed_precision", mixed_precision, {"no", "bf16", "fp16"});
-  one_of("prediction_type", prediction_type, {"epsilon", "v_prediction", "sample"});
-  one_of("ddpm_beta_schedule", ddpm_beta_schedule,
-         {"linear", "scaled_linear", "squaredcos_cap_v2"});
   one_of("lora_format", lora_format, {"diffusers", "peft", "kohya"});
   accel::parse_sharding_strategy(sharding_strategy, "--sharding_strategy");
   settings::parse_offload_device(offload_optimizer_device, "--offload_optimizer_device");
@@ -566,12 +549,6 @@ void TrainConfig::validate() const {
           "--prodigy_beta3 must be in [0, 1)");
   require(adam_weight_decay >= 0, "--adam_weight_decay must be >= 0");
   require(max_grad_norm >= 0, "--max_grad_norm must be >= 0 (0 disables clipping)");
-  require(ddpm_num_steps >= 1, "--ddpm_num_steps must be at least 1");
-  require(!snr_gamma || *snr_gamma > 0, "--snr_gamma must be positive (Diffusers uses 5.0)");
-  require(noise_offset >= 0 && input_perturbation >= 0,
-          "--noise_offset and --input_perturbation must be >= 0");
-  require(class_dropout_prob >= 0 && class_dropout_prob < 1,
-          "--class_dropout_prob must be in [0, 1)");
   require(ema_max_decay > 0 && ema_max_decay < 1, "--ema_max_decay must be in (0, 1)");
   require(!ema_decay || (*ema_decay > 0 && *ema_decay < 1), "--ema_decay must be in (0, 1)");
   require(ema_inv_gamma > 0 && ema_power > 0, "--ema_inv_gamma and --ema_power must be positive");
@@ -600,9 +577,6 @@ void TrainConfig::validate() const {
     }
   }
   require(!guidance_scale || *guidance_scale >= 1, "--guidance_scale must be >= 1");
-  require(!guidance_scale || *guidance_scale == 1 || class_dropout_prob > 0 ||
-              !pretrained_model_name_or_path.empty(),
-          "--guidance_scale > 1 needs a null class: train with --class_dropout_prob (e.g. 0.1)");
   one_of("base_weights_dtype", base_weights_dtype, {"none", "int8", "fp8_e4m3"});
   (void)models::parse_weight_storage(base_weights_dtype, "--base_weights_dtype");
   require(base_weights_dtype == "none" || lora,
@@ -615,7 +589,6 @@ void TrainConfig::validate() const {
           "--dataset_repeats must be at least 1 (each image used that many times per epoch), "
           "got " +
               std::to_string(dataset_repeats));
-  require(!only_class || *only_class >= 0, "--only_class must be >= 0");
   require(report_to == "all" || report_to == "none" || report_to == "tensorboard" ||
               report_to == "jsonl" || report_to == "tensorboard,jsonl" ||
               report_to == "jsonl,tensorboard",
@@ -756,24 +729,6 @@ TrainConfig parse_train_config(const std::vector<std::string>& args,
   // default 1200 updates stand only when neither is given (the built-in default job).
   if (given.count("num_train_epochs") && !given.count("max_train_steps")) {
     config.max_train_steps = 0;
-  }
-  // The built-in default job (the built-in UNet, trained from scratch) trains with the recipe that
-  // measured best on it (docs/QUALITY.md): v-prediction with min-SNR-5 weighting on the cosine
-  // (squaredcos_cap_v2) noise schedule and Adam beta2 0.99, where Diffusers' scripts default to
-  // epsilon without weighting on the linear one and beta2 0.999; label dropout 0.1 and validation
-  // drawn by DDPM's ancestral sampler (its scheduler's class, as DDPMPipeline) with
-  // classifier-free guidance 1.5. Options given win; a pretrained or configured model keeps
-  // Diffusers' defaults.
-  if (config.pretrained_model_name_or_path.empty() && config.model_config_name_or_path.empty()) {
-    if (!given.count("prediction_type")) config.prediction_type = "v_prediction";
-    if (!given.count("snr_gamma")) config.snr_gamma = 5.0;
-    if (!given.count("ddpm_beta_schedule")) config.ddpm_beta_schedule = "squaredcos_cap_v2";
-    if (!given.count("adam_beta2")) config.adam_beta2 = 0.99;
-    if (!given.count("class_dropout_prob")) config.class_dropout_prob = 0.1;
-    if (!given.count("validation_scheduler")) config.validation_scheduler = "ddpm";
-    if (!given.count("guidance_scale") && config.class_dropout_prob > 0) {
-      config.guidance_scale = 1.5;
-    }
   }
   config.family.complete_and_check();
   config.validate();

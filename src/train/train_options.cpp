@@ -71,7 +71,6 @@ TrainerOptions trainer_options(const TrainConfig& c) {
                        "bucket_step",
                        "bucket_min_side",
                        "bucket_max_side",
-                       "class_conditional",
                        "lora",
                        "rank",
                        "lora_alpha",
@@ -80,13 +79,8 @@ TrainerOptions trainer_options(const TrainConfig& c) {
                        "base_weights_dtype",
                        "use_ema",
                        "use_8bit_adam",
-                       "prediction_type",
-                       "ddpm_num_steps",
-                       "ddpm_beta_schedule",
-                       "only_class",
                        "max_train_samples",
                        "dataset_repeats",
-                       "class_dropout_prob",
                        "caption_column",
                        "instance_prompt",
                        "with_prior_preservation",
@@ -97,9 +91,14 @@ TrainerOptions trainer_options(const TrainConfig& c) {
   // Options whose change breaks bit-exact continuation: a warning.
   // The batch per rank and the accumulation are not among them: a resume compares the global
   // batch (per rank x ranks x accumulation), which any world size can keep.
-  o.exactness_keys = {
-      "seed",         "learning_rate", "lr_scheduler",    "lr_warmup_steps", "max_train_steps",
-      "noise_offset", "snr_gamma",     "mixed_precision", "random_flip",     "guidance_scale"};
+  o.exactness_keys = {"seed",
+                      "learning_rate",
+                      "lr_scheduler",
+                      "lr_warmup_steps",
+                      "max_train_steps",
+                      "mixed_precision",
+                      "random_flip",
+                      "guidance_scale"};
   // The family's own, as it declared them.
   for (const auto& spec : c.family.specs) {
     if (spec.structural) o.structural_keys.push_back(spec.name);
@@ -126,7 +125,6 @@ TaskOptions task_options(const TrainConfig& c) {
   o.data.skip_bad_images = c.skip_bad_images;
   o.data.caption_column = c.caption_column;
   o.data.caption_extension = c.caption_extension;
-  o.data.only_class = c.only_class;
   o.data.max_train_samples = c.max_train_samples;
   o.data.dataset_repeats = c.dataset_repeats;
   o.data.seed = c.seed;
@@ -136,16 +134,10 @@ TaskOptions task_options(const TrainConfig& c) {
   o.model.variant = c.variant;
   o.model.vae = c.pretrained_vae_model_name_or_path;
   o.model.base_weights_dtype = c.base_weights_dtype;
-  o.model.class_conditional = c.class_conditional;
-  o.model.class_dropout_prob = c.class_dropout_prob;
   o.model.gradient_checkpointing = c.gradient_checkpointing;
 
-  o.noise.prediction_type = c.prediction_type;
-  o.noise.ddpm_num_steps = c.ddpm_num_steps;
-  o.noise.ddpm_beta_schedule = c.ddpm_beta_schedule;
-  o.noise.snr_gamma = c.snr_gamma;
-  o.noise.noise_offset = c.noise_offset;
-  o.noise.input_perturbation = c.input_perturbation;
+  // The objective's options are the family's (TaskOptions::family: train/ddpm_options.h,
+  // train/flow_matching_options.h), which its task reads; the streams' seed is the run's.
   o.noise.seed = c.seed;
 
   o.lora.enabled = c.lora;

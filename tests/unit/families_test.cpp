@@ -2,6 +2,7 @@
 // model_index.json's _class_name, a bare model's config.json or the components, and the one-line
 // refusal of a class no family claims; each family's pipeline loader.
 #include "difftrain/families/family.h"
+#include "difftrain/train/ddpm_options.h"
 
 #include "difftrain/families/unet/memory.h"
 #include "difftrain/families/unet/pipeline.h"
@@ -225,6 +226,34 @@ TEST(Families, AFamilyDeclaresItsOwnOptionsAndAnotherFamilysAreRefused) {
              }),
              "is an option of the flux family; this run trains the unet family (no "
              "--pretrained_model_name_or_path)");
+  // An option several families declare (the DDPM objective's group) names them all, and the run's
+  // family says what it does instead; the class labels are the unet family's alone.
+  const auto ddpm = error({"--snr_gamma", "5"});
+  // (a family another test registers, built on the UNet, takes them too)
+  EXPECT_HAS(ddpm, "--snr_gamma: \"snr_gamma\" is an option of the sdxl, stable-diffusion, unet");
+  EXPECT_HAS(ddpm, " families; this run trains the flux family");
+  EXPECT_HAS(ddpm, "FLUX.1 trains with flow matching: weigh it with --weighting_scheme");
+  EXPECT_EQ(ddpm.find('\n'), std::string::npos);
+  EXPECT_HAS(error_of([&] {
+               (void)parse({"--pretrained_model_name_or_path", kTinySdGolden, "--only_class", "1"});
+             }),
+             "\"only_class\" is an option of the unet family; this run trains the "
+             "stable-diffusion family");
+  // The UNet families take the DDPM group: given, it reaches the task's noise options.
+  const auto sd_run = parse({"--pretrained_model_name_or_path", kTinySdGolden, "--snr_gamma", "3",
+                             "--noise_offset", "0.1", "--prediction_type", "v_prediction"});
+  EXPECT_EQ(sd_run.family.family, "stable-diffusion");
+  EXPECT_EQ(sd_run.family.find("class_dropout_prob"), nullptr);
+  const auto sd_trainer = train::trainer_options(sd_run);
+  EXPECT_TRUE(has(sd_trainer.structural_keys, "prediction_type"));
+  EXPECT_TRUE(has(sd_trainer.exactness_keys, "snr_gamma"));
+  EXPECT_TRUE(has(sd_trainer.exactness_keys, "noise_offset"));
+  const auto noise = train::ddpm_noise_options(train::task_options(sd_run).family, 7);
+  EXPECT_EQ(noise.prediction_type, "v_prediction");
+  EXPECT_DOUBLE_EQ(noise.snr_gamma.value_or(0), 3.0);
+  EXPECT_DOUBLE_EQ(noise.noise_offset, 0.1);
+  EXPECT_EQ(noise.ddpm_num_steps, 1000);
+  EXPECT_EQ(noise.seed, 7u);
   write_text(dir + "/flow.yaml", "discrete_flow_shift: 2\n");
   EXPECT_HAS(error_of([&] {
                (void)parse({"--config", dir + "/flow.yaml"});
@@ -240,9 +269,10 @@ TEST(Families, AFamilyDeclaresItsOwnOptionsAndAnotherFamilysAreRefused) {
              "\"unet_lr\" is another tool's option (kohya sd-scripts, SimpleTuner); difftrain's "
              "is --learning_rate");
   EXPECT_TRUE(flux_family->other_tools_options().count("unet_lr"));
-  // An SD run has no family options, and its shown configuration none of FLUX.1's.
+  // An SD run's family options are the DDPM objective's, and its shown configuration has none of
+  // FLUX.1's.
   const auto sd = parse({"--pretrained_model_name_or_path", kTinySdGolden});
-  EXPECT_TRUE(sd.family.values.empty());
+  EXPECT_EQ(sd.family.values.size(), train::ddpm_option_specs().size());
   EXPECT_FALSE(sd.to_json().contains("weighting_scheme"));
 }
 

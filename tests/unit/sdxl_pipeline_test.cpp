@@ -46,18 +46,28 @@ void expect_matches_reference(const families::stable_diffusion::TextToImageResul
 
 TEST(SdxlPipeline, FolderIsRecognised) {
   auto f = families::stable_diffusion::resolve_stable_diffusion_folder(kTinySdxl);
-  EXPECT_TRUE(f.xl);
+  // The SDXL family's extension of Stable Diffusion's pipeline reads the folder.
+  ASSERT_NE(f.extension, nullptr);
+  EXPECT_EQ(f.extension->display_name(), "SDXL");
+  EXPECT_EQ(f.extension->default_guidance(), 5.0);
   EXPECT_TRUE(f.force_zeros_for_empty_prompt);
   EXPECT_EQ(f.pipeline_class, "StableDiffusionXLPipeline");
   EXPECT_EQ(f.scheduler_class, "EulerDiscreteScheduler");
-  EXPECT_EQ(fs::path(f.text_encoder_2_dir).filename(), "text_encoder_2");
-  EXPECT_EQ(fs::path(f.tokenizer_2_dir).filename(), "tokenizer_2");
+  EXPECT_EQ(fs::path(f.extension_dirs.at("text_encoder_2")).filename(), "text_encoder_2");
+  EXPECT_EQ(fs::path(f.extension_dirs.at("tokenizer_2")).filename(), "tokenizer_2");
+  EXPECT_EQ(f.extension_dirs.size(), 2u);
+  // A Stable Diffusion 1.x folder has none.
+  const auto sd = families::stable_diffusion::resolve_stable_diffusion_folder(
+      std::string(difftrain_test::source_dir()) + "/tests/golden/sd/tiny_sd");
+  EXPECT_EQ(sd.extension, nullptr);
+  EXPECT_TRUE(sd.extension_dirs.empty());
 }
 
 TEST(SdxlPipeline, Txt2ImgMatchesDiffusers) {
   auto ref = io::load_safetensors(kTinySdxl + "/txt2img_seed42.safetensors").tensors;
   auto sd = families::stable_diffusion::load_stable_diffusion(kTinySdxl);
-  ASSERT_TRUE(sd.is_xl());
+  ASSERT_NE(sd.folder.extension, nullptr);
+  ASSERT_EQ(sd.text_encoders.size(), 2u);
   EXPECT_EQ(sd.scheduler->class_name(), "EulerDiscreteScheduler");
   // The tokenizers' ids equal the reference's exactly.
   const auto ids = sd.text_encoders.tokenize(kPrompts);
@@ -110,10 +120,10 @@ TEST(SdxlPipeline, MicroConditioningReachesTheTimeIds) {
   auto sd = families::stable_diffusion::load_stable_diffusion(kTinySdxl);
   auto o = test::sdxl_fixture_call();
   o.num_inference_steps = 1;
-  o.original_size = {1024, 768};
-  o.crops_coords_top_left = {16, 8};
-  o.target_size = {64, 48};
-  o.negative_original_size = {512, 512};
+  o.options["original_size"] = {1024, 768};
+  o.options["crops_coords_top_left"] = {16, 8};
+  o.options["target_size"] = {64, 48};
+  o.options["negative_original_size"] = {512, 512};
   auto out = families::stable_diffusion::text_to_image(sd, o);
   const auto ids = out.add_time_ids;
   ASSERT_EQ(ids.sizes(), (c10::IntArrayRef{4, 6}));
@@ -130,10 +140,31 @@ TEST(SdxlPipeline, MicroConditioningReachesTheTimeIds) {
     return c;
   }());
   EXPECT_GT(max_abs(out.latents, base.latents), 1e-3);
-  o.crops_coords_top_left = {1, 2, 3};
+  o.options["crops_coords_top_left"] = {1, 2, 3};
   EXPECT_NE(error_of([&] {
               families::stable_diffusion::text_to_image(sd, o);
-            }).find("crops_coords_top_left"),
+            }).find("--crops_coords_top_left takes two integers (top left), got 3"),
+            std::string::npos);
+  o.options["crops_coords_top_left"] = "16 8";
+  EXPECT_NE(error_of([&] {
+              families::stable_diffusion::text_to_image(sd, o);
+            }).find("--crops_coords_top_left takes integers"),
+            std::string::npos);
+  // A name the extension does not read, and micro-conditioning on a Stable Diffusion 1.x folder.
+  o.options = {{"aesthetic_score", 6}};
+  EXPECT_NE(error_of([&] {
+              families::stable_diffusion::text_to_image(sd, o);
+            }).find("--aesthetic_score is not an option of StableDiffusionXLPipeline"),
+            std::string::npos);
+  auto sd1 = families::stable_diffusion::load_stable_diffusion(
+      std::string(difftrain_test::source_dir()) + "/tests/golden/sd/tiny_sd");
+  auto o1 = o;
+  o1.prompts = {"a"};
+  o1.negative_prompts = {};
+  o1.options = {{"original_size", {64, 64}}};
+  EXPECT_NE(error_of([&] {
+              families::stable_diffusion::text_to_image(sd1, o1);
+            }).find("--original_size: not options of StableDiffusionPipeline"),
             std::string::npos);
 }
 

@@ -4,6 +4,7 @@
 #include "difftrain/train/train_config.h"
 #include "difftrain/accel/sharding.h"
 #include "difftrain/core/error.h"
+#include "difftrain/families/family.h"
 
 #include "test_util.h"
 
@@ -16,62 +17,116 @@ namespace {
 using difftrain::test::error_of;
 using difftrain::test::temp_dir;
 using difftrain::train::parse_train_config;
+// With the registry: the run's family's options (the default family's without a model).
+difftrain::train::TrainConfig family_config(const std::vector<std::string>& args) {
+  return difftrain::families::parse_train_config(args);
+}
+const std::string kUNetFolder =
+    std::string(difftrain_test::source_dir()) + "/tests/golden/diffusers/unet2d_uncond";
 
 #define EXPECT_HAS(text, part)                               \
   EXPECT_NE(std::string(text).find(part), std::string::npos) \
       << "'" << (text) << "' lacks '" << (part) << "'"
 
 TEST(TrainConfig, DefaultsAreTheBuiltInFashionMnistRun) {
-  const auto c = parse_train_config({});
+  const auto c = family_config({});
   EXPECT_EQ(c.dataset, "fashion_mnist");
   EXPECT_EQ(c.resolution, 32);
-  EXPECT_FALSE(c.class_conditional.has_value());  // decided by the dataset: labelled -> yes
+  EXPECT_EQ(c.family.family, "unet");
+  // decided by the dataset: labelled -> yes
+  EXPECT_TRUE(c.family.at("class_conditional").is_null());
   EXPECT_TRUE(c.use_ema);
   EXPECT_EQ(c.report_to, "all");
   EXPECT_EQ(c.lora_target_modules, (std::vector<std::string>{"to_q", "to_k", "to_v", "to_out.0"}));
+  // The trainer alone has no objective or class-label options: they are the family's.
+  for (const char* family_option : {"prediction_type", "snr_gamma", "class_dropout_prob"}) {
+    EXPECT_HAS(error_of([&] {
+                 parse_train_config({std::string("--") + family_option, "1"});
+               }),
+               std::string("unknown option \"") + family_option + "\"");
+  }
 }
 
 // The built-in UNet trained from scratch gets the recipe measured best on the default job
-// (docs/QUALITY.md): v-prediction with min-SNR-5. What is given wins, and a pretrained or
-// configured model keeps Diffusers' defaults (epsilon, no weighting).
+// (docs/QUALITY.md): v-prediction with min-SNR-5 (the UNet family's configure_training). What is
+// given wins, and a pretrained or configured model keeps Diffusers' defaults (epsilon, no
+// weighting).
 TEST(TrainConfig, TheBuiltInJobTrainsWithTheMeasuredRecipe) {
-  const auto c = parse_train_config({});
-  EXPECT_EQ(c.prediction_type, "v_prediction");
-  ASSERT_TRUE(c.snr_gamma.has_value());
-  EXPECT_DOUBLE_EQ(*c.snr_gamma, 5.0);
-  EXPECT_EQ(c.ddpm_beta_schedule, "squaredcos_cap_v2");
+  const auto c = family_config({});
+  EXPECT_EQ(c.family.text("prediction_type"), "v_prediction");
+  EXPECT_DOUBLE_EQ(c.family.number("snr_gamma"), 5.0);
+  EXPECT_EQ(c.family.text("ddpm_beta_schedule"), "squaredcos_cap_v2");
   EXPECT_DOUBLE_EQ(c.adam_beta2, 0.99);
-  EXPECT_DOUBLE_EQ(c.class_dropout_prob, 0.1);
+  EXPECT_DOUBLE_EQ(c.family.number("class_dropout_prob"), 0.1);
   EXPECT_EQ(c.validation_scheduler, "ddpm");
   EXPECT_DOUBLE_EQ(c.guidance_scale.value_or(0), 1.5);
-  const auto given = parse_train_config(
-      {"--prediction_type", "epsilon", "--ddpm_beta_schedule", "linear", "--adam_beta2", "0.999",
-       "--validation_scheduler", "ddim", "--guidance_scale", "3"});
+  const auto given = family_config({"--prediction_type", "epsilon", "--ddpm_beta_schedule",
+                                    "linear", "--adam_beta2", "0.999", "--validation_scheduler",
+                                    "ddim", "--guidance_scale", "3"});
   EXPECT_DOUBLE_EQ(given.adam_beta2, 0.999);
   EXPECT_EQ(given.validation_scheduler, "ddim");
   EXPECT_DOUBLE_EQ(given.guidance_scale.value_or(0), 3.0);
-  EXPECT_DOUBLE_EQ(given.class_dropout_prob, 0.1);
+  EXPECT_DOUBLE_EQ(given.family.number("class_dropout_prob"), 0.1);
   // Without label dropout there is no null class to guide against, so no guidance either.
-  const auto no_dropout = parse_train_config({"--class_dropout_prob", "0"});
+  const auto no_dropout = family_config({"--class_dropout_prob", "0"});
   EXPECT_FALSE(no_dropout.guidance_scale.has_value());
-  EXPECT_EQ(given.prediction_type, "epsilon");
-  EXPECT_EQ(given.ddpm_beta_schedule, "linear");
-  EXPECT_DOUBLE_EQ(given.snr_gamma.value_or(0), 5.0);
+  EXPECT_EQ(given.family.text("prediction_type"), "epsilon");
+  EXPECT_EQ(given.family.text("ddpm_beta_schedule"), "linear");
+  EXPECT_DOUBLE_EQ(given.family.number("snr_gamma"), 5.0);
   const auto dir = temp_dir("train_config_recipe");
   std::ofstream(dir + "/r.yaml") << "snr_gamma: 3\n";
-  const auto yaml = parse_train_config({"--config", dir + "/r.yaml"});
-  EXPECT_DOUBLE_EQ(yaml.snr_gamma.value_or(0), 3.0);
-  EXPECT_EQ(yaml.prediction_type, "v_prediction");
+  const auto yaml = family_config({"--config", dir + "/r.yaml"});
+  EXPECT_DOUBLE_EQ(yaml.family.number("snr_gamma"), 3.0);
+  EXPECT_EQ(yaml.family.text("prediction_type"), "v_prediction");
   for (const auto& model : {"--model_config_name_or_path", "--pretrained_model_name_or_path"}) {
-    const auto other = parse_train_config({model, dir});
-    EXPECT_EQ(other.prediction_type, "epsilon") << model;
-    EXPECT_FALSE(other.snr_gamma.has_value()) << model;
-    EXPECT_EQ(other.ddpm_beta_schedule, "linear") << model;
+    const auto other = family_config({model, kUNetFolder});
+    EXPECT_EQ(other.family.family, "unet") << model;
+    EXPECT_EQ(other.family.text("prediction_type"), "epsilon") << model;
+    EXPECT_TRUE(other.family.at("snr_gamma").is_null()) << model;
+    EXPECT_EQ(other.family.text("ddpm_beta_schedule"), "linear") << model;
     EXPECT_DOUBLE_EQ(other.adam_beta2, 0.999) << model;
-    EXPECT_DOUBLE_EQ(other.class_dropout_prob, 0.0) << model;
+    EXPECT_DOUBLE_EQ(other.family.number("class_dropout_prob"), 0.0) << model;
     EXPECT_EQ(other.validation_scheduler, "ddim") << model;
     EXPECT_FALSE(other.guidance_scale.has_value()) << model;
   }
+}
+
+// The objective's and the class labels' options keep their checks and messages as family options.
+TEST(TrainConfig, TheFamilyOptionsKeepTheirChecks) {
+  EXPECT_HAS(error_of([] {
+               family_config({"--guidance_scale", "3", "--class_dropout_prob", "0"});
+             }),
+             "--guidance_scale > 1 needs a null class: train with --class_dropout_prob (e.g. 0.1)");
+  EXPECT_HAS(error_of([] {
+               family_config({"--snr_gamma", "0"});
+             }),
+             "--snr_gamma must be positive (Diffusers uses 5.0)");
+  EXPECT_HAS(error_of([] {
+               family_config({"--noise_offset", "-1"});
+             }),
+             "--noise_offset and --input_perturbation must be >= 0");
+  EXPECT_HAS(error_of([] {
+               family_config({"--ddpm_num_steps", "0"});
+             }),
+             "--ddpm_num_steps must be at least 1");
+  EXPECT_HAS(error_of([] {
+               family_config({"--prediction_type", "noise"});
+             }),
+             "--prediction_type is \"noise\": expected one of epsilon, v_prediction, sample");
+  EXPECT_HAS(error_of([] {
+               family_config({"--class_dropout_prob", "1"});
+             }),
+             "--class_dropout_prob must be in [0, 1)");
+  EXPECT_HAS(error_of([] { family_config({"--only_class", "-2"}); }), "--only_class must be >= 0");
+  EXPECT_HAS(error_of([] {
+               family_config({"--class_conditional", "maybe"});
+             }),
+             "--class_conditional is \"maybe\": expected true or false");
+  // Given, they reach the task's options through the family.
+  const auto c = family_config({"--only_class", "3", "--noise_offset", "0.05", "--snr_gamma", "2"});
+  EXPECT_EQ(c.family.integer("only_class"), 3);
+  EXPECT_TRUE(c.given.count("noise_offset"));
+  EXPECT_DOUBLE_EQ(c.family.number("noise_offset"), 0.05);
 }
 
 // configs/fashion_mnist.yaml is the built-in default written out: it trains what `difftrain train`
@@ -79,8 +134,8 @@ TEST(TrainConfig, TheBuiltInJobTrainsWithTheMeasuredRecipe) {
 // the run's outputs go may differ.
 TEST(TrainConfig, TheWrittenOutDefaultIsTheBuiltInDefault) {
   const auto yaml = std::string(difftrain_test::source_dir()) + "/configs/fashion_mnist.yaml";
-  auto written = parse_train_config({"--config", yaml}).to_json();
-  auto builtin = parse_train_config({}).to_json();
+  auto written = family_config({"--config", yaml}).to_json();
+  auto builtin = family_config({}).to_json();
   for (const auto* key :
        {"output_dir", "report_to", "checkpointing_steps", "checkpoints_total_limit"}) {
     written.erase(key);
@@ -113,23 +168,22 @@ TEST(TrainConfig, YamlThenFlagsWithBareBooleans) {
   const std::string yaml = dir + "/run.yaml";
   std::ofstream(yaml) << "train_batch_size: 8\nlearning_rate: 2.0e-4\nuse_ema: false\n"
                          "lora_target_modules: [to_q, to_v]\nsnr_gamma: 5\nrandom_flip: true\n";
-  const auto c = parse_train_config({"--train_batch_size", "4", "--config", yaml, "--use_ema",
-                                     "--max_train_steps=7", "--random_flip", "false",
-                                     "--checkpoints_total_limit", "2"});
+  const auto c = family_config({"--train_batch_size", "4", "--config", yaml, "--use_ema",
+                                "--max_train_steps=7", "--random_flip", "false",
+                                "--checkpoints_total_limit", "2"});
   EXPECT_EQ(c.train_batch_size, 4);  // the flag wins over the file, wherever --config is
   EXPECT_DOUBLE_EQ(c.learning_rate, 2e-4);
   EXPECT_TRUE(c.use_ema);  // bare flag
   EXPECT_FALSE(c.random_flip);
   EXPECT_EQ(c.max_train_steps, 7);
   EXPECT_EQ(c.lora_target_modules, (std::vector<std::string>{"to_q", "to_v"}));
-  ASSERT_TRUE(c.snr_gamma.has_value());
-  EXPECT_DOUBLE_EQ(*c.snr_gamma, 5.0);
+  EXPECT_DOUBLE_EQ(c.family.number("snr_gamma"), 5.0);
   EXPECT_EQ(c.checkpoints_total_limit.value_or(0), 2);
-  // The resolved configuration lists every option.
+  // The resolved configuration lists every option, the family's included.
   const auto json = c.to_json();
   EXPECT_EQ(json.at("train_batch_size"), 4);
   EXPECT_TRUE(json.at("class_conditional").is_null());
-  EXPECT_EQ(json.size(), difftrain::train::train_option_table().size());
+  EXPECT_EQ(json.size(), difftrain::train::train_option_table().size() + c.family.specs.size());
 }
 
 TEST(TrainConfig, BadInputIsOneLineError) {
@@ -166,10 +220,6 @@ TEST(TrainConfig, BadInputIsOneLineError) {
                parse_train_config({"--dataset", "imagefolder"});
              }),
              "needs --train_data_dir");
-  EXPECT_HAS(error_of([] {
-               parse_train_config({"--guidance_scale", "3", "--class_dropout_prob", "0"});
-             }),
-             "null class");
   EXPECT_HAS(error_of([] {
                parse_train_config({"--config", "/nonexistent.yaml"});
              }),
@@ -371,7 +421,7 @@ TEST(TrainConfig, ScriptDefaultsFillOnlyWhatWasNotGiven) {
   difftrain::train::ScriptDefaults d;
   d.script = "train_x.py";
   d.lora_target_modules = {"a", "b"};
-  d.not_applicable = {"prediction_type"};
+  d.not_applicable = {"logging_dir"};
   difftrain::train::apply_script_defaults(c, d);
   EXPECT_DOUBLE_EQ(c.learning_rate, 3e-4);  // given wins
   EXPECT_EQ(c.lr_scheduler, "constant");
@@ -384,10 +434,10 @@ TEST(TrainConfig, ScriptDefaultsFillOnlyWhatWasNotGiven) {
   EXPECT_EQ(c.lora_target_modules, (std::vector<std::string>{"a", "b"}));
   EXPECT_EQ(c.defaults_from, "train_x.py");
   const auto shown = c.shown_json();
-  EXPECT_FALSE(shown.contains("prediction_type"));
+  EXPECT_FALSE(shown.contains("logging_dir"));
   EXPECT_FALSE(shown.contains("ema_max_decay"));  // no EMA: its settings do not apply
   EXPECT_TRUE(shown.contains("rank"));
-  EXPECT_TRUE(c.to_json().contains("prediction_type"));  // checkpoints keep every option
+  EXPECT_TRUE(c.to_json().contains("logging_dir"));  // checkpoints keep every option
   // Steps given: the epochs do not replace them; a DeepSpeed file's batch counts as given.
   auto steps = parse_train_config({"--max_train_steps", "7"});
   difftrain::train::apply_script_defaults(steps, d);

@@ -145,8 +145,8 @@ class ModelFamily {
       const std::string& dir, const diffusion::PipelineLoadOptions& options) const = 0;
   /// The defaults of the Diffusers training script that a run of `config` on this family follows
   /// (by --lora and --instance_prompt: LoRA or full, DreamBooth or captioned images), applied by
-  /// parse_train_config() to the options not given; nullopt keeps TrainConfig's own
-  /// (train_unconditional.py's, the UNet family).
+  /// parse_train_config() to the options not given (with ScriptDefaults::family_options, the
+  /// family's own); nullopt keeps TrainConfig's own (train_unconditional.py's, the UNet family).
   virtual std::optional<train::ScriptDefaults> training_defaults(
       const train::TrainConfig& /*config*/) const {
     return std::nullopt;
@@ -156,6 +156,16 @@ class ModelFamily {
   /// train::flow_matching_option_specs()). A run receives them parsed in TrainConfig::family and
   /// TaskOptions::family; another family's run refuses them, naming this family.
   virtual std::vector<train::OptionSpec> options() const { return {}; }
+  /// Called by parse_train_config() once the flags, the files and training_defaults() are read
+  /// (a run without --pretrained_model_name_or_path: on the default family): sets what depends
+  /// on the run itself (the UNet family's recipe for the built-in job), for the options not given
+  /// (config.given), and refuses combinations of the family's options with the trainer's in one
+  /// line (difftrain::Error). The config is completed and validated again afterwards.
+  virtual void configure_training(train::TrainConfig& /*config*/) const {}
+  /// What a run of this family does instead of another family's training option `name` (a
+  /// flow-matching family for the DDPM objective's: its weighting), appended to the refusal of
+  /// that option; "" = nothing to add.
+  virtual std::string instead_of_option(const std::string& /*name*/) const { return ""; }
   /// The `difftrain sample` options of this family's pipelines beyond the common ones (prompts,
   /// steps, guidance, size, seed, scheduler, LoRA, dtype, device): Diffusers' `__call__` names,
   /// with OptionSpec::values for flags that take several (e.g. `--original_size H W`). sample()

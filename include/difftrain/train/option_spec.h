@@ -74,8 +74,12 @@ struct FamilyOptions {
 struct FamilyOptionLookup {
   /// The family a run of `pretrained_model` ("" = none) trains, with its specs (values empty).
   std::function<FamilyOptions(const std::string& pretrained_model)> options_for;
-  /// The family that declares option `name` ("" = none), for the refusal of another family's.
-  std::function<std::string(const std::string& name)> owner_of;
+  /// The families that declare option `name` (none: empty), for the refusal of another
+  /// family's.
+  std::function<std::vector<std::string>(const std::string& name)> owner_of;
+  /// What the run's `family` does instead of option `name` ("" = nothing to add), appended to
+  /// that refusal (ModelFamily::instead_of_option()).
+  std::function<std::string(const std::string& family, const std::string& name)> instead_of;
   /// Where another tool's flag `name` points (ModelFamily::other_tools_options(): the run's
   /// `family` first, then every registered one's; "" = none).
   std::function<std::string(const std::string& family, const std::string& name)> other_tools_hint;

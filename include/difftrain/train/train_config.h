@@ -1,7 +1,9 @@
 #pragma once
-// The configuration of `difftrain train`: every option under the name Diffusers' training scripts
-// give it (train_unconditional.py, train_text_to_image_lora.py), read from a YAML file and then
-// from command-line flags that override it. See docs/TRAINING.md for the table.
+// The configuration of `difftrain train`: every trainer option under the name Diffusers' training
+// scripts give it (train_unconditional.py, train_text_to_image_lora.py), read from a YAML file and
+// then from command-line flags that override it, and the options of the run's family
+// (TrainConfig::family: the objective's, e.g. train/ddpm_options.h, and the family's own). See
+// docs/TRAINING.md for the table.
 #include "difftrain/settings/sharding_options.h"
 #include "difftrain/train/option_spec.h"
 
@@ -41,11 +43,7 @@ struct TrainConfig {
   int64_t bucket_min_side = 0;  ///< 0 = resolution / 2
   int64_t bucket_max_side = 0;  ///< 0 = 2 x resolution
   bool random_flip = false;
-  /// Condition on class labels; unset: yes for a fresh UNet on a labelled dataset.
-  std::optional<bool> class_conditional;
-  double class_dropout_prob = 0.0;    ///< labels replaced by the null class (enables CFG sampling)
-  std::optional<int64_t> only_class;  ///< train on one class only (e.g. a LoRA subset)
-  int64_t max_train_samples = 0;      ///< 0 = all
+  int64_t max_train_samples = 0;  ///< 0 = all
   /// Each image used this many times per epoch (kohya's --dataset_repeats, Diffusers' --repeats;
   /// both names are read), on top of kohya `<N>_<name>` folders' N.
   int64_t dataset_repeats = 1;
@@ -81,13 +79,6 @@ struct TrainConfig {
   double max_grad_norm = 1.0;
   /// no | bf16 | fp16; "" = what `difftrain launch --mixed_precision` set, else no.
   std::string mixed_precision;
-  // -- diffusion objective
-  std::string prediction_type = "epsilon";  ///< epsilon | v_prediction | sample
-  int64_t ddpm_num_steps = 1000;
-  std::string ddpm_beta_schedule = "linear";
-  std::optional<double> snr_gamma;
-  double noise_offset = 0.0;
-  double input_perturbation = 0.0;
   // -- EMA
   bool use_ema = true;
   std::optional<double> ema_decay;  ///< alias of ema_max_decay
@@ -106,7 +97,8 @@ struct TrainConfig {
   /// smoke run skips it and says so); "always"; "never".
   std::string final_validation = "auto";
   /// Validation guidance (unset: the pipeline's own, e.g. UNet 1, SD 7.5, SDXL 5); a family whose
-  /// model embeds the guidance also trains with it (unset: its script's default).
+  /// model embeds the guidance also trains with it (unset: its script's default). A fresh UNet
+  /// needs a null class to guide against (the UNet family's --class_dropout_prob).
   std::optional<double> guidance_scale;
   int64_t validation_inference_steps = 50;  ///< sampler steps of validation sampling
   /// The validation sampler: a diffusion::sampler_names() name or Diffusers scheduler class, built
@@ -198,8 +190,8 @@ struct TrainConfig {
   /// Not an option: the Diffusers script whose defaults the run started from ("" = difftrain's
   /// own: the built-in job, train_unconditional.py's for a UNet); the run header names it.
   std::string defaults_from;
-  /// Not an option: options that do not apply to the run's family (the DDPM objective's for a
-  /// flow-matching model, the flow-matching ones for a UNet, class labels for text-to-image):
+  /// Not an option: trainer options that do not apply to the run's family (the UNet validation
+  /// sampler for a flow-matching model, EMA settings without EMA, LoRA settings without LoRA):
   /// left out of the configuration the run header and the model card show.
   std::set<std::string> not_applicable;
 
@@ -238,6 +230,9 @@ struct ScriptDefaults {
   std::vector<std::string> lora_target_modules;
   /// Options that do not apply to the family (TrainConfig::not_applicable).
   std::vector<std::string> not_applicable;
+  /// Defaults of the family's own options (TrainConfig::family) for this script, for those not
+  /// given: name -> value.
+  nlohmann::json family_options = nlohmann::json::object();
 };
 
 /// Sets every field of `defaults` whose option `config` was not given (config.given), records

@@ -45,8 +45,9 @@ struct DataOptions {
   bool skip_bad_images = false;
   std::string caption_column = "text";     ///< metadata.jsonl field holding a caption
   std::string caption_extension = ".txt";  ///< kohya's sidecar caption files ("" = none)
-  std::optional<int64_t> only_class;       ///< MNIST-like data: one class only
-  int64_t max_train_samples = 0;           ///< 0 = all
+  /// MNIST-like data: one class only (the UNet family's --only_class, set by its task).
+  std::optional<int64_t> only_class;
+  int64_t max_train_samples = 0;  ///< 0 = all
   /// Each image of an image folder used this many times per epoch (kohya's --dataset_repeats),
   /// on top of kohya <N>_<name> folders' own N.
   int64_t dataset_repeats = 1;
@@ -63,12 +64,17 @@ struct ModelOptions {
   /// LoRA runs: how the frozen base's Linear/Conv weights (denoiser and text encoders) are
   /// stored: none | int8 | fp8_e4m3 (models/quantized_weight.h).
   std::string base_weights_dtype = "none";
-  std::optional<bool> class_conditional;  ///< default: when the dataset has labels
-  double class_dropout_prob = 0.0;        ///< labels replaced by the null class
+  /// The UNet family's class labels (its --class_conditional, --class_dropout_prob, set by its
+  /// task from TaskOptions::family): default when the dataset has labels; labels replaced by
+  /// the null class.
+  std::optional<bool> class_conditional;
+  double class_dropout_prob = 0.0;
   bool gradient_checkpointing = false;
 };
 
-/// The denoising objective (noise scheduler and loss flags of Diffusers' scripts).
+/// The denoising objective (noise scheduler and loss flags of Diffusers' scripts): the DDPM
+/// objective's family options (train/ddpm_options.h, read by the UNet-based families' tasks) and
+/// the per-sample streams' seed (every task's).
 struct NoiseOptions {
   std::string prediction_type = "epsilon";  ///< epsilon | v_prediction | sample
   int64_t ddpm_num_steps = 1000;            ///< when the pretrained folder has no scheduler

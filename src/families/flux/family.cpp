@@ -5,6 +5,7 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/families/flux/lora_layouts.h"
+#include "difftrain/train/ddpm_options.h"
 #include "difftrain/train/flow_matching_options.h"
 #include "flux_family.h"
 #include "flux_pipeline.h"
@@ -98,16 +99,24 @@ class FluxFamily : public ModelFamily {
     d.learning_rate = 1e-4;
     d.adam_weight_decay = 1e-4;
     d.lora_target_modules = families::flux::diffusers_flux_lora_targets();
-    // Flow matching: the DDPM objective's options, the UNet validation sampler (FLUX.1 samples
-    // with its folder's FlowMatchEulerDiscreteScheduler) and class labels do not apply.
-    d.not_applicable = {"prediction_type",   "ddpm_num_steps",     "ddpm_beta_schedule",
-                        "snr_gamma",         "input_perturbation", "validation_scheduler",
-                        "class_conditional", "class_dropout_prob", "only_class",
-                        "clip_skip"};
+    // The UNet validation sampler (FLUX.1 samples with its folder's
+    // FlowMatchEulerDiscreteScheduler) and CLIP's layer choice (FLUX.1's CLIP is pooled) do not
+    // apply; the DDPM objective's options are not FLUX.1's at all (instead_of_option).
+    d.not_applicable = {"validation_scheduler", "clip_skip"};
     return d;
   }
   std::vector<io::LoraKeyLayout> lora_key_layouts() const override {
     return {flux::flux_lora_key_layout()};
+  }
+  // The DDPM objective's options (the UNet families'): FLUX.1 weighs flow matching instead.
+  std::string instead_of_option(const std::string& name) const override {
+    for (const auto& spec : train::ddpm_option_specs()) {
+      if (spec.name == name) {
+        return "FLUX.1 trains with flow matching: weigh it with --weighting_scheme (none, "
+               "logit_normal, mode, cosmap, sigma_sqrt) or --timestep_sampling";
+      }
+    }
+    return "";
   }
   std::vector<train::OptionSpec> options() const override {
     auto specs = train::flow_matching_option_specs();

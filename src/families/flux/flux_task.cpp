@@ -158,14 +158,6 @@ class FluxTask : public train::TrainingTask {
 };
 
 void FluxTask::check_flags() const {
-  const auto& n = o_.noise;
-  if (n.snr_gamma || n.noise_offset != 0 || n.input_perturbation != 0 ||
-      n.prediction_type != "epsilon") {
-    throw Error(
-        "--snr_gamma, --noise_offset, --input_perturbation and --prediction_type are DDPM "
-        "flags; FLUX.1 trains with flow matching: weigh it with --weighting_scheme "
-        "(none, logit_normal, mode, cosmap, sigma_sqrt) or --timestep_sampling");
-  }
   if (o_.lora.train_text_encoder && !o_.lora.enabled) {
     throw Error(
         "--train_text_encoder trains CLIP LoRA adapters beside the transformer's: add --lora "

@@ -6,6 +6,7 @@
 // trained size) as the UNet's added conditioning; LoRA on both encoders with --train_text_encoder;
 // the cache holds both embeddings; a full fine-tune exports a whole SDXL folder.
 #include "../stable_diffusion/text_to_image_task.h"
+#include "sdxl.h"
 
 namespace difftrain::families::sdxl {
 using namespace difftrain::train;
@@ -35,14 +36,8 @@ class SdxlTask final : public families::stable_diffusion::TextToImageTask {
   }
 
  protected:
-  bool two_text_encoders() const override { return true; }
-
-  void check_unet() const override {
-    if (!unet_->needs_added_conditioning()) {
-      throw Error(folder_.unet_dir +
-                  ": an SDXL folder's UNet needs addition_embed_type \"text_time\"; the folder "
-                  "mixes models");
-    }
+  std::shared_ptr<const PipelineExtension> extension() const override {
+    return sdxl::pipeline_extension();
   }
 
   // add_time_ids per image: original (h, w), crop (top, left), target (h, w) = the trained size
@@ -58,9 +53,6 @@ class SdxlTask final : public families::stable_diffusion::TextToImageTask {
                       1)
         .to(torch::kFloat32);
   }
-
-  // StableDiffusionXLPipeline's guidance.
-  double default_guidance() const override { return 5.0; }
 };
 
 }  // namespace

@@ -29,7 +29,7 @@ class StableDiffusionFamily : public unet::UNetBasedFamily {
   }
   std::optional<train::ScriptDefaults> training_defaults(
       const train::TrainConfig& config) const override {
-    return stable_diffusion::text_to_image_script_defaults(config, /*sdxl=*/false);
+    return stable_diffusion::text_to_image_script_defaults(config);
   }
   std::unique_ptr<train::TrainingTask> make_training_task(
       const train::TaskOptions& options) const override {

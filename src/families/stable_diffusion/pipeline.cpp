@@ -12,7 +12,9 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <filesystem>
+#include <mutex>
 #include <optional>
 #include <set>
 
@@ -45,7 +47,50 @@ std::string require_dir(const fs::path& root, const std::string& name, const std
   return dir.string();
 }
 
+struct ExtensionRegistry {
+  std::mutex mutex;
+  std::vector<std::shared_ptr<const PipelineExtension>> all;
+};
+
+ExtensionRegistry& extension_registry() {
+  static ExtensionRegistry e;
+  return e;
+}
+
+// "text_encoder_2, tokenizer_2"
+std::string component_list(const PipelineExtension& e) {
+  std::string out;
+  for (const auto& [name, classes] : e.components()) out += (out.empty() ? "" : ", ") + name;
+  return out;
+}
+
 }  // namespace
+
+void register_pipeline_extension(std::shared_ptr<const PipelineExtension> extension) {
+  TORCH_CHECK(extension != nullptr, "register_pipeline_extension: a null extension");
+  ExtensionRegistry& e = extension_registry();
+  std::lock_guard<std::mutex> lock(e.mutex);
+  for (const auto& other : e.all) {
+    if (other == extension) return;
+    for (const auto& [name, classes] : extension->components()) {
+      for (const auto& [theirs, their_classes] : other->components()) {
+        if (name == theirs) {
+          throw Error("register_pipeline_extension: " + extension->display_name() +
+                      " claims the component " + name + ", which " + other->display_name() +
+                      " already reads; a component belongs to one extension");
+        }
+      }
+    }
+  }
+  e.all.push_back(std::move(extension));
+}
+
+std::vector<std::shared_ptr<const PipelineExtension>> pipeline_extensions() {
+  families::families();  // the built-in families register their extensions first
+  ExtensionRegistry& e = extension_registry();
+  std::lock_guard<std::mutex> lock(e.mutex);
+  return e.all;
+}
 
 bool is_stable_diffusion_folder(const std::string& dir) {
   const fs::path index = fs::path(dir) / "model_index.json";
@@ -80,9 +125,10 @@ StableDiffusionFolder resolve_stable_diffusion_folder(const std::string& dir) {
   out.vae_dir = require_dir(root, "vae", "AutoencoderKL");
   out.text_encoder_dir = require_dir(root, "text_encoder", "CLIPTextModel");
   out.tokenizer_dir = require_dir(root, "tokenizer", "CLIPTokenizer");
-  if (out.xl) {
-    out.text_encoder_2_dir = require_dir(root, "text_encoder_2", "CLIPTextModelWithProjection");
-    out.tokenizer_2_dir = require_dir(root, "tokenizer_2", "CLIPTokenizer");
+  if (out.extension) {
+    for (const auto& [name, classes] : out.extension->components()) {
+      out.extension_dirs[name] = require_dir(root, name, classes.empty() ? name : classes.front());
+    }
   }
   out.scheduler_config = (root / "scheduler" / "scheduler_config.json").string();
   if (!fs::is_regular_file(out.scheduler_config)) {
@@ -106,23 +152,35 @@ StableDiffusionFolder parse_model_index(const std::string& json_text,
   }
   // Another pipeline with SD-like components (an inpainting or depth UNet, an upscaler) would
   // otherwise load and train as plain text-to-image: refused by name.
-  const std::set<std::string> known_pipelines = {
-      "StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionXLPipeline",
-      "StableDiffusionXLImg2ImgPipeline"};
+  const auto extensions = pipeline_extensions();
+  std::set<std::string> known_pipelines = {"StableDiffusionPipeline",
+                                           "StableDiffusionImg2ImgPipeline"};
+  std::string others;       // " and StableDiffusionXLPipeline folders"
+  std::string other_parts;  // " and SDXL folders (the same plus text_encoder_2, tokenizer_2)"
+  for (const auto& e : extensions) {
+    const auto classes = e->pipeline_classes();
+    known_pipelines.insert(classes.begin(), classes.end());
+    if (!classes.empty()) others += " and " + classes.front();
+    other_parts +=
+        " and " + e->display_name() + " folders (the same plus " + component_list(*e) + ")";
+  }
   if (!out.pipeline_class.empty() && !known_pipelines.count(out.pipeline_class)) {
     throw Error(index_path + ": pipeline class \"" + out.pipeline_class +
-                "\" is not supported; difftrain runs StableDiffusionPipeline (SD 1.x/2.x) and "
-                "StableDiffusionXLPipeline folders (or their Img2Img variants, the same weights)");
+                "\" is not supported; difftrain runs StableDiffusionPipeline (SD 1.x/2.x)" +
+                others + " folders (or their Img2Img variants, the same weights)");
   }
   const std::set<std::string> ignored = {"safety_checker", "feature_extractor", "image_encoder"};
-  const std::map<std::string, std::set<std::string>> supported = {
+  std::map<std::string, std::set<std::string>> supported = {
       {"unet", {"UNet2DConditionModel"}},
       {"vae", {"AutoencoderKL"}},
       {"text_encoder", {"CLIPTextModel"}},
       {"tokenizer", {"CLIPTokenizer", "CLIPTokenizerFast"}},
-      {"text_encoder_2", {"CLIPTextModelWithProjection"}},
-      {"tokenizer_2", {"CLIPTokenizer", "CLIPTokenizerFast"}},
   };
+  for (const auto& e : extensions) {
+    for (const auto& [name, classes] : e->components()) {
+      supported[name] = std::set<std::string>(classes.begin(), classes.end());
+    }
+  }
   if (index.contains("force_zeros_for_empty_prompt")) {
     if (!index["force_zeros_for_empty_prompt"].is_boolean()) {
       throw Error(index_path + ": force_zeros_for_empty_prompt must be true or false, got " +
@@ -150,8 +208,8 @@ StableDiffusionFolder parse_model_index(const std::string& json_text,
     if (it == supported.end()) {
       throw Error(index_path + ": component \"" + name + "\" (" + cls +
                   ") is not supported; difftrain runs Stable Diffusion 1.x/2.x folders "
-                  "(unet, vae, text_encoder, tokenizer, scheduler) and SDXL folders (the same plus "
-                  "text_encoder_2, tokenizer_2)");
+                  "(unet, vae, text_encoder, tokenizer, scheduler)" +
+                  other_parts);
     }
     if (cls.empty()) {
       throw Error(index_path + ": component \"" + name +
@@ -165,13 +223,26 @@ StableDiffusionFolder parse_model_index(const std::string& json_text,
     }
     seen.insert(name);
   }
-  if (seen.count("text_encoder_2") != seen.count("tokenizer_2")) {
-    throw Error(index_path + ": lists " +
-                (seen.count("text_encoder_2") ? "text_encoder_2 but no tokenizer_2"
-                                              : "tokenizer_2 but no text_encoder_2") +
-                "; an SDXL folder has both (StableDiffusionXLPipeline)");
+  // An extension's components come together, and make the folder the extension's.
+  for (const auto& e : extensions) {
+    std::vector<std::string> listed, missing;
+    for (const auto& [name, classes] : e->components()) {
+      (seen.count(name) ? listed : missing).push_back(name);
+    }
+    if (listed.empty()) continue;
+    if (!missing.empty()) {
+      throw Error(
+          index_path + ": lists " + listed.front() + " but no " + missing.front() + "; an " +
+          e->display_name() + " folder has " + component_list(*e) + " (" +
+          (e->pipeline_classes().empty() ? e->display_name() : e->pipeline_classes().front()) +
+          ")");
+    }
+    if (out.extension) {
+      throw Error(index_path + ": lists the components of both " + out.extension->display_name() +
+                  " and " + e->display_name() + "; a folder is one pipeline's");
+    }
+    out.extension = e;
   }
-  out.xl = seen.count("text_encoder_2") > 0;
   for (const char* need : {"unet", "vae", "text_encoder", "tokenizer", "scheduler"}) {
     if (!seen.count(need)) {
       throw Error(index_path + ": no \"" + std::string(need) +
@@ -188,7 +259,7 @@ StableDiffusion load_stable_diffusion(const std::string& dir,
   sd.folder = resolve_stable_diffusion_folder(dir);
   for (const auto& note : sd.folder.notes) log::info("{}: {}", dir, note);
 
-  // The folder's scheduler class (PNDM for SD-1.x, Euler for SDXL, ...) or, with --scheduler,
+  // The folder's scheduler class (PNDM for SD-1.x, Euler for SDXL's, ...) or, with --scheduler,
   // another sampler built from its config (Diffusers: `Class.from_config(pipe.scheduler.config)`).
   SamplerOptions so;
   so.eta = options.eta;
@@ -199,38 +270,8 @@ StableDiffusion load_stable_diffusion(const std::string& dir,
   sd.vae = models::load_autoencoder_kl(options.vae.empty() ? sd.folder.vae_dir : options.vae,
                                        options.vae.empty() ? options.variant : "");
   sd.unet = models::load_unet(sd.folder.unet_dir, options.variant);
-  if (!sd.unet->needs_encoder_hidden_states()) {
-    throw Error(sd.folder.unet_dir +
-                ": the UNet has no cross-attention, so it cannot take text "
-                "embeddings; expected a UNet2DConditionModel");
-  }
+  check_unet_fits(sd.folder, sd.unet, sd.text_encoders);
   const auto& ucfg = sd.unet->config();
-  const int64_t text_width = sd.text_encoders.embed_dim();
-  if (ucfg.cross_attention_dim.empty() || ucfg.cross_attention_dim[0] != text_width) {
-    throw Error(sd.folder.unet_dir + ": cross_attention_dim " +
-                (ucfg.cross_attention_dim.empty() ? std::string("null")
-                                                  : std::to_string(ucfg.cross_attention_dim[0])) +
-                " differs from the text encoder" +
-                (sd.is_xl() ? "s' hidden_size sum " : "'s hidden_size ") +
-                std::to_string(text_width) + "; the folder mixes models");
-  }
-  if (sd.is_xl() != sd.unet->needs_added_conditioning()) {
-    throw Error(sd.folder.unet_dir +
-                (sd.is_xl() ? ": the UNet has no addition_embed_type \"text_time\", but the "
-                              "folder is SDXL (text_encoder_2); the folder mixes models"
-                            : ": the UNet has addition_embed_type \"text_time\" (SDXL), but "
-                              "model_index.json lists no text_encoder_2"));
-  }
-  if (sd.is_xl()) {
-    const int64_t want =
-        sd.text_encoders.pooled_dim() + 6 * ucfg.addition_time_embed_dim.value_or(0);
-    if (ucfg.projection_class_embeddings_input_dim.value_or(0) != want) {
-      throw Error(sd.folder.unet_dir + ": projection_class_embeddings_input_dim " +
-                  std::to_string(ucfg.projection_class_embeddings_input_dim.value_or(0)) +
-                  " differs from text_encoder_2's projection_dim + 6 x addition_time_embed_dim = " +
-                  std::to_string(want) + "; the folder mixes models");
-    }
-  }
   if (ucfg.in_channels != sd.vae->config().latent_channels) {
     throw Error(sd.folder.unet_dir + ": in_channels " + std::to_string(ucfg.in_channels) +
                 " differs from the VAE's latent_channels " +
@@ -252,8 +293,7 @@ StableDiffusion load_stable_diffusion(const std::string& dir,
               options.lora_scale);
     const int64_t others = u.other_component_targets - te_merged;
     if (others > 0) {
-      log::warn("LoRA {}: {} targets for other components (e.g. text_encoder_2) were not applied",
-                options.lora, others);
+      log::warn("LoRA {}: {} targets for other components were not applied", options.lora, others);
     }
   }
   return sd;
@@ -261,41 +301,47 @@ StableDiffusion load_stable_diffusion(const std::string& dir,
 
 TextEncoderStack load_text_encoders(const StableDiffusionFolder& folder,
                                     const std::string& variant) {
-  std::vector<TextEncoderStack::Files> files = {
-      {"text_encoder", "tokenizer", folder.text_encoder_dir, folder.tokenizer_dir}};
-  if (folder.xl) {
-    files.push_back(
-        {"text_encoder_2", "tokenizer_2", folder.text_encoder_2_dir, folder.tokenizer_2_dir});
-  }
-  // StableDiffusionPipeline: one CLIPTextModel's last_hidden_state; StableDiffusionXLPipeline:
-  // CLIPTextModel + CLIPTextModelWithProjection, penultimate layers side by side.
+  if (folder.extension) return folder.extension->load_text_encoders(folder, variant);
+  // StableDiffusionPipeline: one CLIPTextModel's last_hidden_state.
   TextEncoders encoders;
-  for (size_t i = 0; i < files.size(); ++i) {
-    encoders.push_back(ClipTextEncoder::load(files[i], /*with_projection=*/i == 1, variant));
-  }
-  return TextEncoderStack(folder.xl ? concatenated_hidden_states("SDXL") : last_hidden_state(),
-                          std::move(encoders));
+  encoders.push_back(ClipTextEncoder::load(
+      {"text_encoder", "tokenizer", folder.text_encoder_dir, folder.tokenizer_dir},
+      /*with_projection=*/false, variant));
+  return TextEncoderStack(last_hidden_state(), std::move(encoders));
 }
 
-torch::Tensor xl_time_ids(const std::vector<int64_t>& original_size,
-                          const std::vector<int64_t>& crops_coords_top_left,
-                          const std::vector<int64_t>& target_size) {
-  auto check = [](const std::vector<int64_t>& v, const char* name) {
-    if (v.size() != 2) {
-      throw Error(
-          std::string("--") + name + " takes two integers (" +
-          (std::string(name).find("crops") != std::string::npos ? "top left" : "height width") +
-          "), got " + std::to_string(v.size()));
-    }
-  };
-  check(original_size, "original_size");
-  check(crops_coords_top_left, "crops_coords_top_left");
-  check(target_size, "target_size");
-  std::vector<float> row;
-  for (const auto* v : {&original_size, &crops_coords_top_left, &target_size}) {
-    for (int64_t x : *v) row.push_back(static_cast<float>(x));
+void check_unet_fits(const StableDiffusionFolder& folder, const models::UNet& unet,
+                     const TextEncoderStack& text) {
+  if (!unet->needs_encoder_hidden_states()) {
+    throw Error(folder.unet_dir +
+                ": the UNet has no cross-attention, so it cannot take text "
+                "embeddings; expected a UNet2DConditionModel");
   }
-  return torch::tensor(row, torch::kFloat32).reshape({1, 6});
+  const auto& ucfg = unet->config();
+  const int64_t text_width = text.embed_dim();
+  if (ucfg.cross_attention_dim.empty() || ucfg.cross_attention_dim[0] != text_width) {
+    throw Error(folder.unet_dir + ": cross_attention_dim " +
+                (ucfg.cross_attention_dim.empty() ? std::string("null")
+                                                  : std::to_string(ucfg.cross_attention_dim[0])) +
+                " differs from the text encoder" +
+                (text.size() > 1 ? "s' hidden_size sum " : "'s hidden_size ") +
+                std::to_string(text_width) + "; the folder mixes models");
+  }
+  if (folder.extension) {
+    folder.extension->check_unet(folder, unet, text);
+  } else if (unet->needs_added_conditioning()) {
+    // Which pipeline would give it: the extensions' components.
+    std::string wanted;
+    for (const auto& e : pipeline_extensions()) {
+      wanted += std::string(wanted.empty() ? "" : " or ") + e->display_name() + "'s " +
+                component_list(*e);
+    }
+    throw Error(folder.unet_dir + ": the UNet has addition_embed_type \"" +
+                ucfg.addition_embed_type.value_or("") +
+                "\", but model_index.json lists no component that gives it" +
+                (wanted.empty() ? std::string() : " (" + wanted + ")") +
+                "; the folder mixes models");
+  }
 }
 
 torch::Tensor rescale_noise_cfg(const torch::Tensor& noise_cfg,
@@ -352,42 +398,26 @@ TextToImageResult text_to_image(StableDiffusion& sd, const TextToImageOptions& o
     throw Error("--guidance_rescale must be in [0, 1], got " + std::to_string(o.guidance_rescale));
   }
   torch::Tensor embeds, pooled, time_ids;
-  if (sd.is_xl()) {
-    // StableDiffusionXLPipeline.encode_prompt, then _get_add_time_ids.
-    const PromptEmbeds positive = sd.text_encoders.encode(o.prompts, o.clip_skip);
-    embeds = positive.embeds.repeat_interleave(k, 0);
-    pooled = positive.pooled.repeat_interleave(k, 0);
-    auto or_default = [](const std::vector<int64_t>& v, std::vector<int64_t> fallback) {
-      return v.empty() ? fallback : v;
-    };
-    const std::vector<int64_t> hw = {height, width};
-    const auto original = or_default(o.original_size, hw);
-    const auto crops = or_default(o.crops_coords_top_left, {0, 0});
-    const auto target = or_default(o.target_size, hw);
-    time_ids = xl_time_ids(original, crops, target).repeat({n * k, 1});
-    if (guided) {
-      torch::Tensor negative_embeds, negative_pooled;
-      if (o.negative_prompts.empty() && sd.folder.force_zeros_for_empty_prompt) {
-        negative_embeds = torch::zeros_like(positive.embeds);
-        negative_pooled = torch::zeros_like(positive.pooled);
-      } else {
-        // Diffusers takes hidden_states[-2] for the negatives whatever clip_skip is.
-        const PromptEmbeds negative = sd.text_encoders.encode(negatives, 0);
-        negative_embeds = negative.embeds;
-        negative_pooled = negative.pooled;
+  if (sd.folder.extension) {
+    const std::vector<std::string> known = sd.folder.extension->option_names();
+    for (const auto& [name, value] : o.options.items()) {
+      if (std::find(known.begin(), known.end(), name) == known.end()) {
+        throw Error("--" + name + " is not an option of " + sd.class_name());
       }
-      const torch::Tensor negative_time_ids =
-          xl_time_ids(or_default(o.negative_original_size, original),
-                      or_default(o.negative_crops_coords_top_left, crops),
-                      or_default(o.negative_target_size, target))
-              .repeat({n * k, 1});
-      embeds = torch::cat({negative_embeds.repeat_interleave(k, 0), embeds});
-      pooled = torch::cat({negative_pooled.repeat_interleave(k, 0), pooled});
-      time_ids = torch::cat({negative_time_ids, time_ids});
     }
-    pooled = pooled.to(device, dtype);
-    time_ids = time_ids.to(device, dtype);
+    PromptConditioning c =
+        sd.folder.extension->encode_prompts(sd, o, negatives, height, width, guided);
+    embeds = c.embeds;
+    if (c.text_embeds.defined()) pooled = c.text_embeds.to(device, dtype);
+    if (c.time_ids.defined()) time_ids = c.time_ids.to(device, dtype);
   } else {
+    if (!o.options.empty()) {
+      std::string names;
+      for (const auto& [name, value] : o.options.items()) {
+        names += (names.empty() ? "--" : ", --") + name;
+      }
+      throw Error(names + ": not options of " + sd.class_name() + " (" + sd.folder.root + ")");
+    }
     // encode_prompt: embeddings repeated K times per prompt (prompt-major), negatives first.
     torch::Tensor cond =
         sd.text_encoders.encode(o.prompts, o.clip_skip).embeds.repeat_interleave(k, 0);
@@ -439,14 +469,13 @@ TextToImageResult text_to_image(StableDiffusion& sd, const TextToImageOptions& o
   TextToImageResult out;
   out.latents = x.to(torch::kCPU, torch::kFloat32);
   out.prompt_embeds = embeds.to(torch::kCPU, torch::kFloat32);
-  if (pooled.defined()) {
-    out.pooled_prompt_embeds = pooled.to(torch::kCPU, torch::kFloat32);
-    out.add_time_ids = time_ids.to(torch::kCPU, torch::kFloat32);
-  }
+  if (pooled.defined()) out.pooled_prompt_embeds = pooled.to(torch::kCPU, torch::kFloat32);
+  if (time_ids.defined()) out.add_time_ids = time_ids.to(torch::kCPU, torch::kFloat32);
   auto vae_dtype = models::module_dtype(*sd.vae);
-  // SDXL's VAE overflows in float16 (black images): its config says force_upcast, and the
-  // pipeline decodes in float32 then (upcast_vae), and back afterwards.
-  const bool upcast = sd.is_xl() && vae_dtype == torch::kFloat16 && sd.vae->config().force_upcast;
+  // A VAE that overflows in float16 (SDXL's: black images) says force_upcast in its config, and
+  // an extension's pipeline may decode in float32 then (upcast_vae), and back afterwards.
+  const bool upcast = sd.folder.extension && sd.folder.extension->upcasts_vae() &&
+                      vae_dtype == torch::kFloat16 && sd.vae->config().force_upcast;
   if (upcast) {
     sd.vae->to(torch::kFloat32);
     vae_dtype = torch::kFloat32;
@@ -476,18 +505,8 @@ GenerateResult generate_text_to_image(StableDiffusion& sd, const GenerateRequest
   o.seed = r.seed;
   o.clip_skip = r.clip_skip;
   o.guidance_rescale = r.guidance_rescale;
-  // SDXL's micro-conditioning arrives among the request's family arguments (its sample options).
-  const auto pair = [&](const char* name) {
-    const auto it = r.options.find(name);
-    return it == r.options.end() || it->is_null() ? std::vector<int64_t>()
-                                                  : it->get<std::vector<int64_t>>();
-  };
-  o.original_size = pair("original_size");
-  o.crops_coords_top_left = pair("crops_coords_top_left");
-  o.target_size = pair("target_size");
-  o.negative_original_size = pair("negative_original_size");
-  o.negative_crops_coords_top_left = pair("negative_crops_coords_top_left");
-  o.negative_target_size = pair("negative_target_size");
+  // The family's own sample options (an extension's: SDXL's micro-conditioning) by name.
+  o.options = r.options;
   o.on_step = r.on_step;
   GenerateResult out;
   if (r.seeding == Seeding::kBatch) {
@@ -530,7 +549,10 @@ GenerateResult generate_text_to_image(StableDiffusion& sd, const GenerateRequest
 
 std::string StableDiffusion::class_name() const {
   if (!folder.pipeline_class.empty()) return folder.pipeline_class;
-  return is_xl() ? "StableDiffusionXLPipeline" : "StableDiffusionPipeline";
+  if (folder.extension && !folder.extension->pipeline_classes().empty()) {
+    return folder.extension->pipeline_classes().front();
+  }
+  return "StableDiffusionPipeline";
 }
 
 void StableDiffusion::to(const torch::Device& device, std::optional<torch::Dtype> dtype) {
@@ -552,8 +574,10 @@ void StableDiffusion::to(const torch::Device& device, std::optional<torch::Dtype
 GenerateRequest StableDiffusion::resolve(GenerateRequest r) const {
   if (r.num_images == 0) r.num_images = 1;
   if (r.num_inference_steps == 0) r.num_inference_steps = 50;
-  // StableDiffusionPipeline's default guidance is 7.5, StableDiffusionXLPipeline's 5.
-  if (!r.guidance_scale) r.guidance_scale = is_xl() ? 5.0 : 7.5;
+  // StableDiffusionPipeline's default guidance is 7.5; an extension's pipeline has its own.
+  if (!r.guidance_scale) {
+    r.guidance_scale = folder.extension ? folder.extension->default_guidance() : 7.5;
+  }
   return r;
 }
 

@@ -1,5 +1,5 @@
-// `difftrain sample` for Stable Diffusion 1.x/2.x and SDXL folders: StableDiffusion(XL)Pipeline
-// semantics (the SDXL family calls it too).
+// `difftrain sample` for Stable Diffusion 1.x/2.x folders and those of the pipelines built on
+// StableDiffusionPipeline (the SDXL family calls it too): the pipeline's semantics.
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/diffusion/sampler.h"
@@ -27,7 +27,7 @@ diffusion::GenerateResult sample_text_to_image(const families::SampleOptions& a)
   request.seed = a.seed;
   request.clip_skip = a.clip_skip - 1;
   request.guidance_rescale = a.guidance_rescale;
-  // The family's own sample options (SDXL's micro-conditioning) go to its pipeline by name.
+  // The family's own sample options (its pipeline extension's) go to the pipeline by name.
   for (const auto& [name, value] : a.family.values.items()) {
     if (!value.is_null()) request.options[name] = value;
   }
@@ -35,12 +35,6 @@ diffusion::GenerateResult sample_text_to_image(const families::SampleOptions& a)
   families::stable_diffusion::StableDiffusion sd =
       families::stable_diffusion::load_stable_diffusion(a.model, a);
   sd.to(device, a.dtype);
-  if (!request.options.empty() && !sd.is_xl()) {
-    throw Error(
-        "--original_size, --crops_coords_top_left and --target_size are SDXL's "
-        "micro-conditioning; " +
-        a.model + " is a Stable Diffusion 1.x/2.x folder");
-  }
   if (request.clip_skip > sd.text_encoders.max_clip_skip()) {
     throw Error("--clip_skip " + std::to_string(a.clip_skip) + " is more than the text encoder's " +
                 std::to_string(sd.text_encoders.max_clip_skip() + 1) + " layers");

@@ -19,12 +19,7 @@ void TextToImageTask::build(accel::Accelerator& acc, const std::string& output_d
   parts.vae_variant = o_.model.vae.empty() ? o_.model.variant : "";
   vae_ = models::load_autoencoder_kl(parts.vae_dir, parts.vae_variant);
   unet_ = models::load_unet(folder_.unet_dir, o_.model.variant);
-  if (!unet_->needs_encoder_hidden_states()) {
-    throw Error(folder_.unet_dir +
-                ": the UNet has no cross-attention; a text-to-image "
-                "pipeline needs a UNet2DConditionModel");
-  }
-  check_unet();
+  families::stable_diffusion::check_unet_fits(folder_, unet_, text_);
   for (auto& p : vae_->parameters()) p.set_requires_grad(false);
   vae_->to(acc.device());
   vae_->eval();
@@ -134,12 +129,19 @@ ModelCard TextToImageTask::model_card() const {
 }
 
 void TextToImageTask::load_text_models(accel::Accelerator& acc) {
-  const bool xl = two_text_encoders();
-  if (folder_.xl != xl) {
-    throw Error(folder_.root + (xl ? ": not an SDXL folder (model_index.json lists no "
-                                     "text_encoder_2)"
-                                   : ": an SDXL folder (model_index.json lists text_encoder_2); "
-                                     "train it as SDXL"));
+  // The family's folders are its extension's (SDXL's list text_encoder_2), or plain ones.
+  const auto want = extension();
+  const auto& have = folder_.extension;
+  if (have != want) {
+    const auto first_component = [](const PipelineExtension& e) {
+      const auto c = e.components();
+      return c.empty() ? std::string("its components") : c.front().first;
+    };
+    throw Error(folder_.root +
+                (want ? ": not an " + want->display_name() + " folder (model_index.json lists no " +
+                            first_component(*want) + ")"
+                      : ": an " + have->display_name() + " folder (model_index.json lists " +
+                            first_component(*have) + "); train it as " + have->display_name()));
   }
   text_ = families::stable_diffusion::load_text_encoders(folder_, o_.model.variant);
   skip_ = text_.clip_skip_from_kohya(o_.text.clip_skip);

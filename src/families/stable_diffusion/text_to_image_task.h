@@ -6,9 +6,9 @@
 // text-embedding cache, validation renders from a prompt, and the final pipeline folder or LoRA.
 // The dataset, buckets, caches and class images are the TextImageData component
 // (../text_image_data.h, shared with FLUX.1) and the text encoders a diffusion::TextEncoderStack;
-// the bodies are in text_to_image_task.cpp. What SDXL changes (the stack's layout, the UNet's added
-// conditioning, the guidance) sits behind protected virtual hooks, which SdxlTask (sdxl_task.cpp)
-// overrides.
+// the bodies are in text_to_image_task.cpp. A family built on the pipeline (SDXL) names its
+// PipelineExtension (text encoders, the UNet's added conditioning, the guidance) and computes the
+// added conditioning of a batch behind protected virtual hooks, which its task overrides.
 #include <torch/torch.h>
 #include <filesystem>
 #include <functional>
@@ -77,7 +77,7 @@ class TextToImageTask : public families::unet::DiffusionTask {
   void export_to(const fs::path& out) override;
 
   // Diffusers' train_(dreambooth_)lora / train_text_to_image card: creativeml-openrail-m, tags
-  // stable-diffusion and stable-diffusion-diffusers (SdxlTask changes the family's part).
+  // stable-diffusion and stable-diffusion-diffusers (a family built on it changes its part).
   train::ModelCard model_card() const override;
 
  protected:
@@ -87,30 +87,24 @@ class TextToImageTask : public families::unet::DiffusionTask {
     return out;
   }
 
-  // ---- What differs between SD-1.x/2.x and SDXL (SdxlTask, sdxl_task.cpp, overrides these).
-  // The text side itself is the folder's TextEncoderStack (text_): one CLIP or two.
+  // ---- What a family built on the pipeline (SdxlTask, src/families/sdxl/) overrides.
+  // The text side itself is the folder's TextEncoderStack (text_): one CLIP or the extension's.
 
-  /// Whether the family's folders have two text encoders (SDXL) rather than one CLIP.
-  virtual bool two_text_encoders() const { return false; }
-
-  /// Refuses a UNet of another family (SDXL's added conditioning in an SD folder).
-  virtual void check_unet() const {
-    if (unet_->needs_added_conditioning()) {
-      throw Error(folder_.unet_dir +
-                  ": the UNet has SDXL's addition_embed_type \"text_time\" but the folder has "
-                  "no text_encoder_2");
-    }
-  }
+  /// The pipeline extension the family's folders have (null: StableDiffusionPipeline's).
+  virtual std::shared_ptr<const PipelineExtension> extension() const { return nullptr; }
 
   /// The UNet's added conditioning of a batch half whose latents are `latents` (SDXL's time
-  /// ids [B, 6]); undefined for SD-1.x/2.x.
+  /// ids [B, 6]); undefined for StableDiffusionPipeline.
   virtual torch::Tensor time_ids(const data::Batch& /*batch*/, const std::string& /*prefix*/,
                                  const torch::Tensor& /*latents*/) const {
     return {};
   }
 
-  /// The pipeline's own guidance scale (StableDiffusionPipeline's 7.5).
-  virtual double default_guidance() const { return 7.5; }
+  /// The pipeline's own guidance scale (StableDiffusionPipeline's 7.5, or the extension's).
+  double default_guidance() const {
+    const auto e = extension();
+    return e ? e->default_guidance() : 7.5;
+  }
 
   families::stable_diffusion::StableDiffusionFolder folder_;
   diffusion::TextEncoderStack text_;  // the folder's tokenizers and text encoders
@@ -125,7 +119,7 @@ class TextToImageTask : public families::unet::DiffusionTask {
       const diffusion::SchedulerConfig& scheduler, const std::string& sampler);
 
   // A text-to-image request for `prompt` at the run's resolution, with the validation steps and
-  // guidance (1 means the pipeline's: 7.5, SDXL 5), image i of it from seed + i.
+  // guidance (1 means the pipeline's: 7.5, or the extension's), image i of it from seed + i.
   diffusion::GenerateRequest render_request(const std::string& prompt) const;
 
   // Latents and embeddings of one half of a batch (TextImageData), plus time_ids().

@@ -9,6 +9,7 @@
 #include "difftrain/io/lora_format.h"
 #include "difftrain/models/text_encoders/clip_text_model.h"
 #include "difftrain/models/unets/sgm_names.h"
+#include "difftrain/train/ddpm_options.h"
 
 #include <torch/torch.h>
 
@@ -17,6 +18,13 @@
 namespace difftrain::families::unet {
 using namespace difftrain::train;
 namespace fs = std::filesystem;
+
+DiffusionTask::DiffusionTask(train::TaskOptions options) : o_(std::move(options)) {
+  if (o_.family.find("prediction_type") != nullptr) {
+    o_.noise = train::ddpm_noise_options(o_.family, o_.noise.seed);
+  }
+}
+
 namespace {
 
 // What a text-to-image LoRA run trains when the text encoder trains too: both adapter sets,

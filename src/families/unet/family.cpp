@@ -9,6 +9,7 @@
 #include "difftrain/families/unet/pipeline.h"
 #include "difftrain/families/unet/unet_based_family.h"
 #include "difftrain/io/atomic_file.h"
+#include "difftrain/train/train_config.h"
 #include "unet_task.h"
 
 #include <fmt/format.h>
@@ -128,6 +129,64 @@ class UNetFamily : public unet::UNetBasedFamily {
         families::unet::load_unet_pipeline(dir, options));
   }
   std::vector<FamilyCommand> commands() const override { return {eval_command()}; }
+
+  // The DDPM objective's options, and class labels (train_unconditional.py has none; difftrain's
+  // class-conditional UNet takes them from labelled datasets).
+  std::vector<train::OptionSpec> options() const override {
+    auto specs = UNetBasedFamily::options();
+    train::OptionSpec conditional{"class_conditional",
+                                  "bool?",
+                                  nullptr,
+                                  "condition on class labels (default: yes for a fresh UNet on a "
+                                  "labelled dataset)",
+                                  {}};
+    train::OptionSpec dropout{"class_dropout_prob", "float", 0.0,
+                              "labels replaced by the null class (enables guidance when sampling)",
+                              [](const nlohmann::json& v, const std::string&) {
+                                const double p = v.get<double>();
+                                if (!(p >= 0 && p < 1)) {
+                                  throw Error("--class_dropout_prob must be in [0, 1)");
+                                }
+                              }};
+    train::OptionSpec only{"only_class", "int?", nullptr,
+                           "train on one class of fashion_mnist / mnist only",
+                           [](const nlohmann::json& v, const std::string&) {
+                             if (v.get<int64_t>() < 0) throw Error("--only_class must be >= 0");
+                           }};
+    for (auto* s : {&conditional, &dropout, &only}) {
+      s->structural = true;
+      specs.push_back(std::move(*s));
+    }
+    return specs;
+  }
+
+  // The built-in job (the built-in UNet trained from scratch) trains with the recipe that
+  // measured best on it (docs/QUALITY.md): v-prediction with min-SNR-5 weighting on the cosine
+  // (squaredcos_cap_v2) noise schedule and Adam beta2 0.99, where Diffusers' scripts default to
+  // epsilon without weighting on the linear one and beta2 0.999; label dropout 0.1 and validation
+  // drawn by DDPM's ancestral sampler (its scheduler's class, as DDPMPipeline) with
+  // classifier-free guidance 1.5. Options given win; a pretrained or configured model keeps
+  // Diffusers' defaults.
+  void configure_training(train::TrainConfig& c) const override {
+    const auto unset = [&](const char* name) { return c.given.count(name) == 0; };
+    if (c.pretrained_model_name_or_path.empty() && c.model_config_name_or_path.empty()) {
+      if (unset("prediction_type")) c.family.values["prediction_type"] = "v_prediction";
+      if (unset("snr_gamma")) c.family.values["snr_gamma"] = 5.0;
+      if (unset("ddpm_beta_schedule")) c.family.values["ddpm_beta_schedule"] = "squaredcos_cap_v2";
+      if (unset("class_dropout_prob")) c.family.values["class_dropout_prob"] = 0.1;
+      if (unset("adam_beta2")) c.adam_beta2 = 0.99;
+      if (unset("validation_scheduler")) c.validation_scheduler = "ddpm";
+      if (unset("guidance_scale") && c.family.number("class_dropout_prob") > 0) {
+        c.guidance_scale = 1.5;
+      }
+    }
+    // A fresh UNet guides against its null class, which label dropout trains.
+    if (c.guidance_scale && *c.guidance_scale != 1 && c.family.number("class_dropout_prob") <= 0 &&
+        c.pretrained_model_name_or_path.empty()) {
+      throw Error(
+          "--guidance_scale > 1 needs a null class: train with --class_dropout_prob (e.g. 0.1)");
+    }
+  }
   std::unique_ptr<train::TrainingTask> make_training_task(
       const train::TaskOptions& options) const override {
     return families::unet::make_unet_task(options);

@@ -6,6 +6,7 @@
 #include "difftrain/models/pretrained.h"
 #include "difftrain/models/unets/sgm_names.h"
 #include "difftrain/models/unets/unet_config.h"
+#include "difftrain/train/ddpm_options.h"
 
 #include <filesystem>
 #include "difftrain/families/unet/memory.h"
@@ -25,6 +26,10 @@ void adapt_unet_lora(io::LoraWeights& lora, const std::string& dir, io::LoraForm
   if (format == io::LoraFormat::kKohya && config.addition_embed_type) {
     lora = models::with_sgm_unet_names(lora, config);
   }
+}
+
+std::vector<train::OptionSpec> UNetBasedFamily::options() const {
+  return train::ddpm_option_specs();
 }
 
 std::map<std::string, std::string> UNetBasedFamily::other_tools_options() const {

@@ -65,7 +65,18 @@ nlohmann::json read_json_file(const std::string& path) {
 
 class UNetTask final : public DiffusionTask {
  public:
-  using DiffusionTask::DiffusionTask;
+  // The class-label options are the family's (its family.cpp), when the run's options have them.
+  explicit UNetTask(TaskOptions options) : DiffusionTask(std::move(options)) {
+    const auto& f = o_.family;
+    if (f.find("class_dropout_prob") == nullptr) return;
+    const auto& conditional = f.at("class_conditional");
+    o_.model.class_conditional =
+        conditional.is_null() ? std::nullopt : std::optional<bool>(conditional.get<bool>());
+    o_.model.class_dropout_prob = f.number("class_dropout_prob");
+    const auto& only = f.at("only_class");
+    o_.data.only_class =
+        only.is_null() ? std::nullopt : std::optional<int64_t>(only.get<int64_t>());
+  }
 
   std::string name() const override { return "unconditional"; }
   int64_t num_classes() const override { return num_classes_; }

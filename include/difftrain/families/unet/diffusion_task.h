@@ -24,7 +24,9 @@ namespace difftrain::families::unet {
 
 class DiffusionTask : public train::TrainingTask {
  public:
-  explicit DiffusionTask(train::TaskOptions options) : o_(std::move(options)) {}
+  /// The DDPM objective's options (o_.noise) come from the family's (train/ddpm_options.h), when
+  /// options.family declares them; else as given.
+  explicit DiffusionTask(train::TaskOptions options);
 
   std::shared_ptr<data::Dataset> dataset() const override { return dataset_; }
   void set_epoch(int64_t epoch) override { set_epoch_(epoch); }

@@ -28,6 +28,8 @@ class UNetBasedFamily : public ModelFamily {
   std::string lora_bare_component() const override { return "unet"; }
   /// kohya's `--unet_lr`.
   std::map<std::string, std::string> other_tools_options() const override;
+  /// The DDPM objective's options (train::ddpm_option_specs()): a UNet family trains with it.
+  std::vector<train::OptionSpec> options() const override;
   std::vector<train::MemoryEstimate> estimate_memory(
       const std::string& model_path, const train::MemoryEstimateOptions& options,
       const std::vector<accel::ShardingStrategy>& strategies) const override;
