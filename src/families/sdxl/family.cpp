@@ -49,23 +49,7 @@ class SdxlFamily : public unet::UNetBasedFamily {
   }
   /// StableDiffusionXLPipeline's micro-conditioning (`_get_add_time_ids`), each a pair.
   std::vector<train::OptionSpec> sample_options() const override {
-    std::vector<train::OptionSpec> out;
-    const auto pair = [&](const char* name, const char* help) {
-      train::OptionSpec s{name, "int?", nullptr, help, train::range_check(0, 1 << 20)};
-      s.values = 2;
-      out.push_back(std::move(s));
-    };
-    pair("original_size",
-         "the size the image claims to come from, H W (default: --height --width)");
-    pair("crops_coords_top_left", "the crop's top-left corner, TOP LEFT (default 0 0)");
-    pair("target_size", "the target size, H W (default: the output's)");
-    pair("negative_original_size",
-         "original size of the negative conditioning (default: --original_size)");
-    pair("negative_crops_coords_top_left",
-         "crop corner of the negative conditioning (default: --crops_coords_top_left)");
-    pair("negative_target_size",
-         "target size of the negative conditioning (default: --target_size)");
-    return out;
+    return sdxl::micro_conditioning_options();
   }
   std::unique_ptr<train::TrainingTask> make_training_task(
       const train::TaskOptions& options) const override {

@@ -19,12 +19,6 @@ using stable_diffusion::TextToImageOptions;
 
 namespace {
 
-// The pairs of StableDiffusionXLPipeline.__call__'s micro-conditioning (the family's sample
-// options of the same names, family.cpp).
-const char* const kMicroConditioning[] = {
-    "original_size",          "crops_coords_top_left",          "target_size",
-    "negative_original_size", "negative_crops_coords_top_left", "negative_target_size"};
-
 // options[name] as integers; empty when absent or null.
 std::vector<int64_t> micro_conditioning_value(const nlohmann::json& options,
                                               const std::string& name) {
@@ -54,7 +48,9 @@ class SdxlExtension final : public stable_diffusion::PipelineExtension {
   double default_guidance() const override { return 5.0; }  // StableDiffusionXLPipeline's
   bool upcasts_vae() const override { return true; }
   std::vector<std::string> option_names() const override {
-    return std::vector<std::string>(std::begin(kMicroConditioning), std::end(kMicroConditioning));
+    std::vector<std::string> names;
+    for (const auto& spec : micro_conditioning_options()) names.push_back(spec.name);
+    return names;
   }
 
   // CLIPTextModel + CLIPTextModelWithProjection, penultimate layers side by side, the pooled
@@ -138,6 +134,24 @@ const std::shared_ptr<const stable_diffusion::PipelineExtension>& pipeline_exten
   static const std::shared_ptr<const stable_diffusion::PipelineExtension> extension =
       std::make_shared<SdxlExtension>();
   return extension;
+}
+
+std::vector<train::OptionSpec> micro_conditioning_options() {
+  std::vector<train::OptionSpec> out;
+  const auto pair = [&](const char* name, const char* help) {
+    train::OptionSpec s{name, "int?", nullptr, help, train::range_check(0, 1 << 20)};
+    s.values = 2;
+    out.push_back(std::move(s));
+  };
+  pair("original_size", "the size the image claims to come from, H W (default: --height --width)");
+  pair("crops_coords_top_left", "the crop's top-left corner, TOP LEFT (default 0 0)");
+  pair("target_size", "the target size, H W (default: the output's)");
+  pair("negative_original_size",
+       "original size of the negative conditioning (default: --original_size)");
+  pair("negative_crops_coords_top_left",
+       "crop corner of the negative conditioning (default: --crops_coords_top_left)");
+  pair("negative_target_size", "target size of the negative conditioning (default: --target_size)");
+  return out;
 }
 
 torch::Tensor add_time_ids(const std::vector<int64_t>& original_size,

@@ -14,6 +14,11 @@ namespace difftrain::families::sdxl {
 /// and micro-conditioning time ids), guidance 5, the float16 VAE decoded in float32.
 const std::shared_ptr<const stable_diffusion::PipelineExtension>& pipeline_extension();
 
+/// StableDiffusionXLPipeline.__call__'s micro-conditioning arguments (original_size,
+/// crops_coords_top_left, target_size and their negative_* forms), each a pair: the family's
+/// sample options, and the names its pipeline extension reads.
+std::vector<train::OptionSpec> micro_conditioning_options();
+
 /// StableDiffusionXLPipeline's micro-conditioning: [original_size (h, w), crops_coords_top_left
 /// (top, left), target_size (h, w)] as one row [1, 6] float32 (`_get_add_time_ids`).
 torch::Tensor add_time_ids(const std::vector<int64_t>& original_size,
