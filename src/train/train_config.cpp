@@ -10,6 +10,7 @@
 #include "difftrain/models/kernels/quantized_weight.h"
 #include "difftrain/settings/config_merge.h"
 #include "difftrain/settings/sharding_config.h"
+#include "difftrain/train/text_image_options.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -195,22 +196,8 @@ const std::vector<Option>& options() {
       DT_OPTION(lora_target_modules),
       DT_OPTION(lora_format),
       DT_OPTION(lora_layers),
-      DT_OPTION(base_weights_dtype),
-      DT_OPTION(caption_column),
-      DT_OPTION(caption_extension),
-      DT_OPTION(instance_prompt),
-      DT_OPTION(with_prior_preservation),
-      DT_OPTION(class_data_dir),
-      DT_OPTION(class_prompt),
-      DT_OPTION(prior_loss_weight),
-      DT_OPTION(num_class_images),
-      DT_OPTION(cache_latents),
       DT_OPTION(cache_dir),
-      DT_OPTION(train_text_encoder),
-      DT_OPTION(text_encoder_lora_target_modules),
-      DT_OPTION(clip_skip),
-      DT_OPTION(validation_prompt),
-      DT_OPTION(validation_negative_prompt),
+      DT_OPTION(base_weights_dtype),
       DT_OPTION(sharding_strategy),
       DT_OPTION(fsdp_auto_wrap_policy),
       DT_OPTION(fsdp_transformer_layer_cls_to_wrap),
@@ -556,9 +543,6 @@ void TrainConfig::validate() const {
   require(!checkpoints_total_limit || *checkpoints_total_limit >= 1,
           "--checkpoints_total_limit must be at least 1");
   require(validation_steps >= 0, "--validation_steps must be >= 0 (0: only at the end)");
-  require(caption_extension.empty() || caption_extension[0] == '.',
-          "--caption_extension must start with a dot (.txt, .caption) or be empty, got '" +
-              caption_extension + "'");
   require(!overwrite_output_dir || resume_from_checkpoint.empty(),
           "--overwrite_output_dir clears the folder that --resume_from_checkpoint would continue; "
           "pass one of them");
@@ -607,20 +591,7 @@ void TrainConfig::validate() const {
   require(bucket_min_side >= 0 && bucket_max_side >= 0,
           "--bucket_min_side and --bucket_max_side must be >= 0 (0 = resolution / 2 and 2 x "
           "resolution)");
-  require(clip_skip >= 1,
-          "--clip_skip counts as kohya does: 1 = the last layer, 2 = the one "
-          "before; got " +
-              std::to_string(clip_skip));
-  require(prior_loss_weight >= 0, "--prior_loss_weight must be >= 0");
-  require(num_class_images >= 1, "--num_class_images must be at least 1");
-  if (with_prior_preservation) {
-    require(!class_data_dir.empty() && !class_prompt.empty(),
-            "--with_prior_preservation needs --class_data_dir and --class_prompt");
-    require(!instance_prompt.empty(),
-            "--with_prior_preservation is DreamBooth training: give --instance_prompt too");
-  }
-  require(!train_text_encoder || lora,
-          "--train_text_encoder trains LoRA adapters on the text encoder: add --lora");
+  check_text_image_options(*this);  // the text-to-image families' group, where declared
   require(dataset != "imagefolder" || !train_data_dir.empty(),
           "--dataset imagefolder needs --train_data_dir (a folder of images)");
 }

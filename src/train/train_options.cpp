@@ -47,8 +47,13 @@ TrainerOptions trainer_options(const TrainConfig& c) {
   o.inputs = {{"pretrained_model_name_or_path", c.pretrained_model_name_or_path},
               {"pretrained_vae_model_name_or_path", c.pretrained_vae_model_name_or_path},
               {"model_config_name_or_path", c.model_config_name_or_path},
-              {"train_data_dir", c.train_data_dir},
-              {"class_data_dir", c.class_data_dir}};
+              {"train_data_dir", c.train_data_dir}};
+  for (const auto& spec : c.family.specs) {  // the family's, e.g. --class_data_dir
+    const auto value = c.family.values.find(spec.name);
+    if (spec.input_path && value != c.family.values.end() && value->is_string()) {
+      o.inputs.push_back({spec.name, value->get<std::string>()});
+    }
+  }
   o.logging_dir = c.logging_dir;
   o.report_to = c.report_to;
   o.logging_steps = c.logging_steps;
@@ -58,7 +63,6 @@ TrainerOptions trainer_options(const TrainConfig& c) {
   o.validation_steps = c.validation_steps;
   o.num_validation_images = c.num_validation_images;
   o.final_validation = c.final_validation;
-  o.validation_prompt_given = !c.validation_prompt.empty();
   o.config = c.to_json();
   o.shown_config = c.shown_json();
   o.defaults_from = c.defaults_from;
@@ -80,14 +84,7 @@ TrainerOptions trainer_options(const TrainConfig& c) {
                        "use_ema",
                        "use_8bit_adam",
                        "max_train_samples",
-                       "dataset_repeats",
-                       "caption_column",
-                       "instance_prompt",
-                       "with_prior_preservation",
-                       "class_prompt",
-                       "train_text_encoder",
-                       "text_encoder_lora_target_modules",
-                       "clip_skip"};
+                       "dataset_repeats"};
   // Options whose change breaks bit-exact continuation: a warning.
   // The batch per rank and the accumulation are not among them: a resume compares the global
   // batch (per rank x ranks x accumulation), which any world size can keep.
@@ -123,8 +120,6 @@ TaskOptions task_options(const TrainConfig& c) {
   o.data.bucket_max_side = c.bucket_max_side;
   o.data.train_batch_size = c.train_batch_size;
   o.data.skip_bad_images = c.skip_bad_images;
-  o.data.caption_column = c.caption_column;
-  o.data.caption_extension = c.caption_extension;
   o.data.max_train_samples = c.max_train_samples;
   o.data.dataset_repeats = c.dataset_repeats;
   o.data.seed = c.seed;
@@ -158,27 +153,17 @@ TaskOptions task_options(const TrainConfig& c) {
     }
   }
   o.lora.format = c.lora_format;
-  o.lora.train_text_encoder = c.train_text_encoder;
-  o.lora.text_encoder_target_modules = c.text_encoder_lora_target_modules;
 
   o.validation.num_images = c.num_validation_images;
   o.validation.inference_steps = c.validation_inference_steps;
   o.validation.guidance_scale = c.guidance_scale.value_or(1.0);
   o.validation.guidance_scale_given = c.guidance_scale;
   o.validation.scheduler = c.validation_scheduler;
-  o.validation.prompt = c.validation_prompt;
-  o.validation.negative_prompt = c.validation_negative_prompt;
   o.validation.seed = c.seed;
 
-  o.text.instance_prompt = c.instance_prompt;
-  o.text.with_prior_preservation = c.with_prior_preservation;
-  o.text.class_data_dir = c.class_data_dir;
-  o.text.class_prompt = c.class_prompt;
-  o.text.prior_loss_weight = c.prior_loss_weight;
-  o.text.num_class_images = c.num_class_images;
-  o.text.cache_latents = c.cache_latents;
+  // The text-to-image group's options are the family's (train/text_image_options.h), which
+  // its task reads; the cache folder is the run's.
   o.text.cache_dir = c.cache_dir;
-  o.text.clip_skip = c.clip_skip;
 
   o.encode_batch_size = c.train_batch_size;
   o.family = c.family;

@@ -377,7 +377,7 @@ void Trainer::State::write_run_info() {
 
 bool Trainer::State::final_validation_wanted() {
   if (o.final_validation == "never" || o.num_validation_images == 0) return false;
-  if (o.final_validation == "always" || o.validation_steps == 0 || o.validation_prompt_given ||
+  if (o.final_validation == "always" || o.validation_steps == 0 || task->validation_requested() ||
       total_steps >= o.validation_steps) {
     return true;
   }

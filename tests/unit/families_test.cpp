@@ -3,7 +3,9 @@
 // refusal of a class no family claims; each family's pipeline loader.
 #include "difftrain/families/family.h"
 #include "difftrain/train/ddpm_options.h"
+#include "difftrain/train/text_image_options.h"
 
+#include "difftrain/families/stable_diffusion/text_to_image.h"
 #include "difftrain/families/unet/memory.h"
 #include "difftrain/families/unet/pipeline.h"
 #include "difftrain/families/unet/unet_based_family.h"
@@ -269,11 +271,159 @@ TEST(Families, AFamilyDeclaresItsOwnOptionsAndAnotherFamilysAreRefused) {
              "\"unet_lr\" is another tool's option (kohya sd-scripts, SimpleTuner); difftrain's "
              "is --learning_rate");
   EXPECT_TRUE(flux_family->other_tools_options().count("unet_lr"));
-  // An SD run's family options are the DDPM objective's, and its shown configuration has none of
-  // FLUX.1's.
+  // An SD run's family options are the DDPM objective's, the text-to-image group and clip_skip,
+  // and its shown configuration has none of FLUX.1's.
   const auto sd = parse({"--pretrained_model_name_or_path", kTinySdGolden});
-  EXPECT_EQ(sd.family.values.size(), train::ddpm_option_specs().size());
+  EXPECT_EQ(sd.family.values.size(),
+            train::ddpm_option_specs().size() + train::text_image_option_specs().size() + 1);
+  EXPECT_EQ(sd.family.values.size(),
+            families::stable_diffusion::text_to_image_option_specs().size());
   EXPECT_FALSE(sd.to_json().contains("weighting_scheme"));
+}
+
+// Captions, DreamBooth, --cache_latents, the text encoder's LoRA and the validation prompt are
+// the text-to-image families' group (train/text_image_options.h), clip_skip the CLIP-layer
+// families' (SD, SDXL): not the trainer's, refused by the others, the same checks as before.
+TEST(Families, TheTextToImageOptionsAreAGroupTheTextFamiliesDeclare) {
+  const auto flux = kGoldenDir + "flux/tiny_flux";
+  const auto parse = [](std::vector<std::string> args) {
+    return families::parse_train_config(args);
+  };
+  std::set<std::string> trainer;
+  for (const auto& row : train::train_option_table()) trainer.insert(row[0]);
+  std::vector<std::string> group;
+  for (const auto& spec : train::text_image_option_specs()) group.push_back(spec.name);
+  EXPECT_EQ(group.size(), 13u);
+  for (const auto& name : group) EXPECT_EQ(trainer.count(name), 0u) << name;
+  EXPECT_EQ(trainer.count("clip_skip"), 0u);
+  EXPECT_EQ(trainer.count("cache_dir"), 1u);  // the run's cache folder stays the trainer's
+  for (const char* family : {"stable-diffusion", "sdxl", "flux"}) {
+    const auto* f = families::find_family(family);
+    ASSERT_NE(f, nullptr);
+    std::set<std::string> names;
+    for (const auto& spec : f->options()) names.insert(spec.name);
+    for (const auto& name : group) EXPECT_EQ(names.count(name), 1u) << family << " " << name;
+    EXPECT_EQ(names.count("clip_skip"), std::string(family) == "flux" ? 0u : 1u) << family;
+  }
+  EXPECT_TRUE(families::find_family("unet")->options().size() > 0);
+  for (const auto& spec : families::find_family("unet")->options()) {
+    EXPECT_NE(spec.name, "instance_prompt");
+  }
+
+  // Given, they reach the task's data, text, LoRA and validation options, the structural ones
+  // the resume check, the class folder the output-folder check.
+  const auto dir = temp_dir("families_text_options");
+  const auto run = parse({"--pretrained_model_name_or_path",
+                          kTinySdGolden,
+                          "--lora",
+                          "--instance_prompt",
+                          "a sks dog",
+                          "--with_prior_preservation",
+                          "--class_data_dir",
+                          dir + "/class",
+                          "--class_prompt",
+                          "a dog",
+                          "--prior_loss_weight",
+                          "0.5",
+                          "--num_class_images",
+                          "7",
+                          "--clip_skip",
+                          "2",
+                          "--caption_column",
+                          "caption",
+                          "--caption_extension",
+                          ".caption",
+                          "--cache_latents",
+                          "--train_text_encoder",
+                          "--text_encoder_lora_target_modules",
+                          "q_proj,v_proj",
+                          "--validation_prompt",
+                          "a sks dog in a bucket",
+                          "--validation_negative_prompt",
+                          "blurry",
+                          "--cache_dir",
+                          dir + "/c"});
+  EXPECT_EQ(run.defaults_from, "train_dreambooth_lora.py");  // --instance_prompt: DreamBooth
+  const auto o = train::with_text_image_options(train::task_options(run));
+  EXPECT_EQ(o.data.caption_column, "caption");
+  EXPECT_EQ(o.data.caption_extension, ".caption");
+  EXPECT_EQ(o.text.instance_prompt, "a sks dog");
+  EXPECT_TRUE(o.text.with_prior_preservation);
+  EXPECT_EQ(o.text.class_data_dir, dir + "/class");
+  EXPECT_EQ(o.text.class_prompt, "a dog");
+  EXPECT_DOUBLE_EQ(o.text.prior_loss_weight, 0.5);
+  EXPECT_EQ(o.text.num_class_images, 7);
+  EXPECT_TRUE(o.text.cache_latents);
+  EXPECT_EQ(o.text.cache_dir, dir + "/c");
+  EXPECT_EQ(o.text.clip_skip, 2);
+  EXPECT_TRUE(o.lora.train_text_encoder);
+  EXPECT_EQ(o.lora.text_encoder_target_modules, (std::vector<std::string>{"q_proj", "v_proj"}));
+  EXPECT_EQ(o.validation.prompt, "a sks dog in a bucket");
+  EXPECT_EQ(o.validation.negative_prompt, "blurry");
+  const auto trainer_options = train::trainer_options(run);
+  const auto has = [](const std::vector<std::string>& v, const char* n) {
+    return std::find(v.begin(), v.end(), n) != v.end();
+  };
+  for (const char* n :
+       {"caption_column", "instance_prompt", "with_prior_preservation", "class_prompt",
+        "train_text_encoder", "text_encoder_lora_target_modules", "clip_skip"}) {
+    EXPECT_TRUE(has(trainer_options.structural_keys, n)) << n;
+  }
+  EXPECT_FALSE(has(trainer_options.structural_keys, "validation_prompt"));
+  bool class_input = false;
+  for (const auto& in : trainer_options.inputs) {
+    class_input |= in.option == "class_data_dir" && in.path == dir + "/class";
+  }
+  EXPECT_TRUE(class_input);
+  // Not given: the defaults of before; a task made by hand keeps its own fields.
+  const auto plain = train::with_text_image_options(
+      train::task_options(parse({"--pretrained_model_name_or_path", kTinySdGolden})));
+  EXPECT_EQ(plain.data.caption_column, "text");
+  EXPECT_EQ(plain.data.caption_extension, ".txt");
+  EXPECT_EQ(plain.text.clip_skip, 1);
+  EXPECT_EQ(plain.lora.text_encoder_target_modules,
+            (std::vector<std::string>{"q_proj", "k_proj", "v_proj", "out_proj"}));
+  train::TaskOptions by_hand;
+  by_hand.text.instance_prompt = "kept";
+  EXPECT_EQ(train::with_text_image_options(by_hand).text.instance_prompt, "kept");
+
+  // The checks and their messages of before.
+  const auto sd_error = [&](std::vector<std::string> flags) {
+    flags.insert(flags.begin(), {"--pretrained_model_name_or_path", kTinySdGolden});
+    return error_of([&] { (void)parse(flags); });
+  };
+  EXPECT_HAS(sd_error({"--clip_skip", "0"}),
+             "--clip_skip counts as kohya does: 1 = the last layer, 2 = the one before; got 0");
+  EXPECT_HAS(sd_error({"--caption_extension", "txt"}),
+             "--caption_extension must start with a dot (.txt, .caption) or be empty, got 'txt'");
+  EXPECT_HAS(sd_error({"--prior_loss_weight", "-1"}), "--prior_loss_weight must be >= 0");
+  EXPECT_HAS(sd_error({"--num_class_images", "0"}), "--num_class_images must be at least 1");
+  EXPECT_HAS(sd_error({"--instance_prompt", "x", "--with_prior_preservation"}),
+             "--with_prior_preservation needs --class_data_dir and --class_prompt");
+  EXPECT_HAS(
+      sd_error({"--with_prior_preservation", "--class_data_dir", dir, "--class_prompt", "d"}),
+      "--with_prior_preservation is DreamBooth training: give --instance_prompt too");
+  EXPECT_HAS(sd_error({"--train_text_encoder"}),
+             "--train_text_encoder trains LoRA adapters on the text encoder: add --lora");
+  // The built-in UNet job refuses them, naming the families that take them; FLUX.1 refuses
+  // clip_skip and says why.
+  const auto unet = error_of([&] { (void)parse({"--instance_prompt", "sks"}); });
+  EXPECT_HAS(unet,
+             "\"instance_prompt\" is an option of the flux, sdxl, stable-diffusion families; this "
+             "run trains the unet family");
+  EXPECT_EQ(unet.find('\n'), std::string::npos);
+  const auto flux_skip = error_of([&] {
+    (void)parse({"--pretrained_model_name_or_path", flux, "--clip_skip", "2"});
+  });
+  EXPECT_HAS(flux_skip, "\"clip_skip\" is an option of the sdxl, stable-diffusion families");
+  EXPECT_HAS(flux_skip, "this run trains the flux family");
+  EXPECT_HAS(flux_skip, "there is no layer to skip");
+  // FLUX.1 reads the group too.
+  const auto flux_run = parse({"--pretrained_model_name_or_path", flux, "--validation_prompt",
+                               "a cat", "--caption_column", "prompt"});
+  const auto fo = train::with_text_image_options(train::task_options(flux_run));
+  EXPECT_EQ(fo.validation.prompt, "a cat");
+  EXPECT_EQ(fo.data.caption_column, "prompt");
 }
 
 // `difftrain sample`'s family options: declared by the family, offered once per name by the CLI,

@@ -25,6 +25,9 @@ struct OptionSpec {
   std::function<void(const nlohmann::json& value, const std::string& where)> check;
   bool structural = false;  ///< a change makes a checkpoint another run: refused at resume
   bool exactness = false;   ///< a change breaks bit-exact continuation: a warning at resume
+  /// A folder or file the run reads (a "string" option): the output folder may be neither it nor
+  /// inside it, and --overwrite_output_dir never deletes it (TrainerOptions::inputs).
+  bool input_path = false;
   /// How many values the flag takes: 1 (the value is of `type`), N > 1 (exactly N, e.g. 2 for
   /// `--original_size H W`) or -1 (any number, the flag repeatable: `--prompt_2 A --prompt_2 B`);
   /// other than 1, the value is a JSON array of `type` elements. `difftrain sample`'s options.

@@ -126,30 +126,12 @@ struct TrainConfig {
   /// transformer; "" = lora_target_modules when changed from its default, else the family's
   /// default list.
   std::string lora_layers;
-  // -- text-to-image (pretrained_model_name_or_path is a Stable Diffusion folder; see
-  //    docs/STABLE_DIFFUSION.md)
-  std::string caption_column = "text";  ///< metadata.jsonl field holding each image's caption
-  /// kohya's sidecar captions: a.png's caption in a.txt beside it, for images metadata.jsonl gives
-  /// none (metadata.jsonl wins where both exist); "" reads none.
-  std::string caption_extension = ".txt";
-  std::string instance_prompt;           ///< one caption for every image (DreamBooth)
-  bool with_prior_preservation = false;  ///< DreamBooth prior-preservation loss
-  std::string class_data_dir;            ///< images of the class (prior preservation)
-  std::string class_prompt;              ///< their caption
-  double prior_loss_weight = 1.0;
-  /// Prior preservation: class images wanted; missing ones are generated from class_prompt with
-  /// the pretrained pipeline into class_data_dir first (as Diffusers' DreamBooth script does).
-  int64_t num_class_images = 100;
-  /// Encode each image with the VAE once (and each fixed caption with the text encoder) and keep
-  /// the results on disk (safetensors) for later epochs and restarts.
-  bool cache_latents = false;
-  std::string cache_dir;            ///< "" = <output_dir>/cache
-  bool train_text_encoder = false;  ///< LoRA on the text encoder too
-  std::vector<std::string> text_encoder_lora_target_modules = {"q_proj", "k_proj", "v_proj",
-                                                               "out_proj"};
-  int64_t clip_skip = 1;          ///< kohya's numbering: 1 = last layer, 2 = penultimate, ...
-  std::string validation_prompt;  ///< text-to-image validation ("" = none)
-  std::string validation_negative_prompt;
+  /// Where a run keeps what it caches (VAE latents, text embeddings): "" = <output_dir>/cache,
+  /// which --overwrite_output_dir keeps.
+  std::string cache_dir;
+  // The text-to-image families' options (captions, DreamBooth, --cache_latents, the text
+  // encoder's LoRA, clip_skip, the validation prompt) are theirs, a group they declare:
+  // train/text_image_options.h.
   // -- sharding (docs/SHARDING.md; Accelerate's FSDP plugin / DeepSpeed ZeRO stages)
   /// NO_SHARD | SHARD_OPTIMIZER | SHARD_GRAD_OP | FULL_SHARD (also FSDP numbers 1-3 and
   /// zero0..zero3); stored as the canonical name after parsing.

@@ -65,7 +65,6 @@ struct TrainerOptions {
   int64_t validation_steps = 400;      ///< 0 = only at the end
   int64_t num_validation_images = 20;
   std::string final_validation = "auto";  ///< auto | always | never (TrainConfig)
-  bool validation_prompt_given = false;   ///< text-to-image: --validation_prompt was set
   /// The resolved run configuration: printed first, stored in run_info and every checkpoint.
   nlohmann::json config;
   /// `config` without the options that do not apply to the family (TrainConfig::shown_json()):

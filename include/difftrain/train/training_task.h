@@ -203,6 +203,10 @@ class TrainingTask {
   virtual int64_t validation_columns() const { return 0; }
   /// What the validation log line adds after "validation samples" (e.g. the prompt).
   virtual std::string validation_note() const { return ""; }
+  /// Whether the run asked for validation renders itself (a text-to-image --validation_prompt):
+  /// `--final_validation auto` then renders them even after a run shorter than
+  /// --validation_steps.
+  virtual bool validation_requested() const { return false; }
 
   /// Adds the task's files (e.g. config.json) to a checkpoint being written in `dir`; called on
   /// the main rank inside Accelerator::save_state.

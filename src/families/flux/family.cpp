@@ -7,6 +7,7 @@
 #include "difftrain/families/flux/lora_layouts.h"
 #include "difftrain/train/ddpm_options.h"
 #include "difftrain/train/flow_matching_options.h"
+#include "difftrain/train/text_image_options.h"
 #include "flux_family.h"
 #include "flux_pipeline.h"
 
@@ -99,17 +100,22 @@ class FluxFamily : public ModelFamily {
     d.learning_rate = 1e-4;
     d.adam_weight_decay = 1e-4;
     d.lora_target_modules = families::flux::diffusers_flux_lora_targets();
-    // The UNet validation sampler (FLUX.1 samples with its folder's
-    // FlowMatchEulerDiscreteScheduler) and CLIP's layer choice (FLUX.1's CLIP is pooled) do not
-    // apply; the DDPM objective's options are not FLUX.1's at all (instead_of_option).
-    d.not_applicable = {"validation_scheduler", "clip_skip"};
+    // The UNet validation sampler does not apply (FLUX.1 samples with its folder's
+    // FlowMatchEulerDiscreteScheduler); the DDPM objective's options and --clip_skip are not
+    // FLUX.1's at all (instead_of_option).
+    d.not_applicable = {"validation_scheduler"};
     return d;
   }
   std::vector<io::LoraKeyLayout> lora_key_layouts() const override {
     return {flux::flux_lora_key_layout()};
   }
-  // The DDPM objective's options (the UNet families'): FLUX.1 weighs flow matching instead.
+  // The DDPM objective's options (the UNet families'): FLUX.1 weighs flow matching instead; and
+  // CLIP's layer choice, which FLUX.1 has not.
   std::string instead_of_option(const std::string& name) const override {
+    if (name == "clip_skip") {
+      return "FLUX.1 takes its CLIP's pooled output and T5's last layer, so there is no layer to "
+             "skip";
+    }
     for (const auto& spec : train::ddpm_option_specs()) {
       if (spec.name == name) {
         return "FLUX.1 trains with flow matching: weigh it with --weighting_scheme (none, "
@@ -120,6 +126,7 @@ class FluxFamily : public ModelFamily {
   }
   std::vector<train::OptionSpec> options() const override {
     auto specs = train::flow_matching_option_specs();
+    for (auto& spec : train::text_image_option_specs()) specs.push_back(std::move(spec));
     train::OptionSpec length{"max_sequence_length", "int", 512,
                              "T5 tokens of each caption (Diffusers' FLUX scripts' flag)",
                              [](const nlohmann::json& v, const std::string& where) {

@@ -20,6 +20,7 @@
 #include "difftrain/models/module_info.h"
 #include "difftrain/models/pretrained.h"
 #include "difftrain/train/flow_matching_options.h"
+#include "difftrain/train/text_image_options.h"
 #include "flux_family.h"
 #include "flux_pipeline.h"
 
@@ -48,7 +49,8 @@ TORCH_MODULE(FluxLora);
 
 class FluxTask : public train::TrainingTask {
  public:
-  explicit FluxTask(train::TaskOptions options) : o_(std::move(options)), data_(o_) {}
+  explicit FluxTask(train::TaskOptions options)
+      : o_(train::with_text_image_options(std::move(options))), data_(o_) {}
 
   std::string name() const override { return "FLUX.1 text-to-image"; }
   void build(accel::Accelerator& acc, const std::string& output_dir) override;
@@ -79,6 +81,7 @@ class FluxTask : public train::TrainingTask {
     return families::prompt_validation_labels(o_, K);
   }
   std::string validation_note() const override { return " (\"" + o_.validation.prompt + "\")"; }
+  bool validation_requested() const override { return !o_.validation.prompt.empty(); }
 
   void write_to_checkpoint(const fs::path& dir) const override {
     if (o_.lora.enabled) return;
@@ -163,8 +166,6 @@ void FluxTask::check_flags() const {
         "--train_text_encoder trains CLIP LoRA adapters beside the transformer's: add --lora "
         "(full fine-tuning trains the transformer only)");
   }
-  if (o_.text.clip_skip != 1)
-    throw Error("--clip_skip does not apply to FLUX.1 (its CLIP is pooled)");
 }
 
 void FluxTask::build(accel::Accelerator& acc, const std::string& output_dir) {

@@ -38,7 +38,7 @@ class SdxlFamily : public unet::UNetBasedFamily {
     // which Diffusers has no script for, takes train_dreambooth.py's).
     train::ScriptDefaults d = stable_diffusion::text_to_image_script_defaults(config);
     d.resolution = 1024;
-    if (config.instance_prompt.empty()) {
+    if (!stable_diffusion::dreambooth(config)) {
       d.script = std::string("train_text_to_image") + (config.lora ? "_lora" : "") + "_sdxl.py";
     } else if (config.lora) {
       d.script = "train_dreambooth_lora_sdxl.py";
@@ -46,6 +46,9 @@ class SdxlFamily : public unet::UNetBasedFamily {
       d.adam_weight_decay = 1e-4;
     }
     return d;
+  }
+  std::vector<train::OptionSpec> options() const override {
+    return stable_diffusion::text_to_image_option_specs();
   }
   /// StableDiffusionXLPipeline's micro-conditioning (`_get_add_time_ids`), each a pair.
   std::vector<train::OptionSpec> sample_options() const override {

@@ -27,6 +27,9 @@ class StableDiffusionFamily : public unet::UNetBasedFamily {
     return std::make_unique<families::stable_diffusion::StableDiffusion>(
         families::stable_diffusion::load_stable_diffusion(dir, options));
   }
+  std::vector<train::OptionSpec> options() const override {
+    return stable_diffusion::text_to_image_option_specs();
+  }
   std::optional<train::ScriptDefaults> training_defaults(
       const train::TrainConfig& config) const override {
     return stable_diffusion::text_to_image_script_defaults(config);

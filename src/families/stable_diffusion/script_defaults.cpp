@@ -1,12 +1,27 @@
-// The defaults of Diffusers' Stable Diffusion training scripts
-// (families/stable_diffusion/text_to_image.h).
+// The training options of Stable Diffusion runs and the defaults of Diffusers' Stable Diffusion
+// training scripts (families/stable_diffusion/text_to_image.h).
 #include "difftrain/families/stable_diffusion/text_to_image.h"
+
+#include "difftrain/train/ddpm_options.h"
+#include "difftrain/train/text_image_options.h"
 
 namespace difftrain::families::stable_diffusion {
 
+std::vector<train::OptionSpec> text_to_image_option_specs() {
+  auto specs = train::ddpm_option_specs();
+  for (auto& spec : train::text_image_option_specs()) specs.push_back(std::move(spec));
+  specs.push_back(train::clip_skip_option_spec());
+  return specs;
+}
+
+bool dreambooth(const train::TrainConfig& c) {
+  const auto it = c.family.values.find("instance_prompt");
+  return it != c.family.values.end() && it->is_string() && !it->get<std::string>().empty();
+}
+
 train::ScriptDefaults text_to_image_script_defaults(const train::TrainConfig& c) {
   train::ScriptDefaults d;
-  const bool dreambooth = !c.instance_prompt.empty();
+  const bool dreambooth = stable_diffusion::dreambooth(c);
   const std::string lora = c.lora ? "_lora" : "";
   d.resolution = 512;
   if (dreambooth) {

@@ -73,6 +73,7 @@ class TextToImageTask : public families::unet::DiffusionTask {
   }
 
   std::string validation_note() const override { return " (\"" + o_.validation.prompt + "\")"; }
+  bool validation_requested() const override { return !o_.validation.prompt.empty(); }
 
   void export_to(const fs::path& out) override;
 

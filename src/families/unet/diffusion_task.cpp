@@ -10,6 +10,7 @@
 #include "difftrain/models/text_encoders/clip_text_model.h"
 #include "difftrain/models/unets/sgm_names.h"
 #include "difftrain/train/ddpm_options.h"
+#include "difftrain/train/text_image_options.h"
 
 #include <torch/torch.h>
 
@@ -19,7 +20,8 @@ namespace difftrain::families::unet {
 using namespace difftrain::train;
 namespace fs = std::filesystem;
 
-DiffusionTask::DiffusionTask(train::TaskOptions options) : o_(std::move(options)) {
+DiffusionTask::DiffusionTask(train::TaskOptions options)
+    : o_(train::with_text_image_options(std::move(options))) {
   if (o_.family.find("prediction_type") != nullptr) {
     o_.noise = train::ddpm_noise_options(o_.family, o_.noise.seed);
   }
