@@ -43,6 +43,13 @@ std::vector<OptionSpec> ddpm_option_specs() {
   return specs;
 }
 
+std::map<std::string, std::string> ddpm_other_tools_options() {
+  return {{"min_snr_gamma", "--snr_gamma"},
+          {"model_prediction_type",
+           "--prediction_type (epsilon / v-prediction models; a flow-matching model always "
+           "predicts the velocity)"}};
+}
+
 NoiseOptions ddpm_noise_options(const FamilyOptions& o, uint64_t seed) {
   NoiseOptions n;
   n.prediction_type = o.text("prediction_type");

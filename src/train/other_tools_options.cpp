@@ -5,7 +5,8 @@ namespace difftrain::train {
 
 // Other tools' names for what difftrain's trainer has (kohya sd-scripts, SimpleTuner): difftrain's
 // option (and how to use it), or, after a '!', what to do instead where difftrain has none. Flags
-// for what a family has are the family's (ModelFamily::other_tools_options()).
+// for what a family has are the family's (ModelFamily::other_tools_options()), and those for an
+// option group's are the group's (ddpm_other_tools_options(), text_image_other_tools_options()).
 const std::map<std::string, std::string>& foreign_options() {
   static const std::map<std::string, std::string> table = {
       {"network_dim", "--rank (the LoRA rank)"},
@@ -32,10 +33,7 @@ const std::map<std::string, std::string>& foreign_options() {
       {"max_bucket_reso", "--bucket_max_side"},
       {"bucket_reso_steps", "--bucket_step"},
       {"max_data_loader_n_workers", "--dataloader_num_workers"},
-      {"min_snr_gamma", "--snr_gamma"},
-      {"reg_data_dir", "--class_data_dir with --with_prior_preservation and --class_prompt"},
       {"log_with", "--report_to"},
-      {"sample_prompts", "--validation_prompt"},
       {"sample_every_n_steps", "--validation_steps"},
       {"validation_epochs", "--validation_steps (in updates)"},
       {"lr_scheduler_num_cycles", "--lr_num_cycles"},
@@ -43,9 +41,6 @@ const std::map<std::string, std::string>& foreign_options() {
       {"ae", "--pretrained_vae_model_name_or_path"},
       {"full_bf16", "--mixed_precision bf16"},
       {"full_fp16", "--mixed_precision fp16"},
-      {"model_prediction_type",
-       "--prediction_type (epsilon / v-prediction models; a flow-matching model always "
-       "predicts the velocity)"},
       {"output_name",
        "!the LoRA is always <output_dir>/pytorch_lora_weights.safetensors (Diffusers' name); "
        "pick the folder with --output_dir"},

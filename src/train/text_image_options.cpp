@@ -84,6 +84,11 @@ OptionSpec clip_skip_option_spec() {
   return spec;
 }
 
+std::map<std::string, std::string> text_image_other_tools_options() {
+  return {{"reg_data_dir", "--class_data_dir with --with_prior_preservation and --class_prompt"},
+          {"sample_prompts", "--validation_prompt"}};
+}
+
 bool has_text_image_options(const FamilyOptions& options) {
   return options.find("instance_prompt") != nullptr;
 }

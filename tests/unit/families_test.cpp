@@ -418,6 +418,27 @@ TEST(Families, TheTextToImageOptionsAreAGroupTheTextFamiliesDeclare) {
   EXPECT_HAS(flux_skip, "\"clip_skip\" is an option of the sdxl, stable-diffusion families");
   EXPECT_HAS(flux_skip, "this run trains the flux family");
   EXPECT_HAS(flux_skip, "there is no layer to skip");
+  // Other tools' names for the groups' options are the groups' (the run's family first): kohya's
+  // --min_snr_gamma is --snr_gamma for a UNet and --weighting_scheme for FLUX.1.
+  EXPECT_HAS(error_of([&] {
+               (void)parse({"--min_snr_gamma", "5"});
+             }),
+             "\"min_snr_gamma\" is another tool's option (kohya sd-scripts, SimpleTuner); "
+             "difftrain's is --snr_gamma");
+  const auto flux_snr = error_of([&] {
+    (void)parse({"--pretrained_model_name_or_path", flux, "--min_snr_gamma", "5"});
+  });
+  EXPECT_HAS(flux_snr, "FLUX.1 trains with flow matching: weigh it with --weighting_scheme");
+  EXPECT_EQ(flux_snr.find("--snr_gamma"), std::string::npos);
+  EXPECT_HAS(error_of([&] {
+               (void)parse({"--pretrained_model_name_or_path", flux, "--sample_prompts", "p.txt"});
+             }),
+             "difftrain's is --validation_prompt");
+  EXPECT_HAS(
+      error_of([&] {
+        (void)parse({"--pretrained_model_name_or_path", kTinySdGolden, "--reg_data_dir", dir});
+      }),
+      "difftrain's is --class_data_dir with --with_prior_preservation");
   // FLUX.1 reads the group too.
   const auto flux_run = parse({"--pretrained_model_name_or_path", flux, "--validation_prompt",
                                "a cat", "--caption_column", "prompt"});

@@ -7,6 +7,8 @@
 #include "difftrain/train/option_spec.h"
 #include "difftrain/train/training_task.h"
 
+#include <map>
+#include <string>
 #include <vector>
 
 namespace difftrain::train {
@@ -26,6 +28,10 @@ std::vector<OptionSpec> text_image_option_specs();
 /// --clip_skip (1, kohya's numbering; structural): for a family whose prompt embeddings come
 /// from a CLIP layer it may choose (not one that takes CLIP's pooled output only).
 OptionSpec clip_skip_option_spec();
+
+/// Other tools' names for the group's options, as ModelFamily::other_tools_options() gives them
+/// (kohya's --reg_data_dir, --sample_prompts).
+std::map<std::string, std::string> text_image_other_tools_options();
 
 /// Whether `options` declare the text-image group (text_image_option_specs()).
 bool has_text_image_options(const FamilyOptions& options);

@@ -62,8 +62,15 @@ class FluxFamily : public ModelFamily {
     return {"transformer", "text_encoder"};
   }
   std::map<std::string, std::string> other_tools_options() const override {
-    // kohya's flux_train_network.py: its denoiser's rate and T5's sequence length.
-    return {{"unet_lr", "--learning_rate"}, {"t5xxl_max_token_length", "--max_sequence_length"}};
+    // kohya's flux_train_network.py: its denoiser's rate and T5's sequence length; the
+    // text-to-image group's names; and kohya's min-SNR weighting, which is the DDPM objective's.
+    auto table = train::text_image_other_tools_options();
+    table.emplace("unet_lr", "--learning_rate");
+    table.emplace("t5xxl_max_token_length", "--max_sequence_length");
+    table.emplace("min_snr_gamma",
+                  "!FLUX.1 trains with flow matching: weigh it with --weighting_scheme (none, "
+                  "logit_normal, mode, cosmap, sigma_sqrt) or --timestep_sampling");
+    return table;
   }
   void adapt_lora(io::LoraWeights& lora, const std::string& dir,
                   io::LoraFormat format) const override {

@@ -50,6 +50,9 @@ class SdxlFamily : public unet::UNetBasedFamily {
   std::vector<train::OptionSpec> options() const override {
     return stable_diffusion::text_to_image_option_specs();
   }
+  std::map<std::string, std::string> other_tools_options() const override {
+    return stable_diffusion::text_to_image_other_tools_options();
+  }
   /// StableDiffusionXLPipeline's micro-conditioning (`_get_add_time_ids`), each a pair.
   std::vector<train::OptionSpec> sample_options() const override {
     return sdxl::micro_conditioning_options();

@@ -30,6 +30,9 @@ class StableDiffusionFamily : public unet::UNetBasedFamily {
   std::vector<train::OptionSpec> options() const override {
     return stable_diffusion::text_to_image_option_specs();
   }
+  std::map<std::string, std::string> other_tools_options() const override {
+    return stable_diffusion::text_to_image_other_tools_options();
+  }
   std::optional<train::ScriptDefaults> training_defaults(
       const train::TrainConfig& config) const override {
     return stable_diffusion::text_to_image_script_defaults(config);

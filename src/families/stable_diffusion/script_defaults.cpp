@@ -14,6 +14,13 @@ std::vector<train::OptionSpec> text_to_image_option_specs() {
   return specs;
 }
 
+std::map<std::string, std::string> text_to_image_other_tools_options() {
+  auto table = train::ddpm_other_tools_options();
+  table.merge(train::text_image_other_tools_options());
+  table.emplace("unet_lr", "--learning_rate");
+  return table;
+}
+
 bool dreambooth(const train::TrainConfig& c) {
   const auto it = c.family.values.find("instance_prompt");
   return it != c.family.values.end() && it->is_string() && !it->get<std::string>().empty();

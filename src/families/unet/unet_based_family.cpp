@@ -33,7 +33,9 @@ std::vector<train::OptionSpec> UNetBasedFamily::options() const {
 }
 
 std::map<std::string, std::string> UNetBasedFamily::other_tools_options() const {
-  return {{"unet_lr", "--learning_rate"}};
+  auto table = train::ddpm_other_tools_options();
+  table.emplace("unet_lr", "--learning_rate");
+  return table;
 }
 
 void UNetBasedFamily::adapt_lora(io::LoraWeights& lora, const std::string& dir,

@@ -10,6 +10,10 @@ namespace difftrain::families::stable_diffusion {
 /// text-to-image group and --clip_skip (train/text_image_options.h).
 std::vector<train::OptionSpec> text_to_image_option_specs();
 
+/// Other tools' names for those options and the UNet's learning rate
+/// (ModelFamily::other_tools_options()).
+std::map<std::string, std::string> text_to_image_other_tools_options();
+
 /// Whether `config` trains DreamBooth (its family's --instance_prompt is given).
 bool dreambooth(const train::TrainConfig& config);
 
