@@ -4,6 +4,7 @@
 
 #include "difftrain/models/tokenizers/clip_tokenizer.h"
 
+#include "byte_bpe.h"
 #include "clip_text.h"
 #include "difftrain/core/error.h"
 
@@ -26,6 +27,15 @@ namespace {
 
 namespace fs = std::filesystem;
 using json = nlohmann::json;
+using byte_bpe::Merge;
+using byte_bpe::quoted;
+using byte_bpe::short_dump;
+
+constexpr const char* kMissing =
+    "a CLIP tokenizer folder needs vocab.json and merges.txt (as CLIPTokenizer.save_pretrained "
+    "writes them)";
+
+json read_json(const std::string& path) { return byte_bpe::read_json(path, kMissing); }
 
 // HF's CLIPTokenizer reads merges.txt lines [1, 49152 - 256 - 2 + 1): at most 48894 merges.
 constexpr int64_t kMaxMerges = 49152 - 256 - 2;
@@ -37,53 +47,6 @@ constexpr size_t kCacheWordsPerShard = 1 << 16;  // ~1M words in all, then a sha
 
 constexpr const char* kStartOfText = "<|startoftext|>";
 constexpr const char* kEndOfText = "<|endoftext|>";
-
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    throw Error("cannot open '" + path +
-                "': a CLIP tokenizer folder needs vocab.json and merges.txt (as "
-                "CLIPTokenizer.save_pretrained writes them)");
-  }
-  std::ostringstream out;
-  out << in.rdbuf();
-  if (in.bad()) throw Error("cannot read '" + path + "'");
-  return out.str();
-}
-
-json read_json(const std::string& path) {
-  try {
-    return json::parse(read_file(path));
-  } catch (const json::exception& e) {  // parse_error, or out_of_range for 1e999
-    throw Error(path + ": not valid JSON (" + e.what() + "): fix or re-save the file");
-  }
-}
-
-// A value for a one-line message: JSON-quoted and shortened.
-std::string quoted(const std::string& text) {
-  auto s = json(text).dump(-1, ' ', false, json::error_handler_t::replace);
-  if (s.size() > 60) s = s.substr(0, 56) + "...\"";
-  return s;
-}
-
-std::string short_dump(const json& value) {
-  auto s = value.dump(-1, ' ', false, json::error_handler_t::replace);
-  if (s.size() > 60) s = s.substr(0, 57) + "...";
-  return s;
-}
-
-// GPT-2's bytes_to_unicode: printable Latin-1 bytes stand for themselves, the other 68 bytes
-// (controls, space, 0x7F-0xA0, soft hyphen) for U+0100 onwards in byte order.
-std::array<std::string, 256> byte_unicode() {
-  std::array<std::string, 256> out;
-  char32_t next = 256;
-  for (int b = 0; b < 256; ++b) {
-    const bool printable = (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
-    const char32_t c = printable ? static_cast<char32_t>(b) : next++;
-    out[static_cast<size_t>(b)] = clip_text::encode_utf8(std::u32string(1, c));
-  }
-  return out;
-}
 
 // Symbols after BPE are cached per pre-tokenised word, in shards so that data-loader threads
 // rarely wait for each other.
@@ -129,15 +92,6 @@ class WordCache {
   Shard& shard(const std::string& w) { return shards_[std::hash<std::string>{}(w) % kCacheShards]; }
   std::array<Shard, kCacheShards> shards_;
 };
-
-struct Merge {
-  int32_t rank;
-  int32_t merged;  // symbol id of the concatenation
-};
-
-uint64_t pair_key(int32_t a, int32_t b) {
-  return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
-}
 
 // One special token of tokenizer_config.json / special_tokens_map.json: a string or an
 // AddedToken object {"content": ...}.
@@ -219,31 +173,7 @@ struct ClipTokenizer::Impl {
       const auto b = static_cast<unsigned char>(word[i]);
       w.push_back(i + 1 < word.size() ? byte_symbol[b] : byte_symbol_end[b]);
     }
-    std::vector<int32_t> next;
-    while (w.size() > 1) {
-      const Merge* best = nullptr;
-      int32_t first = 0, second = 0;
-      for (size_t i = 0; i + 1 < w.size(); ++i) {
-        const auto it = merges.find(pair_key(w[i], w[i + 1]));
-        if (it != merges.end() && (best == nullptr || it->second.rank < best->rank)) {
-          best = &it->second;
-          first = w[i];
-          second = w[i + 1];
-        }
-      }
-      if (best == nullptr) break;
-      next.clear();
-      for (size_t i = 0; i < w.size();) {
-        if (i + 1 < w.size() && w[i] == first && w[i + 1] == second) {
-          next.push_back(best->merged);
-          i += 2;
-        } else {
-          next.push_back(w[i++]);
-        }
-      }
-      w.swap(next);
-    }
-    return w;
+    return byte_bpe::merge_symbols(std::move(w), merges);
   }
 
   template <typename Emit>
@@ -268,89 +198,12 @@ struct ClipTokenizer::Impl {
   // emit(id or -1, token) for every token of `text`.
   template <typename Emit>
   void tokenize(const std::string& text, Emit&& emit) const {
-    size_t chunk_start = 0, pos = 0;
-    while (pos < text.size()) {
-      const std::string* match = nullptr;
-      if (split_first_byte[static_cast<unsigned char>(text[pos])]) {
-        for (const auto& t : split_tokens) {  // longest first
-          if (text.compare(pos, t.size(), t) == 0) {
-            match = &t;
-            break;
-          }
-        }
-      }
-      if (match == nullptr) {
-        ++pos;
-        continue;
-      }
-      tokenize_chunk(std::string_view(text).substr(chunk_start, pos - chunk_start), emit);
-      emit(lookup(*match), *match);
-      pos += match->size();
-      chunk_start = pos;
-    }
-    tokenize_chunk(std::string_view(text).substr(chunk_start), emit);
+    byte_bpe::split_at_tokens(
+        text, split_tokens, split_first_byte,
+        [&](std::string_view plain) { tokenize_chunk(plain, emit); },
+        [&](const std::string& t) { emit(lookup(t), t); });
   }
 };
-
-namespace {
-
-std::unordered_map<std::string, int64_t> read_vocab(const std::string& path) {
-  const auto j = read_json(path);
-  if (!j.is_object()) {
-    throw Error(path + ": expected a JSON object of token -> id, got " +
-                std::string(j.type_name()) + ": use the vocab.json saved with the tokenizer");
-  }
-  std::unordered_map<std::string, int64_t> vocab;
-  vocab.reserve(j.size());
-  for (const auto& [token, id] : j.items()) {
-    if (!id.is_number_integer() || (id.is_number_unsigned() && id.get<uint64_t>() > INT64_MAX) ||
-        id.get<int64_t>() < 0) {
-      throw Error(path + ": the id of token " + quoted(token) + " is " + short_dump(id) +
-                  ", expected an integer >= 0: use the vocab.json saved with the tokenizer");
-    }
-    vocab.emplace(token, id.get<int64_t>());
-  }
-  return vocab;
-}
-
-// merges.txt as HF reads it: the file stripped of surrounding whitespace, split at '\n', the
-// first line (the "#version" header) skipped, at most kMaxMerges lines, each "a b".
-std::vector<std::pair<std::string, std::string>> read_merges(const std::string& path) {
-  const std::string text = read_file(path);
-  const auto is_ws = [](char c) {
-    return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f';
-  };
-  size_t begin = 0, end = text.size();
-  int64_t line_no = 1;  // of the file, for messages
-  while (begin < end && is_ws(text[begin])) line_no += text[begin++] == '\n';
-  while (end > begin && is_ws(text[end - 1])) --end;
-  std::vector<std::pair<std::string, std::string>> merges;
-  size_t pos = begin;
-  for (int64_t index = 0; pos < end && index <= kMaxMerges; ++index, ++line_no) {
-    size_t eol = text.find('\n', pos);
-    if (eol == std::string::npos || eol > end) eol = end;
-    const std::string_view line(text.data() + pos, eol - pos);
-    pos = eol + 1;
-    if (index == 0) continue;  // "#version: 0.2"
-    std::vector<std::string_view> parts;
-    for (size_t i = 0; i < line.size();) {
-      while (i < line.size() && is_ws(line[i])) ++i;
-      size_t j = i;
-      while (j < line.size() && !is_ws(line[j])) ++j;
-      if (j > i) parts.push_back(line.substr(i, j - i));
-      i = j;
-    }
-    if (parts.size() != 2) {
-      throw Error(path + ":" + std::to_string(line_no) + ": expected two symbols \"a b\", got " +
-                  quoted(std::string(line)) + " (" + std::to_string(parts.size()) +
-                  " symbols): use the merges.txt saved with the tokenizer");
-    }
-    merges.emplace_back(std::string(parts[0]), std::string(parts[1]));
-  }
-  return merges;
-}
-
-}  // namespace
 
 ClipTokenizer ClipTokenizer::from_folder(const std::string& dir) {
   if (!fs::is_directory(dir)) {
@@ -362,27 +215,18 @@ ClipTokenizer ClipTokenizer::from_folder(const std::string& dir) {
   impl->dir = dir;
   const std::string vocab_path = (fs::path(dir) / "vocab.json").string();
   const std::string merges_path = (fs::path(dir) / "merges.txt").string();
-  impl->vocab = read_vocab(vocab_path);
-  const auto merges = read_merges(merges_path);
+  impl->vocab = byte_bpe::vocab_from_json(read_json(vocab_path), vocab_path);
+  const auto merges = byte_bpe::read_merges(merges_path, kMaxMerges, kMissing);
 
   // Intern the symbols: every byte alone and with </w>, then every merge's parts and result.
-  std::unordered_map<std::string, int32_t> ids;
-  const auto intern = [&](const std::string& s) {
-    const auto [it, inserted] = ids.emplace(s, static_cast<int32_t>(impl->symbols.size()));
-    if (inserted) impl->symbols.push_back(s);
-    return it->second;
-  };
-  const auto bytes = byte_unicode();
+  byte_bpe::Symbols symbols;
+  const auto bytes = byte_bpe::byte_unicode();
   for (size_t b = 0; b < 256; ++b) {
-    impl->byte_symbol[b] = intern(bytes[b]);
-    impl->byte_symbol_end[b] = intern(bytes[b] + "</w>");
+    impl->byte_symbol[b] = symbols.intern(bytes[b]);
+    impl->byte_symbol_end[b] = symbols.intern(bytes[b] + "</w>");
   }
-  impl->merges.reserve(merges.size());
-  for (size_t rank = 0; rank < merges.size(); ++rank) {
-    const auto& [a, b] = merges[rank];
-    const int32_t ia = intern(a), ib = intern(b), merged = intern(a + b);
-    impl->merges[pair_key(ia, ib)] = {static_cast<int32_t>(rank), merged};  // a repeat: last wins
-  }
+  impl->merges = byte_bpe::merge_table(merges, symbols);
+  impl->symbols = std::move(symbols.texts);
 
   // Special tokens: CLIPTokenizer's defaults, then tokenizer_config.json, then
   // special_tokens_map.json (which overrides, as in HF's from_pretrained).
@@ -545,9 +389,7 @@ size_t ClipTokenizer::word_cache_size() const { return impl().cache.size(); }
 
 int64_t ClipTokenizer::vocab_size() const {
   const auto& im = impl();
-  int64_t n = static_cast<int64_t>(im.vocab.size());
-  for (const auto& [token, id] : im.added) n += im.vocab.count(token) == 0 ? 1 : 0;
-  return n;
+  return byte_bpe::vocab_rows(im.vocab, im.added);
 }
 
 }  // namespace difftrain::models
