@@ -1,6 +1,7 @@
 // `difftrain tokenize`: the token ids of prompts, one JSON list per line, as a pipeline's
-// tokenizer gives them (padding="max_length", truncation=True): CLIP's BPE (models::ClipTokenizer)
-// or T5's SentencePiece (models::T5Tokenizer, FLUX.1's tokenizer_2) by the folder's files
+// tokenizer gives them (padding="max_length", truncation=True): CLIP's BPE (models::ClipTokenizer),
+// T5's SentencePiece (models::T5Tokenizer, FLUX.1's tokenizer_2) or Qwen2's byte-level BPE
+// (models::Qwen2Tokenizer, with its chat template on --chat_template) by the folder's files
 // (diffusion::tokenize_prompts). This file only parses and prints.
 
 #include "commands.h"
@@ -20,8 +21,7 @@ struct TokenizeArgs {
   std::string subfolder;
   std::vector<std::string> prompts;
   std::string prompt_file;
-  int64_t max_length = 0;
-  bool no_padding = false;
+  diffusion::TokenizeOptions options;
 } g_args;
 
 }  // namespace
@@ -30,8 +30,9 @@ CLI::App* add_tokenize_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "tokenize",
       "Print the token ids of prompts, one JSON list per line, as a pipeline's tokenizer gives "
-      "them (padded and truncated to model_max_length): CLIP (vocab.json + merges.txt) or T5 "
-      "(spiece.model)");
+      "them (padded and truncated to model_max_length): CLIP (vocab.json + merges.txt), T5 "
+      "(spiece.model) or Qwen2 (tokenizer.json or vocab.json + merges.txt, tokenizer_class "
+      "Qwen2Tokenizer; not padded unless --max_length is given)");
   cmd->add_option("--model", g_args.model,
                   "Pipeline folder (uses its tokenizer/) or a CLIP tokenizer folder (vocab.json, "
                   "merges.txt, tokenizer_config.json) or a T5 tokenizer folder (spiece.model)")
@@ -46,11 +47,19 @@ CLI::App* add_tokenize_command(CLI::App& app) {
   cmd->add_option("--prompt_file,--prompt-file", g_args.prompt_file,
                   "Text file with one prompt per line (every line, empty ones too; a final "
                   "newline does not add an empty prompt)");
-  cmd->add_option("--max_length,--max-length", g_args.max_length,
-                  "Pad and truncate to N instead of the tokenizer's model_max_length")
+  cmd->add_option("--max_length,--max-length", g_args.options.max_length,
+                  "Pad and truncate to N instead of the tokenizer's model_max_length (a "
+                  "pipeline's max_sequence_length for Qwen2: 512 for Z-Image)")
       ->check(CLI::Range(int64_t{2}, int64_t{65536}));
-  cmd->add_flag("--no_padding,--no-padding", g_args.no_padding,
+  cmd->add_flag("--no_padding,--no-padding", g_args.options.no_padding,
                 "Print [bos] + ids + [eos] without the padding (still truncated)");
+  cmd->add_flag("--chat_template,--chat-template", g_args.options.chat_template,
+                "Qwen2 folders: wrap each prompt in the folder's chat template as ZImagePipeline "
+                "does (apply_chat_template([{role: user, content: prompt}], "
+                "add_generation_prompt=True, enable_thinking=True)) and print the ids unpadded");
+  cmd->add_option("--template_kwargs,--template-kwargs", g_args.options.template_kwargs,
+                  "The chat template's keyword arguments, a JSON object")
+      ->default_str(g_args.options.template_kwargs);
   return cmd;
 }
 
@@ -65,8 +74,7 @@ int run_tokenize() {
   const std::string dir = g_args.subfolder.empty()
                               ? diffusion::resolve_tokenizer_dir(g_args.model)
                               : (std::filesystem::path(g_args.model) / g_args.subfolder).string();
-  for (const auto& p :
-       diffusion::tokenize_prompts(dir, prompts, g_args.max_length, g_args.no_padding)) {
+  for (const auto& p : diffusion::tokenize_prompts(dir, prompts, g_args.options)) {
     if (!p.warning.empty()) std::cerr << "difftrain tokenize: warning: " << p.warning << std::endl;
     std::string line = "[";
     for (size_t k = 0; k < p.ids.size(); ++k)

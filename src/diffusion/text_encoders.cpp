@@ -4,6 +4,7 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/models/module_info.h"
+#include "difftrain/models/tokenizers/qwen2_tokenizer.h"
 
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -225,7 +226,9 @@ std::string resolve_tokenizer_dir(const std::string& dir) {
                 "' does not exist: give a pipeline folder (with tokenizer/) or a tokenizer folder "
                 "(with vocab.json)");
   }
-  if (fs::exists(fs::path(dir) / "vocab.json")) return dir;
+  if (fs::exists(fs::path(dir) / "vocab.json") || fs::exists(fs::path(dir) / "tokenizer.json")) {
+    return dir;
+  }
   const auto sub = (fs::path(dir) / "tokenizer").string();
   if (fs::is_directory(sub)) return sub;
   throw Error("--model '" + dir +
@@ -254,8 +257,56 @@ std::string prompt_excerpt(const std::string& prompt) {
 
 std::vector<TokenizedPrompt> tokenize_prompts(const std::string& dir,
                                               const std::vector<std::string>& prompts,
-                                              int64_t max_length, bool no_padding) {
+                                              const TokenizeOptions& options) {
   std::vector<TokenizedPrompt> out;
+  const int64_t max_length = options.max_length;
+  const bool no_padding = options.no_padding;
+  if (models::Qwen2Tokenizer::is_folder(dir)) {
+    const auto qwen = models::Qwen2Tokenizer::from_folder(dir);
+    nlohmann::ordered_json kwargs;
+    if (options.chat_template) {
+      try {
+        kwargs = nlohmann::ordered_json::parse(options.template_kwargs);
+      } catch (const nlohmann::json::exception&) {
+        kwargs = nullptr;
+      }
+      if (!kwargs.is_object()) {
+        throw Error("--template_kwargs '" + options.template_kwargs +
+                    "' is not a JSON object: write e.g. '{\"enable_thinking\": true}'");
+      }
+    }
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      std::string text = prompts[i];
+      if (options.chat_template) {
+        const nlohmann::ordered_json messages = {{{"role", "user"}, {"content", text}}};
+        text = qwen.apply_chat_template(messages, true, kwargs);
+      }
+      TokenizedPrompt p;
+      if (max_length <= 0) {
+        p.ids = qwen.encode(text);
+      } else {
+        const auto e = qwen.encode_padded(text, max_length);
+        if (e.truncated) {
+          p.warning = "prompt " + std::to_string(i) + " (" + prompt_excerpt(prompts[i]) + ") has " +
+                      std::to_string(e.num_tokens) + " tokens; only the first " +
+                      std::to_string(max_length) + " fit in max_length " +
+                      std::to_string(max_length) + ", the last " +
+                      std::to_string(e.num_tokens - max_length) + " were dropped";
+        }
+        const bool pad = !no_padding && !options.chat_template;
+        const auto keep =
+            pad ? e.input_ids.size() : static_cast<size_t>(std::min(e.num_tokens, max_length));
+        p.ids.assign(e.input_ids.begin(), e.input_ids.begin() + static_cast<std::ptrdiff_t>(keep));
+      }
+      out.push_back(std::move(p));
+    }
+    return out;
+  }
+  if (options.chat_template) {
+    throw Error("--chat_template: the tokenizer folder '" + dir +
+                "' is not a Qwen2 tokenizer (tokenizer_config.json's tokenizer_class) and has no "
+                "chat template: drop --chat_template or give the text encoder's tokenizer");
+  }
   if (fs::is_regular_file(fs::path(dir) / "spiece.model")) {
     const auto t5 = models::T5Tokenizer::load(dir);
     const int64_t length = max_length > 0 ? max_length : t5.model_max_length();

@@ -671,6 +671,22 @@ const std::vector<Case>& error_catalogue_cases() {
          fs::remove(t + "/tokenizer/merges.txt");
          return BadRun{{"tokenize", "--model", t + "/tokenizer", "--prompt", "a cat"}};
        }},
+      {"ChatTemplateWithAnUnclosedBlock",
+       "`difftrain tokenize --model DIR --prompt 'a cat' --chat_template` where DIR (a Qwen2 "
+       "tokenizer folder) has a chat_template whose `{% if %}` is never closed",
+       "<tmp>/tokenizer/tokenizer_config.json: chat template line 2: the template ends inside a "
+       "block: expected `{% endif %}`: fix the template (tokenizer_config.json's chat_template or "
+       "chat_template.jinja)",
+       1,
+       [](const std::string& t) {
+         copy_folder(kGolden + "/z_image/tokenizer", t + "/tokenizer");
+         const std::string config = t + "/tokenizer/tokenizer_config.json";
+         auto j = nlohmann::json::parse(read_bytes(config));
+         j["chat_template"] = "{{ messages[0].content }}\n{% if add_generation_prompt %}x";
+         write_text(config, j.dump(2));
+         return BadRun{
+             {"tokenize", "--model", t + "/tokenizer", "--prompt", "a cat", "--chat_template"}};
+       }},
       // ------------------------------------------------------------------ output folders
       {"OutputDirIsThePretrainedFolder",
        "`difftrain train --pretrained_model_name_or_path DIR ... --output_dir DIR` (a UNet folder)",

@@ -187,6 +187,75 @@ TEST(TokenizeCli, MaxLengthAndNoPadding) {
   EXPECT_EQ(r.out, "[49406, 320, 2368, 49407, 49407, 49407]\n") << r.log();
 }
 
+TEST(TokenizeCli, QwenFolderPrintsTheReferenceIdsWithAndWithoutTheChatTemplate) {
+  // Z-Image's tokenizer (tests/golden/z_image): the hard cases as plain ids; ZImagePipeline's
+  // prompts with --chat_template (template applied, no padding); --max_length pads on the right
+  // with <|endoftext|> and cuts with a warning.
+  const std::string golden = std::string(difftrain_test::source_dir()) + "/tests/golden/z_image/";
+  const std::string tok = golden + "tokenizer";
+  std::ifstream in(golden + "chat_template/expected.json");
+  const auto j = nlohmann::json::parse(in);
+  std::vector<std::string> args = {kDifftrain, "tokenize", "--model", tok, "--chat_template"};
+  std::vector<std::string> want;
+  for (const auto& p : j.at("pipeline_prompts")) {
+    args.insert(args.end(), {"--prompt", p.at("prompt").get<std::string>()});
+    want.push_back(json_line(p.at("ids").get<std::vector<int64_t>>()));
+  }
+  auto r = run(args, {}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  EXPECT_EQ(lines_of(r.out), want) << r.log();
+
+  std::ifstream hard_in(tok + "/expected.json");
+  const auto hard = nlohmann::json::parse(hard_in);
+  args = {kDifftrain, "tokenize", "--model", tok};
+  want.clear();
+  for (const auto& c : hard.at("cases")) {
+    args.insert(args.end(), {"--prompt", c.at("text").get<std::string>()});
+    want.push_back(json_line(c.at("ids").get<std::vector<int64_t>>()));
+  }
+  r = run(args, {}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  EXPECT_EQ(lines_of(r.out), want) << r.log();
+
+  const auto cat = j.at("pipeline_prompts").at(0).at("ids").get<std::vector<int64_t>>();
+  ASSERT_GT(cat.size(), 8u);
+  auto padded = cat;
+  padded.resize(cat.size() + 3, 656);  // <|endoftext|>, the folder's pad_token
+  r = run(
+      {kDifftrain, "tokenize", "--model", tok, "--prompt",
+       j.at("pipeline_prompts").at(0).at("text"), "--max_length", std::to_string(cat.size() + 3)},
+      {}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  EXPECT_EQ(r.out, json_line(padded) + "\n") << r.log();
+  r = run({kDifftrain, "tokenize", "--model", tok, "--prompt", "a cat", "--chat_template",
+           "--max_length", "8"},
+          {}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  EXPECT_EQ(r.out, json_line(std::vector<int64_t>(cat.begin(), cat.begin() + 8)) + "\n") << r.log();
+  EXPECT_NE(r.err.find("warning: prompt 0 (\"a cat\") has " + std::to_string(cat.size()) +
+                       " tokens; only the first 8 fit"),
+            std::string::npos)
+      << r.log();
+  // enable_thinking false adds the empty think block; a bad --template_kwargs, or
+  // --chat_template on a CLIP folder, is one line.
+  r = run({kDifftrain, "tokenize", "--model", tok, "--prompt", "a cat", "--chat_template",
+           "--template_kwargs", R"({"enable_thinking": false})"},
+          {}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  EXPECT_GT(lines_of(r.out).at(0).size(), json_line(cat).size()) << r.log();
+  r = run({kDifftrain, "tokenize", "--model", tok, "--prompt", "a", "--chat_template",
+           "--template_kwargs", "[1]"},
+          {}, 60);
+  EXPECT_EQ(r.exit_code, 1) << r.log();
+  EXPECT_EQ(r.err.rfind("difftrain: error: --template_kwargs '[1]' is not a JSON object", 0), 0u)
+      << r.log();
+  r = run({kDifftrain, "tokenize", "--model", kPipeline, "--prompt", "a", "--chat_template"}, {},
+          60);
+  EXPECT_EQ(r.exit_code, 1) << r.log();
+  EXPECT_NE(r.err.find("is not a Qwen2 tokenizer"), std::string::npos) << r.log();
+  EXPECT_EQ(count(r.err, "\n"), 1u) << r.log();
+}
+
 TEST(TokenizeCli, BadInputExitsWithOneLineError) {
   const auto dir = make_temp_dir("tokenize_cli_bad");
   write(dir + "/prompts.txt", "a cat\n");

@@ -28,10 +28,6 @@ using test::temp_dir;
 
 namespace fs = std::filesystem;
 
-#define EXPECT_HAS(text, part)                               \
-  EXPECT_NE(std::string(text).find(part), std::string::npos) \
-      << "'" << (text) << "' lacks '" << (part) << "'"
-
 constexpr const char* kFashionDir = "/usr/share/datasets/fashion-mnist";
 
 // The bytes of an IDX file of unsigned bytes holding `values` (uint8, any shape).

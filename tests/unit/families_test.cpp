@@ -30,10 +30,6 @@ namespace difftrain::test {
 namespace {
 namespace fs = std::filesystem;
 
-#define EXPECT_HAS(text, part)                               \
-  EXPECT_NE(std::string(text).find(part), std::string::npos) \
-      << "expected \"" << (part) << "\" in: " << (text)
-
 std::string family_name(const std::string& dir) { return families::family_of(dir).name(); }
 
 std::string folder_with_index(const std::string& dir, const std::string& index) {

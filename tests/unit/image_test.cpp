@@ -27,10 +27,6 @@ using difftrain::io::load_image;
 using difftrain::io::make_grid;
 using difftrain::io::save_png;
 
-#define EXPECT_HAS(text, part)                               \
-  EXPECT_NE(std::string(text).find(part), std::string::npos) \
-      << "'" << (text) << "' lacks '" << (part) << "'"
-
 torch::Tensor random_image(int64_t h, int64_t w, int64_t c, uint64_t seed) {
   auto gen = at::detail::createCPUGenerator(seed);
   return at::randint(0, 256, {h, w, c}, gen, torch::kInt64).to(torch::kUInt8);

@@ -36,10 +36,6 @@ using io::LoraTarget;
 using io::LoraWeights;
 using io::TensorMap;
 
-#define EXPECT_HAS(text, part)                               \
-  EXPECT_NE(std::string(text).find(part), std::string::npos) \
-      << "'" << (text) << "' lacks '" << (part) << "'"
-
 using difftrain::test::kDiffusersGolden;
 
 // The fixture LoRA (r 4, alpha 4, attention projections of unet_cond) plus targets on the

@@ -32,10 +32,6 @@ using difftrain::io::TensorMap;
 const std::string kLora =
     std::string(difftrain_test::source_dir()) + "/tests/golden/diffusers/lora/";
 
-#define EXPECT_HAS(text, part)                               \
-  EXPECT_NE(std::string(text).find(part), std::string::npos) \
-      << "'" << (text) << "' lacks '" << (part) << "'"
-
 // ---------------------------------------------------------------- a UNet-shaped module tree
 // Registered names follow Diffusers' UNet2DConditionModel, so parameter names are its keys:
 // down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_out.0.weight and so on.

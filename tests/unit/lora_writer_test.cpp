@@ -37,10 +37,6 @@ using difftrain::test::kDiffusersGolden;
 const std::vector<LoraFormat> kFormats = {LoraFormat::kDiffusers, LoraFormat::kPeft,
                                           LoraFormat::kKohya};
 
-#define EXPECT_HAS(text, part)                               \
-  EXPECT_NE(std::string(text).find(part), std::string::npos) \
-      << "'" << (text) << "' lacks '" << (part) << "'"
-
 // A target for `module` whose weight is `weight_shape`: Linear [out, in] or Conv2d
 // [out, in, kh, kw], rank r, entries ~0.1 so a merged weight stays of order one.
 LoraTarget random_target(const std::string& module, at::IntArrayRef weight_shape, int64_t r,

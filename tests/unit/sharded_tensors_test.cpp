@@ -28,10 +28,6 @@ using difftrain::test::temp_dir;
 namespace fs = std::filesystem;
 namespace io = difftrain::io;
 
-#define EXPECT_HAS(text, part)                               \
-  EXPECT_NE(std::string(text).find(part), std::string::npos) \
-      << "'" << (text) << "' lacks '" << (part) << "'"
-
 #define EXPECT_ONE_LINE(text) \
   EXPECT_EQ(std::string(text).find('\n'), std::string::npos) << "not one line: " << (text)
 

@@ -27,10 +27,6 @@ using difftrain::settings::parse_deepspeed_config;
 using difftrain::test::error_of;
 using difftrain::test::temp_dir;
 
-#define EXPECT_HAS(text, part)                               \
-  EXPECT_NE(std::string(text).find(part), std::string::npos) \
-      << "'" << (text) << "' lacks '" << (part) << "'"
-
 std::string all_lines(const std::vector<std::string>& lines) {
   std::string out;
   for (const auto& l : lines) out += l + "\n";

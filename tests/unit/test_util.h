@@ -14,6 +14,11 @@
 #include <fstream>
 #include <string>
 
+/// EXPECT that `text` contains `part`, printing both when it does not.
+#define EXPECT_HAS(text, part)                               \
+  EXPECT_NE(std::string(text).find(part), std::string::npos) \
+      << "'" << (text) << "' lacks '" << (part) << "'"
+
 namespace difftrain::test {
 
 /// The reference files made with the Python Diffusers stack (tests/golden/README.md).

@@ -39,10 +39,6 @@ using difftrain::test::error_of;
 using difftrain::test::temp_dir;
 namespace fs = std::filesystem;
 
-#define EXPECT_HAS(text, part)                               \
-  EXPECT_NE(std::string(text).find(part), std::string::npos) \
-      << "'" << (text) << "' lacks '" << (part) << "'"
-
 // ------------------------------------------------------------------ reading event files
 // The event files are read back with accel::read_tensorboard_events (src/accel/
 // tensorboard_events.cpp, no code shared with the writer but the CRC); the CRC itself is checked

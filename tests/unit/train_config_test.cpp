@@ -24,10 +24,6 @@ difftrain::train::TrainConfig family_config(const std::vector<std::string>& args
 const std::string kUNetFolder =
     std::string(difftrain_test::source_dir()) + "/tests/golden/diffusers/unet2d_uncond";
 
-#define EXPECT_HAS(text, part)                               \
-  EXPECT_NE(std::string(text).find(part), std::string::npos) \
-      << "'" << (text) << "' lacks '" << (part) << "'"
-
 TEST(TrainConfig, DefaultsAreTheBuiltInFashionMnistRun) {
   const auto c = family_config({});
   EXPECT_EQ(c.dataset, "fashion_mnist");

@@ -127,7 +127,7 @@ class TextEncoderStack {
   mutable bool truncation_warned_ = false;
 };
 
-/// The CLIP tokenizer folder of `dir`: `dir` itself when it holds vocab.json, else
+/// The tokenizer folder of `dir`: `dir` itself when it holds vocab.json or tokenizer.json, else
 /// `dir`/tokenizer (a pipeline folder: Stable Diffusion, SDXL, FLUX.1). Throws difftrain::Error
 /// ("--model 'DIR' ...") when `dir` is not a folder or has neither.
 std::string resolve_tokenizer_dir(const std::string& dir);
@@ -139,13 +139,29 @@ struct TokenizedPrompt {
   std::string warning;
 };
 
+/// How `difftrain tokenize` reads a prompt.
+struct TokenizeOptions {
+  /// Pad and cut to this many ids; 0: the tokenizer's model_max_length (CLIP, T5), no padding
+  /// and no cut (Qwen2, whose model_max_length of 131072 no pipeline pads to).
+  int64_t max_length = 0;
+  /// Drop the padding (the ids stay cut).
+  bool no_padding = false;
+  /// Wrap each prompt in the folder's chat template first, as `apply_chat_template([{"role":
+  /// "user", "content": prompt}], add_generation_prompt=True, **template_kwargs)` does (Qwen2
+  /// folders), and print the ids without padding.
+  bool chat_template = false;
+  /// The template's keyword arguments (a JSON object); ZImagePipeline's by default.
+  std::string template_kwargs = R"({"enable_thinking": true})";
+};
+
 /// The ids of each prompt as the tokenizer folder `dir` gives them with padding="max_length",
 /// truncation=True: T5 (Transformers' T5Tokenizer: pieces cut to max_length - 1, </s>, <pad>)
-/// when `dir` holds spiece.model, else CLIP (bos, BPE ids, eos, padding). max_length 0: the
-/// tokenizer's model_max_length. no_padding drops the padding (the ids stay truncated). The
-/// warning names the prompt's index and its first ~40 characters and says what was dropped.
+/// when `dir` holds spiece.model, Qwen2's byte-level BPE (no tokens added, pad on the right)
+/// when its tokenizer_config.json names a Qwen2 tokenizer class, else CLIP (bos, BPE ids, eos,
+/// padding). The warning names the prompt's index and its first ~40 characters and says what was
+/// dropped. Throws difftrain::Error for `chat_template` on a folder without one.
 std::vector<TokenizedPrompt> tokenize_prompts(const std::string& dir,
                                               const std::vector<std::string>& prompts,
-                                              int64_t max_length = 0, bool no_padding = false);
+                                              const TokenizeOptions& options = {});
 
 }  // namespace difftrain::diffusion

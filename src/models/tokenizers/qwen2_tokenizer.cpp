@@ -6,6 +6,7 @@
 #include "byte_bpe.h"
 #include "clip_text.h"
 #include "difftrain/core/error.h"
+#include "difftrain/models/tokenizers/chat_template.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
@@ -95,6 +96,8 @@ struct Qwen2Tokenizer::Impl {
   std::shared_ptr<pcre2_code> pattern;
   int64_t pad_id = 0;
   int64_t max_length = kDefaultMaxLength;
+  std::optional<ChatTemplate> chat_template;
+  nlohmann::ordered_json special_tokens = nlohmann::ordered_json::object();
 
   // emit(id, text) for every token of one stretch of text without added tokens.
   template <typename Emit>
@@ -227,12 +230,42 @@ Qwen2Tokenizer Qwen2Tokenizer::from_folder(const std::string& dir) {
         pad = p.at("content").get<std::string>();
       }
     }
+    // Transformers' special_tokens_map: the named special tokens the config sets.
+    for (const char* name : {"bos_token", "eos_token", "unk_token", "pad_token"}) {
+      if (!c.contains(name)) continue;
+      const auto& t = c.at(name);
+      if (t.is_string()) impl->special_tokens[name] = t.get<std::string>();
+      if (t.is_object() && t.contains("content") && t.at("content").is_string()) {
+        impl->special_tokens[name] = t.at("content").get<std::string>();
+      }
+    }
+    if (c.contains("chat_template")) {
+      const auto& t = c.at("chat_template");
+      std::string source;
+      if (t.is_string()) source = t.get<std::string>();
+      // A list of named templates: Transformers uses the one named "default".
+      if (t.is_array()) {
+        for (const auto& named : t) {
+          if (named.is_object() && named.value("name", "") == "default" &&
+              named.contains("template") && named.at("template").is_string()) {
+            source = named.at("template").get<std::string>();
+          }
+        }
+      }
+      if (!source.empty()) impl->chat_template = ChatTemplate::parse(source, config_path);
+    }
     if (c.contains("model_max_length") && c.at("model_max_length").is_number_integer() &&
         c.at("model_max_length").get<int64_t>() >= 1) {
       impl->max_length = c.at("model_max_length").get<int64_t>();
     }
   }
   impl->pattern = compile(pattern, vocab_source);
+  // chat_template.jinja (what newer Transformers saves) wins over tokenizer_config.json's.
+  const std::string jinja_path = (fs::path(dir) / "chat_template.jinja").string();
+  if (fs::exists(jinja_path)) {
+    impl->chat_template =
+        ChatTemplate::parse(byte_bpe::read_file(jinja_path, kMissing), jinja_path);
+  }
 
   // Intern the symbols: every byte, then every merge's parts and result.
   for (size_t rank = 0; rank < merges.size(); ++rank) {
@@ -358,6 +391,36 @@ int64_t Qwen2Tokenizer::model_max_length() const { return impl().max_length; }
 int64_t Qwen2Tokenizer::vocab_size() const {
   const auto& im = impl();
   return byte_bpe::vocab_rows(im.vocab, im.added);
+}
+
+}  // namespace difftrain::models
+
+namespace difftrain::models {
+
+bool Qwen2Tokenizer::is_folder(const std::string& dir) {
+  const auto path = fs::path(dir) / "tokenizer_config.json";
+  if (!fs::is_regular_file(path)) return false;
+  const json c = byte_bpe::read_json(path.string(), kMissing);
+  return c.is_object() && c.contains("tokenizer_class") && c.at("tokenizer_class").is_string() &&
+         c.at("tokenizer_class").get<std::string>().rfind("Qwen2", 0) == 0;
+}
+
+const ChatTemplate* Qwen2Tokenizer::chat_template() const {
+  const auto& im = impl();
+  return im.chat_template ? &*im.chat_template : nullptr;
+}
+
+std::string Qwen2Tokenizer::apply_chat_template(const nlohmann::ordered_json& messages,
+                                                bool add_generation_prompt,
+                                                const nlohmann::ordered_json& extra) const {
+  const auto& im = impl();
+  if (!im.chat_template) {
+    throw Error("Qwen2 tokenizer folder '" + im.dir +
+                "' has no chat template (tokenizer_config.json's chat_template or "
+                "chat_template.jinja): use the tokenizer folder saved with the model");
+  }
+  return models::apply_chat_template(*im.chat_template, messages, add_generation_prompt,
+                                     im.special_tokens, extra);
 }
 
 }  // namespace difftrain::models

@@ -3,6 +3,10 @@
 // Qwen2TokenizerFast): the text encoders of Z-Image, Qwen-Image and FLUX.2 klein read prompts
 // with it.
 
+#include "difftrain/models/tokenizers/chat_template.h"
+
+#include <nlohmann/json.hpp>
+
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -36,6 +40,9 @@ class Qwen2Tokenizer {
   /// model_max_length). Throws difftrain::Error naming the file for a missing or malformed one, a
   /// merge of symbols the vocabulary lacks, or a pattern PCRE2 cannot compile.
   static Qwen2Tokenizer from_folder(const std::string& dir);
+  /// Whether `dir` is a Qwen2 tokenizer folder: its tokenizer_config.json names a
+  /// `tokenizer_class` starting with "Qwen2" (Qwen2Tokenizer, Qwen2TokenizerFast).
+  static bool is_folder(const std::string& dir);
 
   /// The ids of `text`, no truncation.
   std::vector<int64_t> encode(const std::string& text) const;
@@ -55,6 +62,18 @@ class Qwen2Tokenizer {
   int64_t model_max_length() const;
   /// The vocabulary plus the added tokens not in it: the rows the embedding needs at least.
   int64_t vocab_size() const;
+
+  /// The folder's chat template (chat_template.jinja, else tokenizer_config.json's
+  /// `chat_template`: a string, or the entry named "default" of a list), or null.
+  const ChatTemplate* chat_template() const;
+  /// Transformers' `apply_chat_template(messages, tokenize=False, add_generation_prompt,
+  /// **extra)` with this folder's template and special tokens (bos/eos/unk/pad_token as
+  /// tokenizer_config.json names them). ZImagePipeline: messages [{"role": "user", "content":
+  /// prompt}], add_generation_prompt true, extra {"enable_thinking": true}. Throws
+  /// difftrain::Error naming the folder when it has no template.
+  std::string apply_chat_template(const nlohmann::ordered_json& messages,
+                                  bool add_generation_prompt,
+                                  const nlohmann::ordered_json& extra = {}) const;
 
  private:
   struct Impl;
