@@ -31,6 +31,9 @@ if [[ -s "$work/moved" ]]; then
   awk '{print $2; print $3}' "$work/moved" | grep -vx EXE | sort -u | while read -r lib; do
     nm -D --defined-only "$lib" 2>/dev/null | awk -v lib="$lib" 'NF >= 3 {sub(/@.*/, "", $3); print lib, $3, $2}'
   done >"$work/types"
+  # The probe's own exported copies (both probes hold the same code, linked in another order).
+  nm -D --defined-only "$natural" 2>/dev/null |
+    awk 'NF >= 3 {sub(/@.*/, "", $3); print "EXE", $3, $2}' >>"$work/types"
   bad="$(awk 'NR == FNR {type[$1 " " $2] = $3; next}
               {a = type[$2 " " $1]; b = type[$3 " " $1];
                if (a !~ /^[WVu]$/ || b !~ /^[WVu]$/) print $1, "natural:", $2, "(" a ")", "reordered:", $3, "(" b ")"}' \

@@ -28,16 +28,16 @@ using difftrain::test::write_text;
 using Json = nlohmann::ordered_json;
 namespace fs = std::filesystem;
 
-const std::string kDir = kGoldenDir + "z_image/chat_template";
-const std::string kTokenizerDir = kGoldenDir + "z_image/tokenizer";
+const std::string kChatTemplateDir = kGoldenDir + "z_image/chat_template";
+const std::string kChatTokenizerDir = kGoldenDir + "z_image/tokenizer";
 
-Json expected() {
-  std::ifstream in(kDir + "/expected.json");
+Json chat_template_expected() {
+  std::ifstream in(kChatTemplateDir + "/expected.json");
   return Json::parse(in);
 }
 
 TEST(ChatTemplate, EveryRenderingMatchesJinja2InTransformersEnvironment) {
-  const Json e = expected();
+  const Json e = chat_template_expected();
   std::map<std::string, ChatTemplate> templates;
   for (const auto& [name, source] : e.at("templates").items()) {
     templates.emplace(name, ChatTemplate::parse(source.get<std::string>(), name));
@@ -59,7 +59,7 @@ TEST(ChatTemplate, EveryRenderingMatchesJinja2InTransformersEnvironment) {
 }
 
 TEST(ChatTemplate, ErrorsThatJinjaRaisesAreOneLineErrorsNamingTheLine) {
-  for (const auto& c : expected().at("errors")) {
+  for (const auto& c : chat_template_expected().at("errors")) {
     const auto source = c.at("template").get<std::string>();
     const auto t = ChatTemplate::parse(source, "t.jinja");
     const auto message = error_of([&] { t.render(c.at("variables")); });
@@ -86,9 +86,9 @@ TEST(ChatTemplate, ErrorsThatJinjaRaisesAreOneLineErrorsNamingTheLine) {
 }
 
 TEST(ChatTemplate, TheTokenizerFoldersTemplateAppliedAndTokenizedAsZImagePipelineDoes) {
-  const auto tok = Qwen2Tokenizer::from_folder(kTokenizerDir);
+  const auto tok = Qwen2Tokenizer::from_folder(kChatTokenizerDir);
   ASSERT_NE(tok.chat_template(), nullptr);
-  const auto prompts = expected().at("pipeline_prompts");
+  const auto prompts = chat_template_expected().at("pipeline_prompts");
   ASSERT_GE(prompts.size(), 6u);
   for (const auto& p : prompts) {
     const Json messages = Json::array({{{"role", "user"}, {"content", p.at("prompt")}}});
@@ -100,7 +100,7 @@ TEST(ChatTemplate, TheTokenizerFoldersTemplateAppliedAndTokenizedAsZImagePipelin
 
 TEST(ChatTemplate, ChatTemplateJinjaWinsOverTheConfigsAndAFolderWithoutOneIsRefused) {
   const auto dir = temp_dir("chat_template_jinja");
-  for (const auto& entry : fs::directory_iterator(kTokenizerDir)) {
+  for (const auto& entry : fs::directory_iterator(kChatTokenizerDir)) {
     fs::copy_file(entry.path(), fs::path(dir) / entry.path().filename(),
                   fs::copy_options::overwrite_existing);
   }

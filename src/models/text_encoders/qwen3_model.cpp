@@ -1,0 +1,228 @@
+// Transformers' Qwen3Model (qwen3_model.h), as modeling_qwen3.py computes it with eager attention:
+// the same casts in bf16 (RMSNorm statistics, RoPE angles and softmax in float32, cast back).
+
+#include "difftrain/models/text_encoders/qwen3_model.h"
+
+#include "../json_fields.h"
+#include "difftrain/core/error.h"
+#include "difftrain/io/weight_index.h"
+#include "difftrain/models/pretrained.h"
+
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <limits>
+
+namespace difftrain::models {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+Linear qwen3_linear(int64_t in, int64_t out, bool bias) {
+  return Linear(torch::nn::LinearOptions(in, out).bias(bias));
+}
+
+// x: [..., D] -> the halves swapped with the first negated (Transformers' rotate_half).
+torch::Tensor rotate_half(const torch::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+}  // namespace
+
+Qwen3Options Qwen3Options::load(const std::string& path) {
+  const nlohmann::json j = detail::parse_json_file(path, "a Transformers Qwen3 config.json");
+  if (!j.is_object()) throw Error(path + ": expected a JSON object (a Qwen3 config.json)");
+  const detail::JsonFields r(j, path);
+  Qwen3Options o;
+  o.vocab_size(r.integer_at_least("vocab_size", o.vocab_size(), 1));
+  o.hidden_size(r.integer_at_least("hidden_size", o.hidden_size(), 1));
+  o.intermediate_size(r.integer_at_least("intermediate_size", o.intermediate_size(), 1));
+  o.num_hidden_layers(r.integer_at_least("num_hidden_layers", o.num_hidden_layers(), 1));
+  o.num_attention_heads(r.integer_at_least("num_attention_heads", o.num_attention_heads(), 1));
+  o.num_key_value_heads(r.integer_at_least("num_key_value_heads", o.num_attention_heads(), 1));
+  o.head_dim(r.integer_at_least("head_dim", o.hidden_size() / o.num_attention_heads(), 2));
+  o.rms_norm_eps(r.number("rms_norm_eps", 1e-6));
+  o.rope_theta(r.number("rope_theta", 10000.0));
+  o.attention_bias(r.boolean("attention_bias", false));
+  if (o.num_attention_heads() % o.num_key_value_heads() != 0) {
+    r.fail("num_key_value_heads", "(" + std::to_string(o.num_key_value_heads()) +
+                                      ") must divide num_attention_heads (" +
+                                      std::to_string(o.num_attention_heads()) + ")");
+  }
+  if (o.head_dim() % 2 != 0) r.fail("head_dim", "must be even (RoPE rotates pairs)");
+  if (!(o.rms_norm_eps() > 0)) r.fail("rms_norm_eps", "must be > 0");
+  if (!(o.rope_theta() > 0)) r.fail("rope_theta", "must be > 0");
+  r.choice("hidden_act", "silu", {"silu"});
+  if (r.has("rope_scaling")) {
+    const auto& s = r.at("rope_scaling");
+    const std::string type =
+        s.is_object() ? s.value("rope_type", s.value("type", std::string("default"))) : "?";
+    if (type != "default") {
+      r.fail("rope_scaling", "is " + s.dump() +
+                                 "; only the default RoPE is supported (Z-Image's and FLUX.2 "
+                                 "klein's text encoders use it)");
+    }
+  }
+  if (r.boolean("use_sliding_window", false)) {
+    r.fail("use_sliding_window", "is true; sliding-window attention is not supported");
+  }
+  return o;
+}
+
+Qwen3RMSNormImpl::Qwen3RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
+  weight = register_parameter("weight", torch::ones({dim}));
+}
+
+torch::Tensor Qwen3RMSNormImpl::forward(const torch::Tensor& x) {
+  const auto h = x.to(torch::kFloat32);
+  const auto normed = h * torch::rsqrt(h.pow(2).mean(-1, true) + eps_);
+  return weight * normed.to(x.scalar_type());
+}
+
+Qwen3DecoderLayerImpl::Qwen3DecoderLayerImpl(const Qwen3Options& o) : options_(o) {
+  const int64_t d = o.hidden_size();
+  const int64_t hd = o.head_dim();
+  auto attn = register_module("self_attn", std::make_shared<torch::nn::Module>());
+  q_proj_ = attn->register_module(
+      "q_proj", qwen3_linear(d, o.num_attention_heads() * hd, o.attention_bias()));
+  k_proj_ = attn->register_module(
+      "k_proj", qwen3_linear(d, o.num_key_value_heads() * hd, o.attention_bias()));
+  v_proj_ = attn->register_module(
+      "v_proj", qwen3_linear(d, o.num_key_value_heads() * hd, o.attention_bias()));
+  o_proj_ = attn->register_module(
+      "o_proj", qwen3_linear(o.num_attention_heads() * hd, d, o.attention_bias()));
+  q_norm_ = attn->register_module("q_norm", Qwen3RMSNorm(hd, o.rms_norm_eps()));
+  k_norm_ = attn->register_module("k_norm", Qwen3RMSNorm(hd, o.rms_norm_eps()));
+  auto mlp = register_module("mlp", std::make_shared<torch::nn::Module>());
+  gate_proj_ = mlp->register_module("gate_proj", qwen3_linear(d, o.intermediate_size(), false));
+  up_proj_ = mlp->register_module("up_proj", qwen3_linear(d, o.intermediate_size(), false));
+  down_proj_ = mlp->register_module("down_proj", qwen3_linear(o.intermediate_size(), d, false));
+  input_layernorm_ = register_module("input_layernorm", Qwen3RMSNorm(d, o.rms_norm_eps()));
+  post_attention_layernorm_ =
+      register_module("post_attention_layernorm", Qwen3RMSNorm(d, o.rms_norm_eps()));
+}
+
+torch::Tensor Qwen3DecoderLayerImpl::forward(const torch::Tensor& h, const torch::Tensor& cos,
+                                             const torch::Tensor& sin, const torch::Tensor& mask) {
+  const int64_t B = h.size(0);
+  const int64_t S = h.size(1);
+  const int64_t H = options_.num_attention_heads();
+  const int64_t KV = options_.num_key_value_heads();
+  const int64_t hd = options_.head_dim();
+  const auto x = input_layernorm_(h);
+  // [B, S, heads, hd] -> per-head RMS norm -> [B, heads, S, hd] -> RoPE.
+  auto q = q_norm_(q_proj_(x).view({B, S, H, hd})).transpose(1, 2);
+  auto k = k_norm_(k_proj_(x).view({B, S, KV, hd})).transpose(1, 2);
+  auto v = v_proj_(x).view({B, S, KV, hd}).transpose(1, 2);
+  q = q * cos + rotate_half(q) * sin;
+  k = k * cos + rotate_half(k) * sin;
+  if (KV != H) {  // each key/value head serves H / KV consecutive query heads (repeat_kv)
+    k = k.repeat_interleave(H / KV, 1);
+    v = v.repeat_interleave(H / KV, 1);
+  }
+  auto scores = torch::matmul(q, k.transpose(2, 3)) * std::pow(static_cast<double>(hd), -0.5);
+  scores = scores + mask;
+  const auto probs = torch::softmax(scores, -1, torch::kFloat32).to(q.scalar_type());
+  const auto attn = torch::matmul(probs, v).transpose(1, 2).reshape({B, S, H * hd});
+  const auto h1 = h + o_proj_(attn);
+  const auto y = post_attention_layernorm_(h1);
+  return h1 + down_proj_(torch::silu(gate_proj_(y)) * up_proj_(y));
+}
+
+Qwen3ModelImpl::Qwen3ModelImpl(const Qwen3Options& options) : options_(options) {
+  embed_tokens_ = register_module(
+      "embed_tokens", torch::nn::Embedding(options.vocab_size(), options.hidden_size()));
+  auto list = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < options.num_hidden_layers(); ++i) {
+    layers_.push_back(Qwen3DecoderLayer(options));
+    list->push_back(layers_.back());
+  }
+  norm_ = register_module("norm", Qwen3RMSNorm(options.hidden_size(), options.rms_norm_eps()));
+}
+
+Qwen3Output Qwen3ModelImpl::forward(const torch::Tensor& input_ids,
+                                    const torch::Tensor& attention_mask, int64_t stop) {
+  TORCH_CHECK(input_ids.dim() == 2, "Qwen3Model: input_ids must be [B, S], got ",
+              input_ids.sizes());
+  const int64_t L = options_.num_hidden_layers();
+  if (stop < 0) stop += L + 1;
+  TORCH_CHECK(stop >= 0 && stop <= L, "Qwen3Model: hidden state ", stop, " is out of [0, ", L, "]");
+  const int64_t B = input_ids.size(0);
+  const int64_t S = input_ids.size(1);
+  Qwen3Output out;
+  auto h = embed_tokens_(input_ids);
+  out.hidden_states.push_back(h);
+  if (stop == 0) return out;
+  const auto dtype = h.scalar_type();
+
+  // RoPE angles in float32 (inv_freq stays float32 as from_pretrained leaves it), then cast.
+  const int64_t hd = options_.head_dim();
+  const auto inv_freq =
+      1.0 / torch::pow(options_.rope_theta(),
+                       torch::arange(0, hd, 2, torch::kFloat32) / static_cast<double>(hd));
+  const auto freqs = torch::outer(torch::arange(S, torch::kFloat32), inv_freq);
+  const auto emb = torch::cat({freqs, freqs}, -1);
+  const auto cos = emb.cos().to(dtype);
+  const auto sin = emb.sin().to(dtype);
+
+  // Causal and padding masks, additive with the dtype's lowest value (Transformers' eager path).
+  const double lowest = dtype == torch::kBFloat16  ? -3.3895313892515355e38
+                        : dtype == torch::kFloat16 ? -65504.0
+                        : dtype == torch::kFloat64 ? std::numeric_limits<double>::lowest()
+                                                   : std::numeric_limits<float>::lowest();
+  auto allowed = torch::ones({S, S}, torch::kBool).tril().view({1, 1, S, S});
+  if (attention_mask.defined()) {
+    TORCH_CHECK(attention_mask.sizes() == input_ids.sizes(),
+                "Qwen3Model: attention_mask must match input_ids ", input_ids.sizes(), ", got ",
+                attention_mask.sizes());
+    allowed = allowed & attention_mask.to(torch::kBool).view({B, 1, 1, S});
+  }
+  const auto mask = torch::zeros(allowed.sizes(), dtype).masked_fill(allowed.logical_not(), lowest);
+
+  for (int64_t i = 0; i < stop; ++i) {
+    h = layers_[static_cast<size_t>(i)]->forward(h, cos, sin, mask);
+    out.hidden_states.push_back(i + 1 == L ? norm_(h) : h);
+  }
+  return out;
+}
+
+torch::Tensor Qwen3ModelImpl::hidden_state(const torch::Tensor& input_ids,
+                                           const torch::Tensor& attention_mask, int64_t index) {
+  return forward(input_ids, attention_mask, index).hidden_states.back();
+}
+
+Qwen3Model load_qwen3_model(const std::string& dir, torch::Dtype dtype,
+                            const std::string& variant) {
+  const std::string what =
+      "a Transformers Qwen3Model folder (config.json + model.safetensors or its shards), e.g. a "
+      "ZImagePipeline's text_encoder/";
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) throw Error(dir + ": no such folder; expected " + what);
+  const fs::path config = fs::path(dir) / "config.json";
+  if (!fs::is_regular_file(config, ec)) throw Error(dir + ": no config.json; expected " + what);
+  Qwen3Model model(Qwen3Options::load(config.string()));
+  model->to(dtype);
+  const io::WeightFiles files = io::find_weight_files(dir, "model", variant);
+  io::TensorMap loaded = io::load_weight_files(files, dtype);
+  // A Qwen3ForCausalLM checkpoint: the model under "model.", and an lm_head the encoder lacks.
+  io::TensorMap weights;
+  for (auto& [name, tensor] : loaded) {
+    if (name == "lm_head.weight") continue;
+    weights[name.rfind("model.", 0) == 0 ? name.substr(6) : name] = std::move(tensor);
+  }
+  load_weights(*model, weights, files.index.empty() ? files.files.at(0) : files.index);
+  return model;
+}
+
+std::vector<torch::Tensor> qwen3_prompt_embeds(Qwen3Model& model, const torch::Tensor& input_ids,
+                                               const torch::Tensor& attention_mask) {
+  const auto hidden = model->hidden_state(input_ids, attention_mask, -2);
+  std::vector<torch::Tensor> out;
+  const auto keep = attention_mask.to(torch::kBool);
+  for (int64_t i = 0; i < hidden.size(0); ++i) out.push_back(hidden[i].index({keep[i]}));
+  return out;
+}
+
+}  // namespace difftrain::models
