@@ -48,15 +48,15 @@ CLI::App* add_tokenize_command(CLI::App& app) {
                   "Text file with one prompt per line (every line, empty ones too; a final "
                   "newline does not add an empty prompt)");
   cmd->add_option("--max_length,--max-length", g_args.options.max_length,
-                  "Pad and truncate to N instead of the tokenizer's model_max_length (a "
-                  "pipeline's max_sequence_length for Qwen2: 512 for Z-Image)")
+                  "Pad and truncate to N instead of the tokenizer's model_max_length (for Qwen2: "
+                  "the pipeline's max_sequence_length)")
       ->check(CLI::Range(int64_t{2}, int64_t{65536}));
   cmd->add_flag("--no_padding,--no-padding", g_args.options.no_padding,
                 "Print [bos] + ids + [eos] without the padding (still truncated)");
   cmd->add_flag("--chat_template,--chat-template", g_args.options.chat_template,
-                "Qwen2 folders: wrap each prompt in the folder's chat template as ZImagePipeline "
-                "does (apply_chat_template([{role: user, content: prompt}], "
-                "add_generation_prompt=True, enable_thinking=True)) and print the ids unpadded");
+                "Qwen2 folders: wrap each prompt in the folder's chat template as a pipeline with "
+                "an LLM text encoder does (apply_chat_template([{role: user, content: prompt}], "
+                "add_generation_prompt=True, **template_kwargs)) and print the ids unpadded");
   cmd->add_option("--template_kwargs,--template-kwargs", g_args.options.template_kwargs,
                   "The chat template's keyword arguments, a JSON object")
       ->default_str(g_args.options.template_kwargs);

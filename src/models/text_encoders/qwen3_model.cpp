@@ -56,7 +56,7 @@ Qwen3Options Qwen3Options::load(const std::string& path) {
   if (!(o.rope_theta() > 0)) r.fail("rope_theta", "must be > 0");
   r.choice("hidden_act", "silu", {"silu"});
   if (r.has("rope_scaling")) {
-    const auto& s = r.at("rope_scaling");
+    const nlohmann::json s = r.at("rope_scaling");
     const std::string type =
         s.is_object() ? s.value("rope_type", s.value("type", std::string("default"))) : "?";
     if (type != "default") {

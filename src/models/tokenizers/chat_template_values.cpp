@@ -131,7 +131,7 @@ Json split(const std::string& s, const Value* sep_arg, int64_t maxsplit) {
     }
     return out;
   }
-  const std::string& sep = str_of(*sep_arg, "split's separator");
+  const std::string sep = str_of(*sep_arg, "split's separator");
   if (sep.empty()) throw TypeError("empty separator");
   size_t pos = 0;
   int64_t splits = 0;
@@ -597,7 +597,7 @@ Value call_method(const Value& obj, const std::string& name, const std::vector<V
     if (name == "find" || name == "count") {
       const Value* a = arg(args, keywords, 0, "sub");
       if (a == nullptr) throw TypeError(name + "() takes one argument");
-      const std::string& sub = str_of(*a, name + "'s argument");
+      const std::string sub = str_of(*a, name + "'s argument");
       if (name == "find") {
         const size_t at = s.find(sub);
         return Value::data(at == std::string::npos
