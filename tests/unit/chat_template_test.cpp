@@ -59,7 +59,8 @@ TEST(ChatTemplate, EveryRenderingMatchesJinja2InTransformersEnvironment) {
 }
 
 TEST(ChatTemplate, ErrorsThatJinjaRaisesAreOneLineErrorsNamingTheLine) {
-  for (const auto& c : chat_template_expected().at("errors")) {
+  const Json all = chat_template_expected();
+  for (const auto& c : all.at("errors")) {
     const auto source = c.at("template").get<std::string>();
     const auto t = ChatTemplate::parse(source, "t.jinja");
     const auto message = error_of([&] { t.render(c.at("variables")); });

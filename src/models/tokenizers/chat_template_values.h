@@ -78,6 +78,31 @@ Value binary(const std::string& op, const Value& a, const Value& b);
 /// == != < <= > >= in "not in"
 bool compare(const std::string& op, const Value& a, const Value& b);
 
+/// The pieces chat_template_values.cpp and chat_template_filters.cpp share.
+namespace detail {
+/// The code points of a UTF-8 string, each as its bytes (a stray byte is one "code point").
+std::vector<std::string> chars(const std::string& s);
+/// Python's str.strip / lstrip / rstrip (chars_arg null, None or Undefined: whitespace).
+std::string strip(const std::string& s, const Value* chars_arg, bool left, bool right);
+std::string ascii_case(std::string s, bool upper);
+/// Python's str.title() on ASCII letters.
+std::string title(const std::string& s);
+/// Numbers and booleans (Python's bool is an int).
+bool is_number(const Json& j);
+bool is_int(const Json& j);
+int64_t as_int(const Json& j);
+double as_double(const Json& j);
+/// The keyword `name`, else the positional argument at `position`, else null.
+const Value* arg(const std::vector<Value>& args, const Keywords& keywords, size_t position,
+                 const std::string& name);
+/// An integer argument (null, None or Undefined: `fallback`).
+int64_t int_arg(const Value* v, int64_t fallback, const std::string& what);
+/// Python's ==, with Jinja's Undefined equal only to Undefined.
+bool equals(const Value& a, const Value& b);
+/// Python's `item in container` (Undefined contains nothing).
+bool contains(const Value& container, const Value& item);
+}  // namespace detail
+
 /// Python's json.dumps(j, ensure_ascii=, indent=, separators=, sort_keys=) (indent < 0: None).
 std::string json_dumps(const Json& j, bool ensure_ascii, int indent, const std::string& item_sep,
                        const std::string& key_sep, bool sort_keys);
