@@ -43,12 +43,12 @@ CONFIG = {
     "num_attention_heads": 6, "num_hidden_layers": 3, "num_key_value_heads": 2,
     "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": None,
     "tie_word_embeddings": True, "torch_dtype": "float32", "transformers_version": "4.51.0",
-    "use_cache": True, "use_sliding_window": False, "vocab_size": 512,
+    "use_cache": True, "use_sliding_window": False, "vocab_size": 704,
 }
 D, F_, L = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["num_hidden_layers"]
 NH, NKV, HD = CONFIG["num_attention_heads"], CONFIG["num_key_value_heads"], CONFIG["head_dim"]
 EPS, THETA, V = CONFIG["rms_norm_eps"], CONFIG["rope_theta"], CONFIG["vocab_size"]
-MAX_SHARD = 200_000  # save_pretrained(max_shard_size="200KB"): two shards for this model
+MAX_SHARD = 300_000  # save_pretrained(max_shard_size="300KB"): two shards for this model
 
 LENGTHS, PAD_ID, NOPAD_LEN = [7, 13, 1], 0, 9
 
