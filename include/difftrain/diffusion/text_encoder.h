@@ -3,8 +3,9 @@
 // the two pipeline components they came from (`text_encoder`, `tokenizer`, ...). A family
 // composes one or more of them into a TextEncoderStack (text_encoders.h) with a
 // PromptComposition (prompt_composition.h) that says how their outputs make the prompt
-// embeddings. CLIP (clip_text_encoder.h) and T5 (t5_text_encoder.h) are built in; another
-// encoder (a decoder LLM, UMT5) is one more subclass, with nothing else to edit.
+// embeddings. CLIP (clip_text_encoder.h), T5 (t5_text_encoder.h) and the Qwen3 decoder LLM with
+// its chat template (qwen3_text_encoder.h) are built in; another encoder (UMT5, Qwen2.5-VL) is
+// one more subclass, with nothing else to edit.
 
 #include <torch/nn/module.h>
 #include <torch/types.h>
