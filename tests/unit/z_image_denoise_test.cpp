@@ -5,6 +5,7 @@
 #include "difftrain/families/z_image/denoise.h"
 
 #include "difftrain/io/safetensors.h"
+#include "difftrain/models/autoencoders/autoencoder_kl.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
@@ -62,6 +63,21 @@ TEST(ZImageDenoise, TurboCfgAndDynamicShiftingMatchZImagePipeline) {
     std::cout << k << ": final latents max abs diff " << diff << " (tol 1e-4)\n";
     EXPECT_LT(diff, 1e-4) << k;
   }
+}
+
+TEST(ZImageDenoise, TheFolderVaeDecodesThePipelinesLatentsToItsImage) {
+  // The FLUX.1-layout VAE with the folder's scaling and shift factors, as ZImagePipeline decodes.
+  torch::NoGradGuard no_grad;
+  const auto ref =
+      difftrain::io::load_safetensors(kZImagePipeline + "/pipeline.safetensors").tensors;
+  auto vae = difftrain::models::load_autoencoder_kl(kZImagePipeline + "/vae");
+  const auto decoded = vae->decode(vae->unscale_latents(ref.at("turbo.latents")));
+  const double raw = max_abs(decoded, ref.at("turbo.vae_decoded"));
+  const auto image = (decoded / 2 + 0.5).clamp(0, 1);
+  const double diff = max_abs(image, ref.at("turbo.image"));
+  std::cout << "VAE decode max abs diff " << raw << ", image " << diff << " (tol 1e-4)\n";
+  EXPECT_LT(raw, 1e-4);
+  EXPECT_LT(diff, 1e-4);
 }
 
 }  // namespace
