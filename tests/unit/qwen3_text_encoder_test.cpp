@@ -77,7 +77,9 @@ TEST(Qwen3TextEncoder, PromptsAreWrappedPaddedAndEncodedAsZImagePipelineDoes) {
   // One prompt as [L].
   const auto one = enc->tokenize(prompts[0]);
   EXPECT_EQ(one.input_ids.dim(), 1);
-  EXPECT_TRUE(enc->encode(one, penultimate).last_hidden_state.equal(want[0]));
+  // (a batch of one need not round like a row of six: BLAS blocks them differently)
+  EXPECT_LT(difftrain::test::max_abs(enc->encode(one, penultimate).last_hidden_state, want[0]),
+            1e-5);
 }
 
 TEST(Qwen3TextEncoder, LengthCacheKeyReleaseAndRefusals) {
