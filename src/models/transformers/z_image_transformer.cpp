@@ -8,6 +8,7 @@
 #include "../json_fields.h"
 #include "difftrain/core/error.h"
 #include "difftrain/io/weight_index.h"
+#include "difftrain/models/checkpointing.h"
 #include "difftrain/models/layers.h"
 #include "difftrain/models/pretrained.h"
 
@@ -345,7 +346,19 @@ std::vector<torch::Tensor> ZImageTransformer2DModelImpl::forward(
     const auto cos = torch::stack(cs);
     const auto sin = torch::stack(ss);
     const auto mask = equal ? torch::Tensor() : torch::stack(ms);
-    for (auto& block : blocks) h = block->forward(h, cos, sin, mask, cond);
+    const bool ckpt = gradient_checkpointing_ && is_training() && torch::GradMode::is_enabled();
+    for (auto& block : blocks) {
+      if (ckpt) {
+        auto impl = block.ptr();  // captured by value: backward may run after this frame is gone
+        h = checkpoint(
+            [impl](const std::vector<torch::Tensor>& in) {
+              return impl->forward(in[0], in[1], in[2], in[3], in[4]);
+            },
+            {h, cos, sin, mask, cond});
+      } else {
+        h = block->forward(h, cos, sin, mask, cond);
+      }
+    }
     return h;
   };
 

@@ -86,9 +86,14 @@ class ZImageTransformer2DModelImpl : public torch::nn::Module {
                                      const std::vector<torch::Tensor>& cap_feats,
                                      int64_t patch_size = 2, int64_t f_patch_size = 1);
   const ZImageTransformerOptions& options() const { return options_; }
+  /// Diffusers' enable_gradient_checkpointing(): in training with grad enabled, every block
+  /// (refiners and layers) keeps only its inputs and runs again in backward.
+  void set_gradient_checkpointing(bool on) { gradient_checkpointing_ = on; }
+  bool gradient_checkpointing() const { return gradient_checkpointing_; }
 
  private:
   ZImageTransformerOptions options_;
+  bool gradient_checkpointing_ = false;
   /// all_x_embedder / all_final_layer children by "<patch>-<f_patch>".
   std::map<std::string, Linear> x_embedders_;
   std::map<std::string, std::shared_ptr<torch::nn::Module>> final_layers_;
