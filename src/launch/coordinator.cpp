@@ -89,7 +89,9 @@ Coordinator::Coordinator(const std::string& host, int port, int num_machines, in
   }
   try {
     main_ = machine_rank == 0 ? server_ : connect(host, port, false, join_timeout);
-    watcher_ = connect(host, port, false, join_timeout);
+    watch_ = std::make_shared<Watch>();
+    watch_->machine_rank = machine_rank;
+    watch_->store = connect(host, port, false, join_timeout);
   } catch (const std::exception& e) {
     throw Error(
         fmt::format("machine {} could not reach the rendezvous at {}:{} within {:g} s: is "
@@ -117,53 +119,67 @@ Coordinator::Coordinator(const std::string& host, int port, int num_machines, in
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   // Later store calls are polls: keep their waits short so a lost link is noticed.
-  watcher_->setTimeout(std::chrono::seconds(5));
-  thread_ = std::thread([this]() { watch_loop(); });
+  watch_->store->setTimeout(std::chrono::seconds(5));
+  thread_ = std::thread([watch = watch_]() { watch_loop(watch); });
 }
 
 Coordinator::~Coordinator() {
-  stop_ = true;
-  if (thread_.joinable()) {
-    // The watcher may be stuck on a dead link; it only touches members we keep alive by leaking
-    // them in that case.
+  if (!thread_.joinable()) return;
+  std::unique_lock<std::mutex> lock(watch_->mutex);
+  watch_->stop = true;
+  watch_->wake.notify_all();
+  // A watcher inside a store call behind a dead link may take its whole store timeout: wait a
+  // little, then leave it (it owns what it touches); the process may end under it.
+  const bool exited =
+      watch_->wake.wait_for(lock, std::chrono::seconds(2), [this]() { return watch_->exited; });
+  lock.unlock();
+  if (exited) {
+    thread_.join();
+  } else {
     thread_.detach();
-    server_.release();
-    main_.release();
-    watcher_.release();
   }
 }
 
 void Coordinator::watch(int generation) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  abort_.reset();
-  generation_ = generation;
+  std::lock_guard<std::mutex> lock(watch_->mutex);
+  watch_->abort.reset();
+  watch_->generation = generation;
 }
 
 std::optional<RemoteAbort> Coordinator::remote_abort() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return abort_;
+  std::lock_guard<std::mutex> lock(watch_->mutex);
+  return watch_->abort;
 }
 
-void Coordinator::watch_loop() {
-  while (!stop_) {
-    const int generation = generation_;
-    if (generation >= 0 && !store_lost_) {
+void Coordinator::watch_loop(const std::shared_ptr<Watch>& watch) {
+  std::unique_lock<std::mutex> lock(watch->mutex);
+  while (!watch->stop) {
+    const int generation = watch->generation;
+    if (generation >= 0 && !watch->store_lost) {
+      lock.unlock();
+      std::optional<RemoteAbort> value;
       try {
         const std::string key = "launch/gen" + std::to_string(generation) + "/abort";
-        if (watcher_->check({key})) {
-          auto value = decode(distributed::from_bytes(watcher_->get(key)));
-          std::lock_guard<std::mutex> lock(mutex_);
-          if (generation_ == generation && !abort_) abort_ = value;
+        if (watch->store->check({key})) {
+          value = decode(distributed::from_bytes(watch->store->get(key)));
         }
       } catch (const std::exception& e) {
-        store_lost_ = true;
-        std::cerr << "difftrain launch: machine " << machine_rank_
-                  << " lost contact with the rendezvous store (" << first_line(e)
-                  << "); the ranks will notice on their next collective\n";
+        watch->store_lost = true;
+        lock.lock();
+        if (!watch->stop) {
+          std::cerr << "difftrain launch: machine " << watch->machine_rank
+                    << " lost contact with the rendezvous store (" << first_line(e)
+                    << "); the ranks will notice on their next collective\n";
+        }
+        lock.unlock();
       }
+      lock.lock();
+      if (value && watch->generation == generation && !watch->abort) watch->abort = value;
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    watch->wake.wait_for(lock, std::chrono::milliseconds(200), [&]() { return watch->stop; });
   }
+  watch->exited = true;
+  watch->wake.notify_all();
 }
 
 void Coordinator::post_abort(int generation, const RemoteAbort& abort) {
@@ -193,7 +209,8 @@ std::optional<RemoteAbort> Coordinator::finish(int generation,
   while (!interrupted()) {
     if (auto abort = remote_abort()) return abort;
     const auto done = count("done", 0);
-    if (!done || store_lost_) return std::nullopt;  // machine 0 has gone: it saw everyone finish
+    if (!done || watch_->store_lost)
+      return std::nullopt;  // machine 0 has gone: it saw everyone finish
     if (*done >= num_machines_) {
       count("seen", 1);
       if (machine_rank_ != 0) return std::nullopt;

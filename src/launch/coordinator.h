@@ -7,6 +7,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -40,18 +42,26 @@ class Coordinator {
   std::optional<RemoteAbort> finish(int generation, const std::function<bool()>& interrupted);
 
  private:
-  void watch_loop();
+  /// What the watcher thread shares with the launcher. The thread holds its own reference, so a
+  /// watcher still inside a store call when the launcher ends never touches freed memory.
+  struct Watch {
+    c10::intrusive_ptr<c10d::Store> store;  // the watcher's own client
+    int machine_rank = 0;
+    std::atomic<int> generation{-1};
+    std::atomic<bool> store_lost{false};
+    std::mutex mutex;
+    std::condition_variable wake;
+    bool stop = false;                 // under mutex
+    bool exited = false;               // under mutex: the thread has left its loop
+    std::optional<RemoteAbort> abort;  // under mutex
+  };
+  static void watch_loop(const std::shared_ptr<Watch>& watch);
 
   int num_machines_;
   int machine_rank_;
-  c10::intrusive_ptr<c10d::Store> server_;   // machine 0 only
-  c10::intrusive_ptr<c10d::Store> main_;     // this launcher's client
-  c10::intrusive_ptr<c10d::Store> watcher_;  // the watcher thread's own client
-  std::atomic<int> generation_{-1};
-  std::atomic<bool> stop_{false};
-  std::atomic<bool> store_lost_{false};
-  std::mutex mutex_;
-  std::optional<RemoteAbort> abort_;
+  c10::intrusive_ptr<c10d::Store> server_;  // machine 0 only
+  c10::intrusive_ptr<c10d::Store> main_;    // this launcher's client
+  std::shared_ptr<Watch> watch_;
   std::thread thread_;
 };
 
