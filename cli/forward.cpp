@@ -24,7 +24,8 @@ struct ForwardArgs {
 CLI::App* add_forward_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "forward",
-      "Run the denoiser once on tensors from a .safetensors file and write `out`, to compare "
+      "Run the denoiser once on tensors from a .safetensors file and write `out` (or `out.<i>` per "
+      "sample for a denoiser of lists), to compare "
       "with Diffusers: the inputs are the denoiser's forward arguments by their Diffusers names "
       "(docs/COMMANDS.md lists each family's)");
   cmd->add_option("--model", g_args.model,
@@ -42,10 +43,14 @@ int run_forward() {
   distributed::configure_threads();
   const auto& family = families::family_of(g_args.model);
   auto inputs = io::load_safetensors(g_args.inputs).tensors;
-  torch::Tensor out =
-      family.forward(g_args.model, inputs, g_args.inputs, g_args.lora, g_args.lora_scale);
-  io::save_safetensors(g_args.output, {{"out", out}}, {{"format", "pt"}});
-  log::info("wrote {}: out {}", g_args.output, fmt::format("{}", fmt::join(out.sizes(), "x")));
+  const auto outputs =
+      family.forward_outputs(g_args.model, inputs, g_args.inputs, g_args.lora, g_args.lora_scale);
+  io::save_safetensors(g_args.output, outputs, {{"format", "pt"}});
+  std::string shapes;
+  for (const auto& [name, t] : outputs) {
+    shapes += fmt::format("{}{} {}", shapes.empty() ? "" : ", ", name, fmt::join(t.sizes(), "x"));
+  }
+  log::info("wrote {}: {}", g_args.output, shapes);
   return 0;
 }
 

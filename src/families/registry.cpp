@@ -156,6 +156,15 @@ FolderInfo inspect_folder(const std::string& dir) {
   return info;
 }
 
+torch::Tensor ModelFamily::forward(const std::string& /*dir*/,
+                                   const std::map<std::string, torch::Tensor>& /*inputs*/,
+                                   const std::string& /*source*/, const std::string& /*lora*/,
+                                   double /*lora_scale*/) const {
+  throw Error("the " + name() +
+              " family's denoiser has several outputs: call forward_outputs() (difftrain "
+              "forward does)");
+}
+
 const ModelFamily& family_of(const std::string& dir) {
   const FolderInfo info = inspect_folder(dir);
   if (!info.pipeline) {

@@ -761,6 +761,33 @@ const std::vector<Case>& error_catalogue_cases() {
          return BadRun{{"lora", "convert", "--input", t + "/l.safetensors", "--output",
                         t + "/l.safetensors", "--to", "kohya"}};
        }},
+      // ------------------------------------------------------------------ Z-Image
+      {"ZImageHeightNotAMultipleOf16",
+       "`difftrain sample --model tests/golden/z_image/tiny_z_image --prompt a --height 50`",
+       "--height 50 must be a positive multiple of 16 (ZImagePipeline: 2 x the VAE factor; it "
+       "does not round); try 48",
+       1,
+       [](const std::string& t) {
+         return BadRun{{"sample", "--model", kGolden + "/z_image/tiny_z_image", "--prompt", "a",
+                        "--height", "50", "--width", "32", "--num_inference_steps", "1", "--output",
+                        t + "/s.png"}};
+       }},
+      {"ZImageFolderWithoutItsTokenizer",
+       "`difftrain sample --model DIR --prompt a` where DIR (a ZImagePipeline folder) has no "
+       "tokenizer/",
+       "<tmp>/z/tokenizer: no such folder; model_index.json lists tokenizer, so the pipeline "
+       "folder is incomplete (copy the whole folder)",
+       1,
+       [](const std::string& t) {
+         const std::string z = kGolden + "/z_image/tiny_z_image";
+         std::filesystem::create_directories(t + "/z");
+         for (const char* part :
+              {"model_index.json", "transformer", "vae", "scheduler", "text_encoder"}) {
+           std::filesystem::create_symlink(std::filesystem::canonical(z + "/" + part),
+                                           t + "/z/" + part);
+         }
+         return BadRun{{"sample", "--model", t + "/z", "--prompt", "a", "--output", t + "/s.png"}};
+       }},
   };
   return kCases;
 }

@@ -130,10 +130,18 @@ class ModelFamily {
       const models::LoraFolderMergeOptions& options) const = 0;
   /// `difftrain forward`: one forward of the family's denoiser in `dir` (with `lora` merged at
   /// `lora_scale` when given) on named tensors read from `source`, in eval mode under no-grad.
+  /// The default throws difftrain::Error: a family overrides this or forward_outputs().
   virtual torch::Tensor forward(const std::string& dir,
                                 const std::map<std::string, torch::Tensor>& inputs,
                                 const std::string& source, const std::string& lora,
-                                double lora_scale) const = 0;
+                                double lora_scale) const;
+  /// `difftrain forward`'s named outputs: {"out": forward(...)} by default; a denoiser that takes
+  /// and returns lists (Z-Image: one latent per sample) gives "out.<i>" instead.
+  virtual std::map<std::string, torch::Tensor> forward_outputs(
+      const std::string& dir, const std::map<std::string, torch::Tensor>& inputs,
+      const std::string& source, const std::string& lora, double lora_scale) const {
+    return {{"out", forward(dir, inputs, source, lora, lora_scale)}};
+  }
   /// `difftrain estimate-memory`: the per-rank memory of training the model of `model_path` (a
   /// folder, or a bare model's config.json) under each of `strategies`, in that order.
   virtual std::vector<train::MemoryEstimate> estimate_memory(

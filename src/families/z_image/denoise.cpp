@@ -55,7 +55,7 @@ torch::Tensor denoise(models::ZImageTransformer2DModelImpl& transformer,
       caps.insert(caps.end(), negative_embeds.begin(), negative_embeds.end());
     }
     for (auto& c : caps) c = c.to(dtype);
-    const auto model_t = t_norm.expand({static_cast<int64_t>(x.size())});
+    const auto model_t = t_norm.to(latents.device()).expand({static_cast<int64_t>(x.size())});
     const auto out = transformer.forward(x, model_t, caps);
     std::vector<torch::Tensor> preds;
     for (int64_t b = 0; b < B; ++b) {
