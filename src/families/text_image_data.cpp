@@ -129,6 +129,9 @@ std::map<std::string, torch::Tensor> TextImageData::encode_captions(
   std::map<std::string, torch::Tensor> out = {
       {"prompt_embeds", e.embeds.to(torch::kCPU, torch::kFloat32)}};
   if (e.pooled.defined()) out["pooled_prompt_embeds"] = e.pooled.to(torch::kCPU, torch::kFloat32);
+  if (e.attention_mask.defined()) {
+    out["prompt_attention_mask"] = e.attention_mask.to(torch::kCPU, torch::kInt64);
+  }
   return out;
 }
 
@@ -251,6 +254,10 @@ EncodedBatch TextImageData::encode(const data::Batch& batch, const std::string& 
   for (size_t i = 0; i < keys.size(); ++i) {
     auto g = core::sample_generator(o_.noise.seed, epoch, keys[i], core::SampleStream::kLatent);
     const auto k = static_cast<int64_t>(i);
+    if (parts_.latent_mode) {
+      z.push_back(mean[k]);
+      continue;
+    }
     z.push_back(mean[k] + (0.5 * logvar[k]).exp() * torch::randn(shape, g, torch::kFloat32));
   }
   out.latents = vae->scale_latents(torch::stack(z)).to(device);
@@ -259,10 +266,14 @@ EncodedBatch TextImageData::encode(const data::Batch& batch, const std::string& 
     if (batch.count(prefix + "pooled_prompt_embeds")) {
       out.pooled = batch.at(prefix + "pooled_prompt_embeds").to(device, torch::kFloat32);
     }
+    if (batch.count(prefix + "prompt_attention_mask")) {
+      out.attention_mask = batch.at(prefix + "prompt_attention_mask").to(device, torch::kInt64);
+    }
   } else {
     auto text = encode_ids(batch, prefix);
     out.embeds = text.embeds.to(device);
     if (text.pooled.defined()) out.pooled = text.pooled.to(device);
+    if (text.attention_mask.defined()) out.attention_mask = text.attention_mask.to(device);
   }
   return out;
 }

@@ -29,6 +29,9 @@ struct EncodedBatch {
   torch::Tensor latents;
   torch::Tensor embeds;
   torch::Tensor pooled, time_ids;
+  /// [B, L], 1 = a real token, where the composition keeps the mask (a decoder LLM's embeddings,
+  /// each caption cut to its real tokens by the family).
+  torch::Tensor attention_mask;
 };
 
 class TextImageData {
@@ -44,6 +47,10 @@ class TextImageData {
     int64_t clip_skip = 0;
     int64_t size_multiple = 8;
     std::string size_reason = "the VAE's downsampling factor";
+    /// The latents are the VAE posterior's mode (its mean: train_dreambooth_lora_z_image.py's
+    /// `latent_dist.mode()`) instead of a draw from it (the SD, SDXL and FLUX.1 scripts'
+    /// `latent_dist.sample()`).
+    bool latent_mode = false;
   };
   /// Draws `count` class images [count, H, W, 3] in [0, 1] with the class prompt, image i from
   /// seed + i (the family's pipeline).
@@ -77,8 +84,9 @@ class TextImageData {
   /// Whether batches carry cached text embeddings instead of token ids.
   bool text_cached() const { return !dataset_->cached_text.empty(); }
 
-  /// The cached entries of each caption (no grad), float32 on the CPU: "prompt_embeds" [N, L, D]
-  /// and, with a pooled embedding, "pooled_prompt_embeds" [N, P].
+  /// The cached entries of each caption (no grad), float32 on the CPU: "prompt_embeds" [N, L, D],
+  /// with a pooled embedding "pooled_prompt_embeds" [N, P], and where the composition keeps the
+  /// token mask "prompt_attention_mask" [N, L] (int64).
   std::map<std::string, torch::Tensor> encode_captions(const std::vector<std::string>& captions);
 
  private:

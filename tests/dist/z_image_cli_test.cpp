@@ -123,11 +123,6 @@ TEST(ZImageCli, BadInputIsOneLineAndNonZero) {
                   {}, 120);
   EXPECT_NE(clip.exit_code, 0) << clip.log();
   EXPECT_Z_LOG_HAS(clip, "--clip_skip does not apply to Z-Image");
-  auto train = run(
-      {kDifftrain, "train", "--pretrained_model_name_or_path", kZ, "--output_dir", dir + "/run"},
-      {}, 120);
-  EXPECT_NE(train.exit_code, 0) << train.log();
-  EXPECT_Z_LOG_HAS(train, "does not train Z-Image yet");
 }
 
 TEST(ZImageCli, ForwardWritesOneOutputPerSampleAndLorasConvertAndMerge) {

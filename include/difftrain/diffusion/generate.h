@@ -59,6 +59,11 @@ struct GenerateRequest {
   /// defined the text encoders are not called (a training run that released them renders
   /// validation images with these).
   torch::Tensor prompt_embeds, pooled_prompt_embeds;
+  /// For pipelines whose prompts' embeddings differ in length (a decoder LLM's real tokens:
+  /// Z-Image): prompt_embeds' mask [P, L] (1 = a real token; undefined = every token real), and
+  /// the negative prompts' embeddings made beforehand [P, L', D] with their mask, used with
+  /// guidance (undefined: the pipeline encodes the negative prompts).
+  torch::Tensor prompt_attention_mask, negative_prompt_embeds, negative_attention_mask;
   /// UNet pipelines only: one class id per image for class-conditional UNets, empty otherwise.
   std::vector<int64_t> class_labels;
   /// UNet pipelines: the number of images (0 = one per class label, or 1). Text-to-image: images

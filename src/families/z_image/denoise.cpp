@@ -39,7 +39,7 @@ torch::Tensor denoise(models::ZImageTransformer2DModelImpl& transformer,
   sampler.set_timesteps_with(options.num_inference_steps, ts);
   const auto timesteps = sampler.timesteps().to(torch::kFloat32);
   const int64_t steps = timesteps.size(0);
-  const auto dtype = transformer.parameters().front().scalar_type();
+  const auto dtype = transformer.dtype();
   latents = latents.to(torch::kFloat32);
   for (int64_t i = 0; i < steps; ++i) {
     const auto t = timesteps[i];

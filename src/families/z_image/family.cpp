@@ -5,7 +5,11 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/families/lora_merge.h"
+#include "difftrain/train/ddpm_options.h"
+#include "difftrain/train/flow_matching_options.h"
+#include "difftrain/train/text_image_options.h"
 #include "z_image_pipeline.h"
+#include "z_image_task.h"
 
 #include <fmt/format.h>
 
@@ -106,11 +110,53 @@ class ZImageFamily : public ModelFamily {
     return {std::move(normalization), std::move(truncation), std::move(length)};
   }
   std::unique_ptr<train::TrainingTask> make_training_task(
-      const train::TaskOptions& /*options*/) const override {
-    throw Error(
-        "difftrain train does not train Z-Image yet: its folders sample, run forward and take "
-        "LoRA files (lora convert, lora merge); train_dreambooth_lora_z_image.py's training "
-        "comes next");
+      const train::TaskOptions& options) const override {
+    return z_image::make_z_image_training_task(options);
+  }
+  std::optional<train::ScriptDefaults> training_defaults(
+      const train::TrainConfig& /*config*/) const override {
+    // train_dreambooth_lora_z_image.py (its full fine-tuning is the same run without --lora).
+    train::ScriptDefaults d;
+    d.script = "train_dreambooth_lora_z_image.py";
+    d.resolution = 512;
+    d.train_batch_size = 4;
+    d.num_train_epochs = 1;
+    d.learning_rate = 1e-4;
+    d.adam_weight_decay = 1e-4;
+    d.lora_target_modules = z_image::default_z_image_lora_targets();
+    d.not_applicable = {"validation_scheduler"};
+    return d;
+  }
+  std::string instead_of_option(const std::string& name) const override {
+    if (name == "clip_skip") {
+      return "Z-Image takes its Qwen3's hidden_states[-2], so there is no CLIP layer to skip";
+    }
+    for (const auto& spec : train::ddpm_option_specs()) {
+      if (spec.name == name) {
+        return "Z-Image trains with flow matching: weigh it with --weighting_scheme (none, "
+               "logit_normal, mode, cosmap, sigma_sqrt) or --timestep_sampling";
+      }
+    }
+    return "";
+  }
+  std::map<std::string, std::string> other_tools_options() const override {
+    auto table = train::text_image_other_tools_options();
+    table.emplace("unet_lr", "--learning_rate");
+    table.emplace("min_snr_gamma",
+                  "!Z-Image trains with flow matching: weigh it with --weighting_scheme (none, "
+                  "logit_normal, mode, cosmap, sigma_sqrt) or --timestep_sampling");
+    return table;
+  }
+  std::vector<train::OptionSpec> options() const override {
+    auto specs = train::flow_matching_option_specs();
+    for (auto& spec : train::text_image_option_specs()) specs.push_back(std::move(spec));
+    train::OptionSpec length{"max_sequence_length", "int", 512,
+                             "Qwen3 tokens of each caption, the chat template's included "
+                             "(train_dreambooth_lora_z_image.py's flag)",
+                             train::range_check(1, 1 << 20)};
+    length.structural = true;  // the cached text embeddings
+    specs.push_back(std::move(length));
+    return specs;
   }
   diffusion::GenerateResult sample(const SampleOptions& a) const override {
     const train::FamilyOptions own =

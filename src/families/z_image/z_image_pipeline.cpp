@@ -90,10 +90,11 @@ struct Run {
   std::vector<torch::Tensor> embeds;
 };
 
-// One ZImagePipeline.__call__ for `prompts` x k images from one generator seeded `seed`.
+// One ZImagePipeline.__call__ for `prompts` (r.prompts from row `first`) x k images from one
+// generator seeded `seed`.
 Run run_once(ZImagePipeline& p, const diffusion::GenerateRequest& r,
              const std::vector<std::string>& prompts, const std::vector<std::string>& negatives,
-             int64_t k, uint64_t seed, int64_t* step_counter, int64_t total_steps) {
+             int64_t first, int64_t k, uint64_t seed, int64_t* step_counter, int64_t total_steps) {
   const torch::Device device = models::module_device(*p.transformer);
   const auto& tcfg = p.transformer->options();
   const int64_t vsf = z_image_vae_scale_factor(p.vae->config());
@@ -101,11 +102,24 @@ Run run_once(ZImagePipeline& p, const diffusion::GenerateRequest& r,
   const double guidance = *r.guidance_scale;
   const bool cfg = guidance > 0;
 
-  // 1. encode_prompt.
+  // 1. encode_prompt, or the embeddings given (rows `first`..).
+  auto given = [&](const torch::Tensor& embeds, const torch::Tensor& mask) {
+    diffusion::PromptEmbeds e;
+    e.embeds = embeds.narrow(0, first, n);
+    e.attention_mask =
+        mask.defined() ? mask.narrow(0, first, n) : torch::ones({n, embeds.size(1)}, torch::kInt64);
+    return real_token_embeds(e);
+  };
   p.text_encoders.set_max_sequence_length(r.max_sequence_length);
-  const std::vector<torch::Tensor> pos = real_token_embeds(p.text_encoders.encode(prompts));
+  const std::vector<torch::Tensor> pos = r.prompt_embeds.defined()
+                                             ? given(r.prompt_embeds, r.prompt_attention_mask)
+                                             : real_token_embeds(p.text_encoders.encode(prompts));
   std::vector<torch::Tensor> neg;
-  if (cfg) neg = real_token_embeds(p.text_encoders.encode(negatives));
+  if (cfg) {
+    neg = r.negative_prompt_embeds.defined()
+              ? given(r.negative_prompt_embeds, r.negative_attention_mask)
+              : real_token_embeds(p.text_encoders.encode(negatives));
+  }
 
   // 2. prepare_latents: randn on the CPU generator in float32, then moved.
   const int64_t h = 2 * (r.height / (vsf * 2)), w = 2 * (r.width / (vsf * 2));
@@ -269,10 +283,19 @@ diffusion::GenerateResult ZImagePipeline::generate(const diffusion::GenerateRequ
   const diffusion::GenerateRequest r = resolve(request);
   if (!r.class_labels.empty()) throw Error("--class_labels is for class-conditional UNets");
   if (r.prompts.empty()) throw Error("Z-Image needs at least one prompt (--prompt)");
-  if (r.prompt_embeds.defined()) {
-    throw Error(
-        "ZImagePipeline: prompt embeddings made beforehand are not taken yet; give the prompts");
-  }
+  const int64_t rows = static_cast<int64_t>(r.prompts.size());
+  auto check_embeds = [&](const torch::Tensor& e, const torch::Tensor& mask, const char* what) {
+    if (!e.defined()) return;
+    if (e.dim() != 3 || e.size(0) != rows ||
+        (mask.defined() &&
+         (mask.dim() != 2 || mask.size(0) != rows || mask.size(1) != e.size(1)))) {
+      throw Error(fmt::format(
+          "ZImagePipeline: {} must be [{}, L, D] (one row per prompt) with a mask [{}, L]", what,
+          rows, rows));
+    }
+  };
+  check_embeds(r.prompt_embeds, r.prompt_attention_mask, "prompt_embeds");
+  check_embeds(r.negative_prompt_embeds, r.negative_attention_mask, "negative_prompt_embeds");
   if (r.num_images < 1) {
     throw Error("--num_images_per_prompt must be >= 1, got " + std::to_string(r.num_images));
   }
@@ -309,7 +332,8 @@ diffusion::GenerateResult ZImagePipeline::generate(const diffusion::GenerateRequ
   diffusion::GenerateResult out;
   std::vector<torch::Tensor> embeds;
   if (r.seeding == diffusion::Seeding::kBatch) {
-    Run run = run_once(*this, r, r.prompts, negatives, k, r.seed, &counter, r.num_inference_steps);
+    Run run =
+        run_once(*this, r, r.prompts, negatives, 0, k, r.seed, &counter, r.num_inference_steps);
     out.images = run.images;
     out.latents = run.latents;
     embeds = std::move(run.embeds);
@@ -319,7 +343,7 @@ diffusion::GenerateResult ZImagePipeline::generate(const diffusion::GenerateRequ
     for (int64_t i = 0; i < n; ++i) {
       for (int64_t j = 0; j < k; ++j) {
         const auto idx = static_cast<size_t>(i);
-        Run run = run_once(*this, r, {r.prompts[idx]}, {negatives[idx]}, 1,
+        Run run = run_once(*this, r, {r.prompts[idx]}, {negatives[idx]}, i, 1,
                            r.seed + static_cast<uint64_t>(i * k + j), &counter, total);
         images.push_back(run.images);
         latents.push_back(run.latents);

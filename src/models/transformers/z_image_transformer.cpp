@@ -267,7 +267,7 @@ std::vector<torch::Tensor> ZImageTransformer2DModelImpl::forward(
   const int64_t C = options_.in_channels;
   const int64_t p = patch_size;
   const int64_t pf = f_patch_size;
-  const auto dtype = embedder.weight.scalar_type();
+  const auto dtype = this->dtype();
 
   // The timestep embedding: sinusoid of t · t_scale (float32, cos first), then the MLP.
   const auto t_freq = timestep_embedding(t.to(torch::kFloat32) * options_.t_scale, 256, true, 0.0);

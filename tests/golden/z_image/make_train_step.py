@@ -35,17 +35,20 @@ Writes, under OUT/train_step/:
 Checks (the outputs do not depend on them): the loss recomputed in float64 from the recorded
 model_pred / target / weighting; for case lora, a float64 copy of the transformer gives float64
 gradients (compared with the float32 ones) and central finite differences on 3 scalar LoRA
-parameters (relative error < 1e-2 against the float32 gradients); the seeded generator's draws
-equal the script's global-RNG calls (torch.manual_seed then randn_like / no generator); the
-prompt embeddings equal make_sample_e2e.encode_prompts'.
+parameters (relative error < 1e-2 against the float32 gradients); the script's global-RNG draws
+(torch.manual_seed, randn_like on the channels-last model_input, then u without a generator)
+equal empty_like(model_input).normal_(generator=g) then u with generator=g; the prompt
+embeddings equal make_sample_e2e.encode_prompts'.
 """
 import copy
 import json
 import os
 import sys
 
+import numpy as np
 import torch
 
+sys.dont_write_bytecode = True  # no __pycache__ next to the imported make_*.py
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 # make_sample_e2e flips Diffusers' transformers-availability flag before diffusers.loaders is
@@ -56,8 +59,16 @@ import diffusers  # noqa: E402
 import peft  # noqa: E402
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImageTransformer2DModel  # noqa: E402
 from diffusers.pipelines.z_image.pipeline_z_image import ZImagePipeline  # noqa: E402
+
+# diffusers.training_utils, at import, calls transformers.integrations.deepspeed.
+# is_deepspeed_zero3_enabled() when is_transformers_available(): with the flag flipped that reaches
+# refstack2's stub and raises. Import it with the flag False for that moment (the check only
+# decides whether to import deepspeed), then put it back.
+import diffusers.utils.import_utils as _iu  # noqa: E402
+_iu._transformers_available = False
 from diffusers.training_utils import (  # noqa: E402
     compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3)
+_iu._transformers_available = True
 from peft import LoraConfig  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
@@ -95,9 +106,10 @@ ORDER = [
     "prior_preservation_prompt_embeds for the prior case)",
     "model_input = vae.encode(pixel_values).latent_dist.mode()  (= the mean; float32)",
     "model_input = (model_input - vae.config.shift_factor) * vae.config.scaling_factor",
-    "noise = torch.randn_like(model_input)  (global RNG; here the case's generator, first draw)",
+    "noise = torch.randn_like(model_input)  (global RNG, first draw; model_input is "
+    "channels-last, so torch's serial normal_ path in (b, h, w, c) memory order)",
     "u = compute_density_for_timestep_sampling(weighting_scheme, batch_size=bsz, logit_mean, "
-    "logit_std, mode_scale)  (global RNG; here generator=the same generator, second draw)",
+    "logit_std, mode_scale)  (global RNG, second draw)",
     "indices = (u * noise_scheduler_copy.config.num_train_timesteps).long()  (truncation)",
     "timesteps = noise_scheduler_copy.timesteps[indices]",
     "sigmas = get_sigmas(timesteps, n_dim=4): noise_scheduler_copy.sigmas[position of each "
@@ -111,8 +123,8 @@ ORDER = [
     "target = noise - model_input",
     "prior preservation: model_pred, model_pred_prior = chunk(model_pred, 2, 0); target, "
     "target_prior = chunk(target, 2, 0); prior_loss = mean_b(mean_elements(weighting * "
-    "(model_pred_prior - target_prior)^2)) with the FULL weighting [2B, 1, 1, 1] broadcast "
-    "against the half batch [B, C, h, w] (see weighting_broadcast_under_prior)",
+    "(model_pred_prior - target_prior)^2)). The script does NOT chunk weighting (raises for "
+    "bsz >= 2, see literal_script_loss); here weighting, weighting_prior = chunk(weighting, 2, 0)",
     "loss = mean_b(mean_elements(weighting * (model_pred - target)^2)), per sample .reshape(B, -1)"
     ".mean(1) then .mean() (float32)",
     "prior preservation: loss = loss + prior_loss_weight * prior_loss",
@@ -161,18 +173,21 @@ def get_sigmas(sched_copy, timesteps, n_dim=4, dtype=torch.float32):
     return sigma, step_indices
 
 
-def losses(model_pred, target, weighting, prior, prior_loss_weight):
-    """The script's loss block."""
+def losses(model_pred, target, weighting, prior, prior_loss_weight, f=lambda x: x.float()):
+    """The script's loss block, except that under prior preservation the weighting is chunked
+    as well (the script multiplies the half batch by the full [2B, 1, 1, 1] weighting, which
+    raises for B >= 2: see literal_weighting_error)."""
     out = {}
     if prior:
         model_pred, model_pred_prior = torch.chunk(model_pred, 2, dim=0)
         target, target_prior = torch.chunk(target, 2, dim=0)
+        weighting, weighting_prior = torch.chunk(weighting, 2, dim=0)
         prior_loss = torch.mean(
-            (weighting.float() * (model_pred_prior.float() - target_prior.float()) ** 2).reshape(
+            (f(weighting_prior) * (f(model_pred_prior) - f(target_prior)) ** 2).reshape(
                 target_prior.shape[0], -1), 1)
         out["prior_loss"] = prior_loss.mean()
     loss = torch.mean(
-        (weighting.float() * (model_pred.float() - target.float()) ** 2).reshape(target.shape[0], -1), 1)
+        (f(weighting) * (f(model_pred) - f(target)) ** 2).reshape(target.shape[0], -1), 1)
     loss = loss.mean()
     if prior:
         out["instance_loss"] = loss
@@ -181,40 +196,35 @@ def losses(model_pred, target, weighting, prior, prior_loss_weight):
     return out
 
 
-def forward_loss(tr, noisy, tn, prompt_embeds, target, weighting, prior, plw):
-    lst = list(noisy.unsqueeze(2).unbind(dim=0))
-    pred_list = tr(lst, tn, prompt_embeds, return_dict=False)[0]
-    model_pred = -torch.stack(pred_list, dim=0).squeeze(2)
-    return model_pred, losses(model_pred, target, weighting, prior, plw)
+def literal_weighting_error(model_pred, target, weighting):
+    """The script's own prior-loss expression (weighting not chunked)."""
+    _, model_pred_prior = torch.chunk(model_pred, 2, dim=0)
+    _, target_prior = torch.chunk(target, 2, dim=0)
+    try:
+        torch.mean((weighting.float() * (model_pred_prior.float() - target_prior.float()) ** 2)
+                   .reshape(target_prior.shape[0], -1), 1)
+        return None
+    except RuntimeError as e:
+        return f"RuntimeError: {e}"
 
 
 def loss64_ref(model_pred, target, weighting, prior, plw):
-    """Float64, written independently: per-sample means of w * (p - t)^2."""
-    p, t, w = model_pred.double(), target.double(), weighting.double()
+    """Float64, written independently: per-sample sums of w_i * (p - t)^2 / numel, averaged."""
+    p, t, w = model_pred.double(), target.double(), weighting.double().flatten()
     B = p.shape[0]
-
-    def part(lo, hi):
-        vals = []
-        for i in range(lo, hi):
-            # the script multiplies the half batch by the FULL weighting (broadcast [2B,1,1,1]
-            # against [B,C,h,w] gives [2B,C,h,w]) under prior preservation: restate that
-            ws = w if prior else w[i:i + 1]
-            d = ((p[i] - t[i]) ** 2)
-            vals.append((ws.reshape(ws.shape[0], 1, 1, 1) * d).mean().item() if not prior
-                        else None)
-        return vals
+    per = [(w[i] * ((p[i] - t[i]) ** 2).sum() / p[i].numel()).item() for i in range(B)]
     if not prior:
-        return {"loss": sum(part(0, B)) / B}
+        return {"loss": sum(per) / B}
     h = B // 2
-    # (weighting [2h,1,1,1] * diff [h,C,H,W]) -> [2h,C,H,W] if h == 1 broadcasting... handled below
-    def half(lo):
-        d = (p[lo:lo + h] - t[lo:lo + h]) ** 2
-        prod = w * d  # exactly the script's broadcast
-        return prod.reshape(h, -1).mean(1).mean().item(), list(prod.shape)
-    inst, shape_i = half(0)
-    pri, shape_p = half(h)
-    return {"instance_loss": inst, "prior_loss": pri, "loss": inst + plw * pri,
-            "weighted_shape": shape_i}
+    inst, pri = sum(per[:h]) / h, sum(per[h:]) / h
+    return {"instance_loss": inst, "prior_loss": pri, "loss": inst + plw * pri}
+
+
+def forward_loss(tr, noisy, tn, prompt_embeds, target, weighting, prior, plw, f=lambda x: x.float()):
+    lst = list(noisy.unsqueeze(2).unbind(dim=0))
+    pred_list = tr(lst, tn, prompt_embeds, return_dict=False)[0]
+    model_pred = -torch.stack(pred_list, dim=0).squeeze(2)
+    return model_pred, losses(model_pred, target, weighting, prior, plw, f)
 
 
 def main(out):
@@ -263,13 +273,13 @@ def main(out):
                "schedule.sigmas": t32(sched_copy.sigmas)}
     assert sched_copy.timesteps.dtype == torch.float32 and sched_copy.sigmas.shape == (N,)
     # the table: s_k = (N - k) / N, shifted s' = shift s / (1 + (shift - 1) s), t = s' N (float32)
-    s = torch.from_numpy(__import__("numpy").linspace(1, N, N, dtype="float32")[::-1].copy()) / N
+    s = torch.from_numpy(np.linspace(1, N, N, dtype=np.float32)[::-1].copy()) / N
     sh = sched_cfg["shift"]
     assert torch.equal(sh * s / (1 + (sh - 1) * s), sched_copy.sigmas)
     assert torch.equal(sched_copy.sigmas * N, sched_copy.timesteps)
     assert len(set(sched_copy.timesteps.tolist())) == N  # get_sigmas' == lookup is unique
 
-    meta_cases, results = {}, {}
+    meta_cases = {}
     for case in CASES:
         name, bsz, prior = case["name"], case["train_batch_size"], case["with_prior_preservation"]
         plw = case.get("prior_loss_weight", ARGS["prior_loss_weight"])
@@ -318,17 +328,29 @@ def main(out):
             latent_mode = vae.encode(pixel_values).latent_dist.mode()
         model_input = (latent_mode - vae.config.shift_factor) * vae.config.scaling_factor
 
-        g = torch.Generator().manual_seed(case["draw_seed"])
-        noise = torch.randn(model_input.shape, generator=g, dtype=model_input.dtype)
+        # the script's draws: global RNG (set_seed), randn_like then compute_density without a
+        # generator. model_input comes out of the VAE channels-last (strides (C h w, 1, w C, C)),
+        # randn_like keeps that layout, and normal_ on a tensor that is not contiguous in the
+        # default format takes torch's serial per-element path (not the 16-wide vectorised
+        # Box-Muller of a contiguous randn), in memory order (b, h, w, c): so the noise is NOT
+        # torch.randn(model_input.shape) for the same seed.
+        torch.manual_seed(case["draw_seed"])
+        noise = torch.randn_like(model_input)
         u = compute_density_for_timestep_sampling(
             weighting_scheme=case["weighting_scheme"], batch_size=B, logit_mean=ARGS["logit_mean"],
-            logit_std=ARGS["logit_std"], mode_scale=ARGS["mode_scale"], generator=g)
-        # the same draws as the script's global-RNG calls after torch.manual_seed(draw_seed)
-        torch.manual_seed(case["draw_seed"])
-        assert torch.equal(torch.randn_like(model_input), noise)
+            logit_std=ARGS["logit_std"], mode_scale=ARGS["mode_scale"])
+        strides = list(model_input.stride())
+        b_, c_, h_, w_ = model_input.shape
+        noise_is_channels_last = strides == [c_ * h_ * w_, 1, w_ * c_, c_]
+        assert noise_is_channels_last and list(noise.stride()) == strides
+        # the same with a seeded generator: the serial path on a channels-last tensor, then u
+        g = torch.Generator().manual_seed(case["draw_seed"])
+        assert torch.equal(torch.empty_like(model_input).normal_(generator=g), noise)
         assert torch.equal(compute_density_for_timestep_sampling(
             weighting_scheme=case["weighting_scheme"], batch_size=B, logit_mean=ARGS["logit_mean"],
-            logit_std=ARGS["logit_std"], mode_scale=ARGS["mode_scale"]), u)
+            logit_std=ARGS["logit_std"], mode_scale=ARGS["mode_scale"], generator=g), u)
+        torch.manual_seed(case["draw_seed"])
+        differs_from_contiguous_randn = not torch.equal(torch.randn(tuple(model_input.shape)), noise)
         indices = (u * sched_copy.config.num_train_timesteps).long()
         timesteps = sched_copy.timesteps[indices]
         sigmas, step_indices = get_sigmas(sched_copy, timesteps, n_dim=model_input.ndim,
@@ -422,6 +444,9 @@ def main(out):
                        "timestep_normalized": tn.tolist(),
                        "weighting": weighting.flatten().tolist(),
                        **{k: v.item() for k, v in L.items()}},
+            "model_input_strides": strides,
+            "noise_drawn_in_bhwc_order": noise_is_channels_last,
+            "noise_differs_from_contiguous_randn_same_seed": differs_from_contiguous_randn,
             "trainable_parameters": len(trainable),
             "trainable_values": sum(tr.get_parameter(n).numel() for n in trainable),
             "recorded_grads": len(kept),
@@ -430,19 +455,17 @@ def main(out):
             "grad_norm_before_clip": gnorm,
             "clip_would_scale": gnorm > ARGS["max_grad_norm"],
             "params_without_grad": no_grad,
-            "checks": {"loss_float64_rel_diff": loss_check,
-                       "loss_float64": {k: v for k, v in ref.items() if k != "weighted_shape"}},
+            "checks": {"loss_float64_rel_diff": loss_check, "loss_float64": ref},
         }
         if prior:
-            info["weighting_broadcast_under_prior"] = {
-                "weighting_shape": list(weighting.shape),
-                "half_batch_shape": list(target.chunk(2)[0].shape),
-                "weighted_product_shape": ref["weighted_shape"],
-                "note": "weighting is not chunked: [2B,1,1,1] * [B,C,h,w] broadcasts to "
-                        "[2B,C,h,w]; reshape(B, -1).mean(1).mean() then averages over ALL 2B "
-                        "weights (each half's loss = mean_i(w_i) * mean((p - t)^2) over the "
-                        "half). With weighting 'none' / logit_normal the weights are all 1, so "
-                        "nothing changes; with sigma_sqrt or cosmap it would."}
+            info["literal_script_loss"] = {
+                "error": literal_weighting_error(model_pred, target, weighting),
+                "note": "the script does not chunk weighting: weighting [2B,1,1,1] * the half "
+                        "batch [B,C,h,w] raises for B >= 2; for B = 1 it broadcasts to "
+                        "[2,C,h,w] and reshape(1, -1).mean(1) averages both halves' weights "
+                        "(each half's loss = mean(w) * mean((p - t)^2)). Recorded: weighting "
+                        "chunked like model_pred and target (with logit_normal the weights "
+                        "are all 1, so every reading agrees)"}
             info["literal_script_prompt_embeds"] = {
                 "torch_cat_error": cat_error, **literal,
                 "loss_if_cat_were_list_concatenation": literal_loss,
@@ -467,7 +490,6 @@ def main(out):
         if fd_info is not None:
             info["checks"]["finite_differences"] = fd_info
         meta_cases[name] = info
-        results[name] = L["loss"].item()
         print(f"{name}: B {B}, loss {L['loss'].item():.6f} (float64 rel diff "
               f"{max(loss_check.values()):.1e}), t {[round(x, 3) for x in timesteps.tolist()]}, "
               f"{len(kept)} grads recorded, groups {info['grad_group_max_abs']}, "
@@ -521,10 +543,15 @@ def main(out):
             "gradients": "of that loss (gradient_accumulation_steps 1 divides by 1), before "
                          "clip_grad_norm_(max_grad_norm 1.0)",
         },
-        "draws": "per case one torch.Generator('cpu').manual_seed(draw_seed): noise = "
-                 "torch.randn(model_input.shape) first, then u from "
-                 "compute_density_for_timestep_sampling(..., generator=g); equal to the script's "
-                 "global-RNG calls after torch.manual_seed(draw_seed) (checked). pixel_values = "
+        "draws": "per case the script's global-RNG calls after torch.manual_seed(draw_seed): "
+                 "noise = torch.randn_like(model_input) first, then u from "
+                 "compute_density_for_timestep_sampling (no generator). model_input is "
+                 "channels-last (the VAE's output layout) and randn_like keeps it; normal_ on a "
+                 "tensor not contiguous in the default format takes torch's serial per-element "
+                 "path in memory order (b, h, w, c), not the vectorised fill of a contiguous "
+                 "randn, so the noise is not torch.randn(shape) for the seed (checked). Equal to "
+                 "torch.empty_like(model_input).normal_(generator=g) then u with generator=g, g = "
+                 "torch.Generator('cpu').manual_seed(draw_seed) (checked). pixel_values = "
                  "rand(B, 3, H, W) * 2 - 1 from Generator().manual_seed(pixel_seed) (instance, "
                  "then class)",
         "cases": meta_cases,
@@ -539,7 +566,7 @@ def fd_check(tr, noisy, tn, prompt_embeds, target, weighting, grads32):
     tr64 = copy.deepcopy(tr).double()
     tr64.zero_grad(set_to_none=True)
     args = (noisy.double(), tn.double(), [e.double() for e in prompt_embeds], target.double(),
-            weighting.double(), False, 1.0)
+            weighting.double(), False, 1.0, lambda x: x)  # the loss in float64 too
     _, L = forward_loss(tr64, *args)
     L["loss"].backward()
     g64 = {n: p.grad.detach().clone() for n, p in tr64.named_parameters() if p.requires_grad}
@@ -550,7 +577,7 @@ def fd_check(tr, noisy, tn, prompt_embeds, target, weighting, grads32):
               "context_refiner.0.attention.to_out.0.lora_A.default.weight"]
     out = {"loss_float64": L["loss"].item(),
            "grad_float32_vs_float64_max_rel": rel, "probes": []}
-    eps = 1e-4
+    eps = 1e-3  # the float64 copy still runs RoPE (x.float()) and the sinusoid in float32
     for n in probes:
         p = tr64.get_parameter(n)
         flat = int(g64[n].abs().argmax())

@@ -86,6 +86,8 @@ class ZImageTransformer2DModelImpl : public torch::nn::Module {
                                      const std::vector<torch::Tensor>& cap_feats,
                                      int64_t patch_size = 2, int64_t f_patch_size = 1);
   const ZImageTransformerOptions& options() const { return options_; }
+  /// The compute dtype: the pad tokens' (never stored in 8 bits, unlike a frozen Linear's weight).
+  torch::Dtype dtype() const { return x_pad_token_.scalar_type(); }
   /// Diffusers' enable_gradient_checkpointing(): in training with grad enabled, every block
   /// (refiners and layers) keeps only its inputs and runs again in backward.
   void set_gradient_checkpointing(bool on) { gradient_checkpointing_ = on; }
