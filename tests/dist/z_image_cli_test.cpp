@@ -167,5 +167,39 @@ TEST(ZImageCli, ForwardWritesOneOutputPerSampleAndLorasConvertAndMerge) {
   EXPECT_LT(z_max_abs(fused.at("out.0"), lora_ref.at("comfyui.fused_out.0")), 1e-5);
 }
 
+TEST(ZImageCli, EstimateMemoryOfZImageTurboConfigsCountsTheSixBillionParameters) {
+  // configs/z-image-turbo: the transformer's parameters from depth-reduced copies at the real
+  // width, against the count written out from the architecture: 30 layers and 2 noise refiners
+  // (attention 4 D^2 + q/k norms, SwiGLU 3 D H with H = 8 D / 3, 4 norms, adaLN 4 D x 256 + bias),
+  // 2 context refiners without adaLN, and the embedders, final layer and pad tokens.
+  const int64_t D = 3840, H = 10240, head = 128;
+  const int64_t block = 4 * D * D + 2 * head + 3 * D * H + 4 * D;
+  const int64_t modulated = block + 4 * D * 256 + 4 * D;
+  const int64_t root = (1024 * 256 + 1024) + (256 * 1024 + 256)  // t_embedder
+                       + 2560 + (D * 2560 + D)                   // cap_embedder
+                       + (D * 64 + D)                            // all_x_embedder.2-1
+                       + (64 * D + 64) + (D * 256 + D)           // all_final_layer.2-1
+                       + 2 * D;                                  // the pad tokens
+  const int64_t expected = 32 * modulated + 2 * block + root;
+  EXPECT_EQ(expected, 6154908736);
+  const std::string configs = std::string(difftrain_test::source_dir()) + "/configs/z-image-turbo";
+  auto full = run({kDifftrain, "estimate-memory", "--model", configs, "--resolution", "4",
+                   "--encoder_sequence_length", "4", "--json"},
+                  {}, 300);
+  ASSERT_EQ(full.exit_code, 0) << full.log();
+  auto j = nlohmann::json::parse(full.out);
+  EXPECT_EQ(j.at("trainable_params").get<int64_t>(), expected);
+  EXPECT_EQ(j.at("frozen_params").get<int64_t>(), 83819683);  // the VAE; Qwen3 is released
+  EXPECT_EQ(j.at("num_units").get<int64_t>(), 35);            // 34 blocks and the root
+  auto lora = run({kDifftrain, "estimate-memory", "--model", configs, "--lora", "--rank", "16",
+                   "--resolution", "4", "--encoder_sequence_length", "4", "--json"},
+                  {}, 300);
+  ASSERT_EQ(lora.exit_code, 0) << lora.log();
+  j = nlohmann::json::parse(lora.out);
+  // A [16, D] and B [D, 16] on to_q, to_k, to_v, to_out.0 of each of the 34 blocks.
+  EXPECT_EQ(j.at("trainable_params").get<int64_t>(), 34 * 4 * 2 * 16 * D);
+  EXPECT_EQ(j.at("frozen_params").get<int64_t>(), expected + 83819683);
+}
+
 }  // namespace
 }  // namespace difftrain::testing

@@ -80,11 +80,9 @@ class ZImageFamily : public ModelFamily {
     return z_image::forward_z_image(dir, inputs, source, lora, lora_scale);
   }
   std::vector<train::MemoryEstimate> estimate_memory(
-      const std::string& /*model_path*/, const train::MemoryEstimateOptions& /*options*/,
-      const std::vector<accel::ShardingStrategy>& /*strategies*/) const override {
-    throw Error(
-        "difftrain estimate-memory does not model Z-Image yet (it samples, runs forward and "
-        "reads LoRA files; training comes with it)");
+      const std::string& model_path, const train::MemoryEstimateOptions& options,
+      const std::vector<accel::ShardingStrategy>& strategies) const override {
+    return z_image::estimate_z_image_memory(model_path, options, strategies);
   }
   std::unique_ptr<diffusion::Pipeline> load_pipeline(
       const std::string& dir, const diffusion::PipelineLoadOptions& options) const override {

@@ -1,0 +1,224 @@
+// `difftrain estimate-memory` for Z-Image: a 6 B transformer cannot be built to be counted, so
+// depth-reduced copies at the real width are: one without blocks (the embedders, the final layer,
+// the pad tokens), one with a single main layer, one with a single noise- and context-refiner
+// pair. Their parameters, named as the full model's, give every unit FSDP's transformer-based
+// wrap makes (one per block); their training forwards give the activations, scaled by the block
+// counts. Qwen3 is not counted: the trainer caches every caption's embeddings and releases it.
+#include "difftrain/core/error.h"
+#include "difftrain/core/log.h"
+#include "difftrain/models/autoencoders/autoencoder_kl.h"
+#include "difftrain/models/kernels/quantized_weight.h"
+#include "difftrain/models/transformers/z_image_transformer.h"
+#include "z_image_pipeline.h"
+#include "z_image_task.h"
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <map>
+
+namespace difftrain::families::z_image {
+namespace fs = std::filesystem;
+
+namespace {
+
+struct ZParam {
+  std::string name;
+  int64_t numel = 0, in = 0, out = 0;  // in / out: a Linear weight's sizes (0: not a Linear)
+};
+
+// `m`'s parameters whose names start with `prefix` ("" = those of no block), named as `rename`
+// makes them.
+std::vector<ZParam> z_params(const torch::nn::Module& m, const std::string& prefix,
+                             const std::function<std::string(const std::string&)>& rename) {
+  std::vector<ZParam> out;
+  for (const auto& p : m.named_parameters()) {
+    const std::string& name = p.key();
+    const bool in_block = name.rfind("layers.", 0) == 0 || name.rfind("noise_refiner.", 0) == 0 ||
+                          name.rfind("context_refiner.", 0) == 0;
+    if (prefix.empty() ? in_block : name.rfind(prefix, 0) != 0) continue;
+    const auto& t = p.value();
+    const bool linear = t.dim() == 2 && name.size() > 7 &&
+                        name.compare(name.size() - 7, 7, ".weight") == 0 &&
+                        name.find("pad_token") == std::string::npos;
+    out.push_back({rename(name), t.numel(), linear ? t.size(1) : 0, linear ? t.size(0) : 0});
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<train::MemoryEstimate> estimate_z_image_memory(
+    const std::string& model_path, const train::MemoryEstimateOptions& options,
+    const std::vector<accel::ShardingStrategy>& strategies) {
+  std::error_code ec;
+  const fs::path root(model_path);
+  const bool pipeline = fs::is_regular_file(root / "model_index.json", ec);
+  const fs::path config =
+      fs::is_directory(root, ec)
+          ? (pipeline ? root / "transformer" / "config.json" : root / "config.json")
+          : root;
+  if (!fs::is_regular_file(config, ec)) {
+    throw Error(config.string() +
+                ": no such file; pass a ZImagePipeline folder, a ZImageTransformer2DModel folder "
+                "or its config.json");
+  }
+  const auto o = models::ZImageTransformerOptions::load(config.string());
+  if (options.lora && options.lora_rank < 1) {
+    throw Error(fmt::format("LoRA rank must be at least 1, got {}", options.lora_rank));
+  }
+  const int64_t R = options.resolution > 0 ? options.resolution : 128;  // latents of 1024 px
+  const int64_t p = o.all_patch_size.front();
+  if (R % p != 0) {
+    throw Error(
+        fmt::format("resolution {} (latent pixels) must be a multiple of the patch size {}", R, p));
+  }
+  // Caption tokens: what --max_sequence_length lets through at most (real captions are shorter).
+  const int64_t text_tokens =
+      options.encoder_sequence_length > 0 ? options.encoder_sequence_length : 512;
+
+  // The reduced copies: no block; one main layer; one refiner of each kind.
+  auto reduced = [&](int64_t layers, int64_t refiners) {
+    auto r = o;
+    r.n_layers = layers;
+    r.n_refiner_layers = refiners;
+    models::ZImageTransformer2DModel m(r);
+    m->train();
+    m->set_gradient_checkpointing(options.gradient_checkpointing);
+    return m;
+  };
+  auto measure = [&](models::ZImageTransformer2DModel& m) {
+    torch::AutoGradMode grad_on(true);
+    const auto x = torch::randn({o.in_channels, 1, R, R});
+    const auto cap = torch::randn({text_tokens, o.cap_feat_dim});
+    const auto t = torch::full({1}, 0.5);
+    return train::measure_forward_bytes([&] { return m->forward({x}, t, {cap}).front(); });
+  };
+  auto m0 = reduced(0, 0);
+  const int64_t a0 = measure(m0);
+  std::vector<std::pair<std::string, std::vector<ZParam>>> blocks;
+  const auto same = [](const std::string& s) { return s; };
+  std::vector<ZParam> root_params = z_params(*m0, "", same);
+  m0 = nullptr;
+  int64_t a_layer = 0, a_refiners = 0;
+  {
+    auto m = reduced(1, 0);
+    a_layer = std::max<int64_t>(0, measure(m) - a0);
+    for (int64_t i = 0; i < o.n_layers; ++i) {
+      const std::string name = fmt::format("layers.{}", i);
+      blocks.emplace_back(name, z_params(*m, "layers.0.", [&](const std::string& s) {
+                            return name + s.substr(std::string("layers.0").size());
+                          }));
+    }
+  }
+  {
+    auto m = reduced(0, 1);
+    a_refiners = std::max<int64_t>(0, measure(m) - a0);
+    for (const char* kind : {"noise_refiner", "context_refiner"}) {
+      const std::string first = std::string(kind) + ".0";
+      for (int64_t i = 0; i < o.n_refiner_layers; ++i) {
+        const std::string name = fmt::format("{}.{}", kind, i);
+        blocks.emplace_back(name, z_params(*m, first + ".", [&](const std::string& s) {
+                              return name + s.substr(first.size());
+                            }));
+      }
+    }
+  }
+  blocks.emplace_back("", std::move(root_params));
+
+  std::vector<std::string> targets = options.lora_target_modules;
+  if (targets.empty()) targets = default_z_image_lora_targets();
+  const int64_t frozen_size = options.mixed_precision == "bf16" ? 2 : 4;
+  std::vector<accel::UnitPlan> units;
+  std::vector<int64_t> numels;
+  int64_t base = 0;
+  for (const auto& [name, params] : blocks) {
+    accel::UnitPlan u;
+    u.name = name;
+    u.module_class = name.empty() ? "root" : "ZImageTransformerBlock";
+    for (const auto& param : params) {
+      base += param.numel;
+      if (!options.lora) {
+        u.params.push_back(param.name);
+        u.numel += param.numel;
+        numels.push_back(param.numel);
+        continue;
+      }
+      for (const auto& target : targets) {
+        const std::string suffix = "." + target + ".weight";
+        const std::string& pname = param.name;
+        if (param.in == 0 || pname.size() < suffix.size() ||
+            pname.compare(pname.size() - suffix.size(), suffix.size(), suffix) != 0) {
+          continue;
+        }
+        const std::string module = pname.substr(0, pname.size() - 7);
+        for (const auto& [ab, count] :
+             {std::pair<const char*, int64_t>{".lora_A.weight", options.lora_rank * param.in},
+              {".lora_B.weight", param.out * options.lora_rank}}) {
+          u.params.push_back(module + ab);
+          u.numel += count;
+          numels.push_back(count);
+        }
+      }
+    }
+    if (u.numel > 0) units.push_back(std::move(u));
+  }
+  if (options.auto_wrap.policy == "NO_WRAP") {
+    accel::UnitPlan all;
+    all.module_class = "root";
+    for (const auto& u : units) {
+      all.numel += u.numel;
+      all.params.insert(all.params.end(), u.params.begin(), u.params.end());
+    }
+    units = {all};
+  }
+  const auto storage = options.lora ? models::parse_weight_storage(options.base_weights_dtype,
+                                                                   "--base_weights_dtype")
+                                    : models::WeightStorage::kDense;
+  int64_t frozen = options.lora ? base : 0;
+  int64_t frozen_bytes = 0;
+  if (options.lora) {
+    for (const auto& [name, params] : blocks) {
+      for (const auto& param : params) {
+        frozen_bytes +=
+            param.in > 0 ? models::stored_weight_bytes(param.numel, param.out, storage, frozen_size)
+                         : param.numel * frozen_size;
+      }
+    }
+  }
+  log::info("ZImageTransformer2DModel {}: {} parameters{}", config.string(), base,
+            options.lora ? fmt::format(" (frozen under LoRA rank {})", options.lora_rank) : "");
+  if (pipeline) {
+    torch::NoGradGuard no_grad;
+    log::info(
+        "text encoder: not counted (Qwen3 is released once the captions' embeddings are cached)");
+    int64_t n = 0;
+    for (const auto& t : models::AutoencoderKL(models::read_autoencoder_kl_config(
+                                                   (root / "vae" / "config.json").string()))
+                             ->parameters()) {
+      n += t.numel();
+    }
+    log::info("frozen vae: {} parameters", n);
+    frozen += n;
+    frozen_bytes += n * frozen_size;
+  }
+  std::vector<train::MemoryEstimate> out;
+  for (const auto s : strategies) {
+    train::MemoryEstimateOptions so = options;
+    so.strategy = s;
+    out.push_back(
+        train::estimate_state_memory_from_counts(units, numels, frozen, frozen_bytes, so));
+  }
+  const int64_t activations =
+      (a0 + o.n_layers * a_layer + o.n_refiner_layers * a_refiners) * options.batch_size;
+  log::info(
+      "activations: {} per layer, {} per refiner pair at {}x{} latents and {} caption tokens, "
+      "batch {}{}",
+      train::format_bytes(a_layer), train::format_bytes(a_refiners), R, R, text_tokens,
+      options.batch_size, options.gradient_checkpointing ? ", gradient checkpointing" : "");
+  for (auto& e : out) e.activation_bytes = activations;
+  return out;
+}
+
+}  // namespace difftrain::families::z_image
