@@ -36,6 +36,7 @@ int run_lora_convert() {
   io::LoraFormat format = io::LoraFormat::kDiffusers;
   if (a.to == "peft") format = io::LoraFormat::kPeft;
   if (a.to == "kohya") format = io::LoraFormat::kKohya;
+  if (a.to == "comfyui") format = io::LoraFormat::kComfyUI;
   const auto done = families::convert_lora(a.input, a.output, format, a.model);
   std::string counts;
   for (const auto& [component, targets] : done.targets) {
@@ -77,9 +78,11 @@ CLI::App* add_lora_command(CLI::App& app) {
       "(with --model, the folder's family names the modules as its kohya files do)");
   g_convert->add_option("--input", g_convert_args.input, "LoRA file to read")->required();
   g_convert->add_option("--output", g_convert_args.output, "LoRA file to write")->required();
-  g_convert->add_option("--to", g_convert_args.to, "diffusers, peft or kohya")
+  g_convert
+      ->add_option("--to", g_convert_args.to,
+                   "diffusers, peft, kohya or comfyui (diffusion_model. keys: Z-Image's)")
       ->required()
-      ->check(CLI::IsMember({"diffusers", "peft", "kohya"}));
+      ->check(CLI::IsMember({"diffusers", "peft", "kohya", "comfyui"}));
   g_convert->add_option("--model", g_convert_args.model,
                         "The model folder the LoRA is for (pipeline or bare denoiser folder): its "
                         "family resolves kohya names and applies its own key layout");

@@ -90,6 +90,27 @@ LoraConversion convert_lora(const std::string& input, const std::string& output,
   for (const auto& [component, targets] : lora.components) out.targets[component] = targets.size();
   if (!model.empty()) family_of(model).adapt_lora(lora, model, format);
   io::write_lora(output, lora, format);
+  if (format == io::LoraFormat::kComfyUI) {
+    // ComfyUI keys are a family's own layout: the file must read back as what was written.
+    size_t written = 0, read = 0;
+    for (const auto& [component, targets] : lora.components) written += targets.size();
+    try {
+      for (const auto& [component, targets] : io::read_lora(output).components) {
+        read += targets.size();
+      }
+    } catch (const Error&) {
+      read = 0;
+    }
+    if (read != written) {
+      std::error_code ec;
+      fs::remove(output, ec);
+      throw Error(
+          "--to comfyui: no registered family reads these modules back from diffusion_model. "
+          "keys (ComfyUI names them per model family; Z-Image's are Diffusers' own): write "
+          "--to kohya instead" +
+          std::string(model.empty() ? ", or give --model so the family names the modules" : ""));
+    }
+  }
   return out;
 }
 

@@ -6,6 +6,7 @@
 #include "difftrain/io/atomic_file.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -252,6 +253,22 @@ train::TrainConfig parse_train_config(const std::vector<std::string>& args) {
     if (auto defaults = family.training_defaults(config)) {
       train::apply_script_defaults(config, *defaults);
     }
+  }
+  const auto formats = family.lora_export_formats();
+  if (config.lora &&
+      std::find(formats.begin(), formats.end(), config.lora_format) == formats.end()) {
+    std::string writers;
+    for (const auto* f : families()) {
+      const auto theirs = f->lora_export_formats();
+      if (std::find(theirs.begin(), theirs.end(), config.lora_format) != theirs.end()) {
+        writers += (writers.empty() ? "" : ", ") + f->name();
+      }
+    }
+    throw Error(fmt::format(
+        "--lora_format {}: the {} family's runs export {}; {} is written for {} (convert the "
+        "export with difftrain lora convert)",
+        config.lora_format, family.name(), fmt::join(formats, ", "), config.lora_format,
+        writers.empty() ? std::string("no family") : "the " + writers + " family's runs"));
   }
   family.configure_training(config);
   config.family.complete_and_check();

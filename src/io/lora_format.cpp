@@ -67,6 +67,7 @@ std::string role_token(LoraFormat format, Role role) {
     case LoraFormat::kDiffusers: return role == Role::kDown ? "down" : "up";
     case LoraFormat::kPeft: return role == Role::kDown ? "lora_A" : "lora_B";
     case LoraFormat::kKohya:
+    case LoraFormat::kComfyUI:  // never parsed as such: a family's layout rewrites it first
       return role == Role::kDown ? "lora_down" : role == Role::kUp ? "lora_up" : "alpha";
   }
   return "";
@@ -345,6 +346,7 @@ std::string to_string(LoraFormat format) {
     case LoraFormat::kDiffusers: return "diffusers";
     case LoraFormat::kPeft: return "peft";
     case LoraFormat::kKohya: return "kohya";
+    case LoraFormat::kComfyUI: return "comfyui";
   }
   return "?";
 }

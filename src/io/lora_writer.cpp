@@ -89,10 +89,11 @@ std::map<std::string, torch::Tensor> to_tensors(const LoraWeights& lora, LoraFor
   auto put = [&](const std::string& key, const torch::Tensor& tensor, const std::string& component,
                  const LoraTarget& t) {
     if (!out.emplace(key, tensor).second) {
-      writer_fail(where,
-                  describe(component, t) + " and another target both become key '" + key + "' in " +
-                      to_string(format) + " format; remove one of them" +
-                      (format == LoraFormat::kKohya ? " or write a Diffusers or PEFT file" : ""));
+      writer_fail(where, describe(component, t) + " and another target both become key '" + key +
+                             "' in " + to_string(format) + " format; remove one of them" +
+                             (format == LoraFormat::kKohya || format == LoraFormat::kComfyUI
+                                  ? " or write a Diffusers or PEFT file"
+                                  : ""));
     }
   };
   // SDXL's pair, SD3's three, and FLUX.1's CLIP (sd-scripts numbers it lora_te1_, and Diffusers'
@@ -115,7 +116,7 @@ std::map<std::string, torch::Tensor> to_tensors(const LoraWeights& lora, LoraFor
       if (t.module.empty())
         writer_fail(where, component + " target with key '" + t.key + "' has no module");
       check_pair(where, component, t);
-      if (!t.resolved && format != LoraFormat::kKohya) {
+      if (!t.resolved && format != LoraFormat::kKohya && format != LoraFormat::kComfyUI) {
         writer_fail(where,
                     describe(component, t) +
                         " is an unresolved kohya name; call io::resolve_kohya_names(lora, \"" +
@@ -138,8 +139,15 @@ std::map<std::string, torch::Tensor> to_tensors(const LoraWeights& lora, LoraFor
           put(stem + "lora_B.weight", folded_up(t, fold), component, t);
           break;
         }
-        case LoraFormat::kKohya: {
-          const std::string stem = kohya_prefix(component, several_te) + kohya_name(t.module);
+        case LoraFormat::kKohya:
+        case LoraFormat::kComfyUI: {
+          // ComfyUI / musubi-tuner: the denoiser's resolved modules under diffusion_model.,
+          // dotted; text encoders (and unresolved names) as kohya's.
+          const bool comfy =
+              format == LoraFormat::kComfyUI && !is_text_encoder(component) && t.resolved;
+          const std::string stem = comfy
+                                       ? "diffusion_model." + t.module
+                                       : kohya_prefix(component, several_te) + kohya_name(t.module);
           // kohya's rule reads alpha 0 as alpha = r, so an unset or zero alpha is written as r.
           const double alpha =
               t.alpha && *t.alpha != 0.0 ? *t.alpha : static_cast<double>(t.rank());
@@ -176,7 +184,7 @@ void write_lora(const std::string& path, const LoraWeights& lora, LoraFormat for
   Metadata meta = metadata;
   meta.emplace("format", "pt");
   std::map<std::string, LoraAdapterConfig> configs;
-  if (format != LoraFormat::kKohya) {
+  if (format != LoraFormat::kKohya && format != LoraFormat::kComfyUI) {
     for (const auto& [component, targets] : lora.components) {
       if (!targets.empty()) configs[component] = make_lora_adapter_config(targets);
     }

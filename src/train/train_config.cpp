@@ -502,7 +502,7 @@ void TrainConfig::validate() const {
   };
   one_of("dataset", dataset, {"fashion_mnist", "mnist", "imagefolder"});
   if (!mixed_precision.empty()) one_of("mixed_precision", mixed_precision, {"no", "bf16", "fp16"});
-  one_of("lora_format", lora_format, {"diffusers", "peft", "kohya"});
+  one_of("lora_format", lora_format, {"diffusers", "peft", "kohya", "comfyui"});
   accel::parse_sharding_strategy(sharding_strategy, "--sharding_strategy");
   settings::parse_offload_device(offload_optimizer_device, "--offload_optimizer_device");
   settings::parse_offload_device(offload_param_device, "--offload_param_device");

@@ -262,7 +262,9 @@ TEST(ZImageTrain, DreamBoothWithPriorPreservationInBf16OnAnInt8Base) {
                         "--base_weights_dtype",
                         "int8",
                         "--cache_latents",
-                        "--gradient_checkpointing"});
+                        "--gradient_checkpointing",
+                        "--lora_format",
+                        "comfyui"});
   c = without(without(c, "--resolution_buckets", 0), "--bucket_step", 1);
   auto db = train(c, 2, 600);
   ASSERT_EQ(db.exit_code, 0) << db.log();
@@ -280,6 +282,12 @@ TEST(ZImageTrain, DreamBoothWithPriorPreservationInBf16OnAnInt8Base) {
   card.widget_text = "a photo of sks picture";
   const auto text = expect_model_card(dir + "/db", card);
   EXPECT_NE(text.find("ZImagePipeline.from_pretrained("), std::string::npos) << text;
+  // --lora_format comfyui: ComfyUI's and musubi-tuner's keys, which sample reads back.
+  const auto comfy = io::load_safetensors(dir + "/db/pytorch_lora_weights.safetensors").tensors;
+  EXPECT_TRUE(comfy.count("diffusion_model.layers.0.attention.to_out.0.lora_down.weight"));
+  EXPECT_TRUE(comfy.count("diffusion_model.context_refiner.0.attention.to_q.alpha"));
+  EXPECT_EQ(comfy.size(), 16u * 3u);
+  z_images(dir, "comfy", dir + "/db/pytorch_lora_weights.safetensors");
   const auto l = losses(dir + "/db");
   ASSERT_EQ(l.size(), 3u);
   for (double v : l) EXPECT_TRUE(std::isfinite(v));
@@ -288,6 +296,18 @@ TEST(ZImageTrain, DreamBoothWithPriorPreservationInBf16OnAnInt8Base) {
   auto bad = train(z_train_cmd(data, dir + "/bad", {"--max_train_steps", "1", "--snr_gamma", "5"}));
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.err.find("Z-Image trains with flow matching"), std::string::npos) << bad.log();
+  // Another family's run refuses --lora_format comfyui, naming the family that writes it.
+  const std::string flux =
+      std::string(difftrain_test::source_dir()) + "/tests/golden/flux/tiny_flux";
+  auto comfy_flux = run(
+      {kDifftrain, "train", "--pretrained_model_name_or_path", flux, "--dataset", "imagefolder",
+       "--train_data_dir", data, "--lora", "--lora_format", "comfyui", "--output_dir", dir + "/cf"},
+      {}, 120);
+  EXPECT_NE(comfy_flux.exit_code, 0);
+  EXPECT_NE(comfy_flux.err.find("--lora_format comfyui: the flux family's runs export diffusers, "
+                                "peft, kohya; comfyui is written for the z-image family's runs"),
+            std::string::npos)
+      << comfy_flux.log();
   auto te =
       train(z_train_cmd(data, dir + "/te", {"--max_train_steps", "1", "--train_text_encoder"}));
   EXPECT_NE(te.exit_code, 0);

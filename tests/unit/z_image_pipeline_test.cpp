@@ -234,6 +234,29 @@ TEST(ZImageFamily, LoraConvertsBetweenLayoutsAndMergesIntoTheFolder) {
   }
   EXPECT_EQ(checked, 10u);
   EXPECT_EQ(families::family_of(merged).name(), "z-image");
+  // Written in ComfyUI / musubi-tuner form: the very keys (and alphas) of the fixture's
+  // comfyui.safetensors, which Diffusers' ZImageLoraLoaderMixin reads; read back, the same outputs.
+  families::convert_lora(kZLora + "diffusers.safetensors", dir + "/c.safetensors",
+                         io::LoraFormat::kComfyUI, kZFolder);
+  const auto comfy = io::load_safetensors(dir + "/c.safetensors").tensors;
+  const auto fixture = io::load_safetensors(kZLora + "comfyui.safetensors").tensors;
+  ASSERT_EQ(comfy.size(), fixture.size());
+  for (const auto& [key, t] : fixture) {
+    ASSERT_EQ(comfy.count(key), 1u) << key;
+    if (key.size() > 6 && key.compare(key.size() - 6, 6, ".alpha") == 0) {
+      EXPECT_EQ(comfy.at(key).item<float>(), t.item<float>()) << key;
+    }
+  }
+  EXPECT_LT(max_abs(z_forward_with(dir + "/c.safetensors", 1.0)[1], expected.at("diffusers.out.1")),
+            1e-5);
+  // A family whose ComfyUI names differ (FLUX.1's BFL blocks) is refused, with no file left.
+  const auto flux_msg = error_of([&] {
+    families::convert_lora(kGoldenDir + "flux/tiny_flux_lora/pytorch_lora_weights.safetensors",
+                           dir + "/f.safetensors", io::LoraFormat::kComfyUI,
+                           kGoldenDir + "flux/tiny_flux");
+  });
+  EXPECT_HAS(flux_msg, "--to comfyui: no registered family reads these modules back");
+  EXPECT_FALSE(fs::exists(dir + "/f.safetensors"));
   // An SDXL LoRA is refused, naming the family it is for; no output is left.
   const std::string sdxl_lora = kGoldenDir + "sdxl/tiny_sdxl_lora/kohya_sgm_lora.safetensors";
   auto msg = error_of([&] { z_forward_with(sdxl_lora, 1.0); });

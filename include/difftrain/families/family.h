@@ -113,6 +113,12 @@ class ModelFamily {
   /// The component of lora_components() whose modules Diffusers' oldest LoRA layout names bare,
   /// without the component ahead ("" = none; the UNet-based families' UNet).
   virtual std::string lora_bare_component() const { return ""; }
+  /// The --lora_format values its training runs export (diffusers, peft, kohya by default; a
+  /// family that writes ComfyUI's diffusion_model. keys adds "comfyui"). parse_train_config()
+  /// refuses the others in one line naming the families that write them.
+  virtual std::vector<std::string> lora_export_formats() const {
+    return {"diffusers", "peft", "kohya"};
+  }
   /// The family's own key layouts of LoRA files (FLUX.1's ComfyUI / XLabs keys), which
   /// io::read_lora() rewrites into a generic layout once the family is registered (none by
   /// default). Its kohya or BFL module names are the family's to resolve (adapt_lora).

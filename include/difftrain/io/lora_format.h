@@ -26,9 +26,14 @@ enum class LoraFormat {
   kDiffusers,  ///< `<component>.<module>.lora.down.weight` (and the older `processor.to_q_lora`)
   kPeft,       ///< `<component>.<module>.lora_A.weight` / `lora_B.weight`
   kKohya,      ///< `lora_unet_<module_underscored>.lora_down.weight` / `lora_up.weight` / `alpha`
+  /// ComfyUI / musubi-tuner: the denoiser's targets as `diffusion_model.<module>.lora_down.weight`
+  /// / `.lora_up.weight` / `.alpha` (the module paths as given: a family whose ComfyUI names
+  /// differ from Diffusers' renames them first), text encoders' as kohya's. Written only; a
+  /// family's key layout reads such files (io::LoraKeyLayout).
+  kComfyUI,
 };
 
-/// "diffusers", "peft" or "kohya".
+/// "diffusers", "peft", "kohya" or "comfyui".
 std::string to_string(LoraFormat format);
 
 /// "[4, 8] Float": a tensor's shape and dtype, as LoRA errors name them.

@@ -118,7 +118,9 @@ struct TrainConfig {
   std::optional<double> lora_alpha;  ///< default: rank
   double lora_dropout = 0.0;
   std::vector<std::string> lora_target_modules = {"to_q", "to_k", "to_v", "to_out.0"};
-  std::string lora_format = "diffusers";  ///< diffusers | peft | kohya
+  /// diffusers | peft | kohya | comfyui (the families whose runs write it:
+  /// ModelFamily::lora_export_formats)
+  std::string lora_format = "diffusers";
   /// LoRA: the frozen base's Linear/Conv weights in 8 bits (kohya's --fp8_base): none | int8 |
   /// fp8_e4m3 (LibTorch 2.1+).
   std::string base_weights_dtype = "none";

@@ -55,6 +55,9 @@ class ZImageFamily : public ModelFamily {
   }
   int component_match_rank() const override { return 4; }
   std::vector<std::string> lora_components() const override { return {"transformer"}; }
+  std::vector<std::string> lora_export_formats() const override {
+    return {"diffusers", "peft", "kohya", "comfyui"};
+  }
   std::vector<io::LoraKeyLayout> lora_key_layouts() const override {
     return {z_image::z_image_lora_key_layout()};
   }

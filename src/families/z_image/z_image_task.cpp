@@ -315,6 +315,9 @@ void ZImageTask::export_to(const fs::path& out) {
     io::LoraWeights kohya = weights;
     adapt_z_image_lora(kohya, folder_.dir, io::LoraFormat::kKohya);
     io::write_lora(path, kohya, io::LoraFormat::kKohya, meta);
+  } else if (o_.lora.format == "comfyui") {
+    // diffusion_model.<module>.lora_down / lora_up / .alpha: ComfyUI's and musubi-tuner's keys.
+    io::write_lora(path, weights, io::LoraFormat::kComfyUI, meta);
   } else if (o_.lora.format == "peft") {
     io::write_lora(path, weights, io::LoraFormat::kPeft, meta);
   } else {
