@@ -1,6 +1,7 @@
 #pragma once
 // Private to src/families/flux: the FLUX.1 family's parts behind ModelFamily (family.cpp).
 
+#include "../denoiser_memory.h"
 #include "difftrain/families/family.h"
 #include "difftrain/families/flux/lora_layouts.h"
 #include "difftrain/models/kernels/quantized_weight.h"
@@ -54,11 +55,7 @@ torch::Tensor forward_flux(const std::string& dir,
 /// from `options`, grouped by block ("transformer_blocks.<i>", "single_transformer_blocks.<i>", ""
 /// for the rest), in the order FSDP's transformer-based wrap makes units of them; counted, not
 /// built.
-struct FluxParam {
-  std::string name;
-  int64_t numel = 0;
-  int64_t in = 0, out = 0;  ///< a Linear weight's features, 0 for other tensors
-};
+using FluxParam = families::DenoiserParam;
 std::vector<std::pair<std::string, std::vector<FluxParam>>> flux_transformer_parameters(
     const models::FluxTransformer2DModelOptions& options);
 

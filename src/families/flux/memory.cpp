@@ -125,75 +125,22 @@ std::vector<train::MemoryEstimate> estimate_flux_memory(
     throw Error(fmt::format("LoRA rank must be at least 1, got {}", options.lora_rank));
   }
   const auto blocks = flux_transformer_parameters(o);
-  std::vector<std::string> targets = options.lora_target_modules;
-  if (targets.empty()) targets = default_flux_lora_targets();
   const int64_t frozen_size = options.mixed_precision == "bf16" ? 2 : 4;
-
-  // Trainable: the whole transformer, or LoRA adapters (A [r, in] + B [out, r]) on the targets,
-  // by default Diffusers' FLUX script's (default_flux_lora_targets), matched by suffix.
-  std::vector<accel::UnitPlan> units;
-  std::vector<int64_t> numels;
-  int64_t base = 0;
-  for (const auto& [name, params] : blocks) {
-    accel::UnitPlan u;
-    u.name = name;
-    u.module_class = name.empty()                    ? "root"
-                     : name.rfind("single_", 0) == 0 ? "FluxSingleTransformerBlock"
-                                                     : "FluxTransformerBlock";
-    for (const auto& param : params) {
-      const std::string& pname = param.name;
-      const int64_t n = param.numel;
-      base += n;
-      if (!options.lora) {
-        u.params.push_back(pname);
-        u.numel += n;
-        numels.push_back(n);
-        continue;
-      }
-      for (const auto& target : targets) {
-        const std::string suffix = "." + target + ".weight";
-        if (param.in == 0 || pname.size() < suffix.size() ||
-            pname.compare(pname.size() - suffix.size(), suffix.size(), suffix) != 0) {
-          continue;
-        }
-        const std::string module = pname.substr(0, pname.size() - 7);
-        const int64_t in = param.in, outf = param.out;
-        for (const auto& [ab, count] :
-             {std::pair<const char*, int64_t>{".lora_A.weight", options.lora_rank * in},
-              {".lora_B.weight", outf * options.lora_rank}}) {
-          u.params.push_back(module + ab);
-          u.numel += count;
-          numels.push_back(count);
-        }
-      }
-    }
-    if (u.numel > 0) units.push_back(std::move(u));
-  }
-  if (options.auto_wrap.policy == "NO_WRAP") {
-    accel::UnitPlan all;
-    all.module_class = "root";
-    for (const auto& u : units) {
-      all.numel += u.numel;
-      all.params.insert(all.params.end(), u.params.begin(), u.params.end());
-    }
-    units = {all};
-  }
-  // The frozen base: bf16 under bf16 as the trainer keeps it, its Linear weights 8-bit under
-  // --base_weights_dtype (the trainer's size rule).
+  // Trainable: the whole transformer, or LoRA adapters on the targets, by default Diffusers'
+  // FLUX script's (default_flux_lora_targets), matched by suffix.
   const auto storage = options.lora ? models::parse_weight_storage(options.base_weights_dtype,
                                                                    "--base_weights_dtype")
                                     : models::WeightStorage::kDense;
-  int64_t frozen = options.lora ? base : 0;
-  int64_t frozen_bytes = 0;
-  if (options.lora) {
-    for (const auto& [name, params] : blocks) {
-      for (const auto& param : params) {
-        frozen_bytes +=
-            param.in > 0 ? models::stored_weight_bytes(param.numel, param.out, storage, frozen_size)
-                         : param.numel * frozen_size;
-      }
-    }
-  }
+  DenoiserState state =
+      denoiser_state(blocks, options, default_flux_lora_targets(), [](const std::string& name) {
+        return name.rfind("single_", 0) == 0 ? "FluxSingleTransformerBlock"
+                                             : "FluxTransformerBlock";
+      });
+  const int64_t base = state.params;
+  int64_t frozen = state.frozen;
+  int64_t frozen_bytes = state.frozen_bytes;
+  auto& units = state.units;
+  auto& numels = state.numels;
   log::info("FluxTransformer2DModel {}: {} parameters{}", config.string(), base,
             options.lora ? fmt::format(" (frozen under LoRA rank {})", options.lora_rank) : "");
   if (pipeline) {

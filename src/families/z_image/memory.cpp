@@ -4,6 +4,7 @@
 // pair. Their parameters, named as the full model's, give every unit FSDP's transformer-based
 // wrap makes (one per block); their training forwards give the activations, scaled by the block
 // counts. Qwen3 is not counted: the trainer caches every caption's embeddings and releases it.
+#include "../denoiser_memory.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/models/autoencoders/autoencoder_kl.h"
@@ -23,16 +24,11 @@ namespace fs = std::filesystem;
 
 namespace {
 
-struct ZParam {
-  std::string name;
-  int64_t numel = 0, in = 0, out = 0;  // in / out: a Linear weight's sizes (0: not a Linear)
-};
-
 // `m`'s parameters whose names start with `prefix` ("" = those of no block), named as `rename`
 // makes them.
-std::vector<ZParam> z_params(const torch::nn::Module& m, const std::string& prefix,
-                             const std::function<std::string(const std::string&)>& rename) {
-  std::vector<ZParam> out;
+std::vector<DenoiserParam> z_params(const torch::nn::Module& m, const std::string& prefix,
+                                    const std::function<std::string(const std::string&)>& rename) {
+  std::vector<DenoiserParam> out;
   for (const auto& p : m.named_parameters()) {
     const std::string& name = p.key();
     const bool in_block = name.rfind("layers.", 0) == 0 || name.rfind("noise_refiner.", 0) == 0 ||
@@ -97,9 +93,9 @@ std::vector<train::MemoryEstimate> estimate_z_image_memory(
   };
   auto m0 = reduced(0, 0);
   const int64_t a0 = measure(m0);
-  std::vector<std::pair<std::string, std::vector<ZParam>>> blocks;
+  DenoiserBlocks blocks;
   const auto same = [](const std::string& s) { return s; };
-  std::vector<ZParam> root_params = z_params(*m0, "", same);
+  std::vector<DenoiserParam> root_params = z_params(*m0, "", same);
   m0 = nullptr;
   int64_t a_layer = 0, a_refiners = 0;
   {
@@ -127,66 +123,15 @@ std::vector<train::MemoryEstimate> estimate_z_image_memory(
   }
   blocks.emplace_back("", std::move(root_params));
 
-  std::vector<std::string> targets = options.lora_target_modules;
-  if (targets.empty()) targets = default_z_image_lora_targets();
   const int64_t frozen_size = options.mixed_precision == "bf16" ? 2 : 4;
-  std::vector<accel::UnitPlan> units;
-  std::vector<int64_t> numels;
-  int64_t base = 0;
-  for (const auto& [name, params] : blocks) {
-    accel::UnitPlan u;
-    u.name = name;
-    u.module_class = name.empty() ? "root" : "ZImageTransformerBlock";
-    for (const auto& param : params) {
-      base += param.numel;
-      if (!options.lora) {
-        u.params.push_back(param.name);
-        u.numel += param.numel;
-        numels.push_back(param.numel);
-        continue;
-      }
-      for (const auto& target : targets) {
-        const std::string suffix = "." + target + ".weight";
-        const std::string& pname = param.name;
-        if (param.in == 0 || pname.size() < suffix.size() ||
-            pname.compare(pname.size() - suffix.size(), suffix.size(), suffix) != 0) {
-          continue;
-        }
-        const std::string module = pname.substr(0, pname.size() - 7);
-        for (const auto& [ab, count] :
-             {std::pair<const char*, int64_t>{".lora_A.weight", options.lora_rank * param.in},
-              {".lora_B.weight", param.out * options.lora_rank}}) {
-          u.params.push_back(module + ab);
-          u.numel += count;
-          numels.push_back(count);
-        }
-      }
-    }
-    if (u.numel > 0) units.push_back(std::move(u));
-  }
-  if (options.auto_wrap.policy == "NO_WRAP") {
-    accel::UnitPlan all;
-    all.module_class = "root";
-    for (const auto& u : units) {
-      all.numel += u.numel;
-      all.params.insert(all.params.end(), u.params.begin(), u.params.end());
-    }
-    units = {all};
-  }
-  const auto storage = options.lora ? models::parse_weight_storage(options.base_weights_dtype,
-                                                                   "--base_weights_dtype")
-                                    : models::WeightStorage::kDense;
-  int64_t frozen = options.lora ? base : 0;
-  int64_t frozen_bytes = 0;
-  if (options.lora) {
-    for (const auto& [name, params] : blocks) {
-      for (const auto& param : params) {
-        frozen_bytes +=
-            param.in > 0 ? models::stored_weight_bytes(param.numel, param.out, storage, frozen_size)
-                         : param.numel * frozen_size;
-      }
-    }
-  }
+  const DenoiserState state =
+      denoiser_state(blocks, options, default_z_image_lora_targets(),
+                     [](const std::string&) { return std::string("ZImageTransformerBlock"); });
+  const int64_t base = state.params;
+  int64_t frozen = state.frozen;
+  int64_t frozen_bytes = state.frozen_bytes;
+  const auto& units = state.units;
+  const auto& numels = state.numels;
   log::info("ZImageTransformer2DModel {}: {} parameters{}", config.string(), base,
             options.lora ? fmt::format(" (frozen under LoRA rank {})", options.lora_rank) : "");
   if (pipeline) {

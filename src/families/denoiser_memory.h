@@ -1,0 +1,45 @@
+#pragma once
+// The state side of `difftrain estimate-memory` for a denoiser too large to build (FLUX.1's 12 B,
+// Z-Image's 6 B transformers): its parameters listed block by block (from the config, or from
+// depth-reduced copies at the real width), cut into the units FSDP's transformer-based wrap makes,
+// LoRA adapters counted on the targets by suffix, the frozen base's bytes by the trainer's 8-bit
+// size rule. Private to src/families; each family lists its blocks and measures its activations.
+#include "difftrain/accel/sharding.h"
+#include "difftrain/train/memory_estimate.h"
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace difftrain::families {
+
+/// One parameter of a denoiser: its full name, elements, and for a Linear weight its sizes.
+struct DenoiserParam {
+  std::string name;
+  int64_t numel = 0;
+  int64_t in = 0, out = 0;  ///< a Linear weight's fan-in and fan-out (0: not a Linear weight)
+};
+
+/// The parameters by unit: each block by its module path, the rest under "" (the root unit).
+using DenoiserBlocks = std::vector<std::pair<std::string, std::vector<DenoiserParam>>>;
+
+/// What training the listed denoiser holds, before the per-strategy accounting.
+struct DenoiserState {
+  std::vector<accel::UnitPlan> units;  ///< what trains, by unit (one under NO_WRAP)
+  std::vector<int64_t> numels;         ///< every trainable tensor's elements
+  int64_t params = 0;                  ///< the denoiser's parameters
+  int64_t frozen = 0;                  ///< frozen parameters (the base under LoRA)
+  int64_t frozen_bytes = 0;            ///< their bytes (bf16 under bf16; 8-bit Linear weights)
+};
+
+/// The state of training `blocks`: the whole denoiser, or with options.lora adapters A [r, in] and
+/// B [out, r] on each Linear weight whose module ends with one of options.lora_target_modules
+/// (empty: `default_targets`); `block_class(name)` names a block unit's wrap class.
+DenoiserState denoiser_state(const DenoiserBlocks& blocks,
+                             const train::MemoryEstimateOptions& options,
+                             const std::vector<std::string>& default_targets,
+                             const std::function<std::string(const std::string&)>& block_class);
+
+}  // namespace difftrain::families
