@@ -79,8 +79,10 @@ CLI::App* add_lora_command(CLI::App& app) {
   g_convert->add_option("--input", g_convert_args.input, "LoRA file to read")->required();
   g_convert->add_option("--output", g_convert_args.output, "LoRA file to write")->required();
   g_convert
-      ->add_option("--to", g_convert_args.to,
-                   "diffusers, peft, kohya or comfyui (diffusion_model. keys: Z-Image's)")
+      ->add_option(
+          "--to", g_convert_args.to,
+          "diffusers, peft, kohya or comfyui (diffusion_model. keys, for the families whose "
+          "ComfyUI names are Diffusers')")
       ->required()
       ->check(CLI::IsMember({"diffusers", "peft", "kohya", "comfyui"}));
   g_convert->add_option("--model", g_convert_args.model,

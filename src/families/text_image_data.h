@@ -18,6 +18,7 @@
 #include "difftrain/diffusion/text_encoders.h"
 #include "difftrain/models/autoencoders/autoencoder_kl.h"
 #include "difftrain/train/text_image_dataset.h"
+#include "difftrain/train/text_image_options.h"
 #include "difftrain/train/training_task.h"
 
 namespace difftrain::families {
@@ -110,6 +111,30 @@ class TextImageData {
 /// Why a run cannot (no prompt given; "" when it can), and the grid's labels ("seed S").
 std::string prompt_validation_unavailable(const train::TaskOptions& o);
 std::vector<std::string> prompt_validation_labels(const train::TaskOptions& o, int64_t K);
+
+/// A transformer family's text-to-image training task, the parts FLUX.1's and Z-Image's share:
+/// the options with the text-to-image group read back, the data (TextImageData: its dataset,
+/// bucket order and epochs) and the --validation_prompt renders' bookkeeping. The family's task
+/// loads its models in build() and says what trains, how the loss is made and what is exported.
+class TextImageTask : public train::TrainingTask {
+ public:
+  explicit TextImageTask(train::TaskOptions options)
+      : o_(train::with_text_image_options(std::move(options))), data_(o_) {}
+
+  std::shared_ptr<data::Dataset> dataset() const override { return data_.dataset(); }
+  std::function<std::vector<int64_t>(int64_t)> sampler() const override { return data_.sampler(); }
+  void set_epoch(int64_t epoch) override { data_.set_epoch(epoch); }
+  std::string validation_unavailable() const override { return prompt_validation_unavailable(o_); }
+  std::vector<std::string> validation_labels(int64_t K) const override {
+    return prompt_validation_labels(o_, K);
+  }
+  std::string validation_note() const override { return " (\"" + o_.validation.prompt + "\")"; }
+  bool validation_requested() const override { return !o_.validation.prompt.empty(); }
+
+ protected:
+  train::TaskOptions o_;
+  TextImageData data_;
+};
 
 /// A fine-tuned pipeline folder's frozen parts: each of `parts` (folders: "vae", "scheduler",
 /// the text encoders and tokenizers) copied from the pretrained folder `src` into `out` as they

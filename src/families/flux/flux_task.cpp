@@ -47,16 +47,12 @@ class FluxLoraImpl : public torch::nn::Module {
 };
 TORCH_MODULE(FluxLora);
 
-class FluxTask : public train::TrainingTask {
+class FluxTask : public families::TextImageTask {
  public:
-  explicit FluxTask(train::TaskOptions options)
-      : o_(train::with_text_image_options(std::move(options))), data_(o_) {}
+  explicit FluxTask(train::TaskOptions options) : TextImageTask(std::move(options)) {}
 
   std::string name() const override { return "FLUX.1 text-to-image"; }
   void build(accel::Accelerator& acc, const std::string& output_dir) override;
-  std::shared_ptr<data::Dataset> dataset() const override { return data_.dataset(); }
-  std::function<std::vector<int64_t>(int64_t)> sampler() const override { return data_.sampler(); }
-  void set_epoch(int64_t epoch) override { data_.set_epoch(epoch); }
   std::shared_ptr<torch::nn::Module> trainable() const override { return trainable_; }
 
   std::string parameter_summary() const override {
@@ -72,16 +68,8 @@ class FluxTask : public train::TrainingTask {
 
   torch::Tensor loss(const data::Batch& batch, int64_t epoch, torch::Device device) override;
 
-  std::string validation_unavailable() const override {
-    return families::prompt_validation_unavailable(o_);
-  }
   train::ValidationImages render_validation(const std::vector<int64_t>& mine, int64_t /*begin*/,
                                             const SamplerStepCallback& on_step) override;
-  std::vector<std::string> validation_labels(int64_t K) const override {
-    return families::prompt_validation_labels(o_, K);
-  }
-  std::string validation_note() const override { return " (\"" + o_.validation.prompt + "\")"; }
-  bool validation_requested() const override { return !o_.validation.prompt.empty(); }
 
   void write_to_checkpoint(const fs::path& dir) const override {
     if (o_.lora.enabled) return;
@@ -144,8 +132,6 @@ class FluxTask : public train::TrainingTask {
   // seed + i.
   diffusion::GenerateRequest render_request(const std::string& prompt) const;
 
-  train::TaskOptions o_;
-  TextImageData data_;
   FluxFolder folder_;
   diffusion::TextEncoderStack text_;
   models::AutoencoderKL vae_{nullptr};

@@ -35,16 +35,12 @@ namespace fs = std::filesystem;
 using families::EncodedBatch;
 using families::TextImageData;
 
-class ZImageTask : public train::TrainingTask {
+class ZImageTask : public families::TextImageTask {
  public:
-  explicit ZImageTask(train::TaskOptions options)
-      : o_(train::with_text_image_options(std::move(options))), data_(o_) {}
+  explicit ZImageTask(train::TaskOptions options) : TextImageTask(std::move(options)) {}
 
   std::string name() const override { return "Z-Image text-to-image"; }
   void build(accel::Accelerator& acc, const std::string& output_dir) override;
-  std::shared_ptr<data::Dataset> dataset() const override { return data_.dataset(); }
-  std::function<std::vector<int64_t>(int64_t)> sampler() const override { return data_.sampler(); }
-  void set_epoch(int64_t epoch) override { data_.set_epoch(epoch); }
   std::shared_ptr<torch::nn::Module> trainable() const override { return trainable_; }
 
   std::string parameter_summary() const override {
@@ -60,16 +56,8 @@ class ZImageTask : public train::TrainingTask {
 
   torch::Tensor loss(const data::Batch& batch, int64_t epoch, torch::Device device) override;
 
-  std::string validation_unavailable() const override {
-    return families::prompt_validation_unavailable(o_);
-  }
   train::ValidationImages render_validation(const std::vector<int64_t>& mine, int64_t /*begin*/,
                                             const SamplerStepCallback& on_step) override;
-  std::vector<std::string> validation_labels(int64_t K) const override {
-    return families::prompt_validation_labels(o_, K);
-  }
-  std::string validation_note() const override { return " (\"" + o_.validation.prompt + "\")"; }
-  bool validation_requested() const override { return !o_.validation.prompt.empty(); }
 
   void write_to_checkpoint(const fs::path& dir) const override {
     if (o_.lora.enabled) return;
@@ -120,8 +108,6 @@ class ZImageTask : public train::TrainingTask {
   ZImagePipeline as_pipeline() const;
   diffusion::GenerateRequest render_request(const std::string& prompt) const;
 
-  train::TaskOptions o_;
-  TextImageData data_;
   ZImageFolder folder_;
   diffusion::TextEncoderStack text_;
   models::AutoencoderKL vae_{nullptr};
