@@ -16,7 +16,7 @@ Qwen3TextEncoder::Qwen3TextEncoder(TextEncoderFiles files,
       model_(std::move(model)),
       format_(std::move(format)) {
   if (model_.is_empty() || !tokenizer_) {
-    throw Error("text encoder: " + component() + " (Qwen3) is not loaded");
+    throw Error("text encoder: " + component() + " (a Qwen language model) is not loaded");
   }
   if (format_.chat_template && tokenizer_->chat_template() == nullptr) {
     throw Error("text encoder: " + tokenizer_component() + " ('" + tokenizer_dir() +
@@ -24,7 +24,12 @@ Qwen3TextEncoder::Qwen3TextEncoder(TextEncoderFiles files,
                 "chat_template.jinja), which the pipeline wraps prompts in: use the tokenizer "
                 "folder saved with the model");
   }
+  if (!format_.chat_template && !format_.text_template.empty() &&
+      format_.text_template.find("{}") == std::string::npos) {
+    throw Error("text encoder: the prompt template has no \"{}\" for the prompt");
+  }
   hidden_size_ = model_->options().hidden_size();
+  architecture_ = model_->options().architecture();
   num_layers_ = model_->options().num_hidden_layers();
   set_sequence_length(format_.sequence_length);
 }
@@ -41,7 +46,11 @@ std::shared_ptr<Qwen3TextEncoder> Qwen3TextEncoder::load(const TextEncoderFiles&
 }
 
 std::string Qwen3TextEncoder::render(const std::string& prompt) const {
-  if (!format_.chat_template) return prompt;
+  if (!format_.chat_template) {
+    if (format_.text_template.empty()) return prompt;
+    const size_t at = format_.text_template.find("{}");
+    return format_.text_template.substr(0, at) + prompt + format_.text_template.substr(at + 2);
+  }
   const nlohmann::ordered_json messages = {{{"role", "user"}, {"content", prompt}}};
   return tokenizer_->apply_chat_template(messages, true, format_.template_kwargs);
 }
@@ -58,7 +67,14 @@ std::shared_ptr<TextEncoder> Qwen3TextEncoder::tokenizer_only() const {
 
 Tokens Qwen3TextEncoder::tokenize(const std::vector<std::string>& prompts) const {
   const auto n = static_cast<int64_t>(prompts.size());
-  const int64_t length = format_.sequence_length;
+  int64_t length = format_.sequence_length;
+  if (format_.pad_to_longest) {
+    int64_t longest = 1;
+    for (const auto& p : prompts) {
+      longest = std::max(longest, static_cast<int64_t>(tokenizer_->encode(render(p)).size()));
+    }
+    length = std::min(length, longest);
+  }
   auto ids = torch::empty({n, length}, torch::kInt64);
   auto mask = torch::empty({n, length}, torch::kInt64);
   for (int64_t i = 0; i < n; ++i) {
@@ -75,7 +91,9 @@ int64_t Qwen3TextEncoder::prompt_tokens(const std::string& prompt) const {
 
 std::string Qwen3TextEncoder::length_rule() const {
   return "--max_sequence_length " + std::to_string(format_.sequence_length) +
-         (format_.chat_template ? " with the chat template's tokens" : "");
+         (format_.chat_template           ? " with the chat template's tokens"
+          : format_.text_template.empty() ? ""
+                                          : " with the prompt template's tokens");
 }
 
 bool Qwen3TextEncoder::set_sequence_length(int64_t tokens) {
@@ -88,14 +106,18 @@ bool Qwen3TextEncoder::set_sequence_length(int64_t tokens) {
 
 std::string Qwen3TextEncoder::cache_key() const {
   return "qwen3 " + std::to_string(format_.sequence_length) + " " +
-         (format_.chat_template ? format_.template_kwargs.dump() : "plain");
+         (format_.chat_template           ? format_.template_kwargs.dump()
+          : format_.text_template.empty() ? std::string("plain")
+                                          : "template " + format_.text_template) +
+         (format_.pad_to_longest ? " longest" : "");
 }
 
 TextEncoding Qwen3TextEncoder::encode(const Tokens& tokens, const EncodeRequest& request) const {
   check_loaded();
   if (request.skip_layers < 0 || request.skip_layers >= num_layers_) {
-    throw Error(component() + " (Qwen3Model): skip_layers " + std::to_string(request.skip_layers) +
-                " is out of [0, " + std::to_string(num_layers_ - 1) + "]");
+    throw Error(component() + " (" + architecture_ + "): skip_layers " +
+                std::to_string(request.skip_layers) + " is out of [0, " +
+                std::to_string(num_layers_ - 1) + "]");
   }
   auto& model = *model_.ptr();
   const auto device = models::module_device(model);

@@ -54,7 +54,8 @@ torch::Tensor multi_head_attention(const torch::Tensor& q, const torch::Tensor& 
   std::vector<torch::Tensor> outs;
   for (int64_t start = 0; start < N; start += chunk) {
     const int64_t len = std::min(chunk, N - start);
-    torch::Tensor scores = torch::baddbmm(torch::empty({B * heads, len, S}, qh.options()),
+    // zeros, not empty: beta = 0 does not keep every CPU kernel from reading the input.
+    torch::Tensor scores = torch::baddbmm(torch::zeros({B * heads, len, S}, qh.options()),
                                           qh.narrow(1, start, len), kt,
                                           /*beta=*/0, /*alpha=*/scale);
     if (upcast_softmax) scores = scores.to(torch::kFloat32);

@@ -22,6 +22,12 @@ struct Qwen3PromptFormat {
   nlohmann::ordered_json template_kwargs = {{"enable_thinking", true}};
   /// Pad and cut to this many tokens, the template's included (max_sequence_length).
   int64_t sequence_length = 512;
+  /// Instead of the chat template (chat_template false): a fixed text with one "{}" where the
+  /// prompt goes, as Python's str.format fills it (QwenImagePipeline's prompt_template_encode).
+  std::string text_template;
+  /// Pad to the batch's longest rendered prompt (padding=True) instead of sequence_length; the
+  /// cut stays at sequence_length (truncation=True, max_length).
+  bool pad_to_longest = false;
 };
 
 class Qwen3TextEncoder final : public TextEncoder {
@@ -41,7 +47,7 @@ class Qwen3TextEncoder final : public TextEncoder {
   /// The text the tokenizer reads for `prompt` (the chat template applied when asked).
   std::string render(const std::string& prompt) const;
 
-  std::string class_name() const override { return "Qwen3Model"; }
+  std::string class_name() const override { return architecture_; }
   torch::nn::Module* module() const override;
   std::shared_ptr<TextEncoder> clone() const override {
     return std::make_shared<Qwen3TextEncoder>(*this);
@@ -49,7 +55,8 @@ class Qwen3TextEncoder final : public TextEncoder {
   std::shared_ptr<TextEncoder> tokenizer_only() const override;
   int64_t hidden_size() const override { return hidden_size_; }
   int64_t num_layers() const override { return num_layers_; }
-  /// input_ids and attention_mask [N, sequence_length]: the rendered prompts' ids, then pad_token.
+  /// input_ids and attention_mask [N, sequence_length] (or [N, the longest] with pad_to_longest):
+  /// the rendered prompts' ids, then pad_token.
   Tokens tokenize(const std::vector<std::string>& prompts) const override;
   using TextEncoder::tokenize;
   /// sequence_length: the template's tokens count too.
@@ -69,6 +76,7 @@ class Qwen3TextEncoder final : public TextEncoder {
   models::Qwen3Model model_{nullptr};
   Qwen3PromptFormat format_;
   int64_t hidden_size_ = 0, num_layers_ = 0;
+  std::string architecture_ = "Qwen3Model";
 };
 
 }  // namespace difftrain::diffusion

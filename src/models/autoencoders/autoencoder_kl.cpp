@@ -131,8 +131,8 @@ AutoencoderKLConfig parse_autoencoder_kl_config(const std::string& json_text,
 // ------------------------------------------------------------------ posterior
 
 DiagonalGaussian DiagonalGaussian::from_moments(const torch::Tensor& moments) {
-  TORCH_CHECK(moments.dim() == 4 && moments.size(1) % 2 == 0,
-              "DiagonalGaussian: moments must be [B, 2 * latent_channels, h, w], got ",
+  TORCH_CHECK((moments.dim() == 4 || moments.dim() == 5) && moments.size(1) % 2 == 0,
+              "DiagonalGaussian: moments must be [B, 2 * latent_channels, (t,) h, w], got ",
               moments.sizes());
   auto parts = moments.chunk(2, 1);
   DiagonalGaussian g;

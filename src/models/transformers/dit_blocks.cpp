@@ -8,6 +8,7 @@
 #include <torch/nn/modules/dropout.h>
 
 #include <cmath>
+#include <limits>
 
 namespace difftrain::models {
 
@@ -111,7 +112,8 @@ torch::Tensor DiTAttentionImpl::heads_of(Linear& proj, RMSNorm* norm,
 
 std::pair<torch::Tensor, torch::Tensor> DiTAttentionImpl::forward(const torch::Tensor& x,
                                                                   const torch::Tensor& context,
-                                                                  const RotaryTables& rope) {
+                                                                  const RotaryTables& rope,
+                                                                  const torch::Tensor& key_mask) {
   const bool joint = !to_add_out_.is_empty();
   TORCH_CHECK(joint == context.defined(), joint ? "the joint attention needs the text stream"
                                                 : "the single-stream attention takes no "
@@ -130,9 +132,25 @@ std::pair<torch::Tensor, torch::Tensor> DiTAttentionImpl::forward(const torch::T
   q = apply_rotary_emb(q, rope);
   k = apply_rotary_emb(k, rope);
   const int64_t N = S + L, inner = heads_ * head_dim_;
-  torch::Tensor o = multi_head_attention(q.reshape({B, N, inner}), k.reshape({B, N, inner}),
-                                         v.reshape({B, N, inner}), heads_,
-                                         /*upcast_attention=*/false, /*upcast_softmax=*/true);
+  torch::Tensor o;
+  if (key_mask.defined()) {
+    // A padding mask on the keys ([B, N], true: attend), as SDPA's boolean attn_mask: masked
+    // scores are -inf before a float32 softmax. Some key of every row is real (the image).
+    TORCH_CHECK(key_mask.dim() == 2 && key_mask.size(0) == B && key_mask.size(1) == N,
+                "DiTAttention: key_mask must be [", B, ", ", N, "], got ", key_mask.sizes());
+    const torch::Tensor qh = q.transpose(1, 2), kh = k.transpose(1, 2), vh = v.transpose(1, 2);
+    torch::Tensor scores =
+        torch::matmul(qh, kh.transpose(2, 3)).to(torch::kFloat32) / std::sqrt(double(head_dim_));
+    scores = scores.masked_fill(key_mask.to(torch::kBool).logical_not().view({B, 1, 1, N}),
+                                -std::numeric_limits<float>::infinity());
+    o = torch::matmul(scores.softmax(-1).to(vh.scalar_type()), vh)
+            .transpose(1, 2)
+            .reshape({B, N, inner});
+  } else {
+    o = multi_head_attention(q.reshape({B, N, inner}), k.reshape({B, N, inner}),
+                             v.reshape({B, N, inner}), heads_,
+                             /*upcast_attention=*/false, /*upcast_softmax=*/true);
+  }
   if (!joint) return {o, torch::Tensor()};
   torch::Tensor o_txt = o.narrow(1, 0, S).contiguous();
   torch::Tensor o_img = o.narrow(1, S, L).contiguous();

@@ -34,11 +34,24 @@ struct Qwen3Options {
   TORCH_ARG(double, rope_theta) = 10000.0;
   /// Bias on q, k, v and o projections.
   TORCH_ARG(bool, attention_bias) = false;
+  /// Qwen2-architecture models (Qwen2.5-VL's language model): q/k/v biases but none on o_proj,
+  /// no per-head q/k norms, and position ids counted over the real tokens
+  /// (cumsum(attention_mask) - 1, as Qwen2.5-VL's get_rope_index for text).
+  TORCH_ARG(bool, o_proj_bias) = false;
+  TORCH_ARG(bool, qk_norm) = true;
+  TORCH_ARG(bool, positions_from_mask) = false;
+  /// Multimodal RoPE sections (Qwen2.5-VL's rope_scaling.mrope_section, in frequency pairs):
+  /// empty for plain RoPE; with text alone every section sees the same position.
+  TORCH_ARG(std::vector<int64_t>, mrope_section) = {};
+  /// The checkpoint's class, for messages ("Qwen3Model", "Qwen2_5_VLForConditionalGeneration").
+  TORCH_ARG(std::string, architecture) = "Qwen3Model";
 
  public:
   /// Reads a Transformers Qwen3 config.json; errors name the file and the field (non-positive
   /// sizes, heads not divisible by key/value heads, an odd head_dim, a hidden_act other than
   /// silu, a rope_scaling other than the default, sliding-window attention).
+  /// Reads a Qwen3 config.json, or a Qwen2 / Qwen2.5-VL one (model_type "qwen2", "qwen2_5_vl",
+  /// "qwen2_vl": the text fields at the top level or under text_config).
   static Qwen3Options load(const std::string& path);
 };
 
@@ -89,8 +102,11 @@ class Qwen3ModelImpl : public torch::nn::Module {
   /// hidden_states[0 .. stop] (stop < 0 counts from the end as Python does: -2 is what
   /// ZImagePipeline takes, and the last layer is then not run). Position ids are 0..S-1 in every
   /// row, whatever the padding (Transformers without position_ids).
+  /// position_ids: [3, B, S] multimodal positions (Qwen2.5-VL with images) or undefined (text:
+  /// arange, or the mask's running count when positions_from_mask).
   Qwen3Output forward(const torch::Tensor& input_ids, const torch::Tensor& attention_mask = {},
-                      int64_t stop = -1);
+                      int64_t stop = -1, const torch::Tensor& position_ids = {},
+                      const torch::Tensor& inputs_embeds = {});
   /// hidden_states[index] of forward() (index < 0 from the end).
   torch::Tensor hidden_state(const torch::Tensor& input_ids, const torch::Tensor& attention_mask,
                              int64_t index);

@@ -87,7 +87,8 @@ class DiTAttentionImpl : public torch::nn::Module {
   /// Not joint: x [B, N, D], context undefined -> {o [B, N, heads·head_dim], undefined}.
   std::pair<torch::Tensor, torch::Tensor> forward(const torch::Tensor& x,
                                                   const torch::Tensor& context,
-                                                  const RotaryTables& rope);
+                                                  const RotaryTables& rope,
+                                                  const torch::Tensor& key_mask = {});
 
  private:
   // x: [B, N, D] through a projection and its per-head RMSNorm -> [B, N, heads, head_dim].
