@@ -89,7 +89,8 @@ Qwen3Options Qwen3Options::load(const std::string& path) {
     // Qwen2.5-VL says "default" (or "mrope") with an mrope_section: plain angles per section.
     if (type != "default" && !(vl && type == "mrope")) {
       r.fail("rope_scaling",
-             "is " + s.dump() + "; only the default RoPE is supported (with Qwen2.5-VL's mrope_section)");
+             "is " + s.dump() +
+                 "; only the default RoPE is supported (with Qwen2.5-VL's mrope_section)");
     }
     if (s.is_object() && s.contains("mrope_section")) {
       std::vector<int64_t> sections;
