@@ -33,6 +33,27 @@ class FlowMatchEulerSampler : public Sampler {
     max_shift_ = optional_or("max_shift", 1.15);
     base_image_seq_len_ = r.get_int("base_image_seq_len", 256);
     max_image_seq_len_ = r.get_int("max_image_seq_len", 4096);
+    // Qwen-Image (and LTX): the shifted schedule stretched so that its last sigma is this.
+    if (r.json().contains("shift_terminal") && !r.json().at("shift_terminal").is_null()) {
+      shift_terminal_ = r.get_double("shift_terminal", 0.0);
+      if (*shift_terminal_ == 0.0) shift_terminal_.reset();  // falsy in Diffusers: no stretch
+    }
+    if (shift_terminal_ && !(*shift_terminal_ > 0 && *shift_terminal_ < 1)) {
+      throw Error(r.where() + "shift_terminal is " + std::to_string(*shift_terminal_) +
+                  "; it must lie in (0, 1) (Qwen-Image uses 0.02) or be null");
+    }
+    time_shift_type_ = r.json().value("time_shift_type", std::string("exponential"));
+    if (time_shift_type_ != "exponential" && time_shift_type_ != "linear") {
+      throw Error(r.where() + "time_shift_type is \"" + time_shift_type_ +
+                  "\"; it must be \"exponential\" or \"linear\"");
+    }
+    for (const char* unsupported : {"invert_sigmas", "use_karras_sigmas", "use_exponential_sigmas",
+                                    "use_beta_sigmas", "stochastic_sampling"}) {
+      if (r.get_bool(unsupported, false)) {
+        throw Error(r.where() + unsupported + " is true, which difftrain's " + kFlowMatchName +
+                    " does not implement; set it to false");
+      }
+    }
     if (num_train_timesteps_ < 1) {
       throw Error(r.where() + "num_train_timesteps is " + std::to_string(num_train_timesteps_) +
                   "; it must be at least 1");
@@ -68,6 +89,9 @@ class FlowMatchEulerSampler : public Sampler {
     j["max_shift"] = max_shift_ ? json(*max_shift_) : json(nullptr);
     j["base_image_seq_len"] = base_image_seq_len_;
     j["max_image_seq_len"] = max_image_seq_len_;
+    // Newer fields, written when they differ from the behaviour of configs without them.
+    if (shift_terminal_) j["shift_terminal"] = *shift_terminal_;
+    if (time_shift_type_ != "exponential") j["time_shift_type"] = time_shift_type_;
     return j;
   }
 
@@ -82,26 +106,47 @@ class FlowMatchEulerSampler : public Sampler {
                   ": use_dynamic_shifting is true, so set_timesteps needs mu (a pipeline with "
                   "dynamic shifting computes it from the image size: diffusion::flow_match_mu)");
     }
-    std::vector<double> s = options.sigmas;
-    if (s.empty()) {
+    for (double v : options.sigmas) {
+      if (!(v > 0 && v <= 1)) {
+        throw Error(std::string(kFlowMatchName) + ": a custom sigma is " + std::to_string(v) +
+                    "; flow-matching sigmas must lie in (0, 1]");
+      }
+    }
+    std::vector<float> sig32;
+    if (!options.sigmas.empty()) {
+      // Custom sigmas become a float32 array first, so numpy does the shifts in float32 (the
+      // Python scalars involved are cast to float32).
+      const float e =
+          use_dynamic_shifting_ ? static_cast<float>(dynamic_numerator(*options.mu)) : 0.0f;
+      const auto shift = static_cast<float>(shift_);
+      for (double v : options.sigmas) {
+        const auto t = static_cast<float>(v);
+        sig32.push_back(use_dynamic_shifting_ ? e / (e + (1.0f / t - 1.0f))
+                                              : shift * t / (1.0f + (shift - 1.0f) * t));
+      }
+      if (shift_terminal_) {
+        const float scale = (1.0f - sig32.back()) / static_cast<float>(1.0 - *shift_terminal_);
+        for (float& t : sig32) t = 1.0f - (1.0f - t) / scale;
+      }
+    } else {
       if (n < 1) {
         throw Error(std::string(kFlowMatchName) + ": num_inference_steps is " + std::to_string(n) +
                     "; it must be at least 1");
       }
       const auto T = static_cast<double>(num_train_timesteps_);
-      // numpy float64: linspace(sigma_max * T, sigma_min * T, n) / T.
-      for (double t : linspace(sigma_max_ * T, sigma_min_ * T, n)) s.push_back(t / T);
-    }
-    std::vector<float> sig32;
-    for (double v : s) {
-      if (!(v > 0 && v <= 1)) {
-        throw Error(std::string(kFlowMatchName) + ": a custom sigma is " + std::to_string(v) +
-                    "; flow-matching sigmas must lie in (0, 1]");
+      // numpy float64: linspace(sigma_max * T, sigma_min * T, n) / T, shifted in float64.
+      std::vector<double> s;
+      for (double t : linspace(sigma_max_ * T, sigma_min_ * T, n)) {
+        const double v = t / T;
+        s.push_back(use_dynamic_shifting_ ? dynamic_numerator(*options.mu) /
+                                                (dynamic_numerator(*options.mu) + (1 / v - 1))
+                                          : shift_ * v / (1 + (shift_ - 1) * v));
       }
-      const double shifted = use_dynamic_shifting_
-                                 ? std::exp(*options.mu) / (std::exp(*options.mu) + (1 / v - 1))
-                                 : shift_ * v / (1 + (shift_ - 1) * v);
-      sig32.push_back(static_cast<float>(shifted));
+      if (shift_terminal_) {
+        const double scale = (1 - s.back()) / (1 - *shift_terminal_);
+        for (double& t : s) t = 1 - (1 - t) / scale;
+      }
+      for (double v : s) sig32.push_back(static_cast<float>(v));
     }
     const torch::Tensor sigmas = torch::tensor(sig32, torch::kFloat32);
     timesteps_ = sigmas * num_train_timesteps_;
@@ -134,6 +179,13 @@ class FlowMatchEulerSampler : public Sampler {
   bool use_dynamic_shifting_ = false;
   std::optional<double> base_shift_, max_shift_;
   int64_t base_image_seq_len_ = 256, max_image_seq_len_ = 4096;
+  std::optional<double> shift_terminal_;
+  std::string time_shift_type_ = "exponential";
+
+  // exp(mu) for the exponential time shift, mu itself for the linear one.
+  double dynamic_numerator(double mu) const {
+    return time_shift_type_ == "linear" ? mu : std::exp(mu);
+  }
   double sigma_min_ = 0, sigma_max_ = 1;
   torch::Tensor timesteps_, sigmas_;
   std::optional<int64_t> step_index_;

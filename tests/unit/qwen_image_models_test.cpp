@@ -17,7 +17,7 @@
 #include <filesystem>
 #include <fstream>
 
-namespace {
+namespace qwen_image_models_test {
 
 using difftrain::test::error_of;
 using difftrain::test::kGoldenDir;
@@ -355,4 +355,4 @@ TEST(QwenImageTextEncoder, RecentTransformersKeyLayoutLoadsToo) {
   EXPECT_LT(max_abs(r.hidden_states.back(), f.at("hidden_states_nopad.3")), 2e-5);
 }
 
-}  // namespace
+}  // namespace qwen_image_models_test

@@ -1,0 +1,147 @@
+// The Qwen-Image family: QwenImagePipeline folders (a QwenImageTransformer2DModel conditioned by
+// Qwen2.5-VL's language model, the causal AutoencoderKLQwenImage) and bare transformer folders.
+// Sampling in qwen_image_pipeline.cpp, `difftrain forward` in forward.cpp, estimate-memory in
+// memory.cpp. Training and the Edit pipelines are not here yet: their refusals say so.
+#include "difftrain/families/family.h"
+#include "difftrain/core/error.h"
+#include "difftrain/core/log.h"
+#include "difftrain/families/lora_merge.h"
+#include "qwen_image_pipeline.h"
+
+#include <fmt/format.h>
+
+#include <torch/torch.h>
+
+namespace difftrain::families {
+namespace {
+
+bool qwen_has_component(const nlohmann::json& index, const char* name) {
+  return index.contains(name) && index[name].is_array() && index[name].size() == 2 &&
+         !index[name][0].is_null();
+}
+
+class QwenImageFamily : public ModelFamily {
+ public:
+  std::string name() const override { return "qwen-image"; }
+  std::vector<std::string> pipeline_classes() const override { return {"QwenImagePipeline"}; }
+  std::vector<std::string> model_classes() const override {
+    return {"QwenImageTransformer2DModel"};
+  }
+  bool matches_components(const nlohmann::json& index) const override {
+    return qwen_has_component(index, "transformer") && qwen_has_component(index, "text_encoder") &&
+           index["text_encoder"][1] == "Qwen2_5_VLForConditionalGeneration" &&
+           !index.contains("processor");
+  }
+  int component_match_rank() const override { return 4; }
+  std::vector<std::string> lora_components() const override { return {"transformer"}; }
+  std::vector<std::string> lora_export_formats() const override {
+    return {"diffusers", "peft", "kohya", "comfyui"};
+  }
+  std::vector<io::LoraKeyLayout> lora_key_layouts() const override {
+    return {dit_comfyui_key_layout(qwen_image::qwen_image_lora_layout())};
+  }
+  void adapt_lora(io::LoraWeights& lora, const std::string& dir,
+                  io::LoraFormat format) const override {
+    adapt_dit_lora(qwen_image::qwen_image_lora_layout(), lora, dir, format);
+  }
+  models::LoraFolderMergeSummary merge_lora(
+      const std::string& dir, const std::string& lora, const std::string& output_dir,
+      const models::LoraFolderMergeOptions& options) const override {
+    FileMergePlan plan;
+    plan.components = {{"transformer", "diffusion_pytorch_model"}};
+    plan.read = [](const std::string& file, const std::string& folder,
+                   const io::LoraReadOptions& read) {
+      return qwen_image::read_qwen_image_lora(file, folder, read);
+    };
+    plan.layouts = "Diffusers, PEFT, kohya or ComfyUI / musubi-tuner Qwen-Image";
+    return merge_lora_by_files(dir, lora, output_dir, options, plan);
+  }
+  std::map<std::string, torch::Tensor> forward_outputs(
+      const std::string& dir, const std::map<std::string, torch::Tensor>& inputs,
+      const std::string& source, const std::string& lora, double lora_scale) const override {
+    return qwen_image::forward_qwen_image(dir, inputs, source, lora, lora_scale);
+  }
+  std::vector<train::MemoryEstimate> estimate_memory(
+      const std::string& /*model_path*/, const train::MemoryEstimateOptions& /*options*/,
+      const std::vector<accel::ShardingStrategy>& /*strategies*/) const override {
+    throw Error(
+        "estimate-memory does not cover Qwen-Image yet (sampling, forward and LoRA files do); "
+        "it comes with Qwen-Image training");
+  }
+  std::unique_ptr<diffusion::Pipeline> load_pipeline(
+      const std::string& dir, const diffusion::PipelineLoadOptions& options) const override {
+    return std::make_unique<qwen_image::QwenImagePipeline>(
+        qwen_image::load_qwen_image_pipeline(dir, options));
+  }
+  std::vector<train::OptionSpec> sample_options() const override {
+    train::OptionSpec true_cfg{
+        "true_cfg_scale", "float", 4.0,
+        "QwenImagePipeline's true_cfg_scale: classifier-free guidance when > 1 and a "
+        "--negative_prompt is given (the guided prediction is rescaled to the conditional one's "
+        "norm); default 4",
+        train::range_check(0, 1e9)};
+    train::OptionSpec length{"max_sequence_length", "int?", nullptr,
+                             "text tokens per prompt after the system template's, at most 1024 "
+                             "(default 512)",
+                             train::range_check(1, 1024)};
+    return {std::move(true_cfg), std::move(length)};
+  }
+  std::unique_ptr<train::TrainingTask> make_training_task(
+      const train::TaskOptions& /*options*/) const override {
+    throw Error(
+        "training Qwen-Image is not supported yet (sampling, forward and its LoRA files are); "
+        "train_dreambooth_lora_qwen_image.py's recipe comes with the rest of issue 59");
+  }
+  std::string instead_of_option(const std::string& name) const override {
+    if (name == "clip_skip") {
+      return "Qwen-Image takes its Qwen2.5-VL's last hidden state, so there is no CLIP layer to "
+             "skip";
+    }
+    return "";
+  }
+  diffusion::GenerateResult sample(const SampleOptions& a) const override {
+    const train::FamilyOptions own =
+        a.family.specs.empty() ? parse_family_flags(name(), sample_options(), {}) : a.family;
+    diffusion::GenerateRequest request;
+    request.prompts = sample_prompts(a, "Qwen-Image");
+    if (!a.class_labels.empty()) throw Error("--class_labels is for class-conditional UNets");
+    if (!a.negative_prompt.empty()) request.negative_prompts = {a.negative_prompt};
+    if (a.clip_skip != 1) {
+      throw Error(
+          "--clip_skip does not apply to Qwen-Image (it takes its Qwen2.5-VL's last hidden "
+          "state)");
+    }
+    if (a.guidance_rescale != 0) throw Error("--guidance_rescale does not apply to Qwen-Image");
+    if (a.guidance_given) request.guidance_scale = a.guidance_scale;
+    request.num_inference_steps = a.num_inference_steps;
+    request.height = a.height;
+    request.width = a.width;
+    const auto& length = own.at("max_sequence_length");
+    request.max_sequence_length = length.is_null() ? 0 : length.get<int64_t>();
+    request.options["true_cfg_scale"] = own.at("true_cfg_scale").get<double>();
+    request.num_images = a.num_images > 0 ? a.num_images : a.num_images_per_prompt;
+    request.seed = a.seed;
+    const torch::Device device = parse_sample_device(a.device);
+    qwen_image::QwenImagePipeline pipe = qwen_image::load_qwen_image_pipeline(a.model, a);
+    pipe.to(device);
+    const auto o = pipe.resolve(request);
+    const double true_cfg = o.options.at("true_cfg_scale").get<double>();
+    log::info(
+        "difftrain sample: {} (QwenImagePipeline) on {}, {} steps, {}, max_sequence_length {}, "
+        "{} prompt(s) x {} image(s), {}x{}, seed {}{}",
+        a.model, device.str(), o.num_inference_steps,
+        true_cfg > 1 && !o.negative_prompts.empty() ? fmt::format("true CFG {}", true_cfg)
+                                                    : std::string("no guidance"),
+        o.max_sequence_length, o.prompts.size(), o.num_images, o.height, o.width, a.seed,
+        a.lora.empty() ? std::string() : fmt::format(", LoRA {} x{}", a.lora, a.lora_scale));
+    request.on_step = a.on_step;
+    if (a.on_start) a.on_start();
+    return pipe.generate(request);
+  }
+};
+
+}  // namespace
+
+DIFFTRAIN_BUILTIN_FAMILY(qwen_image, QwenImageFamily)
+
+}  // namespace difftrain::families

@@ -1,0 +1,87 @@
+#pragma once
+// QwenImagePipeline (Diffusers 0.40): a Qwen-Image folder (transformer, vae, text_encoder,
+// tokenizer, scheduler) or a bare QwenImageTransformer2DModel folder; sampling as __call__ does,
+// so that a seed gives Diffusers' images number for number; LoRA layouts; `difftrain forward`.
+
+#include "../dit_lora.h"
+#include "difftrain/diffusion/generate.h"
+#include "difftrain/diffusion/sampler.h"
+#include "difftrain/diffusion/text_encoders.h"
+#include "difftrain/io/lora_format.h"
+#include "difftrain/io/lora_layout.h"
+#include "difftrain/models/autoencoders/autoencoder_kl_qwen_image.h"
+#include "difftrain/models/transformers/qwen_image_transformer.h"
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace difftrain::families::qwen_image {
+
+struct QwenImageFolder {
+  std::string dir;
+  std::string transformer_dir, vae_dir, text_encoder_dir, tokenizer_dir;
+  std::string scheduler_config;  ///< scheduler/scheduler_config.json
+};
+
+QwenImageFolder resolve_qwen_image_folder(const std::string& dir);
+/// A pipeline folder's transformer/, or `dir` itself (a bare transformer folder).
+std::string qwen_image_transformer_dir(const std::string& dir);
+
+/// QwenImagePipeline's prompt_template_encode and prompt_template_encode_start_idx.
+extern const char* const kQwenImagePromptTemplate;
+constexpr int64_t kQwenImageTemplateDrop = 34;
+/// tokenizer_max_length: the longest prompt (after the dropped template tokens).
+constexpr int64_t kQwenImageTokenizerMaxLength = 1024;
+
+/// The prompt embeddings of QwenImagePipeline._get_qwen_prompt_embeds: the encoder's last hidden
+/// state at the real tokens, the template's first `drop` tokens dropped, zero-padded to the
+/// batch's longest, with the mask of the kept tokens.
+std::shared_ptr<const diffusion::PromptComposition> qwen_image_prompt_composition(
+    int64_t drop = kQwenImageTemplateDrop);
+
+diffusion::TextEncoderStack load_qwen_image_text_encoders(const QwenImageFolder& f,
+                                                          const std::string& variant,
+                                                          torch::Dtype dtype);
+
+/// Packs latents [B, C, h, w] into [B, (h/2)(w/2), 4C] (2x2 patches), and back.
+torch::Tensor pack_qwen_latents(const torch::Tensor& latents);
+torch::Tensor unpack_qwen_latents(const torch::Tensor& packed, int64_t h, int64_t w);
+
+class QwenImagePipeline : public diffusion::Pipeline {
+ public:
+  QwenImagePipeline() = default;
+  QwenImagePipeline(QwenImagePipeline&&) = default;
+  QwenImagePipeline& operator=(QwenImagePipeline&&) = default;
+
+  QwenImageFolder folder;
+  diffusion::TextEncoderStack text_encoders;  ///< Qwen2.5-VL, hidden_states[-1]
+  models::QwenImageTransformer2DModel transformer{nullptr};
+  models::AutoencoderKLQwenImage vae{nullptr};
+  std::unique_ptr<diffusion::Sampler> scheduler;
+
+  std::string class_name() const override { return "QwenImagePipeline"; }
+  void to(const torch::Device& device, std::optional<torch::Dtype> dtype = std::nullopt) override;
+  diffusion::GenerateRequest resolve(diffusion::GenerateRequest request) const override;
+  /// request.options: "true_cfg_scale" (CFG when > 1 with a negative prompt), "sigmas" (a list,
+  /// optional). guidance_scale is refused (no Qwen-Image model embeds guidance).
+  diffusion::GenerateResult generate(const diffusion::GenerateRequest& request) override;
+};
+
+QwenImagePipeline load_qwen_image_pipeline(const std::string& dir,
+                                           const diffusion::PipelineLoadOptions& options = {});
+
+const DitLoraLayout& qwen_image_lora_layout();
+io::LoraWeights read_qwen_image_lora(const std::string& path, const std::string& dir,
+                                     const io::LoraReadOptions& options = {});
+
+std::map<std::string, torch::Tensor> forward_qwen_image(
+    const std::string& dir, const std::map<std::string, torch::Tensor>& inputs,
+    const std::string& source, const std::string& lora, double lora_scale);
+
+}  // namespace difftrain::families::qwen_image
