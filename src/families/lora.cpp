@@ -101,12 +101,24 @@ LoraConversion convert_lora(const std::string& input, const std::string& output,
     } catch (const Error&) {
       read = 0;
     }
+    // ... and as the model's own family's layout: another family's may read diffusion_model.
+    // keys of the same module names (Qwen-Image's are Diffusers' names, as a FLUX.1 LoRA's are).
+    if (read == written && !model.empty()) {
+      const auto layouts = family_of(model).lora_key_layouts();
+      const auto tensors = io::load_safetensors(output).tensors;
+      if (!std::any_of(layouts.begin(), layouts.end(),
+                       [&](const io::LoraKeyLayout& l) { return l.matches(tensors); })) {
+        read = 0;
+      }
+    }
     if (read != written) {
       std::error_code ec;
       fs::remove(output, ec);
       throw Error(
           "--to comfyui: no registered family reads these modules back from diffusion_model. "
-          "keys (ComfyUI names them per model family; Z-Image's are Diffusers' own): write "
+          "keys as this family's (ComfyUI names them per model family; Z-Image's and Qwen-Image's "
+          "are "
+          "Diffusers' own): write "
           "--to kohya instead" +
           std::string(model.empty() ? ", or give --model so the family names the modules" : ""));
     }
