@@ -41,7 +41,8 @@ std::vector<std::string> transformer_modules(const DitLoraLayout& layout, const 
 }
 
 // kohya's lora_unet_ targets named as the family's modules are the transformer's (musubi-tuner
-// and Diffusers' converters name them so): moved there and resolved against its weight names.
+// and Diffusers' converters name them so), and so are bare module paths of its modules: moved
+// there and resolved against its weight names.
 // Other lora_unet_ targets (a Stable Diffusion LoRA) stay, for check_lora_fits_family to name.
 void resolve_dit_targets(const DitLoraLayout& layout, io::LoraWeights& lora,
                          const std::string& dir) {
@@ -50,7 +51,11 @@ void resolve_dit_targets(const DitLoraLayout& layout, io::LoraWeights& lora,
     auto& transformer = lora.components["transformer"];
     auto& rest = unet->second;
     for (auto it = rest.begin(); it != rest.end();) {
-      if (!it->resolved && dit_module(layout, dotted_top(layout, it->module))) {
+      // kohya names (not resolved yet), and bare module paths (PEFT's raw adapter keys,
+      // `<module>.lora_A.default.weight`, which the oldest layout gives the UNet).
+      const bool ours = it->resolved ? dit_module(layout, it->module)
+                                     : dit_module(layout, dotted_top(layout, it->module));
+      if (ours) {
         transformer.push_back(std::move(*it));
         it = rest.erase(it);
       } else {

@@ -6,7 +6,9 @@
 // prompt; refusals.
 #include "../../src/families/qwen_image/qwen_image_pipeline.h"
 
+#include "difftrain/families/family.h"
 #include "difftrain/io/safetensors.h"
+#include "difftrain/models/lora/lora_folder.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
@@ -147,6 +149,73 @@ TEST(QwenImagePipeline, RefusesWhatThePipelineRefuses) {
             std::string::npos);
   const auto missing = error_of([] { qi::load_qwen_image_pipeline(kQwenDir); });
   EXPECT_NE(missing.find("model_index.json: no such file"), std::string::npos) << missing;
+}
+
+// ------------------------------------------------------------------ LoRA files
+
+torch::Tensor q_forward_with(const std::string& lora, double scale) {
+  const auto& ref = tensors(kTiny + "/forward.safetensors");
+  std::map<std::string, torch::Tensor> inputs;
+  for (const char* k : {"hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask",
+                        "timestep", "img_shapes"}) {
+    inputs[k] = ref.at(std::string("a.") + k);
+  }
+  return difftrain::families::family_of(kTiny)
+      .forward_outputs(kTiny, inputs, "a", lora, scale)
+      .at("out");
+}
+
+TEST(QwenImageLora, EveryLayoutAppliesAsQwenImageLoraLoaderMixinDoes) {
+  const auto& expected = tensors(kQwenDir + "/lora/expected.safetensors");
+  // peft_default: PEFT's raw adapter keys (`<module>.lora_A.default.weight`, no alpha: scale 1).
+  for (const char* name : {"diffusers", "comfyui", "kohya", "extra_targets", "peft_default"}) {
+    const std::string f = name;
+    SCOPED_TRACE(f);
+    const std::string path = kQwenDir + "/lora/" + f + ".safetensors";
+    for (const auto& [scale, what] : {std::pair<double, std::string>{1.0, ".out"},
+                                      std::pair<double, std::string>{0.5, ".fused_out"}}) {
+      const auto out = q_forward_with(path, scale);
+      const double diff = max_abs(out, expected.at(f + what));
+      std::cout << f << what << " max abs diff " << diff << "\n";
+      EXPECT_LT(diff, 2e-5) << f << what;
+      // The LoRA matters: far from the base output.
+      EXPECT_GT(max_abs(out, expected.at("base.out")), 5e-3) << f;
+    }
+  }
+}
+
+TEST(QwenImageLora, ConvertsBetweenLayoutsAndMergesIntoTheFolder) {
+  namespace io = difftrain::io;
+  namespace fam = difftrain::families;
+  const auto& expected = tensors(kQwenDir + "/lora/expected.safetensors");
+  const auto dir = difftrain::test::temp_dir("qwen_lora");
+  const auto to_kohya = fam::convert_lora(kQwenDir + "/lora/comfyui.safetensors",
+                                          dir + "/k.safetensors", io::LoraFormat::kKohya, kTiny);
+  EXPECT_EQ(to_kohya.targets.at("transformer"), 8u);
+  const auto kohya = io::load_safetensors(dir + "/k.safetensors").tensors;
+  EXPECT_EQ(kohya.count("lora_unet_transformer_blocks_0_attn_to_out_0.lora_down.weight"), 1u);
+  fam::convert_lora(dir + "/k.safetensors", dir + "/p.safetensors", io::LoraFormat::kPeft, kTiny);
+  fam::convert_lora(dir + "/p.safetensors", dir + "/c.safetensors", io::LoraFormat::kComfyUI,
+                    kTiny);
+  const auto comfy = io::load_safetensors(dir + "/c.safetensors").tensors;
+  EXPECT_EQ(comfy.count("diffusion_model.transformer_blocks.1.attn.to_v.lora_up.weight"), 1u);
+  for (const char* f : {"/k.safetensors", "/p.safetensors", "/c.safetensors"}) {
+    EXPECT_LT(max_abs(q_forward_with(dir + f, 1.0), expected.at("diffusers.out")), 2e-5) << f;
+  }
+  // lora merge: the folder's transformer with the LoRA fused at 0.5.
+  difftrain::models::LoraFolderMergeOptions mo;
+  mo.lora_scale = 0.5;
+  fam::family_of(kTiny).merge_lora(kTiny, kQwenDir + "/lora/extra_targets.safetensors",
+                                   dir + "/merged", mo);
+  std::map<std::string, torch::Tensor> inputs;
+  const auto& ref = tensors(kTiny + "/forward.safetensors");
+  for (const char* k : {"hidden_states", "encoder_hidden_states", "encoder_hidden_states_mask",
+                        "timestep", "img_shapes"}) {
+    inputs[k] = ref.at(std::string("a.") + k);
+  }
+  const auto merged =
+      fam::family_of(dir + "/merged").forward_outputs(dir + "/merged", inputs, "a", "", 1.0);
+  EXPECT_LT(max_abs(merged.at("out"), expected.at("extra_targets.fused_out")), 2e-5);
 }
 
 }  // namespace qwen_image_pipeline_test

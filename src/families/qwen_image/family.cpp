@@ -34,9 +34,8 @@ class QwenImageFamily : public ModelFamily {
   }
   int component_match_rank() const override { return 4; }
   std::vector<std::string> lora_components() const override { return {"transformer"}; }
-  std::vector<std::string> lora_export_formats() const override {
-    return {"diffusers", "peft", "kohya", "comfyui"};
-  }
+  // lora_export_formats(): the default until Qwen-Image trains (then ComfyUI's form too, as
+  // Z-Image's runs write it); `lora convert --to comfyui` writes its layout already.
   std::vector<io::LoraKeyLayout> lora_key_layouts() const override {
     return {dit_comfyui_key_layout(qwen_image::qwen_image_lora_layout())};
   }
@@ -62,11 +61,9 @@ class QwenImageFamily : public ModelFamily {
     return qwen_image::forward_qwen_image(dir, inputs, source, lora, lora_scale);
   }
   std::vector<train::MemoryEstimate> estimate_memory(
-      const std::string& /*model_path*/, const train::MemoryEstimateOptions& /*options*/,
-      const std::vector<accel::ShardingStrategy>& /*strategies*/) const override {
-    throw Error(
-        "estimate-memory does not cover Qwen-Image yet (sampling, forward and LoRA files do); "
-        "it comes with Qwen-Image training");
+      const std::string& model_path, const train::MemoryEstimateOptions& options,
+      const std::vector<accel::ShardingStrategy>& strategies) const override {
+    return qwen_image::estimate_qwen_image_memory(model_path, options, strategies);
   }
   std::unique_ptr<diffusion::Pipeline> load_pipeline(
       const std::string& dir, const diffusion::PipelineLoadOptions& options) const override {

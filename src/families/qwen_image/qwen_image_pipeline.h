@@ -11,6 +11,7 @@
 #include "difftrain/io/lora_layout.h"
 #include "difftrain/models/autoencoders/autoencoder_kl_qwen_image.h"
 #include "difftrain/models/transformers/qwen_image_transformer.h"
+#include "difftrain/train/memory_estimate.h"
 
 #include <torch/types.h>
 
@@ -79,6 +80,14 @@ QwenImagePipeline load_qwen_image_pipeline(const std::string& dir,
 const DitLoraLayout& qwen_image_lora_layout();
 io::LoraWeights read_qwen_image_lora(const std::string& path, const std::string& dir,
                                      const io::LoraReadOptions& options = {});
+
+/// train_dreambooth_lora_qwen_image.py's LoRA targets without --lora_layers.
+const std::vector<std::string>& default_qwen_image_lora_targets();
+
+/// `difftrain estimate-memory` of a Qwen-Image folder, transformer folder or config.json.
+std::vector<train::MemoryEstimate> estimate_qwen_image_memory(
+    const std::string& model_path, const train::MemoryEstimateOptions& options,
+    const std::vector<accel::ShardingStrategy>& strategies);
 
 std::map<std::string, torch::Tensor> forward_qwen_image(
     const std::string& dir, const std::map<std::string, torch::Tensor>& inputs,

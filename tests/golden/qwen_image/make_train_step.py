@@ -586,6 +586,7 @@ def main(out):
             "grad_norm_before_clip": gnorm,
             "clip_would_scale": gnorm > ARGS["max_grad_norm"],
             "params_without_grad": no_grad,
+            "params_with_all_zero_grad": sorted(n for n in kept if not grads[n].any()),
             "checks": {"loss_float64_rel_diff": loss_check, "loss_float64": ref},
         }
         if case["lora"]:
@@ -604,7 +605,9 @@ def main(out):
                 "p.grad is None after backward: the last block's text-stream outputs never reach "
                 "the image output (the model returns only the image stream), so its text MLP, "
                 "to_add_out and the txt_mod rows feeding them get no gradient; no grad.<param> "
-                "key is written for them (treat as zero / undefined)")
+                "key is written for them (treat as zero / undefined). The last block's "
+                "add_q_proj and norm_added_q get a gradient tensor that is exactly zero (text "
+                "queries only feed the unused text output, but they are in the joint graph)")
         if fd_info is not None:
             info["checks"]["finite_differences"] = fd_info
         if mask_info is not None:
