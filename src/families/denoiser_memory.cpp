@@ -1,5 +1,8 @@
 // The state side of estimate-memory for a listed denoiser (denoiser_memory.h).
 #include "denoiser_memory.h"
+#include "difftrain/core/error.h"
+
+#include <filesystem>
 
 #include "difftrain/models/kernels/quantized_weight.h"
 
@@ -67,6 +70,40 @@ DenoiserState denoiser_state(const DenoiserBlocks& blocks,
     }
   }
   return s;
+}
+
+std::string denoiser_config_path(const std::string& model_path, const std::string& kinds,
+                                 bool* pipeline) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path root(model_path);
+  *pipeline = fs::is_regular_file(root / "model_index.json", ec);
+  const fs::path config =
+      fs::is_directory(root, ec)
+          ? (*pipeline ? root / "transformer" / "config.json" : root / "config.json")
+          : root;
+  if (!fs::is_regular_file(config, ec)) {
+    throw Error(config.string() + ": no such file; pass " + kinds);
+  }
+  return config.string();
+}
+
+std::vector<DenoiserParam> denoiser_params(
+    const torch::nn::Module& m, const std::string& prefix,
+    const std::function<bool(const std::string&)>& in_block,
+    const std::function<std::string(const std::string&)>& rename,
+    const std::vector<std::string>& not_linear) {
+  std::vector<DenoiserParam> out;
+  for (const auto& p : m.named_parameters()) {
+    const std::string& name = p.key();
+    if (prefix.empty() ? in_block(name) : name.rfind(prefix, 0) != 0) continue;
+    const auto& t = p.value();
+    bool linear =
+        t.dim() == 2 && name.size() > 7 && name.compare(name.size() - 7, 7, ".weight") == 0;
+    for (const auto& n : not_linear) linear = linear && name.find(n) == std::string::npos;
+    out.push_back({rename(name), t.numel(), linear ? t.size(1) : 0, linear ? t.size(0) : 0});
+  }
+  return out;
 }
 
 }  // namespace difftrain::families

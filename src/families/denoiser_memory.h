@@ -7,6 +7,8 @@
 #include "difftrain/accel/sharding.h"
 #include "difftrain/train/memory_estimate.h"
 
+#include <torch/nn/module.h>
+
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -24,6 +26,22 @@ struct DenoiserParam {
 
 /// The parameters by unit: each block by its module path, the rest under "" (the root unit).
 using DenoiserBlocks = std::vector<std::pair<std::string, std::vector<DenoiserParam>>>;
+
+/// The denoiser's config.json behind `model_path`: a pipeline folder's transformer/config.json,
+/// a model folder's config.json, or the file itself; `kinds` names what to pass in the message
+/// ("a FluxPipeline folder, a FluxTransformer2DModel folder or its config.json"). *pipeline says
+/// whether `model_path` is a pipeline folder.
+std::string denoiser_config_path(const std::string& model_path, const std::string& kinds,
+                                 bool* pipeline);
+
+/// `m`'s parameters whose names start with `prefix` ("" = those `in_block` says belong to no
+/// block), named as `rename` makes them; 2-D `.weight`s are Linear weights unless their name
+/// contains one of `not_linear` (embeddings, pad tokens).
+std::vector<DenoiserParam> denoiser_params(
+    const torch::nn::Module& m, const std::string& prefix,
+    const std::function<bool(const std::string&)>& in_block,
+    const std::function<std::string(const std::string&)>& rename,
+    const std::vector<std::string>& not_linear = {});
 
 /// What training the listed denoiser holds, before the per-strategy accounting.
 struct DenoiserState {

@@ -208,7 +208,7 @@ void TextImageData::fill_cache(accel::Accelerator& acc, TextImageDataset& ds,
       const fs::path file =
           dir / (name + "-" + cache_key(vae_key + folder_stamp(data_dir)) + ".safetensors");
       std::tie(half.mean, half.logvar) =
-          cached_latents(acc, *half.images, file, *parts_.vae, o_.encode_batch_size);
+          cached_latents(acc, *half.images, file, parts_.vae.encode, o_.encode_batch_size);
       // The cache needs centre crops without flips: each image's geometry is fixed.
       half.geometry = centre_crop_geometry(*half.images);
     };
@@ -232,19 +232,29 @@ void TextImageData::fill_cache(accel::Accelerator& acc, TextImageDataset& ds,
   ds.cached_text = load_text_embedding_cache(file);
 }
 
+ImageVae image_vae(const models::AutoencoderKL& vae) {
+  models::AutoencoderKL v = vae;  // a handle: the same module
+  ImageVae out;
+  out.module = v.ptr();
+  out.encode = [v](const torch::Tensor& px) mutable {
+    return v->encode(px.to(models::module_device(*v), models::module_dtype(*v)));
+  };
+  out.scale = [v](const torch::Tensor& z) { return v->scale_latents(z); };
+  return out;
+}
+
 EncodedBatch TextImageData::encode(const data::Batch& batch, const std::string& prefix,
                                    const std::vector<int64_t>& keys, int64_t epoch,
                                    torch::Device device) {
   EncodedBatch out;
   torch::Tensor mean, logvar;
-  auto& vae = parts_.vae;
   if (batch.count(prefix + "latent_mean")) {
     mean = batch.at(prefix + "latent_mean").to(torch::kCPU, torch::kFloat32);
     logvar = batch.at(prefix + "latent_logvar").to(torch::kCPU, torch::kFloat32);
   } else {
     torch::NoGradGuard no_grad;
     const auto& px = batch.at(prefix + "pixel_values");
-    auto post = vae->encode(px.to(models::module_device(*vae), models::module_dtype(*vae)));
+    auto post = parts_.vae.encode(px.to(torch::kCPU, torch::kFloat32));
     mean = post.mean.to(torch::kCPU, torch::kFloat32);
     logvar = post.logvar.to(torch::kCPU, torch::kFloat32);
   }
@@ -260,7 +270,7 @@ EncodedBatch TextImageData::encode(const data::Batch& batch, const std::string& 
     }
     z.push_back(mean[k] + (0.5 * logvar[k]).exp() * torch::randn(shape, g, torch::kFloat32));
   }
-  out.latents = vae->scale_latents(torch::stack(z)).to(device);
+  out.latents = parts_.vae.scale(torch::stack(z)).to(device);
   if (batch.count(prefix + "prompt_embeds")) {
     out.embeds = batch.at(prefix + "prompt_embeds").to(device, torch::kFloat32);
     if (batch.count(prefix + "pooled_prompt_embeds")) {

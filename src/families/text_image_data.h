@@ -19,6 +19,7 @@
 #include "difftrain/models/autoencoders/autoencoder_kl.h"
 #include "difftrain/train/text_image_dataset.h"
 #include "difftrain/train/text_image_options.h"
+#include "difftrain/train/training_cache.h"
 #include "difftrain/train/training_task.h"
 
 namespace difftrain::families {
@@ -26,6 +27,20 @@ namespace difftrain::families {
 /// The latents [B, C, h, w] (scaled and shifted for the denoiser) and text embeddings [B, L, D]
 /// of one half of a batch; the pooled embeddings [B, P] where the encoders give one (SDXL,
 /// FLUX.1); SDXL's time ids [B, 6] (filled by its task).
+/// What the text-to-image data side needs of a VAE: its module (device, dtype, freezing), the
+/// posterior of pixel values [B, 3, H, W] (float32 on the CPU; moved to the VAE) over latents
+/// [B, C, h, w], and the latents training sees from a posterior draw (AutoencoderKL: scaled and
+/// shifted; Qwen-Image's causal VAE: one frame, normalised by its per-channel statistics).
+struct ImageVae {
+  std::shared_ptr<torch::nn::Module> module;
+  train::PixelEncoder encode;
+  std::function<torch::Tensor(const torch::Tensor& z)> scale;
+  explicit operator bool() const { return module != nullptr; }
+};
+
+/// The ImageVae of an AutoencoderKL (scale_latents).
+ImageVae image_vae(const models::AutoencoderKL& vae);
+
 struct EncodedBatch {
   torch::Tensor latents;
   torch::Tensor embeds;
@@ -42,7 +57,7 @@ class TextImageData {
   /// text cache is filled), Diffusers' clip_skip, and the multiple every image side must be (the
   /// VAE's downsampling factor; FLUX.1 twice that, for its 2x2 patches).
   struct Parts {
-    models::AutoencoderKL vae{nullptr};
+    ImageVae vae;
     std::string vae_dir, vae_variant;
     diffusion::TextEncoderStack* text = nullptr;
     int64_t clip_skip = 0;

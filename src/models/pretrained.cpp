@@ -2,6 +2,7 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/io/atomic_file.h"
+#include "difftrain/io/weight_index.h"
 
 #include <filesystem>
 
@@ -114,6 +115,25 @@ void save_unet(UNetImpl& unet, const std::string& dir, const std::string& varian
   const std::string file = variant.empty() ? "diffusion_pytorch_model.safetensors"
                                            : "diffusion_pytorch_model." + variant + ".safetensors";
   io::save_safetensors((fs::path(dir) / file).string(), tensors, {{"format", "pt"}});
+}
+
+std::string model_folder_config(const std::string& dir, const std::string& what) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) {
+    throw Error(dir + ": no such folder; expected " + what);
+  }
+  const std::filesystem::path config = std::filesystem::path(dir) / "config.json";
+  if (!std::filesystem::is_regular_file(config, ec)) {
+    throw Error(dir + ": no config.json; expected " + what);
+  }
+  return config.string();
+}
+
+void load_model_folder_weights(torch::nn::Module& model, const std::string& dir, torch::Dtype dtype,
+                               const std::string& variant, const std::string& prefix) {
+  const io::WeightFiles files = io::find_weight_files(dir, prefix, variant);
+  load_weights(model, io::load_weight_files(files, dtype),
+               files.index.empty() ? files.files.at(0) : files.index);
 }
 
 }  // namespace difftrain::models

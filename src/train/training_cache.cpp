@@ -48,7 +48,7 @@ std::string cache_key(const std::string& key) {
 
 std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> cached_latents(
     accel::Accelerator& acc, const data::ImageFolderDataset& images, const fs::path& file,
-    models::AutoencoderKLImpl& vae, int64_t batch_size) {
+    const PixelEncoder& encode, int64_t batch_size) {
   const int64_t n = images.size();
   const auto load = [&] {
     auto st = io::load_safetensors(file.string());
@@ -81,14 +81,12 @@ std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> cached_latents
     io::TensorMap tensors;
     torch::NoGradGuard no_grad;
     auto autocast = acc.autocast();
-    const auto device = models::module_device(vae);
-    const auto dtype = models::module_dtype(vae);
     for (const auto& [size, mine] : by_size) {
       for (size_t s = 0; s < mine.size(); s += batch) {
         std::vector<torch::Tensor> px;
         const size_t end = std::min(mine.size(), s + batch);
         for (size_t k = s; k < end; ++k) px.push_back(images.get(mine[k]).at("pixel_values"));
-        auto post = vae.encode(torch::stack(px).to(device, dtype));
+        auto post = encode(torch::stack(px));
         const auto mean = post.mean.to(torch::kCPU, torch::kFloat32);
         const auto logvar = post.logvar.to(torch::kCPU, torch::kFloat32);
         for (size_t k = s; k < end; ++k) {

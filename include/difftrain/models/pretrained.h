@@ -28,6 +28,17 @@ void load_weights(torch::nn::Module& module, const io::TensorMap& weights,
 /// pickle weights (.bin) or nothing gets an error that says what to do.
 std::string weights_path(const std::string& dir, const std::string& variant = "");
 
+/// The config.json of the Diffusers model folder `dir`; throws difftrain::Error naming what is
+/// missing (`what` says what the folder should be, e.g. "a Diffusers
+/// QwenImageTransformer2DModel folder (config.json + diffusion_pytorch_model*.safetensors)").
+std::string model_folder_config(const std::string& dir, const std::string& what);
+
+/// Loads the `prefix`*.safetensors of `dir` (one file or an index of shards, `variant`'s) into
+/// `model`, read in `dtype`.
+void load_model_folder_weights(torch::nn::Module& model, const std::string& dir, torch::Dtype dtype,
+                               const std::string& variant,
+                               const std::string& prefix = "diffusion_pytorch_model");
+
 /// Builds the UNet from `dir`/config.json and loads `dir`'s weights (see weights_path and
 /// load_weights), on the CPU in float32. Diffusers: `UNet2DModel.from_pretrained(dir)` /
 /// `UNet2DConditionModel.from_pretrained(dir)`.

@@ -32,9 +32,12 @@ std::string cache_key(const std::string& key);
 /// image), read from `file` when it exists, else encoded (each rank its share, `batch` images of
 /// one size per VAE call, under acc.autocast()) and written there ("mean.<i>", "logvar.<i>").
 /// Throws difftrain::Error when `file` is not a latent cache of these images.
+/// `encode` takes pixel values [B, 3, H, W] (float32, on the CPU) and returns the posterior over
+/// [B, C, h, w] (it moves them to its VAE's device and dtype).
+using PixelEncoder = std::function<models::DiagonalGaussian(const torch::Tensor& pixels)>;
 std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>> cached_latents(
     accel::Accelerator& acc, const data::ImageFolderDataset& images,
-    const std::filesystem::path& file, models::AutoencoderKLImpl& vae, int64_t batch);
+    const std::filesystem::path& file, const PixelEncoder& encode, int64_t batch);
 
 /// [N, 4] int64: each image's original height, width and centre-crop top, left at its target
 /// size (what a cached latent stands for: centre crops without flips).

@@ -10,6 +10,8 @@
 //   5. unpack, latents / scaling_factor + shift_factor, vae.decode, (x/2 + 0.5).clamp(0, 1).
 #include "flux_pipeline.h"
 
+#include "../pipeline_folder.h"
+
 #include "flux_family.h"
 
 #include "difftrain/core/error.h"
@@ -130,52 +132,23 @@ FluxRun flux_run(FluxPipeline& p, const diffusion::GenerateRequest& r,
   return out;
 }
 
-std::string flux_component_dir(const FluxFolder& f, const nlohmann::json& index,
-                               const std::string& name) {
-  const fs::path dir = fs::path(f.dir) / name;
-  if (!index.contains(name) || index[name].is_null() ||
-      (index[name].is_array() && (index[name].empty() || index[name][0].is_null()))) {
-    throw Error(f.dir + "/model_index.json: no " + name +
-                " entry; a FluxPipeline folder has transformer, vae, text_encoder, tokenizer, "
-                "text_encoder_2, tokenizer_2 and scheduler");
-  }
-  std::error_code ec;
-  if (!fs::is_directory(dir, ec)) {
-    throw Error(dir.string() + ": no such folder; model_index.json lists " + name +
-                ", so the pipeline folder is incomplete (copy the whole folder)");
-  }
-  return dir.string();
-}
-
 }  // namespace
 
 FluxFolder resolve_flux_folder(const std::string& dir) {
+  const PipelineComponents c = resolve_pipeline_components(
+      dir, "FluxPipeline",
+      {"transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"},
+      "transformer, vae, text_encoder, tokenizer, text_encoder_2, tokenizer_2 and scheduler");
   FluxFolder f;
   f.dir = dir;
-  const fs::path index_path = fs::path(dir) / "model_index.json";
-  std::error_code ec;
-  if (!fs::is_regular_file(index_path, ec)) {
-    throw Error(index_path.string() + ": no such file; expected a FluxPipeline folder");
-  }
-  nlohmann::json index;
-  try {
-    index = nlohmann::json::parse(io::read_file(index_path.string()));
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(index_path.string() + ": not valid JSON (" + e.what() + ")");
-  }
-  if (!index.is_object()) throw Error(index_path.string() + ": expected a JSON object");
-  f.pipeline_class = index.value("_class_name", std::string());
-  f.transformer_dir = flux_component_dir(f, index, "transformer");
-  f.vae_dir = flux_component_dir(f, index, "vae");
-  f.text_encoder_dir = flux_component_dir(f, index, "text_encoder");
-  f.tokenizer_dir = flux_component_dir(f, index, "tokenizer");
-  f.text_encoder_2_dir = flux_component_dir(f, index, "text_encoder_2");
-  f.tokenizer_2_dir = flux_component_dir(f, index, "tokenizer_2");
-  f.scheduler_config =
-      (fs::path(flux_component_dir(f, index, "scheduler")) / "scheduler_config.json").string();
-  if (!fs::is_regular_file(f.scheduler_config, ec)) {
-    throw Error(f.scheduler_config + ": no such file; the scheduler folder needs it");
-  }
+  f.pipeline_class = c.pipeline_class;
+  f.transformer_dir = c.paths.at("transformer");
+  f.vae_dir = c.paths.at("vae");
+  f.text_encoder_dir = c.paths.at("text_encoder");
+  f.tokenizer_dir = c.paths.at("tokenizer");
+  f.text_encoder_2_dir = c.paths.at("text_encoder_2");
+  f.tokenizer_2_dir = c.paths.at("tokenizer_2");
+  f.scheduler_config = c.scheduler_config;
   return f;
 }
 

@@ -198,7 +198,7 @@ void FluxTask::build(accel::Accelerator& acc, const std::string& output_dir) {
   acc.print("objective: {}{}", objective_->name(),
             guided_ ? fmt::format(", guidance {}", guidance_) : std::string(", no guidance"));
 
-  parts.vae = vae_;
+  parts.vae = image_vae(vae_);
   parts.text = &text_;
   parts.size_multiple = flux_vae_scale_factor(vae_->config());
   parts.size_reason = "FLUX.1's VAE factor times 2, for its 2x2 patches";

@@ -108,19 +108,12 @@ int64_t t5_encoder_stored_bytes(const models::T5EncoderOptions& o, models::Weigh
 std::vector<train::MemoryEstimate> estimate_flux_memory(
     const std::string& model_path, const train::MemoryEstimateOptions& options,
     const std::vector<accel::ShardingStrategy>& strategies) {
-  std::error_code ec;
+  bool pipeline = false;
+  const std::string config = denoiser_config_path(
+      model_path, "a FluxPipeline folder, a FluxTransformer2DModel folder or its config.json",
+      &pipeline);
   const fs::path root(model_path);
-  const bool pipeline = fs::is_regular_file(root / "model_index.json", ec);
-  const fs::path config =
-      fs::is_directory(root, ec)
-          ? (pipeline ? root / "transformer" / "config.json" : root / "config.json")
-          : root;
-  if (!fs::is_regular_file(config, ec)) {
-    throw Error(config.string() +
-                ": no such file; pass a FluxPipeline folder, a FluxTransformer2DModel folder or "
-                "its config.json");
-  }
-  const auto o = models::FluxTransformer2DModelOptions::load(config.string());
+  const auto o = models::FluxTransformer2DModelOptions::load(config);
   if (options.lora && options.lora_rank < 1) {
     throw Error(fmt::format("LoRA rank must be at least 1, got {}", options.lora_rank));
   }
@@ -141,7 +134,7 @@ std::vector<train::MemoryEstimate> estimate_flux_memory(
   int64_t frozen_bytes = state.frozen_bytes;
   auto& units = state.units;
   auto& numels = state.numels;
-  log::info("FluxTransformer2DModel {}: {} parameters{}", config.string(), base,
+  log::info("FluxTransformer2DModel {}: {} parameters{}", config, base,
             options.lora ? fmt::format(" (frozen under LoRA rank {})", options.lora_rank) : "");
   if (pipeline) {
     // The frozen parts every rank holds, in bf16 under bf16 as the trainer keeps them.

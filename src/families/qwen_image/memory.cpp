@@ -22,22 +22,12 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// `m`'s parameters whose names start with `prefix` ("" = those of no block), named by `rename`.
 std::vector<DenoiserParam> qwen_params(
     const torch::nn::Module& m, const std::string& prefix,
     const std::function<std::string(const std::string&)>& rename) {
-  std::vector<DenoiserParam> out;
-  for (const auto& p : m.named_parameters()) {
-    const std::string& name = p.key();
-    const bool in_block = name.rfind("transformer_blocks.", 0) == 0;
-    if (prefix.empty() ? in_block : name.rfind(prefix, 0) != 0) continue;
-    const auto& t = p.value();
-    const bool linear = t.dim() == 2 && name.size() > 7 &&
-                        name.compare(name.size() - 7, 7, ".weight") == 0 &&
-                        name.find("addition_t_embedding") == std::string::npos;
-    out.push_back({rename(name), t.numel(), linear ? t.size(1) : 0, linear ? t.size(0) : 0});
-  }
-  return out;
+  return denoiser_params(
+      m, prefix, [](const std::string& name) { return name.rfind("transformer_blocks.", 0) == 0; },
+      rename, {"addition_t_embedding"});
 }
 
 }  // namespace
@@ -51,19 +41,13 @@ const std::vector<std::string>& default_qwen_image_lora_targets() {
 std::vector<train::MemoryEstimate> estimate_qwen_image_memory(
     const std::string& model_path, const train::MemoryEstimateOptions& options,
     const std::vector<accel::ShardingStrategy>& strategies) {
-  std::error_code ec;
+  bool pipeline = false;
+  const std::string config = denoiser_config_path(
+      model_path,
+      "a QwenImagePipeline folder, a QwenImageTransformer2DModel folder or its config.json",
+      &pipeline);
   const fs::path root(model_path);
-  const bool pipeline = fs::is_regular_file(root / "model_index.json", ec);
-  const fs::path config =
-      fs::is_directory(root, ec)
-          ? (pipeline ? root / "transformer" / "config.json" : root / "config.json")
-          : root;
-  if (!fs::is_regular_file(config, ec)) {
-    throw Error(config.string() +
-                ": no such file; pass a QwenImagePipeline folder, a QwenImageTransformer2DModel "
-                "folder or its config.json");
-  }
-  const auto o = models::QwenImageTransformerOptions::load(config.string());
+  const auto o = models::QwenImageTransformerOptions::load(config);
   if (options.lora && options.lora_rank < 1) {
     throw Error(fmt::format("LoRA rank must be at least 1, got {}", options.lora_rank));
   }
@@ -122,7 +106,7 @@ std::vector<train::MemoryEstimate> estimate_qwen_image_memory(
                      [](const std::string&) { return std::string("QwenImageTransformerBlock"); });
   int64_t frozen = state.frozen;
   int64_t frozen_bytes = state.frozen_bytes;
-  log::info("QwenImageTransformer2DModel {}: {} parameters{}", config.string(), state.params,
+  log::info("QwenImageTransformer2DModel {}: {} parameters{}", config, state.params,
             options.lora ? fmt::format(" (frozen under LoRA rank {})", options.lora_rank) : "");
   if (pipeline) {
     log::info(

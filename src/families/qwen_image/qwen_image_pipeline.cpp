@@ -18,6 +18,8 @@
 // rows (p0 p1 p0 p1 against p0 p0 p1 p1); here each copy keeps its own prompt's mask.
 #include "qwen_image_pipeline.h"
 
+#include "../pipeline_folder.h"
+
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/diffusion/qwen3_text_encoder.h"
@@ -98,23 +100,6 @@ class QwenImagePromptEmbeds final : public diffusion::PromptComposition {
  private:
   int64_t drop_;
 };
-
-std::string component_dir(const QwenImageFolder& f, const nlohmann::json& index,
-                          const std::string& name) {
-  const fs::path dir = fs::path(f.dir) / name;
-  if (!index.contains(name) || index[name].is_null() ||
-      (index[name].is_array() && (index[name].empty() || index[name][0].is_null()))) {
-    throw Error(f.dir + "/model_index.json: no " + name +
-                " entry; a QwenImagePipeline folder has transformer, vae, text_encoder, "
-                "tokenizer and scheduler");
-  }
-  std::error_code ec;
-  if (!fs::is_directory(dir, ec)) {
-    throw Error(dir.string() + ": no such folder; model_index.json lists " + name +
-                ", so the pipeline folder is incomplete (copy the whole folder)");
-  }
-  return dir.string();
-}
 
 // numpy's linspace(1.0, 1 / n, n) in float64.
 std::vector<double> default_sigmas(int64_t n) {
@@ -249,37 +234,11 @@ std::vector<std::string> negative_prompts(const diffusion::GenerateRequest& r) {
 }  // namespace
 
 QwenImageFolder resolve_qwen_image_folder(const std::string& dir) {
-  QwenImageFolder f;
-  f.dir = dir;
-  const fs::path index_path = fs::path(dir) / "model_index.json";
-  std::error_code ec;
-  if (!fs::is_regular_file(index_path, ec)) {
-    throw Error(index_path.string() + ": no such file; expected a QwenImagePipeline folder");
-  }
-  nlohmann::json index;
-  try {
-    index = nlohmann::json::parse(io::read_file(index_path.string()));
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(index_path.string() + ": not valid JSON (" + e.what() + ")");
-  }
-  if (!index.is_object()) throw Error(index_path.string() + ": expected a JSON object");
-  f.transformer_dir = component_dir(f, index, "transformer");
-  f.vae_dir = component_dir(f, index, "vae");
-  f.text_encoder_dir = component_dir(f, index, "text_encoder");
-  f.tokenizer_dir = component_dir(f, index, "tokenizer");
-  f.scheduler_config =
-      (fs::path(component_dir(f, index, "scheduler")) / "scheduler_config.json").string();
-  if (!fs::is_regular_file(f.scheduler_config, ec)) {
-    throw Error(f.scheduler_config + ": no such file; the scheduler folder needs it");
-  }
-  return f;
+  return resolve_transformer_folder(dir, "QwenImagePipeline");
 }
 
 std::string qwen_image_transformer_dir(const std::string& dir) {
-  std::error_code ec;
-  return fs::is_regular_file(fs::path(dir) / "model_index.json", ec)
-             ? (fs::path(dir) / "transformer").string()
-             : dir;
+  return component_or_self(dir, "transformer");
 }
 
 std::shared_ptr<const diffusion::PromptComposition> qwen_image_prompt_composition(int64_t drop) {

@@ -4,6 +4,7 @@
 // so that a seed gives Diffusers' images number for number; LoRA layouts; `difftrain forward`.
 
 #include "../dit_lora.h"
+#include "../pipeline_folder.h"
 #include "difftrain/diffusion/generate.h"
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/diffusion/text_encoders.h"
@@ -24,11 +25,7 @@
 
 namespace difftrain::families::qwen_image {
 
-struct QwenImageFolder {
-  std::string dir;
-  std::string transformer_dir, vae_dir, text_encoder_dir, tokenizer_dir;
-  std::string scheduler_config;  ///< scheduler/scheduler_config.json
-};
+using QwenImageFolder = TransformerFolder;
 
 QwenImageFolder resolve_qwen_image_folder(const std::string& dir);
 /// A pipeline folder's transformer/, or `dir` itself (a bare transformer folder).

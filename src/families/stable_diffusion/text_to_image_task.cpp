@@ -23,7 +23,7 @@ void TextToImageTask::build(accel::Accelerator& acc, const std::string& output_d
   for (auto& p : vae_->parameters()) p.set_requires_grad(false);
   vae_->to(acc.device());
   vae_->eval();
-  parts.vae = vae_;
+  parts.vae = image_vae(vae_);
   parts.text = &text_;
   parts.clip_skip = skip_;
   parts.size_multiple = vae_->config().downsample_factor();

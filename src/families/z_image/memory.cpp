@@ -24,23 +24,15 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// `m`'s parameters whose names start with `prefix` ("" = those of no block), named as `rename`
-// makes them.
+// Z-Image's blocks: the main layers and both refiners.
+bool z_in_block(const std::string& name) {
+  return name.rfind("layers.", 0) == 0 || name.rfind("noise_refiner.", 0) == 0 ||
+         name.rfind("context_refiner.", 0) == 0;
+}
+
 std::vector<DenoiserParam> z_params(const torch::nn::Module& m, const std::string& prefix,
                                     const std::function<std::string(const std::string&)>& rename) {
-  std::vector<DenoiserParam> out;
-  for (const auto& p : m.named_parameters()) {
-    const std::string& name = p.key();
-    const bool in_block = name.rfind("layers.", 0) == 0 || name.rfind("noise_refiner.", 0) == 0 ||
-                          name.rfind("context_refiner.", 0) == 0;
-    if (prefix.empty() ? in_block : name.rfind(prefix, 0) != 0) continue;
-    const auto& t = p.value();
-    const bool linear = t.dim() == 2 && name.size() > 7 &&
-                        name.compare(name.size() - 7, 7, ".weight") == 0 &&
-                        name.find("pad_token") == std::string::npos;
-    out.push_back({rename(name), t.numel(), linear ? t.size(1) : 0, linear ? t.size(0) : 0});
-  }
-  return out;
+  return denoiser_params(m, prefix, z_in_block, rename, {"pad_token"});
 }
 
 }  // namespace
@@ -48,19 +40,12 @@ std::vector<DenoiserParam> z_params(const torch::nn::Module& m, const std::strin
 std::vector<train::MemoryEstimate> estimate_z_image_memory(
     const std::string& model_path, const train::MemoryEstimateOptions& options,
     const std::vector<accel::ShardingStrategy>& strategies) {
-  std::error_code ec;
+  bool pipeline = false;
+  const std::string config = denoiser_config_path(
+      model_path, "a ZImagePipeline folder, a ZImageTransformer2DModel folder or its config.json",
+      &pipeline);
   const fs::path root(model_path);
-  const bool pipeline = fs::is_regular_file(root / "model_index.json", ec);
-  const fs::path config =
-      fs::is_directory(root, ec)
-          ? (pipeline ? root / "transformer" / "config.json" : root / "config.json")
-          : root;
-  if (!fs::is_regular_file(config, ec)) {
-    throw Error(config.string() +
-                ": no such file; pass a ZImagePipeline folder, a ZImageTransformer2DModel folder "
-                "or its config.json");
-  }
-  const auto o = models::ZImageTransformerOptions::load(config.string());
+  const auto o = models::ZImageTransformerOptions::load(config);
   if (options.lora && options.lora_rank < 1) {
     throw Error(fmt::format("LoRA rank must be at least 1, got {}", options.lora_rank));
   }
@@ -132,7 +117,7 @@ std::vector<train::MemoryEstimate> estimate_z_image_memory(
   int64_t frozen_bytes = state.frozen_bytes;
   const auto& units = state.units;
   const auto& numels = state.numels;
-  log::info("ZImageTransformer2DModel {}: {} parameters{}", config.string(), base,
+  log::info("ZImageTransformer2DModel {}: {} parameters{}", config, base,
             options.lora ? fmt::format(" (frozen under LoRA rank {})", options.lora_rank) : "");
   if (pipeline) {
     torch::NoGradGuard no_grad;

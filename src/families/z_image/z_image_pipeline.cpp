@@ -10,6 +10,8 @@
 //   5. latents / scaling_factor + shift_factor, vae.decode, (x / 2 + 0.5).clamp(0, 1).
 #include "z_image_pipeline.h"
 
+#include "../pipeline_folder.h"
+
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/diffusion/qwen3_text_encoder.h"
@@ -67,23 +69,6 @@ class LlmPenultimateHiddenState final : public diffusion::PromptComposition {
     return out;
   }
 };
-
-std::string component_dir(const ZImageFolder& f, const nlohmann::json& index,
-                          const std::string& name) {
-  const fs::path dir = fs::path(f.dir) / name;
-  if (!index.contains(name) || index[name].is_null() ||
-      (index[name].is_array() && (index[name].empty() || index[name][0].is_null()))) {
-    throw Error(f.dir + "/model_index.json: no " + name +
-                " entry; a ZImagePipeline folder has transformer, vae, text_encoder, tokenizer "
-                "and scheduler");
-  }
-  std::error_code ec;
-  if (!fs::is_directory(dir, ec)) {
-    throw Error(dir.string() + ": no such folder; model_index.json lists " + name +
-                ", so the pipeline folder is incomplete (copy the whole folder)");
-  }
-  return dir.string();
-}
 
 struct Run {
   torch::Tensor images, latents;
@@ -188,37 +173,11 @@ torch::Tensor pad_embeds(const std::vector<torch::Tensor>& list) {
 }  // namespace
 
 ZImageFolder resolve_z_image_folder(const std::string& dir) {
-  ZImageFolder f;
-  f.dir = dir;
-  const fs::path index_path = fs::path(dir) / "model_index.json";
-  std::error_code ec;
-  if (!fs::is_regular_file(index_path, ec)) {
-    throw Error(index_path.string() + ": no such file; expected a ZImagePipeline folder");
-  }
-  nlohmann::json index;
-  try {
-    index = nlohmann::json::parse(io::read_file(index_path.string()));
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(index_path.string() + ": not valid JSON (" + e.what() + ")");
-  }
-  if (!index.is_object()) throw Error(index_path.string() + ": expected a JSON object");
-  f.transformer_dir = component_dir(f, index, "transformer");
-  f.vae_dir = component_dir(f, index, "vae");
-  f.text_encoder_dir = component_dir(f, index, "text_encoder");
-  f.tokenizer_dir = component_dir(f, index, "tokenizer");
-  f.scheduler_config =
-      (fs::path(component_dir(f, index, "scheduler")) / "scheduler_config.json").string();
-  if (!fs::is_regular_file(f.scheduler_config, ec)) {
-    throw Error(f.scheduler_config + ": no such file; the scheduler folder needs it");
-  }
-  return f;
+  return resolve_transformer_folder(dir, "ZImagePipeline");
 }
 
 std::string z_image_transformer_dir(const std::string& dir) {
-  std::error_code ec;
-  return fs::is_regular_file(fs::path(dir) / "model_index.json", ec)
-             ? (fs::path(dir) / "transformer").string()
-             : dir;
+  return component_or_self(dir, "transformer");
 }
 
 int64_t z_image_vae_scale_factor(const models::AutoencoderKLConfig& vae) {

@@ -5,6 +5,7 @@
 // FlowMatchEulerDiscreteScheduler (denoise.h); the FLUX.1-layout 16-channel AutoencoderKL decodes
 // with the folder's scaling and shift factors. Private to src/families/z_image.
 
+#include "../pipeline_folder.h"
 #include "difftrain/diffusion/generate.h"
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/diffusion/text_encoders.h"
@@ -24,11 +25,7 @@
 namespace difftrain::families::z_image {
 
 /// Where a ZImagePipeline folder keeps its parts (model_index.json's components).
-struct ZImageFolder {
-  std::string dir;
-  std::string transformer_dir, vae_dir, text_encoder_dir, tokenizer_dir;
-  std::string scheduler_config;  ///< scheduler/scheduler_config.json
-};
+using ZImageFolder = TransformerFolder;
 
 /// Resolves the ZImagePipeline folder `dir`; throws difftrain::Error naming the first missing part.
 ZImageFolder resolve_z_image_folder(const std::string& dir);

@@ -162,7 +162,7 @@ void ZImageTask::build(accel::Accelerator& acc, const std::string& output_dir) {
   objective_ = std::make_unique<diffusion::FlowMatchObjective>(scheduler, f.scheduler_config, fo);
   acc.print("objective: {}; validation guidance {}", objective_->name(), guidance_);
 
-  parts.vae = vae_;
+  parts.vae = image_vae(vae_);
   parts.text = &text_;
   parts.size_multiple = 2 * z_image_vae_scale_factor(vae_->config());
   parts.size_reason = "Z-Image's VAE factor times 2, for its 2x2 patches";

@@ -667,19 +667,14 @@ torch::Tensor AutoencoderKLQwenImageImpl::denormalize_latents(const torch::Tenso
 
 AutoencoderKLQwenImage load_autoencoder_kl_qwen_image(const std::string& dir, torch::Dtype dtype,
                                                       const std::string& variant) {
-  const std::string what =
-      "a Diffusers AutoencoderKLQwenImage folder (config.json + "
-      "diffusion_pytorch_model.safetensors), e.g. a QwenImagePipeline's vae/";
-  std::error_code ec;
-  if (!fs::is_directory(dir, ec)) throw Error(dir + ": no such folder; expected " + what);
-  const fs::path config = fs::path(dir) / "config.json";
-  if (!fs::is_regular_file(config, ec)) throw Error(dir + ": no config.json; expected " + what);
-  AutoencoderKLQwenImage vae(AutoencoderKLQwenImageConfig::load(config.string()));
-  vae->to(dtype);
-  const io::WeightFiles files = io::find_weight_files(dir, "diffusion_pytorch_model", variant);
-  load_weights(*vae, io::load_weight_files(files, dtype),
-               files.index.empty() ? files.files.at(0) : files.index);
-  return vae;
+  const std::string config =
+      model_folder_config(dir,
+                          "a Diffusers AutoencoderKLQwenImage folder (config.json + "
+                          "diffusion_pytorch_model.safetensors), e.g. a QwenImagePipeline's vae/");
+  AutoencoderKLQwenImage model(AutoencoderKLQwenImageConfig::load(config));
+  model->to(dtype);
+  load_model_folder_weights(*model, dir, dtype, variant);
+  return model;
 }
 
 }  // namespace difftrain::models

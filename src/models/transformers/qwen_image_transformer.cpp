@@ -315,18 +315,13 @@ torch::Tensor QwenImageTransformer2DModelImpl::forward(
 
 QwenImageTransformer2DModel load_qwen_image_transformer(const std::string& dir, torch::Dtype dtype,
                                                         const std::string& variant) {
-  const std::string what =
-      "a Diffusers QwenImageTransformer2DModel folder (config.json + "
-      "diffusion_pytorch_model*.safetensors, as save_pretrained writes it)";
-  std::error_code ec;
-  if (!fs::is_directory(dir, ec)) throw Error(dir + ": no such folder; expected " + what);
-  const fs::path config = fs::path(dir) / "config.json";
-  if (!fs::is_regular_file(config, ec)) throw Error(dir + ": no config.json; expected " + what);
-  QwenImageTransformer2DModel model(QwenImageTransformerOptions::load(config.string()));
+  const std::string config =
+      model_folder_config(dir,
+                          "a Diffusers QwenImageTransformer2DModel folder (config.json + "
+                          "diffusion_pytorch_model*.safetensors, as save_pretrained writes it)");
+  QwenImageTransformer2DModel model(QwenImageTransformerOptions::load(config));
   model->to(dtype);
-  const io::WeightFiles files = io::find_weight_files(dir, "diffusion_pytorch_model", variant);
-  load_weights(*model, io::load_weight_files(files, dtype),
-               files.index.empty() ? files.files.at(0) : files.index);
+  load_model_folder_weights(*model, dir, dtype, variant);
   return model;
 }
 

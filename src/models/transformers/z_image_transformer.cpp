@@ -387,18 +387,13 @@ std::vector<torch::Tensor> ZImageTransformer2DModelImpl::forward(
 
 ZImageTransformer2DModel load_z_image_transformer(const std::string& dir, torch::Dtype dtype,
                                                   const std::string& variant) {
-  const std::string what =
-      "a Diffusers ZImageTransformer2DModel folder (config.json + "
-      "diffusion_pytorch_model.safetensors, as save_pretrained writes it)";
-  std::error_code ec;
-  if (!fs::is_directory(dir, ec)) throw Error(dir + ": no such folder; expected " + what);
-  const fs::path config = fs::path(dir) / "config.json";
-  if (!fs::is_regular_file(config, ec)) throw Error(dir + ": no config.json; expected " + what);
-  ZImageTransformer2DModel model(ZImageTransformerOptions::load(config.string()));
+  const std::string config =
+      model_folder_config(dir,
+                          "a Diffusers ZImageTransformer2DModel folder (config.json + "
+                          "diffusion_pytorch_model.safetensors, as save_pretrained writes it)");
+  ZImageTransformer2DModel model(ZImageTransformerOptions::load(config));
   model->to(dtype);
-  const io::WeightFiles files = io::find_weight_files(dir, "diffusion_pytorch_model", variant);
-  load_weights(*model, io::load_weight_files(files, dtype),
-               files.index.empty() ? files.files.at(0) : files.index);
+  load_model_folder_weights(*model, dir, dtype, variant);
   return model;
 }
 
