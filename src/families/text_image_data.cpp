@@ -1,6 +1,8 @@
 // The data side of the text-to-image tasks (text_image_data.h).
 #include "text_image_data.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <optional>
 #include <set>
 #include "difftrain/core/error.h"
@@ -9,6 +11,8 @@
 #include "difftrain/data/media_reader.h"
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/image.h"
+#include "difftrain/io/lora_format.h"
+#include "difftrain/io/safetensors.h"
 #include "difftrain/models/module_info.h"
 #include "difftrain/models/pretrained.h"
 #include "difftrain/train/class_images.h"
@@ -230,6 +234,108 @@ void TextImageData::fill_cache(accel::Accelerator& acc, TextImageDataset& ds,
   }
   acc.wait_for_everyone();
   ds.cached_text = load_text_embedding_cache(file);
+}
+
+EncodedBatch TextImageData::encode_batch(const data::Batch& batch, int64_t epoch,
+                                         torch::Device device, std::vector<int64_t>& keys) {
+  const auto index = batch.at("index").to(torch::kCPU);
+  keys.assign(index.data_ptr<int64_t>(), index.data_ptr<int64_t>() + index.numel());
+  EncodedBatch in = encode(batch, "", keys, epoch, device);
+  if (!prior_) return in;
+  std::vector<int64_t> class_keys;
+  for (int64_t k : keys) class_keys.push_back(train::class_key(k));
+  const EncodedBatch cls = encode(batch, "class_", class_keys, epoch, device);
+  const auto join = [](const torch::Tensor& a, const torch::Tensor& b) {
+    return a.defined() && b.defined() ? torch::cat({a, b}) : a;
+  };
+  in.latents = join(in.latents, cls.latents);
+  in.embeds = join(in.embeds, cls.embeds);
+  in.pooled = join(in.pooled, cls.pooled);
+  in.time_ids = join(in.time_ids, cls.time_ids);
+  in.attention_mask = join(in.attention_mask, cls.attention_mask);
+  keys.insert(keys.end(), class_keys.begin(), class_keys.end());
+  return in;
+}
+
+torch::Tensor TextImageData::reduce_losses(const torch::Tensor& losses) const {
+  if (!prior_) return losses.mean();
+  const int64_t B = losses.size(0) / 2;
+  return losses.narrow(0, 0, B).mean() + o_.text.prior_loss_weight * losses.narrow(0, B, B).mean();
+}
+
+train::ModelCard TextImageTask::transformer_model_card(
+    const std::string& family, const std::string& script, const std::string& tag,
+    const std::string& pipeline_class, const std::vector<std::string>& lora_targets) const {
+  train::ModelCard card;
+  const bool lora = o_.lora.enabled, dreambooth = !o_.text.instance_prompt.empty();
+  card.base_model = o_.model.pretrained_model_name_or_path;
+  card.title = family + " " + (dreambooth ? "DreamBooth " : "") + (lora ? "LoRA" : "fine-tune");
+  card.description =
+      "A text-to-image " + std::string(dreambooth ? "DreamBooth " : "") + "fine-tune of `" +
+      card.base_model + "` (" +
+      (lora ? std::string("LoRA adapters on the transformer") : "the whole transformer") +
+      "), trained with `difftrain train` (Diffusers' " + script + ") on " +
+      (o_.data.train_data_dir.empty() ? std::string("its dataset")
+                                      : "`" + o_.data.train_data_dir + "`") +
+      ".";
+  card.license = "apache-2.0";
+  card.tags = {"text-to-image", "diffusers-training", "diffusers", tag};
+  card.pipeline_class = pipeline_class;
+  card.torch_dtype = "torch.bfloat16";
+  card.lora = lora;
+  card.lora_weight_name = "pytorch_lora_weights.safetensors";
+  train::add_task_details(card, o_);
+  if (lora) {
+    train::set_card_detail(card, "LoRA target modules",
+                           fmt::format("{}", fmt::join(lora_targets, ", ")));
+  }
+  card.sample_flags = {"--prompt", train::card_prompt(o_),
+                       "--height", std::to_string(o_.data.height()),
+                       "--width",  std::to_string(o_.data.width())};
+  return card;
+}
+
+void TextImageTask::export_transformer_run(const fs::path& out, const TransformerFolder& folder,
+                                           const torch::nn::Module& transformer,
+                                           const models::LoraLayers& lora,
+                                           const std::function<void(io::LoraWeights&)>& to_kohya,
+                                           const std::string& pipeline_class) const {
+  if (!o_.lora.enabled) {
+    const fs::path dir = out / "transformer";
+    fs::create_directories(dir);
+    io::write_file_atomic((dir / "config.json").string(),
+                          io::read_file(folder.transformer_dir + "/config.json"));
+    io::TensorMap tensors;
+    for (const auto& [name, t] : models::named_tensors(transformer)) tensors[name] = t.detach();
+    io::save_safetensors((dir / "diffusion_pytorch_model.safetensors").string(), tensors,
+                         {{"format", "pt"}});
+    copy_pipeline_parts(folder.dir, out, {"vae", "scheduler", "text_encoder", "tokenizer"});
+    log::info("pipeline folder ({}): {}", pipeline_class, out.string());
+    return;
+  }
+  const io::LoraWeights weights = lora->to_lora_weights("transformer");
+  const auto path = (out / "pytorch_lora_weights.safetensors").string();
+  const std::map<std::string, std::string> meta = {
+      {"difftrain_rank", std::to_string(o_.lora.rank)},
+      {"difftrain_lora_alpha", std::to_string(o_.lora.alpha)}};
+  if (o_.lora.format == "kohya") {
+    // lora_unet_<module> with .alpha: what musubi-tuner and Diffusers' converters read.
+    io::LoraWeights kohya = weights;
+    to_kohya(kohya);
+    io::write_lora(path, kohya, io::LoraFormat::kKohya, meta);
+  } else if (o_.lora.format == "comfyui") {
+    // diffusion_model.<module>.lora_down / lora_up / .alpha: ComfyUI's and musubi-tuner's keys.
+    io::write_lora(path, weights, io::LoraFormat::kComfyUI, meta);
+  } else if (o_.lora.format == "peft") {
+    io::write_lora(path, weights, io::LoraFormat::kPeft, meta);
+  } else {
+    // As the pipeline's save_lora_weights of the PEFT state dict: "transformer.<module>.lora_A
+    // .weight", alpha / r folded into lora_B.
+    io::Metadata m(meta.begin(), meta.end());
+    m.emplace("format", "pt");
+    io::save_safetensors(path, io::lora_to_tensors(weights, io::LoraFormat::kPeft), m);
+  }
+  log::info("LoRA weights ({} format): {}", o_.lora.format, path);
 }
 
 ImageVae image_vae(const models::AutoencoderKL& vae) {

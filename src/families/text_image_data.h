@@ -17,10 +17,13 @@
 #include "difftrain/data/buckets.h"
 #include "difftrain/diffusion/text_encoders.h"
 #include "difftrain/models/autoencoders/autoencoder_kl.h"
+#include "difftrain/models/lora/lora_training.h"
+#include "difftrain/train/model_card.h"
 #include "difftrain/train/text_image_dataset.h"
 #include "difftrain/train/text_image_options.h"
 #include "difftrain/train/training_cache.h"
 #include "difftrain/train/training_task.h"
+#include "pipeline_folder.h"
 
 namespace difftrain::families {
 
@@ -91,6 +94,15 @@ class TextImageData {
   EncodedBatch encode(const data::Batch& batch, const std::string& prefix,
                       const std::vector<int64_t>& keys, int64_t epoch, torch::Device device);
 
+  /// The batch's instance rows and, under prior preservation, their class rows after them
+  /// (latents, embeddings, pooled embeddings and masks concatenated); `keys` receives every row's
+  /// sample key, instances first.
+  EncodedBatch encode_batch(const data::Batch& batch, int64_t epoch, torch::Device device,
+                            std::vector<int64_t>& keys);
+  /// The mean of per-sample `losses` [N], or, under prior preservation (instances first, then as
+  /// many class rows), the instances' mean + prior_loss_weight x the class rows' mean.
+  torch::Tensor reduce_losses(const torch::Tensor& losses) const;
+
   std::shared_ptr<data::Dataset> dataset() const { return dataset_; }
   void set_epoch(int64_t epoch) { dataset_->set_epoch(epoch); }
   /// The bucket order of epoch e (empty without buckets).
@@ -147,6 +159,20 @@ class TextImageTask : public train::TrainingTask {
   bool validation_requested() const override { return !o_.validation.prompt.empty(); }
 
  protected:
+  /// The model card of a one-transformer family's run (Z-Image, Qwen-Image), as their scripts'
+  /// save_model_card: `family` in the title, Apache-2.0, the tags, `pipeline_class` in the
+  /// snippet (bf16), the LoRA targets.
+  train::ModelCard transformer_model_card(const std::string& family, const std::string& script,
+                                          const std::string& tag, const std::string& pipeline_class,
+                                          const std::vector<std::string>& lora_targets) const;
+  /// Exports such a run: the LoRA file in --lora_format (kohya names through `to_kohya`), or,
+  /// for a full fine-tune, `transformer`'s weights with the folder's other parts: a
+  /// `pipeline_class` folder.
+  void export_transformer_run(const std::filesystem::path& out, const TransformerFolder& folder,
+                              const torch::nn::Module& transformer, const models::LoraLayers& lora,
+                              const std::function<void(io::LoraWeights&)>& to_kohya,
+                              const std::string& pipeline_class) const;
+
   train::TaskOptions o_;
   TextImageData data_;
 };

@@ -54,10 +54,9 @@ torch::Tensor multi_head_attention(const torch::Tensor& q, const torch::Tensor& 
   std::vector<torch::Tensor> outs;
   for (int64_t start = 0; start < N; start += chunk) {
     const int64_t len = std::min(chunk, N - start);
-    // zeros, not empty: beta = 0 does not keep every CPU kernel from reading the input.
-    torch::Tensor scores = torch::baddbmm(torch::zeros({B * heads, len, S}, qh.options()),
-                                          qh.narrow(1, start, len), kt,
-                                          /*beta=*/0, /*alpha=*/scale);
+    // bmm then the scale: LibTorch 1.13's CPU baddbmm with beta = 0 reads its uninitialised
+    // input on some small bf16 / float64 shapes (NaN scores).
+    torch::Tensor scores = torch::bmm(qh.narrow(1, start, len), kt) * scale;
     if (upcast_softmax) scores = scores.to(torch::kFloat32);
     torch::Tensor probs = scores.softmax(-1).to(out_dtype);
     outs.push_back(torch::bmm(probs, vh));

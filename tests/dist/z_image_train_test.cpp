@@ -304,8 +304,9 @@ TEST(ZImageTrain, DreamBoothWithPriorPreservationInBf16OnAnInt8Base) {
        "--train_data_dir", data, "--lora", "--lora_format", "comfyui", "--output_dir", dir + "/cf"},
       {}, 120);
   EXPECT_NE(comfy_flux.exit_code, 0);
-  EXPECT_NE(comfy_flux.err.find("--lora_format comfyui: the flux family's runs export diffusers, "
-                                "peft, kohya; comfyui is written for the z-image family's runs"),
+  EXPECT_NE(comfy_flux.err.find(
+                "--lora_format comfyui: the flux family's runs export diffusers, "
+                "peft, kohya; comfyui is written for the qwen-image, z-image family's runs"),
             std::string::npos)
       << comfy_flux.log();
   auto te =

@@ -30,7 +30,7 @@ namespace m = difftrain::models;
 const std::string kQwenDir = kGoldenDir + "qwen_image";
 const std::string kTiny = kQwenDir + "/tiny_qwen_image";
 
-const difftrain::io::TensorMap& file(const std::string& path) {
+difftrain::io::TensorMap file(const std::string& path) {
   static std::map<std::string, difftrain::io::TensorMap> cache;
   auto it = cache.find(path);
   if (it == cache.end()) {

@@ -32,7 +32,7 @@ nlohmann::json read_json(const std::string& path) {
   return nlohmann::json::parse(in);
 }
 
-const difftrain::io::TensorMap& tensors(const std::string& path) {
+difftrain::io::TensorMap tensors(const std::string& path) {
   static std::map<std::string, difftrain::io::TensorMap> cache;
   auto it = cache.find(path);
   if (it == cache.end()) {

@@ -425,4 +425,26 @@ TEST(UNet, ChunkedAttentionEqualsOneShotAttention) {
   EXPECT_LT(diff, 1e-5);
 }
 
+// The unfused path (bf16, float64) on small shapes: LibTorch 1.13's CPU baddbmm with beta = 0
+// gave NaN scores on some of them (a 3 x 2 tile of Qwen-Image's VAE attention, 2 tokens in
+// bf16), so the scores are a bmm and a scale.
+TEST(Attention, SmallBf16AndFloat64ShapesAreFiniteAndRight) {
+  torch::manual_seed(3);
+  for (const int64_t n : {1, 2, 4, 6, 9, 30}) {
+    for (const int64_t c : {8, 16, 64}) {
+      for (const auto dt : {torch::kFloat64, torch::kBFloat16}) {
+        const auto q = torch::randn({1, n, c}).to(dt), k = torch::randn({1, n, c}).to(dt),
+                   v = torch::randn({1, n, c}).to(dt);
+        const auto out = difftrain::models::multi_head_attention(q, k, v, 1, false, false);
+        const auto f64 = [](const torch::Tensor& t) { return t.to(torch::kFloat64); };
+        const auto ref = torch::matmul(
+            (torch::matmul(f64(q), f64(k).transpose(1, 2)) / std::sqrt(double(c))).softmax(-1),
+            f64(v));
+        const double diff = max_abs(out, ref);
+        EXPECT_LT(diff, dt == torch::kFloat64 ? 1e-12 : 0.1) << n << " " << c << " " << dt;
+      }
+    }
+  }
+}
+
 }  // namespace

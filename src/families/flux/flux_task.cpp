@@ -262,19 +262,8 @@ void FluxTask::build_trainable(accel::Accelerator& acc) {
 torch::Tensor FluxTask::loss(const data::Batch& batch, int64_t epoch, torch::Device device) {
   // Validation renders leave the transformer in eval mode; checkpointing needs training mode.
   if (!transformer_->is_training()) transformer_->train();
-  const auto index = batch.at("index").to(torch::kCPU);
-  std::vector<int64_t> keys(index.data_ptr<int64_t>(), index.data_ptr<int64_t>() + index.numel());
-  EncodedBatch in = data_.encode(batch, "", keys, epoch, device);
-  const int64_t B = static_cast<int64_t>(keys.size());
-  if (data_.prior()) {
-    std::vector<int64_t> class_keys;
-    for (int64_t k : keys) class_keys.push_back(train::class_key(k));
-    const EncodedBatch cls = data_.encode(batch, "class_", class_keys, epoch, device);
-    in.latents = torch::cat({in.latents, cls.latents});
-    in.embeds = torch::cat({in.embeds, cls.embeds});
-    in.pooled = torch::cat({in.pooled, cls.pooled});
-    keys.insert(keys.end(), class_keys.begin(), class_keys.end());
-  }
+  std::vector<int64_t> keys;
+  const EncodedBatch in = data_.encode_batch(batch, epoch, device, keys);
   diffusion::Conditioning cond = {{"encoder_hidden_states", in.embeds},
                                   {"pooled_projections", in.pooled}};
   if (guided_) {
@@ -283,9 +272,7 @@ torch::Tensor FluxTask::loss(const data::Batch& batch, int64_t epoch, torch::Dev
   }
   const auto noised = objective_->noise(in.latents, keys, epoch, device);
   const auto prediction = denoiser_->denoise(noised.model_input, noised.timesteps, cond);
-  const auto losses = objective_->losses(prediction, noised);
-  if (!data_.prior()) return losses.mean();
-  return losses.narrow(0, 0, B).mean() + o_.text.prior_loss_weight * losses.narrow(0, B, B).mean();
+  return data_.reduce_losses(objective_->losses(prediction, noised));
 }
 
 FluxPipeline FluxTask::as_pipeline() const {

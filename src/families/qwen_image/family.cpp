@@ -1,11 +1,14 @@
 // The Qwen-Image family: QwenImagePipeline folders (a QwenImageTransformer2DModel conditioned by
 // Qwen2.5-VL's language model, the causal AutoencoderKLQwenImage) and bare transformer folders.
 // Sampling in qwen_image_pipeline.cpp, `difftrain forward` in forward.cpp, estimate-memory in
-// memory.cpp. Training and the Edit pipelines are not here yet: their refusals say so.
+// memory.cpp, training in qwen_image_task.cpp. The Edit pipelines are not here yet.
 #include "difftrain/families/family.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/families/lora_merge.h"
+#include "difftrain/train/ddpm_options.h"
+#include "difftrain/train/flow_matching_options.h"
+#include "difftrain/train/text_image_options.h"
 #include "qwen_image_pipeline.h"
 
 #include <fmt/format.h>
@@ -34,8 +37,9 @@ class QwenImageFamily : public ModelFamily {
   }
   int component_match_rank() const override { return 4; }
   std::vector<std::string> lora_components() const override { return {"transformer"}; }
-  // lora_export_formats(): the default until Qwen-Image trains (then ComfyUI's form too, as
-  // Z-Image's runs write it); `lora convert --to comfyui` writes its layout already.
+  std::vector<std::string> lora_export_formats() const override {
+    return {"diffusers", "peft", "kohya", "comfyui"};
+  }
   std::vector<io::LoraKeyLayout> lora_key_layouts() const override {
     return {dit_comfyui_key_layout(qwen_image::qwen_image_lora_layout())};
   }
@@ -84,17 +88,54 @@ class QwenImageFamily : public ModelFamily {
     return {std::move(true_cfg), std::move(length)};
   }
   std::unique_ptr<train::TrainingTask> make_training_task(
-      const train::TaskOptions& /*options*/) const override {
-    throw Error(
-        "training Qwen-Image is not supported yet (sampling, forward and its LoRA files are); "
-        "train_dreambooth_lora_qwen_image.py's recipe comes with the rest of issue 59");
+      const train::TaskOptions& options) const override {
+    return qwen_image::make_qwen_image_training_task(options);
+  }
+  std::optional<train::ScriptDefaults> training_defaults(
+      const train::TrainConfig& /*config*/) const override {
+    // train_dreambooth_lora_qwen_image.py (its full fine-tuning is the same run without --lora).
+    train::ScriptDefaults d;
+    d.script = "train_dreambooth_lora_qwen_image.py";
+    d.resolution = 512;
+    d.train_batch_size = 4;
+    d.num_train_epochs = 1;
+    d.learning_rate = 1e-4;
+    d.adam_weight_decay = 1e-4;
+    d.lora_target_modules = qwen_image::default_qwen_image_lora_targets();
+    d.not_applicable = {"validation_scheduler"};
+    return d;
   }
   std::string instead_of_option(const std::string& name) const override {
     if (name == "clip_skip") {
       return "Qwen-Image takes its Qwen2.5-VL's last hidden state, so there is no CLIP layer to "
              "skip";
     }
+    for (const auto& spec : train::ddpm_option_specs()) {
+      if (spec.name == name) {
+        return "Qwen-Image trains with flow matching: weigh it with --weighting_scheme (none, "
+               "logit_normal, mode, cosmap, sigma_sqrt) or --timestep_sampling";
+      }
+    }
     return "";
+  }
+  std::map<std::string, std::string> other_tools_options() const override {
+    auto table = train::text_image_other_tools_options();
+    table.emplace("unet_lr", "--learning_rate");
+    table.emplace("min_snr_gamma",
+                  "!Qwen-Image trains with flow matching: weigh it with --weighting_scheme (none, "
+                  "logit_normal, mode, cosmap, sigma_sqrt) or --timestep_sampling");
+    return table;
+  }
+  std::vector<train::OptionSpec> options() const override {
+    auto specs = train::flow_matching_option_specs();
+    for (auto& spec : train::text_image_option_specs()) specs.push_back(std::move(spec));
+    train::OptionSpec length{"max_sequence_length", "int", 512,
+                             "Qwen2.5-VL tokens of each caption after the system template's "
+                             "(train_dreambooth_lora_qwen_image.py's flag)",
+                             train::range_check(1, 1024)};
+    length.structural = true;  // the cached text embeddings
+    specs.push_back(std::move(length));
+    return specs;
   }
   diffusion::GenerateResult sample(const SampleOptions& a) const override {
     const train::FamilyOptions own =

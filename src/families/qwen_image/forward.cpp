@@ -23,8 +23,8 @@ constexpr const char* kInputs =
     "height, width in 2x2 patches), and optionally encoder_hidden_states_mask [B, S] and "
     "additional_t_cond int64 [B]";
 
-const torch::Tensor& required(const std::map<std::string, torch::Tensor>& inputs,
-                              const std::string& source, const std::string& name) {
+torch::Tensor required(const std::map<std::string, torch::Tensor>& inputs,
+                       const std::string& source, const std::string& name) {
   const auto it = inputs.find(name);
   if (it == inputs.end()) throw Error(fmt::format("{}: no '{}'; {}", source, name, kInputs));
   return it->second;
@@ -59,7 +59,7 @@ std::map<std::string, torch::Tensor> forward_qwen_image(
   const auto text = float_input(source, "encoder_hidden_states",
                                 required(inputs, source, "encoder_hidden_states"));
   const auto timestep = float_input(source, "timestep", required(inputs, source, "timestep"));
-  const torch::Tensor& shapes = required(inputs, source, "img_shapes");
+  const torch::Tensor shapes = required(inputs, source, "img_shapes");
   if (shapes.is_floating_point() || shapes.dim() != 3 || shapes.size(2) != 3 ||
       shapes.size(0) != hidden.size(0)) {
     throw Error(fmt::format("{}: 'img_shapes' is {} {}; expected int64 [{}, K, 3]", source,

@@ -50,7 +50,7 @@ constexpr double kDefaultTrueCfg = 4.0;
 
 class QwenImagePromptEmbeds final : public diffusion::PromptComposition {
  public:
-  explicit QwenImagePromptEmbeds(int64_t drop) : drop_(drop) {}
+  QwenImagePromptEmbeds(int64_t drop, int64_t length) : drop_(drop), length_(length) {}
   std::string name() const override {
     return "LLM last hidden state at the real tokens, the template's first " +
            std::to_string(drop_) + " dropped";
@@ -83,8 +83,11 @@ class QwenImagePromptEmbeds final : public diffusion::PromptComposition {
             encoders[0]->component(), real.size(0), drop_));
       }
       kept.push_back(real.narrow(0, drop_, real.size(0) - drop_));
+      if (length_ > 0 && kept.back().size(0) > length_)
+        kept.back() = kept.back().narrow(0, 0, length_);
       longest = std::max(longest, kept.back().size(0));
     }
+    if (length_ > 0) longest = length_;
     diffusion::PromptEmbeds out;
     std::vector<torch::Tensor> rows, masks;
     for (const auto& k : kept) {
@@ -99,6 +102,7 @@ class QwenImagePromptEmbeds final : public diffusion::PromptComposition {
 
  private:
   int64_t drop_;
+  int64_t length_;  ///< > 0: cut to and pad to this many (a training run's cached captions)
 };
 
 // numpy's linspace(1.0, 1 / n, n) in float64.
@@ -241,13 +245,14 @@ std::string qwen_image_transformer_dir(const std::string& dir) {
   return component_or_self(dir, "transformer");
 }
 
-std::shared_ptr<const diffusion::PromptComposition> qwen_image_prompt_composition(int64_t drop) {
-  return std::make_shared<const QwenImagePromptEmbeds>(drop);
+std::shared_ptr<const diffusion::PromptComposition> qwen_image_prompt_composition(int64_t drop,
+                                                                                  int64_t length) {
+  return std::make_shared<const QwenImagePromptEmbeds>(drop, length);
 }
 
 diffusion::TextEncoderStack load_qwen_image_text_encoders(const QwenImageFolder& f,
                                                           const std::string& variant,
-                                                          torch::Dtype dtype) {
+                                                          torch::Dtype dtype, int64_t length) {
   diffusion::Qwen3PromptFormat format;
   format.chat_template = false;
   format.text_template = kQwenImagePromptTemplate;
@@ -255,7 +260,8 @@ diffusion::TextEncoderStack load_qwen_image_text_encoders(const QwenImageFolder&
   format.sequence_length = kQwenImageTokenizerMaxLength + kQwenImageTemplateDrop;
   diffusion::TextEncoders encoders = {diffusion::Qwen3TextEncoder::load(
       {"text_encoder", "tokenizer", f.text_encoder_dir, f.tokenizer_dir}, variant, dtype, format)};
-  return diffusion::TextEncoderStack(qwen_image_prompt_composition(), std::move(encoders));
+  return diffusion::TextEncoderStack(qwen_image_prompt_composition(kQwenImageTemplateDrop, length),
+                                     std::move(encoders));
 }
 
 torch::Tensor pack_qwen_latents(const torch::Tensor& latents) {

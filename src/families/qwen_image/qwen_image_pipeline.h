@@ -13,6 +13,7 @@
 #include "difftrain/models/autoencoders/autoencoder_kl_qwen_image.h"
 #include "difftrain/models/transformers/qwen_image_transformer.h"
 #include "difftrain/train/memory_estimate.h"
+#include "difftrain/train/training_task.h"
 
 #include <torch/types.h>
 
@@ -39,13 +40,17 @@ constexpr int64_t kQwenImageTokenizerMaxLength = 1024;
 
 /// The prompt embeddings of QwenImagePipeline._get_qwen_prompt_embeds: the encoder's last hidden
 /// state at the real tokens, the template's first `drop` tokens dropped, zero-padded to the
-/// batch's longest, with the mask of the kept tokens.
+/// batch's longest, with the mask of the kept tokens; with `length` > 0 each is cut to `length`
+/// (encode_prompt's max_sequence_length) and padded to exactly that (a training run's cache).
 std::shared_ptr<const diffusion::PromptComposition> qwen_image_prompt_composition(
-    int64_t drop = kQwenImageTemplateDrop);
+    int64_t drop = kQwenImageTemplateDrop, int64_t length = 0);
 
 diffusion::TextEncoderStack load_qwen_image_text_encoders(const QwenImageFolder& f,
                                                           const std::string& variant,
-                                                          torch::Dtype dtype);
+                                                          torch::Dtype dtype, int64_t length = 0);
+
+/// train_dreambooth_lora_qwen_image.py's LoRA targets without --lora_layers.
+const std::vector<std::string>& default_qwen_image_lora_targets();
 
 /// Packs latents [B, C, h, w] into [B, (h/2)(w/2), 4C] (2x2 patches), and back.
 torch::Tensor pack_qwen_latents(const torch::Tensor& latents);
@@ -78,8 +83,10 @@ const DitLoraLayout& qwen_image_lora_layout();
 io::LoraWeights read_qwen_image_lora(const std::string& path, const std::string& dir,
                                      const io::LoraReadOptions& options = {});
 
-/// train_dreambooth_lora_qwen_image.py's LoRA targets without --lora_layers.
-const std::vector<std::string>& default_qwen_image_lora_targets();
+/// LoRA, DreamBooth and full fine-tuning of a QwenImagePipeline folder's transformer with flow
+/// matching, as train_dreambooth_lora_qwen_image.py (qwen_image_task.cpp).
+std::unique_ptr<train::TrainingTask> make_qwen_image_training_task(
+    const train::TaskOptions& options);
 
 /// `difftrain estimate-memory` of a Qwen-Image folder, transformer folder or config.json.
 std::vector<train::MemoryEstimate> estimate_qwen_image_memory(

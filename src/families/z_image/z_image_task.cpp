@@ -68,34 +68,8 @@ class ZImageTask : public families::TextImageTask {
 
   // As train_dreambooth_lora_z_image.py's save_model_card: Apache-2.0, its tags.
   train::ModelCard model_card() const override {
-    train::ModelCard card;
-    const bool lora = o_.lora.enabled, dreambooth = !o_.text.instance_prompt.empty();
-    card.base_model = o_.model.pretrained_model_name_or_path;
-    card.title =
-        std::string("Z-Image ") + (dreambooth ? "DreamBooth " : "") + (lora ? "LoRA" : "fine-tune");
-    card.description =
-        "A text-to-image " + std::string(dreambooth ? "DreamBooth " : "") + "fine-tune of `" +
-        card.base_model + "` (" +
-        (lora ? std::string("LoRA adapters on the transformer") : "the whole transformer") +
-        "), trained with `difftrain train` (Diffusers' train_dreambooth_lora_z_image.py) on " +
-        (o_.data.train_data_dir.empty() ? std::string("its dataset")
-                                        : "`" + o_.data.train_data_dir + "`") +
-        ".";
-    card.license = "apache-2.0";
-    card.tags = {"text-to-image", "diffusers-training", "diffusers", "z-image"};
-    card.pipeline_class = "ZImagePipeline";
-    card.torch_dtype = "torch.bfloat16";
-    card.lora = lora;
-    card.lora_weight_name = "pytorch_lora_weights.safetensors";
-    train::add_task_details(card, o_);
-    if (lora) {
-      train::set_card_detail(card, "LoRA target modules",
-                             fmt::format("{}", fmt::join(lora_targets(), ", ")));
-    }
-    card.sample_flags = {"--prompt", train::card_prompt(o_),
-                         "--height", std::to_string(o_.data.height()),
-                         "--width",  std::to_string(o_.data.width())};
-    return card;
+    return transformer_model_card("Z-Image", "train_dreambooth_lora_z_image.py", "z-image",
+                                  "ZImagePipeline", lora_targets());
   }
 
  private:
@@ -214,26 +188,13 @@ void ZImageTask::build_trainable(accel::Accelerator& acc) {
 
 torch::Tensor ZImageTask::loss(const data::Batch& batch, int64_t epoch, torch::Device device) {
   if (!transformer_->is_training()) transformer_->train();
-  const auto index = batch.at("index").to(torch::kCPU);
-  std::vector<int64_t> keys(index.data_ptr<int64_t>(), index.data_ptr<int64_t>() + index.numel());
-  EncodedBatch in = data_.encode(batch, "", keys, epoch, device);
-  const int64_t B = static_cast<int64_t>(keys.size());
-  if (data_.prior()) {
-    std::vector<int64_t> class_keys;
-    for (int64_t k : keys) class_keys.push_back(train::class_key(k));
-    const EncodedBatch cls = data_.encode(batch, "class_", class_keys, epoch, device);
-    in.latents = torch::cat({in.latents, cls.latents});
-    in.embeds = torch::cat({in.embeds, cls.embeds});
-    in.attention_mask = torch::cat({in.attention_mask, cls.attention_mask});
-    keys.insert(keys.end(), class_keys.begin(), class_keys.end());
-  }
+  std::vector<int64_t> keys;
+  const EncodedBatch in = data_.encode_batch(batch, epoch, device, keys);
   const diffusion::Conditioning cond = {{"encoder_hidden_states", in.embeds},
                                         {"encoder_attention_mask", in.attention_mask}};
   const auto noised = objective_->noise(in.latents, keys, epoch, device);
   const auto prediction = denoiser_->denoise(noised.model_input, noised.timesteps, cond);
-  const auto losses = objective_->losses(prediction, noised);
-  if (!data_.prior()) return losses.mean();
-  return losses.narrow(0, 0, B).mean() + o_.text.prior_loss_weight * losses.narrow(0, B, B).mean();
+  return data_.reduce_losses(objective_->losses(prediction, noised));
 }
 
 ZImagePipeline ZImageTask::as_pipeline() const {
@@ -275,45 +236,10 @@ train::ValidationImages ZImageTask::render_validation(const std::vector<int64_t>
 }
 
 void ZImageTask::export_to(const fs::path& out) {
-  if (!o_.lora.enabled) {
-    const fs::path dir = out / "transformer";
-    fs::create_directories(dir);
-    io::write_file_atomic((dir / "config.json").string(),
-                          io::read_file(folder_.transformer_dir + "/config.json"));
-    io::TensorMap tensors;
-    for (const auto& [name, t] : models::named_tensors(*transformer_)) {
-      tensors[name] = t.detach();
-    }
-    io::save_safetensors((dir / "diffusion_pytorch_model.safetensors").string(), tensors,
-                         {{"format", "pt"}});
-    families::copy_pipeline_parts(folder_.dir, out,
-                                  {"vae", "scheduler", "text_encoder", "tokenizer"});
-    log::info("pipeline folder (ZImagePipeline): {}", out.string());
-    return;
-  }
-  const io::LoraWeights weights = lora_->to_lora_weights("transformer");
-  const auto path = (out / "pytorch_lora_weights.safetensors").string();
-  const std::map<std::string, std::string> meta = {
-      {"difftrain_rank", std::to_string(o_.lora.rank)},
-      {"difftrain_lora_alpha", std::to_string(o_.lora.alpha)}};
-  if (o_.lora.format == "kohya") {
-    // lora_unet_<module> with .alpha: what musubi-tuner and Diffusers' converter read.
-    io::LoraWeights kohya = weights;
-    adapt_z_image_lora(kohya, folder_.dir, io::LoraFormat::kKohya);
-    io::write_lora(path, kohya, io::LoraFormat::kKohya, meta);
-  } else if (o_.lora.format == "comfyui") {
-    // diffusion_model.<module>.lora_down / lora_up / .alpha: ComfyUI's and musubi-tuner's keys.
-    io::write_lora(path, weights, io::LoraFormat::kComfyUI, meta);
-  } else if (o_.lora.format == "peft") {
-    io::write_lora(path, weights, io::LoraFormat::kPeft, meta);
-  } else {
-    // As ZImagePipeline.save_lora_weights of the PEFT state dict: "transformer.<module>.lora_A
-    // .weight", alpha / r folded into lora_B.
-    io::Metadata m(meta.begin(), meta.end());
-    m.emplace("format", "pt");
-    io::save_safetensors(path, io::lora_to_tensors(weights, io::LoraFormat::kPeft), m);
-  }
-  log::info("LoRA weights ({} format): {}", o_.lora.format, path);
+  export_transformer_run(
+      out, folder_, *transformer_, lora_,
+      [this](io::LoraWeights& l) { adapt_z_image_lora(l, folder_.dir, io::LoraFormat::kKohya); },
+      "ZImagePipeline");
 }
 
 }  // namespace

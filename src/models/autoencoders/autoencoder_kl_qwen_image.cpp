@@ -77,7 +77,8 @@ class CausalConv3dImpl : public torch::nn::Module {
       front -= cache.size(2);
     }
     x = torch::constant_pad_nd(x, {padding_[2], padding_[2], padding_[1], padding_[1], front, 0});
-    return torch::conv3d(x, weight, bias, {stride_[0], stride_[1], stride_[2]});
+    // Contiguous: LibTorch 1.13's slow conv3d (float64) misreads a strided view (a tile).
+    return torch::conv3d(x.contiguous(), weight, bias, {stride_[0], stride_[1], stride_[2]});
   }
   torch::Tensor weight, bias;
 

@@ -98,7 +98,8 @@ class QwenImageTransformer2DModelImpl : public torch::nn::Module,
     return {"QwenImageTransformerBlock"};
   }
   const QwenImageTransformerOptions& options() const { return options_; }
-  torch::Dtype dtype() const { return img_in_->weight.scalar_type(); }
+  // The RMSNorm weight: never quantized (an 8-bit base stores the Linear weights in int8).
+  torch::Dtype dtype() const { return txt_norm_->weight.scalar_type(); }
   void set_gradient_checkpointing(bool on) { gradient_checkpointing_ = on; }
   bool gradient_checkpointing() const { return gradient_checkpointing_; }
 
