@@ -147,6 +147,11 @@ std::string TextImageData::text_cache_key() const {
   std::string key = io::read_file(text[0].model_dir() + "/config.json") +
                     folder_stamp(text[0].model_dir()) + folder_stamp(text[0].tokenizer_dir()) +
                     std::to_string(parts_.clip_skip);
+  // The first encoder's own rule (a decoder LLM's token count and template) and what the
+  // composition makes of the states (Qwen-Image's cut), when they say anything.
+  const std::string first = text[0].cache_key();
+  if (!first.empty()) key += ";first " + first;
+  if (text.composition()) key += ";composition " + text.composition()->name();
   for (size_t i = 1; i < text.size(); ++i) {
     key += (i == 1 ? "xl;" : ";") + folder_stamp(text[i].model_dir()) +
            folder_stamp(text[i].tokenizer_dir());

@@ -199,6 +199,22 @@ TEST(QwenImageTrain, TwoRanksEqualOneRankAndResumeIsExact) {
   const auto resumed = io::load_safetensors(dir + "/resumed" + file).tensors;
   EXPECT_EQ(max_abs_diff(b, resumed), 0.0);
   EXPECT_EQ(losses(dir + "/two"), losses(dir + "/resumed"));
+
+  // The shared --cache_dir keys the caption embeddings by their length: another
+  // --max_sequence_length writes its own file instead of reusing the 32-token one.
+  const auto text_caches = [&] {
+    int n = 0;
+    for (const auto& e : fs::directory_iterator(dir + "/cache")) {
+      n += e.path().filename().string().rfind("text-embeddings-", 0) == 0;
+    }
+    return n;
+  };
+  EXPECT_EQ(text_caches(), 1);
+  auto shorter = cmd(dir + "/short", "1", "1");
+  *(std::find(shorter.begin(), shorter.end(), "--max_sequence_length") + 1) = "16";
+  auto s16 = train(shorter, 1, 600);
+  ASSERT_EQ(s16.exit_code, 0) << s16.log();
+  EXPECT_EQ(text_caches(), 2);
 }
 
 TEST(QwenImageTrain, FullFineTuneUnderZero3EqualsUnshardedAndSamples) {

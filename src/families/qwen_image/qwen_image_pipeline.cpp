@@ -53,7 +53,8 @@ class QwenImagePromptEmbeds final : public diffusion::PromptComposition {
   QwenImagePromptEmbeds(int64_t drop, int64_t length) : drop_(drop), length_(length) {}
   std::string name() const override {
     return "LLM last hidden state at the real tokens, the template's first " +
-           std::to_string(drop_) + " dropped";
+           std::to_string(drop_) + " dropped" +
+           (length_ > 0 ? ", cut and padded to " + std::to_string(length_) : std::string());
   }
   void check(const diffusion::TextEncoders& encoders) const override {
     if (encoders.size() != 1) {
