@@ -37,10 +37,11 @@ Qwen3TextEncoder::Qwen3TextEncoder(TextEncoderFiles files,
 std::shared_ptr<Qwen3TextEncoder> Qwen3TextEncoder::load(const TextEncoderFiles& files,
                                                          const std::string& variant,
                                                          torch::Dtype dtype,
-                                                         Qwen3PromptFormat format) {
+                                                         Qwen3PromptFormat format,
+                                                         io::TensorMap* visual) {
   auto tokenizer = std::make_shared<const models::Qwen2Tokenizer>(
       models::Qwen2Tokenizer::from_folder(files.tokenizer_dir));
-  auto model = models::load_qwen3_model(files.model_dir, dtype, variant);
+  auto model = models::load_qwen3_model(files.model_dir, dtype, variant, visual);
   return std::make_shared<Qwen3TextEncoder>(files, std::move(tokenizer), std::move(model),
                                             std::move(format));
 }

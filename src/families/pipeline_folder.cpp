@@ -56,6 +56,7 @@ TransformerFolder resolve_transformer_folder(const std::string& dir, const std::
                                   "transformer, vae, text_encoder, tokenizer and scheduler");
   TransformerFolder f;
   f.dir = dir;
+  f.pipeline_class = c.pipeline_class;
   f.transformer_dir = c.paths.at("transformer");
   f.vae_dir = c.paths.at("vae");
   f.text_encoder_dir = c.paths.at("text_encoder");

@@ -27,6 +27,7 @@ PipelineComponents resolve_pipeline_components(const std::string& dir, const std
 /// (ZImagePipeline, QwenImagePipeline).
 struct TransformerFolder {
   std::string dir;
+  std::string pipeline_class;  ///< model_index.json's _class_name
   std::string transformer_dir, vae_dir, text_encoder_dir, tokenizer_dir;
   std::string scheduler_config;  ///< scheduler/scheduler_config.json
 };

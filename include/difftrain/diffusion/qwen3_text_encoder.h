@@ -37,13 +37,18 @@ class Qwen3TextEncoder final : public TextEncoder {
   Qwen3TextEncoder(TextEncoderFiles files, std::shared_ptr<const models::Qwen2Tokenizer> tokenizer,
                    models::Qwen3Model model, Qwen3PromptFormat format = {});
   /// Reads the tokenizer folder and the model, file by file in `dtype`, on the CPU.
+  /// With `visual` given, a Qwen2.5-VL folder's vision-tower tensors go there
+  /// (models::load_qwen3_model's).
   static std::shared_ptr<Qwen3TextEncoder> load(const TextEncoderFiles& files,
                                                 const std::string& variant,
                                                 torch::Dtype dtype = torch::kFloat32,
-                                                Qwen3PromptFormat format = {});
+                                                Qwen3PromptFormat format = {},
+                                                io::TensorMap* visual = nullptr);
 
   const models::Qwen2Tokenizer& tokenizer() const { return *tokenizer_; }
   const Qwen3PromptFormat& format() const { return format_; }
+  /// The language model (null after tokenizer_only()).
+  models::Qwen3Model model() const { return model_; }
   /// The text the tokenizer reads for `prompt` (the chat template applied when asked).
   std::string render(const std::string& prompt) const;
 

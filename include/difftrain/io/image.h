@@ -49,6 +49,19 @@ std::string encode_jpeg(const torch::Tensor& image, int quality = 95);
 /// Decodes image bytes already in memory (as load_image); `name` is used in errors.
 torch::Tensor decode_image(const std::string& bytes, const std::string& name, int channels = 3);
 
+/// The resampling filters of PIL's Image.resize (Image.Resampling).
+enum class Resample { kBilinear, kBicubic, kLanczos };
+
+/// uint8 [H, W, C] resized to `height` x `width` as PIL's `Image.resize((width, height),
+/// resample)` does for an RGB / L image, value for value: PIL's separable convolution (support
+/// scaled by the reduction, coefficients normalised per output pixel then rounded to 22-bit fixed
+/// point, the horizontal pass first and its result rounded to 8 bits, then the vertical pass),
+/// bicubic with a = -0.5, lanczos 3 lobes. The same size returns a copy. Diffusers'
+/// VaeImageProcessor.resize (lanczos) and Qwen2-VL's image processor (bicubic) resize with it.
+/// Throws difftrain::Error for another dtype or shape, or a size below 1.
+torch::Tensor resize_image(const torch::Tensor& image, int64_t height, int64_t width,
+                           Resample filter);
+
 /// float images [N, C, H, W] in [0, 1] → uint8 [N, H, W, C] on the CPU, as Diffusers'
 /// `VaeImageProcessor.pt_to_numpy` + `numpy_to_pil` do: float32, (x * 255).round() (half to
 /// even). Values are clamped to [0, 1] first (NaN → 0). Any floating dtype and device.

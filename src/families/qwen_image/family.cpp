@@ -26,7 +26,9 @@ bool qwen_has_component(const nlohmann::json& index, const char* name) {
 class QwenImageFamily : public ModelFamily {
  public:
   std::string name() const override { return "qwen-image"; }
-  std::vector<std::string> pipeline_classes() const override { return {"QwenImagePipeline"}; }
+  std::vector<std::string> pipeline_classes() const override {
+    return {"QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline"};
+  }
   std::vector<std::string> model_classes() const override {
     return {"QwenImageTransformer2DModel"};
   }
@@ -85,7 +87,21 @@ class QwenImageFamily : public ModelFamily {
                              "text tokens per prompt after the system template's, at most 1024 "
                              "(default 512)",
                              train::range_check(1, 1024)};
-    return {std::move(true_cfg), std::move(length)};
+    train::OptionSpec image{"image",
+                            "string",
+                            nullptr,
+                            "a reference image for the Edit pipelines (repeat the flag for "
+                            "several: QwenImageEditPlusPipeline)",
+                            {}};
+    image.values = -1;
+    image.input_path = true;
+    train::OptionSpec pipeline{
+        "pipeline", "string?", nullptr,
+        "the pipeline class to run (default: the folder's model_index.json): QwenImagePipeline, "
+        "QwenImageEditPipeline or QwenImageEditPlusPipeline",
+        train::one_of_check(
+            {"QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline"})};
+    return {std::move(true_cfg), std::move(length), std::move(image), std::move(pipeline)};
   }
   std::unique_ptr<train::TrainingTask> make_training_task(
       const train::TaskOptions& options) const override {
@@ -135,6 +151,23 @@ class QwenImageFamily : public ModelFamily {
                              train::range_check(1, 1024)};
     length.structural = true;  // the cached text embeddings
     specs.push_back(std::move(length));
+    train::OptionSpec pipeline{
+        "pipeline", "string?", nullptr,
+        "QwenImageEditPipeline / QwenImageEditPlusPipeline: train an Edit model on (control, "
+        "target, instruction) pairs (default: the folder's model_index.json class)",
+        train::one_of_check(
+            {"QwenImagePipeline", "QwenImageEditPipeline", "QwenImageEditPlusPipeline"})};
+    pipeline.structural = true;
+    specs.push_back(std::move(pipeline));
+    train::OptionSpec validation_image{
+        "validation_image",
+        "list",
+        nlohmann::json::array(),
+        "Edit runs: the reference image(s) of the validation renders (default: the first "
+        "pair's control images)",
+        {}};
+    validation_image.input_path = true;
+    specs.push_back(std::move(validation_image));
     return specs;
   }
   diffusion::GenerateResult sample(const SampleOptions& a) const override {
@@ -159,18 +192,30 @@ class QwenImageFamily : public ModelFamily {
     request.options["true_cfg_scale"] = own.at("true_cfg_scale").get<double>();
     request.num_images = a.num_images > 0 ? a.num_images : a.num_images_per_prompt;
     request.seed = a.seed;
+    const auto& images = own.at("image");
+    if (images.is_array() && !images.empty()) request.options["image"] = images;
     const torch::Device device = parse_sample_device(a.device);
-    qwen_image::QwenImagePipeline pipe = qwen_image::load_qwen_image_pipeline(a.model, a);
+    const auto& pipeline = own.at("pipeline");
+    qwen_image::QwenImagePipeline pipe = qwen_image::load_qwen_image_pipeline(
+        a.model, a, pipeline.is_null() ? std::string() : pipeline.get<std::string>());
     pipe.to(device);
     const auto o = pipe.resolve(request);
     const double true_cfg = o.options.at("true_cfg_scale").get<double>();
     log::info(
-        "difftrain sample: {} (QwenImagePipeline) on {}, {} steps, {}, max_sequence_length {}, "
-        "{} prompt(s) x {} image(s), {}x{}, seed {}{}",
-        a.model, device.str(), o.num_inference_steps,
+        "difftrain sample: {} ({}{}) on {}, {} steps, {}, max_sequence_length {}, "
+        "{} prompt(s) x {} image(s), {}, seed {}{}",
+        a.model, pipe.class_name(),
+        request.options.contains("image")
+            ? fmt::format(", {} reference image(s)", request.options["image"].size())
+            : std::string(),
+        device.str(), o.num_inference_steps,
         true_cfg > 1 && !o.negative_prompts.empty() ? fmt::format("true CFG {}", true_cfg)
                                                     : std::string("no guidance"),
-        o.max_sequence_length, o.prompts.size(), o.num_images, o.height, o.width, a.seed,
+        o.max_sequence_length, o.prompts.size(), o.num_images,
+        pipe.edit != qwen_image::EditKind::kNone && (a.height == 0 || a.width == 0)
+            ? std::string("the reference's size near 1024x1024")
+            : fmt::format("{}x{}", o.height, o.width),
+        a.seed,
         a.lora.empty() ? std::string() : fmt::format(", LoRA {} x{}", a.lora, a.lora_scale));
     request.on_step = a.on_step;
     if (a.on_start) a.on_start();

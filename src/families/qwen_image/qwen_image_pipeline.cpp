@@ -25,6 +25,7 @@
 #include "difftrain/diffusion/qwen3_text_encoder.h"
 #include "difftrain/families/family.h"
 #include "difftrain/io/atomic_file.h"
+#include "difftrain/io/image.h"
 #include "difftrain/models/lora/lora.h"
 #include "difftrain/models/module_info.h"
 
@@ -137,9 +138,17 @@ struct Run {
   torch::Tensor images, latents, embeds;
 };
 
+// The Edit pipelines' references, prepared once per generate().
+struct EditContext {
+  std::vector<torch::Tensor> condition;  ///< what the vision tower sees
+  torch::Tensor latents;                 ///< [1, Lr, 4 z_dim] packed, normalised
+  models::QwenImageGrids grids;          ///< each reference's (1, h/2, w/2)
+};
+
 Run run_once(QwenImagePipeline& p, const diffusion::GenerateRequest& r,
              const std::vector<std::string>& prompts, const std::vector<std::string>& negatives,
-             int64_t first, int64_t k, uint64_t seed, int64_t* step_counter, int64_t total_steps) {
+             int64_t first, int64_t k, uint64_t seed, int64_t* step_counter, int64_t total_steps,
+             const EditContext* edit) {
   const torch::Device device = models::module_device(*p.transformer);
   const auto dtype = p.transformer->dtype();
   const auto& tcfg = p.transformer->options();
@@ -157,6 +166,12 @@ Run run_once(QwenImagePipeline& p, const diffusion::GenerateRequest& r,
                            given_mask.defined() ? given_mask.narrow(0, first, n) : torch::Tensor(),
                            r.max_sequence_length, k);
     }
+    if (edit != nullptr) {  // the Edit pipelines keep every token (no max_sequence_length cut)
+      const auto& encoder = p.text_encoders.as<diffusion::Qwen3TextEncoder>(0);
+      const auto [e, m] =
+          encode_edit_prompts(encoder, p.visual, p.processor, texts, edit->condition, p.edit);
+      return finish_embeds(e, m, e.size(1), k);
+    }
     const diffusion::PromptEmbeds e = p.text_encoders.encode(texts);
     return finish_embeds(e.embeds, e.attention_mask, r.max_sequence_length, k);
   };
@@ -170,8 +185,17 @@ Run run_once(QwenImagePipeline& p, const diffusion::GenerateRequest& r,
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   const torch::Tensor noise = at::randn({n * k, 1, C, h, w}, gen, torch::kFloat32);
   torch::Tensor latents = pack_qwen_latents(noise.view({n * k, C, h, w})).to(device);
-  const std::vector<models::QwenImageGrids> img_shapes(static_cast<size_t>(n * k),
-                                                       models::QwenImageGrids{{1, h / 2, w / 2}});
+  models::QwenImageGrids grids{{1, h / 2, w / 2}};
+  torch::Tensor references;  // the Edit pipelines' [K, Lr, D], after the noisy latents
+  if (edit != nullptr) {
+    grids.insert(grids.end(), edit->grids.begin(), edit->grids.end());
+    references = edit->latents.to(device, dtype).expand({n * k, -1, -1});
+  }
+  const std::vector<models::QwenImageGrids> img_shapes(static_cast<size_t>(n * k), grids);
+  const auto model_input = [&](const torch::Tensor& x) {
+    return references.defined() ? torch::cat({x.to(dtype), references}, 1) : x.to(dtype);
+  };
+  const int64_t noisy = latents.size(1);
 
   // 3. the schedule.
   diffusion::TimestepOptions ts;
@@ -193,11 +217,13 @@ Run run_once(QwenImagePipeline& p, const diffusion::GenerateRequest& r,
     const torch::Tensor t = timesteps[i].expand({latents.size(0)}).to(latents.scalar_type());
     const torch::Tensor model_t = (t / 1000).to(device);
     torch::Tensor pred =
-        p.transformer->forward(latents.to(dtype), pos_e, pos_m, model_t, img_shapes)
+        p.transformer->forward(model_input(latents), pos_e, pos_m, model_t, img_shapes)
+            .narrow(1, 0, noisy)
             .to(torch::kFloat32);
     if (cfg) {
       const torch::Tensor neg_pred =
-          p.transformer->forward(latents.to(dtype), neg_e, neg_m, model_t, img_shapes)
+          p.transformer->forward(model_input(latents), neg_e, neg_m, model_t, img_shapes)
+              .narrow(1, 0, noisy)
               .to(torch::kFloat32);
       const torch::Tensor comb = neg_pred + true_cfg * (pred - neg_pred);
       const torch::Tensor cond_norm = torch::norm(pred, 2, {-1}, true);
@@ -253,14 +279,16 @@ std::shared_ptr<const diffusion::PromptComposition> qwen_image_prompt_compositio
 
 diffusion::TextEncoderStack load_qwen_image_text_encoders(const QwenImageFolder& f,
                                                           const std::string& variant,
-                                                          torch::Dtype dtype, int64_t length) {
+                                                          torch::Dtype dtype, int64_t length,
+                                                          io::TensorMap* visual) {
   diffusion::Qwen3PromptFormat format;
   format.chat_template = false;
   format.text_template = kQwenImagePromptTemplate;
   format.pad_to_longest = true;
   format.sequence_length = kQwenImageTokenizerMaxLength + kQwenImageTemplateDrop;
   diffusion::TextEncoders encoders = {diffusion::Qwen3TextEncoder::load(
-      {"text_encoder", "tokenizer", f.text_encoder_dir, f.tokenizer_dir}, variant, dtype, format)};
+      {"text_encoder", "tokenizer", f.text_encoder_dir, f.tokenizer_dir}, variant, dtype, format,
+      visual)};
   return diffusion::TextEncoderStack(qwen_image_prompt_composition(kQwenImageTemplateDrop, length),
                                      std::move(encoders));
 }
@@ -286,9 +314,11 @@ void QwenImagePipeline::to(const torch::Device& device, std::optional<torch::Dty
   if (dtype) {
     transformer->to(device, *dtype);
     vae->to(device, *dtype);
+    if (visual) visual->to(device, *dtype);
   } else {
     transformer->to(device);
     vae->to(device);
+    if (visual) visual->to(device);
   }
 }
 
@@ -306,7 +336,28 @@ diffusion::GenerateRequest QwenImagePipeline::resolve(diffusion::GenerateRequest
 }
 
 diffusion::GenerateResult QwenImagePipeline::generate(const diffusion::GenerateRequest& request) {
-  const diffusion::GenerateRequest r = resolve(request);
+  // The Edit pipelines' references: their size is the default output size.
+  std::optional<EditImages> edit_images;
+  diffusion::GenerateRequest sized = request;
+  if (edit != EditKind::kNone) {
+    std::vector<torch::Tensor> given = images;
+    if (request.options.contains("image") && !request.options["image"].is_null()) {
+      given.clear();
+      const auto& paths = request.options["image"];
+      for (const auto& path : paths.is_array() ? paths : nlohmann::json::array({paths})) {
+        given.push_back(io::load_image(path.get<std::string>(), 3));
+      }
+    }
+    edit_images = prepare_edit_images(given, edit);
+    if (sized.height == 0) sized.height = edit_images->height;
+    if (sized.width == 0) sized.width = edit_images->width;
+  } else if (request.options.contains("image") && !request.options["image"].is_null()) {
+    throw Error(
+        "--image is for the Edit pipelines: this folder is a QwenImagePipeline (text to image); "
+        "use a Qwen-Image-Edit folder, or --pipeline QwenImageEditPipeline / "
+        "QwenImageEditPlusPipeline with one that has the vision tower");
+  }
+  const diffusion::GenerateRequest r = resolve(sized);
   if (!r.class_labels.empty()) throw Error("--class_labels is for class-conditional UNets");
   if (r.prompts.empty()) throw Error("Qwen-Image needs at least one prompt (--prompt)");
   if (r.guidance_scale) {
@@ -366,16 +417,25 @@ diffusion::GenerateResult QwenImagePipeline::generate(const diffusion::GenerateR
   transformer->eval();
   vae->eval();
   for (auto* m : text_encoders.modules()) m->eval();
+  if (visual) visual->eval();
   torch::NoGradGuard no_grad;
 
   const int64_t k = r.num_images;
   const int64_t n = rows;
   int64_t counter = 0;
+  std::optional<EditContext> edit_context;
+  if (edit_images) {
+    edit_context.emplace();
+    edit_context->condition = edit_images->condition;
+    edit_context->latents =
+        encode_reference_latents(vae, edit_images->vae_pixels, &edit_context->grids);
+  }
+  const EditContext* ctx = edit_context ? &*edit_context : nullptr;
   diffusion::GenerateResult out;
   std::vector<torch::Tensor> embeds;
   if (r.seeding == diffusion::Seeding::kBatch) {
-    Run run =
-        run_once(*this, r, r.prompts, negatives, 0, k, r.seed, &counter, r.num_inference_steps);
+    Run run = run_once(*this, r, r.prompts, negatives, 0, k, r.seed, &counter,
+                       r.num_inference_steps, ctx);
     out.images = run.images;
     out.latents = run.latents;
     out.prompt_embeds = run.embeds;
@@ -390,7 +450,7 @@ diffusion::GenerateResult QwenImagePipeline::generate(const diffusion::GenerateR
                                                  ? std::vector<std::string>{}
                                                  : std::vector<std::string>{negatives[idx]};
         Run run = run_once(*this, r, {r.prompts[idx]}, neg, i, 1,
-                           r.seed + static_cast<uint64_t>(i * k + j), &counter, total);
+                           r.seed + static_cast<uint64_t>(i * k + j), &counter, total, ctx);
         images.push_back(run.images);
         latents.push_back(run.latents);
         embeds.push_back(run.embeds);
@@ -407,12 +467,29 @@ diffusion::GenerateResult QwenImagePipeline::generate(const diffusion::GenerateR
 }
 
 QwenImagePipeline load_qwen_image_pipeline(const std::string& dir,
-                                           const diffusion::PipelineLoadOptions& options) {
+                                           const diffusion::PipelineLoadOptions& options,
+                                           const std::string& pipeline_class) {
   QwenImagePipeline p;
   p.folder = resolve_qwen_image_folder(dir);
   const QwenImageFolder& f = p.folder;
+  p.edit = pipeline_class.empty()
+               ? edit_kind_of(f.pipeline_class, dir + "/model_index.json's _class_name")
+               : edit_kind_of(pipeline_class, "--pipeline");
   const torch::Dtype dtype = options.dtype.value_or(torch::kFloat32);
-  p.text_encoders = load_qwen_image_text_encoders(f, options.variant, dtype);
+  io::TensorMap visual_weights;
+  p.text_encoders = load_qwen_image_text_encoders(
+      f, options.variant, dtype, 0, p.edit == EditKind::kNone ? nullptr : &visual_weights);
+  if (p.edit != EditKind::kNone) {
+    p.visual = models::make_qwen2_5_vl_vision(
+        (std::filesystem::path(f.text_encoder_dir) / "config.json").string(), visual_weights,
+        f.text_encoder_dir, dtype);
+    visual_weights.clear();
+    const auto processor = std::filesystem::path(dir) / "processor" / "preprocessor_config.json";
+    std::error_code ec;
+    if (std::filesystem::is_regular_file(processor, ec)) {
+      p.processor = models::Qwen2VLImageProcessorOptions::load(processor.string());
+    }
+  }
   p.transformer = models::load_qwen_image_transformer(f.transformer_dir, dtype, options.variant);
   p.vae = models::load_autoencoder_kl_qwen_image(options.vae.empty() ? f.vae_dir : options.vae,
                                                  dtype, options.variant);

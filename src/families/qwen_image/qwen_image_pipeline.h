@@ -14,6 +14,7 @@
 #include "difftrain/models/transformers/qwen_image_transformer.h"
 #include "difftrain/train/memory_estimate.h"
 #include "difftrain/train/training_task.h"
+#include "edit.h"
 
 #include <torch/types.h>
 
@@ -45,9 +46,11 @@ constexpr int64_t kQwenImageTokenizerMaxLength = 1024;
 std::shared_ptr<const diffusion::PromptComposition> qwen_image_prompt_composition(
     int64_t drop = kQwenImageTemplateDrop, int64_t length = 0);
 
+/// With `visual` given, the text encoder's vision-tower tensors go there (the Edit pipelines').
 diffusion::TextEncoderStack load_qwen_image_text_encoders(const QwenImageFolder& f,
                                                           const std::string& variant,
-                                                          torch::Dtype dtype, int64_t length = 0);
+                                                          torch::Dtype dtype, int64_t length = 0,
+                                                          io::TensorMap* visual = nullptr);
 
 /// train_dreambooth_lora_qwen_image.py's LoRA targets without --lora_layers.
 const std::vector<std::string>& default_qwen_image_lora_targets();
@@ -67,17 +70,32 @@ class QwenImagePipeline : public diffusion::Pipeline {
   models::QwenImageTransformer2DModel transformer{nullptr};
   models::AutoencoderKLQwenImage vae{nullptr};
   std::unique_ptr<diffusion::Sampler> scheduler;
+  /// QwenImageEditPipeline / QwenImageEditPlusPipeline: the instruction is encoded with the
+  /// reference images (Qwen2.5-VL's vision tower and image processor), whose latents the
+  /// transformer sees after the noisy ones.
+  EditKind edit = EditKind::kNone;
+  models::Qwen2_5VisionTransformer visual{nullptr};
+  models::Qwen2VLImageProcessorOptions processor;
+  /// The Edit pipelines' reference images, uint8 [H, W, 3] (Diffusers' `image=`), used when the
+  /// request names none (request.options["image"]: file paths).
+  std::vector<torch::Tensor> images;
 
-  std::string class_name() const override { return "QwenImagePipeline"; }
+  std::string class_name() const override { return pipeline_class_of(edit); }
   void to(const torch::Device& device, std::optional<torch::Dtype> dtype = std::nullopt) override;
   diffusion::GenerateRequest resolve(diffusion::GenerateRequest request) const override;
   /// request.options: "true_cfg_scale" (CFG when > 1 with a negative prompt), "sigmas" (a list,
-  /// optional). guidance_scale is refused (no Qwen-Image model embeds guidance).
+  /// optional), "image" (the Edit pipelines' reference image files). guidance_scale is refused
+  /// (no Qwen-Image model embeds guidance). Edit: height / width default to the (last) reference
+  /// image's size near 1024 x 1024 pixels.
   diffusion::GenerateResult generate(const diffusion::GenerateRequest& request) override;
 };
 
+/// `pipeline_class` "" takes the folder's model_index.json _class_name (QwenImagePipeline for a
+/// bare transformer folder); an Edit pipeline also loads the text encoder's vision tower and the
+/// processor/ folder's preprocessor_config.json (Qwen2-VL's defaults without one).
 QwenImagePipeline load_qwen_image_pipeline(const std::string& dir,
-                                           const diffusion::PipelineLoadOptions& options = {});
+                                           const diffusion::PipelineLoadOptions& options = {},
+                                           const std::string& pipeline_class = "");
 
 const DitLoraLayout& qwen_image_lora_layout();
 io::LoraWeights read_qwen_image_lora(const std::string& path, const std::string& dir,

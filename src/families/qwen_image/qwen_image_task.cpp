@@ -12,8 +12,10 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/core/phase.h"
+#include "difftrain/core/sample_rng.h"
 #include "difftrain/diffusion/flow_match_objective.h"
 #include "difftrain/io/atomic_file.h"
+#include "difftrain/io/image.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/safetensors.h"
 #include "difftrain/models/lora/lora_training.h"
@@ -21,6 +23,7 @@
 #include "difftrain/models/pretrained.h"
 #include "difftrain/train/flow_matching_options.h"
 #include "difftrain/train/text_image_options.h"
+#include "edit_data.h"
 #include "qwen_image_pipeline.h"
 
 #include <fmt/format.h>
@@ -37,7 +40,19 @@ class QwenImageTask : public families::TextImageTask {
  public:
   explicit QwenImageTask(train::TaskOptions options) : TextImageTask(std::move(options)) {}
 
-  std::string name() const override { return "Qwen-Image text-to-image"; }
+  std::string name() const override {
+    return edit_ == EditKind::kNone ? "Qwen-Image text-to-image" : "Qwen-Image-Edit";
+  }
+  // Edit runs: the pairs encoded once (edit_data.h) instead of the captioned-image data.
+  std::shared_ptr<data::Dataset> dataset() const override {
+    return edit_data_ ? edit_data_ : TextImageTask::dataset();
+  }
+  std::function<std::vector<int64_t>(int64_t)> sampler() const override {
+    return edit_data_ ? nullptr : TextImageTask::sampler();
+  }
+  void set_epoch(int64_t epoch) override {
+    if (!edit_data_) TextImageTask::set_epoch(epoch);
+  }
   void build(accel::Accelerator& acc, const std::string& output_dir) override;
   std::shared_ptr<torch::nn::Module> trainable() const override { return trainable_; }
   std::string parameter_summary() const override {
@@ -46,6 +61,7 @@ class QwenImageTask : public families::TextImageTask {
   int64_t frozen_bytes() const override {
     int64_t n = o_.lora.enabled ? train::frozen_parameter_bytes(*transformer_) : 0;
     n += train::frozen_parameter_bytes(*vae_);
+    if (visual_) n += train::frozen_parameter_bytes(*visual_);
     for (const auto* m : text_.modules()) n += train::frozen_parameter_bytes(*m);
     return n;
   }
@@ -61,8 +77,9 @@ class QwenImageTask : public families::TextImageTask {
 
   // As train_dreambooth_lora_qwen_image.py's save_model_card: Apache-2.0, its tags.
   train::ModelCard model_card() const override {
-    return transformer_model_card("Qwen-Image", "train_dreambooth_lora_qwen_image.py", "qwen-image",
-                                  "QwenImagePipeline", lora_targets());
+    return transformer_model_card(edit_ == EditKind::kNone ? "Qwen-Image" : "Qwen-Image-Edit",
+                                  "train_dreambooth_lora_qwen_image.py", "qwen-image",
+                                  pipeline_class_of(edit_), lora_targets());
   }
 
  private:
@@ -73,6 +90,7 @@ class QwenImageTask : public families::TextImageTask {
   }
   QwenImagePipeline as_pipeline() const;
   diffusion::GenerateRequest render_request(const std::string& prompt) const;
+  void build_edit_data(accel::Accelerator& acc, io::TensorMap visual_weights);
 
   QwenImageFolder folder_;
   diffusion::TextEncoderStack text_;
@@ -85,6 +103,12 @@ class QwenImageTask : public families::TextImageTask {
   double true_cfg_ = 1.0;
   // The validation prompt's (and, with true CFG, the " " negative prompt's) embeddings and masks.
   torch::Tensor validation_embeds_, validation_mask_, negative_embeds_, negative_mask_;
+  // Edit runs: the pipeline, the vision tower (released with the text encoder), the encoded
+  // pairs, and the validation's reference images.
+  EditKind edit_ = EditKind::kNone;
+  models::Qwen2_5VisionTransformer visual_{nullptr};
+  std::shared_ptr<data::TensorDataset> edit_data_;
+  std::vector<torch::Tensor> validation_images_;
 };
 
 // The causal VAE as the data side's ImageVae: pixels as one frame, the posterior of that frame,
@@ -113,11 +137,17 @@ void QwenImageTask::build(accel::Accelerator& acc, const std::string& output_dir
         "(Qwen2.5-VL stays frozen and its embeddings are cached); leave the flag out");
   }
   folder_ = resolve_qwen_image_folder(model);
+  const auto& pipeline = o_.family.at("pipeline");
+  edit_ = pipeline.is_null()
+              ? edit_kind_of(folder_.pipeline_class, model + "/model_index.json's _class_name")
+              : edit_kind_of(pipeline.get<std::string>(), "--pipeline");
   const bool bf16 = acc.mixed_precision() == accel::MixedPrecision::kBf16;
   const torch::Dtype frozen = bf16 ? torch::kBFloat16 : torch::kFloat32;
   const auto& f = folder_;
+  io::TensorMap visual_weights;
   text_ = load_qwen_image_text_encoders(f, o_.model.variant, frozen,
-                                        o_.family.integer("max_sequence_length"));
+                                        o_.family.integer("max_sequence_length"),
+                                        edit_ == EditKind::kNone ? nullptr : &visual_weights);
   text_.freeze();
   text_.to(acc.device());
   TextImageData::Parts parts;
@@ -166,8 +196,12 @@ void QwenImageTask::build(accel::Accelerator& acc, const std::string& output_dir
     r.on_step = [](int64_t, int64_t) { core::note_progress(); };
     return pipe.generate(r).images;
   };
-  data_.build(acc, output_dir, parts, class_images, /*cache_text=*/true);
-  if (!o_.validation.prompt.empty()) {
+  if (edit_ != EditKind::kNone) {
+    build_edit_data(acc, std::move(visual_weights));
+  } else {
+    data_.build(acc, output_dir, parts, class_images, /*cache_text=*/true);
+  }
+  if (edit_ == EditKind::kNone && !o_.validation.prompt.empty()) {
     const auto e = data_.encode_captions({o_.validation.prompt});
     validation_embeds_ = e.at("prompt_embeds");
     validation_mask_ = e.at("prompt_attention_mask");
@@ -179,6 +213,7 @@ void QwenImageTask::build(accel::Accelerator& acc, const std::string& output_dir
   }
   // Every embedding the run needs is cached: Qwen2.5-VL goes (the tokenizer stays).
   text_ = text_.tokenizers_only();
+  visual_ = nullptr;
   acc.print("text encoder released: the captions' Qwen2.5-VL embeddings are cached");
   if (o_.model.gradient_checkpointing) transformer_->set_gradient_checkpointing(true);
   if (!o_.lora.enabled) {
@@ -218,8 +253,85 @@ void QwenImageTask::build(accel::Accelerator& acc, const std::string& output_dir
   denoiser_ = std::make_unique<QwenImageDenoiser>(transformer_);
 }
 
+void QwenImageTask::build_edit_data(accel::Accelerator& acc, io::TensorMap visual_weights) {
+  const auto& d = o_.data;
+  if (o_.text.with_prior_preservation || d.resolution_buckets || d.random_flip ||
+      d.dataset != "imagefolder") {
+    throw Error(
+        "Qwen-Image-Edit training reads pairs from an imagefolder --train_data_dir (targets with "
+        "control/ images or metadata.jsonl control_image) at one size; it takes no "
+        "--with_prior_preservation, buckets or --random_flip");
+  }
+  const std::string te_config = folder_.text_encoder_dir + "/config.json";
+  visual_ = models::make_qwen2_5_vl_vision(te_config, visual_weights, folder_.text_encoder_dir,
+                                           models::module_dtype(*vae_));
+  visual_->to(acc.device());
+  visual_->eval();
+  for (auto& p : visual_->parameters()) p.set_requires_grad(false);
+  models::Qwen2VLImageProcessorOptions processor;
+  const auto processor_file = fs::path(folder_.dir) / "processor" / "preprocessor_config.json";
+  std::error_code ec;
+  if (fs::is_regular_file(processor_file, ec)) {
+    processor = models::Qwen2VLImageProcessorOptions::load(processor_file.string());
+  }
+  const std::vector<EditPair> pairs = find_edit_pairs(d.train_data_dir, d.caption_column,
+                                                      d.caption_extension, o_.text.instance_prompt);
+  acc.print("{}: {} pair(s), {} control image(s) each, {}x{}; encoding them once", name(),
+            pairs.size(), pairs.front().controls.size(), d.width(), d.height());
+  EditEncoders enc;
+  enc.encoder = &text_.as<diffusion::Qwen3TextEncoder>(0);
+  enc.visual = visual_;
+  enc.processor = processor;
+  enc.vae = vae_;
+  enc.kind = edit_;
+  edit_data_ = encode_edit_pairs(pairs, d.height(), d.width(), enc, [] { core::note_progress(); });
+  if (!o_.validation.prompt.empty()) {
+    const auto& given = o_.family.at("validation_image");
+    if (given.is_array() && !given.empty()) {
+      for (const auto& path : given) {
+        validation_images_.push_back(io::load_image(path.get<std::string>(), 3));
+      }
+    } else {
+      for (const auto& path : pairs.front().controls) {
+        validation_images_.push_back(io::load_image(path, 3));
+      }
+    }
+    const EditImages refs = prepare_edit_images(validation_images_, edit_);
+    torch::NoGradGuard no_grad;
+    std::tie(validation_embeds_, validation_mask_) = encode_edit_prompts(
+        *enc.encoder, visual_, processor, {o_.validation.prompt}, refs.condition, edit_);
+    if (true_cfg_ > 1) {
+      std::tie(negative_embeds_, negative_mask_) =
+          encode_edit_prompts(*enc.encoder, visual_, processor, {" "}, refs.condition, edit_);
+    }
+  }
+}
+
 torch::Tensor QwenImageTask::loss(const data::Batch& batch, int64_t epoch, torch::Device device) {
   if (!transformer_->is_training()) transformer_->train();
+  if (edit_data_) {
+    const auto index = batch.at("index").to(torch::kCPU);
+    std::vector<int64_t> keys(index.data_ptr<int64_t>(), index.data_ptr<int64_t>() + index.numel());
+    const auto mean = batch.at("latent_mean").to(torch::kCPU, torch::kFloat32);
+    const auto logvar = batch.at("latent_logvar").to(torch::kCPU, torch::kFloat32);
+    std::vector<torch::Tensor> z;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      auto g = core::sample_generator(o_.noise.seed, epoch, keys[i], core::SampleStream::kLatent);
+      const auto k = static_cast<int64_t>(i);
+      z.push_back(mean[k] +
+                  (0.5 * logvar[k]).exp() * torch::randn(mean[k].sizes(), g, torch::kFloat32));
+    }
+    const auto latents =
+        vae_->normalize_latents(torch::stack(z).unsqueeze(2)).squeeze(2).to(device);
+    const diffusion::Conditioning cond = {
+        {"encoder_hidden_states", batch.at("prompt_embeds").to(device, torch::kFloat32)},
+        {"encoder_attention_mask", batch.at("prompt_attention_mask").to(device, torch::kInt64)},
+        {"reference_latents", batch.at("reference_latents").to(device, torch::kFloat32)},
+        {"reference_shapes", batch.at("reference_shapes")}};
+    const auto noised = objective_->noise(latents, keys, epoch, device);
+    const auto prediction = denoiser_->denoise(noised.model_input, noised.timesteps, cond);
+    return objective_->losses(prediction, noised).mean();
+  }
   std::vector<int64_t> keys;
   const EncodedBatch in = data_.encode_batch(batch, epoch, device, keys);
   const diffusion::Conditioning cond = {{"encoder_hidden_states", in.embeds},
@@ -236,6 +348,8 @@ QwenImagePipeline QwenImageTask::as_pipeline() const {
   p.transformer = transformer_;
   p.vae = vae_;
   p.scheduler = diffusion::load_sampler(folder_.scheduler_config, "");
+  p.edit = edit_;
+  p.images = validation_images_;
   return p;
 }
 
@@ -275,7 +389,7 @@ void QwenImageTask::export_to(const fs::path& out) {
       [this](io::LoraWeights& l) {
         adapt_dit_lora(qwen_image_lora_layout(), l, folder_.dir, io::LoraFormat::kKohya);
       },
-      "QwenImagePipeline");
+      pipeline_class_of(edit_));
 }
 
 }  // namespace

@@ -286,8 +286,8 @@ torch::Tensor Qwen3ModelImpl::hidden_state(const torch::Tensor& input_ids,
   return forward(input_ids, attention_mask, index).hidden_states.back();
 }
 
-Qwen3Model load_qwen3_model(const std::string& dir, torch::Dtype dtype,
-                            const std::string& variant) {
+Qwen3Model load_qwen3_model(const std::string& dir, torch::Dtype dtype, const std::string& variant,
+                            io::TensorMap* visual) {
   const std::string what =
       "a Transformers Qwen3Model or Qwen2.5-VL folder (config.json + model.safetensors or its "
       "shards), e.g. a pipeline's text_encoder/";
@@ -305,7 +305,11 @@ Qwen3Model load_qwen3_model(const std::string& dir, torch::Dtype dtype,
   io::TensorMap weights;
   const auto starts = [](const std::string& n, const char* p) { return n.rfind(p, 0) == 0; };
   for (auto& [name, tensor] : loaded) {
-    if (name == "lm_head.weight" || starts(name, "visual.") || starts(name, "model.visual.")) {
+    if (name == "lm_head.weight") continue;
+    if (starts(name, "visual.") || starts(name, "model.visual.")) {
+      if (visual != nullptr) {
+        (*visual)[name.substr(starts(name, "visual.") ? 7 : 13)] = std::move(tensor);
+      }
       continue;
     }
     const std::string key = starts(name, "model.language_model.") ? name.substr(21)

@@ -5,6 +5,7 @@
 // combined with the padding mask; a SwiGLU MLP) and a final RMS norm. Parameter names are
 // Transformers' keys (`embed_tokens.weight`, `layers.{i}.self_attn.q_proj.weight`, ...).
 
+#include "difftrain/io/safetensors.h"
 #include "difftrain/models/linear.h"
 
 #include <torch/nn/module.h>
@@ -111,6 +112,8 @@ class Qwen3ModelImpl : public torch::nn::Module {
   torch::Tensor hidden_state(const torch::Tensor& input_ids, const torch::Tensor& attention_mask,
                              int64_t index);
   const Qwen3Options& options() const { return options_; }
+  /// The token embedding (a multimodal model replaces some rows' embeddings before forward()).
+  torch::nn::Embedding& embed_tokens() { return embed_tokens_; }
 
  private:
   Qwen3Options options_;
@@ -125,8 +128,10 @@ TORCH_MODULE(Qwen3Model);
 /// file. A `Qwen3ForCausalLM` checkpoint loads too: its `model.` prefix is dropped and `lm_head`
 /// ignored. Transformers: `Qwen3Model.from_pretrained(dir, torch_dtype=dtype)`. Throws
 /// difftrain::Error naming the file for a missing or bad config or weights.
+/// With `visual` given, a Qwen2.5-VL checkpoint's vision-tower tensors (`visual.*` or
+/// `model.visual.*`) are put there, the prefix dropped (make_qwen2_5_vl_vision reads them).
 Qwen3Model load_qwen3_model(const std::string& dir, torch::Dtype dtype = torch::kFloat32,
-                            const std::string& variant = "");
+                            const std::string& variant = "", io::TensorMap* visual = nullptr);
 
 /// The prompt embeddings ZImagePipeline._encode_prompt takes: hidden_states[-2] of the padded
 /// batch, each row cut to its real tokens (attention_mask 1). input_ids, attention_mask: [B, S]
