@@ -124,6 +124,13 @@ class FlowMatchEulerSampler : public Sampler {
         sig32.push_back(use_dynamic_shifting_ ? e / (e + (1.0f / t - 1.0f))
                                               : shift * t / (1.0f + (shift - 1.0f) * t));
       }
+      if (shift_terminal_ && sig32.back() == 1.0f) {
+        // Diffusers divides by zero here and samples NaN.
+        throw Error(std::string(kFlowMatchName) +
+                    ": shift_terminal stretches the schedule so that it ends at shift_terminal, "
+                    "which a schedule whose last sigma is 1 (e.g. one step) cannot do; use 2 or "
+                    "more steps");
+      }
       if (shift_terminal_) {
         const float scale = (1.0f - sig32.back()) / static_cast<float>(1.0 - *shift_terminal_);
         for (float& t : sig32) t = 1.0f - (1.0f - t) / scale;

@@ -314,7 +314,18 @@ void TextImageTask::export_transformer_run(const fs::path& out, const Transforme
     for (const auto& [name, t] : models::named_tensors(transformer)) tensors[name] = t.detach();
     io::save_safetensors((dir / "diffusion_pytorch_model.safetensors").string(), tensors,
                          {{"format", "pt"}});
-    copy_pipeline_parts(folder.dir, out, {"vae", "scheduler", "text_encoder", "tokenizer"});
+    std::vector<std::string> parts = {"vae", "scheduler", "text_encoder", "tokenizer"};
+    std::error_code ec;
+    if (fs::is_directory(fs::path(folder.dir) / "processor", ec)) parts.push_back("processor");
+    copy_pipeline_parts(folder.dir, out, parts);
+    // A run that trained another pipeline of the family (Qwen-Image-Edit from a Qwen-Image
+    // folder) names its own class.
+    const fs::path index = out / "model_index.json";
+    nlohmann::json j = nlohmann::json::parse(io::read_file(index.string()));
+    if (j.value("_class_name", std::string()) != pipeline_class) {
+      j["_class_name"] = pipeline_class;
+      io::write_file_atomic(index.string(), j.dump(2) + "\n");
+    }
     log::info("pipeline folder ({}): {}", pipeline_class, out.string());
     return;
   }

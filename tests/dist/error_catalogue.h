@@ -39,5 +39,8 @@ inline void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 /// Every row, in the catalogue's order.
 const std::vector<Case>& error_catalogue_cases();
+/// The transformer families' rows (Z-Image, Qwen-Image, ...: error_catalogue_families.cpp),
+/// which come last.
+std::vector<Case> family_error_cases();
 
 }  // namespace difftrain::testing

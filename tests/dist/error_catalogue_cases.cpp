@@ -761,66 +761,13 @@ const std::vector<Case>& error_catalogue_cases() {
          return BadRun{{"lora", "convert", "--input", t + "/l.safetensors", "--output",
                         t + "/l.safetensors", "--to", "kohya"}};
        }},
-      // ------------------------------------------------------------------ Z-Image
-      {"ZImageHeightNotAMultipleOf16",
-       "`difftrain sample --model tests/golden/z_image/tiny_z_image --prompt a --height 50`",
-       "--height 50 must be a positive multiple of 16 (ZImagePipeline: 2 x the VAE factor; it "
-       "does not round); try 48",
-       1,
-       [](const std::string& t) {
-         return BadRun{{"sample", "--model", kGolden + "/z_image/tiny_z_image", "--prompt", "a",
-                        "--height", "50", "--width", "32", "--num_inference_steps", "1", "--output",
-                        t + "/s.png"}};
-       }},
-      {"ZImageFolderWithoutItsTokenizer",
-       "`difftrain sample --model DIR --prompt a` where DIR (a ZImagePipeline folder) has no "
-       "tokenizer/",
-       "<tmp>/z/tokenizer: no such folder; model_index.json lists tokenizer, so the pipeline "
-       "folder is incomplete (copy the whole folder)",
-       1,
-       [](const std::string& t) {
-         const std::string z = kGolden + "/z_image/tiny_z_image";
-         std::filesystem::create_directories(t + "/z");
-         for (const char* part :
-              {"model_index.json", "transformer", "vae", "scheduler", "text_encoder"}) {
-           std::filesystem::create_symlink(std::filesystem::canonical(z + "/" + part),
-                                           t + "/z/" + part);
-         }
-         return BadRun{{"sample", "--model", t + "/z", "--prompt", "a", "--output", t + "/s.png"}};
-       }},
-      // ------------------------------------------------------------------ Qwen-Image
-      {"QwenImageGuidanceScale",
-       "`difftrain sample --model tests/golden/qwen_image/tiny_qwen_image --prompt a "
-       "--guidance_scale 4`",
-       "--guidance_scale is for guidance-distilled models, and no Qwen-Image model is one: "
-       "classifier-free guidance is --true_cfg_scale (> 1) with a --negative_prompt",
-       1,
-       [](const std::string& t) {
-         return BadRun{{"sample", "--model", kGolden + "/qwen_image/tiny_qwen_image", "--prompt",
-                        "a", "--guidance_scale", "4", "--height", "32", "--width", "32",
-                        "--num_inference_steps", "1", "--output", t + "/s.png"}};
-       }},
-      {"QwenImageVaeConfigWithoutTemporalDownsamples",
-       "`difftrain sample --model DIR --prompt a` where DIR's vae/config.json (a QwenImagePipeline "
-       "folder) has dim_mult [1, 2, 4, 4] and temperal_downsample [false]",
-       "<tmp>/q/vae/config.json: field \"temperal_downsample\" must have one entry per downsample "
-       "(len(dim_mult) - 1 = 3)",
-       1,
-       [](const std::string& t) {
-         const std::string q = kGolden + "/qwen_image/tiny_qwen_image";
-         std::filesystem::create_directories(t + "/q/vae");
-         for (const char* part :
-              {"model_index.json", "transformer", "scheduler", "text_encoder", "tokenizer"}) {
-           std::filesystem::create_symlink(std::filesystem::canonical(q + "/" + part),
-                                           t + "/q/" + part);
-         }
-         write_text(t + "/q/vae/config.json",
-                    R"({"_class_name": "AutoencoderKLQwenImage", "dim_mult": [1, 2, 4, 4],)"
-                    R"( "temperal_downsample": [false]})");
-         return BadRun{{"sample", "--model", t + "/q", "--prompt", "a", "--output", t + "/s.png"}};
-       }},
   };
-  return kCases;
+  static const std::vector<Case> kAll = [] {
+    std::vector<Case> all = kCases;
+    for (const Case& c : family_error_cases()) all.push_back(c);
+    return all;
+  }();
+  return kAll;
 }
 
 }  // namespace difftrain::testing

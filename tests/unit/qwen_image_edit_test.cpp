@@ -227,4 +227,16 @@ TEST(QwenImageEditPipeline, ReferenceSizesAndRefusals) {
   EXPECT_EQ(plus.width, 736);
 }
 
+TEST(QwenImageEditPipeline, OneStepWithShiftTerminalIsRefusedNotNaN) {
+  // The Qwen-Image scheduler's shift_terminal stretch divides by 1 - the last sigma: with one
+  // step that is 0 and Diffusers samples NaN; difftrain says so.
+  qi::QwenImagePipeline p = qi::load_qwen_image_pipeline(kTiny);
+  difftrain::diffusion::GenerateRequest r;
+  r.prompts = {"a"};
+  r.height = 32;
+  r.width = 32;
+  r.num_inference_steps = 1;
+  EXPECT_NE(error_of([&] { p.generate(r); }).find("shift_terminal"), std::string::npos);
+}
+
 }  // namespace qwen_image_edit_test

@@ -1,0 +1,169 @@
+// The bad-input catalogue's rows of the transformer families (docs/ERRORS.md, after the general
+// ones): Z-Image, Qwen-Image and Qwen-Image-Edit.
+#include "error_catalogue.h"
+#include "train_util.h"
+
+#include "difftrain/io/image.h"
+
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+namespace difftrain::testing {
+namespace {
+
+const std::string kGolden = kCatalogueGolden;
+
+void write_text(const std::string& path, const std::string& text) {
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+  std::ofstream(path, std::ios::binary) << text;
+}
+
+// A grey 32 x 48 PNG at `path`.
+void write_png(const std::string& path) {
+  std::filesystem::create_directories(std::filesystem::path(path).parent_path());
+  io::save_png(path, torch::full({32, 48, 3}, 128, torch::kUInt8));
+}
+
+const std::string kTinyQwen = kGolden + "/qwen_image/tiny_qwen_image";
+
+}  // namespace
+
+std::vector<Case> family_error_cases() {
+  return {
+      // ------------------------------------------------------------------ Z-Image
+      {"ZImageHeightNotAMultipleOf16",
+       "`difftrain sample --model tests/golden/z_image/tiny_z_image --prompt a --height 50`",
+       "--height 50 must be a positive multiple of 16 (ZImagePipeline: 2 x the VAE factor; it "
+       "does not round); try 48",
+       1,
+       [](const std::string& t) {
+         return BadRun{{"sample", "--model", kGolden + "/z_image/tiny_z_image", "--prompt", "a",
+                        "--height", "50", "--width", "32", "--num_inference_steps", "1", "--output",
+                        t + "/s.png"}};
+       }},
+      {"ZImageFolderWithoutItsTokenizer",
+       "`difftrain sample --model DIR --prompt a` where DIR (a ZImagePipeline folder) has no "
+       "tokenizer/",
+       "<tmp>/z/tokenizer: no such folder; model_index.json lists tokenizer, so the pipeline "
+       "folder is incomplete (copy the whole folder)",
+       1,
+       [](const std::string& t) {
+         const std::string z = kGolden + "/z_image/tiny_z_image";
+         std::filesystem::create_directories(t + "/z");
+         for (const char* part :
+              {"model_index.json", "transformer", "vae", "scheduler", "text_encoder"}) {
+           std::filesystem::create_symlink(std::filesystem::canonical(z + "/" + part),
+                                           t + "/z/" + part);
+         }
+         return BadRun{{"sample", "--model", t + "/z", "--prompt", "a", "--output", t + "/s.png"}};
+       }},
+      // ------------------------------------------------------------------ Qwen-Image
+      {"QwenImageGuidanceScale",
+       "`difftrain sample --model tests/golden/qwen_image/tiny_qwen_image --prompt a "
+       "--guidance_scale 4`",
+       "--guidance_scale is for guidance-distilled models, and no Qwen-Image model is one: "
+       "classifier-free guidance is --true_cfg_scale (> 1) with a --negative_prompt",
+       1,
+       [](const std::string& t) {
+         return BadRun{{"sample", "--model", kGolden + "/qwen_image/tiny_qwen_image", "--prompt",
+                        "a", "--guidance_scale", "4", "--height", "32", "--width", "32",
+                        "--num_inference_steps", "1", "--output", t + "/s.png"}};
+       }},
+      {"QwenImageVaeConfigWithoutTemporalDownsamples",
+       "`difftrain sample --model DIR --prompt a` where DIR's vae/config.json (a QwenImagePipeline "
+       "folder) has dim_mult [1, 2, 4, 4] and temperal_downsample [false]",
+       "<tmp>/q/vae/config.json: field \"temperal_downsample\" must have one entry per downsample "
+       "(len(dim_mult) - 1 = 3)",
+       1,
+       [](const std::string& t) {
+         const std::string q = kGolden + "/qwen_image/tiny_qwen_image";
+         std::filesystem::create_directories(t + "/q/vae");
+         for (const char* part :
+              {"model_index.json", "transformer", "scheduler", "text_encoder", "tokenizer"}) {
+           std::filesystem::create_symlink(std::filesystem::canonical(q + "/" + part),
+                                           t + "/q/" + part);
+         }
+         write_text(t + "/q/vae/config.json",
+                    R"({"_class_name": "AutoencoderKLQwenImage", "dim_mult": [1, 2, 4, 4],)"
+                    R"( "temperal_downsample": [false]})");
+         return BadRun{{"sample", "--model", t + "/q", "--prompt", "a", "--output", t + "/s.png"}};
+       }},
+      // ------------------------------------------------------------------ Qwen-Image-Edit
+      {"QwenImageImageForTextToImage",
+       "`difftrain sample --model tests/golden/qwen_image/tiny_qwen_image --prompt a --image "
+       "a.png` (a QwenImagePipeline folder, no --pipeline)",
+       "--image is for the Edit pipelines: this folder is a QwenImagePipeline (text to image); "
+       "use a Qwen-Image-Edit folder, or --pipeline QwenImageEditPipeline / "
+       "QwenImageEditPlusPipeline with one that has the vision tower",
+       1,
+       [](const std::string& t) {
+         write_png(t + "/a.png");
+         return BadRun{{"sample", "--model", kTinyQwen, "--prompt", "a", "--image", t + "/a.png",
+                        "--num_inference_steps", "1", "--output", t + "/s.png"}};
+       }},
+      {"QwenImageEditTwoImages",
+       "`difftrain sample --model DIR --pipeline QwenImageEditPipeline --prompt a --image a.png "
+       "--image b.png`",
+       "QwenImageEditPipeline takes one reference image, got 2; several images are "
+       "QwenImageEditPlusPipeline's (Qwen-Image-Edit-2509 and later: --pipeline "
+       "QwenImageEditPlusPipeline)",
+       1,
+       [](const std::string& t) {
+         write_png(t + "/a.png");
+         write_png(t + "/b.png");
+         return BadRun{{"sample", "--model", kTinyQwen, "--pipeline", "QwenImageEditPipeline",
+                        "--prompt", "a", "--image", t + "/a.png", "--image", t + "/b.png",
+                        "--num_inference_steps", "1", "--output", t + "/s.png"}};
+       }},
+      {"QwenImageEditWithoutVisionTower",
+       "`difftrain sample --model DIR --pipeline QwenImageEditPipeline ...` where DIR's "
+       "text_encoder/config.json has no vision_config",
+       "<tmp>/q/text_encoder/config.json: no \"vision_config\" object; the Edit pipelines need "
+       "Qwen2.5-VL's vision tower (Qwen-Image-Edit's text_encoder/config.json has one)",
+       1,
+       [](const std::string& t) {
+         const std::string q = kTinyQwen;
+         std::filesystem::create_directories(t + "/q/text_encoder");
+         for (const char* part :
+              {"model_index.json", "transformer", "scheduler", "vae", "tokenizer"}) {
+           std::filesystem::create_symlink(std::filesystem::canonical(q + "/" + part),
+                                           t + "/q/" + part);
+         }
+         for (const auto& e : std::filesystem::directory_iterator(
+                  std::filesystem::canonical(q + "/text_encoder"))) {
+           if (e.path().filename() != "config.json") {
+             std::filesystem::create_symlink(e.path(),
+                                             t + "/q/text_encoder/" + e.path().filename().string());
+           }
+         }
+         auto config = nlohmann::json::parse(std::ifstream(q + "/text_encoder/config.json"));
+         config.erase("vision_config");
+         write_text(t + "/q/text_encoder/config.json", config.dump());
+         write_png(t + "/a.png");
+         return BadRun{{"sample", "--model", t + "/q", "--pipeline", "QwenImageEditPipeline",
+                        "--prompt", "a", "--image", t + "/a.png", "--num_inference_steps", "1",
+                        "--output", t + "/s.png"}};
+       }},
+      {"QwenImageEditTrainWithoutControl",
+       "`difftrain train --pretrained_model_name_or_path DIR --pipeline QwenImageEditPipeline "
+       "--dataset imagefolder --train_data_dir D` where D/a.png has no control image",
+       "<tmp>/d/a.png: no control image; Qwen-Image-Edit training pairs each target with "
+       "control/a.png (or control/a_0.png, _1, ... for several) or a metadata.jsonl "
+       "control_image field",
+       1,
+       [](const std::string& t) {
+         write_png(t + "/d/a.png");
+         write_text(t + "/d/a.txt", "make it red");
+         return BadRun{{"train", "--pretrained_model_name_or_path", kTinyQwen, "--pipeline",
+                        "QwenImageEditPipeline", "--dataset", "imagefolder", "--train_data_dir",
+                        t + "/d", "--resolution", "32", "--lora", "--max_train_steps", "1",
+                        "--output_dir", t + "/out"}};
+       }},
+  };
+}
+
+}  // namespace difftrain::testing
