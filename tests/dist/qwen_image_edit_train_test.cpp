@@ -269,5 +269,50 @@ TEST(QwenImageEditTrain, EditPlusFromMetadataControlListsFullFineTuneWithValidat
   EXPECT_NE(bad.err.find("1_1.png: no such control image"), std::string::npos) << bad.log();
 }
 
+TEST(QwenImageEditTrain, FullFineTuneUnderZero3EqualsUnshardedAndLoraInBf16OnAnInt8Base) {
+  const std::string dir = make_temp_dir("q_edit_shard");
+  const std::string data = make_edit_folder(dir + "/data");
+  auto full = [&](const std::string& out, const std::string& strategy) {
+    auto c = edit_train_cmd(data, out,
+                            {"--max_train_steps", "3", "--sharding_strategy", strategy,
+                             "--learning_rate", "1e-4", "--train_batch_size", "2"});
+    c.erase(std::find(c.begin(), c.end(), "--rank"), std::find(c.begin(), c.end(), "--rank") + 2);
+    c.erase(std::find(c.begin(), c.end(), "--lora"));
+    return c;
+  };
+  auto plain = train(full(dir + "/plain", "NO_SHARD"), 2, 600);
+  ASSERT_EQ(plain.exit_code, 0) << plain.log();
+  auto sharded = train(full(dir + "/sharded", "FULL_SHARD"), 2, 600);
+  ASSERT_EQ(sharded.exit_code, 0) << sharded.log();
+  const std::string weights = "/transformer/diffusion_pytorch_model.safetensors";
+  const auto a = io::load_safetensors(dir + "/sharded" + weights).tensors;
+  const auto b = io::load_safetensors(dir + "/plain" + weights).tensors;
+  const auto start = io::load_safetensors(kEditTiny + weights).tensors;
+  double apart = 0, moved = 0;
+  for (const auto& [key, t] : b) {
+    apart += (a.at(key).to(torch::kFloat64) - t.to(torch::kFloat64)).pow(2).sum().item<double>();
+    moved +=
+        (t.to(torch::kFloat64) - start.at(key).to(torch::kFloat64)).pow(2).sum().item<double>();
+  }
+  const double rel = std::sqrt(apart / moved);
+  std::cout << "Qwen-Image-Edit FULL_SHARD vs NO_SHARD: relative " << rel << "\n";
+  EXPECT_GT(moved, 0);
+  EXPECT_LE(rel, 5e-3);
+  const auto index = nlohmann::json::parse(std::ifstream(dir + "/sharded/model_index.json"));
+  EXPECT_EQ(index.at("_class_name"), "QwenImageEditPipeline");
+
+  auto lora = train(edit_train_cmd(data, dir + "/int8",
+                                   {"--max_train_steps", "2", "--train_batch_size", "1",
+                                    "--mixed_precision", "bf16", "--base_weights_dtype", "int8",
+                                    "--gradient_checkpointing", "--lora_format", "comfyui"}),
+                    2, 600);
+  ASSERT_EQ(lora.exit_code, 0) << lora.log();
+  EXPECT_NE(lora.err.find("frozen base in int8"), std::string::npos) << lora.log();
+  for (double l : losses(dir + "/int8")) EXPECT_TRUE(std::isfinite(l));
+  EXPECT_TRUE(
+      io::load_safetensors(dir + "/int8/pytorch_lora_weights.safetensors")
+          .tensors.count("diffusion_model.transformer_blocks.0.attn.to_q.lora_down.weight"));
+}
+
 }  // namespace
 }  // namespace difftrain::testing

@@ -161,10 +161,10 @@ Run run_once(QwenImagePipeline& p, const diffusion::GenerateRequest& r,
   // 1. encode_prompt, or the embeddings given (rows `first`..).
   auto encode = [&](const std::vector<std::string>& texts, const torch::Tensor& given,
                     const torch::Tensor& given_mask) {
-    if (given.defined()) {
+    if (given.defined()) {  // (the Edit pipelines cut no embeddings, given or not)
       return finish_embeds(given.narrow(0, first, n),
                            given_mask.defined() ? given_mask.narrow(0, first, n) : torch::Tensor(),
-                           r.max_sequence_length, k);
+                           edit != nullptr ? given.size(1) : r.max_sequence_length, k);
     }
     if (edit != nullptr) {  // the Edit pipelines keep every token (no max_sequence_length cut)
       const auto& encoder = p.text_encoders.as<diffusion::Qwen3TextEncoder>(0);
