@@ -416,7 +416,16 @@ AutoencoderKLQwenImageConfig AutoencoderKLQwenImageConfig::parse(const std::stri
   c.base_dim = r.integer_at_least("base_dim", c.base_dim, 1);
   c.z_dim = r.integer_at_least("z_dim", c.z_dim, 1);
   c.num_res_blocks = r.integer_at_least("num_res_blocks", c.num_res_blocks, 1);
-  c.input_channels = r.integer_at_least("input_channels", c.input_channels, 1);
+  c.wan = r.string("_class_name", "") == "AutoencoderKLWan";
+  // AutoencoderKLWan's config (Wan 2.1: the same model) names it in_channels.
+  c.input_channels =
+      r.integer_at_least("input_channels", r.integer("in_channels", c.input_channels), 1);
+  if (r.has("out_channels") && r.integer("out_channels", 0) != c.input_channels) {
+    r.fail("out_channels", "must equal in_channels (" + std::to_string(c.input_channels) + ")");
+  }
+  if (r.has("patch_size")) {
+    r.fail("patch_size", "is set: Wan 2.2's patchified VAE is not this model");
+  }
   if (r.has("dim_mult")) {
     const auto& v = r.at("dim_mult");
     if (!v.is_array() || v.size() < 2) r.fail("dim_mult", "must be a list of 2 or more integers");
@@ -536,7 +545,7 @@ torch::Tensor AutoencoderKLQwenImageImpl::decode(const torch::Tensor& z_in) {
   const int64_t ratio = c.spatial_compression_ratio();
   if (tiling_ && (z.size(4) > tile_.tile_sample_min_width / ratio ||
                   z.size(3) > tile_.tile_sample_min_height / ratio)) {
-    return tiled_decode(z);
+    return c.wan ? tiled_decode(z).clamp(-1.0, 1.0) : tiled_decode(z);
   }
   qwen_vae::Cache cache;
   const torch::Tensor x = parts_->post_quant_conv(z);

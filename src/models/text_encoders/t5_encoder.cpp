@@ -57,6 +57,7 @@ T5EncoderOptions T5EncoderOptions::load(const std::string& path) {
   o.relative_attention_max_distance(r.integer_at_least("relative_attention_max_distance", 128, 1));
   o.layer_norm_epsilon(r.number("layer_norm_epsilon", 1e-6));
   o.feed_forward_proj(r.string("feed_forward_proj", "relu"));
+  o.per_layer_position_bias(r.string("model_type", "t5") == "umt5");
   if (o.relative_attention_num_buckets() % 2 != 0) {
     r.fail("relative_attention_num_buckets", "must be even (half per direction)");
   }
@@ -185,14 +186,15 @@ T5EncoderModelImpl::T5EncoderModelImpl(const T5EncoderOptions& options) : option
   auto encoder = register_module("encoder", std::make_shared<torch::nn::Module>());
   auto list = encoder->register_module("block", torch::nn::ModuleList());
   for (int64_t i = 0; i < options.num_layers(); ++i) {
-    blocks_.push_back(T5Block(options, i == 0));
+    blocks_.push_back(T5Block(options, i == 0 || options.per_layer_position_bias()));
     list->push_back(blocks_.back());
   }
   final_norm_ = encoder->register_module(
       "final_layer_norm", T5LayerNorm(options.d_model(), options.layer_norm_epsilon()));
 }
 
-T5EncoderOutput T5EncoderModelImpl::forward_all(const torch::Tensor& input_ids) {
+T5EncoderOutput T5EncoderModelImpl::forward_all(const torch::Tensor& input_ids,
+                                                const torch::Tensor& attention_mask) {
   TORCH_CHECK(input_ids.dim() == 2, "T5EncoderModel: input_ids must be [B, S], got ",
               input_ids.sizes());
   const int64_t max_id = input_ids.numel() > 0 ? input_ids.max().item<int64_t>() : 0;
@@ -202,12 +204,33 @@ T5EncoderOutput T5EncoderModelImpl::forward_all(const torch::Tensor& input_ids) 
                 std::to_string(options_.vocab_size()) +
                 "); the tokenizer does not belong to this encoder");
   }
+  const int64_t S = input_ids.size(1);
   T5EncoderOutput out;
   torch::Tensor h = shared_->forward(input_ids);
-  out.position_bias = blocks_.at(0)->attention->compute_bias(input_ids.size(1), input_ids.size(1));
+  // Transformers' extended mask: (1 - mask) * finfo(dtype).min, [B, 1, 1, S].
+  torch::Tensor mask;
+  if (attention_mask.defined()) {
+    TORCH_CHECK(attention_mask.dim() == 2 && attention_mask.size(0) == input_ids.size(0) &&
+                    attention_mask.size(1) == S,
+                "T5EncoderModel: attention_mask must be [", input_ids.size(0), ", ", S, "], got ",
+                attention_mask.sizes());
+    const auto dtype = h.scalar_type();
+    const double lowest = dtype == torch::kBFloat16 ? -3.3895313892515355e38
+                          : dtype == torch::kHalf   ? -65504.0
+                          : dtype == torch::kDouble ? std::numeric_limits<double>::lowest()
+                                                    : std::numeric_limits<float>::lowest();
+    mask = ((1.0 - attention_mask.to(h.device(), dtype)) * lowest).view({-1, 1, 1, S});
+  }
+  out.position_bias = blocks_.at(0)->attention->compute_bias(S, S);
   for (size_t i = 0; i < blocks_.size(); ++i) {
     out.hidden_states.push_back(h);
-    h = blocks_[i]->forward(h, out.position_bias);
+    torch::Tensor bias = out.position_bias;
+    if (options_.per_layer_position_bias()) {
+      bias = i == 0 ? out.position_bias : blocks_[i]->attention->compute_bias(S, S);
+      out.position_biases.push_back(bias);
+    }
+    if (mask.defined()) bias = bias.to(mask.scalar_type()) + mask;
+    h = blocks_[i]->forward(h, bias);
   }
   out.last_block_output = h;
   out.last_hidden_state = final_norm_->forward(h);
@@ -215,8 +238,9 @@ T5EncoderOutput T5EncoderModelImpl::forward_all(const torch::Tensor& input_ids) 
   return out;
 }
 
-torch::Tensor T5EncoderModelImpl::forward(const torch::Tensor& input_ids) {
-  return forward_all(input_ids).last_hidden_state;
+torch::Tensor T5EncoderModelImpl::forward(const torch::Tensor& input_ids,
+                                          const torch::Tensor& attention_mask) {
+  return forward_all(input_ids, attention_mask).last_hidden_state;
 }
 
 T5EncoderModel load_t5_encoder(const std::string& dir, torch::Dtype dtype,

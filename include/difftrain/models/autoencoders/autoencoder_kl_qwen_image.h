@@ -27,6 +27,9 @@ struct AutoencoderKLQwenImageConfig {
   int64_t input_channels = 3;
   std::vector<double> latents_mean;  ///< z_dim values (Qwen-Image's defaults when absent)
   std::vector<double> latents_std;   ///< z_dim values
+  /// AutoencoderKLWan (Wan 2.1's folders): the same model, whose tiled decode is clamped to
+  /// [-1, 1] as its plain decode is (AutoencoderKLQwenImage's tiled decode is not).
+  bool wan = false;
   std::string source;
 
   /// 2 ** len(temperal_downsample): the pipelines' vae_scale_factor.

@@ -35,6 +35,9 @@ struct T5EncoderOptions {
   /// Transformers splits it: "gated-" makes the FFN gated (wi_0, wi_1), the rest names the
   /// activation ("gated-gelu" means gelu_new).
   TORCH_ARG(std::string, feed_forward_proj) = "relu";
+  /// UMT5 (model_type "umt5", Wan's text encoder): every block has its own
+  /// relative_attention_bias table and computes its own bias (T5: block 0's, shared).
+  TORCH_ARG(bool, per_layer_position_bias) = false;
 
  public:
   /// Whether the FFN is gated (wi_0 · wi_1) rather than one wi.
@@ -60,13 +63,13 @@ class T5LayerNormImpl : public torch::nn::Module {
 TORCH_MODULE(T5LayerNorm);
 
 /// T5Attention of the encoder: q, k, v [H·d_kv, d_model], o [d_model, H·d_kv], and in block 0
-/// `relative_attention_bias` [num_buckets, H].
+/// (UMT5: in every block) `relative_attention_bias` [num_buckets, H].
 class T5AttentionImpl : public torch::nn::Module {
  public:
   T5AttentionImpl(const T5EncoderOptions& o, bool has_relative_attention_bias);
   /// x: [B, S, d_model], position_bias: [1, H, S, S] -> [B, S, d_model].
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& position_bias);
-  /// The bias of every (query, key) pair: [1, H, q_len, k_len] (block 0 only).
+  /// The bias of every (query, key) pair: [1, H, q_len, k_len] (blocks with a table only).
   torch::Tensor compute_bias(int64_t q_len, int64_t k_len);
 
   Linear q{nullptr}, k{nullptr}, v{nullptr}, out{nullptr};
@@ -89,7 +92,9 @@ struct T5EncoderOutput {
   /// The embeddings, each block's output but the last, then last_hidden_state (num_layers + 1).
   std::vector<torch::Tensor> hidden_states;
   torch::Tensor last_block_output;  ///< the last block's output, before the final norm
-  torch::Tensor position_bias;      ///< [1, H, S, S]
+  torch::Tensor position_bias;      ///< [1, H, S, S] (UMT5: block 0's)
+  /// UMT5: each block's bias [1, H, S, S] (without the mask); T5: empty.
+  std::vector<torch::Tensor> position_biases;
 };
 
 /// One encoder block: layer.0 (SelfAttention + layer_norm), layer.1 (DenseReluDense + layer_norm).
@@ -110,10 +115,14 @@ TORCH_MODULE(T5Block);
 class T5EncoderModelImpl : public torch::nn::Module {
  public:
   explicit T5EncoderModelImpl(const T5EncoderOptions& options);
-  /// input_ids: [B, S] int64 -> last_hidden_state [B, S, d_model] (no attention mask).
-  torch::Tensor forward(const torch::Tensor& input_ids);
+  /// input_ids: [B, S] int64 -> last_hidden_state [B, S, d_model]. attention_mask [B, S] (1 a
+  /// real token; undefined: none, as FluxPipeline calls T5): (1 - mask) x the dtype's lowest
+  /// added to every block's position bias, as Transformers' extended attention mask (WanPipeline
+  /// passes it to UMT5).
+  torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& attention_mask = {});
   /// forward() with every intermediate (T5EncoderOutput).
-  T5EncoderOutput forward_all(const torch::Tensor& input_ids);
+  T5EncoderOutput forward_all(const torch::Tensor& input_ids,
+                              const torch::Tensor& attention_mask = {});
   const T5EncoderOptions& options() const { return options_; }
 
  private:
