@@ -44,6 +44,10 @@ class DpmSolverMultistepSampler final : public MultistepSampler {
   DpmSolverMultistepSampler(const nlohmann::json& json, const std::string& source)
       : MultistepSampler(json, source, kClass) {
     const ConfigReader& r = reader_;
+    if (use_flow_sigmas_) {
+      throw Error(r.where() + "use_flow_sigmas is not supported by " + kClass +
+                  " here; Wan's folders use UniPCMultistepScheduler (unipc)");
+    }
     const std::string algorithm =
         r.get_choice("algorithm_type", "dpmsolver++",
                      {"dpmsolver", "dpmsolver++", "sde-dpmsolver", "sde-dpmsolver++", "deis"});

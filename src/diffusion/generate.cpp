@@ -10,6 +10,8 @@ namespace difftrain::diffusion {
 
 std::map<std::string, torch::Tensor> GenerateResult::tensors() const {
   std::map<std::string, torch::Tensor> out = {{"images", images}};
+  // A video pipeline's clips also under Diffusers' name for them.
+  if (images.defined() && images.dim() == 5) out["frames"] = images;
   if (latents.defined()) out["latents"] = latents;
   if (prompt_embeds.defined()) out["prompt_embeds"] = prompt_embeds;
   if (pooled_prompt_embeds.defined()) out["pooled_prompt_embeds"] = pooled_prompt_embeds;

@@ -134,8 +134,25 @@ MultistepSampler::MultistepSampler(const nlohmann::json& json, const std::string
   const ConfigReader& r = reader_;
   betas_ = r.beta_config(sampler_beta_schedules());
   solver_order_ = r.get_int("solver_order", 2);
-  prediction_type_ =
-      r.get_choice("prediction_type", "epsilon", {"epsilon", "sample", "v_prediction"});
+  prediction_type_ = r.get_choice("prediction_type", "epsilon",
+                                  {"epsilon", "sample", "v_prediction", "flow_prediction"});
+  use_flow_sigmas_ = r.get_bool("use_flow_sigmas", false);
+  flow_shift_ = r.get_double("flow_shift", 1.0);
+  if ((prediction_type_ == "flow_prediction") != use_flow_sigmas_) {
+    throw Error(r.where() +
+                "prediction_type flow_prediction and use_flow_sigmas go together (a flow-matching "
+                "model's scheduler sets both, as Wan's folders do)");
+  }
+  if (use_flow_sigmas_ && !(flow_shift_ > 0)) {
+    throw Error(r.where() + "flow_shift must be > 0");
+  }
+  if (use_flow_sigmas_ &&
+      (r.get_bool("use_dynamic_shifting", false) ||
+       (r.json().contains("shift_terminal") && !r.json().at("shift_terminal").is_null()))) {
+    throw Error(r.where() +
+                "use_dynamic_shifting and shift_terminal with use_flow_sigmas are not supported; "
+                "use flow_shift");
+  }
   thresholding_ = r.get_bool("thresholding", false);
   dynamic_thresholding_ratio_ = r.get_double("dynamic_thresholding_ratio", 0.995);
   sample_max_value_ = r.get_double("sample_max_value", 1.0);
@@ -148,6 +165,10 @@ MultistepSampler::MultistepSampler(const nlohmann::json& json, const std::string
   steps_offset_ = r.get_non_negative_int("steps_offset", 0);
   final_sigmas_type_ = r.get_choice("final_sigmas_type", "zero", {"zero", "sigma_min"});
 
+  if (use_flow_sigmas_ && (use_karras_sigmas_ || use_exponential_sigmas_ || use_beta_sigmas_)) {
+    throw Error(r.where() +
+                "use_flow_sigmas with Karras, exponential or beta sigmas is not supported");
+  }
   if (int(use_karras_sigmas_) + int(use_exponential_sigmas_) + int(use_beta_sigmas_) > 1) {
     throw Error(r.where() +
                 "only one of use_karras_sigmas, use_exponential_sigmas and "
@@ -180,6 +201,8 @@ nlohmann::json MultistepSampler::shared_config() const {
   c["timestep_spacing"] = timestep_spacing_;
   c["steps_offset"] = steps_offset_;
   c["final_sigmas_type"] = final_sigmas_type_;
+  c["use_flow_sigmas"] = use_flow_sigmas_;
+  c["flow_shift"] = flow_shift_;
   return c;
 }
 
@@ -239,7 +262,9 @@ torch::Tensor MultistepSampler::predicted_x0(const torch::Tensor& model_output,
                                              const torch::Tensor& alpha_t,
                                              const torch::Tensor& sigma_t) const {
   torch::Tensor x0;
-  if (prediction_type_ == "epsilon") {
+  if (prediction_type_ == "flow_prediction") {
+    x0 = sample - sigma_t * model_output;
+  } else if (prediction_type_ == "epsilon") {
     x0 = (sample - sigma_t * model_output) / alpha_t;
   } else if (prediction_type_ == "sample") {
     x0 = model_output;
@@ -257,6 +282,12 @@ torch::Tensor MultistepSampler::predicted_epsilon(const torch::Tensor& model_out
   if (prediction_type_ == "epsilon") return model_output;
   if (prediction_type_ == "sample") return (sample - alpha_t * model_output) / sigma_t;
   return alpha_t * model_output + sigma_t * sample;
+}
+
+std::pair<torch::Tensor, torch::Tensor> MultistepSampler::alpha_sigma(
+    const torch::Tensor& sigma) const {
+  if (use_flow_sigmas_) return {1 - sigma, sigma};
+  return sigma_to_alpha_sigma_t(sigma);
 }
 
 torch::Tensor MultistepSampler::threshold(const torch::Tensor& x0) const {

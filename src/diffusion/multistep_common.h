@@ -113,6 +113,10 @@ class MultistepSampler : public Sampler {
   /// threshold_sample() with the config's dynamic_thresholding_ratio and sample_max_value.
   torch::Tensor threshold(const torch::Tensor& x0) const;
 
+  /// Diffusers' _sigma_to_alpha_sigma_t: with use_flow_sigmas (alpha, sigma) = (1 - sigma,
+  /// sigma), else sigma_to_alpha_sigma_t().
+  std::pair<torch::Tensor, torch::Tensor> alpha_sigma(const torch::Tensor& sigma) const;
+
   ConfigReader reader_;
   std::string class_name_;
   SchedulerConfig betas_;
@@ -120,6 +124,9 @@ class MultistepSampler : public Sampler {
   std::string prediction_type_, timestep_spacing_, final_sigmas_type_;
   bool thresholding_ = false, lower_order_final_ = true;
   bool use_karras_sigmas_ = false, use_exponential_sigmas_ = false, use_beta_sigmas_ = false;
+  /// Flow-matching sigmas (Wan's UniPC): sigma in [0, 1], shifted by flow_shift.
+  bool use_flow_sigmas_ = false;
+  double flow_shift_ = 1.0;
   double dynamic_thresholding_ratio_ = 0.995, sample_max_value_ = 1.0;
   int64_t steps_offset_ = 0;
 

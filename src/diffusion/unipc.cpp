@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <utility>
 #include <vector>
@@ -45,6 +46,11 @@ class UniPcSampler final : public MultistepSampler {
                   " (it fails in Diffusers 0.31 too); use "
                   "use_karras_sigmas");
     }
+    if (use_flow_sigmas_ && !predict_x0_) {
+      throw Error(where +
+                  "flow_prediction needs predict_x0 true (Diffusers' UniPC has no noise-prediction "
+                  "form of it)");
+    }
     const auto solver_p = r.json().find("solver_p");
     if (solver_p != r.json().end() && !solver_p->is_null()) {
       throw Error(where +
@@ -63,6 +69,10 @@ class UniPcSampler final : public MultistepSampler {
   }
 
   void set_timesteps(int64_t n) override {
+    if (use_flow_sigmas_) {
+      set_flow_timesteps(n);
+      return;
+    }
     std::vector<int64_t> ts = spaced_timesteps(n, betas_.num_train_timesteps);
     std::vector<double> sigmas;
     multistep_sigmas(use_karras_sigmas_ ? SigmaSpacing::kKarras : SigmaSpacing::kInterp, n,
@@ -104,10 +114,36 @@ class UniPcSampler final : public MultistepSampler {
   }
 
  private:
+  // use_flow_sigmas: linspace(1, 1 / T, n + 1)[:-1] shifted by flow_shift in float64, the first
+  // nudged below 1 (so that log(alpha) stays finite), timesteps = int64(sigma * T) (truncated, as
+  // Diffusers' astype), then the final sigma (0 or the last).
+  void set_flow_timesteps(int64_t n) {
+    if (n < 1) {
+      throw Error(std::string(kClass) + ": num_inference_steps is " + std::to_string(n) +
+                  "; it must be >= 1");
+    }
+    const auto T = static_cast<double>(betas_.num_train_timesteps);
+    std::vector<double> sigmas;
+    const double stop = 1.0 / T;
+    for (int64_t k = 0; k < n; ++k) {
+      // numpy linspace over n + 1 points: start + k * step, the last point dropped.
+      const double step = (stop - 1.0) / static_cast<double>(n);
+      const double s = 1.0 + static_cast<double>(k) * step;
+      sigmas.push_back(flow_shift_ * s / (1 + (flow_shift_ - 1) * s));
+    }
+    if (std::fabs(sigmas[0] - 1) < 1e-6) sigmas[0] -= 1e-6;
+    std::vector<int64_t> ts;
+    for (double s : sigmas) ts.push_back(static_cast<int64_t>(s * T));
+    sigmas.push_back(final_sigmas_type_ == "sigma_min" ? sigmas.back() : 0.0);
+    set_tables(ts, sigmas);
+    this_order_ = 0;
+    last_sample_ = torch::Tensor();
+  }
+
   // Diffusers' convert_model_output: x0 (predict_x0) or epsilon.
   torch::Tensor convert_model_output(const torch::Tensor& model_output, const torch::Tensor& sample,
                                      int64_t i) const {
-    const auto [alpha_t, sigma_t] = sigma_to_alpha_sigma_t(sigmas_[i]);
+    const auto [alpha_t, sigma_t] = alpha_sigma(sigmas_[i]);
     if (predict_x0_) return predicted_x0(model_output, sample, alpha_t, sigma_t);
     return predicted_epsilon(model_output, sample, alpha_t, sigma_t);
   }
@@ -151,14 +187,14 @@ class UniPcSampler final : public MultistepSampler {
   // UniP-`order` (B(h) version) from sample at sigmas[i] to sigmas[i + 1].
   torch::Tensor predictor_update(const torch::Tensor& x, int64_t order, int64_t i) const {
     const torch::Tensor& m0 = model_outputs_.back();
-    const auto [alpha_t, sigma_t] = sigma_to_alpha_sigma_t(sigmas_[i + 1]);
-    const auto [alpha_s0, sigma_s0] = sigma_to_alpha_sigma_t(sigmas_[i]);
+    const auto [alpha_t, sigma_t] = alpha_sigma(sigmas_[i + 1]);
+    const auto [alpha_s0, sigma_s0] = alpha_sigma(sigmas_[i]);
     const torch::Tensor lambda_s0 = lambda_of(alpha_s0, sigma_s0);
     const torch::Tensor h = lambda_of(alpha_t, sigma_t) - lambda_s0;
     std::vector<torch::Tensor> rks, D1s;
     for (int64_t k = 1; k < order; ++k) {
       const torch::Tensor& mi = model_outputs_[model_outputs_.size() - 1 - k];
-      const auto [alpha_si, sigma_si] = sigma_to_alpha_sigma_t(sigmas_[i - k]);
+      const auto [alpha_si, sigma_si] = alpha_sigma(sigmas_[i - k]);
       const torch::Tensor rk = (lambda_of(alpha_si, sigma_si) - lambda_s0) / h;
       rks.push_back(rk);
       D1s.push_back((mi - m0) / rk);
@@ -193,14 +229,14 @@ class UniPcSampler final : public MultistepSampler {
   torch::Tensor corrector_update(const torch::Tensor& model_t, const torch::Tensor& x,
                                  const torch::Tensor& this_sample, int64_t order, int64_t i) const {
     const torch::Tensor& m0 = model_outputs_.back();
-    const auto [alpha_t, sigma_t] = sigma_to_alpha_sigma_t(sigmas_[i]);
-    const auto [alpha_s0, sigma_s0] = sigma_to_alpha_sigma_t(sigmas_[i - 1]);
+    const auto [alpha_t, sigma_t] = alpha_sigma(sigmas_[i]);
+    const auto [alpha_s0, sigma_s0] = alpha_sigma(sigmas_[i - 1]);
     const torch::Tensor lambda_s0 = lambda_of(alpha_s0, sigma_s0);
     const torch::Tensor h = lambda_of(alpha_t, sigma_t) - lambda_s0;
     std::vector<torch::Tensor> rks, D1s;
     for (int64_t k = 1; k < order; ++k) {
       const torch::Tensor& mi = model_outputs_[model_outputs_.size() - 1 - k];
-      const auto [alpha_si, sigma_si] = sigma_to_alpha_sigma_t(sigmas_[i - (k + 1)]);
+      const auto [alpha_si, sigma_si] = alpha_sigma(sigmas_[i - (k + 1)]);
       const torch::Tensor rk = (lambda_of(alpha_si, sigma_si) - lambda_s0) / h;
       rks.push_back(rk);
       D1s.push_back((mi - m0) / rk);

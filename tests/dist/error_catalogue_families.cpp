@@ -163,6 +163,26 @@ std::vector<Case> family_error_cases() {
                         t + "/d", "--resolution", "32", "--lora", "--max_train_steps", "1",
                         "--output_dir", t + "/out"}};
        }},
+      // ------------------------------------------------------------------ Wan
+      {"WanSizeNotMultipleOf16",
+       "`difftrain sample --model tests/golden/wan/tiny_wan --prompt a --height 40`",
+       "--height 40: WanPipeline takes heights and widths divisible by 16", 1,
+       [](const std::string& t) {
+         return BadRun{{"sample", "--model", kGolden + "/wan/tiny_wan", "--prompt", "a", "--height",
+                        "40", "--width", "48", "--num_inference_steps", "1", "--output",
+                        t + "/s.png"}};
+       }},
+      {"WanTrainingNotYet",
+       "`difftrain train --pretrained_model_name_or_path tests/golden/wan/tiny_wan ...` (Wan "
+       "training is still to come)",
+       "Training is not supported for Wan yet (issue 60: sampling and difftrain forward are; "
+       "LoRA files, training, image-to-video and estimate-memory are still to come)",
+       1,
+       [](const std::string& t) {
+         return BadRun{{"train", "--pretrained_model_name_or_path", kGolden + "/wan/tiny_wan",
+                        "--dataset", "imagefolder", "--train_data_dir", t, "--output_dir",
+                        t + "/run"}};
+       }},
   };
 }
 

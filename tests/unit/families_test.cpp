@@ -50,7 +50,7 @@ TEST(Families, EachBuiltInFamilyIsRegisteredOnceWithItsOwnClasses) {
     EXPECT_FALSE(f->lora_components().empty()) << f->name();
   }
   EXPECT_EQ(names, (std::set<std::string>{"unet", "stable-diffusion", "sdxl", "flux", "z-image",
-                                          "qwen-image"}));
+                                          "qwen-image", "wan"}));
   EXPECT_EQ(families::default_family().name(), "unet");
   // Diffusers' oldest LoRA layout's bare module paths are the UNet's, as its families declare.
   EXPECT_EQ(io::lora_bare_component(), "unet");
@@ -458,7 +458,7 @@ TEST(Families, AFamilyDeclaresItsOwnSampleOptionsAndAnotherFamilysAreRefused) {
   for (const auto& [spec, names] : families::all_sample_options()) owners[spec.name] = names;
   EXPECT_EQ(owners["prompt_2"], std::vector<std::string>{"flux"});
   EXPECT_EQ(owners["max_sequence_length"],
-            (std::vector<std::string>{"flux", "qwen-image", "z-image"}));
+            (std::vector<std::string>{"flux", "qwen-image", "wan", "z-image"}));
   EXPECT_EQ(owners["true_cfg_scale"], std::vector<std::string>{"qwen-image"});
   EXPECT_EQ(owners["cfg_truncation"], std::vector<std::string>{"z-image"});
   EXPECT_EQ(owners["original_size"], std::vector<std::string>{"sdxl"});

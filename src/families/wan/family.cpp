@@ -1,0 +1,116 @@
+// The Wan family (issue 60, first part): WanPipeline folders (Wan 2.1 text-to-video, Wan 2.2 A14B
+// with its two experts) and bare WanTransformer3DModel folders: `difftrain sample` (frames as a
+// PNG strip and --save_tensors; video files are still to come), `difftrain forward`. Wan LoRA
+// files, image-to-video, the 2.2 TI2V VAE, video data, training and estimate-memory are refused
+// in one line until they land.
+#include "difftrain/families/family.h"
+#include "difftrain/core/error.h"
+#include "difftrain/core/log.h"
+#include "wan_pipeline.h"
+
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+namespace difftrain::families {
+namespace {
+
+[[noreturn]] void not_yet(const std::string& what) {
+  throw Error(what +
+              " is not supported for Wan yet (issue 60: sampling and difftrain forward are; LoRA "
+              "files, training, image-to-video and estimate-memory are still to come)");
+}
+
+class WanFamily : public ModelFamily {
+ public:
+  std::string name() const override { return "wan"; }
+  std::vector<std::string> pipeline_classes() const override { return {"WanPipeline"}; }
+  std::vector<std::string> model_classes() const override { return {"WanTransformer3DModel"}; }
+  bool matches_components(const nlohmann::json& index) const override {
+    return index.contains("transformer") && index.contains("text_encoder") &&
+           index["text_encoder"].is_array() && index["text_encoder"].size() == 2 &&
+           index["text_encoder"][1] == "UMT5EncoderModel";
+  }
+  int component_match_rank() const override { return 4; }
+  std::vector<std::string> lora_components() const override { return {"transformer"}; }
+  void adapt_lora(io::LoraWeights& /*lora*/, const std::string& /*dir*/,
+                  io::LoraFormat /*format*/) const override {
+    not_yet("A Wan LoRA file");
+  }
+  models::LoraFolderMergeSummary merge_lora(
+      const std::string& /*dir*/, const std::string& /*lora*/, const std::string& /*output_dir*/,
+      const models::LoraFolderMergeOptions& /*options*/) const override {
+    not_yet("lora merge");
+  }
+  std::map<std::string, torch::Tensor> forward_outputs(
+      const std::string& dir, const std::map<std::string, torch::Tensor>& inputs,
+      const std::string& source, const std::string& lora, double /*lora_scale*/) const override {
+    if (!lora.empty()) not_yet("forward --lora");
+    return wan::forward_wan(dir, inputs, source);
+  }
+  std::vector<train::MemoryEstimate> estimate_memory(
+      const std::string& /*model_path*/, const train::MemoryEstimateOptions& /*options*/,
+      const std::vector<accel::ShardingStrategy>& /*strategies*/) const override {
+    not_yet("estimate-memory");
+  }
+  std::unique_ptr<diffusion::Pipeline> load_pipeline(
+      const std::string& dir, const diffusion::PipelineLoadOptions& options) const override {
+    return std::make_unique<wan::WanPipeline>(wan::load_wan_pipeline(dir, options));
+  }
+  std::unique_ptr<train::TrainingTask> make_training_task(
+      const train::TaskOptions& /*options*/) const override {
+    not_yet("Training");
+  }
+  std::vector<train::OptionSpec> sample_options() const override {
+    train::OptionSpec frames{"num_frames", "int", 81,
+                             "frames of each video (1 + 4k; others are rounded down as "
+                             "WanPipeline rounds them); default 81",
+                             train::range_check(1, 100000)};
+    train::OptionSpec g2{"guidance_scale_2", "float?", nullptr,
+                         "Wan 2.2 A14B: the guidance of the low-noise expert (transformer_2); "
+                         "default --guidance_scale",
+                         train::range_check(0, 1e9)};
+    train::OptionSpec length{"max_sequence_length", "int?", nullptr,
+                             "UMT5 tokens per prompt (default 512)",
+                             train::range_check(1, 1 << 20)};
+    return {std::move(frames), std::move(g2), std::move(length)};
+  }
+  diffusion::GenerateResult sample(const SampleOptions& a) const override {
+    const train::FamilyOptions own =
+        a.family.specs.empty() ? parse_family_flags(name(), sample_options(), {}) : a.family;
+    diffusion::GenerateRequest request;
+    request.prompts = sample_prompts(a, "Wan");
+    if (!a.class_labels.empty()) throw Error("--class_labels is for class-conditional UNets");
+    if (!a.negative_prompt.empty()) request.negative_prompts = {a.negative_prompt};
+    if (a.clip_skip != 1) throw Error("--clip_skip does not apply to Wan (it takes UMT5's output)");
+    if (a.guidance_rescale != 0) throw Error("--guidance_rescale does not apply to Wan");
+    if (a.guidance_given) request.guidance_scale = a.guidance_scale;
+    request.num_inference_steps = a.num_inference_steps;
+    request.height = a.height;
+    request.width = a.width;
+    const auto& length = own.at("max_sequence_length");
+    request.max_sequence_length = length.is_null() ? 0 : length.get<int64_t>();
+    request.options["num_frames"] = own.at("num_frames").get<int64_t>();
+    request.options["guidance_scale_2"] = own.at("guidance_scale_2");
+    request.num_images = a.num_images > 0 ? a.num_images : a.num_images_per_prompt;
+    request.seed = a.seed;
+    const torch::Device device = parse_sample_device(a.device);
+    wan::WanPipeline pipe = wan::load_wan_pipeline(a.model, a);
+    pipe.to(device, a.dtype);
+    const auto o = pipe.resolve(request);
+    log::info(
+        "difftrain sample: {} (WanPipeline{}) on {}, {} steps, guidance {}, {} prompt(s) x {} "
+        "video(s), {} frames of {}x{}, seed {}",
+        a.model, pipe.transformer_2 ? ", two experts" : "", device.str(), o.num_inference_steps,
+        *o.guidance_scale, o.prompts.size(), o.num_images,
+        o.options.at("num_frames").get<int64_t>(), o.height, o.width, a.seed);
+    request.on_step = a.on_step;
+    if (a.on_start) a.on_start();
+    return pipe.generate(request);
+  }
+};
+
+}  // namespace
+
+DIFFTRAIN_BUILTIN_FAMILY(wan, WanFamily)
+
+}  // namespace difftrain::families

@@ -1,0 +1,76 @@
+#pragma once
+// WanPipeline (Diffusers 0.40): Wan 2.1 text-to-video and Wan 2.2 A14B's two experts (transformer
+// for the high-noise steps, transformer_2 below boundary_ratio); UMT5 prompt embeddings trimmed to
+// each prompt's tokens and zero-padded; the folder's UniPC flow scheduler; the causal VAE's decode
+// of the whole clip; frames [K, F, H, W, 3] in [0, 1]. A seed gives Diffusers' frames.
+
+#include "difftrain/diffusion/generate.h"
+#include "difftrain/diffusion/sampler.h"
+#include "difftrain/models/autoencoders/autoencoder_kl_qwen_image.h"
+#include "difftrain/models/text_encoders/t5_encoder.h"
+#include "difftrain/models/tokenizers/t5_tokenizer.h"
+#include "difftrain/models/transformers/wan_transformer.h"
+
+#include <torch/types.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace difftrain::families::wan {
+
+struct WanFolder {
+  std::string dir, pipeline_class;
+  std::string transformer_dir, transformer_2_dir;  ///< transformer_2: "" unless Wan 2.2 A14B
+  std::string vae_dir, text_encoder_dir, tokenizer_dir, scheduler_config;
+  std::optional<double> boundary_ratio;  ///< model_index.json's (A14B: the expert switch)
+  bool expand_timesteps = false;         ///< Wan 2.2 TI2V's per-token timesteps
+};
+
+/// A WanPipeline folder; one line naming the file or folder when something is missing.
+WanFolder resolve_wan_folder(const std::string& dir);
+/// A pipeline folder's transformer/, or `dir` itself (a bare WanTransformer3DModel folder).
+std::string wan_transformer_dir(const std::string& dir);
+
+/// WanPipeline's prompt_clean: HTML entities unescaped twice (ftfy is not applied: Diffusers
+/// skips it too when ftfy is not installed), runs of Python-regex whitespace made one space,
+/// stripped.
+std::string wan_prompt_clean(const std::string& text);
+
+/// _get_t5_prompt_embeds: each prompt cleaned, tokenized to `max_sequence_length` (`</s>`, pads),
+/// UMT5's last hidden state with the mask, each row cut to its tokens and zero-padded back:
+/// [N, max_sequence_length, d_model] float32.
+torch::Tensor encode_wan_prompts(const models::T5Tokenizer& tokenizer,
+                                 models::T5EncoderModel& encoder,
+                                 const std::vector<std::string>& prompts,
+                                 int64_t max_sequence_length);
+
+class WanPipeline : public diffusion::Pipeline {
+ public:
+  WanFolder folder;
+  std::shared_ptr<const models::T5Tokenizer> tokenizer;
+  models::T5EncoderModel text_encoder{nullptr};
+  models::WanTransformer3DModel transformer{nullptr};
+  models::WanTransformer3DModel transformer_2{nullptr};  ///< A14B's low-noise expert, or null
+  models::AutoencoderKLQwenImage vae{nullptr};           ///< Wan 2.1's VAE (also A14B's)
+  std::unique_ptr<diffusion::Sampler> scheduler;
+
+  std::string class_name() const override { return "WanPipeline"; }
+  void to(const torch::Device& device, std::optional<torch::Dtype> dtype = std::nullopt) override;
+  diffusion::GenerateRequest resolve(diffusion::GenerateRequest request) const override;
+  /// request.options: "num_frames" (81), "guidance_scale_2" (A14B's low-noise guidance, default
+  /// guidance_scale). Frames [K, F, H, W, 3].
+  diffusion::GenerateResult generate(const diffusion::GenerateRequest& request) override;
+};
+
+WanPipeline load_wan_pipeline(const std::string& dir,
+                              const diffusion::PipelineLoadOptions& options = {});
+
+std::map<std::string, torch::Tensor> forward_wan(const std::string& dir,
+                                                 const std::map<std::string, torch::Tensor>& in,
+                                                 const std::string& source);
+
+}  // namespace difftrain::families::wan

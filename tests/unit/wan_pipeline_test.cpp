@@ -1,0 +1,147 @@
+// Wan sampling against Diffusers' own (tests/golden/wan/make_pipeline.py): UniPCMultistepScheduler
+// with flow sigmas (Wan's scheduler: flow_shift 3 and 5, orders 1-3, 1 to 50 steps,
+// lower_order_final off, a disabled corrector) step for step; WanPipeline's prompt cleaning and
+// UMT5 embeddings from strings (make_text_encoder.py); WanPipeline.__call__ seed for seed (CFG,
+// no CFG, frame rounding, two prompts x two videos, Wan 2.2 A14B's expert switch); refusals.
+#include "../../src/families/wan/wan_pipeline.h"
+
+#include "difftrain/diffusion/sampler.h"
+#include "difftrain/io/safetensors.h"
+#include "test_util.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <iostream>
+
+namespace wan_pipeline_test {
+
+using difftrain::test::error_of;
+using difftrain::test::kGoldenDir;
+using difftrain::test::max_abs;
+namespace wan = difftrain::families::wan;
+
+const std::string kWanDir = kGoldenDir + "wan";
+
+nlohmann::json read_json(const std::string& path) {
+  std::ifstream in(path);
+  return nlohmann::json::parse(in);
+}
+
+TEST(UniPcFlow, EveryConfigStepsAsDiffusers) {
+  const auto j = read_json(kWanDir + "/unipc_flow.json");
+  const auto f = difftrain::io::load_safetensors(kWanDir + "/unipc_flow.safetensors").tensors;
+  int checked = 0;
+  for (const auto& [name, c] : j.at("configs").items()) {
+    SCOPED_TRACE(name);
+    nlohmann::json config = j.at("base_config");
+    config["_class_name"] = "UniPCMultistepScheduler";
+    for (const auto& [k, v] : c.at("config").items()) {
+      if (k != "num_inference_steps") config[k] = v;
+    }
+    const int64_t n = c.at("config").at("num_inference_steps").get<int64_t>();
+    auto s = difftrain::diffusion::make_sampler(config, "", name);
+    s->set_timesteps(n);
+    EXPECT_TRUE(torch::equal(s->timesteps().to(torch::kInt64), f.at(name + ".timesteps")));
+    EXPECT_TRUE(torch::equal(s->sigmas(), f.at(name + ".sigmas")));
+    torch::Tensor x = f.at(name + ".sample_init");
+    const auto& out = f.at(name + ".model_output");
+    const auto& want = f.at(name + ".prev_sample");
+    for (int64_t i = 0; i < n; ++i) {
+      x = s->step(out[i], s->timestep(i), x);
+      const auto& w = want[i];
+      if (!torch::isfinite(w).all().item<bool>()) {  // lower_order_final off: inf as Diffusers
+        EXPECT_TRUE(torch::equal(torch::isinf(x), torch::isinf(w))) << "step " << i;
+        break;
+      }
+      EXPECT_LT(max_abs(x, w), 1e-5 * std::max(1.0, w.abs().max().item<double>())) << "step " << i;
+      x = w;  // each step from the reference's sample
+    }
+    ++checked;
+  }
+  EXPECT_EQ(checked, 21);
+}
+
+TEST(WanPrompts, CleaningAndUmt5EmbeddingsFromStringsMatchDiffusers) {
+  torch::NoGradGuard no_grad;
+  const auto j = read_json(kWanDir + "/prompts_expected.json");
+  const auto f = difftrain::io::load_safetensors(kWanDir + "/prompt_embeds.safetensors").tensors;
+  const auto tok = difftrain::models::T5Tokenizer::load(kWanDir + "/tiny_wan/tokenizer");
+  auto enc = difftrain::models::load_t5_encoder(kWanDir + "/tiny_wan/text_encoder");
+  for (const auto& [name, c] : j.at("cases").items()) {
+    if (c.value("dtype", "float32") != "float32") continue;
+    SCOPED_TRACE(name);
+    const auto& a = c.at("arguments");
+    std::vector<std::string> prompts;
+    if (a.at("prompt").is_string()) {
+      prompts = {a.at("prompt").get<std::string>()};
+    } else {
+      prompts = a.at("prompt").get<std::vector<std::string>>();
+    }
+    const auto cleaned = c.at("cleaned_prompts").get<std::vector<std::string>>();
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      EXPECT_EQ(wan::wan_prompt_clean(prompts[i]), cleaned[i]);
+    }
+    const int64_t msl = a.at("max_sequence_length").get<int64_t>();
+    const int64_t k = a.at("num_videos_per_prompt").get<int64_t>();
+    const auto e = wan::encode_wan_prompts(tok, enc, prompts, msl).repeat_interleave(k, 0);
+    EXPECT_LT(max_abs(e, f.at(name + ".prompt_embeds")), 2e-5);
+  }
+}
+
+TEST(WanPipeline, SamplingMatchesDiffusersSeedForSeed) {
+  torch::NoGradGuard no_grad;
+  const auto j = read_json(kWanDir + "/tiny_wan/sample_e2e.json");
+  const auto f =
+      difftrain::io::load_safetensors(kWanDir + "/tiny_wan/sample_e2e.safetensors").tensors;
+  for (const auto& [name, c] : j.at("cases").items()) {
+    SCOPED_TRACE(name);
+    const auto& a = c.at("arguments");
+    auto p = wan::load_wan_pipeline(kWanDir + "/" + c.at("folder").get<std::string>());
+    difftrain::diffusion::GenerateRequest r;
+    if (a.at("prompt").is_string()) {
+      r.prompts = {a.at("prompt").get<std::string>()};
+    } else {
+      r.prompts = a.at("prompt").get<std::vector<std::string>>();
+    }
+    if (a.contains("negative_prompt") && a.at("negative_prompt").is_string()) {
+      r.negative_prompts = {a.at("negative_prompt").get<std::string>()};
+    }
+    r.guidance_scale = a.at("guidance_scale").get<double>();
+    if (a.contains("guidance_scale_2")) r.options["guidance_scale_2"] = a.at("guidance_scale_2");
+    r.height = a.at("height").get<int64_t>();
+    r.width = a.at("width").get<int64_t>();
+    r.options["num_frames"] = a.at("num_frames").get<int64_t>();
+    r.num_inference_steps = a.at("num_inference_steps").get<int64_t>();
+    r.num_images = a.at("num_videos_per_prompt").get<int64_t>();
+    r.seed = a.at("seed").get<uint64_t>();
+    const auto out = p.generate(r);
+    const auto& frames = f.at(name + ".frames");
+    ASSERT_EQ(out.images.sizes(), frames.sizes());
+    const double dl = max_abs(out.latents, f.at(name + ".latents_final"));
+    const double df = max_abs(out.images, frames);
+    std::cout << name << ": latents " << dl << ", frames " << df << "\n";
+    EXPECT_LT(dl, 1e-4);
+    EXPECT_LT(df, 1e-4);
+    EXPECT_LT(max_abs(out.prompt_embeds, f.at(c.at("prompt_embeds_key").get<std::string>())), 2e-5);
+  }
+}
+
+TEST(WanPipeline, RefusesWhatItCannotRun) {
+  auto p = wan::load_wan_pipeline(kWanDir + "/tiny_wan");
+  difftrain::diffusion::GenerateRequest r;
+  r.prompts = {"a"};
+  r.height = 40;
+  r.width = 48;
+  r.num_inference_steps = 1;
+  r.options["num_frames"] = 1;
+  EXPECT_NE(error_of([&] { p.generate(r); }).find("divisible by 16"), std::string::npos);
+  difftrain::diffusion::PipelineLoadOptions o;
+  o.lora = "x.safetensors";
+  EXPECT_NE(error_of([&] { wan::load_wan_pipeline(kWanDir + "/tiny_wan", o); }).find("LoRA"),
+            std::string::npos);
+}
+
+}  // namespace wan_pipeline_test
