@@ -30,6 +30,13 @@ std::string dotted_top(const DitLoraLayout& layout, const std::string& kohya) {
 
 const std::string kComfyPrefix = "diffusion_model.";
 
+// `module` through each (regex, replacement) in order.
+std::string rename_modules(const std::vector<std::pair<std::string, std::string>>& renames,
+                           std::string module) {
+  for (const auto& [from, to] : renames) module = std::regex_replace(module, std::regex(from), to);
+  return module;
+}
+
 // The module names of the transformer's weights (every shard), read from the headers alone.
 std::vector<std::string> transformer_modules(const DitLoraLayout& layout, const std::string& dir) {
   std::vector<std::string> names;
@@ -68,7 +75,22 @@ void resolve_dit_targets(const DitLoraLayout& layout, io::LoraWeights& lora,
     if (transformer.empty()) lora.components.erase("transformer");
   }
   if (lora.count("transformer") == 0) return;
-  io::resolve_kohya_names(lora, "transformer", transformer_modules(layout, dir));
+  std::vector<std::string> modules = transformer_modules(layout, dir);
+  if (!layout.original_renames.empty()) {
+    // kohya names may be the original checkpoint's (musubi-tuner's): resolve against both
+    // namings, then name every target as Diffusers does.
+    const size_t n = modules.size();
+    for (size_t i = 0; i < n; ++i) {
+      const std::string original = rename_modules(layout.original_renames, modules[i]);
+      if (original != modules[i]) modules.push_back(original);
+    }
+  }
+  io::resolve_kohya_names(lora, "transformer", modules);
+  if (!layout.original_renames.empty()) {
+    for (auto& t : lora.components["transformer"]) {
+      t.module = rename_modules(layout.comfyui_renames, t.module);
+    }
+  }
 }
 
 }  // namespace
@@ -133,9 +155,12 @@ io::LoraWeights read_dit_lora(const DitLoraLayout& layout, const std::string& pa
 void adapt_dit_lora(const DitLoraLayout& layout, io::LoraWeights& lora, const std::string& dir,
                     io::LoraFormat format) {
   resolve_dit_targets(layout, lora, dir);
-  if (format != io::LoraFormat::kKohya) return;
+  if (format != io::LoraFormat::kKohya && format != io::LoraFormat::kComfyUI) return;
   auto it = lora.components.find("transformer");
   if (it == lora.components.end()) return;
+  // kohya and ComfyUI files name the original checkpoint's modules where they differ.
+  for (auto& t : it->second) t.module = rename_modules(layout.original_renames, t.module);
+  if (format != io::LoraFormat::kKohya) return;
   auto& unet = lora.components["unet"];
   for (auto& t : it->second) unet.push_back(std::move(t));
   lora.components.erase("transformer");

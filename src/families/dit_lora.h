@@ -25,6 +25,12 @@ struct DitLoraLayout {
   std::vector<std::pair<std::string, std::string>> comfyui_renames;
   /// The transformer folder of a pipeline folder or a bare transformer folder.
   std::function<std::string(const std::string& dir)> transformer_dir;
+  /// A family whose original checkpoint names its modules otherwise than Diffusers (Wan:
+  /// `blocks.0.self_attn.q` for `blocks.0.attn1.to_q`): the renames Diffusers -> original (the
+  /// inverse of comfyui_renames). kohya names are then resolved against both namings (musubi-
+  /// tuner writes the original's), and kohya / ComfyUI exports name the original modules. Empty
+  /// when the ComfyUI form uses Diffusers' names.
+  std::vector<std::pair<std::string, std::string>> original_renames;
 };
 
 /// Whether `module` (dotted) starts with one of the layout's top-level modules.

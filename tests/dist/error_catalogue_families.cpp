@@ -175,8 +175,8 @@ std::vector<Case> family_error_cases() {
       {"WanTrainingNotYet",
        "`difftrain train --pretrained_model_name_or_path tests/golden/wan/tiny_wan ...` (Wan "
        "training is still to come)",
-       "Training is not supported for Wan yet (issue 60: sampling and difftrain forward are; "
-       "LoRA files, training, image-to-video and estimate-memory are still to come)",
+       "Training is not supported for Wan yet (issue 60: sampling, difftrain forward and LoRA "
+       "files are; training, image-to-video and estimate-memory are still to come)",
        1,
        [](const std::string& t) {
          return BadRun{{"train", "--pretrained_model_name_or_path", kGolden + "/wan/tiny_wan",

@@ -6,6 +6,7 @@
 #include "../../src/families/wan/wan_pipeline.h"
 
 #include "difftrain/diffusion/sampler.h"
+#include "difftrain/families/family.h"
 #include "difftrain/io/safetensors.h"
 #include "test_util.h"
 
@@ -140,8 +141,59 @@ TEST(WanPipeline, RefusesWhatItCannotRun) {
   EXPECT_NE(error_of([&] { p.generate(r); }).find("divisible by 16"), std::string::npos);
   difftrain::diffusion::PipelineLoadOptions o;
   o.lora = "x.safetensors";
-  EXPECT_NE(error_of([&] { wan::load_wan_pipeline(kWanDir + "/tiny_wan", o); }).find("LoRA"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { wan::load_wan_pipeline(kWanDir + "/tiny_wan", o); }).find("x.safetensors"),
+      std::string::npos);
+}
+
+// Wan LoRA files as WanLoraLoaderMixin reads them (make_lora.py): Diffusers (alpha in the header
+// metadata), the original / ComfyUI / musubi-tuner names with .alpha, kohya's lora_unet_ names of
+// the original modules, an I2V file with the image branch and the top-level modules; merged, the
+// transformer's output equals Diffusers' fused one; convert writes the original names back.
+TEST(WanLora, EveryLayoutGivesDiffusersOutputAndConvertsBack) {
+  torch::NoGradGuard no_grad;
+  const auto j = read_json(kWanDir + "/lora/cases.json");
+  const auto want = difftrain::io::load_safetensors(kWanDir + "/lora/expected.safetensors").tensors;
+  const auto inputs =
+      difftrain::io::load_safetensors(kWanDir + "/tiny_wan/forward.safetensors").tensors;
+  auto forward_case = [&](const std::string& c) {
+    std::map<std::string, torch::Tensor> in;
+    for (const char* k :
+         {"hidden_states", "timestep", "encoder_hidden_states", "encoder_hidden_states_image"}) {
+      if (inputs.count(c + "." + k)) in[k] = inputs.at(c + "." + k);
+    }
+    return in;
+  };
+  int checked = 0;
+  for (const auto& [key, e] : j.at("entries").items()) {
+    if (e.at("file").is_null() || !e.at("fused").get<bool>()) continue;
+    SCOPED_TRACE(key);
+    const std::string dir = kWanDir + "/tiny_wan/" + e.at("transformer").get<std::string>();
+    const auto out = wan::forward_wan(dir, forward_case(e.at("forward_case").get<std::string>()),
+                                      "in", kWanDir + "/lora/" + e.at("file").get<std::string>(),
+                                      e.at("lora_scale").get<double>())
+                         .at("out");
+    const double d = max_abs(out, want.at(key));
+    std::cout << key << ": " << d << "\n";
+    EXPECT_LT(d, 2e-5);
+    ++checked;
+  }
+  EXPECT_GE(checked, 5);
+  // lora convert --to comfyui / kohya with the folder: the original module names.
+  const std::string tmp = testing::TempDir();
+  for (const auto& [format, probe] :
+       {std::pair<difftrain::io::LoraFormat, std::string>{
+            difftrain::io::LoraFormat::kComfyUI,
+            "diffusion_model.blocks.0.self_attn.q.lora_down.weight"},
+        {difftrain::io::LoraFormat::kKohya, "lora_unet_blocks_1_ffn_2.lora_up.weight"}}) {
+    const std::string out = tmp + "/wan_convert_" + probe.substr(0, 10) + ".safetensors";
+    difftrain::families::convert_lora(kWanDir + "/lora/diffusers.safetensors", out, format,
+                                      kWanDir + "/tiny_wan");
+    EXPECT_TRUE(difftrain::io::load_safetensors(out).tensors.count(probe)) << probe;
+    const auto again =
+        wan::forward_wan(kWanDir + "/tiny_wan", forward_case("t2v_f5"), "in", out, 1.0).at("out");
+    EXPECT_LT(max_abs(again, want.at("diffusers.t2v_f5.out")), 2e-5) << probe;
+  }
 }
 
 }  // namespace wan_pipeline_test

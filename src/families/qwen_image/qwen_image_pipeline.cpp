@@ -531,7 +531,8 @@ const DitLoraLayout& qwen_image_lora_layout() {
                                     {"transformer_blocks", "img_in", "txt_in", "txt_norm",
                                      "proj_out", "norm_out", "time_text_embed"},
                                     {},
-                                    qwen_image_transformer_dir};
+                                    qwen_image_transformer_dir,
+                                    {}};
   return layout;
 }
 

@@ -1,11 +1,12 @@
 // The Wan family (issue 60, first part): WanPipeline folders (Wan 2.1 text-to-video, Wan 2.2 A14B
 // with its two experts) and bare WanTransformer3DModel folders: `difftrain sample` (frames as a
-// PNG strip and --save_tensors; video files are still to come), `difftrain forward`. Wan LoRA
-// files, image-to-video, the 2.2 TI2V VAE, video data, training and estimate-memory are refused
-// in one line until they land.
+// PNG strip and --save_tensors; video files are still to come), `difftrain forward`, LoRA files
+// (read, convert, merge, apply). Image-to-video, the 2.2 TI2V VAE, video data, training and
+// estimate-memory are refused in one line until they land.
 #include "difftrain/families/family.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
+#include "difftrain/families/lora_merge.h"
 #include "wan_pipeline.h"
 
 #include <fmt/format.h>
@@ -16,8 +17,8 @@ namespace {
 
 [[noreturn]] void not_yet(const std::string& what) {
   throw Error(what +
-              " is not supported for Wan yet (issue 60: sampling and difftrain forward are; LoRA "
-              "files, training, image-to-video and estimate-memory are still to come)");
+              " is not supported for Wan yet (issue 60: sampling, difftrain forward and LoRA files "
+              "are; training, image-to-video and estimate-memory are still to come)");
 }
 
 class WanFamily : public ModelFamily {
@@ -32,20 +33,32 @@ class WanFamily : public ModelFamily {
   }
   int component_match_rank() const override { return 4; }
   std::vector<std::string> lora_components() const override { return {"transformer"}; }
-  void adapt_lora(io::LoraWeights& /*lora*/, const std::string& /*dir*/,
-                  io::LoraFormat /*format*/) const override {
-    not_yet("A Wan LoRA file");
+  std::vector<std::string> lora_export_formats() const override {
+    return {"diffusers", "peft", "kohya", "comfyui"};
+  }
+  std::vector<io::LoraKeyLayout> lora_key_layouts() const override {
+    return {dit_comfyui_key_layout(wan::wan_lora_layout())};
+  }
+  void adapt_lora(io::LoraWeights& lora, const std::string& dir,
+                  io::LoraFormat format) const override {
+    adapt_dit_lora(wan::wan_lora_layout(), lora, dir, format);
   }
   models::LoraFolderMergeSummary merge_lora(
-      const std::string& /*dir*/, const std::string& /*lora*/, const std::string& /*output_dir*/,
-      const models::LoraFolderMergeOptions& /*options*/) const override {
-    not_yet("lora merge");
+      const std::string& dir, const std::string& lora, const std::string& output_dir,
+      const models::LoraFolderMergeOptions& options) const override {
+    FileMergePlan plan;
+    plan.components = {{"transformer", "diffusion_pytorch_model"}};
+    plan.read = [](const std::string& file, const std::string& folder,
+                   const io::LoraReadOptions& read) {
+      return wan::read_wan_lora(file, folder, read);
+    };
+    plan.layouts = "Diffusers, PEFT, kohya or ComfyUI / musubi-tuner Wan";
+    return merge_lora_by_files(dir, lora, output_dir, options, plan);
   }
   std::map<std::string, torch::Tensor> forward_outputs(
       const std::string& dir, const std::map<std::string, torch::Tensor>& inputs,
-      const std::string& source, const std::string& lora, double /*lora_scale*/) const override {
-    if (!lora.empty()) not_yet("forward --lora");
-    return wan::forward_wan(dir, inputs, source);
+      const std::string& source, const std::string& lora, double lora_scale) const override {
+    return wan::forward_wan(dir, inputs, source, lora, lora_scale);
   }
   std::vector<train::MemoryEstimate> estimate_memory(
       const std::string& /*model_path*/, const train::MemoryEstimateOptions& /*options*/,

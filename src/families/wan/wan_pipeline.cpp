@@ -7,7 +7,9 @@
 #include "../pipeline_folder.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
+#include "difftrain/families/family.h"
 #include "difftrain/io/atomic_file.h"
+#include "difftrain/models/lora/lora.h"
 #include "difftrain/models/module_info.h"
 #include "difftrain/models/pretrained.h"
 
@@ -430,9 +432,6 @@ WanPipeline load_wan_pipeline(const std::string& dir,
   WanPipeline p;
   p.folder = resolve_wan_folder(dir);
   const WanFolder& f = p.folder;
-  if (!options.lora.empty()) {
-    throw Error("--lora with a Wan folder: Wan LoRA files are not read yet (issue 60's LoRA part)");
-  }
   const torch::Dtype dtype = options.dtype.value_or(torch::kFloat32);
   p.tokenizer =
       std::make_shared<const models::T5Tokenizer>(models::T5Tokenizer::load(f.tokenizer_dir));
@@ -444,6 +443,14 @@ WanPipeline load_wan_pipeline(const std::string& dir,
   p.vae = models::load_autoencoder_kl_qwen_image(options.vae.empty() ? f.vae_dir : options.vae,
                                                  dtype, options.variant);
   p.scheduler = diffusion::load_sampler(f.scheduler_config, options.scheduler);
+  if (!options.lora.empty()) {
+    const io::LoraWeights lora = read_wan_lora(options.lora, dir);
+    check_lora_fits_family(lora, options.lora, dir);
+    const auto m = models::merge_lora(*p.transformer, lora, options.lora_scale, "transformer");
+    log::info("LoRA {} ({} format): merged into {} transformer modules, scale {}{}", options.lora,
+              io::format_label(lora), m.modules_merged, options.lora_scale,
+              p.transformer_2 ? " (the high-noise expert; transformer_2 is left as it is)" : "");
+  }
   if (p.tokenizer->vocab_size() > p.text_encoder->options().vocab_size()) {
     throw Error(fmt::format(
         "{}: the tokenizer has {} ids but the text encoder's vocab_size is {}; "
@@ -462,9 +469,66 @@ WanPipeline load_wan_pipeline(const std::string& dir,
   return p;
 }
 
+const DitLoraLayout& wan_lora_layout() {
+  // The original checkpoint's names (ComfyUI, musubi-tuner) -> Diffusers', as
+  // _convert_non_diffusers_wan_lora_to_diffusers renames them, and back.
+  static const DitLoraLayout layout{
+      "Wan",
+      {"blocks", "condition_embedder", "proj_out", "patch_embedding", "text_embedding",
+       "time_embedding", "time_projection", "head", "img_emb"},
+      {{R"(\.self_attn\.q$)", ".attn1.to_q"},
+       {R"(\.self_attn\.k$)", ".attn1.to_k"},
+       {R"(\.self_attn\.v$)", ".attn1.to_v"},
+       {R"(\.self_attn\.o$)", ".attn1.to_out.0"},
+       {R"(\.cross_attn\.q$)", ".attn2.to_q"},
+       {R"(\.cross_attn\.k$)", ".attn2.to_k"},
+       {R"(\.cross_attn\.v$)", ".attn2.to_v"},
+       {R"(\.cross_attn\.o$)", ".attn2.to_out.0"},
+       {R"(\.cross_attn\.k_img$)", ".attn2.add_k_proj"},
+       {R"(\.cross_attn\.v_img$)", ".attn2.add_v_proj"},
+       {R"(^(blocks\.\d+)\.ffn\.0$)", "$1.ffn.net.0.proj"},
+       {R"(^(blocks\.\d+)\.ffn\.2$)", "$1.ffn.net.2"},
+       {R"(^text_embedding\.0$)", "condition_embedder.text_embedder.linear_1"},
+       {R"(^text_embedding\.2$)", "condition_embedder.text_embedder.linear_2"},
+       {R"(^time_embedding\.0$)", "condition_embedder.time_embedder.linear_1"},
+       {R"(^time_embedding\.2$)", "condition_embedder.time_embedder.linear_2"},
+       {R"(^time_projection\.1$)", "condition_embedder.time_proj"},
+       {R"(^head\.head$)", "proj_out"},
+       {R"(^img_emb\.proj\.1$)", "condition_embedder.image_embedder.ff.net.0.proj"},
+       {R"(^img_emb\.proj\.3$)", "condition_embedder.image_embedder.ff.net.2"}},
+      wan_transformer_dir,
+      {{R"(\.attn1\.to_q$)", ".self_attn.q"},
+       {R"(\.attn1\.to_k$)", ".self_attn.k"},
+       {R"(\.attn1\.to_v$)", ".self_attn.v"},
+       {R"(\.attn1\.to_out\.0$)", ".self_attn.o"},
+       {R"(\.attn2\.to_q$)", ".cross_attn.q"},
+       {R"(\.attn2\.to_k$)", ".cross_attn.k"},
+       {R"(\.attn2\.to_v$)", ".cross_attn.v"},
+       {R"(\.attn2\.to_out\.0$)", ".cross_attn.o"},
+       {R"(\.attn2\.add_k_proj$)", ".cross_attn.k_img"},
+       {R"(\.attn2\.add_v_proj$)", ".cross_attn.v_img"},
+       {R"(^(blocks\.\d+)\.ffn\.net\.0\.proj$)", "$1.ffn.0"},
+       {R"(^(blocks\.\d+)\.ffn\.net\.2$)", "$1.ffn.2"},
+       {R"(^condition_embedder\.text_embedder\.linear_1$)", "text_embedding.0"},
+       {R"(^condition_embedder\.text_embedder\.linear_2$)", "text_embedding.2"},
+       {R"(^condition_embedder\.time_embedder\.linear_1$)", "time_embedding.0"},
+       {R"(^condition_embedder\.time_embedder\.linear_2$)", "time_embedding.2"},
+       {R"(^condition_embedder\.time_proj$)", "time_projection.1"},
+       {R"(^proj_out$)", "head.head"},
+       {R"(^condition_embedder\.image_embedder\.ff\.net\.0\.proj$)", "img_emb.proj.1"},
+       {R"(^condition_embedder\.image_embedder\.ff\.net\.2$)", "img_emb.proj.3"}}};
+  return layout;
+}
+
+io::LoraWeights read_wan_lora(const std::string& path, const std::string& dir,
+                              const io::LoraReadOptions& options) {
+  return read_dit_lora(wan_lora_layout(), path, dir, options);
+}
+
 std::map<std::string, torch::Tensor> forward_wan(const std::string& dir,
                                                  const std::map<std::string, torch::Tensor>& in,
-                                                 const std::string& source) {
+                                                 const std::string& source, const std::string& lora,
+                                                 double lora_scale) {
   const std::string what =
       "WanTransformer3DModel takes hidden_states [B, C, F, H, W], timestep [B] (or [B, N]), "
       "encoder_hidden_states [B, S, text_dim] and, for image-to-video, "
@@ -480,6 +544,13 @@ std::map<std::string, torch::Tensor> forward_wan(const std::string& dir,
     }
   }
   models::WanTransformer3DModel model = models::load_wan_transformer(wan_transformer_dir(dir));
+  if (!lora.empty()) {
+    const io::LoraWeights weights = read_wan_lora(lora, dir);
+    check_lora_fits_family(weights, lora, dir);
+    const auto m = models::merge_lora(*model, weights, lora_scale, "transformer");
+    log::info("LoRA {}: merged into {} transformer modules, scale {}", lora, m.modules_merged,
+              lora_scale);
+  }
   model->eval();
   torch::NoGradGuard no_grad;
   const auto image = in.count("encoder_hidden_states_image")

@@ -4,6 +4,7 @@
 // each prompt's tokens and zero-padded; the folder's UniPC flow scheduler; the causal VAE's decode
 // of the whole clip; frames [K, F, H, W, 3] in [0, 1]. A seed gives Diffusers' frames.
 
+#include "../dit_lora.h"
 #include "difftrain/diffusion/generate.h"
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/models/autoencoders/autoencoder_kl_qwen_image.h"
@@ -69,8 +70,17 @@ class WanPipeline : public diffusion::Pipeline {
 WanPipeline load_wan_pipeline(const std::string& dir,
                               const diffusion::PipelineLoadOptions& options = {});
 
+/// Wan's LoRA layouts: Diffusers / PEFT (`transformer.blocks.N.attn1.to_q`), the original /
+/// ComfyUI / musubi-tuner names (`diffusion_model.blocks.N.self_attn.q`, lora_down / lora_up /
+/// .alpha) and kohya's (`lora_unet_blocks_N_self_attn_q`), as WanLoraLoaderMixin reads them.
+const DitLoraLayout& wan_lora_layout();
+io::LoraWeights read_wan_lora(const std::string& path, const std::string& dir,
+                              const io::LoraReadOptions& options = {});
+
 std::map<std::string, torch::Tensor> forward_wan(const std::string& dir,
                                                  const std::map<std::string, torch::Tensor>& in,
-                                                 const std::string& source);
+                                                 const std::string& source,
+                                                 const std::string& lora = "",
+                                                 double lora_scale = 1.0);
 
 }  // namespace difftrain::families::wan

@@ -17,7 +17,8 @@ const DitLoraLayout& z_image_layout() {
        "cap_embedder", "t_embedder"},
       // The original checkpoint's attention output `out` is Diffusers' `to_out.0`.
       {{R"(\.attention\.out$)", ".attention.to_out.0"}},
-      z_image_transformer_dir};
+      z_image_transformer_dir,
+      {}};
   return layout;
 }
 
