@@ -24,7 +24,9 @@ namespace {
 class WanFamily : public ModelFamily {
  public:
   std::string name() const override { return "wan"; }
-  std::vector<std::string> pipeline_classes() const override { return {"WanPipeline"}; }
+  std::vector<std::string> pipeline_classes() const override {
+    return {"WanPipeline", "WanImageToVideoPipeline"};
+  }
   std::vector<std::string> model_classes() const override { return {"WanTransformer3DModel"}; }
   bool matches_components(const nlohmann::json& index) const override {
     return index.contains("transformer") && index.contains("text_encoder") &&
@@ -85,7 +87,19 @@ class WanFamily : public ModelFamily {
     train::OptionSpec length{"max_sequence_length", "int?", nullptr,
                              "UMT5 tokens per prompt (default 512)",
                              train::range_check(1, 1 << 20)};
-    return {std::move(frames), std::move(g2), std::move(length)};
+    train::OptionSpec image{"image",
+                            "string?",
+                            nullptr,
+                            "image to video: the first frame (a WanImageToVideoPipeline folder)",
+                            {}};
+    image.input_path = true;
+    train::OptionSpec last{"last_image",
+                           "string?",
+                           nullptr,
+                           "image to video: the last frame too (first-last-frame to video)",
+                           {}};
+    last.input_path = true;
+    return {std::move(frames), std::move(g2), std::move(length), std::move(image), std::move(last)};
   }
   diffusion::GenerateResult sample(const SampleOptions& a) const override {
     const train::FamilyOptions own =
@@ -104,6 +118,8 @@ class WanFamily : public ModelFamily {
     request.max_sequence_length = length.is_null() ? 0 : length.get<int64_t>();
     request.options["num_frames"] = own.at("num_frames").get<int64_t>();
     request.options["guidance_scale_2"] = own.at("guidance_scale_2");
+    if (!own.at("image").is_null()) request.options["image"] = own.at("image");
+    if (!own.at("last_image").is_null()) request.options["last_image"] = own.at("last_image");
     request.num_images = a.num_images > 0 ? a.num_images : a.num_images_per_prompt;
     request.seed = a.seed;
     const torch::Device device = parse_sample_device(a.device);
@@ -111,10 +127,10 @@ class WanFamily : public ModelFamily {
     pipe.to(device, a.dtype);
     const auto o = pipe.resolve(request);
     log::info(
-        "difftrain sample: {} (WanPipeline{}) on {}, {} steps, guidance {}, {} prompt(s) x {} "
+        "difftrain sample: {} ({}{}) on {}, {} steps, guidance {}, {} prompt(s) x {} "
         "video(s), {} frames of {}x{}, seed {}",
-        a.model, pipe.transformer_2 ? ", two experts" : "", device.str(), o.num_inference_steps,
-        *o.guidance_scale, o.prompts.size(), o.num_images,
+        a.model, pipe.class_name(), pipe.transformer_2 ? ", two experts" : "", device.str(),
+        o.num_inference_steps, *o.guidance_scale, o.prompts.size(), o.num_images,
         o.options.at("num_frames").get<int64_t>(), o.height, o.width, a.seed);
     request.on_step = a.on_step;
     if (a.on_start) a.on_start();

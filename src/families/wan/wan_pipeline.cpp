@@ -9,6 +9,7 @@
 #include "difftrain/core/log.h"
 #include "difftrain/families/family.h"
 #include "difftrain/io/atomic_file.h"
+#include "difftrain/io/image.h"
 #include "difftrain/models/lora/lora.h"
 #include "difftrain/models/module_info.h"
 #include "difftrain/models/pretrained.h"
@@ -196,6 +197,13 @@ WanFolder resolve_wan_folder(const std::string& dir) {
     f.boundary_ratio = index["boundary_ratio"].get<double>();
   }
   f.expand_timesteps = index.value("expand_timesteps", false);
+  f.image_to_video = c.pipeline_class == "WanImageToVideoPipeline";
+  if (f.image_to_video && has_component(index, "image_encoder")) {
+    throw Error(dir +
+                "/model_index.json: an image_encoder (Wan 2.1 image-to-video's CLIP vision "
+                "model) is not supported yet; Wan 2.2 image-to-video folders (no image "
+                "encoder) are");
+  }
   if (!f.transformer_2_dir.empty() && !f.boundary_ratio) {
     throw Error(dir +
                 "/model_index.json: transformer_2 without boundary_ratio; Wan 2.2 A14B "
@@ -284,9 +292,44 @@ struct Run {
   torch::Tensor frames, latents, embeds;
 };
 
+// Image to video (prepare_latents): the image (and last image) at the output size as the VAE's
+// pixels, zeros for the other frames, the clip's latent mode normalised (z - mean) * (1 / std),
+// after a 4-channel mask of the given frames (the first frame counted 4 times, as the VAE's first
+// latent frame stands for one frame): [1, 4 + z_dim, T, h, w].
+torch::Tensor image_condition(WanPipeline& p, const torch::Tensor& image,
+                              const torch::Tensor& last_image, int64_t num_frames, int64_t height,
+                              int64_t width) {
+  const auto pixels = [&](const torch::Tensor& u8) {
+    const torch::Tensor resized = io::resize_image(u8, height, width, io::Resample::kLanczos);
+    const auto x = resized.permute({2, 0, 1}).to(torch::kFloat32) / 255.0F;
+    return (2.0F * x - 1.0F).unsqueeze(0).unsqueeze(2);  // [1, 3, 1, H, W]
+  };
+  const int64_t middle = num_frames - (last_image.defined() ? 2 : 1);
+  std::vector<torch::Tensor> parts = {pixels(image), torch::zeros({1, 3, middle, height, width})};
+  if (last_image.defined()) parts.push_back(pixels(last_image));
+  const torch::Device device = models::module_device(*p.vae);
+  const auto vae_dtype = models::module_dtype(*p.vae);
+  torch::Tensor z = p.vae->encode(torch::cat(parts, 2).to(device, vae_dtype)).mode();
+  z = z.to(torch::kFloat32);
+  const auto& c = p.vae->config();
+  const auto stat = [&](const std::vector<double>& v) {
+    return torch::tensor(v, torch::kFloat64).view({1, -1, 1, 1, 1}).to(z.device(), torch::kFloat32);
+  };
+  z = (z - stat(c.latents_mean)) * (1.0 / stat(c.latents_std));
+  const int64_t tc = c.temporal_compression_ratio();
+  const int64_t h = z.size(3), w = z.size(4);
+  auto mask = torch::ones({1, 1, num_frames, h, w});
+  mask.narrow(2, 1, middle).zero_();
+  mask = torch::cat(
+      {mask.narrow(2, 0, 1).repeat_interleave(tc, 2), mask.narrow(2, 1, num_frames - 1)}, 2);
+  mask = mask.view({1, -1, tc, h, w}).transpose(1, 2).to(z.device());
+  return torch::cat({mask, z}, 1);
+}
+
 Run run_once(WanPipeline& p, const diffusion::GenerateRequest& r,
              const std::vector<std::string>& prompts, const std::vector<std::string>& negatives,
-             int64_t k, int64_t num_frames, uint64_t seed, int64_t* counter, int64_t total) {
+             int64_t k, int64_t num_frames, uint64_t seed, int64_t* counter, int64_t total,
+             const torch::Tensor& condition) {
   const double g = *r.guidance_scale;
   const auto& g2_json = r.options.at("guidance_scale_2");
   const double g2 = g2_json.is_null() ? g : g2_json.get<double>();
@@ -304,7 +347,7 @@ Run run_once(WanPipeline& p, const diffusion::GenerateRequest& r,
   }
   const int64_t vsf = p.vae->config().spatial_compression_ratio();
   const int64_t frames = (num_frames - 1) / p.vae->config().temporal_compression_ratio() + 1;
-  const int64_t C = p.transformer->options().in_channels;
+  const int64_t C = p.transformer->options().out_channels;
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   torch::Tensor latents =
       at::randn({n * k, C, frames, r.height / vsf, r.width / vsf}, gen, torch::kFloat32).to(device);
@@ -320,7 +363,11 @@ Run run_once(WanPipeline& p, const diffusion::GenerateRequest& r,
     models::WanTransformer3DModel& model = high ? p.transformer : p.transformer_2;
     const double scale = high ? g : g2;
     const torch::Tensor ts = timesteps[i].expand({latents.size(0)}).to(device);
-    const torch::Tensor x = latents.to(model->dtype());
+    const torch::Tensor x =
+        (condition.defined()
+             ? torch::cat({latents, condition.expand({latents.size(0), -1, -1, -1, -1})}, 1)
+             : latents)
+            .to(model->dtype());
     torch::Tensor pred = model->forward(x, ts, pos_d).to(torch::kFloat32);
     if (cfg) {
       const torch::Tensor uncond = model->forward(x, ts, neg_d).to(torch::kFloat32);
@@ -394,12 +441,32 @@ diffusion::GenerateResult WanPipeline::generate(const diffusion::GenerateRequest
   vae->eval();
   text_encoder->eval();
   torch::NoGradGuard no_grad;
+  torch::Tensor condition;
+  const auto path_option = [&](const char* key) {
+    return r.options.contains(key) && r.options[key].is_string() ? r.options[key].get<std::string>()
+                                                                 : std::string();
+  };
+  if (folder.image_to_video) {
+    const std::string image_path = path_option("image"), last_path = path_option("last_image");
+    const torch::Tensor first = image_path.empty() ? image : io::load_image(image_path, 3);
+    const torch::Tensor last = last_path.empty() ? last_image : io::load_image(last_path, 3);
+    if (!first.defined()) {
+      throw Error("WanImageToVideoPipeline needs the first frame: --image FILE");
+    }
+    if (last.defined() && num_frames < 2) {
+      throw Error("--last_image needs --num_frames of 2 or more");
+    }
+    condition = image_condition(*this, first, last, num_frames, r.height, r.width);
+  } else if (!path_option("image").empty() || !path_option("last_image").empty()) {
+    throw Error("--image is for image-to-video folders (WanImageToVideoPipeline); this one is " +
+                class_name());
+  }
   int64_t counter = 0;
   diffusion::GenerateResult out;
   const int64_t k = r.num_images;
   if (r.seeding == diffusion::Seeding::kBatch) {
     Run run = run_once(*this, r, r.prompts, negatives, k, num_frames, r.seed, &counter,
-                       r.num_inference_steps);
+                       r.num_inference_steps, condition);
     out.images = run.frames;
     out.latents = run.latents;
     out.prompt_embeds = run.embeds;
@@ -413,7 +480,7 @@ diffusion::GenerateResult WanPipeline::generate(const diffusion::GenerateRequest
                            negatives.empty() ? std::vector<std::string>{}
                                              : std::vector<std::string>{negatives[idx]},
                            1, num_frames, r.seed + static_cast<uint64_t>(i * k + j), &counter,
-                           n * k * r.num_inference_steps);
+                           n * k * r.num_inference_steps, condition);
         frames.push_back(run.frames);
         latents.push_back(run.latents);
         embeds.push_back(run.embeds);
@@ -458,11 +525,13 @@ WanPipeline load_wan_pipeline(const std::string& dir,
         f.tokenizer_dir, p.tokenizer->vocab_size(), p.text_encoder->options().vocab_size()));
   }
   const auto& t = p.transformer->options();
-  if (t.text_dim != p.text_encoder->options().d_model() || t.in_channels != p.vae->config().z_dim) {
+  const int64_t expected_in =
+      f.image_to_video ? 2 * p.vae->config().z_dim + p.vae->config().temporal_compression_ratio()
+                       : p.vae->config().z_dim;
+  if (t.text_dim != p.text_encoder->options().d_model() || t.in_channels != expected_in) {
     throw Error(fmt::format(
         "{}: the transformer (text_dim {}, in_channels {}) does not fit the text encoder "
-        "(d_model {}) and VAE (z_dim {}); the folder mixes models (image-to-video folders are "
-        "not supported yet)",
+        "(d_model {}) and VAE (z_dim {}); the folder mixes models",
         f.transformer_dir, t.text_dim, t.in_channels, p.text_encoder->options().d_model(),
         p.vae->config().z_dim));
   }

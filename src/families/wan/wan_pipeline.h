@@ -29,6 +29,9 @@ struct WanFolder {
   std::string vae_dir, text_encoder_dir, tokenizer_dir, scheduler_config;
   std::optional<double> boundary_ratio;  ///< model_index.json's (A14B: the expert switch)
   bool expand_timesteps = false;         ///< Wan 2.2 TI2V's per-token timesteps
+  /// WanImageToVideoPipeline: the first frame (and, for FLF2V, the last) conditions the clip
+  /// through its VAE latents and a mask concatenated to the noise (Wan 2.2 I2V: no image encoder).
+  bool image_to_video = false;
 };
 
 /// A WanPipeline folder; one line naming the file or folder when something is missing.
@@ -58,12 +61,17 @@ class WanPipeline : public diffusion::Pipeline {
   models::WanTransformer3DModel transformer_2{nullptr};  ///< A14B's low-noise expert, or null
   models::AutoencoderKLQwenImage vae{nullptr};           ///< Wan 2.1's VAE (also A14B's)
   std::unique_ptr<diffusion::Sampler> scheduler;
+  /// Image to video: the first frame (and optionally the last), uint8 [H, W, 3], used when the
+  /// request names none (request.options "image" / "last_image": file paths).
+  torch::Tensor image, last_image;
 
-  std::string class_name() const override { return "WanPipeline"; }
+  std::string class_name() const override {
+    return folder.image_to_video ? "WanImageToVideoPipeline" : "WanPipeline";
+  }
   void to(const torch::Device& device, std::optional<torch::Dtype> dtype = std::nullopt) override;
   diffusion::GenerateRequest resolve(diffusion::GenerateRequest request) const override;
   /// request.options: "num_frames" (81), "guidance_scale_2" (A14B's low-noise guidance, default
-  /// guidance_scale). Frames [K, F, H, W, 3].
+  /// guidance_scale), "image" / "last_image" (image to video). Frames [K, F, H, W, 3].
   diffusion::GenerateResult generate(const diffusion::GenerateRequest& request) override;
 };
 
