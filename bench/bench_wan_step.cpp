@@ -46,10 +46,6 @@ namespace {
 
 using namespace difftrain;
 
-double seconds_since(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
-}
-
 int run(int argc, char** argv) {
   std::map<std::string, std::string> args;
   for (int i = 1; i + 1 < argc; i += 2) args[std::string(argv[i]).substr(2)] = argv[i + 1];
@@ -109,9 +105,8 @@ int run(int argc, char** argv) {
   const auto x0 = torch::randn({batch, wo.in_channels, frames, height, width});
   const auto caps = torch::randn({batch, text_tokens, wo.text_dim});
   const auto dtype = model->dtype();
-  double fb_s = 0, step_s = 0;
-  auto step = [&]() {
-    auto t0 = std::chrono::steady_clock::now();
+  auto step = [&](bench::StepTimer& timer) {
+    timer.start();
     auto noise = torch::randn_like(x0);
     auto sigma = torch::rand({batch});
     const auto s = sigma.view({batch, 1, 1, 1, 1});
@@ -124,26 +119,12 @@ int run(int argc, char** argv) {
     }
     acc.backward(loss);
     acc.clip_grad_norm_(params, 1.0);
-    auto t1 = std::chrono::steady_clock::now();
-    fb_s += std::chrono::duration<double>(t1 - t0).count();
+    timer.backward_done();
     opt->step();
     opt->zero_grad();
-    step_s += seconds_since(t1);
+    timer.optimizer_done();
     return loss;
   };
-  for (int64_t i = 0; i < warmup; ++i) step();
-  fb_s = step_s = 0;
-  const auto start = std::chrono::steady_clock::now();
-  torch::Tensor loss;
-  {
-    // --profile FILE: LibTorch's autograd profiler over the timed steps (bench/py/op_profile.py).
-    std::unique_ptr<torch::autograd::profiler::RecordProfile> profile;
-    if (!get("profile", "").empty()) {
-      profile = std::make_unique<torch::autograd::profiler::RecordProfile>(get("profile", ""));
-    }
-    for (int64_t i = 0; i < steps; ++i) loss = step();
-  }
-  const double seconds = seconds_since(start);
 
   nlohmann::json out;
   out["impl"] = "difftrain";
@@ -158,13 +139,7 @@ int run(int argc, char** argv) {
   out["lora_rank"] = lora_rank;
   out["weights"] = weight_count;
   out["trainable"] = trainable_count;
-  out["steps"] = steps;
-  out["ms_per_step"] = 1000.0 * seconds / static_cast<double>(steps);
-  out["ms_forward_backward"] = 1000.0 * fb_s / static_cast<double>(steps);
-  out["ms_optimizer"] = 1000.0 * step_s / static_cast<double>(steps);
-  const auto peak = bench::peak_memory(device);
-  out["peak_mem_gib"] = peak.gib;
-  out["final_loss"] = loss.item<double>();
+  bench::run_timed_steps(step, warmup, steps, get("profile", ""), device, out);
   std::cout << out.dump() << std::endl;
   return 0;
 }
