@@ -131,5 +131,45 @@ TEST(WanCli, ForwardTakesDiffusersArgumentNames) {
   }
 }
 
+TEST(WanCli, ImageToVideoFromAPng) {
+  const std::string dir = make_temp_dir("wan_i2v_cli");
+  const auto f = io::load_safetensors(kWanGolden + "/tiny_wan_i2v/sample_i2v.safetensors").tensors;
+  io::save_png(dir + "/first.png", f.at("source.image_60x40"));
+  auto cmd = std::vector<std::string>{kDifftrain,
+                                      "sample",
+                                      "--model",
+                                      kWanGolden + "/tiny_wan_i2v",
+                                      "--image",
+                                      dir + "/first.png",
+                                      "--prompt",
+                                      "the car drives away",
+                                      "--guidance_scale",
+                                      "5",
+                                      "--height",
+                                      "32",
+                                      "--width",
+                                      "48",
+                                      "--num_frames",
+                                      "5",
+                                      "--num_inference_steps",
+                                      "3",
+                                      "--seed",
+                                      "0",
+                                      "--output",
+                                      dir + "/v.png",
+                                      "--save_tensors",
+                                      dir + "/v.safetensors"};
+  auto r = run(cmd, {}, 300);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  EXPECT_NE(r.err.find("WanImageToVideoPipeline"), std::string::npos) << r.log();
+  EXPECT_LT(wan_diff(io::load_safetensors(dir + "/v.safetensors").tensors.at("frames"),
+                     f.at("i2v_resize.frames")),
+            1e-4);
+  cmd.insert(cmd.begin() + 5, {"--image", dir + "/first.png"});
+  auto two = run(cmd, {}, 120);
+  EXPECT_NE(two.exit_code, 0);
+  EXPECT_NE(two.err.find("takes one --image"), std::string::npos) << two.log();
+}
+
 }  // namespace
 }  // namespace difftrain::testing

@@ -87,11 +87,14 @@ class WanFamily : public ModelFamily {
     train::OptionSpec length{"max_sequence_length", "int?", nullptr,
                              "UMT5 tokens per prompt (default 512)",
                              train::range_check(1, 1 << 20)};
+    // Declared as Qwen-Image's --image is (repeatable; the CLI offers one flag per name), one
+    // file taken.
     train::OptionSpec image{"image",
-                            "string?",
+                            "string",
                             nullptr,
                             "image to video: the first frame (a WanImageToVideoPipeline folder)",
                             {}};
+    image.values = -1;
     image.input_path = true;
     train::OptionSpec last{"last_image",
                            "string?",
@@ -118,7 +121,14 @@ class WanFamily : public ModelFamily {
     request.max_sequence_length = length.is_null() ? 0 : length.get<int64_t>();
     request.options["num_frames"] = own.at("num_frames").get<int64_t>();
     request.options["guidance_scale_2"] = own.at("guidance_scale_2");
-    if (!own.at("image").is_null()) request.options["image"] = own.at("image");
+    const auto& images = own.at("image");
+    if (images.is_array() && images.size() > 1) {
+      throw Error(
+          fmt::format("Wan image to video takes one --image (the first frame; the last is "
+                      "--last_image), got {}",
+                      images.size()));
+    }
+    if (images.is_array() && !images.empty()) request.options["image"] = images[0];
     if (!own.at("last_image").is_null()) request.options["last_image"] = own.at("last_image");
     request.num_images = a.num_images > 0 ? a.num_images : a.num_images_per_prompt;
     request.seed = a.seed;
