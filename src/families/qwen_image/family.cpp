@@ -90,8 +90,8 @@ class QwenImageFamily : public ModelFamily {
     train::OptionSpec image{"image",
                             "string",
                             nullptr,
-                            "a reference image for the Edit pipelines (repeat the flag for "
-                            "several: QwenImageEditPlusPipeline)",
+                            "an input image: Qwen-Image-Edit's reference (repeat the flag for "
+                            "several: QwenImageEditPlusPipeline), Wan image to video's first frame",
                             {}};
     image.values = -1;
     image.input_path = true;

@@ -92,7 +92,8 @@ class WanFamily : public ModelFamily {
     train::OptionSpec image{"image",
                             "string",
                             nullptr,
-                            "image to video: the first frame (a WanImageToVideoPipeline folder)",
+                            "an input image: Qwen-Image-Edit's reference (repeat the flag for "
+                            "several: QwenImageEditPlusPipeline), Wan image to video's first frame",
                             {}};
     image.values = -1;
     image.input_path = true;
