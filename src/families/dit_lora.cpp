@@ -152,6 +152,18 @@ io::LoraWeights read_dit_lora(const DitLoraLayout& layout, const std::string& pa
   return lora;
 }
 
+models::LoraFolderMergeSummary merge_dit_lora(const std::string& name,
+                                              const decltype(FileMergePlan::read)& read,
+                                              const std::string& dir, const std::string& lora,
+                                              const std::string& output_dir,
+                                              const models::LoraFolderMergeOptions& options) {
+  FileMergePlan plan;
+  plan.components = {{"transformer", "diffusion_pytorch_model"}};
+  plan.read = read;
+  plan.layouts = "Diffusers, PEFT, kohya or ComfyUI / musubi-tuner " + name;
+  return merge_lora_by_files(dir, lora, output_dir, options, plan);
+}
+
 void adapt_dit_lora(const DitLoraLayout& layout, io::LoraWeights& lora, const std::string& dir,
                     io::LoraFormat format) {
   resolve_dit_targets(layout, lora, dir);

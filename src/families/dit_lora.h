@@ -6,6 +6,7 @@
 // checkpoint's module names renamed to Diffusers'), and kohya names (`lora_unet_<module with _>`,
 // moved to the transformer and resolved against its weight names).
 
+#include "difftrain/families/lora_merge.h"
 #include "difftrain/io/lora_format.h"
 #include "difftrain/io/lora_layout.h"
 
@@ -43,6 +44,15 @@ io::LoraKeyLayout dit_comfyui_key_layout(const DitLoraLayout& layout);
 /// and resolved against its weight names (`dir`: a pipeline or transformer folder).
 io::LoraWeights read_dit_lora(const DitLoraLayout& layout, const std::string& path,
                               const std::string& dir, const io::LoraReadOptions& options = {});
+
+/// `difftrain lora merge` of such a family (`name`: "Qwen-Image", for messages): the
+/// transformer's diffusion_pytorch_model files merged file by file (merge_lora_by_files), the
+/// LoRA read by `read` (the family's read_dit_lora).
+models::LoraFolderMergeSummary merge_dit_lora(const std::string& name,
+                                              const decltype(FileMergePlan::read)& read,
+                                              const std::string& dir, const std::string& lora,
+                                              const std::string& output_dir,
+                                              const models::LoraFolderMergeOptions& options);
 
 /// For exports: the targets resolved, then, for kohya, named lora_unet_ as sd-scripts and
 /// musubi-tuner name the transformer.

@@ -108,6 +108,36 @@ TEST(WanCli, SampleWritesDiffusersFramesAndTwoExpertsRun) {
   EXPECT_NE(train.err.find("not supported for Wan yet"), std::string::npos) << train.log();
 }
 
+TEST(WanCli, LoraMergeAndForwardLoraGiveDiffusersFusedOutput) {
+  const std::string dir = make_temp_dir("wan_lora_cli");
+  const auto f = io::load_safetensors(kWanGolden + "/tiny_wan/forward.safetensors").tensors;
+  const auto want = io::load_safetensors(kWanGolden + "/lora/expected.safetensors").tensors;
+  io::TensorMap in;
+  for (const char* k : {"hidden_states", "timestep", "encoder_hidden_states"}) {
+    in[k] = f.at(std::string("t2v_f5.") + k);
+  }
+  io::save_safetensors(dir + "/in.safetensors", in);
+  auto merge = run({kDifftrain, "lora", "merge", "--model", kWanGolden + "/tiny_wan", "--lora",
+                    kWanGolden + "/lora/comfyui.safetensors", "--output", dir + "/merged"},
+                   {}, 120);
+  ASSERT_EQ(merge.exit_code, 0) << merge.log();
+  auto merged = run({kDifftrain, "forward", "--model", dir + "/merged", "--inputs",
+                     dir + "/in.safetensors", "--output", dir + "/merged_out.safetensors"},
+                    {}, 120);
+  ASSERT_EQ(merged.exit_code, 0) << merged.log();
+  EXPECT_LT(wan_diff(io::load_safetensors(dir + "/merged_out.safetensors").tensors.at("out"),
+                     want.at("comfyui.t2v_f5.out")),
+            2e-5);
+  auto kohya = run({kDifftrain, "forward", "--model", kWanGolden + "/tiny_wan", "--inputs",
+                    dir + "/in.safetensors", "--output", dir + "/kohya_out.safetensors", "--lora",
+                    kWanGolden + "/lora/kohya.safetensors"},
+                   {}, 120);
+  ASSERT_EQ(kohya.exit_code, 0) << kohya.log();
+  EXPECT_LT(wan_diff(io::load_safetensors(dir + "/kohya_out.safetensors").tensors.at("out"),
+                     want.at("kohya.t2v_f5.out")),
+            2e-5);
+}
+
 TEST(WanCli, ForwardTakesDiffusersArgumentNames) {
   const std::string dir = make_temp_dir("wan_forward");
   const auto f = io::load_safetensors(kWanGolden + "/tiny_wan/forward.safetensors").tensors;

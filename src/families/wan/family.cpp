@@ -48,14 +48,7 @@ class WanFamily : public ModelFamily {
   models::LoraFolderMergeSummary merge_lora(
       const std::string& dir, const std::string& lora, const std::string& output_dir,
       const models::LoraFolderMergeOptions& options) const override {
-    FileMergePlan plan;
-    plan.components = {{"transformer", "diffusion_pytorch_model"}};
-    plan.read = [](const std::string& file, const std::string& folder,
-                   const io::LoraReadOptions& read) {
-      return wan::read_wan_lora(file, folder, read);
-    };
-    plan.layouts = "Diffusers, PEFT, kohya or ComfyUI / musubi-tuner Wan";
-    return merge_lora_by_files(dir, lora, output_dir, options, plan);
+    return merge_dit_lora("Wan", wan::read_wan_lora, dir, lora, output_dir, options);
   }
   std::map<std::string, torch::Tensor> forward_outputs(
       const std::string& dir, const std::map<std::string, torch::Tensor>& inputs,

@@ -2,6 +2,7 @@
 // and Z-Image Base with classifier-free guidance) and bare ZImageTransformer2DModel folders.
 // Sampling in z_image_pipeline.cpp, LoRA layouts in lora.cpp, `difftrain forward` in forward.cpp.
 #include "difftrain/families/family.h"
+#include "../dit_lora.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/families/lora_merge.h"
@@ -68,14 +69,7 @@ class ZImageFamily : public ModelFamily {
   models::LoraFolderMergeSummary merge_lora(
       const std::string& dir, const std::string& lora, const std::string& output_dir,
       const models::LoraFolderMergeOptions& options) const override {
-    FileMergePlan plan;
-    plan.components = {{"transformer", "diffusion_pytorch_model"}};
-    plan.read = [](const std::string& file, const std::string& folder,
-                   const io::LoraReadOptions& read) {
-      return z_image::read_z_image_lora(file, folder, read);
-    };
-    plan.layouts = "Diffusers, PEFT, kohya or ComfyUI / musubi-tuner Z-Image";
-    return merge_lora_by_files(dir, lora, output_dir, options, plan);
+    return merge_dit_lora("Z-Image", z_image::read_z_image_lora, dir, lora, output_dir, options);
   }
   std::map<std::string, torch::Tensor> forward_outputs(
       const std::string& dir, const std::map<std::string, torch::Tensor>& inputs,
