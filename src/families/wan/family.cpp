@@ -35,9 +35,7 @@ class WanFamily : public ModelFamily {
   }
   int component_match_rank() const override { return 4; }
   std::vector<std::string> lora_components() const override { return {"transformer"}; }
-  std::vector<std::string> lora_export_formats() const override {
-    return {"diffusers", "peft", "kohya", "comfyui"};
-  }
+  // lora_export_formats(): the default until Wan trains (lora convert writes every layout).
   std::vector<io::LoraKeyLayout> lora_key_layouts() const override {
     return {dit_comfyui_key_layout(wan::wan_lora_layout())};
   }
