@@ -164,7 +164,10 @@ TEST(QwenImageEditPipeline, EditAndEditPlusFromStringsAndImagesMatchDiffusers) {
   torch::NoGradGuard no_grad;
   const auto f = tensors(kTiny + "/edit_e2e.safetensors");
   const auto cases = read_json(kTiny + "/edit_e2e.json").at("cases");
-  for (const auto& [name, c] : cases.items()) {
+  for (const auto& item : cases.items()) {
+    // Plain variables: a lambda may not capture structured bindings in C++17 (clang refuses).
+    const std::string name = item.key();
+    const nlohmann::json& c = item.value();
     SCOPED_TRACE(name);
     const auto& a = c.at("arguments");
     const auto key = [&](const std::string& k) -> const torch::Tensor& {
