@@ -46,7 +46,7 @@ class DpmSolverMultistepSampler final : public MultistepSampler {
     const ConfigReader& r = reader_;
     if (use_flow_sigmas_) {
       throw Error(r.where() + "use_flow_sigmas is not supported by " + kClass +
-                  " here; Wan's folders use UniPCMultistepScheduler (unipc)");
+                  " here; use UniPCMultistepScheduler (unipc), which takes flow sigmas");
     }
     const std::string algorithm =
         r.get_choice("algorithm_type", "dpmsolver++",

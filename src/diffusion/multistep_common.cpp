@@ -141,7 +141,7 @@ MultistepSampler::MultistepSampler(const nlohmann::json& json, const std::string
   if ((prediction_type_ == "flow_prediction") != use_flow_sigmas_) {
     throw Error(r.where() +
                 "prediction_type flow_prediction and use_flow_sigmas go together (a flow-matching "
-                "model's scheduler sets both, as Wan's folders do)");
+                "model's scheduler sets both)");
   }
   if (use_flow_sigmas_ && !(flow_shift_ > 0)) {
     throw Error(r.where() + "flow_shift must be > 0");

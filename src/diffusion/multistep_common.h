@@ -124,7 +124,7 @@ class MultistepSampler : public Sampler {
   std::string prediction_type_, timestep_spacing_, final_sigmas_type_;
   bool thresholding_ = false, lower_order_final_ = true;
   bool use_karras_sigmas_ = false, use_exponential_sigmas_ = false, use_beta_sigmas_ = false;
-  /// Flow-matching sigmas (Wan's UniPC): sigma in [0, 1], shifted by flow_shift.
+  /// Flow-matching sigmas (use_flow_sigmas): sigma in [0, 1], shifted by flow_shift.
   bool use_flow_sigmas_ = false;
   double flow_shift_ = 1.0;
   double dynamic_thresholding_ratio_ = 0.995, sample_max_value_ = 1.0;
