@@ -61,16 +61,32 @@ int64_t nearest_bucket(const std::vector<std::array<int64_t, 2>>& buckets, int64
   return best;
 }
 
+namespace {
+std::vector<int64_t> nearest_buckets(const std::vector<std::array<int64_t, 2>>& buckets,
+                                     const std::vector<std::array<int64_t, 2>>& image_sizes) {
+  if (image_sizes.empty()) throw Error("aspect-ratio buckets need at least one image");
+  if (buckets.empty()) throw Error("aspect-ratio buckets: no bucket sizes");
+  std::vector<int64_t> out;
+  for (const auto& s : image_sizes) out.push_back(nearest_bucket(buckets, s[0], s[1]));
+  return out;
+}
+}  // namespace
+
 BucketLayout::BucketLayout(std::vector<std::array<int64_t, 2>> buckets,
                            const std::vector<std::array<int64_t, 2>>& image_sizes, int64_t group)
-    : buckets_(std::move(buckets)), group_(group) {
+    : BucketLayout(buckets, nearest_buckets(buckets, image_sizes), group) {}
+
+BucketLayout::BucketLayout(std::vector<std::array<int64_t, 2>> buckets,
+                           std::vector<int64_t> image_bucket, int64_t group)
+    : buckets_(std::move(buckets)), image_bucket_(std::move(image_bucket)), group_(group) {
   if (group < 1) throw Error(fmt::format("bucket group must be >= 1, got {}", group));
-  if (image_sizes.empty()) throw Error("aspect-ratio buckets need at least one image");
-  if (buckets_.empty()) throw Error("aspect-ratio buckets: no bucket sizes");
+  if (image_bucket_.empty()) throw Error("buckets need at least one item");
   std::map<int64_t, std::vector<int64_t>> members;  // bucket -> images, in image order
-  for (size_t i = 0; i < image_sizes.size(); ++i) {
-    const int64_t b = nearest_bucket(buckets_, image_sizes[i][0], image_sizes[i][1]);
-    image_bucket_.push_back(b);
+  for (size_t i = 0; i < image_bucket_.size(); ++i) {
+    const int64_t b = image_bucket_[i];
+    if (b < 0 || b >= static_cast<int64_t>(buckets_.size())) {
+      throw Error(fmt::format("item {} is given bucket {} of {}", i, b, buckets_.size()));
+    }
     members[b].push_back(static_cast<int64_t>(i));
   }
   for (const auto& [b, images] : members) {

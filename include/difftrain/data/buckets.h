@@ -45,6 +45,11 @@ class BucketLayout {
   /// image_sizes: {height, width} per image. Throws difftrain::Error for group < 1 or no images.
   BucketLayout(std::vector<std::array<int64_t, 2>> buckets,
                const std::vector<std::array<int64_t, 2>>& image_sizes, int64_t group);
+  /// The same layout for items whose bucket is already decided: `image_bucket` indexes
+  /// `buckets` per item (a video's buckets are size and frame count: several may share a size).
+  /// Throws difftrain::Error for group < 1, no items or an index out of range.
+  BucketLayout(std::vector<std::array<int64_t, 2>> buckets, std::vector<int64_t> image_bucket,
+               int64_t group);
 
   /// Number of slots (a multiple of group; >= the number of images).
   int64_t num_slots() const { return static_cast<int64_t>(slot_image_.size()); }
