@@ -60,9 +60,18 @@ CLI::App* add_sample_command(CLI::App& app) {
                       "guidance (its pipeline's default)")
           ->check(CLI::Range(0.0, 100.0));
   cmd->add_option("--seed", g_args.seed, "Seed of the CPU generator (default 0)");
-  cmd->add_option("--output", g_out.grid, "PNG grid to write (default samples.png)");
+  cmd->add_option("--output", g_out.grid,
+                  "PNG grid to write (default samples.png), or for a video model a video file by "
+                  "its extension: .mp4 .mkv .mov .webm .webp .gif (default samples.mp4; several "
+                  "clips as <stem>_<k>.<ext>)");
+  cmd->add_option("--fps", g_out.fps, "A video file's frame rate (default: the model's, Wan 16)")
+      ->check(CLI::Range(0.1, 240.0));
+  cmd->add_option("--save_frames", g_out.frames_dir,
+                  "Video models: also write every frame as a PNG under this folder "
+                  "(<k>/frame_<i>.png)");
   cmd->add_option("--save_tensors", g_out.tensors,
-                  "Also write `images` [K,H,W,C] float32 in [0,1] to this .safetensors file");
+                  "Also write `images` [K,H,W,C] (clips: `frames` [K,F,H,W,C]) float32 in [0,1] "
+                  "to this .safetensors file");
   cmd->add_option("--columns", g_out.columns, "Grid columns (default: about square)")
       ->check(CLI::Range(int64_t{0}, int64_t{4096}));
   cmd->add_option("--prompt", g_args.prompts, "Text-to-image: the prompt (repeat for several)");

@@ -6,13 +6,16 @@
 #include "difftrain/io/image.h"
 #include "difftrain/io/prompt_file.h"
 #include "difftrain/io/safetensors.h"
+#include "difftrain/io/video.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <torch/cuda.h>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
+#include <filesystem>
 #include <memory>
 #include <optional>
 
@@ -138,17 +141,73 @@ diffusion::GenerateResult sample(SampleOptions options, double* seconds) {
   return result;
 }
 
+namespace {
+
+bool is_video_path(const std::string& path) {
+  std::string ext = std::filesystem::path(path).extension().string();
+  std::transform(ext.begin(), ext.end(), ext.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  const auto& known = io::video_write_extensions();
+  return std::find(known.begin(), known.end(), ext) != known.end();
+}
+
+}  // namespace
+
 void sample_to_files(const SampleOptions& options, const SampleOutputs& outputs) {
+  // Refused before the model loads: a video file of a family that makes images, or a video path
+  // a build without FFmpeg cannot write.
+  const std::string given = outputs.grid;
+  if (!given.empty() && is_video_path(given) && !io::video_supported()) {
+    io::write_video(given, torch::zeros({1, 2, 2, 3}, torch::kUInt8));  // throws, naming packages
+  }
   double seconds = 0;
   const auto result = sample(options, &seconds);
-  io::save_image_grid(outputs.grid, result.images, result.labels, outputs.columns);
+  const int64_t F = result.num_frames();
+  const bool clips = result.images.dim() == 5;
+  std::string out =
+      given.empty() ? (clips && io::video_supported() ? "samples.mp4" : "samples.png") : given;
+  const int64_t total = result.images.size(0);
+  std::vector<std::string> written;
+  if (is_video_path(out)) {
+    if (!clips) {
+      throw Error(fmt::format("--output {}: {} makes images, not clips; write a .png grid", out,
+                              options.model));
+    }
+    io::VideoWriteOptions w;
+    w.fps = outputs.fps > 0 ? outputs.fps : (result.fps > 0 ? result.fps : 16.0);
+    const std::filesystem::path p(out);
+    for (int64_t k = 0; k < total; ++k) {
+      const std::string file =
+          total == 1 ? out
+                     : (p.parent_path() /
+                        (p.stem().string() + "_" + std::to_string(k) + p.extension().string()))
+                           .string();
+      io::write_video(file, result.images[k], w);
+      written.push_back(file);
+    }
+  } else {
+    io::save_image_grid(out, result.images, result.labels, outputs.columns);
+    written.push_back(out);
+  }
+  if (!outputs.frames_dir.empty()) {
+    const auto frames = result.frames();
+    for (int64_t k = 0; k < total; ++k) {
+      const auto dir = std::filesystem::path(outputs.frames_dir) / std::to_string(k);
+      std::filesystem::create_directories(dir);
+      for (int64_t i = 0; i < F; ++i) {
+        io::save_png((dir / fmt::format("frame_{:04d}.png", i)).string(),
+                     frames[k][i].mul(255).round().clamp(0, 255).to(torch::kUInt8));
+      }
+    }
+    written.push_back(outputs.frames_dir + "/");
+  }
   if (!outputs.tensors.empty()) {
     io::save_safetensors(outputs.tensors, result.tensors(), {{"format", "np"}});
+    written.push_back(outputs.tensors);
   }
-  const int64_t total = result.images.size(0);
-  log::info("wrote {} ({} images, {:.2f} images/s){}", outputs.grid, total,
-            total / std::max(seconds, 1e-9),
-            outputs.tensors.empty() ? std::string() : " and " + outputs.tensors);
+  log::info("wrote {} ({} {}, {:.2f} {}/s)", fmt::join(written, ", "), total,
+            clips ? "clips" : "images", total / std::max(seconds, 1e-9),
+            clips ? "clips" : "images");
 }
 
 std::optional<torch::Dtype> parse_sample_dtype(const std::string& text) {

@@ -7,6 +7,7 @@
 
 #include "difftrain/io/image.h"
 #include "difftrain/io/safetensors.h"
+#include "difftrain/io/video.h"
 #include "source_dir.h"
 
 #include <gtest/gtest.h>
@@ -106,6 +107,62 @@ TEST(WanCli, SampleWritesDiffusersFramesAndTwoExpertsRun) {
           {}, 120);
   EXPECT_NE(train.exit_code, 0);
   EXPECT_NE(train.err.find("not supported for Wan yet"), std::string::npos) << train.log();
+}
+
+TEST(WanCli, SampleWritesAVideoFileAndFramePngs) {
+  if (!io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  const std::string dir = make_temp_dir("wan_video");
+  const auto e2e = io::load_safetensors(kWanGolden + "/tiny_wan/sample_e2e.safetensors").tensors;
+  const auto want = e2e.at("t2v.frames")[0];  // [F, H, W, 3] in [0, 1]
+  auto r = run({kDifftrain,
+                "sample",
+                "--model",
+                kWanGolden + "/tiny_wan",
+                "--prompt",
+                "a red car drives in the city street",
+                "--guidance_scale",
+                "5",
+                "--height",
+                "32",
+                "--width",
+                "48",
+                "--num_frames",
+                "5",
+                "--num_inference_steps",
+                "3",
+                "--seed",
+                "0",
+                "--output",
+                dir + "/t2v.mp4",
+                "--save_frames",
+                dir + "/frames"},
+               {}, 300);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  EXPECT_NE(r.err.find("t2v.mp4"), std::string::npos) << r.log();
+  const io::VideoFrames v = io::read_video(dir + "/t2v.mp4");
+  ASSERT_EQ(v.frames.sizes(), (std::vector<int64_t>{5, 32, 48, 3}));
+  EXPECT_NEAR(v.fps, 16.0, 1e-6);  // Wan's rate
+  const auto want8 = want.mul(255).round().clamp(0, 255);
+  // H.264 (crf 18, 4:2:0) of Diffusers' frames (the tiny model's are noise-like, which 4:2:0
+  // chroma cannot hold pixel by pixel): the same colours on 4 x 4 blocks.
+  auto blocks = [](const torch::Tensor& f) {
+    return torch::avg_pool2d(f.to(torch::kFloat).permute({0, 3, 1, 2}), 4);
+  };
+  EXPECT_LT((blocks(v.frames) - blocks(want8)).abs().mean().item<double>(), 6.0);
+  // The PNGs are the frames exactly (Diffusers' numpy_to_pil rounding).
+  for (int64_t i = 0; i < 5; ++i) {
+    const auto png = io::load_image(dir + "/frames/0/frame_000" + std::to_string(i) + ".png");
+    EXPECT_LE(wan_diff(png.to(torch::kFloat), want8[i]), 1.0) << i;
+  }
+  // GIF at another rate; a video path for an image family is refused.
+  auto gif = run({kDifftrain, "sample", "--model", kWanGolden + "/tiny_wan", "--prompt", "a",
+                  "--height", "32", "--width", "32", "--num_frames", "5", "--num_inference_steps",
+                  "1", "--fps", "8", "--output", dir + "/a.gif"},
+                 {}, 300);
+  ASSERT_EQ(gif.exit_code, 0) << gif.log();
+  const io::VideoFrames g = io::read_video(dir + "/a.gif");
+  EXPECT_EQ(g.frames.size(0), 5);
+  EXPECT_NEAR(g.timestamps.back(), 4.0 / 8.0, 0.011);
 }
 
 TEST(WanCli, LoraMergeAndForwardLoraGiveDiffusersFusedOutput) {

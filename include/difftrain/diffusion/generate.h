@@ -109,6 +109,9 @@ struct GenerateResult {
   /// "seed S+i" (kPerImage); text-to-image the prompt's first 28 characters ("..." when cut),
   /// with " #k" when a prompt has several images.
   std::vector<std::string> labels;
+  /// Clips: the frame rate the model was trained at (Wan 16), what a video file is written at
+  /// unless --fps says otherwise; 0 for images.
+  double fps = 0;
 
   /// The tensors `difftrain sample --save_tensors` writes: "images", plus "latents",
   /// "prompt_embeds" and "pooled_prompt_embeds" when defined.

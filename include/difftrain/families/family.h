@@ -270,9 +270,15 @@ diffusion::GenerateResult sample(SampleOptions options, double* seconds = nullpt
 
 /// Where `difftrain sample` writes its results.
 struct SampleOutputs {
-  std::string grid = "samples.png";  ///< the labelled PNG grid
-  int64_t columns = 0;               ///< grid columns (0: about square)
-  std::string tensors;               ///< "": none; else GenerateResult::tensors() as safetensors
+  /// The labelled PNG grid (a clip is a row of its frames), or, for clips, a video file by its
+  /// extension (io::write_video: .mp4 .mkv .mov .webm .webp .gif; several clips as
+  /// `<stem>_<k><ext>`). "" picks the default: samples.png, or samples.mp4 for clips.
+  std::string grid;
+  int64_t columns = 0;  ///< grid columns (0: about square)
+  std::string tensors;  ///< "": none; else GenerateResult::tensors() as safetensors
+  /// Clips: also every frame as a PNG under this folder (`<k>/frame_<i>.png`, k the clip); "" none.
+  std::string frames_dir;
+  double fps = 0;  ///< a video file's frame rate; 0: the model's (GenerateResult::fps)
 };
 
 /// sample(), then the grid (and the tensors) written, with a closing log line (images/s).

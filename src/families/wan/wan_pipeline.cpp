@@ -463,6 +463,7 @@ diffusion::GenerateResult WanPipeline::generate(const diffusion::GenerateRequest
   }
   int64_t counter = 0;
   diffusion::GenerateResult out;
+  out.fps = 16;  // Wan's training rate (Diffusers' examples: export_to_video(frames, fps=16))
   const int64_t k = r.num_images;
   if (r.seeding == diffusion::Seeding::kBatch) {
     Run run = run_once(*this, r, r.prompts, negatives, k, num_frames, r.seed, &counter,
