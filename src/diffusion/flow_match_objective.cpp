@@ -91,6 +91,16 @@ FlowMatchObjective::FlowMatchObjective(const nlohmann::json& scheduler_config,
   if (!(o.sigmoid_scale > 0)) {
     throw Error(fmt::format("--sigmoid_scale {} must be > 0", o.sigmoid_scale));
   }
+  if (!(o.min_timestep >= 0 && o.min_timestep < o.max_timestep && o.max_timestep <= 1000)) {
+    throw Error(fmt::format(
+        "--min_timestep {} / --max_timestep {}: need 0 <= min < max <= 1000 (musubi-tuner's range)",
+        o.min_timestep, o.max_timestep));
+  }
+  if (o.timestep_sampling == "sigma" && (o.min_timestep != 0 || o.max_timestep != 1000)) {
+    throw Error(
+        "--min_timestep / --max_timestep apply to the continuous samplings (uniform, sigmoid, "
+        "shift, ...); with --timestep_sampling sigma leave them out");
+  }
   if (!(o.discrete_flow_shift > 0) || !std::isfinite(o.discrete_flow_shift)) {
     throw Error(fmt::format("--discrete_flow_shift {} must be a finite number > 0 (1: no shift)",
                             o.discrete_flow_shift));
@@ -155,6 +165,12 @@ FlowMatchObjective::Draws FlowMatchObjective::sigmas_for(const torch::Tensor& u_
       throw Error("--timestep_sampling " + o.timestep_sampling + " is no longer registered");
     }
     d.sigmas = sampling->shift(u, x0_shape).to(torch::kCPU, torch::kFloat32).reshape({-1});
+  }
+  // musubi-tuner's / kohya's timestep range: t * (t_max - t_min) + t_min (in [0, 1]).
+  if (o.min_timestep != 0.0 || o.max_timestep != 1000.0) {
+    const float lo = static_cast<float>(o.min_timestep / 1000.0);
+    const float hi = static_cast<float>(o.max_timestep / 1000.0);
+    d.sigmas = d.sigmas * (hi - lo) + lo;
   }
   return d;
 }

@@ -329,20 +329,30 @@ void TextImageTask::export_transformer_run(const fs::path& out, const Transforme
     log::info("pipeline folder ({}): {}", pipeline_class, out.string());
     return;
   }
+  write_transformer_lora(out, o_, lora, [&](io::LoraWeights& l, io::LoraFormat format) {
+    if (format == io::LoraFormat::kKohya) to_kohya(l);
+  });
+}
+
+void write_transformer_lora(const fs::path& out, const train::TaskOptions& o,
+                            const models::LoraLayers& lora,
+                            const std::function<void(io::LoraWeights&, io::LoraFormat)>& adapt) {
   const io::LoraWeights weights = lora->to_lora_weights("transformer");
   const auto path = (out / "pytorch_lora_weights.safetensors").string();
   const std::map<std::string, std::string> meta = {
-      {"difftrain_rank", std::to_string(o_.lora.rank)},
-      {"difftrain_lora_alpha", std::to_string(o_.lora.alpha)}};
-  if (o_.lora.format == "kohya") {
+      {"difftrain_rank", std::to_string(o.lora.rank)},
+      {"difftrain_lora_alpha", std::to_string(o.lora.alpha)}};
+  if (o.lora.format == "kohya") {
     // lora_unet_<module> with .alpha: what musubi-tuner and Diffusers' converters read.
     io::LoraWeights kohya = weights;
-    to_kohya(kohya);
+    adapt(kohya, io::LoraFormat::kKohya);
     io::write_lora(path, kohya, io::LoraFormat::kKohya, meta);
-  } else if (o_.lora.format == "comfyui") {
+  } else if (o.lora.format == "comfyui") {
     // diffusion_model.<module>.lora_down / lora_up / .alpha: ComfyUI's and musubi-tuner's keys.
-    io::write_lora(path, weights, io::LoraFormat::kComfyUI, meta);
-  } else if (o_.lora.format == "peft") {
+    io::LoraWeights comfy = weights;
+    adapt(comfy, io::LoraFormat::kComfyUI);
+    io::write_lora(path, comfy, io::LoraFormat::kComfyUI, meta);
+  } else if (o.lora.format == "peft") {
     io::write_lora(path, weights, io::LoraFormat::kPeft, meta);
   } else {
     // As the pipeline's save_lora_weights of the PEFT state dict: "transformer.<module>.lora_A
@@ -351,7 +361,7 @@ void TextImageTask::export_transformer_run(const fs::path& out, const Transforme
     m.emplace("format", "pt");
     io::save_safetensors(path, io::lora_to_tensors(weights, io::LoraFormat::kPeft), m);
   }
-  log::info("LoRA weights ({} format): {}", o_.lora.format, path);
+  log::info("LoRA weights ({} format): {}", o.lora.format, path);
 }
 
 ImageVae image_vae(const models::AutoencoderKL& vae) {

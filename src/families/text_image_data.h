@@ -177,6 +177,14 @@ class TextImageTask : public train::TrainingTask {
   TextImageData data_;
 };
 
+/// Writes a transformer LoRA run's adapters as out/pytorch_lora_weights.safetensors in
+/// o.lora.format (diffusers: the pipeline's save_lora_weights; peft; kohya; comfyui), `adapt`
+/// renaming Diffusers' module names into the format's (kohya's and ComfyUI's forms of the
+/// family's original names) before kohya and comfyui files are written.
+void write_transformer_lora(const std::filesystem::path& out, const train::TaskOptions& o,
+                            const models::LoraLayers& lora,
+                            const std::function<void(io::LoraWeights&, io::LoraFormat)>& adapt);
+
 /// A fine-tuned pipeline folder's frozen parts: each of `parts` (folders: "vae", "scheduler",
 /// the text encoders and tokenizers) copied from the pretrained folder `src` into `out` as they
 /// came, and `src`'s model_index.json. Throws difftrain::Error naming a part that cannot be

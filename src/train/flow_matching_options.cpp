@@ -44,6 +44,11 @@ std::vector<OptionSpec> flow_matching_option_specs() {
        positive()},
       {"discrete_flow_shift", "float", 3.0, "kohya's shift of sigma (timestep_sampling shift)",
        positive(" (kohya uses 3.0)")},
+      {"min_timestep", "float", 0.0,
+       "musubi-tuner's / kohya's lower end of the trained timesteps (0..1000; continuous "
+       "samplings)",
+       range_check(0, 1000)},
+      {"max_timestep", "float", 1000.0, "the upper end (0..1000)", range_check(0, 1000)},
   };
   for (auto& s : specs) s.exactness = true;
   return specs;
@@ -58,6 +63,8 @@ diffusion::FlowMatchOptions flow_matching_options(const FamilyOptions& o, uint64
   f.timestep_sampling = o.text("timestep_sampling");
   f.sigmoid_scale = o.number("sigmoid_scale");
   f.discrete_flow_shift = o.number("discrete_flow_shift");
+  f.min_timestep = o.number("min_timestep");
+  f.max_timestep = o.number("max_timestep");
   f.seed = seed;
   return f;
 }

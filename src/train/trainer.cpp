@@ -18,6 +18,7 @@
 #include "difftrain/io/atomic_file.h"
 #include "difftrain/io/image.h"
 #include "difftrain/io/safetensors.h"
+#include "difftrain/io/video.h"
 #include "difftrain/optim/adamw.h"
 #include "difftrain/optim/adamw8bit.h"
 #include "difftrain/optim/lr_schedule.h"
@@ -229,7 +230,11 @@ void Trainer::State::print_header() const {
   const nlohmann::json& shown = o.shown_config.is_null() ? o.config : o.shown_config;
   log::info("difftrain train: resolved configuration\n{}", shown.dump(2));
   if (!o.defaults_from.empty()) {
-    log::info("  defaults: Diffusers' {} (the options given win)", o.defaults_from);
+    // A bare script name is Diffusers'; another tool's comes with its name
+    // ("musubi-tuner wan_train_network.py").
+    const bool named = o.defaults_from.find(' ') != std::string::npos;
+    log::info("  defaults: {}{} (the options given win)", named ? "" : "Diffusers' ",
+              o.defaults_from);
   }
   log::info(
       "  examples {} | classes {} | processes {} on {} ({}) | batch per process {} | "
@@ -460,7 +465,20 @@ bool Trainer::State::validate() {
   auto grid = io::save_image_grid((dir / name).string(), card_images, card_labels,
                                   task->validation_columns());
   if (trackers) trackers->log_image("validation", grid, global_step);
-  log::info("validation samples{}: {} ({:.1f} s)", task->validation_note(), (dir / name).string(),
+  const std::string png = (dir / name).string();
+  std::string videos;
+  if (card_images.dim() == 5 && io::video_supported()) {
+    // Clips: each also as an MP4 (the grid above is their frame strips, one row a clip).
+    for (int64_t k = 0; k < card_images.size(0); ++k) {
+      std::snprintf(name, sizeof name, "step-%06lld-%lld.mp4", static_cast<long long>(global_step),
+                    static_cast<long long>(k));
+      io::VideoWriteOptions w;
+      w.fps = task->validation_fps();
+      io::write_video((dir / name).string(), card_images[k], w);
+    }
+    videos = fmt::format(" and {} MP4 clip(s) beside it", card_images.size(0));
+  }
+  log::info("validation samples{}: {}{} ({:.1f} s)", task->validation_note(), png, videos,
             seconds_since(started));
   return true;
 }

@@ -46,7 +46,11 @@ struct FlowMatchOptions {
   /// --sigmoid_scale (sigmoid, shift and the registered samplings)
   double sigmoid_scale = 1.0;
   double discrete_flow_shift = 3.0;  ///< --discrete_flow_shift (shift)
-  uint64_t seed = 0;                 ///< the per-sample streams
+  /// musubi-tuner's / kohya's --min_timestep / --max_timestep (0..1000): a continuous sampling's
+  /// sigma becomes sigma * (max - min) / 1000 + min / 1000 (training one of Wan 2.2's experts on
+  /// its noise range). Not with "sigma".
+  double min_timestep = 0.0, max_timestep = 1000.0;
+  uint64_t seed = 0;  ///< the per-sample streams
 };
 
 /// A timestep sampling a family adds to flow matching: kohya's sigmoid draw, then a shift that

@@ -203,6 +203,8 @@ class TrainingTask {
   virtual int64_t validation_columns() const { return 0; }
   /// What the validation log line adds after "validation samples" (e.g. the prompt).
   virtual std::string validation_note() const { return ""; }
+  /// Clips: the frame rate of the MP4s written beside the grid (the model's training rate).
+  virtual double validation_fps() const { return 16.0; }
   /// Whether the run asked for validation renders itself (a text-to-image --validation_prompt):
   /// `--final_validation auto` then renders them even after a run shorter than
   /// --validation_steps.

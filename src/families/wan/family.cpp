@@ -1,13 +1,20 @@
-// The Wan family (issue 60, first part): WanPipeline folders (Wan 2.1 text-to-video, Wan 2.2 A14B
-// with its two experts) and bare WanTransformer3DModel folders: `difftrain sample` (frames as a
-// PNG strip and --save_tensors; video files are still to come), `difftrain forward`, LoRA files
-// (read, convert, merge, apply). Image-to-video, the 2.2 TI2V VAE, video data, training and
-// estimate-memory are refused in one line until they land.
+// The Wan family (issue 60): WanPipeline / WanImageToVideoPipeline folders (Wan 2.1
+// text-to-video, Wan 2.2 A14B with its two experts, Wan 2.2 image to video) and bare
+// WanTransformer3DModel folders: `difftrain sample` (a video file, frame PNGs, --save_tensors),
+// `difftrain forward`, LoRA files (read, convert, merge, apply), training on clips and images
+// (musubi-tuner's semantics: wan_task.cpp, the video data of ../video_data.h). The 2.2 TI2V VAE,
+// Wan 2.1 image to video's CLIP encoder and estimate-memory are refused in one line until they
+// land.
 #include "difftrain/families/family.h"
+#include "../text_image_data.h"
+#include "../video_data.h"
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/families/lora_merge.h"
+#include "difftrain/train/flow_matching_options.h"
+#include "difftrain/train/text_image_options.h"
 #include "wan_pipeline.h"
+#include "wan_task.h"
 
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -16,9 +23,10 @@ namespace difftrain::families {
 namespace {
 
 [[noreturn]] void not_yet(const std::string& what) {
-  throw Error(what +
-              " is not supported for Wan yet (issue 60: sampling, difftrain forward and LoRA files "
-              "are; training, image-to-video and estimate-memory are still to come)");
+  throw Error(
+      what +
+      " is not supported for Wan yet (issue 60: sampling, difftrain forward, LoRA files and "
+      "training are; estimate-memory is still to come)");
 }
 
 class WanFamily : public ModelFamily {
@@ -35,7 +43,9 @@ class WanFamily : public ModelFamily {
   }
   int component_match_rank() const override { return 4; }
   std::vector<std::string> lora_components() const override { return {"transformer"}; }
-  // lora_export_formats(): the default until Wan trains (lora convert writes every layout).
+  std::vector<std::string> lora_export_formats() const override {
+    return {"diffusers", "peft", "kohya", "comfyui"};
+  }
   std::vector<io::LoraKeyLayout> lora_key_layouts() const override {
     return {dit_comfyui_key_layout(wan::wan_lora_layout())};
   }
@@ -63,8 +73,46 @@ class WanFamily : public ModelFamily {
     return std::make_unique<wan::WanPipeline>(wan::load_wan_pipeline(dir, options));
   }
   std::unique_ptr<train::TrainingTask> make_training_task(
-      const train::TaskOptions& /*options*/) const override {
-    not_yet("Training");
+      const train::TaskOptions& options) const override {
+    return wan::make_wan_training_task(options);
+  }
+  std::vector<train::OptionSpec> options() const override {
+    auto specs = train::flow_matching_option_specs();
+    for (auto& spec : specs) {
+      // musubi-tuner's Wan guide: --timestep_sampling shift --discrete_flow_shift 3.0.
+      if (spec.name == "timestep_sampling") spec.default_value = "shift";
+    }
+    for (auto& spec : train::text_image_option_specs()) specs.push_back(std::move(spec));
+    for (auto& spec : video_data_option_specs()) specs.push_back(std::move(spec));
+    train::OptionSpec length{"max_sequence_length", "int", 512,
+                             "UMT5 tokens of each caption (the transformer sees them zero-padded "
+                             "to this length, as WanPipeline and musubi-tuner pad)",
+                             train::range_check(1, 1024)};
+    length.structural = true;
+    specs.push_back(std::move(length));
+    train::OptionSpec expert{"train_expert", "string?", nullptr,
+                             "Wan 2.2 A14B: the expert this run trains, high (transformer, "
+                             "t >= boundary) or low (transformer_2)",
+                             train::one_of_check({"high", "low"})};
+    expert.structural = true;
+    specs.push_back(std::move(expert));
+    specs.push_back({"validation_num_frames", "int", 0,
+                     "frames of each validation clip (0: the longest --target_frames)",
+                     train::range_check(0, 100000)});
+    return specs;
+  }
+  std::optional<train::ScriptDefaults> training_defaults(
+      const train::TrainConfig& /*config*/) const override {
+    // musubi-tuner's Wan guide (docs/wan.md): LoRA rank 32, learning rate 2e-4, batch 1.
+    train::ScriptDefaults d;
+    d.script = "musubi-tuner wan_train_network.py";
+    d.resolution = 512;
+    d.train_batch_size = 1;
+    d.learning_rate = 2e-4;
+    d.adam_weight_decay = 1e-2;
+    d.lora_target_modules = wan::default_wan_lora_targets(false);
+    d.not_applicable = {"validation_scheduler"};
+    return d;
   }
   std::vector<train::OptionSpec> sample_options() const override {
     train::OptionSpec frames{"num_frames", "int", 81,

@@ -223,7 +223,7 @@ std::string wan_prompt_clean(const std::string& text) {
 torch::Tensor encode_wan_prompts(const models::T5Tokenizer& tokenizer,
                                  models::T5EncoderModel& encoder,
                                  const std::vector<std::string>& prompts,
-                                 int64_t max_sequence_length) {
+                                 int64_t max_sequence_length, std::vector<int64_t>* lengths_out) {
   const auto n = static_cast<int64_t>(prompts.size());
   auto ids = torch::zeros({n, max_sequence_length}, torch::kInt64);
   auto mask = torch::zeros({n, max_sequence_length}, torch::kInt64);
@@ -246,6 +246,7 @@ torch::Tensor encode_wan_prompts(const models::T5Tokenizer& tokenizer,
         .narrow(0, 0, lengths[static_cast<size_t>(i)])
         .copy_(hidden[i].narrow(0, 0, lengths[static_cast<size_t>(i)]));
   }
+  if (lengths_out != nullptr) *lengths_out = lengths;
   return out;
 }
 
@@ -292,6 +293,36 @@ struct Run {
   torch::Tensor frames, latents, embeds;
 };
 
+}  // namespace
+
+torch::Tensor wan_image_condition(models::AutoencoderKLQwenImage vae, const torch::Tensor& first,
+                                  const torch::Tensor& last, int64_t num_frames) {
+  const int64_t height = first.size(3), width = first.size(4);
+  const int64_t middle = num_frames - (last.defined() ? 2 : 1);
+  std::vector<torch::Tensor> parts = {first.to(torch::kFloat32),
+                                      torch::zeros({first.size(0), 3, middle, height, width})};
+  if (last.defined()) parts.push_back(last.to(torch::kFloat32));
+  const torch::Device device = models::module_device(*vae);
+  const auto vae_dtype = models::module_dtype(*vae);
+  torch::Tensor z = vae->encode(torch::cat(parts, 2).to(device, vae_dtype)).mode();
+  z = z.to(torch::kFloat32);
+  const auto& c = vae->config();
+  const auto stat = [&](const std::vector<double>& v) {
+    return torch::tensor(v, torch::kFloat64).view({1, -1, 1, 1, 1}).to(z.device(), torch::kFloat32);
+  };
+  z = (z - stat(c.latents_mean)) * (1.0 / stat(c.latents_std));
+  const int64_t tc = c.temporal_compression_ratio();
+  const int64_t h = z.size(3), w = z.size(4), b = z.size(0);
+  auto mask = torch::ones({b, 1, num_frames, h, w});
+  mask.narrow(2, 1, middle).zero_();
+  mask = torch::cat(
+      {mask.narrow(2, 0, 1).repeat_interleave(tc, 2), mask.narrow(2, 1, num_frames - 1)}, 2);
+  mask = mask.view({b, -1, tc, h, w}).transpose(1, 2).to(z.device());
+  return torch::cat({mask, z}, 1);
+}
+
+namespace {
+
 // Image to video (prepare_latents): the image (and last image) at the output size as the VAE's
 // pixels, zeros for the other frames, the clip's latent mode normalised (z - mean) * (1 / std),
 // after a 4-channel mask of the given frames (the first frame counted 4 times, as the VAE's first
@@ -304,32 +335,16 @@ torch::Tensor image_condition(WanPipeline& p, const torch::Tensor& image,
     const auto x = resized.permute({2, 0, 1}).to(torch::kFloat32) / 255.0F;
     return (2.0F * x - 1.0F).unsqueeze(0).unsqueeze(2);  // [1, 3, 1, H, W]
   };
-  const int64_t middle = num_frames - (last_image.defined() ? 2 : 1);
-  std::vector<torch::Tensor> parts = {pixels(image), torch::zeros({1, 3, middle, height, width})};
-  if (last_image.defined()) parts.push_back(pixels(last_image));
-  const torch::Device device = models::module_device(*p.vae);
-  const auto vae_dtype = models::module_dtype(*p.vae);
-  torch::Tensor z = p.vae->encode(torch::cat(parts, 2).to(device, vae_dtype)).mode();
-  z = z.to(torch::kFloat32);
-  const auto& c = p.vae->config();
-  const auto stat = [&](const std::vector<double>& v) {
-    return torch::tensor(v, torch::kFloat64).view({1, -1, 1, 1, 1}).to(z.device(), torch::kFloat32);
-  };
-  z = (z - stat(c.latents_mean)) * (1.0 / stat(c.latents_std));
-  const int64_t tc = c.temporal_compression_ratio();
-  const int64_t h = z.size(3), w = z.size(4);
-  auto mask = torch::ones({1, 1, num_frames, h, w});
-  mask.narrow(2, 1, middle).zero_();
-  mask = torch::cat(
-      {mask.narrow(2, 0, 1).repeat_interleave(tc, 2), mask.narrow(2, 1, num_frames - 1)}, 2);
-  mask = mask.view({1, -1, tc, h, w}).transpose(1, 2).to(z.device());
-  return torch::cat({mask, z}, 1);
+  return wan_image_condition(p.vae, pixels(image),
+                             last_image.defined() ? pixels(last_image) : torch::Tensor(),
+                             num_frames);
 }
 
 Run run_once(WanPipeline& p, const diffusion::GenerateRequest& r,
              const std::vector<std::string>& prompts, const std::vector<std::string>& negatives,
              int64_t k, int64_t num_frames, uint64_t seed, int64_t* counter, int64_t total,
-             const torch::Tensor& condition) {
+             const torch::Tensor& condition, const torch::Tensor& given_pos,
+             const torch::Tensor& given_neg) {
   const double g = *r.guidance_scale;
   const auto& g2_json = r.options.at("guidance_scale_2");
   const double g2 = g2_json.is_null() ? g : g2_json.get<double>();
@@ -338,12 +353,15 @@ Run run_once(WanPipeline& p, const diffusion::GenerateRequest& r,
   const auto dtype = p.transformer->dtype();
   const torch::Device device = models::module_device(*p.transformer);
   const auto repeat = [&](const torch::Tensor& e) { return e.repeat_interleave(k, 0); };
-  const torch::Tensor pos =
-      repeat(encode_wan_prompts(*p.tokenizer, p.text_encoder, prompts, r.max_sequence_length));
+  const torch::Tensor pos = repeat(
+      given_pos.defined()
+          ? given_pos
+          : encode_wan_prompts(*p.tokenizer, p.text_encoder, prompts, r.max_sequence_length));
   torch::Tensor neg;
   if (cfg) {
-    neg =
-        repeat(encode_wan_prompts(*p.tokenizer, p.text_encoder, negatives, r.max_sequence_length));
+    neg = repeat(given_neg.defined() ? given_neg
+                                     : encode_wan_prompts(*p.tokenizer, p.text_encoder, negatives,
+                                                          r.max_sequence_length));
   }
   const int64_t vsf = p.vae->config().spatial_compression_ratio();
   const int64_t frames = (num_frames - 1) / p.vae->config().temporal_compression_ratio() + 1;
@@ -393,10 +411,27 @@ Run run_once(WanPipeline& p, const diffusion::GenerateRequest& r,
 
 diffusion::GenerateResult WanPipeline::generate(const diffusion::GenerateRequest& request) {
   diffusion::GenerateRequest r = resolve(request);
+  // prompt_embeds (as Diffusers' argument): one row per prompt, used as given; the prompts are
+  // then only labels.
+  if (r.prompt_embeds.defined()) {
+    if (r.prompt_embeds.dim() != 3 ||
+        (r.negative_prompt_embeds.defined() &&
+         r.negative_prompt_embeds.sizes() != r.prompt_embeds.sizes())) {
+      throw Error("WanPipeline: prompt_embeds must be [N, L, D] (negative_prompt_embeds alike)");
+    }
+    if (r.prompts.empty()) {
+      r.prompts.assign(static_cast<size_t>(r.prompt_embeds.size(0)), "prompt_embeds");
+    }
+    if (static_cast<int64_t>(r.prompts.size()) != r.prompt_embeds.size(0)) {
+      throw Error("WanPipeline: one prompt_embeds row per prompt");
+    }
+  }
   if (r.prompts.empty()) throw Error("Wan needs at least one prompt (--prompt)");
   if (!r.class_labels.empty()) throw Error("--class_labels is for class-conditional UNets");
-  if (r.prompt_embeds.defined()) {
-    throw Error("WanPipeline: prompt embeddings given directly are not supported; give prompts");
+  if (!text_encoder && (!r.prompt_embeds.defined() ||
+                        (*r.guidance_scale > 1.0 && !r.negative_prompt_embeds.defined()))) {
+    throw Error("WanPipeline: no text encoder loaded; give prompt_embeds (and, with guidance, "
+                "negative_prompt_embeds)");
   }
   if (folder.expand_timesteps) {
     throw Error(folder.dir +
@@ -439,7 +474,7 @@ diffusion::GenerateResult WanPipeline::generate(const diffusion::GenerateRequest
   transformer->eval();
   if (transformer_2) transformer_2->eval();
   vae->eval();
-  text_encoder->eval();
+  if (text_encoder) text_encoder->eval();
   torch::NoGradGuard no_grad;
   torch::Tensor condition;
   const auto path_option = [&](const char* key) {
@@ -467,7 +502,8 @@ diffusion::GenerateResult WanPipeline::generate(const diffusion::GenerateRequest
   const int64_t k = r.num_images;
   if (r.seeding == diffusion::Seeding::kBatch) {
     Run run = run_once(*this, r, r.prompts, negatives, k, num_frames, r.seed, &counter,
-                       r.num_inference_steps, condition);
+                       r.num_inference_steps, condition, r.prompt_embeds,
+                       r.negative_prompt_embeds);
     out.images = run.frames;
     out.latents = run.latents;
     out.prompt_embeds = run.embeds;
@@ -481,7 +517,12 @@ diffusion::GenerateResult WanPipeline::generate(const diffusion::GenerateRequest
                            negatives.empty() ? std::vector<std::string>{}
                                              : std::vector<std::string>{negatives[idx]},
                            1, num_frames, r.seed + static_cast<uint64_t>(i * k + j), &counter,
-                           n * k * r.num_inference_steps, condition);
+                           n * k * r.num_inference_steps, condition,
+                           r.prompt_embeds.defined() ? r.prompt_embeds.narrow(0, i, 1)
+                                                     : torch::Tensor(),
+                           r.negative_prompt_embeds.defined()
+                               ? r.negative_prompt_embeds.narrow(0, i, 1)
+                               : torch::Tensor());
         frames.push_back(run.frames);
         latents.push_back(run.latents);
         embeds.push_back(run.embeds);

@@ -50,7 +50,15 @@ std::string wan_prompt_clean(const std::string& text);
 torch::Tensor encode_wan_prompts(const models::T5Tokenizer& tokenizer,
                                  models::T5EncoderModel& encoder,
                                  const std::vector<std::string>& prompts,
-                                 int64_t max_sequence_length);
+                                 int64_t max_sequence_length,
+                                 std::vector<int64_t>* lengths = nullptr);
+/// Image to video's condition (WanImageToVideoPipeline.prepare_latents, musubi-tuner's `y`): the
+/// pixel values of the first frame `first` [B, 3, 1, H, W] in [-1, 1] (and of the last, or
+/// undefined), zeros for the other frames of a `num_frames` clip, its VAE latent mode normalised
+/// (z - mean) * (1 / std), after a 4-channel mask of the given frames (the first counted 4 times,
+/// as the VAE's first latent frame stands for one frame): [B, 4 + z_dim, T, h, w] float32.
+torch::Tensor wan_image_condition(models::AutoencoderKLQwenImage vae, const torch::Tensor& first,
+                                  const torch::Tensor& last, int64_t num_frames);
 
 class WanPipeline : public diffusion::Pipeline {
  public:
