@@ -106,6 +106,8 @@ void WanTask::build(accel::Accelerator& acc, const std::string& output_dir) {
   const std::string& model = o_.model.pretrained_model_name_or_path;
   folder_ = resolve_wan_folder(model);
   const auto& f = folder_;
+  acc.print("{}: {} ({})", name(), model,
+            f.pipeline_class.empty() ? "WanPipeline" : f.pipeline_class);
   if (f.expand_timesteps) {
     throw Error(model +
                 ": Wan 2.2 TI2V-5B (expand_timesteps, the 48-channel VAE) does not train yet; "
