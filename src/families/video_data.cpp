@@ -74,8 +74,9 @@ std::vector<int64_t> rounded_frames(const std::vector<int64_t>& targets) {
   return {r.begin(), r.end()};
 }
 
-// The frames of a media file, uint8 [F, H, W, 3].
-torch::Tensor read_frames(const MediaFile& m, double target_fps) {
+}  // namespace
+
+torch::Tensor read_media_frames(const MediaFile& m, double target_fps) {
   switch (m.kind) {
     case MediaFile::Kind::kImage: return io::load_image(m.path, 3).unsqueeze(0);
     case MediaFile::Kind::kVideo: {
@@ -102,6 +103,8 @@ torch::Tensor read_frames(const MediaFile& m, double target_fps) {
   }
   return {};
 }
+
+namespace {
 
 // The cached examples: latents (and conditions) per item, the captions' embeddings.
 class ClipDataset : public data::Dataset {
@@ -425,7 +428,7 @@ void VideoData::build(accel::Accelerator& acc, const std::string& output_dir, co
       auto autocast = acc.autocast();
       for (size_t k = static_cast<size_t>(rank); k < media_.size(); k += world) {
         const MediaFile& f = media_[k];
-        const torch::Tensor frames = read_frames(f, v_.target_fps);
+        const torch::Tensor frames = read_media_frames(f, v_.target_fps);
         const auto clips = f.kind == MediaFile::Kind::kImage
                                ? std::vector<std::pair<int64_t, int64_t>>{{0, 1}}
                                : extract_clips(frames.size(0), v_);

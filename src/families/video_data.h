@@ -63,6 +63,11 @@ struct MediaFile {
 std::vector<MediaFile> list_media_files(const train::DataOptions& d,
                                         const std::string& instance_prompt);
 
+/// The frames of a media file, uint8 [F, H, W, 3]: an image as one frame, a video decoded (with
+/// target_fps > 0 resampled to that rate by timestamps), a folder's images in name order (one
+/// size). Throws a one-line difftrain::Error naming the file.
+torch::Tensor read_media_frames(const MediaFile& media, double target_fps);
+
 /// musubi-tuner's frame extraction: the (start, length) of each clip of a video of
 /// `frame_count` frames (an image is one clip of one frame). Lengths are the rounded
 /// target_frames; clips longer than the video are skipped.

@@ -172,16 +172,43 @@ std::vector<Case> family_error_cases() {
                         "40", "--width", "48", "--num_inference_steps", "1", "--output",
                         t + "/s.png"}};
        }},
-      {"WanTrainingNotYet",
-       "`difftrain train --pretrained_model_name_or_path tests/golden/wan/tiny_wan ...` (Wan "
-       "training is still to come)",
-       "Training is not supported for Wan yet (issue 60: sampling, difftrain forward and LoRA "
-       "files are; training, image-to-video and estimate-memory are still to come)",
+      {"WanA14bWithoutExpert",
+       "`difftrain train --pretrained_model_name_or_path tests/golden/wan/tiny_wan_a14b ...` "
+       "without --train_expert",
+       "<golden>/wan/tiny_wan_a14b is Wan 2.2 A14B with two experts: pass --train_expert high "
+       "(transformer, the noisy steps t >= boundary) or low (transformer_2), one per run",
        1,
        [](const std::string& t) {
+         write_png(t + "/d/a.png");
+         write_text(t + "/d/a.txt", "a square");
+         return BadRun{{"train", "--pretrained_model_name_or_path", kGolden + "/wan/tiny_wan_a14b",
+                        "--dataset", "imagefolder", "--train_data_dir", t + "/d", "--resolution",
+                        "32", "--output_dir", t + "/run"}};
+       }},
+      {"WanCorruptVideo",
+       "`difftrain train --pretrained_model_name_or_path tests/golden/wan/tiny_wan "
+       "--train_data_dir D` where D/clip.mp4 is not a video",
+       "<tmp>/d/clip.mp4: cannot open as a video (Invalid data found when processing input); is "
+       "it a complete MP4, WebM, MOV or MKV file?",
+       1,
+       [](const std::string& t) {
+         write_text(t + "/d/clip.mp4", std::string(2000, 'x'));
+         write_text(t + "/d/clip.txt", "a clip");
          return BadRun{{"train", "--pretrained_model_name_or_path", kGolden + "/wan/tiny_wan",
-                        "--dataset", "imagefolder", "--train_data_dir", t, "--output_dir",
-                        t + "/run"}};
+                        "--dataset", "imagefolder", "--train_data_dir", t + "/d", "--resolution",
+                        "32", "--output_dir", t + "/run"}};
+       }},
+      {"WanClipWithoutCaption",
+       "`difftrain train --pretrained_model_name_or_path tests/golden/wan/tiny_wan "
+       "--train_data_dir D` where D/a.png has no caption",
+       "<tmp>/d/a.png: no caption; give it a .txt file beside it, a \"text\" in metadata.jsonl, "
+       "or --instance_prompt for every file",
+       1,
+       [](const std::string& t) {
+         write_png(t + "/d/a.png");
+         return BadRun{{"train", "--pretrained_model_name_or_path", kGolden + "/wan/tiny_wan",
+                        "--dataset", "imagefolder", "--train_data_dir", t + "/d", "--resolution",
+                        "32", "--output_dir", t + "/run"}};
        }},
   };
 }

@@ -306,7 +306,7 @@ TEST(ZImageTrain, DreamBoothWithPriorPreservationInBf16OnAnInt8Base) {
   EXPECT_NE(comfy_flux.exit_code, 0);
   EXPECT_NE(comfy_flux.err.find(
                 "--lora_format comfyui: the flux family's runs export diffusers, "
-                "peft, kohya; comfyui is written for the qwen-image, z-image family's runs"),
+                "peft, kohya; comfyui is written for the qwen-image, wan, z-image family's runs"),
             std::string::npos)
       << comfy_flux.log();
   auto te =

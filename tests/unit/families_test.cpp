@@ -218,15 +218,15 @@ TEST(Families, AFamilyDeclaresItsOwnOptionsAndAnotherFamilysAreRefused) {
     (void)parse({"--pretrained_model_name_or_path", kTinySdGolden, "--weighting_scheme", "mode"});
   });
   EXPECT_HAS(sd_error,
-             "\"weighting_scheme\" is an option of the flux, qwen-image, z-image families");
+             "\"weighting_scheme\" is an option of the flux, qwen-image, wan, z-image families");
   EXPECT_HAS(sd_error, "this run trains the stable-diffusion family");
   EXPECT_EQ(sd_error.find('\n'), std::string::npos);
-  EXPECT_HAS(
-      error_of([&] {
-        (void)parse({"--max_sequence_length", "77"});
-      }),
-      "is an option of the flux, qwen-image, z-image families; this run trains the unet family (no "
-      "--pretrained_model_name_or_path)");
+  EXPECT_HAS(error_of([&] {
+               (void)parse({"--max_sequence_length", "77"});
+             }),
+             "is an option of the flux, qwen-image, wan, z-image families; this run trains the "
+             "unet family (no "
+             "--pretrained_model_name_or_path)");
   // An option several families declare (the DDPM objective's group) names them all, and the run's
   // family says what it does instead; the class labels are the unet family's alone.
   const auto ddpm = error({"--snr_gamma", "5"});
@@ -259,7 +259,7 @@ TEST(Families, AFamilyDeclaresItsOwnOptionsAndAnotherFamilysAreRefused) {
   EXPECT_HAS(error_of([&] {
                (void)parse({"--config", dir + "/flow.yaml"});
              }),
-             "\"discrete_flow_shift\" is an option of the flux, qwen-image, z-image families");
+             "\"discrete_flow_shift\" is an option of the flux, qwen-image, wan, z-image families");
   // Other tools' flags for what a family has are the family's to point at (kohya's).
   const auto t5 = error({"--t5xxl_max_token_length", "256"});
   EXPECT_HAS(t5, "\"t5xxl_max_token_length\" is another tool's option");
@@ -407,12 +407,12 @@ TEST(Families, TheTextToImageOptionsAreAGroupTheTextFamiliesDeclare) {
   // The built-in UNet job refuses them, naming the families that take them; FLUX.1 refuses
   // clip_skip and says why.
   const auto unet = error_of([&] { (void)parse({"--instance_prompt", "sks"}); });
-  EXPECT_HAS(
-      unet,
-      "\"instance_prompt\" is an option of the flux, qwen-image, sdxl, stable-diffusion, z-image "
-      "families; "
-      "this "
-      "run trains the unet family");
+  EXPECT_HAS(unet,
+             "\"instance_prompt\" is an option of the flux, qwen-image, sdxl, stable-diffusion, "
+             "wan, z-image "
+             "families; "
+             "this "
+             "run trains the unet family");
   EXPECT_EQ(unet.find('\n'), std::string::npos);
   const auto flux_skip = error_of([&] {
     (void)parse({"--pretrained_model_name_or_path", flux, "--clip_skip", "2"});

@@ -64,6 +64,9 @@ struct MemoryEstimateOptions {
   /// UNets (CLIP's, as Diffusers' text-to-image scripts), 512 T5 tokens for FLUX.1 (`difftrain
   /// train`'s --max_sequence_length).
   int64_t encoder_sequence_length = 0;
+  /// Video families: the clip's frames and pixel height / width (0: the family's default, Wan's
+  /// 81 x 480 x 832).
+  int64_t num_frames = 0, height = 0, width = 0;
 };
 
 /// `difftrain estimate-memory`'s flags as given (names and spellings of `difftrain train`'s):

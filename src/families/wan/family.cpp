@@ -22,13 +22,6 @@
 namespace difftrain::families {
 namespace {
 
-[[noreturn]] void not_yet(const std::string& what) {
-  throw Error(
-      what +
-      " is not supported for Wan yet (issue 60: sampling, difftrain forward, LoRA files and "
-      "training are; estimate-memory is still to come)");
-}
-
 class WanFamily : public ModelFamily {
  public:
   std::string name() const override { return "wan"; }
@@ -64,9 +57,9 @@ class WanFamily : public ModelFamily {
     return wan::forward_wan(dir, inputs, source, lora, lora_scale);
   }
   std::vector<train::MemoryEstimate> estimate_memory(
-      const std::string& /*model_path*/, const train::MemoryEstimateOptions& /*options*/,
-      const std::vector<accel::ShardingStrategy>& /*strategies*/) const override {
-    not_yet("estimate-memory");
+      const std::string& model_path, const train::MemoryEstimateOptions& options,
+      const std::vector<accel::ShardingStrategy>& strategies) const override {
+    return wan::estimate_wan_memory(model_path, options, strategies);
   }
   std::unique_ptr<diffusion::Pipeline> load_pipeline(
       const std::string& dir, const diffusion::PipelineLoadOptions& options) const override {

@@ -353,10 +353,10 @@ Run run_once(WanPipeline& p, const diffusion::GenerateRequest& r,
   const auto dtype = p.transformer->dtype();
   const torch::Device device = models::module_device(*p.transformer);
   const auto repeat = [&](const torch::Tensor& e) { return e.repeat_interleave(k, 0); };
-  const torch::Tensor pos = repeat(
-      given_pos.defined()
-          ? given_pos
-          : encode_wan_prompts(*p.tokenizer, p.text_encoder, prompts, r.max_sequence_length));
+  const torch::Tensor pos =
+      repeat(given_pos.defined() ? given_pos
+                                 : encode_wan_prompts(*p.tokenizer, p.text_encoder, prompts,
+                                                      r.max_sequence_length));
   torch::Tensor neg;
   if (cfg) {
     neg = repeat(given_neg.defined() ? given_neg
@@ -430,8 +430,9 @@ diffusion::GenerateResult WanPipeline::generate(const diffusion::GenerateRequest
   if (!r.class_labels.empty()) throw Error("--class_labels is for class-conditional UNets");
   if (!text_encoder && (!r.prompt_embeds.defined() ||
                         (*r.guidance_scale > 1.0 && !r.negative_prompt_embeds.defined()))) {
-    throw Error("WanPipeline: no text encoder loaded; give prompt_embeds (and, with guidance, "
-                "negative_prompt_embeds)");
+    throw Error(
+        "WanPipeline: no text encoder loaded; give prompt_embeds (and, with guidance, "
+        "negative_prompt_embeds)");
   }
   if (folder.expand_timesteps) {
     throw Error(folder.dir +
@@ -502,8 +503,7 @@ diffusion::GenerateResult WanPipeline::generate(const diffusion::GenerateRequest
   const int64_t k = r.num_images;
   if (r.seeding == diffusion::Seeding::kBatch) {
     Run run = run_once(*this, r, r.prompts, negatives, k, num_frames, r.seed, &counter,
-                       r.num_inference_steps, condition, r.prompt_embeds,
-                       r.negative_prompt_embeds);
+                       r.num_inference_steps, condition, r.prompt_embeds, r.negative_prompt_embeds);
     out.images = run.frames;
     out.latents = run.latents;
     out.prompt_embeds = run.embeds;
@@ -513,16 +513,15 @@ diffusion::GenerateResult WanPipeline::generate(const diffusion::GenerateRequest
     for (int64_t i = 0; i < n; ++i) {
       for (int64_t j = 0; j < k; ++j) {
         const auto idx = static_cast<size_t>(i);
-        Run run = run_once(*this, r, {r.prompts[idx]},
-                           negatives.empty() ? std::vector<std::string>{}
-                                             : std::vector<std::string>{negatives[idx]},
-                           1, num_frames, r.seed + static_cast<uint64_t>(i * k + j), &counter,
-                           n * k * r.num_inference_steps, condition,
-                           r.prompt_embeds.defined() ? r.prompt_embeds.narrow(0, i, 1)
-                                                     : torch::Tensor(),
-                           r.negative_prompt_embeds.defined()
-                               ? r.negative_prompt_embeds.narrow(0, i, 1)
-                               : torch::Tensor());
+        Run run =
+            run_once(*this, r, {r.prompts[idx]},
+                     negatives.empty() ? std::vector<std::string>{}
+                                       : std::vector<std::string>{negatives[idx]},
+                     1, num_frames, r.seed + static_cast<uint64_t>(i * k + j), &counter,
+                     n * k * r.num_inference_steps, condition,
+                     r.prompt_embeds.defined() ? r.prompt_embeds.narrow(0, i, 1) : torch::Tensor(),
+                     r.negative_prompt_embeds.defined() ? r.negative_prompt_embeds.narrow(0, i, 1)
+                                                        : torch::Tensor());
         frames.push_back(run.frames);
         latents.push_back(run.latents);
         embeds.push_back(run.embeds);

@@ -222,10 +222,10 @@ void WanTask::build(accel::Accelerator& acc, const std::string& output_dir) {
     if (f.image_to_video) {
       const auto& first = data_.items().front();
       const auto& media = data_.media()[static_cast<size_t>(first.media)];
-      const auto px = clip_pixels(media.kind == MediaFile::Kind::kVideo
-                                      ? io::read_video(media.path).frames.narrow(0, 0, 1)
-                                      : io::load_image(media.path, 3).unsqueeze(0),
-                                  first.height, first.width);
+      const auto px =
+          clip_pixels(read_media_frames(media, VideoDataOptions::from(o_.family).target_fps)
+                          .narrow(0, first.start, 1),
+                      first.height, first.width);
       validation_image_ = px.select(1, 0)
                               .add(1)
                               .mul(127.5)
