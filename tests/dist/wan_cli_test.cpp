@@ -12,6 +12,7 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 #include <filesystem>
 #include <string>
@@ -157,6 +158,48 @@ TEST(WanCli, SampleWritesAVideoFileAndFramePngs) {
   const io::VideoFrames g = io::read_video(dir + "/a.gif");
   EXPECT_EQ(g.frames.size(0), 5);
   EXPECT_NEAR(g.timestamps.back(), 4.0 / 8.0, 0.011);
+}
+
+// estimate-memory on Wan 2.1 1.3B's weightless config (configs/): musubi-tuner's LoRA targets at
+// rank 32 counted exactly (per block 8 attention projections 1536 -> 1536 and the 1536 <-> 8960
+// feed-forward: 32 x (8 x 3072 + 2 x 10496) = 1,458,176, x 30 blocks), the frozen transformer and
+// VAE, and under checkpointing at least each block's bf16 input for the 32,760 tokens of
+// 81 x 480 x 832.
+TEST(WanCli, EstimateMemoryCountsTheLoraAndTheClipActivations) {
+  auto json_of = [](std::vector<std::string> extra) {
+    std::vector<std::string> argv = {
+        kDifftrain, "estimate-memory",
+        "--model",  std::string(difftrain_test::source_dir()) + "/configs/wan-2.1-t2v-1.3b",
+        "--lora",   "--rank",
+        "32",       "--mixed_precision",
+        "bf16",     "--gradient_checkpointing",
+        "--json"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    auto r = run(argv, {}, 300);
+    EXPECT_EQ(r.exit_code, 0) << r.log();
+    return r.exit_code == 0 ? nlohmann::json::parse(r.out) : nlohmann::json::object();
+  };
+  const auto bf16 = json_of({});
+  ASSERT_TRUE(bf16.contains("trainable_params"));
+  EXPECT_EQ(bf16["trainable_params"].get<int64_t>(), 30 * 1458176);
+  EXPECT_EQ(bf16["frozen_params"].get<int64_t>(), 1418996800 + 126892531);
+  EXPECT_EQ(bf16["largest_unit"]["module_class"], "WanTransformerBlock");
+  const double act = bf16["activation_bytes"].get<double>();
+  const double inputs = 30.0 * 32760 * 1536 * 2;
+  EXPECT_GT(act, inputs);
+  EXPECT_LT(act, 3 * inputs);
+  const auto int8 = json_of({"--base_weights_dtype", "int8"});
+  EXPECT_LT(int8["frozen_param_bytes"].get<double>(),
+            0.6 * bf16["frozen_param_bytes"].get<double>());
+  // Longer clips cost proportionally more; bad sizes are refused.
+  const auto longer = json_of({"--num_frames", "161"});
+  EXPECT_GT(longer["activation_bytes"].get<double>(), 1.8 * act);
+  auto bad = run({kDifftrain, "estimate-memory", "--model",
+                  std::string(difftrain_test::source_dir()) + "/configs/wan-2.1-t2v-1.3b",
+                  "--num_frames", "80"},
+                 {}, 120);
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("Wan takes 1 + 4k frames"), std::string::npos) << bad.log();
 }
 
 TEST(WanCli, LoraMergeAndForwardLoraGiveDiffusersFusedOutput) {
