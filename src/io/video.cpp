@@ -346,6 +346,22 @@ Target target_of(const std::string& path, const std::string& ext) {
                           ext, known));
 }
 
+// The encoder's pixel formats (AV_PIX_FMT_NONE-terminated; nullptr: any): FFmpeg 7.1 replaced
+// AVCodec::pix_fmts with avcodec_get_supported_config.
+const AVPixelFormat* pixel_formats(const AVCodec* codec) {
+#if LIBAVCODEC_VERSION_INT >= AV_VERSION_INT(61, 13, 100)
+  const void* out = nullptr;
+  int count = 0;
+  if (avcodec_get_supported_config(nullptr, codec, AV_CODEC_CONFIG_PIX_FORMAT, 0, &out, &count) <
+      0) {
+    return nullptr;
+  }
+  return static_cast<const AVPixelFormat*>(out);
+#else
+  return codec->pix_fmts;
+#endif
+}
+
 }  // namespace
 
 void write_video(const std::string& path, const torch::Tensor& frames_in,
@@ -410,18 +426,19 @@ void write_video(const std::string& path, const torch::Tensor& frames_in,
   enc.ctx->thread_count = 1;
   enc.ctx->gop_size = 12;
   // The first pixel format of ours the encoder takes.
+  const AVPixelFormat* formats = pixel_formats(codec);
   AVPixelFormat pix = AV_PIX_FMT_NONE;
   for (AVPixelFormat want : target.formats) {
-    if (!codec->pix_fmts) {
+    if (!formats) {
       pix = want;
       break;
     }
-    for (const AVPixelFormat* p = codec->pix_fmts; *p != AV_PIX_FMT_NONE; ++p) {
+    for (const AVPixelFormat* p = formats; *p != AV_PIX_FMT_NONE; ++p) {
       if (*p == want) pix = want;
     }
     if (pix != AV_PIX_FMT_NONE) break;
   }
-  if (pix == AV_PIX_FMT_NONE) pix = codec->pix_fmts[0];
+  if (pix == AV_PIX_FMT_NONE) pix = formats[0];
   enc.ctx->pix_fmt = pix;
   if (out.ctx->oformat->flags & AVFMT_GLOBALHEADER) enc.ctx->flags |= AV_CODEC_FLAG_GLOBAL_HEADER;
   const std::string name = codec->name;

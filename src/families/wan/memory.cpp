@@ -3,12 +3,14 @@
 // condition embedder, norm_out, proj_out) and one with a single WanTransformerBlock. Their
 // parameters, named as the full model's, give every unit FSDP's transformer-based wrap makes (one
 // per block). Activations: a training forward of each copy at two small token counts (2 and 4
-// latent frames of 16 x 16 latents, in 2 x 2 patches) with the run's text length; every saved
-// tensor of a block grows linearly with the tokens (attention is the fused kernel, which keeps
-// q, k, v, the output and the log-sum-exp, never the score matrix), so the two measurements give
-// a line, evaluated at the clip's tokens (81 x 480 x 832: 21 x 30 x 52 = 32,760) and scaled by the
-// block count. UMT5 (5.7 B for Wan) is not counted: a run caches every caption's embeddings and
-// releases it; the VAE is counted as frozen.
+// latent frames of 16 x 16 latents, in 2 x 2 patches) with the run's text length. Attention is
+// counted as a fused kernel keeps it (q, k, v, the output and the log-sum-exp: CUDA's
+// scaled_dot_product_attention, difftrain's CPU kernel for heads up to 64 wide): the softmax
+// outputs difftrain's CPU path saves for Wan's 128-wide heads (heads x N x S floats per attention)
+// are subtracted from each measurement. What is left grows linearly with the tokens, so the two
+// measurements give a line, evaluated at the clip's tokens (81 x 480 x 832: 21 x 30 x 52 =
+// 32,760) and scaled by the block count. UMT5 (5.7 B for Wan) is not counted: a run caches every
+// caption's embeddings and releases it; the VAE is counted as frozen.
 #include "../denoiser_memory.h"
 #include "difftrain/accel/precision.h"
 #include "difftrain/core/error.h"
@@ -100,7 +102,17 @@ std::vector<train::MemoryEstimate> estimate_wan_memory(
     auto m = reduced(1);
     const int64_t b1 = std::max<int64_t>(0, measure(m, 2) - r1);
     const int64_t b2 = std::max<int64_t>(0, measure(m, 4) - r2);
-    block_bytes = extrapolate(b1, b2);
+    // The saved softmax outputs of the unfused path (none under checkpointing: the block's
+    // forward keeps only its input), per block at n tokens: self-attention n x n, the caption
+    // n x S (and the image context's 257 for 2.1 I2V), float32.
+    const bool unfused = o.attention_head_dim > 64 && !options.gradient_checkpointing;
+    auto probs = [&](int64_t n) -> int64_t {
+      if (!unfused) return 0;
+      const int64_t context = text_tokens + (o.added_kv_proj_dim ? 257 : 0);
+      return o.num_attention_heads * 4 * n * (n + context);
+    };
+    block_bytes =
+        extrapolate(std::max<int64_t>(0, b1 - probs(n1)), std::max<int64_t>(0, b2 - probs(n2)));
     for (int64_t i = 0; i < o.num_layers; ++i) {
       const std::string name = fmt::format("blocks.{}", i);
       blocks.emplace_back(name,
@@ -146,7 +158,8 @@ std::vector<train::MemoryEstimate> estimate_wan_memory(
   const int64_t activations = (root_bytes + o.num_layers * block_bytes) * options.batch_size;
   log::info(
       "activations: {} per block for {} x {} x {} clips ({} tokens) and {} text tokens, "
-      "batch {}{} (measured at {} and {} tokens, linear in the tokens)",
+      "batch {}{} (measured at {} and {} tokens, linear in the tokens; attention as a fused "
+      "kernel keeps it)",
       train::format_bytes(block_bytes), F, H, W, tokens, text_tokens, options.batch_size,
       options.gradient_checkpointing ? ", gradient checkpointing" : "", n1, n2);
   for (auto& e : out) e.activation_bytes = activations;
