@@ -164,10 +164,48 @@ TEST(WanVae21, EncodeDecodeEqualDiffusersForImagesClipsAndBatches) {
             1e-4);
   EXPECT_LT(max_abs(vae->encode(f.at("vae.tiled_encode.x")).mean, f.at("vae.tiled_encode.mean")),
             2e-5);
-  // Wan 2.2's 48-channel VAE is another model: refused in one line.
-  EXPECT_NE(error_of([] {
-              models::load_autoencoder_kl_qwen_image(kTinyWan + "/vae_22");
-            }).find("Wan 2.2"),
+}
+
+// Wan 2.2's 48-channel VAE (is_residual, patch_size 2, decoder_base_dim): the patchify, the
+// residual blocks' averaged / duplicated shortcuts (the first latent frame's one frame), 16x
+// spatial compression, the tiled paths in the patchified space.
+TEST(WanVae22, EncodeDecodeEqualDiffusersForImagesClipsAndBatches) {
+  torch::NoGradGuard no_grad;
+  const auto f = difftrain::io::load_safetensors(kTinyWan + "/vae_cases.safetensors").tensors;
+  auto vae = models::load_autoencoder_kl_qwen_image(kTinyWan + "/vae_22");
+  vae->eval();
+  EXPECT_EQ(vae->config().spatial_compression_ratio(), 16);
+  EXPECT_EQ(vae->config().temporal_compression_ratio(), 4);
+  EXPECT_EQ(vae->config().image_channels(), 3);
+  for (const std::string name : {"vae_22.image", "vae_22.f5", "vae_22.f9", "vae_22.batch2"}) {
+    SCOPED_TRACE(name);
+    const auto post = vae->encode(f.at(name + ".x"));
+    EXPECT_LT(max_abs(post.mean, f.at(name + ".mean")), 2e-5);
+    EXPECT_LT(max_abs(post.logvar, f.at(name + ".logvar")), 2e-5);
+    EXPECT_LT(max_abs(vae->normalize_latents(post.mean), f.at(name + ".latents_normalised")), 1e-4);
+    const auto decoded = vae->decode(f.at(name + ".mean"));
+    EXPECT_LT(max_abs(decoded, f.at(name + ".sample")), 1e-4);
+  }
+  models::QwenImageVaeTiling tiling;
+  tiling.tile_sample_min_height = 32;
+  tiling.tile_sample_min_width = 32;
+  tiling.tile_sample_stride_height = 24;
+  tiling.tile_sample_stride_width = 24;
+  vae->enable_tiling(tiling);
+  EXPECT_LT(
+      max_abs(vae->encode(f.at("vae_22.tiled_encode.x")).mean, f.at("vae_22.tiled_encode.mean")),
+      2e-5);
+  tiling.tile_sample_min_height = 64;
+  tiling.tile_sample_min_width = 64;
+  tiling.tile_sample_stride_height = 48;
+  tiling.tile_sample_stride_width = 48;
+  vae->enable_tiling(tiling);
+  EXPECT_LT(max_abs(vae->decode(f.at("vae_22.tiled_decode.z")), f.at("vae_22.tiled_decode.sample")),
+            1e-4);
+  // Sizes the patchify cannot take, in one line.
+  EXPECT_NE(error_of([&] {
+              (void)vae->encode(torch::zeros({1, 3, 1, 33, 32}));
+            }).find("divisible by patch_size 2"),
             std::string::npos);
 }
 

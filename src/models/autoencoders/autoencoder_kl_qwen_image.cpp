@@ -174,13 +174,16 @@ enum class Mode { kNone, kUp2d, kUp3d, kDown2d, kDown3d };
 
 class ResampleImpl : public torch::nn::Module {
  public:
-  ResampleImpl(int64_t dim, Mode mode) : mode_(mode) {
+  // `up_out`: an upsampler's output channels (Wan 2.1 / Qwen-Image: dim / 2; Wan 2.2's residual
+  // decoder: dim).
+  ResampleImpl(int64_t dim, Mode mode, int64_t up_out = 0) : mode_(mode) {
     auto seq = register_module("resample", std::make_shared<torch::nn::Module>());
     const bool up = mode == Mode::kUp2d || mode == Mode::kUp3d;
     conv = seq->register_module(
-        "1", torch::nn::Conv2d(torch::nn::Conv2dOptions(dim, up ? dim / 2 : dim, 3)
-                                   .padding(up ? 1 : 0)
-                                   .stride(up ? 1 : 2)));
+        "1", torch::nn::Conv2d(
+                 torch::nn::Conv2dOptions(dim, up ? (up_out > 0 ? up_out : dim / 2) : dim, 3)
+                     .padding(up ? 1 : 0)
+                     .stride(up ? 1 : 2)));
     if (mode == Mode::kUp3d) {
       time_conv =
           register_module("time_conv", causal(dim, 2 * dim, {3, 1, 1}, {1, 1, 1}, {1, 0, 0}));
@@ -263,14 +266,109 @@ class MidBlockImpl : public torch::nn::Module {
 };
 TORCH_MODULE(MidBlock);
 
-// A down_blocks / up-block entry: one of the three layer kinds.
+// Wan 2.2's AvgDown3D shortcut: the time axis padded at the front to a multiple of ft, each
+// ft x fs x fs block's channels gathered, then groups of them averaged down to `out` channels.
+torch::Tensor avg_down(torch::Tensor x, int64_t out, int64_t ft, int64_t fs) {
+  const int64_t pad_t = (ft - x.size(2) % ft) % ft;
+  if (pad_t > 0) x = torch::constant_pad_nd(x, {0, 0, 0, 0, pad_t, 0});
+  const int64_t B = x.size(0), C = x.size(1), T = x.size(2), H = x.size(3), W = x.size(4);
+  x = x.view({B, C, T / ft, ft, H / fs, fs, W / fs, fs})
+          .permute({0, 1, 3, 5, 7, 2, 4, 6})
+          .contiguous()
+          .view({B, C * ft * fs * fs, T / ft, H / fs, W / fs});
+  return x.view({B, out, C * ft * fs * fs / out, T / ft, H / fs, W / fs}).mean(2);
+}
+
+// Wan 2.2's DupUp3D shortcut: channels repeated, spread over ft x fs x fs; the first chunk keeps
+// its last frame only.
+torch::Tensor dup_up(const torch::Tensor& in, int64_t out, int64_t ft, int64_t fs,
+                     bool first_chunk) {
+  const int64_t repeats = out * ft * fs * fs / in.size(1);
+  torch::Tensor x = in.repeat_interleave(repeats, 1);
+  const int64_t B = x.size(0), T = x.size(2), H = x.size(3), W = x.size(4);
+  x = x.view({B, out, ft, fs, fs, T, H, W})
+          .permute({0, 1, 5, 2, 6, 3, 7, 4})
+          .contiguous()
+          .view({B, out, T * ft, H * fs, W * fs});
+  if (first_chunk) x = x.narrow(2, ft - 1, x.size(2) - (ft - 1));
+  return x;
+}
+
+// Wan 2.2's WanResidualDownBlock: residual blocks and a downsampler, plus the averaged shortcut.
+class ResidualDownBlockImpl : public torch::nn::Module {
+ public:
+  ResidualDownBlockImpl(int64_t in, int64_t out, int64_t num_res_blocks, bool temporal, bool down)
+      : out_(out), ft_(temporal ? 2 : 1), fs_(down ? 2 : 1) {
+    auto list = register_module("resnets", torch::nn::ModuleList());
+    for (int64_t r = 0; r < num_res_blocks; ++r) {
+      resnets.push_back(ResidualBlock(in, out));
+      list->push_back(resnets.back());
+      in = out;
+    }
+    if (down) {
+      downsampler =
+          register_module("downsampler", Resample(out, temporal ? Mode::kDown3d : Mode::kDown2d));
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& x, Cache& cache) {
+    torch::Tensor h = x;
+    for (auto& r : resnets) h = r->forward(h, cache);
+    if (!downsampler.is_empty()) h = downsampler->forward(h, cache);
+    return h + avg_down(x, out_, ft_, fs_);
+  }
+  std::vector<ResidualBlock> resnets;
+  Resample downsampler{nullptr};
+
+ private:
+  int64_t out_, ft_, fs_;
+};
+TORCH_MODULE(ResidualDownBlock);
+
+// Wan 2.2's WanResidualUpBlock: num_res_blocks + 1 residual blocks and an upsampler keeping its
+// width, plus the duplicated shortcut.
+class ResidualUpBlockImpl : public torch::nn::Module {
+ public:
+  ResidualUpBlockImpl(int64_t in, int64_t out, int64_t num_res_blocks, bool temporal, bool up)
+      : out_(out), ft_(temporal ? 2 : 1), up_(up) {
+    auto list = register_module("resnets", torch::nn::ModuleList());
+    for (int64_t r = 0; r < num_res_blocks + 1; ++r) {
+      resnets.push_back(ResidualBlock(in, out));
+      list->push_back(resnets.back());
+      in = out;
+    }
+    if (up) {
+      upsampler =
+          register_module("upsampler", Resample(out, temporal ? Mode::kUp3d : Mode::kUp2d, out));
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& x, Cache& cache, bool first_chunk) {
+    torch::Tensor h = x;
+    for (auto& r : resnets) h = r->forward(h, cache);
+    if (!upsampler.is_empty()) h = upsampler->forward(h, cache);
+    if (up_) h = h + dup_up(x, out_, ft_, 2, first_chunk);
+    return h;
+  }
+  std::vector<ResidualBlock> resnets;
+  Resample upsampler{nullptr};
+
+ private:
+  int64_t out_, ft_;
+  bool up_;
+};
+TORCH_MODULE(ResidualUpBlock);
+
+// A down_blocks / up-block entry: one of the layer kinds.
 struct Layer {
   ResidualBlock res{nullptr};
   AttentionBlock attn{nullptr};
   Resample resample{nullptr};
-  torch::Tensor forward(const torch::Tensor& x, Cache& cache) {
+  ResidualDownBlock down{nullptr};
+  ResidualUpBlock up{nullptr};
+  torch::Tensor forward(const torch::Tensor& x, Cache& cache, bool first_chunk = false) {
     if (!res.is_empty()) return res->forward(x, cache);
     if (!attn.is_empty()) return attn(x);
+    if (!down.is_empty()) return down->forward(x, cache);
+    if (!up.is_empty()) return up->forward(x, cache, first_chunk);
     return resample->forward(x, cache);
   }
 };
@@ -288,6 +386,15 @@ class Encoder3dImpl : public torch::nn::Module {
     for (size_t i = 0; i + 1 < dims.size(); ++i) {
       int64_t in = dims[i];
       out = dims[i + 1];
+      if (c.is_residual) {
+        const bool last = i + 1 == c.dim_mult.size();
+        Layer l;
+        l.down =
+            ResidualDownBlock(in, out, c.num_res_blocks, !last && c.temperal_downsample[i], !last);
+        layers.push_back(l);
+        list->push_back(layers.back().down);
+        continue;
+      }
       for (int64_t r = 0; r < c.num_res_blocks; ++r) {
         layers.push_back({ResidualBlock(in, out), nullptr, nullptr});
         list->push_back(layers.back().res);
@@ -326,9 +433,10 @@ TORCH_MODULE(Encoder3d);
 class Decoder3dImpl : public torch::nn::Module {
  public:
   explicit Decoder3dImpl(const AutoencoderKLQwenImageConfig& c) {
-    std::vector<int64_t> dims = {c.base_dim * c.dim_mult.back()};
+    const int64_t base = c.decoder_base_dim > 0 ? c.decoder_base_dim : c.base_dim;
+    std::vector<int64_t> dims = {base * c.dim_mult.back()};
     for (auto it = c.dim_mult.rbegin(); it != c.dim_mult.rend(); ++it) {
-      dims.push_back(c.base_dim * *it);
+      dims.push_back(base * *it);
     }
     std::vector<bool> temporal_up(c.temperal_downsample.rbegin(), c.temperal_downsample.rend());
     conv_in = register_module("conv_in", causal(c.z_dim, dims[0], {3, 3, 3}, {1, 1, 1}, {1, 1, 1}));
@@ -336,6 +444,15 @@ class Decoder3dImpl : public torch::nn::Module {
     auto ups = register_module("up_blocks", torch::nn::ModuleList());
     int64_t out = dims[0];
     for (size_t i = 0; i + 1 < dims.size(); ++i) {
+      if (c.is_residual) {
+        const bool up = i + 1 != c.dim_mult.size();
+        out = dims[i + 1];
+        Layer l;
+        l.up = ResidualUpBlock(dims[i], out, c.num_res_blocks, up && temporal_up[i], up);
+        layers.push_back(l);
+        ups->push_back(layers.back().up);
+        continue;
+      }
       int64_t in = i > 0 ? dims[i] / 2 : dims[i];
       out = dims[i + 1];
       auto block = std::make_shared<torch::nn::Module>("QwenImageUpBlock");
@@ -357,11 +474,12 @@ class Decoder3dImpl : public torch::nn::Module {
     conv_out =
         register_module("conv_out", causal(out, c.input_channels, {3, 3, 3}, {1, 1, 1}, {1, 1, 1}));
   }
-  torch::Tensor forward(const torch::Tensor& z, Cache& cache) {
+  // `first_chunk`: the clip's first latent frame (Wan 2.2's shortcuts keep one frame of it).
+  torch::Tensor forward(const torch::Tensor& z, Cache& cache, bool first_chunk = false) {
     cache.idx = 0;
     torch::Tensor h = cached_conv(conv_in, z, cache);
     h = mid->forward(h, cache);
-    for (auto& l : layers) h = l.forward(h, cache);
+    for (auto& l : layers) h = l.forward(h, cache, first_chunk);
     return cached_conv(conv_out, torch::silu(norm_out(h)), cache);
   }
   CausalConv3d conv_in{nullptr}, conv_out{nullptr};
@@ -423,8 +541,16 @@ AutoencoderKLQwenImageConfig AutoencoderKLQwenImageConfig::parse(const std::stri
   if (r.has("out_channels") && r.integer("out_channels", 0) != c.input_channels) {
     r.fail("out_channels", "must equal in_channels (" + std::to_string(c.input_channels) + ")");
   }
-  if (r.has("patch_size")) {
-    r.fail("patch_size", "is set: Wan 2.2's patchified VAE is not this model");
+  if (r.has("patch_size") && !r.at("patch_size").is_null()) {
+    c.patch_size = r.integer_at_least("patch_size", 1, 1);
+  }
+  c.is_residual = r.boolean("is_residual", false);
+  if (r.has("decoder_base_dim") && !r.at("decoder_base_dim").is_null()) {
+    c.decoder_base_dim = r.integer_at_least("decoder_base_dim", c.base_dim, 1);
+  }
+  if (c.input_channels % (c.patch_size * c.patch_size) != 0) {
+    r.fail("in_channels", "must be a multiple of patch_size^2 (" +
+                              std::to_string(c.patch_size * c.patch_size) + ")");
   }
   if (r.has("dim_mult")) {
     const auto& v = r.at("dim_mult");
@@ -479,8 +605,10 @@ AutoencoderKLQwenImageConfig AutoencoderKLQwenImageConfig::parse(const std::stri
   for (const double s : c.latents_std) {
     if (!(s > 0)) r.fail("latents_std", "must be > 0");
   }
-  if (r.boolean("is_residual", false)) {
-    r.fail("is_residual", "is true: Wan 2.2's residual VAE is not this model");
+  if (r.has("scale_factor_spatial") && !r.at("scale_factor_spatial").is_null() &&
+      r.integer("scale_factor_spatial", 0) != c.spatial_compression_ratio()) {
+    r.fail("scale_factor_spatial", "must be patch_size x 2^len(temperal_downsample) = " +
+                                       std::to_string(c.spatial_compression_ratio()));
   }
   return c;
 }
@@ -523,13 +651,42 @@ torch::Tensor AutoencoderKLQwenImageImpl::encode_moments(const torch::Tensor& x)
   return parts_->quant_conv(torch::cat(outs, 2));
 }
 
+namespace qwen_vae {
+
+// Wan 2.2's patchify: [B, C, F, H, W] -> [B, C p p, F, H / p, W / p], channel c * p * p + pw * p +
+// ph (Diffusers' permute(0, 1, 6, 4, 2, 3, 5)); unpatchify its inverse.
+torch::Tensor patchify(const torch::Tensor& x, int64_t p) {
+  if (p == 1) return x;
+  const int64_t B = x.size(0), C = x.size(1), F = x.size(2), H = x.size(3), W = x.size(4);
+  return x.view({B, C, F, H / p, p, W / p, p})
+      .permute({0, 1, 6, 4, 2, 3, 5})
+      .contiguous()
+      .view({B, C * p * p, F, H / p, W / p});
+}
+
+torch::Tensor unpatchify(const torch::Tensor& x, int64_t p) {
+  if (p == 1) return x;
+  const int64_t B = x.size(0), C = x.size(1) / (p * p), F = x.size(2), H = x.size(3), W = x.size(4);
+  return x.view({B, C, p, p, F, H, W})
+      .permute({0, 1, 4, 5, 3, 6, 2})
+      .contiguous()
+      .view({B, C, F, H * p, W * p});
+}
+
+}  // namespace qwen_vae
+
 DiagonalGaussian AutoencoderKLQwenImageImpl::encode(const torch::Tensor& x) {
   const auto& c = config_;
-  if (!(x.dim() == 5 && x.size(1) == c.input_channels)) {
-    throw Error(c10::str("AutoencoderKLQwenImage: encode takes [B, ", c.input_channels,
+  if (!(x.dim() == 5 && x.size(1) == c.image_channels())) {
+    throw Error(c10::str("AutoencoderKLQwenImage: encode takes [B, ", c.image_channels(),
                          ", frames, H, W], got ", x.sizes()));
   }
-  const torch::Tensor in = x.to(parts_->quant_conv->weight.scalar_type());
+  if (x.size(3) % c.patch_size != 0 || x.size(4) % c.patch_size != 0) {
+    throw Error(c10::str("AutoencoderKLWan: height and width must be divisible by patch_size ",
+                         c.patch_size, ", got ", x.sizes()));
+  }
+  const torch::Tensor in =
+      qwen_vae::patchify(x.to(parts_->quant_conv->weight.scalar_type()), c.patch_size);
   const bool tiled = tiling_ && (x.size(4) > tile_.tile_sample_min_width ||
                                  x.size(3) > tile_.tile_sample_min_height);
   return DiagonalGaussian::from_moments(tiled ? tiled_encode(in) : encode_moments(in));
@@ -551,14 +708,15 @@ torch::Tensor AutoencoderKLQwenImageImpl::decode(const torch::Tensor& z_in) {
   const torch::Tensor x = parts_->post_quant_conv(z);
   std::vector<torch::Tensor> outs;
   for (int64_t i = 0; i < z.size(2); ++i) {
-    outs.push_back(parts_->decoder->forward(x.narrow(2, i, 1), cache));
+    outs.push_back(parts_->decoder->forward(x.narrow(2, i, 1), cache, i == 0));
   }
-  return torch::cat(outs, 2).clamp(-1.0, 1.0);
+  return qwen_vae::unpatchify(torch::cat(outs, 2), c.patch_size).clamp(-1.0, 1.0);
 }
 
 torch::Tensor AutoencoderKLQwenImageImpl::tiled_encode(const torch::Tensor& x) {
+  // x is patchified; the tile sizes apply to it as given (Diffusers' tiled_encode).
   const int64_t T = x.size(2), H = x.size(3), W = x.size(4);
-  const int64_t r = config_.spatial_compression_ratio();
+  const int64_t r = config_.encoder_compression_ratio();
   const int64_t min_h = tile_.tile_sample_min_height / r, min_w = tile_.tile_sample_min_width / r;
   const int64_t stride_h = tile_.tile_sample_stride_height / r;
   const int64_t stride_w = tile_.tile_sample_stride_width / r;
@@ -609,8 +767,12 @@ torch::Tensor AutoencoderKLQwenImageImpl::tiled_decode(const torch::Tensor& z) {
         "ratio (" +
         std::to_string(r) + " pixels)");
   }
-  const int64_t blend_h = tile_.tile_sample_min_height - tile_.tile_sample_stride_height;
-  const int64_t blend_w = tile_.tile_sample_min_width - tile_.tile_sample_stride_width;
+  // The decoder's output is still patchified: sample sizes, strides and blends divided by p.
+  const int64_t p = config_.patch_size;
+  const int64_t out_stride_h = tile_.tile_sample_stride_height / p;
+  const int64_t out_stride_w = tile_.tile_sample_stride_width / p;
+  const int64_t blend_h = tile_.tile_sample_min_height / p - out_stride_h;
+  const int64_t blend_w = tile_.tile_sample_min_width / p - out_stride_w;
   std::vector<std::vector<torch::Tensor>> rows;
   for (int64_t i = 0; i < h; i += stride_h) {
     std::vector<torch::Tensor> row;
@@ -621,7 +783,7 @@ torch::Tensor AutoencoderKLQwenImageImpl::tiled_decode(const torch::Tensor& z) {
         const auto tile = z.narrow(2, k, 1)
                               .narrow(3, i, std::min(min_h, h - i))
                               .narrow(4, j, std::min(min_w, w - j));
-        time.push_back(parts_->decoder->forward(parts_->post_quant_conv(tile), cache));
+        time.push_back(parts_->decoder->forward(parts_->post_quant_conv(tile), cache, k == 0));
       }
       row.push_back(torch::cat(time, 2));
     }
@@ -635,14 +797,15 @@ torch::Tensor AutoencoderKLQwenImageImpl::tiled_decode(const torch::Tensor& z) {
       if (i > 0) tile = qwen_vae::blend(rows[i - 1][j], tile, blend_h, 3);
       if (j > 0) tile = qwen_vae::blend(rows[i][j - 1], tile, blend_w, 4);
       rows[i][j] = tile;
-      result_row.push_back(
-          tile.narrow(3, 0, std::min(tile_.tile_sample_stride_height, tile.size(3)))
-              .narrow(4, 0, std::min(tile_.tile_sample_stride_width, tile.size(4))));
+      result_row.push_back(tile.narrow(3, 0, std::min(out_stride_h, tile.size(3)))
+                               .narrow(4, 0, std::min(out_stride_w, tile.size(4))));
     }
     result_rows.push_back(torch::cat(result_row, 4));
   }
   const auto dec = torch::cat(result_rows, 3);
-  return dec.narrow(3, 0, std::min(h * r, dec.size(3))).narrow(4, 0, std::min(w * r, dec.size(4)));
+  return qwen_vae::unpatchify(dec.narrow(3, 0, std::min(h * r / p, dec.size(3)))
+                                  .narrow(4, 0, std::min(w * r / p, dec.size(4))),
+                              p);
 }
 
 namespace qwen_vae {

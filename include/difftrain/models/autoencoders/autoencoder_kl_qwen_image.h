@@ -30,12 +30,24 @@ struct AutoencoderKLQwenImageConfig {
   /// AutoencoderKLWan (Wan 2.1's folders): the same model, whose tiled decode is clamped to
   /// [-1, 1] as its plain decode is (AutoencoderKLQwenImage's tiled decode is not).
   bool wan = false;
+  /// Wan 2.2's 48-channel VAE (AutoencoderKLWan with is_residual, patch_size 2): pixels
+  /// patchified 2 x 2 into input_channels = 12 channels before the encoder (and back after the
+  /// decoder), residual down / up blocks with averaged / duplicated shortcuts, the decoder
+  /// `decoder_base_dim` wide; 16x spatial compression.
+  bool is_residual = false;
+  int64_t patch_size = 1;
+  int64_t decoder_base_dim = 0;  ///< 0: base_dim
   std::string source;
 
-  /// 2 ** len(temperal_downsample): the pipelines' vae_scale_factor.
-  int64_t spatial_compression_ratio() const {
+  /// The encoder's own downsampling, 2 ** len(temperal_downsample).
+  int64_t encoder_compression_ratio() const {
     return int64_t{1} << static_cast<int64_t>(temperal_downsample.size());
   }
+  /// Pixels per latent side, with the patchify: the pipelines' vae_scale_factor_spatial (8 for
+  /// Qwen-Image and Wan 2.1, 16 for Wan 2.2's VAE).
+  int64_t spatial_compression_ratio() const { return patch_size * encoder_compression_ratio(); }
+  /// The channels of the pixels encode() takes and decode() returns (3).
+  int64_t image_channels() const { return input_channels / (patch_size * patch_size); }
   /// 2 ** (downsamples that also act on time): 4 for Qwen-Image / Wan 2.1.
   int64_t temporal_compression_ratio() const;
   static AutoencoderKLQwenImageConfig parse(const std::string& json_text,
@@ -58,10 +70,11 @@ class AutoencoderKLQwenImageImpl : public torch::nn::Module {
   ~AutoencoderKLQwenImageImpl() override;
 
   /// x: [B, C, T, H, W] in [-1, 1] (T = 1 + 4k for video) -> the posterior over
-  /// [B, z_dim, 1 + k, H / 8, W / 8] (unnormalised: the pipelines normalise with latents_mean/std).
+  /// [B, z_dim, 1 + k, H / r, W / r], r = spatial_compression_ratio() (unnormalised: the pipelines
+  /// normalise with latents_mean/std).
   DiagonalGaussian encode(const torch::Tensor& x);
-  /// z: [B, z_dim, t, h, w] -> [B, C, 1 + 4 (t - 1), 8h, 8w], clamped to [-1, 1] (a tiled decode
-  /// is not clamped, as in Diffusers).
+  /// z: [B, z_dim, t, h, w] -> [B, C, 1 + 4 (t - 1), r h, r w], clamped to [-1, 1] (a tiled
+  /// decode of AutoencoderKLQwenImage is not clamped, as in Diffusers; AutoencoderKLWan's is).
   torch::Tensor decode(const torch::Tensor& z);
 
   void enable_tiling(const QwenImageVaeTiling& tiling = {});
