@@ -375,17 +375,36 @@ Run run_once(WanPipeline& p, const diffusion::GenerateRequest& r,
       p.folder.boundary_ratio ? *p.folder.boundary_ratio * 1000.0 : -1.0;  // num_train_timesteps
   const torch::Tensor pos_d = pos.to(device, dtype);
   const torch::Tensor neg_d = cfg ? neg.to(device, dtype) : torch::Tensor();
+  const bool expand = p.folder.expand_timesteps;
+  torch::Tensor first_frame_mask;
+  if (expand) {
+    first_frame_mask = torch::ones({1, 1, frames, latents.size(3), latents.size(4)},
+                                   torch::TensorOptions().dtype(torch::kFloat32).device(device));
+    if (condition.defined()) first_frame_mask.select(2, 0).zero_();
+  }
   for (int64_t i = 0; i < timesteps.size(0); ++i) {
     const double t = p.scheduler->timestep(i);
     const bool high = boundary < 0 || t >= boundary;
     models::WanTransformer3DModel& model = high ? p.transformer : p.transformer_2;
     const double scale = high ? g : g2;
-    const torch::Tensor ts = timesteps[i].expand({latents.size(0)}).to(device);
-    const torch::Tensor x =
-        (condition.defined()
-             ? torch::cat({latents, condition.expand({latents.size(0), -1, -1, -1, -1})}, 1)
-             : latents)
-            .to(model->dtype());
+    torch::Tensor ts, x;
+    if (expand) {
+      // Wan 2.2 TI2V: a timestep per token, mask x t over the patch grid ([B, F h w / 4]); image to
+      // video replaces the first latent frame by the image's and gives its tokens t = 0.
+      const auto& ps = model->options().patch_size;
+      const auto grid =
+          first_frame_mask[0][0].slice(1, 0, c10::nullopt, ps[1]).slice(2, 0, c10::nullopt, ps[2]);
+      ts = (grid * t).flatten().unsqueeze(0).expand({latents.size(0), -1}).to(device);
+      x = (condition.defined() ? (1 - first_frame_mask) * condition + first_frame_mask * latents
+                               : latents)
+              .to(model->dtype());
+    } else {
+      ts = timesteps[i].expand({latents.size(0)}).to(device);
+      x = (condition.defined()
+               ? torch::cat({latents, condition.expand({latents.size(0), -1, -1, -1, -1})}, 1)
+               : latents)
+              .to(model->dtype());
+    }
     torch::Tensor pred = model->forward(x, ts, pos_d).to(torch::kFloat32);
     if (cfg) {
       const torch::Tensor uncond = model->forward(x, ts, neg_d).to(torch::kFloat32);
@@ -393,6 +412,9 @@ Run run_once(WanPipeline& p, const diffusion::GenerateRequest& r,
     }
     latents = p.scheduler->step(pred, t, latents);
     if (r.on_step) r.on_step(++*counter, total);
+  }
+  if (expand && condition.defined()) {
+    latents = (1 - first_frame_mask) * condition + first_frame_mask * latents;
   }
   const auto vae_dtype = models::module_dtype(*p.vae);
   const torch::Tensor z = p.vae->denormalize_latents(latents.to(vae_dtype));
@@ -434,11 +456,6 @@ diffusion::GenerateResult WanPipeline::generate(const diffusion::GenerateRequest
         "WanPipeline: no text encoder loaded; give prompt_embeds (and, with guidance, "
         "negative_prompt_embeds)");
   }
-  if (folder.expand_timesteps) {
-    throw Error(folder.dir +
-                ": expand_timesteps (Wan 2.2 TI2V-5B, with its 48-channel VAE) is not supported "
-                "yet; Wan 2.1 and 2.2 A14B text-to-video are");
-  }
   if (r.num_images < 1 || r.num_inference_steps < 1) {
     throw Error("--num_videos_per_prompt and --num_inference_steps must be >= 1");
   }
@@ -459,6 +476,23 @@ diffusion::GenerateResult WanPipeline::generate(const diffusion::GenerateRequest
     if (v < 16 || v % 16 != 0) {
       throw Error(
           fmt::format("--{} {}: WanPipeline takes heights and widths divisible by 16", what, v));
+    }
+  }
+  // Sizes that do not fill whole patches of latents are rounded down, with a warning (the
+  // pipelines' h_multiple_of: 16 for Wan 2.1's VAE, 32 for Wan 2.2's 16x VAE).
+  {
+    const auto& ps = transformer->options().patch_size;
+    const int64_t mh = vae->config().spatial_compression_ratio() * ps[1];
+    const int64_t mw = vae->config().spatial_compression_ratio() * ps[2];
+    if (r.height % mh != 0 || r.width % mw != 0) {
+      const int64_t h = r.height / mh * mh, w = r.width / mw * mw;
+      log::warn(
+          "height and width must be multiples of ({}, {}) for proper patchification; "
+          "adjusting ({}, {}) -> ({}, {})",
+          mh, mw, r.height, r.width, h, w);
+      if (h < 1 || w < 1) throw Error(fmt::format("--height / --width: at least {} x {}", mh, mw));
+      r.height = h;
+      r.width = w;
     }
   }
   std::vector<std::string> negatives;
@@ -492,7 +526,23 @@ diffusion::GenerateResult WanPipeline::generate(const diffusion::GenerateRequest
     if (last.defined() && num_frames < 2) {
       throw Error("--last_image needs --num_frames of 2 or more");
     }
-    condition = image_condition(*this, first, last, num_frames, r.height, r.width);
+    if (folder.expand_timesteps) {
+      // Wan 2.2 TI2V: the image alone, its latent mode normalised, replaces the first frame.
+      if (last.defined()) {
+        throw Error("--last_image: Wan 2.2 TI2V conditions on the first frame only");
+      }
+      const torch::Tensor resized =
+          io::resize_image(first, r.height, r.width, io::Resample::kLanczos);
+      const auto px = (2.0F * resized.permute({2, 0, 1}).to(torch::kFloat32) / 255.0F - 1.0F)
+                          .unsqueeze(0)
+                          .unsqueeze(2);
+      const auto z = vae->encode(px.to(models::module_device(*vae), models::module_dtype(*vae)))
+                         .mode()
+                         .to(torch::kFloat32);
+      condition = vae->normalize_latents(z);
+    } else {
+      condition = image_condition(*this, first, last, num_frames, r.height, r.width);
+    }
   } else if (!path_option("image").empty() || !path_option("last_image").empty()) {
     throw Error("--image is for image-to-video folders (WanImageToVideoPipeline); this one is " +
                 class_name());
@@ -567,8 +617,9 @@ WanPipeline load_wan_pipeline(const std::string& dir,
   }
   const auto& t = p.transformer->options();
   const int64_t expected_in =
-      f.image_to_video ? 2 * p.vae->config().z_dim + p.vae->config().temporal_compression_ratio()
-                       : p.vae->config().z_dim;
+      f.image_to_video && !f.expand_timesteps
+          ? 2 * p.vae->config().z_dim + p.vae->config().temporal_compression_ratio()
+          : p.vae->config().z_dim;
   if (t.text_dim != p.text_encoder->options().d_model() || t.in_channels != expected_in) {
     throw Error(fmt::format(
         "{}: the transformer (text_dim {}, in_channels {}) does not fit the text encoder "
