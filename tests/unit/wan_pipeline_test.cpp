@@ -199,6 +199,43 @@ TEST(WanLora, EveryLayoutGivesDiffusersOutputAndConvertsBack) {
 // WanImageToVideoPipeline as Wan 2.2 runs it (no image encoder; make_i2v.py): the first frame
 // (and, for FLF2V, the last) resized with PIL's lanczos, the clip of it and zeros VAE-encoded,
 // normalised and concatenated after a 4-channel mask to the noise; CFG and none; seed for seed.
+// Wan 2.2 TI2V-5B (tests/golden/wan/make_ti2v.py): the 48-channel VAE, per-token timesteps,
+// sizes floored to whole 32-pixel patches, and image to video from the same folder (the image's
+// latents replace the first latent frame, whose tokens get t = 0).
+TEST(WanTi2v, TextAndImageToVideoMatchDiffusersSeedForSeed) {
+  torch::NoGradGuard no_grad;
+  const std::string dir = kWanDir + "/tiny_wan_ti2v";
+  const auto j = read_json(dir + "/sample_ti2v.json");
+  const auto f = difftrain::io::load_safetensors(dir + "/sample_ti2v.safetensors").tensors;
+  int checked = 0;
+  for (const auto& [name, c] : j.at("cases").items()) {
+    SCOPED_TRACE(name);
+    const auto& a = c.at("arguments");
+    auto p = wan::load_wan_pipeline(dir);
+    EXPECT_TRUE(p.folder.expand_timesteps);
+    if (a.contains("image")) {
+      const std::string text = a.at("image").get<std::string>();
+      p.image = f.at(text.substr(0, text.find(' ')));
+    }
+    difftrain::diffusion::GenerateRequest r;
+    r.prompts = {a.at("prompt").get<std::string>()};
+    r.guidance_scale = a.at("guidance_scale").get<double>();
+    r.height = a.at("height").get<int64_t>();
+    r.width = a.at("width").get<int64_t>();
+    r.options["num_frames"] = a.at("num_frames").get<int64_t>();
+    r.num_inference_steps = a.at("num_inference_steps").get<int64_t>();
+    r.seed = a.at("seed").get<uint64_t>();
+    const auto out = p.generate(r);
+    const double dl = max_abs(out.latents, f.at(name + ".latents_final"));
+    const double df = max_abs(out.images, f.at(name + ".frames"));
+    std::cout << name << ": latents " << dl << ", frames " << df << "\n";
+    EXPECT_LT(dl, 1e-4);
+    EXPECT_LT(df, 1e-4);
+    ++checked;
+  }
+  EXPECT_EQ(checked, 4);
+}
+
 TEST(WanImageToVideo, SamplingMatchesDiffusersSeedForSeed) {
   torch::NoGradGuard no_grad;
   const std::string dir = kWanDir + "/tiny_wan_i2v";

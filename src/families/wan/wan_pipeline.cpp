@@ -516,7 +516,11 @@ diffusion::GenerateResult WanPipeline::generate(const diffusion::GenerateRequest
     return r.options.contains(key) && r.options[key].is_string() ? r.options[key].get<std::string>()
                                                                  : std::string();
   };
-  if (folder.image_to_video) {
+  // Wan 2.2 TI2V-5B is one model for both: an image (given, or the pipeline's) makes the run image
+  // to video, as WanImageToVideoPipeline.from_pretrained on its folder does.
+  const bool ti2v_image =
+      folder.expand_timesteps && (!path_option("image").empty() || image.defined());
+  if (folder.image_to_video || ti2v_image) {
     const std::string image_path = path_option("image"), last_path = path_option("last_image");
     const torch::Tensor first = image_path.empty() ? image : io::load_image(image_path, 3);
     const torch::Tensor last = last_path.empty() ? last_image : io::load_image(last_path, 3);
