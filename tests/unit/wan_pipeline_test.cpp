@@ -8,6 +8,7 @@
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/families/family.h"
 #include "difftrain/io/safetensors.h"
+#include "difftrain/models/text_encoders/clip_vision_model.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>
@@ -234,6 +235,55 @@ TEST(WanTi2v, TextAndImageToVideoMatchDiffusersSeedForSeed) {
     ++checked;
   }
   EXPECT_EQ(checked, 4);
+}
+
+// Wan 2.1 image to video's CLIP vision encoder (tests/golden/wan/make_clip_vision.py: a
+// transcription of Transformers' CLIPVisionModel and CLIPImageProcessor): the processor's resize,
+// crop, rescale and normalisation, every hidden state, and the pipeline with its image encoder
+// seed for seed (the penultimate hidden states as the image context of both CFG branches).
+TEST(WanImageToVideo21, ClipVisionAndSamplingMatchTheReference) {
+  torch::NoGradGuard no_grad;
+  const std::string dir = kWanDir + "/tiny_wan_i2v21";
+  const auto cases = difftrain::io::load_safetensors(dir + "/clip_cases.safetensors").tensors;
+  auto clip = difftrain::models::load_clip_vision_model(dir + "/image_encoder");
+  const auto processor = difftrain::models::ClipImageProcessorOptions::load(
+      dir + "/image_processor/preprocessor_config.json");
+  for (const std::string name : {"image_h40_w60", "image_h28_w28", "gray_h100_w30"}) {
+    SCOPED_TRACE(name);
+    const auto px =
+        difftrain::models::clip_image_pixel_values({cases.at(name + ".rgb")}, processor);
+    EXPECT_LT(max_abs(px, cases.at(name + ".pixel_values")), 1e-6);
+    const auto out = clip->forward(px);
+    const auto ref = cases.at(name + ".hidden_states");
+    ASSERT_EQ(static_cast<int64_t>(out.hidden_states.size()), ref.size(0));
+    for (int64_t i = 0; i < ref.size(0); ++i) {
+      EXPECT_LT(max_abs(out.hidden_states[static_cast<size_t>(i)], ref[i]), 1e-5) << i;
+    }
+    EXPECT_LT(max_abs(out.pooler_output, cases.at(name + ".pooler_output")), 1e-5);
+    EXPECT_LT(
+        max_abs(out.hidden_states[out.hidden_states.size() - 2], cases.at(name + ".image_embeds")),
+        1e-5);
+  }
+  const auto f = difftrain::io::load_safetensors(dir + "/sample_i2v21.safetensors").tensors;
+  const auto a = read_json(dir + "/sample_i2v21.json").at("case").at("arguments");
+  auto p = wan::load_wan_pipeline(dir);
+  EXPECT_EQ(p.class_name(), "WanImageToVideoPipeline");
+  ASSERT_TRUE(p.image_encoder);
+  p.image = f.at("source_image");
+  difftrain::diffusion::GenerateRequest r;
+  r.prompts = {a.at("prompt").get<std::string>()};
+  r.guidance_scale = a.at("guidance_scale").get<double>();
+  r.height = a.at("height").get<int64_t>();
+  r.width = a.at("width").get<int64_t>();
+  r.options["num_frames"] = a.at("num_frames").get<int64_t>();
+  r.num_inference_steps = a.at("num_inference_steps").get<int64_t>();
+  r.seed = a.at("seed").get<uint64_t>();
+  const auto out = p.generate(r);
+  const double dl = max_abs(out.latents, f.at("latents_final"));
+  const double df = max_abs(out.images, f.at("frames"));
+  std::cout << "Wan 2.1 I2V: latents " << dl << ", frames " << df << "\n";
+  EXPECT_LT(dl, 1e-4);
+  EXPECT_LT(df, 1e-4);
 }
 
 TEST(WanImageToVideo, SamplingMatchesDiffusersSeedForSeed) {

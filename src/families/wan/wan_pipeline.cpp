@@ -199,10 +199,16 @@ WanFolder resolve_wan_folder(const std::string& dir) {
   f.expand_timesteps = index.value("expand_timesteps", false);
   f.image_to_video = c.pipeline_class == "WanImageToVideoPipeline";
   if (f.image_to_video && has_component(index, "image_encoder")) {
-    throw Error(dir +
-                "/model_index.json: an image_encoder (Wan 2.1 image-to-video's CLIP vision "
-                "model) is not supported yet; Wan 2.2 image-to-video folders (no image "
-                "encoder) are");
+    // Wan 2.1 image to video: the CLIP vision model and its processor.
+    f.image_encoder_dir = (fs::path(dir) / "image_encoder").string();
+    std::error_code ec;
+    if (!fs::is_directory(f.image_encoder_dir, ec)) {
+      throw Error(f.image_encoder_dir +
+                  ": no such folder; model_index.json lists image_encoder, so the pipeline "
+                  "folder is incomplete (copy the whole folder)");
+    }
+    const fs::path processor = fs::path(dir) / "image_processor" / "preprocessor_config.json";
+    if (fs::is_regular_file(processor, ec)) f.image_processor_config = processor.string();
   }
   if (!f.transformer_2_dir.empty() && !f.boundary_ratio) {
     throw Error(dir +
@@ -256,7 +262,8 @@ void WanPipeline::to(const torch::Device& device, std::optional<torch::Dtype> dt
   }
   for (torch::nn::Module* m : std::vector<torch::nn::Module*>{
            text_encoder.ptr().get(), vae.ptr().get(), transformer.ptr().get(),
-           transformer_2 ? transformer_2.ptr().get() : nullptr}) {
+           transformer_2 ? transformer_2.ptr().get() : nullptr,
+           image_encoder ? image_encoder.ptr().get() : nullptr}) {
     if (m == nullptr) continue;
     if (dtype) {
       m->to(device, *dtype);
@@ -344,7 +351,7 @@ Run run_once(WanPipeline& p, const diffusion::GenerateRequest& r,
              const std::vector<std::string>& prompts, const std::vector<std::string>& negatives,
              int64_t k, int64_t num_frames, uint64_t seed, int64_t* counter, int64_t total,
              const torch::Tensor& condition, const torch::Tensor& given_pos,
-             const torch::Tensor& given_neg) {
+             const torch::Tensor& given_neg, const torch::Tensor& image_embeds) {
   const double g = *r.guidance_scale;
   const auto& g2_json = r.options.at("guidance_scale_2");
   const double g2 = g2_json.is_null() ? g : g2_json.get<double>();
@@ -405,9 +412,14 @@ Run run_once(WanPipeline& p, const diffusion::GenerateRequest& r,
                : latents)
               .to(model->dtype());
     }
-    torch::Tensor pred = model->forward(x, ts, pos_d).to(torch::kFloat32);
+    // Wan 2.1 I2V: the CLIP features repeated per video (both branches), as image_embeds.repeat.
+    const torch::Tensor img =
+        image_embeds.defined()
+            ? image_embeds.repeat({latents.size(0), 1, 1}).to(device, model->dtype())
+            : torch::Tensor();
+    torch::Tensor pred = model->forward(x, ts, pos_d, img).to(torch::kFloat32);
     if (cfg) {
-      const torch::Tensor uncond = model->forward(x, ts, neg_d).to(torch::kFloat32);
+      const torch::Tensor uncond = model->forward(x, ts, neg_d, img).to(torch::kFloat32);
       pred = uncond + scale * (pred - uncond);
     }
     latents = p.scheduler->step(pred, t, latents);
@@ -511,7 +523,7 @@ diffusion::GenerateResult WanPipeline::generate(const diffusion::GenerateRequest
   vae->eval();
   if (text_encoder) text_encoder->eval();
   torch::NoGradGuard no_grad;
-  torch::Tensor condition;
+  torch::Tensor condition, image_embeds;
   const auto path_option = [&](const char* key) {
     return r.options.contains(key) && r.options[key].is_string() ? r.options[key].get<std::string>()
                                                                  : std::string();
@@ -547,6 +559,23 @@ diffusion::GenerateResult WanPipeline::generate(const diffusion::GenerateRequest
     } else {
       condition = image_condition(*this, first, last, num_frames, r.height, r.width);
     }
+    if (transformer->options().added_kv_proj_dim) {
+      // Wan 2.1: CLIP's penultimate hidden states of the image (and the last image), the same for
+      // the conditional and unconditional branches (encode_image).
+      if (!image_encoder) {
+        throw Error(folder.dir +
+                    ": the transformer takes CLIP image features (added_kv_proj_dim) "
+                    "but the folder has no image_encoder/");
+      }
+      std::vector<torch::Tensor> images = {first};
+      if (last.defined()) images.push_back(last);
+      const auto px = models::clip_image_pixel_values(images, image_processor);
+      auto hidden = image_encoder
+                        ->forward(px.to(models::module_device(*image_encoder),
+                                        models::module_dtype(*image_encoder)))
+                        .hidden_states;
+      image_embeds = hidden[hidden.size() - 2].to(torch::kFloat32);
+    }
   } else if (!path_option("image").empty() || !path_option("last_image").empty()) {
     throw Error("--image is for image-to-video folders (WanImageToVideoPipeline); this one is " +
                 class_name());
@@ -557,7 +586,8 @@ diffusion::GenerateResult WanPipeline::generate(const diffusion::GenerateRequest
   const int64_t k = r.num_images;
   if (r.seeding == diffusion::Seeding::kBatch) {
     Run run = run_once(*this, r, r.prompts, negatives, k, num_frames, r.seed, &counter,
-                       r.num_inference_steps, condition, r.prompt_embeds, r.negative_prompt_embeds);
+                       r.num_inference_steps, condition, r.prompt_embeds, r.negative_prompt_embeds,
+                       image_embeds);
     out.images = run.frames;
     out.latents = run.latents;
     out.prompt_embeds = run.embeds;
@@ -575,7 +605,8 @@ diffusion::GenerateResult WanPipeline::generate(const diffusion::GenerateRequest
                      n * k * r.num_inference_steps, condition,
                      r.prompt_embeds.defined() ? r.prompt_embeds.narrow(0, i, 1) : torch::Tensor(),
                      r.negative_prompt_embeds.defined() ? r.negative_prompt_embeds.narrow(0, i, 1)
-                                                        : torch::Tensor());
+                                                        : torch::Tensor(),
+                     image_embeds);
         frames.push_back(run.frames);
         latents.push_back(run.latents);
         embeds.push_back(run.embeds);
@@ -605,6 +636,12 @@ WanPipeline load_wan_pipeline(const std::string& dir,
   p.vae = models::load_autoencoder_kl_qwen_image(options.vae.empty() ? f.vae_dir : options.vae,
                                                  dtype, options.variant);
   p.scheduler = diffusion::load_sampler(f.scheduler_config, options.scheduler);
+  if (!f.image_encoder_dir.empty()) {
+    p.image_encoder = models::load_clip_vision_model(f.image_encoder_dir, options.variant);
+    if (!f.image_processor_config.empty()) {
+      p.image_processor = models::ClipImageProcessorOptions::load(f.image_processor_config);
+    }
+  }
   if (!options.lora.empty()) {
     const io::LoraWeights lora = read_wan_lora(options.lora, dir);
     check_lora_fits_family(lora, options.lora, dir);

@@ -8,6 +8,7 @@
 #include "difftrain/diffusion/generate.h"
 #include "difftrain/diffusion/sampler.h"
 #include "difftrain/models/autoencoders/autoencoder_kl_qwen_image.h"
+#include "difftrain/models/text_encoders/clip_vision_model.h"
 #include "difftrain/models/text_encoders/t5_encoder.h"
 #include "difftrain/models/tokenizers/t5_tokenizer.h"
 #include "difftrain/models/transformers/wan_transformer.h"
@@ -32,6 +33,9 @@ struct WanFolder {
   /// WanImageToVideoPipeline: the first frame (and, for FLF2V, the last) conditions the clip
   /// through its VAE latents and a mask concatenated to the noise (Wan 2.2 I2V: no image encoder).
   bool image_to_video = false;
+  /// Wan 2.1 image to video: the CLIP vision model (image_encoder/) and its processor's config
+  /// (image_processor/preprocessor_config.json; "" = CLIPImageProcessor's defaults).
+  std::string image_encoder_dir, image_processor_config;
 };
 
 /// A WanPipeline folder; one line naming the file or folder when something is missing.
@@ -68,6 +72,8 @@ class WanPipeline : public diffusion::Pipeline {
   models::WanTransformer3DModel transformer{nullptr};
   models::WanTransformer3DModel transformer_2{nullptr};  ///< A14B's low-noise expert, or null
   models::AutoencoderKLQwenImage vae{nullptr};           ///< Wan 2.1's VAE (also A14B's)
+  models::ClipVisionModel image_encoder{nullptr};        ///< Wan 2.1 I2V's CLIP, or null
+  models::ClipImageProcessorOptions image_processor;
   std::unique_ptr<diffusion::Sampler> scheduler;
   /// Image to video: the first frame (and optionally the last), uint8 [H, W, 3], used when the
   /// request names none (request.options "image" / "last_image": file paths).

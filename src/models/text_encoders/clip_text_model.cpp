@@ -93,7 +93,8 @@ ClipTextConfig parse_clip_text_config(const std::string& json_text, const std::s
 
 // ------------------------------------------------------------------ encoder layer
 
-ClipEncoderLayerImpl::ClipEncoderLayerImpl(const ClipTextConfig& config) : config_(config) {
+ClipEncoderLayerImpl::ClipEncoderLayerImpl(const ClipTextConfig& config, bool causal)
+    : config_(config), causal_(causal) {
   TORCH_CHECK(config.hidden_size % config.num_attention_heads == 0,
               "CLIPEncoderLayer: hidden_size ", config.hidden_size,
               " is not a multiple of num_attention_heads ", config.num_attention_heads);
@@ -125,9 +126,11 @@ torch::Tensor ClipEncoderLayerImpl::forward_impl(const torch::Tensor& h) {
   torch::Tensor q = split(q_proj_(x) * scale), k = split(k_proj_(x)), v = split(v_proj_(x));
   torch::Tensor scores = torch::matmul(q, k.transpose(-1, -2));  // [B, heads, S, S]
   // Causal: query i sees keys j <= i. Key 0 is always visible, so -inf never fills a whole row.
-  const torch::Tensor future =
-      torch::ones({S, S}, torch::TensorOptions().dtype(torch::kBool).device(h.device())).triu(1);
-  scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+  if (causal_) {
+    const torch::Tensor future =
+        torch::ones({S, S}, torch::TensorOptions().dtype(torch::kBool).device(h.device())).triu(1);
+    scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+  }
   const auto dtype = scores.scalar_type();
   const bool reduced = dtype == torch::kFloat16 || dtype == torch::kBFloat16;
   torch::Tensor probs = (reduced ? scores.to(torch::kFloat32) : scores).softmax(-1).to(dtype);

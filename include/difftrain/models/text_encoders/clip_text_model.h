@@ -57,14 +57,16 @@ ClipTextConfig parse_clip_text_config(const std::string& json_text, const std::s
 /// attach to them).
 class ClipEncoderLayerImpl : public torch::nn::Module, public core::HookableModule {
  public:
-  explicit ClipEncoderLayerImpl(const ClipTextConfig& config);
-  /// h: [B, S, W] -> [B, S, W]; causal self-attention (key j > query i masked), no padding mask.
+  /// `causal`: the text tower's mask; the vision tower (clip_vision_model.h) attends everywhere.
+  explicit ClipEncoderLayerImpl(const ClipTextConfig& config, bool causal = true);
+  /// h: [B, S, W] -> [B, S, W]; self-attention (causal: key j > query i masked), no padding mask.
   torch::Tensor forward(const torch::Tensor& h);
   std::string hook_class_name() const override { return "CLIPEncoderLayer"; }
 
  private:
   torch::Tensor forward_impl(const torch::Tensor& h);
   ClipTextConfig config_;
+  bool causal_ = true;
   torch::nn::LayerNorm layer_norm1_{nullptr}, layer_norm2_{nullptr};
   Linear q_proj_{nullptr}, k_proj_{nullptr}, v_proj_{nullptr}, out_proj_{nullptr};
   Linear fc1_{nullptr}, fc2_{nullptr};
