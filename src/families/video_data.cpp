@@ -106,11 +106,12 @@ torch::Tensor read_media_frames(const MediaFile& m, double target_fps) {
 
 namespace {
 
-// The cached examples: latents (and conditions) per item, the captions' embeddings.
+// The cached examples: latents (and the family's extras) per item, the captions' embeddings.
 class ClipDataset : public data::Dataset {
  public:
-  std::vector<torch::Tensor> latents, conditions, embeds;  // per item (embeds trimmed)
-  std::vector<int64_t> slot_item;                          // per slot
+  std::vector<torch::Tensor> latents, embeds;                // per item (embeds trimmed)
+  std::map<std::string, std::vector<torch::Tensor>> extras;  // name -> per item
+  std::vector<int64_t> slot_item;                            // per slot
   int64_t text_length = 512;
 
   int64_t size() const override { return static_cast<int64_t>(slot_item.size()); }
@@ -126,7 +127,7 @@ class ClipDataset : public data::Dataset {
     data::Example ex{{"latents", latents[i]},
                      {"prompt_embeds", padded},
                      {"index", torch::tensor(static_cast<int64_t>(i), torch::kLong)}};
-    if (!conditions.empty()) ex.emplace("condition", conditions[i]);
+    for (const auto& [name, values] : extras) ex.emplace(name, values[i]);
     return ex;
   }
 };
@@ -409,7 +410,7 @@ void VideoData::build(accel::Accelerator& acc, const std::string& output_dir, co
   }
   acc.wait_for_everyone();
   const std::string what = fmt::format(
-      "video-latents-v1;{};frames {};{};stride {};sample {};max {};fps {};{}", parts.latent_key,
+      "video-latents-v2;{};frames {};{};stride {};sample {};max {};fps {};{}", parts.latent_key,
       fmt::join(v_.target_frames, ","), v_.frame_extraction, v_.frame_stride, v_.frame_sample,
       v_.max_frames, v_.target_fps,
       d.resolution_buckets ? fmt::format("buckets {} {} {} {}", d.resolution, d.bucket_step,
@@ -446,8 +447,8 @@ void VideoData::build(accel::Accelerator& acc, const std::string& output_dir, co
                   .unsqueeze(0);
           const std::string name = fmt::format("{}.{}", k, c);
           tensors["latents." + name] = parts.encode(px)[0].to(torch::kCPU, torch::kFloat32);
-          if (parts.condition) {
-            tensors["condition." + name] = parts.condition(px)[0].to(torch::kCPU, torch::kFloat32);
+          for (const auto& [extra, encode] : parts.extras) {
+            tensors[extra + "." + name] = encode(px)[0].to(torch::kCPU, torch::kFloat32);
           }
           items.push_back({{"media", k},
                            {"clip", c},
@@ -481,7 +482,9 @@ void VideoData::build(accel::Accelerator& acc, const std::string& output_dir, co
         const std::string name =
             fmt::format("{}.{}", all[i]["media"].get<int64_t>(), all[i]["clip"].get<int64_t>());
         joined["latents." + std::to_string(i)] = src.at("latents." + name);
-        if (parts.condition) joined["condition." + std::to_string(i)] = src.at("condition." + name);
+        for (const auto& extra : parts.extras) {
+          joined[extra.first + "." + std::to_string(i)] = src.at(extra.first + "." + name);
+        }
       }
       if (all.empty()) {
         throw Error("--train_data_dir " + d.train_data_dir +
@@ -520,7 +523,9 @@ void VideoData::build(accel::Accelerator& acc, const std::string& output_dir, co
       items_.push_back(c);
       const std::string n = std::to_string(i);
       ds->latents.push_back(st.tensors.at("latents." + n));
-      if (parts.condition) ds->conditions.push_back(st.tensors.at("condition." + n));
+      for (const auto& extra : parts.extras) {
+        ds->extras[extra.first].push_back(st.tensors.at(extra.first + "." + n));
+      }
     }
   }
 

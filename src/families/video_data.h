@@ -95,9 +95,10 @@ class VideoData {
     /// Pixel values [1, 3, F, H, W] in [-1, 1] (float32, CPU) → the latents training sees, float32
     /// [1, C, f, h, w] (the family's VAE, mode or draw, normalisation).
     std::function<torch::Tensor(const torch::Tensor& pixels)> encode;
-    /// Optional: per-clip conditioning latents from the same pixels (image to video's first-frame
-    /// condition), float32 [1, C', f, h, w]; stored as "condition".
-    std::function<torch::Tensor(const torch::Tensor& pixels)> condition;
+    /// Optional per-clip tensors computed once from the same pixels and given in every example
+    /// under their names (image to video's first-frame "condition" latents, Wan 2.1's CLIP
+    /// "image_embeds"): pixels [1, 3, F, H, W] -> float32 [1, ...].
+    std::map<std::string, std::function<torch::Tensor(const torch::Tensor& pixels)>> extras;
     /// Captions → {"prompt_embeds": [N, L, D]} (rows zero-padded; "prompt_lengths" int64 [N] the
     /// real rows): cached trimmed, padded back to `text_length` rows in every example.
     std::function<std::map<std::string, torch::Tensor>(const std::vector<std::string>&)>

@@ -202,6 +202,78 @@ TEST(WanCli, EstimateMemoryCountsTheLoraAndTheClipActivations) {
   EXPECT_NE(bad.err.find("Wan takes 1 + 4k frames"), std::string::npos) << bad.log();
 }
 
+// Wan 2.2 TI2V-5B from the command line: one folder, text to video without --image and image to
+// video with it (Diffusers' frames, make_ti2v.py); Wan 2.1 I2V with its CLIP image encoder.
+TEST(WanCli, Ti2vAndWan21ImageToVideoFromPngs) {
+  const std::string dir = make_temp_dir("wan_ti2v");
+  const std::string ti2v = kWanGolden + "/tiny_wan_ti2v";
+  const auto f = io::load_safetensors(ti2v + "/sample_ti2v.safetensors").tensors;
+  io::save_png(dir + "/first.png", f.at("source.image_32x32"));
+  for (const bool image : {false, true}) {
+    SCOPED_TRACE(image ? "i2v" : "t2v");
+    std::vector<std::string> argv = {kDifftrain,
+                                     "sample",
+                                     "--model",
+                                     ti2v,
+                                     "--prompt",
+                                     "a red car drives in the city street",
+                                     "--guidance_scale",
+                                     "5",
+                                     "--height",
+                                     "32",
+                                     "--width",
+                                     "32",
+                                     "--num_frames",
+                                     "5",
+                                     "--num_inference_steps",
+                                     "3",
+                                     "--seed",
+                                     "0",
+                                     "--output",
+                                     dir + "/o.png",
+                                     "--save_tensors",
+                                     dir + "/o.safetensors"};
+    if (image) argv.insert(argv.end(), {"--image", dir + "/first.png"});
+    auto r = run(argv, {}, 300);
+    ASSERT_EQ(r.exit_code, 0) << r.log();
+    EXPECT_LT(wan_diff(io::load_safetensors(dir + "/o.safetensors").tensors.at("frames"),
+                       f.at(std::string(image ? "i2v" : "t2v") + ".frames")),
+              1e-4);
+  }
+  const std::string i2v21 = kWanGolden + "/tiny_wan_i2v21";
+  const auto g = io::load_safetensors(i2v21 + "/sample_i2v21.safetensors").tensors;
+  io::save_png(dir + "/src.png", g.at("source_image"));
+  auto r = run({kDifftrain,
+                "sample",
+                "--model",
+                i2v21,
+                "--prompt",
+                "the car drives away",
+                "--guidance_scale",
+                "5",
+                "--height",
+                "32",
+                "--width",
+                "48",
+                "--num_frames",
+                "5",
+                "--num_inference_steps",
+                "3",
+                "--seed",
+                "0",
+                "--image",
+                dir + "/src.png",
+                "--output",
+                dir + "/c.png",
+                "--save_tensors",
+                dir + "/c.safetensors"},
+               {}, 300);
+  ASSERT_EQ(r.exit_code, 0) << r.log();
+  EXPECT_LT(
+      wan_diff(io::load_safetensors(dir + "/c.safetensors").tensors.at("frames"), g.at("frames")),
+      1e-4);
+}
+
 TEST(WanCli, LoraMergeAndForwardLoraGiveDiffusersFusedOutput) {
   const std::string dir = make_temp_dir("wan_lora_cli");
   const auto f = io::load_safetensors(kWanGolden + "/tiny_wan/forward.safetensors").tensors;

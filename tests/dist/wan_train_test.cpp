@@ -16,6 +16,7 @@
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -225,6 +226,23 @@ TEST(WanTrain, ImageToVideoAndOneA14bExpertFullFineTune) {
   ASSERT_EQ(i2v.exit_code, 0) << i2v.log();
   EXPECT_NE(i2v.err.find("Wan image-to-video"), std::string::npos) << i2v.log();
   EXPECT_TRUE(fs::exists(dir + "/i2v/samples/step-000002-0.mp4"));
+
+  // Wan 2.1 image to video: each clip's first frame also through CLIP (its penultimate hidden
+  // states cached per clip, the image context of every step); the adapters reach add_k_proj /
+  // add_v_proj too.
+  auto c21 = wan_train_cmd(kWanG + "/tiny_wan_i2v21", data, dir + "/i2v21",
+                           {"--lora", "--rank", "4", "--max_train_steps", "2", "--target_frames",
+                            "5", "--validation_prompt", "a square", "--validation_steps", "2",
+                            "--validation_inference_steps", "1", "--num_validation_images", "1"});
+  // The image context is split off 512 text tokens: the full length.
+  *(std::find(c21.begin(), c21.end(), "--max_sequence_length") + 1) = "512";
+  auto i2v21 = train(c21, 1, 600);
+  ASSERT_EQ(i2v21.exit_code, 0) << i2v21.log();
+  EXPECT_NE(i2v21.err.find("LoRA rank 4 alpha 4 on 24 transformer module(s)"), std::string::npos)
+      << i2v21.log();
+  EXPECT_TRUE(fs::exists(dir + "/i2v21/samples/step-000002-0.mp4"));
+  const auto l21 = io::load_safetensors(dir + "/i2v21/pytorch_lora_weights.safetensors").tensors;
+  EXPECT_TRUE(l21.count("transformer.blocks.0.attn2.add_k_proj.lora_A.weight"));
 
   // A14B: the low-noise expert, t in [0, boundary): the export replaces transformer_2 only.
   const std::string a14b = kWanG + "/tiny_wan_a14b";

@@ -103,7 +103,8 @@ class WanFamily : public ModelFamily {
     d.train_batch_size = 1;
     d.learning_rate = 2e-4;
     d.adam_weight_decay = 1e-2;
-    d.lora_target_modules = wan::default_wan_lora_targets(false);
+    // lora_target_modules left to the task: musubi-tuner's set, with the image branch's
+    // add_k_proj / add_v_proj where the model has one (Wan 2.1 I2V).
     d.not_applicable = {"validation_scheduler"};
     return d;
   }

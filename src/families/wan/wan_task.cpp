@@ -57,6 +57,7 @@ class WanTask : public train::TrainingTask {
   }
   int64_t frozen_bytes() const override {
     int64_t n = o_.lora.enabled ? train::frozen_parameter_bytes(*transformer_) : 0;
+    if (image_encoder_) n += train::frozen_parameter_bytes(*image_encoder_);
     return n + train::frozen_parameter_bytes(*vae_);
   }
   torch::Tensor loss(const data::Batch& batch, int64_t epoch, torch::Device device) override;
@@ -100,6 +101,8 @@ class WanTask : public train::TrainingTask {
   std::unique_ptr<diffusion::FlowMatchObjective> objective_;
   torch::Tensor validation_embeds_, negative_embeds_;
   torch::Tensor validation_image_;  // image to video: the first frame of the first clip, uint8
+  models::ClipVisionModel image_encoder_{nullptr};  // Wan 2.1 I2V: kept for validation renders
+  models::ClipImageProcessorOptions image_processor_;
 };
 
 void WanTask::build(accel::Accelerator& acc, const std::string& output_dir) {
@@ -172,9 +175,24 @@ void WanTask::build(accel::Accelerator& acc, const std::string& output_dir) {
         transformer_dir_, t.text_dim, t.in_channels, text_encoder->options().d_model(), z));
   }
   if (t.added_kv_proj_dim) {
-    throw Error(model +
-                ": Wan 2.1 image to video (a CLIP image encoder's features) does not train yet; "
-                "Wan 2.2 image to video (latent conditioning only) does");
+    if (f.image_encoder_dir.empty()) {
+      throw Error(model +
+                  ": the transformer takes CLIP image features (added_kv_proj_dim) but "
+                  "the folder has no image_encoder/");
+    }
+    if (o_.family.integer("max_sequence_length") != 512) {
+      throw Error("--max_sequence_length " +
+                  std::to_string(o_.family.integer("max_sequence_length")) +
+                  ": Wan 2.1 image to video splits the image context off 512 text tokens (as "
+                  "WanAttention does); leave it at 512");
+    }
+    image_encoder_ = models::load_clip_vision_model(f.image_encoder_dir, o_.model.variant);
+    for (auto& p : image_encoder_->parameters()) p.set_requires_grad(false);
+    image_encoder_->to(acc.device(), frozen);
+    image_encoder_->eval();
+    if (!f.image_processor_config.empty()) {
+      image_processor_ = models::ClipImageProcessorOptions::load(f.image_processor_config);
+    }
   }
   // musubi-tuner's "sigma": FlowMatchDiscreteScheduler tables shifted by --discrete_flow_shift.
   const nlohmann::json tables = {{"_class_name", "FlowMatchEulerDiscreteScheduler"},
@@ -192,8 +210,29 @@ void WanTask::build(accel::Accelerator& acc, const std::string& output_dir) {
     return vae->normalize_latents(zz.to(torch::kFloat32));
   };
   if (f.image_to_video) {
-    parts.condition = [vae](const torch::Tensor& px) mutable {
+    parts.extras["condition"] = [vae](const torch::Tensor& px) mutable {
       return wan_image_condition(vae, px.narrow(2, 0, 1), torch::Tensor(), px.size(2));
+    };
+  }
+  if (image_encoder_) {
+    // Wan 2.1 I2V: CLIP's penultimate hidden states of the clip's first frame (as uint8, through
+    // CLIPImageProcessor), as musubi-tuner caches its clip context per item.
+    models::ClipVisionModel clip = image_encoder_;
+    const auto processor = image_processor_;
+    parts.extras["image_embeds"] = [clip, processor](const torch::Tensor& px) mutable {
+      const auto first = px[0]
+                             .select(1, 0)
+                             .add(1)
+                             .mul(127.5)
+                             .round()
+                             .clamp(0, 255)
+                             .to(torch::kUInt8)
+                             .permute({1, 2, 0})
+                             .contiguous();
+      const auto pv = models::clip_image_pixel_values({first}, processor);
+      auto hidden = clip->forward(pv.to(models::module_device(*clip), models::module_dtype(*clip)))
+                        .hidden_states;
+      return hidden[hidden.size() - 2].to(torch::kFloat32);
     };
   }
   parts.encode_text = [tokenizer, text_encoder, length](const std::vector<std::string>& c) mutable {
@@ -271,8 +310,10 @@ torch::Tensor WanTask::loss(const data::Batch& batch, int64_t epoch, torch::Devi
   }
   const auto dtype = models::module_dtype(*transformer_);
   // musubi-tuner: timesteps = t * 1000, then += 1 ("1 to 1000").
-  const auto pred =
-      transformer_->forward(input.to(dtype), (noised.timesteps + 1).to(dtype), context.to(dtype));
+  const torch::Tensor image =
+      batch.count("image_embeds") ? batch.at("image_embeds").to(device, dtype) : torch::Tensor();
+  const auto pred = transformer_->forward(input.to(dtype), (noised.timesteps + 1).to(dtype),
+                                          context.to(dtype), image);
   return objective_->losses(pred.to(torch::kFloat32), noised).mean();
 }
 
@@ -291,6 +332,8 @@ train::ValidationImages WanTask::render_validation(const std::vector<int64_t>& m
   p.vae = vae_;
   p.scheduler = diffusion::load_sampler(folder_.scheduler_config, "");
   if (validation_image_.defined()) p.image = validation_image_;
+  p.image_encoder = image_encoder_;
+  p.image_processor = image_processor_;
   diffusion::GenerateRequest r;
   r.prompt_embeds = validation_embeds_;
   r.negative_prompt_embeds = negative_embeds_;
