@@ -1,10 +1,9 @@
-// The Wan family (issue 60): WanPipeline / WanImageToVideoPipeline folders (Wan 2.1
-// text-to-video, Wan 2.2 A14B with its two experts, Wan 2.2 image to video) and bare
-// WanTransformer3DModel folders: `difftrain sample` (a video file, frame PNGs, --save_tensors),
-// `difftrain forward`, LoRA files (read, convert, merge, apply), training on clips and images
-// (musubi-tuner's semantics: wan_task.cpp, the video data of ../video_data.h). The 2.2 TI2V VAE,
-// Wan 2.1 image to video's CLIP encoder and estimate-memory are refused in one line until they
-// land.
+// The Wan family (issue 60): WanPipeline / WanImageToVideoPipeline folders (Wan 2.1 text- and
+// image-to-video with its CLIP image encoder, Wan 2.2 A14B with its two experts, Wan 2.2 image to
+// video, Wan 2.2 TI2V-5B with the 48-channel VAE) and bare WanTransformer3DModel folders:
+// `difftrain sample` (a video file, frame PNGs, --save_tensors), `difftrain forward`, LoRA files
+// (read, convert, merge, apply), training on clips and images (musubi-tuner's semantics:
+// wan_task.cpp, the video data of ../video_data.h) and estimate-memory (memory.cpp).
 #include "difftrain/families/family.h"
 #include "../text_image_data.h"
 #include "../video_data.h"
