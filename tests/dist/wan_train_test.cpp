@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -264,6 +265,46 @@ TEST(WanTrain, ImageToVideoAndOneA14bExpertFullFineTune) {
   const auto low_after =
       io::load_safetensors(dir + "/low/transformer_2/diffusion_pytorch_model.safetensors");
   EXPECT_GT(max_abs_diff(low_before.tensors, low_after.tensors), 1e-6);
+  // Both experts in one run: one LoRA, the bases swapped by each micro-batch's timestep
+  // (validation through both), on one rank and on two.
+  auto both_cmd = [&](const std::string& out) {
+    return wan_train_cmd(
+        a14b, data, out,
+        {"--train_expert", "both", "--lora", "--rank", "4", "--max_train_steps", "4",
+         "--target_frames", "1,5", "--train_batch_size", "2", "--timestep_sampling", "shift",
+         "--discrete_flow_shift", "5", "--cache_dir", dir + "/cache"});
+  };
+  for (const int ranks : {1, 2}) {
+    SCOPED_TRACE(ranks);
+    const std::string out = dir + "/both" + std::to_string(ranks);
+    auto both = train(both_cmd(out), ranks, 600);
+    ASSERT_EQ(both.exit_code, 0) << both.log();
+    EXPECT_NE(both.err.find("one LoRA on both experts"), std::string::npos) << both.log();
+    EXPECT_NE(both.err.find("the low-noise expert's base swapped in"), std::string::npos)
+        << both.log();
+    const auto lora = io::load_safetensors(out + "/pytorch_lora_weights.safetensors").tensors;
+    double up = 0;
+    for (const auto& [key, t] : lora) {
+      if (key.find("lora_B") != std::string::npos) up = std::max(up, t.abs().max().item<double>());
+    }
+    EXPECT_GT(up, 0);  // B starts at zero: it moved
+    for (const double l : losses(out)) EXPECT_TRUE(std::isfinite(l));
+  }
+  auto vboth =
+      train(wan_train_cmd(a14b, data, dir + "/vboth",
+                          {"--train_expert", "both", "--lora", "--rank", "4", "--max_train_steps",
+                           "1", "--target_frames", "5", "--cache_dir", dir + "/cache",
+                           "--validation_prompt", "a", "--validation_steps", "1",
+                           "--validation_inference_steps", "4", "--num_validation_images", "1"}),
+            1, 600);
+  ASSERT_EQ(vboth.exit_code, 0) << vboth.log();
+  EXPECT_TRUE(fs::exists(dir + "/vboth/samples/step-000001-0.mp4"));
+  auto full_both = train(wan_train_cmd(a14b, data, dir + "/fboth",
+                                       {"--train_expert", "both", "--max_train_steps", "1"}),
+                         1, 300);
+  EXPECT_NE(full_both.exit_code, 0);
+  EXPECT_NE(full_both.err.find("one expert per run"), std::string::npos) << full_both.log();
+
   auto sample = run(
       {kDifftrain, "sample", "--model", dir + "/low", "--prompt", "a", "--height", "32", "--width",
        "32", "--num_frames", "5", "--num_inference_steps", "2", "--output", dir + "/low.mp4"},

@@ -84,8 +84,9 @@ class WanFamily : public ModelFamily {
     specs.push_back(std::move(length));
     train::OptionSpec expert{"train_expert", "string?", nullptr,
                              "Wan 2.2 A14B: the expert this run trains, high (transformer, "
-                             "t >= boundary) or low (transformer_2)",
-                             train::one_of_check({"high", "low"})};
+                             "t >= boundary), low (transformer_2) or both (one LoRA, the bases "
+                             "swapped by timestep: musubi-tuner's --dit_high_noise)",
+                             train::one_of_check({"high", "low", "both"})};
     expert.structural = true;
     specs.push_back(std::move(expert));
     specs.push_back({"validation_num_frames", "int", 0,

@@ -392,7 +392,9 @@ Run run_once(WanPipeline& p, const diffusion::GenerateRequest& r,
   for (int64_t i = 0; i < timesteps.size(0); ++i) {
     const double t = p.scheduler->timestep(i);
     const bool high = boundary < 0 || t >= boundary;
-    models::WanTransformer3DModel& model = high ? p.transformer : p.transformer_2;
+    if (p.select_expert) p.select_expert(high);
+    models::WanTransformer3DModel& model =
+        high || p.select_expert ? p.transformer : p.transformer_2;
     const double scale = high ? g : g2;
     torch::Tensor ts, x;
     if (expand) {

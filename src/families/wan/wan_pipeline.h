@@ -16,6 +16,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -75,6 +76,9 @@ class WanPipeline : public diffusion::Pipeline {
   models::ClipVisionModel image_encoder{nullptr};        ///< Wan 2.1 I2V's CLIP, or null
   models::ClipImageProcessorOptions image_processor;
   std::unique_ptr<diffusion::Sampler> scheduler;
+  /// Set: one model holds either expert, and the pipeline calls this (true: the high-noise one)
+  /// before each step instead of switching to transformer_2 (a run training one LoRA on both).
+  std::function<void(bool high)> select_expert;
   /// Image to video: the first frame (and optionally the last), uint8 [H, W, 3], used when the
   /// request names none (request.options "image" / "last_image": file paths).
   torch::Tensor image, last_image;

@@ -101,6 +101,11 @@ class WanTask : public train::TrainingTask {
   std::unique_ptr<diffusion::FlowMatchObjective> objective_;
   torch::Tensor validation_embeds_, negative_embeds_;
   torch::Tensor validation_image_;  // image to video: the first frame of the first clip, uint8
+  // --train_expert both: the experts' frozen weights, swapped into transformer_ by select_expert.
+  void select_expert(bool high);
+  std::map<std::string, torch::Tensor> high_weights_, low_weights_;
+  bool current_high_ = true, swapped_ = false;
+  double boundary_ = 0;
   models::ClipVisionModel image_encoder_{nullptr};  // Wan 2.1 I2V: kept for validation renders
   models::ClipImageProcessorOptions image_processor_;
 };
@@ -136,14 +141,39 @@ void WanTask::build(accel::Accelerator& acc, const std::string& output_dir) {
     }
     expert_ = expert.get<std::string>();
     const double boundary = f.boundary_ratio.value_or(0.875) * 1000.0;
+    boundary_ = boundary;
     const bool range_given = fo.min_timestep != 0.0 || fo.max_timestep != 1000.0;
     if (expert_ == "low") transformer_dir_ = f.transformer_2_dir;
-    if (!range_given) {
+    if (expert_ == "both") {
+      // musubi-tuner's --dit + --dit_high_noise: one LoRA trained on both experts, the frozen
+      // bases swapped into one model by each sample's timestep (t >= boundary: transformer).
+      if (!o_.lora.enabled) {
+        throw Error(
+            "--train_expert both trains one LoRA across the two experts (musubi-tuner's "
+            "--dit_high_noise); a full fine-tune trains one expert per run: high or low");
+      }
+      if (fo.weighting_scheme != "none") {
+        throw Error(
+            "--train_expert both moves t onto one expert's side per micro-batch; its "
+            "loss weights would not follow: leave --weighting_scheme at none");
+      }
+      if (o_.model.base_weights_dtype != "none") {
+        throw Error(
+            "--train_expert both swaps the experts' float weights; leave out "
+            "--base_weights_dtype (or train one expert per run)");
+      }
+      acc.print(
+          "Wan 2.2 A14B: one LoRA on both experts (transformer for t >= {}, transformer_2 "
+          "below), their bases swapped by each sample's timestep",
+          boundary);
+    } else if (!range_given) {
       fo.min_timestep = expert_ == "high" ? boundary : 0.0;
       fo.max_timestep = expert_ == "high" ? 1000.0 : boundary;
     }
-    acc.print("Wan 2.2 A14B: training the {}-noise expert ({}), timesteps {}..{}", expert_,
-              fs::path(transformer_dir_).filename().string(), fo.min_timestep, fo.max_timestep);
+    if (expert_ != "both") {
+      acc.print("Wan 2.2 A14B: training the {}-noise expert ({}), timesteps {}..{}", expert_,
+                fs::path(transformer_dir_).filename().string(), fo.min_timestep, fo.max_timestep);
+    }
   } else if (!expert.is_null()) {
     throw Error("--train_expert: " + model + " has one transformer (Wan 2.1); leave it out");
   }
@@ -294,6 +324,35 @@ void WanTask::build(accel::Accelerator& acc, const std::string& output_dir) {
               lora_->module_names().size());
     train::quantize_frozen_base(acc, o_.model.base_weights_dtype, {transformer_.ptr().get()});
   }
+  if (expert_ == "both") {
+    // The two bases, float, on the device: the high-noise one is loaded; the low-noise one waits.
+    const torch::Dtype base_dtype = models::module_dtype(*transformer_);
+    auto low = models::load_wan_transformer(f.transformer_2_dir, base_dtype, o_.model.variant);
+    for (const auto& item : transformer_->named_parameters(/*recurse=*/true)) {
+      if (item.key().find(".lora_") != std::string::npos) continue;
+      high_weights_[item.key()] = item.value().detach().clone();
+    }
+    for (const auto& item : low->named_parameters(/*recurse=*/true)) {
+      low_weights_[item.key()] = item.value().detach().to(acc.device()).clone();
+    }
+    current_high_ = true;
+  }
+}
+
+void WanTask::select_expert(bool high) {
+  if (expert_ != "both" || high == current_high_) return;
+  torch::NoGradGuard no_grad;
+  const auto& from = high ? high_weights_ : low_weights_;
+  for (auto& p : transformer_->named_parameters(/*recurse=*/true)) {
+    const auto it = from.find(p.key());
+    if (it != from.end()) p.value().copy_(it->second);
+  }
+  current_high_ = high;
+  if (!swapped_) {
+    log::info("--train_expert both: the {}-noise expert's base swapped in (first swap)",
+              high ? "high" : "low");
+    swapped_ = true;
+  }
 }
 
 torch::Tensor WanTask::loss(const data::Batch& batch, int64_t epoch, torch::Device device) {
@@ -312,9 +371,34 @@ torch::Tensor WanTask::loss(const data::Batch& batch, int64_t epoch, torch::Devi
   // musubi-tuner: timesteps = t * 1000, then += 1 ("1 to 1000").
   const torch::Tensor image =
       batch.count("image_embeds") ? batch.at("image_embeds").to(device, dtype) : torch::Tensor();
-  const auto pred = transformer_->forward(input.to(dtype), (noised.timesteps + 1).to(dtype),
-                                          context.to(dtype), image);
-  return objective_->losses(pred.to(torch::kFloat32), noised).mean();
+  if (expert_ != "both") {
+    const auto pred = transformer_->forward(input.to(dtype), (noised.timesteps + 1).to(dtype),
+                                            context.to(dtype), image);
+    return objective_->losses(pred.to(torch::kFloat32), noised).mean();
+  }
+  // Both experts (musubi-tuner's --dit + --dit_high_noise): a micro-batch runs one expert, the
+  // one of its first sample's noise level (1000 t >= boundary: the high-noise one); the other
+  // samples' t are moved onto that side keeping their place in it (musubi-tuner redraws them),
+  // their noisy inputs remade from the same noise. A micro-batch of one sample is exactly its own
+  // expert; the swap happens between micro-batches, after the previous backward.
+  const double b = boundary_ / 1000.0;
+  const auto t = noised.timesteps.to(torch::kFloat32) / 1000.0F;
+  const bool high = t[0].item<double>() >= b;
+  const auto moved = high ? torch::where(t >= b, t, b + t / b * (1 - b))
+                          : torch::where(t < b, t, (t - b) / (1 - b) * b);
+  std::vector<int64_t> view(static_cast<size_t>(latents.dim()), 1);
+  view[0] = latents.size(0);
+  diffusion::NoisedBatch part = noised;
+  part.model_input = (latents + moved.view(view) * noised.target).to(noised.model_input.dtype());
+  part.timesteps = moved * 1000.0F;
+  torch::Tensor in = part.model_input;
+  if (batch.count("condition")) {
+    in = torch::cat({in, batch.at("condition").to(device, torch::kFloat32)}, 1);
+  }
+  select_expert(high);
+  const auto pred =
+      transformer_->forward(in.to(dtype), (part.timesteps + 1).to(dtype), context.to(dtype), image);
+  return objective_->losses(pred.to(torch::kFloat32), part).mean();
 }
 
 train::ValidationImages WanTask::render_validation(const std::vector<int64_t>& mine,
@@ -326,8 +410,13 @@ train::ValidationImages WanTask::render_validation(const std::vector<int64_t>& m
   }
   WanPipeline p;
   p.folder = folder_;
-  p.folder.transformer_2_dir.clear();  // one expert: every step (musubi-tuner without the other)
-  p.folder.boundary_ratio.reset();
+  if (expert_ == "both") {
+    // Both experts through the one model: the pipeline asks for the expert of each step.
+    p.select_expert = [this](bool high) { select_expert(high); };
+  } else {
+    p.folder.transformer_2_dir.clear();  // one expert: every step (musubi-tuner without the other)
+    p.folder.boundary_ratio.reset();
+  }
   p.transformer = transformer_;
   p.vae = vae_;
   p.scheduler = diffusion::load_sampler(folder_.scheduler_config, "");
@@ -346,7 +435,9 @@ train::ValidationImages WanTask::render_validation(const std::vector<int64_t>& m
   r.seed = o_.validation.seed + static_cast<uint64_t>(mine.front());
   r.seeding = diffusion::Seeding::kPerImage;
   r.on_step = on_step;
-  return {p.generate(r).images};
+  auto rendered = p.generate(r).images;
+  select_expert(true);
+  return {rendered};
 }
 
 void WanTask::export_to(const fs::path& out) {
@@ -379,7 +470,9 @@ train::ModelCard WanTask::model_card() const {
   const bool lora = o_.lora.enabled;
   card.base_model = o_.model.pretrained_model_name_or_path;
   card.title = std::string("Wan ") + (lora ? "LoRA" : "fine-tune") +
-               (expert_.empty() ? "" : " (" + expert_ + "-noise expert)");
+               (expert_.empty()     ? ""
+                : expert_ == "both" ? " (both experts)"
+                                    : " (" + expert_ + "-noise expert)");
   card.description =
       std::string("A ") + (folder_.image_to_video ? "image-to-video" : "text-to-video") +
       " fine-tune of `" + card.base_model + "` (" +
