@@ -77,8 +77,8 @@ CLI::App* add_sample_command(CLI::App& app) {
   cmd->add_option("--prompt", g_args.prompts, "Text-to-image: the prompt (repeat for several)");
   cmd->add_option("--prompt_file", g_args.prompt_file, "Prompts, one per line");
   cmd->add_option("--negative_prompt", g_args.negative_prompt, "Guide away from this text");
-  cmd->add_option("--num_images_per_prompt", g_args.num_images_per_prompt,
-                  "Images per prompt (default 1)")
+  cmd->add_option("--num_images_per_prompt,--num_videos_per_prompt", g_args.num_images_per_prompt,
+                  "Images (a video pipeline's videos) per prompt (default 1)")
       ->check(CLI::Range(int64_t{1}, int64_t{4096}));
   for (auto [name, into] : {std::pair{"height", &g_args.height}, {"width", &g_args.width}}) {
     cmd->add_option(fmt::format("--{}", name), *into,

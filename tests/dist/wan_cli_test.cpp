@@ -20,6 +20,8 @@
 namespace difftrain::testing {
 namespace {
 
+namespace fs = std::filesystem;
+
 const std::string kWanGolden = std::string(difftrain_test::source_dir()) + "/tests/golden/wan";
 
 double wan_diff(const torch::Tensor& a, const torch::Tensor& b) {
@@ -150,12 +152,31 @@ TEST(WanCli, SampleWritesAVideoFileAndFramePngs) {
     EXPECT_LE(wan_diff(png.to(torch::kFloat), want8[i]), 1.0) << i;
   }
   // GIF at another rate; a video path for an image family is refused.
-  auto gif = run({kDifftrain, "sample", "--model", kWanGolden + "/tiny_wan", "--prompt", "a",
-                  "--height", "32", "--width", "32", "--num_frames", "5", "--num_inference_steps",
-                  "1", "--fps", "8", "--output", dir + "/a.gif"},
+  auto gif = run({kDifftrain,
+                  "sample",
+                  "--model",
+                  kWanGolden + "/tiny_wan",
+                  "--prompt",
+                  "a",
+                  "--num_videos_per_prompt",
+                  "2",
+                  "--height",
+                  "32",
+                  "--width",
+                  "32",
+                  "--num_frames",
+                  "5",
+                  "--num_inference_steps",
+                  "1",
+                  "--fps",
+                  "8",
+                  "--output",
+                  dir + "/a.gif"},
                  {}, 300);
   ASSERT_EQ(gif.exit_code, 0) << gif.log();
-  const io::VideoFrames g = io::read_video(dir + "/a.gif");
+  // Two videos: a_0.gif and a_1.gif.
+  EXPECT_FALSE(fs::exists(dir + "/a.gif"));
+  const io::VideoFrames g = io::read_video(dir + "/a_1.gif");
   EXPECT_EQ(g.frames.size(0), 5);
   EXPECT_NEAR(g.timestamps.back(), 4.0 / 8.0, 0.011);
 }
