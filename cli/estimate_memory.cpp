@@ -60,11 +60,11 @@ CLI::App* add_estimate_memory_command(CLI::App& app) {
                   "Denoiser input height = width (the latent side for latent models; default: "
                   "the family's, e.g. the config's sample_size, or 128 for 1024 px)");
   cmd->add_option("--num_frames", g_args.options.num_frames,
-                  "Video families: frames of each clip (default: the family's, Wan 81)");
+                  "Video families: frames of each clip (default: the family's)");
   cmd->add_option("--height", g_args.options.height,
-                  "Video families: clip height in pixels (default: the family's, Wan 480)");
+                  "Video families: clip height in pixels (default: the family's)");
   cmd->add_option("--width", g_args.options.width,
-                  "Video families: clip width in pixels (default: the family's, Wan 832)");
+                  "Video families: clip width in pixels (default: the family's)");
   cmd->add_flag("--gradient_checkpointing", g_args.options.gradient_checkpointing,
                 "Measure activations with gradient checkpointing");
   cmd->add_option("--encoder_sequence_length", g_args.options.encoder_sequence_length,

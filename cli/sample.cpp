@@ -64,7 +64,8 @@ CLI::App* add_sample_command(CLI::App& app) {
                   "PNG grid to write (default samples.png), or for a video model a video file by "
                   "its extension: .mp4 .mkv .mov .webm .webp .gif (default samples.mp4; several "
                   "clips as <stem>_<k>.<ext>)");
-  cmd->add_option("--fps", g_out.fps, "A video file's frame rate (default: the model's, Wan 16)")
+  cmd->add_option("--fps", g_out.fps,
+                  "A video file's frame rate (default: the rate the model was trained at)")
       ->check(CLI::Range(0.1, 240.0));
   cmd->add_option("--save_frames", g_out.frames_dir,
                   "Video models: also write every frame as a PNG under this folder "

@@ -107,7 +107,7 @@ TEST(WanCli, SampleWritesDiffusersFramesAndTwoExpertsRun) {
 }
 
 TEST(WanCli, SampleWritesAVideoFileAndFramePngs) {
-  if (!io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  ASSERT_TRUE(io::video_supported()) << "built without FFmpeg: run scripts/setup and rebuild";
   const std::string dir = make_temp_dir("wan_video");
   const auto e2e = io::load_safetensors(kWanGolden + "/tiny_wan/sample_e2e.safetensors").tensors;
   const auto want = e2e.at("t2v.frames")[0];  // [F, H, W, 3] in [0, 1]

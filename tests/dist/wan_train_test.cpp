@@ -130,7 +130,7 @@ torch::Tensor wan_frames(const std::string& dir, const std::string& name, const 
 }
 
 TEST(WanTrain, LoraOnClipsAndStillsSamplesTheSameThroughEveryLayout) {
-  if (!io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  ASSERT_TRUE(io::video_supported()) << "built without FFmpeg: run scripts/setup and rebuild";
   const std::string dir = make_temp_dir("wan_train");
   const std::string data = make_clip_folder(dir + "/data");
   auto r = train(
@@ -175,7 +175,7 @@ TEST(WanTrain, LoraOnClipsAndStillsSamplesTheSameThroughEveryLayout) {
 }
 
 TEST(WanTrain, TwoRanksEqualOneRankAndResumeIsExact) {
-  if (!io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  ASSERT_TRUE(io::video_supported()) << "built without FFmpeg: run scripts/setup and rebuild";
   const std::string dir = make_temp_dir("wan_ranks");
   const std::string data = make_clip_folder(dir + "/data");
   auto cmd = [&](const std::string& out, const std::string& steps, const std::string& batch) {
@@ -214,7 +214,7 @@ TEST(WanTrain, TwoRanksEqualOneRankAndResumeIsExact) {
 }
 
 TEST(WanTrain, ImageToVideoAndOneA14bExpertFullFineTune) {
-  if (!io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  ASSERT_TRUE(io::video_supported()) << "built without FFmpeg: run scripts/setup and rebuild";
   const std::string dir = make_temp_dir("wan_i2v");
   const std::string data = make_clip_folder(dir + "/data");
   // Image to video: each clip's first frame conditions it; validation from the first clip's.
@@ -316,7 +316,7 @@ TEST(WanTrain, ImageToVideoAndOneA14bExpertFullFineTune) {
 // A full fine-tune under ZeRO-3 on 2 ranks equals the unsharded one (up to the reduction order),
 // in bf16 with CPU optimizer offload too, and an 8-bit base under LoRA trains.
 TEST(WanTrain, FullFineTuneUnderZero3EqualsUnshardedAndAnInt8BaseTrains) {
-  if (!io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  ASSERT_TRUE(io::video_supported()) << "built without FFmpeg: run scripts/setup and rebuild";
   const std::string dir = make_temp_dir("wan_zero3");
   const std::string data = make_clip_folder(dir + "/data");
   auto cmd = [&](const std::string& out, std::vector<std::string> extra) {
@@ -362,7 +362,7 @@ TEST(WanTrain, FullFineTuneUnderZero3EqualsUnshardedAndAnInt8BaseTrains) {
 }
 
 TEST(WanTrain, BadInputIsRefusedInOneLine) {
-  if (!io::video_supported()) GTEST_SKIP() << "built without FFmpeg";
+  ASSERT_TRUE(io::video_supported()) << "built without FFmpeg: run scripts/setup and rebuild";
   const std::string dir = make_temp_dir("wan_bad");
   const std::string data = make_clip_folder(dir + "/data");
   int runs = 0;

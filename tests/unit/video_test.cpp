@@ -37,7 +37,8 @@ int64_t frame_index(const torch::Tensor& frame) {
 class VideoFiles : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (!video_supported()) GTEST_SKIP() << "built without FFmpeg";
+    ASSERT_TRUE(video_supported()) << "built without FFmpeg: run scripts/setup (libavformat-dev, "
+                                      "libavcodec-dev, libswscale-dev) and rebuild";
     dir_ = difftrain::test::temp_dir("video");
   }
   void TearDown() override {
