@@ -67,11 +67,30 @@ struct Entry {
   std::string file;
   std::optional<int64_t> label;
   std::optional<std::string> caption;
-  int64_t line = 0;  // in metadata.jsonl; 0 when found by scanning
+  std::optional<std::string> mask;  // metadata.jsonl's mask file, relative to the folder
+  int64_t line = 0;                 // in metadata.jsonl; 0 when found by scanning
 };
 
 // An image, or a clip a registered reader takes (data/media_reader.h).
 bool has_image_extension(const fs::path& path) { return is_media_file(path.string()); }
+
+// The mask file of an image (ImageFolderOptions::masks): in mask_dir (same relative path, any
+// image extension), else metadata.jsonl's; "" = the image's alpha channel.
+std::string find_mask(const Entry& e, const fs::path& dir, const ImageFolderOptions& options) {
+  if (!options.mask_dir.empty()) {
+    const fs::path rel = fs::path(e.file).replace_extension();
+    std::error_code ec;
+    for (const char* ext : {".png", ".PNG", ".webp", ".jpg", ".jpeg", ".bmp"}) {
+      const fs::path candidate = fs::path(options.mask_dir) / (rel.string() + ext);
+      if (fs::is_regular_file(candidate, ec)) return candidate.string();
+    }
+    throw Error(fmt::format(
+        "{}: no mask in {} (looked for {}.png, .webp, .jpg, .bmp); --masked_loss with "
+        "--conditioning_data_dir needs one mask image per training image, white = trained",
+        (dir / e.file).string(), options.mask_dir, rel.generic_string()));
+  }
+  return e.mask ? (dir / *e.mask).string() : std::string();
+}
 
 // kohya's DreamBooth folder name "<repeats>_<name>" ("10_sks dog"): {repeats, name}, or repeats
 // -1 when the name is not of that form.
@@ -193,6 +212,14 @@ std::vector<Entry> read_metadata(const fs::path& metadata, const fs::path& dir,
       }
       entry.caption = it->get<std::string>();
     }
+    if (auto it = json.find(options.mask_column);
+        options.masks && it != json.end() && !it->is_null()) {
+      if (!it->is_string()) {
+        throw Error(fmt::format("{}: \"{}\" is {}; a mask must be an image file name", where,
+                                options.mask_column, it->dump()));
+      }
+      entry.mask = checked_file_name(it->get<std::string>(), dir, root, where);
+    }
     entries.push_back(std::move(entry));
   }
   const auto labelled = std::count_if(entries.begin(), entries.end(),
@@ -234,7 +261,7 @@ std::vector<Entry> scan_folder(const fs::path& dir, const fs::path& root,
             path.string(), ec ? "an unresolvable path" : resolved.string(), dir.string()));
       }
     }
-    entries.push_back({relative, std::nullopt, std::nullopt, 0});
+    entries.push_back({relative, std::nullopt, std::nullopt, std::nullopt, 0});
   }
   if (ec) throw Error(fmt::format("{}: cannot list the folder ({})", dir.string(), ec.message()));
   std::sort(entries.begin(), entries.end(),
@@ -477,12 +504,15 @@ ImageFolderDataset::ImageFolderDataset(ImageFolderOptions options) : options_(st
   }
   const int64_t images = static_cast<int64_t>(entries.size());
   for (Entry& e : entries) {
+    std::string mask_file;
+    if (options_.masks) mask_file = find_mask(e, dir, options_);
     int64_t n = options_.repeats;
     if (!kohya_.empty()) n *= kohya_folder(e.file.substr(0, e.file.find('/'))).first;
     for (int64_t k = 0; k < n; ++k) {
       files_.push_back(e.file);
       if (e.label) labels_.push_back(*e.label);
       captions_.push_back(e.caption);
+      if (options_.masks) mask_files_.push_back(mask_file);
     }
   }
   if (log::rank() == 0 && (!kohya_.empty() || options_.repeats > 1)) {
@@ -547,12 +577,37 @@ std::optional<std::string> ImageFolderDataset::caption(int64_t index) const {
 Example ImageFolderDataset::get(int64_t index) const {
   const std::string path = file(index);
   torch::Tensor frames;  // uint8 [F, H, W, C]; an image is one frame
+  const bool alpha = options_.masks && mask_files_[static_cast<size_t>(index)].empty();
   try {
-    frames = read_media(path, options_.channels);
+    frames = read_media(path, alpha ? 4 : options_.channels);
   } catch (const Error& e) {
     throw Error(std::string(e.what()) +
                 " (or set skip_bad_images to drop the files that cannot be decoded)");
   }
+  // The mask travels as one more channel through the resize, crop and flip.
+  torch::Tensor mask;  // uint8 [F, H, W, 1]
+  if (alpha) {
+    mask = frames.narrow(3, 3, 1);
+    frames = frames.narrow(3, 0, options_.channels == 1 ? 1 : 3);
+    if (options_.channels == 1) {
+      frames = read_media(path, 1);  // luminance as the dataset always reads it
+    }
+  } else if (options_.masks) {
+    const auto& file = mask_files_[static_cast<size_t>(index)];
+    mask = read_media(file, 3).narrow(3, 0, 1);  // the red channel, as kohya
+    if (mask.size(1) != frames.size(1) || mask.size(2) != frames.size(2)) {
+      namespace F = torch::nn::functional;
+      auto m = mask[0].permute({2, 0, 1}).unsqueeze(0).to(torch::kFloat);
+      m = F::interpolate(m, F::InterpolateFuncOptions()
+                                .size(std::vector<int64_t>{frames.size(1), frames.size(2)})
+                                .mode(torch::kBilinear)
+                                .align_corners(false));
+      mask = m[0].permute({1, 2, 0}).round().clamp(0, 255).to(torch::kUInt8).unsqueeze(0);
+    }
+    mask = mask.narrow(0, 0, 1).expand({frames.size(0), -1, -1, -1});
+  }
+  const int64_t image_channels = frames.size(3);
+  if (mask.defined()) frames = torch::cat({frames, mask.to(frames.scalar_type())}, 3);
   // [F, H, W, C] uint8 → [F, C, H, W] float in [0, 255]; every frame gets the same transforms.
   // (An image goes the way it always went, [H, W, C] → [C, H, W] → [1, C, H, W]: the resize's
   // kernel follows the strides, and images stay bit-identical.)
@@ -593,6 +648,11 @@ Example ImageFolderDataset::get(int64_t index) const {
     x = x.flip({3});
     flipped = true;
   }
+  torch::Tensor mask_values;  // [1, H, W]: the first frame's
+  if (mask.defined()) {
+    mask_values = x[0].narrow(0, image_channels, 1).div(255.0).clamp(0.0, 1.0).contiguous();
+    x = x.narrow(1, 0, image_channels);
+  }
   // An image's pixel_values are [C, H, W], a clip's [C, F, H, W] (Diffusers' video layout).
   x = num_frames == 1 ? x.squeeze(0) : x.permute({1, 0, 2, 3});
   // SDXL's crop coordinates are those of the flipped image when it is flipped (Diffusers flips
@@ -604,6 +664,7 @@ Example ImageFolderDataset::get(int64_t index) const {
                   {"crop_top_left", torch::tensor({top, crop_left}, torch::kLong)}};
   if (!labels_.empty())
     example.emplace("class_labels", torch::tensor(labels_[index], torch::kLong));
+  if (mask_values.defined()) example.emplace("mask", mask_values);
   return example;
 }
 

@@ -75,6 +75,7 @@ std::vector<std::string> flow_timestep_samplings() {
 FlowMatchObjective::FlowMatchObjective(const nlohmann::json& scheduler_config,
                                        const std::string& source, FlowMatchOptions options)
     : options_(std::move(options)) {
+  set_loss_options(options_.loss);
   const auto& o = options_;
   if (!one_of(o.weighting_scheme, flow_weighting_schemes())) {
     throw Error(fmt::format("--weighting_scheme {}: unknown; use one of {}", o.weighting_scheme,
@@ -194,12 +195,31 @@ NoisedBatch FlowMatchObjective::from_draws(const torch::Tensor& x0, const torch:
                                        : d.sigmas * static_cast<float>(num_train_timesteps_))
                       .to(x0.device());
   const auto s = d.sigmas.to(torch::kFloat32);
+  if (loss_.huber()) {
+    const auto t = s.to(torch::kFloat64) * static_cast<double>(num_train_timesteps_);
+    if (loss_.huber_schedule == "constant") {
+      out.huber_c = torch::full({t.size(0)}, loss_.huber_c * loss_.huber_scale, torch::kFloat64);
+    } else {  // exponential (set_loss_options() refuses snr)
+      const double alpha = -std::log(loss_.huber_c) / static_cast<double>(num_train_timesteps_);
+      out.huber_c = torch::exp(-alpha * t) * loss_.huber_scale;
+    }
+    out.huber_c = out.huber_c.to(x0.device(), torch::kFloat32);
+  }
   if (options_.weighting_scheme == "cosmap") {
     out.weights = (2 / (kPi * (1 - 2 * s + 2 * s.pow(2)))).to(x0.device());
   } else if (options_.weighting_scheme == "sigma_sqrt") {
     out.weights = s.pow(-2.0).to(x0.device());
   }
   return out;
+}
+
+void FlowMatchObjective::set_loss_options(LossOptions options) {
+  if (options.huber() && options.huber_schedule == "snr") {
+    throw Error(
+        "--huber_schedule snr needs a DDPM scheduler's alphas_cumprod, which flow "
+        "matching has not (kohya refuses it too): use exponential or constant");
+  }
+  TrainingObjective::set_loss_options(std::move(options));
 }
 
 NoisedBatch FlowMatchObjective::noise(const torch::Tensor& x0, const std::vector<int64_t>& keys,

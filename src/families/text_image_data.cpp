@@ -72,6 +72,20 @@ void TextImageData::build(accel::Accelerator& acc, const std::string& output_dir
                 std::to_string(below + factor));
   }
   TextImageDataset::Half inst = captioned_images(d, d.train_data_dir, t.instance_prompt);
+  // kohya's prefix and suffix are fixed text: part of every epoch's caption (and the cache's).
+  if (t.captions.affixes()) {
+    for (auto& c : inst.captions) c = t.captions.fixed(c);
+  }
+  if (t.captions.varies() && cache_text) {
+    if (!parts_.text_cache_reason.empty()) {
+      throw Error(
+          std::string(t.captions.shuffle ? "--shuffle_caption" : "--caption_tag_dropout_rate") +
+          " changes the captions every epoch, and this run trains on cached text "
+          "embeddings (" +
+          parts_.text_cache_reason + "): leave it out");
+    }
+    cache_text = false;  // the captions are encoded batch by batch instead
+  }
   if (d.max_train_samples > 0 && d.max_train_samples < inst.images->size()) {
     acc.warn("--max_train_samples is not applied to text-to-image data");
   }
@@ -80,7 +94,9 @@ void TextImageData::build(accel::Accelerator& acc, const std::string& output_dir
     prior_ = true;
     train::generate_class_images(
         acc, {t.class_data_dir, t.class_prompt, t.num_class_images, o_.data.seed}, class_images);
-    cls = captioned_images(d, t.class_data_dir, t.class_prompt);
+    DataOptions class_data = d;
+    class_data.masked_loss = false;  // class images train whole (kohya: no mask = all ones)
+    cls = captioned_images(class_data, t.class_data_dir, t.class_prompt);
   }
   std::shared_ptr<data::ImageFolderDataset> instance_images = inst.images;
   if (acc.is_main_process()) {
@@ -94,6 +110,7 @@ void TextImageData::build(accel::Accelerator& acc, const std::string& output_dir
   }
   parts_.text->set_truncation_reported();  // the caption cache's encode() stays silent
   dataset_ = std::make_shared<TextImageDataset>(std::move(inst), std::move(cls), caption_ids());
+  dataset_->set_caption_processing(t.captions, d.seed);
   if (d.resolution_buckets) {
     assign_buckets(acc, *instance_images, *dataset_);
   } else if (d.crop_width > 0) {
@@ -218,8 +235,15 @@ void TextImageData::fill_cache(accel::Accelerator& acc, TextImageDataset& ds,
           dir / (name + "-" + cache_key(vae_key + folder_stamp(data_dir)) + ".safetensors");
       std::tie(half.mean, half.logvar) =
           cached_latents(acc, *half.images, file, parts_.vae.encode, o_.encode_batch_size);
-      // The cache needs centre crops without flips: each image's geometry is fixed.
+      // The cache needs centre crops without flips: each image's geometry is fixed, so is its
+      // mask.
       half.geometry = centre_crop_geometry(*half.images);
+      if (half.images->options().masks) {
+        half.masks.clear();
+        for (int64_t i = 0; i < half.images->size(); ++i) {
+          half.masks.push_back(half.images->get(i).at("mask"));
+        }
+      }
     };
     cache_half(ds.instance(), "latents", d.train_data_dir);
     if (ds.class_half()) cache_half(*ds.class_half(), "class-latents", t.class_data_dir);
@@ -228,6 +252,7 @@ void TextImageData::fill_cache(accel::Accelerator& acc, TextImageDataset& ds,
   if (!cache_text || o_.lora.train_text_encoder) return;
   std::set<std::string> unique(ds.instance().captions.begin(), ds.instance().captions.end());
   if (ds.class_half()) unique.insert(t.class_prompt);
+  if (t.captions.drops()) unique.insert("");  // a dropped caption is the empty one
   std::string key = "embeds-v2;" + text_cache_key();
   for (const auto& s : unique) key += "\n" + s;
   const fs::path file = dir / ("text-embeddings-" + cache_key(key) + ".safetensors");
@@ -239,6 +264,7 @@ void TextImageData::fill_cache(accel::Accelerator& acc, TextImageDataset& ds,
   }
   acc.wait_for_everyone();
   ds.cached_text = load_text_embedding_cache(file);
+  text_cache_filled_ = true;
 }
 
 EncodedBatch TextImageData::encode_batch(const data::Batch& batch, int64_t epoch,
@@ -258,6 +284,11 @@ EncodedBatch TextImageData::encode_batch(const data::Batch& batch, int64_t epoch
   in.pooled = join(in.pooled, cls.pooled);
   in.time_ids = join(in.time_ids, cls.time_ids);
   in.attention_mask = join(in.attention_mask, cls.attention_mask);
+  if (in.loss_mask.defined()) {
+    auto ones = torch::ones({cls.latents.size(0), 1, in.loss_mask.size(2), in.loss_mask.size(3)},
+                            in.loss_mask.options());
+    in.loss_mask = torch::cat({in.loss_mask, ones});
+  }
   keys.insert(keys.end(), class_keys.begin(), class_keys.end());
   return in;
 }
@@ -403,6 +434,7 @@ EncodedBatch TextImageData::encode(const data::Batch& batch, const std::string& 
     z.push_back(mean[k] + (0.5 * logvar[k]).exp() * torch::randn(shape, g, torch::kFloat32));
   }
   out.latents = parts_.vae.scale(torch::stack(z)).to(device);
+  if (batch.count(prefix + "mask")) out.loss_mask = batch.at(prefix + "mask").to(device);
   if (batch.count(prefix + "prompt_embeds")) {
     out.embeds = batch.at(prefix + "prompt_embeds").to(device, torch::kFloat32);
     if (batch.count(prefix + "pooled_prompt_embeds")) {

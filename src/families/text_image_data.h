@@ -51,6 +51,9 @@ struct EncodedBatch {
   /// [B, L], 1 = a real token, where the composition keeps the mask (a decoder LLM's embeddings,
   /// each caption cut to its real tokens by the family).
   torch::Tensor attention_mask;
+  /// --masked_loss: [B, 1, H, W] in [0, 1] at pixel resolution (class rows all ones), for
+  /// TrainingObjective::losses(); undefined without.
+  torch::Tensor loss_mask;
 };
 
 class TextImageData {
@@ -70,6 +73,10 @@ class TextImageData {
     /// `latent_dist.mode()`) instead of a draw from it (the SD, SDXL and FLUX.1 scripts'
     /// `latent_dist.sample()`).
     bool latent_mode = false;
+    /// Why this run serves captions from a text-embedding cache ("" = the caller's
+    /// cache_text is a choice it drops for captions that change every epoch: --shuffle_caption,
+    /// --caption_tag_dropout_rate; such a run then encodes each batch's captions).
+    std::string text_cache_reason;
   };
   /// Draws `count` class images [count, H, W, 3] in [0, 1] with the class prompt, image i from
   /// seed + i (the family's pipeline).
@@ -87,6 +94,8 @@ class TextImageData {
   /// and, with `cache_text`, the text-embedding cache, which then replaces token ids.
   void build(accel::Accelerator& acc, const std::string& output_dir, Parts parts,
              const ClassImages& class_images, bool cache_text);
+  /// Whether build() filled the text-embedding cache (the task may then release its encoders).
+  bool text_cache_filled() const { return text_cache_filled_; }
 
   /// Latents and text embeddings of one half of a batch (`prefix` "" or "class_"): cached or
   /// encoded now (the VAE under no-grad; the text encoders with grad when they train), each
@@ -132,6 +141,7 @@ class TextImageData {
   std::shared_ptr<train::TextImageDataset> dataset_;
   std::shared_ptr<data::BucketLayout> buckets_;
   bool prior_ = false;
+  bool text_cache_filled_ = false;
 };
 
 /// The validation every text-to-image task renders: --validation_prompt, image i from seed + i.

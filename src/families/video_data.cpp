@@ -113,6 +113,12 @@ class ClipDataset : public data::Dataset {
   std::map<std::string, std::vector<torch::Tensor>> extras;  // name -> per item
   std::vector<int64_t> slot_item;                            // per slot
   int64_t text_length = 512;
+  // Caption dropout: a dropped caption's example gets the empty caption's embeddings.
+  train::CaptionProcessing captions;
+  std::vector<std::string> item_captions;  // per item, for the draws
+  torch::Tensor empty_embeds;              // [L, D] trimmed
+  uint64_t caption_seed = 0;
+  int64_t epoch = 0;
 
   int64_t size() const override { return static_cast<int64_t>(slot_item.size()); }
   data::Example get(int64_t index) const override {
@@ -120,7 +126,10 @@ class ClipDataset : public data::Dataset {
       throw Error(fmt::format("video data: example {} of {}", index, size()));
     }
     const auto i = static_cast<size_t>(slot_item[static_cast<size_t>(index)]);
-    const auto& e = embeds[i];
+    const bool dropped =
+        captions.drops() &&
+        captions.apply(item_captions[i], caption_seed, epoch, static_cast<int64_t>(i)).empty();
+    const auto& e = dropped ? empty_embeds : embeds[i];
     auto padded = torch::zeros({text_length, e.size(1)}, e.options());
     padded.narrow(0, 0, std::min(text_length, e.size(0)))
         .copy_(e.narrow(0, 0, std::min(text_length, e.size(0))));
@@ -399,7 +408,22 @@ void VideoData::build(accel::Accelerator& acc, const std::string& output_dir, co
         "--random_flip: video latents are cached once (as musubi-tuner caches them); "
         "leave it out");
   }
+  const auto& captions = o_.text.captions;
+  if (captions.varies()) {
+    throw Error(std::string(captions.shuffle ? "--shuffle_caption" : "--caption_tag_dropout_rate") +
+                " changes the captions every epoch, and video training runs on cached text "
+                "embeddings (as musubi-tuner caches them): leave it out");
+  }
+  if (d.masked_loss) {
+    throw Error(
+        "--masked_loss takes its masks from images (alpha or --conditioning_data_dir); video "
+        "training has none: leave it out");
+  }
   media_ = list_media_files(d, o_.text.instance_prompt);
+  // kohya's prefix and suffix are part of every caption (and of the text cache).
+  if (captions.affixes()) {
+    for (auto& f : media_) f.caption = captions.fixed(f.caption);
+  }
 
   const fs::path dir =
       o_.text.cache_dir.empty() ? fs::path(output_dir) / "cache" : fs::path(o_.text.cache_dir);
@@ -532,22 +556,23 @@ void VideoData::build(accel::Accelerator& acc, const std::string& output_dir, co
   // The captions' embeddings, trimmed to their tokens.
   std::set<std::string> unique;
   for (const auto& c : items_) unique.insert(c.caption);
-  const std::vector<std::string> captions(unique.begin(), unique.end());
+  if (o_.text.captions.drops()) unique.insert("");  // a dropped caption is the empty one
+  const std::vector<std::string> caption_list(unique.begin(), unique.end());
   std::string text_what = "video-text-v1;" + parts.text_key;
-  for (const auto& c : captions) text_what += "\n" + c;
+  for (const auto& c : caption_list) text_what += "\n" + c;
   const fs::path text_file =
       dir / ("text-embeddings-" + train::cache_key(text_what) + ".safetensors");
   if (!fs::exists(text_file)) {
     core::PhaseScope phase("caching text embeddings");
-    const auto n = static_cast<int64_t>(captions.size());
+    const auto n = static_cast<int64_t>(caption_list.size());
     const int64_t begin = n * rank / world, end = n * (rank + 1) / world;
     io::TensorMap tensors;
     {
       torch::NoGradGuard no_grad;
       for (int64_t s = begin; s < end; s += 16) {
         const int64_t e = std::min(end, s + 16);
-        const auto enc =
-            parts.encode_text(std::vector<std::string>(captions.begin() + s, captions.begin() + e));
+        const auto enc = parts.encode_text(
+            std::vector<std::string>(caption_list.begin() + s, caption_list.begin() + e));
         const auto embeds = enc.at("prompt_embeds").to(torch::kCPU, torch::kFloat32);
         const auto lengths = enc.at("prompt_lengths").to(torch::kCPU);
         for (int64_t i = s; i < e; ++i) {
@@ -568,7 +593,7 @@ void VideoData::build(accel::Accelerator& acc, const std::string& output_dir, co
         fs::remove(p);
       }
       io::save_safetensors(text_file.string(), all,
-                           {{"captions", nlohmann::json(captions).dump()}});
+                           {{"captions", nlohmann::json(caption_list).dump()}});
     }
     acc.wait_for_everyone();
   }
@@ -579,7 +604,16 @@ void VideoData::build(accel::Accelerator& acc, const std::string& output_dir, co
       text_[stored[i].get<std::string>()] = st.tensors.at("embeds." + std::to_string(i));
     }
   }
-  for (const auto& c : items_) ds->embeds.push_back(caption_embeds(c.caption));
+  for (const auto& c : items_) {
+    ds->embeds.push_back(caption_embeds(c.caption));
+    ds->item_captions.push_back(c.caption);
+  }
+  if (o_.text.captions.drops()) {
+    ds->captions = o_.text.captions;
+    ds->caption_seed = d.seed;
+    ds->empty_embeds = caption_embeds("");
+  }
+  clips_ = ds;
 
   // Buckets: the latents' (frames, height, width).
   std::map<std::vector<int64_t>, int64_t> keys;
@@ -608,6 +642,10 @@ void VideoData::build(accel::Accelerator& acc, const std::string& output_dir, co
       "video data: {} file(s), {} clip(s) in {} slot(s); buckets (frames x height x "
       "width) {}",
       media_.size(), items_.size(), buckets_->num_slots(), fmt::join(lines, ", "));
+}
+
+void VideoData::set_epoch(int64_t epoch) {
+  if (clips_) static_cast<ClipDataset&>(*clips_).epoch = epoch;
 }
 
 }  // namespace difftrain::families

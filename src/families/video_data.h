@@ -121,6 +121,9 @@ class VideoData {
   void build(accel::Accelerator& acc, const std::string& output_dir, const Parts& parts);
 
   std::shared_ptr<data::Dataset> dataset() const { return dataset_; }
+  /// The epoch of the caption draws (--caption_dropout_rate, --caption_dropout_every_n_epochs:
+  /// a dropped caption's example carries the empty caption's cached embeddings).
+  void set_epoch(int64_t epoch);
   /// Every global batch from one (frames, height, width) bucket; a function of the epoch alone.
   std::function<std::vector<int64_t>(int64_t)> sampler() const;
   const std::vector<ClipItem>& items() const { return items_; }
@@ -134,6 +137,7 @@ class VideoData {
   std::vector<MediaFile> media_;
   std::vector<ClipItem> items_;
   std::shared_ptr<data::Dataset> dataset_;
+  std::shared_ptr<data::Dataset> clips_;  // dataset_ as the cached clips (set_epoch())
   std::shared_ptr<data::BucketLayout> buckets_;
   std::map<std::string, torch::Tensor> text_;  // caption → [L, D]
 };

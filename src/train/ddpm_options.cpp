@@ -2,6 +2,7 @@
 #include "difftrain/train/ddpm_options.h"
 
 #include "difftrain/core/error.h"
+#include "difftrain/train/loss_options.h"
 
 #include <string>
 
@@ -34,12 +35,27 @@ std::vector<OptionSpec> ddpm_option_specs() {
       {"noise_offset", "float", 0.0, "offset noise's scale (0: none)", non_negative},
       {"input_perturbation", "float", 0.0, "input perturbation of the noise (0: none)",
        non_negative},
+      {"multires_noise_iterations", "int", 0,
+       "kohya's multi-resolution (pyramid) noise: its levels (0: none; kohya suggests 6-10)",
+       [](const nlohmann::json& v, const std::string&) {
+         if (v.get<int64_t>() < 0) throw Error("--multires_noise_iterations must be >= 0");
+       }},
+      {"multires_noise_discount", "float", 0.3,
+       "how much each coarser level of multires noise is weakened (0..1]",
+       [](const nlohmann::json& v, const std::string&) {
+         const double d = v.get<double>();
+         if (!(d > 0 && d <= 1)) {
+           throw Error("--multires_noise_discount must be in (0, 1] (kohya's default is 0.3)");
+         }
+       }},
   };
   for (auto& s : specs) {
     s.structural =
         s.name == "prediction_type" || s.name == "ddpm_num_steps" || s.name == "ddpm_beta_schedule";
-    s.exactness = s.name == "snr_gamma" || s.name == "noise_offset";
+    s.exactness =
+        s.name == "snr_gamma" || s.name == "noise_offset" || s.name.rfind("multires_noise", 0) == 0;
   }
+  for (auto& s : loss_option_specs("snr")) specs.push_back(std::move(s));
   return specs;
 }
 
@@ -59,6 +75,9 @@ NoiseOptions ddpm_noise_options(const FamilyOptions& o, uint64_t seed) {
   if (!gamma.is_null()) n.snr_gamma = gamma.get<double>();
   n.noise_offset = o.number("noise_offset");
   n.input_perturbation = o.number("input_perturbation");
+  n.multires_noise_iterations = o.integer("multires_noise_iterations");
+  n.multires_noise_discount = o.number("multires_noise_discount");
+  n.loss = loss_options(o);
   n.seed = seed;
   return n;
 }

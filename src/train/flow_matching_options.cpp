@@ -3,6 +3,7 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/diffusion/flow_match_objective.h"
+#include "difftrain/train/loss_options.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -51,6 +52,7 @@ std::vector<OptionSpec> flow_matching_option_specs() {
       {"max_timestep", "float", 1000.0, "the upper end (0..1000)", range_check(0, 1000)},
   };
   for (auto& s : specs) s.exactness = true;
+  for (auto& s : loss_option_specs("exponential")) specs.push_back(std::move(s));
   return specs;
 }
 
@@ -65,6 +67,7 @@ diffusion::FlowMatchOptions flow_matching_options(const FamilyOptions& o, uint64
   f.discrete_flow_shift = o.number("discrete_flow_shift");
   f.min_timestep = o.number("min_timestep");
   f.max_timestep = o.number("max_timestep");
+  f.loss = loss_options(o);
   f.seed = seed;
   return f;
 }

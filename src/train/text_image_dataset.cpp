@@ -23,6 +23,8 @@ data::ImageFolderOptions image_folder_options(const DataOptions& d, const std::s
   o.caption_extension = d.caption_extension;
   o.repeats = d.dataset_repeats;
   o.channels = channels;
+  o.masks = d.masked_loss;
+  o.mask_dir = d.conditioning_data_dir;
   return o;
 }
 
@@ -41,30 +43,36 @@ data::Example TextImageDataset::get(int64_t index) const {
   data::Example ex;
   ex["index"] = torch::tensor(index, torch::kInt64);
   const int64_t image = slot_image_.empty() ? index : slot_image_.at(static_cast<size_t>(index));
-  add(ex, "", instance_, image % instance_.images->size());
-  if (class_) add(ex, "class_", *class_, index % class_->images->size());
+  add(ex, "", instance_, image % instance_.images->size(), index);
+  if (class_) add(ex, "class_", *class_, index % class_->images->size(), index);
   return ex;
 }
 
 void TextImageDataset::set_epoch(int64_t epoch) {
+  epoch_ = epoch;
   instance_.images->set_epoch(epoch);
   if (class_) class_->images->set_epoch(epoch);
 }
 
 void TextImageDataset::add(data::Example& ex, const std::string& prefix, const Half& half,
-                           int64_t i) const {
+                           int64_t i, int64_t key) const {
   if (!half.mean.empty()) {
     ex[prefix + "latent_mean"] = half.mean[static_cast<size_t>(i)];
     ex[prefix + "latent_logvar"] = half.logvar[static_cast<size_t>(i)];
     ex[prefix + "original_size"] = half.geometry[i].narrow(0, 0, 2);
     ex[prefix + "crop_top_left"] = half.geometry[i].narrow(0, 2, 2);
+    if (!half.masks.empty()) ex[prefix + "mask"] = half.masks[static_cast<size_t>(i)];
   } else {
     auto image = half.images->get(i);
     ex[prefix + "pixel_values"] = image.at("pixel_values");
     ex[prefix + "original_size"] = image.at("original_size");
     ex[prefix + "crop_top_left"] = image.at("crop_top_left");
+    if (auto m = image.find("mask"); m != image.end()) ex[prefix + "mask"] = m->second;
   }
-  const std::string& caption = half.captions[static_cast<size_t>(i)];
+  const std::string caption =
+      prefix.empty()
+          ? processing_.apply(half.captions[static_cast<size_t>(i)], caption_seed_, epoch_, key)
+          : half.captions[static_cast<size_t>(i)];
   auto it = cached_text.find(caption);
   if (it != cached_text.end()) {
     for (const auto& [name, t] : it->second) ex[prefix + name] = t;

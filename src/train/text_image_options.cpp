@@ -4,6 +4,7 @@
 #include "difftrain/core/error.h"
 #include "difftrain/train/train_config.h"
 
+#include <algorithm>
 #include <string>
 
 namespace difftrain::train {
@@ -55,11 +56,54 @@ std::vector<OptionSpec> text_image_option_specs() {
        nlohmann::json::array({"q_proj", "k_proj", "v_proj", "out_proj"}),
        "text encoder layers that get adapters (--train_text_encoder)",
        {}},
+      {"proportion_empty_prompts", "float", 0.0,
+       "Diffusers' name for caption dropout: the share of captions replaced by \"\"",
+       range_check(0, 1)},
+      {"caption_dropout_rate", "float", 0.0, "kohya's caption dropout: a caption becomes \"\"",
+       range_check(0, 1)},
+      {"caption_dropout_every_n_epochs", "int", 0,
+       "kohya: every caption is \"\" in epochs N, 2N, ... (1-based; 0 = never)",
+       at_least(0, "--caption_dropout_every_n_epochs must be >= 0")},
+      {"caption_tag_dropout_rate", "float", 0.0,
+       "kohya: each tag not kept (--keep_tokens) is dropped with this probability",
+       range_check(0, 1)},
+      {"shuffle_caption",
+       "bool",
+       false,
+       "kohya: the tags (split at --caption_separator) in a new order every epoch",
+       {}},
+      {"keep_tokens", "int", 0, "kohya: the first N tags stay in front when shuffling",
+       at_least(0, "--keep_tokens must be >= 0")},
+      {"keep_tokens_separator",
+       "string",
+       "",
+       "kohya: text before it stays in front when shuffling (after a second one: at the end)",
+       {}},
+      {"caption_separator", "string", ",", "kohya: what separates a caption's tags",
+       [](const nlohmann::json& v, const std::string&) {
+         if (v.get<std::string>().empty()) throw Error("--caption_separator must not be empty");
+       }},
+      {"caption_prefix", "string", "", "kohya: text put before every caption (and a space)", {}},
+      {"caption_suffix", "string", "", "kohya: text put after every caption (after a space)", {}},
+      {"masked_loss",
+       "bool",
+       false,
+       "kohya: the loss weighed by a mask (white = trained): --conditioning_data_dir's image of "
+       "the same name, metadata.jsonl's \"mask\", or the image's alpha",
+       {}},
+      {"conditioning_data_dir",
+       "string",
+       "",
+       "--masked_loss's masks: one image per training image, same relative name",
+       {}},
       {"validation_prompt", "string", "", "validation renders of this prompt (\"\" = none)", {}},
       {"validation_negative_prompt", "string", "", "their negative prompt", {}},
   };
   for (auto& s : specs) {
-    s.input_path = s.name == "class_data_dir";
+    s.input_path = s.name == "class_data_dir" || s.name == "conditioning_data_dir";
+    s.exactness = s.name.rfind("caption_", 0) == 0 || s.name == "proportion_empty_prompts" ||
+                  s.name == "shuffle_caption" || s.name.rfind("keep_tokens", 0) == 0 ||
+                  s.name == "masked_loss";
     s.structural = s.name == "caption_column" || s.name == "instance_prompt" ||
                    s.name == "with_prior_preservation" || s.name == "class_prompt" ||
                    s.name == "train_text_encoder" || s.name == "text_encoder_lora_target_modules";
@@ -104,6 +148,14 @@ void check_text_image_options(const TrainConfig& c) {
       throw Error("--with_prior_preservation is DreamBooth training: give --instance_prompt too");
     }
   }
+  if (f.number("proportion_empty_prompts") > 0 && f.number("caption_dropout_rate") > 0) {
+    throw Error(
+        "--proportion_empty_prompts (Diffusers) and --caption_dropout_rate (kohya) are the same "
+        "caption dropout: give one");
+  }
+  if (!f.text("conditioning_data_dir").empty() && !f.flag("masked_loss")) {
+    throw Error("--conditioning_data_dir holds --masked_loss's masks: add --masked_loss");
+  }
   if (f.flag("train_text_encoder") && !c.lora) {
     throw Error("--train_text_encoder trains LoRA adapters on the text encoder: add --lora");
   }
@@ -125,6 +177,18 @@ TaskOptions with_text_image_options(TaskOptions o) {
   o.lora.train_text_encoder = f.flag("train_text_encoder");
   o.lora.text_encoder_target_modules =
       f.at("text_encoder_lora_target_modules").get<std::vector<std::string>>();
+  auto& p = o.text.captions;
+  p.prefix = f.text("caption_prefix");
+  p.suffix = f.text("caption_suffix");
+  p.dropout_rate = std::max(f.number("proportion_empty_prompts"), f.number("caption_dropout_rate"));
+  p.dropout_every_n_epochs = f.integer("caption_dropout_every_n_epochs");
+  p.tag_dropout_rate = f.number("caption_tag_dropout_rate");
+  p.shuffle = f.flag("shuffle_caption");
+  p.keep_tokens = f.integer("keep_tokens");
+  p.keep_tokens_separator = f.text("keep_tokens_separator");
+  p.separator = f.text("caption_separator");
+  o.data.masked_loss = f.flag("masked_loss");
+  o.data.conditioning_data_dir = f.text("conditioning_data_dir");
   o.validation.prompt = f.text("validation_prompt");
   o.validation.negative_prompt = f.text("validation_negative_prompt");
   return o;

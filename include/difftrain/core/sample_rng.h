@@ -16,6 +16,7 @@ enum class SampleStream : uint64_t {
   kPerturbation = 4,  ///< input_perturbation noise
   kDropout = 5,       ///< anything else the trainer draws per sample
   kLatent = 6,        ///< the VAE posterior draw of a text-to-image training sample
+  kCaption = 7,       ///< caption dropout, shuffling and tag dropout
 };
 
 /// A 64-bit seed mixing all four parts (splitmix64 finaliser over each in turn): distinct keys

@@ -47,6 +47,14 @@ struct ImageFolderOptions {
   /// Output channels: 3 (RGB: grey is replicated, alpha dropped, as PIL's `.convert("RGB")`) or
   /// 1 (luminance, stb's (77 R + 150 G + 29 B) / 256, close to PIL's `.convert("L")`).
   int channels = 3;
+  /// kohya's masked loss: every example also gets a "mask" [1, H, W] in [0, 1], cropped, resized
+  /// and flipped with its image. Where it comes from, first match: the image of the same
+  /// relative path in mask_dir (any image extension: kohya's conditioning_data_dir), its red
+  /// channel (grey masks read as themselves); the metadata.jsonl field mask_column (a file under
+  /// dir); the image's alpha channel; else all ones (an opaque image: nothing masked).
+  bool masks = false;
+  std::string mask_dir;
+  std::string mask_column = "mask";
 };
 
 /// The PNG, JPEG and BMP files under a folder (extensions .png .jpg .jpeg .bmp, any case).
@@ -77,7 +85,9 @@ struct ImageFolderOptions {
 ///   "index"        int64 [] (i),
 ///   "original_size"  int64 [2] (the file's height, width),
 ///   "crop_top_left"  int64 [2] (top, left of the crop in the resized image, as seen after the
-///                    flip: SDXL's crops_coords_top_left).
+///                    flip: SDXL's crops_coords_top_left),
+///   "mask"           float32 [1, R, R] in [0, 1] (only with options.masks; a mask whose size
+///                    differs from its image's is first resized to it, bilinear).
 /// After set_target_sizes() the output of image i is H_i x W_i instead of R x R: the image is
 /// resized to cover it (the side that fits tighter becomes exact, the other floor(side * scale)),
 /// then cropped as below. Without, get(i) decodes the file, resizes its shorter side to R (bilinear
@@ -139,6 +149,7 @@ class ImageFolderDataset : public Dataset {
   std::vector<std::string> files_;  // relative to options_.dir, generic separators
   std::vector<int64_t> labels_;     // one per file, or empty
   std::vector<std::optional<std::string>> captions_;  // one per file
+  std::vector<std::string> mask_files_;  // with options.masks: one per file ("" = alpha)
   std::vector<std::string> class_names_;
   std::vector<std::string> skipped_files_;
   std::vector<std::array<int64_t, 2>> target_sizes_;  // empty: square

@@ -50,6 +50,8 @@ struct FlowMatchOptions {
   /// sigma becomes sigma * (max - min) / 1000 + min / 1000 (training one of Wan 2.2's experts on
   /// its noise range). Not with "sigma".
   double min_timestep = 0.0, max_timestep = 1000.0;
+  /// The element-wise loss (kohya's --loss_type and Huber schedule; set_loss_options()).
+  LossOptions loss;
   uint64_t seed = 0;  ///< the per-sample streams
 };
 
@@ -79,6 +81,9 @@ class FlowMatchObjective : public TrainingObjective {
                      FlowMatchOptions options);
 
   std::string name() const override;
+  /// As TrainingObjective's, refusing --huber_schedule snr (flow matching has no alpha_bar; kohya
+  /// refuses it too). The Huber thresholds' t is 1000 x sigma (kohya's FLUX.1 timesteps).
+  void set_loss_options(LossOptions options) override;
 
   /// Sample i's noise (x0's shape, float32) from its kNoise stream and its draw from its
   /// kTimestep stream (data/sample_rng.h), then from_draws().

@@ -47,7 +47,8 @@ class TextImageDataset : public data::Dataset {
     std::shared_ptr<data::ImageFolderDataset> images;
     std::vector<std::string> captions;        ///< one per image
     std::vector<torch::Tensor> mean, logvar;  ///< cached posteriors [C, h, w] per image, or empty
-    torch::Tensor geometry;  ///< with the cache: [N, 4] original h, w, crop top, left
+    torch::Tensor geometry;            ///< with the cache: [N, 4] original h, w, crop top, left
+    std::vector<torch::Tensor> masks;  ///< with the cache and --masked_loss: [1, H, W] per image
   };
 
   TextImageDataset(Half instance, std::optional<Half> cls, CaptionIds caption_ids);
@@ -62,6 +63,13 @@ class TextImageDataset : public data::Dataset {
   void set_slots(std::vector<int64_t> slot_image) { slot_image_ = std::move(slot_image); }
   /// The image folders' epoch (random crops and flips).
   void set_epoch(int64_t epoch);
+  /// What the instance captions go through each epoch (dropout, shuffling, tag dropout; their
+  /// prefix and suffix are in Half::captions already), example i drawing from
+  /// (seed, epoch, i); the class half's prompt is never changed.
+  void set_caption_processing(CaptionProcessing processing, uint64_t seed) {
+    processing_ = std::move(processing);
+    caption_seed_ = seed;
+  }
 
   Half& instance() { return instance_; }
   std::optional<Half>& class_half() { return class_; }
@@ -70,9 +78,13 @@ class TextImageDataset : public data::Dataset {
   std::map<std::string, std::map<std::string, torch::Tensor>> cached_text;
 
  private:
-  void add(data::Example& ex, const std::string& prefix, const Half& half, int64_t i) const;
+  void add(data::Example& ex, const std::string& prefix, const Half& half, int64_t i,
+           int64_t key) const;
 
   Half instance_;
+  CaptionProcessing processing_;
+  uint64_t caption_seed_ = 0;
+  int64_t epoch_ = 0;
   std::optional<Half> class_;
   CaptionIds caption_ids_;
   std::vector<int64_t> slot_image_;  // empty: example i is image i

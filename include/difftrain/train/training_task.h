@@ -12,6 +12,8 @@
 
 #include "difftrain/accel/accelerator.h"
 #include "difftrain/data/dataset.h"
+#include "difftrain/diffusion/objective.h"
+#include "difftrain/train/caption_processing.h"
 #include "difftrain/train/model_card.h"
 #include "difftrain/train/option_spec.h"
 
@@ -51,6 +53,10 @@ struct DataOptions {
   /// Each image of an image folder used this many times per epoch (kohya's --dataset_repeats),
   /// on top of kohya <N>_<name> folders' own N.
   int64_t dataset_repeats = 1;
+  /// kohya's --masked_loss: examples carry a "mask" (data::ImageFolderOptions::masks) from
+  /// conditioning_data_dir, metadata.jsonl's "mask" or the images' alpha.
+  bool masked_loss = false;
+  std::string conditioning_data_dir;
   uint64_t seed = 0;  ///< augmentation streams
 };
 
@@ -82,7 +88,10 @@ struct NoiseOptions {
   std::optional<double> snr_gamma;  ///< min-SNR weighting
   double noise_offset = 0.0;
   double input_perturbation = 0.0;
-  uint64_t seed = 0;  ///< per-sample noise / timestep streams
+  int64_t multires_noise_iterations = 0;  ///< kohya's multires noise (0: none)
+  double multires_noise_discount = 0.3;
+  diffusion::LossOptions loss;  ///< --loss_type and its Huber schedule
+  uint64_t seed = 0;            ///< per-sample noise / timestep streams
 };
 
 /// LoRA fine-tuning (PEFT LoraConfig on the UNet, and on the text encoder with
@@ -127,6 +136,8 @@ struct TextOptions {
   bool cache_latents = false;
   std::string cache_dir;  ///< "" = <output_dir>/cache
   int64_t clip_skip = 1;  ///< kohya numbering: 1 = last layer
+  /// Caption prefix / suffix, dropout, shuffling and tag dropout of the instance captions.
+  CaptionProcessing captions;
 };
 
 /// Everything a task is built from; made once from a TrainConfig by task_options().

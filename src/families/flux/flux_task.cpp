@@ -212,8 +212,9 @@ void FluxTask::build(accel::Accelerator& acc, const std::string& output_dir) {
     return pipe.generate(r).images;
   };
   const bool frozen_text = !o_.lora.train_text_encoder;
+  // Captions that change every epoch (shuffled, tag dropout) are encoded batch by batch.
   data_.build(acc, output_dir, parts, class_images, /*cache_text=*/frozen_text);
-  if (frozen_text) {
+  if (data_.text_cache_filled()) {
     if (!o_.validation.prompt.empty()) {
       const auto e = data_.encode_captions({o_.validation.prompt});
       validation_embeds_ = e.at("prompt_embeds");
@@ -272,7 +273,7 @@ torch::Tensor FluxTask::loss(const data::Batch& batch, int64_t epoch, torch::Dev
   }
   const auto noised = objective_->noise(in.latents, keys, epoch, device);
   const auto prediction = denoiser_->denoise(noised.model_input, noised.timesteps, cond);
-  return data_.reduce_losses(objective_->losses(prediction, noised));
+  return data_.reduce_losses(objective_->losses(prediction, noised, in.loss_mask));
 }
 
 FluxPipeline FluxTask::as_pipeline() const {

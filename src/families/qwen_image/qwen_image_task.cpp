@@ -141,6 +141,14 @@ void QwenImageTask::build(accel::Accelerator& acc, const std::string& output_dir
   edit_ = pipeline.is_null()
               ? edit_kind_of(folder_.pipeline_class, model + "/model_index.json's _class_name")
               : edit_kind_of(pipeline.get<std::string>(), "--pipeline");
+  const auto& captions = o_.text.captions;
+  if (edit_ != EditKind::kNone &&
+      (captions.drops() || captions.varies() || captions.affixes() || o_.data.masked_loss)) {
+    throw Error(
+        "the caption options (dropout, shuffling, prefix, suffix) and --masked_loss are for "
+        "text-to-image runs: a Qwen-Image-Edit run encodes each instruction with its control "
+        "images once; leave them out");
+  }
   const bool bf16 = acc.mixed_precision() == accel::MixedPrecision::kBf16;
   const torch::Dtype frozen = bf16 ? torch::kBFloat16 : torch::kFloat32;
   const auto& f = folder_;
@@ -199,6 +207,7 @@ void QwenImageTask::build(accel::Accelerator& acc, const std::string& output_dir
   if (edit_ != EditKind::kNone) {
     build_edit_data(acc, std::move(visual_weights));
   } else {
+    parts.text_cache_reason = "Qwen-Image's Qwen2.5-VL is released once every caption is encoded";
     data_.build(acc, output_dir, parts, class_images, /*cache_text=*/true);
   }
   if (edit_ == EditKind::kNone && !o_.validation.prompt.empty()) {
@@ -338,7 +347,7 @@ torch::Tensor QwenImageTask::loss(const data::Batch& batch, int64_t epoch, torch
                                         {"encoder_attention_mask", in.attention_mask}};
   const auto noised = objective_->noise(in.latents, keys, epoch, device);
   const auto prediction = denoiser_->denoise(noised.model_input, noised.timesteps, cond);
-  return data_.reduce_losses(objective_->losses(prediction, noised));
+  return data_.reduce_losses(objective_->losses(prediction, noised, in.loss_mask));
 }
 
 QwenImagePipeline QwenImageTask::as_pipeline() const {

@@ -37,6 +37,7 @@ void TextToImageTask::build(accel::Accelerator& acc, const std::string& output_d
     r.on_step = [](int64_t, int64_t) { core::note_progress(); };
     return pipe.generate(r).images;
   };
+  parts.text_cache_reason = "--cache_latents caches the captions' embeddings too; train without it";
   data_.build(acc, output_dir, parts, class_images, t.cache_latents);
   dataset_ = data_.dataset();
   set_epoch_ = [this](int64_t e) { data_.set_epoch(e); };
@@ -54,7 +55,7 @@ torch::Tensor TextToImageTask::loss(const data::Batch& batch, int64_t epoch, tor
     const diffusion::Conditioning cond = {{"encoder_hidden_states", inst.embeds},
                                           {"text_embeds", inst.pooled},
                                           {"time_ids", inst.time_ids}};
-    return denoising_losses(inst.latents, keys, epoch, device, cond).mean();
+    return denoising_losses(inst.latents, keys, epoch, device, cond, inst.loss_mask).mean();
   }
   std::vector<int64_t> class_keys;
   for (int64_t k : keys) class_keys.push_back(class_key(k));
@@ -64,7 +65,12 @@ torch::Tensor TextToImageTask::loss(const data::Batch& batch, int64_t epoch, tor
   diffusion::Conditioning cond = {{"encoder_hidden_states", torch::cat({inst.embeds, cls.embeds})}};
   if (inst.pooled.defined()) cond["text_embeds"] = torch::cat({inst.pooled, cls.pooled});
   if (inst.time_ids.defined()) cond["time_ids"] = torch::cat({inst.time_ids, cls.time_ids});
-  auto losses = denoising_losses(torch::cat({inst.latents, cls.latents}), all, epoch, device, cond);
+  const auto mask =
+      inst.loss_mask.defined()
+          ? torch::cat({inst.loss_mask, torch::ones_like(inst.loss_mask)})  // class rows: whole
+          : torch::Tensor();
+  auto losses =
+      denoising_losses(torch::cat({inst.latents, cls.latents}), all, epoch, device, cond, mask);
   const int64_t B = static_cast<int64_t>(keys.size());
   return losses.narrow(0, 0, B).mean() + o_.text.prior_loss_weight * losses.narrow(0, B, B).mean();
 }

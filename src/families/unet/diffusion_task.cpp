@@ -69,6 +69,9 @@ void DiffusionTask::build_noise_scheduler() {
   oo.snr_gamma = o_.noise.snr_gamma;
   oo.noise_offset = o_.noise.noise_offset;
   oo.input_perturbation = o_.noise.input_perturbation;
+  oo.multires_noise_iterations = o_.noise.multires_noise_iterations;
+  oo.multires_noise_discount = o_.noise.multires_noise_discount;
+  oo.loss = o_.noise.loss;
   oo.seed = o_.noise.seed;
   objective_ = std::make_shared<diffusion::DdpmObjective>(noise_scheduler_, oo);
 }
@@ -137,11 +140,12 @@ void DiffusionTask::write_to_checkpoint(const fs::path& dir) const {
 torch::Tensor DiffusionTask::denoising_losses(const torch::Tensor& x0,
                                               const std::vector<int64_t>& keys, int64_t epoch,
                                               torch::Device device,
-                                              const diffusion::Conditioning& cond) {
+                                              const diffusion::Conditioning& cond,
+                                              const torch::Tensor& loss_mask) {
   if (!denoiser_) denoiser_ = std::make_unique<families::unet::UNetDenoiser>(unet_);
   const auto noised = objective_->noise(x0, keys, epoch, device);
   const auto prediction = denoiser_->denoise(noised.model_input, noised.timesteps, cond);
-  return objective_->losses(prediction, noised);
+  return objective_->losses(prediction, noised, loss_mask);
 }
 
 void DiffusionTask::export_lora(const fs::path& out) const {

@@ -50,7 +50,8 @@ class WanTask : public train::TrainingTask {
   void build(accel::Accelerator& acc, const std::string& output_dir) override;
   std::shared_ptr<data::Dataset> dataset() const override { return data_.dataset(); }
   std::function<std::vector<int64_t>(int64_t)> sampler() const override { return data_.sampler(); }
-  void set_epoch(int64_t /*epoch*/) override {}  // cached latents: no augmentation
+  // Cached latents (no augmentation); the captions' dropout draws.
+  void set_epoch(int64_t epoch) override { data_.set_epoch(epoch); }
   std::shared_ptr<torch::nn::Module> trainable() const override { return trainable_; }
   std::string parameter_summary() const override {
     return train::parameter_summary(*transformer_, *trainable_, o_.lora.enabled);

@@ -149,6 +149,7 @@ void ZImageTask::build(accel::Accelerator& acc, const std::string& output_dir) {
     r.on_step = [](int64_t, int64_t) { core::note_progress(); };
     return pipe.generate(r).images;
   };
+  parts.text_cache_reason = "Z-Image's Qwen3 is released once every caption is encoded";
   data_.build(acc, output_dir, parts, class_images, /*cache_text=*/true);
   if (!o_.validation.prompt.empty()) {
     const auto e = data_.encode_captions({o_.validation.prompt});
@@ -194,7 +195,7 @@ torch::Tensor ZImageTask::loss(const data::Batch& batch, int64_t epoch, torch::D
                                         {"encoder_attention_mask", in.attention_mask}};
   const auto noised = objective_->noise(in.latents, keys, epoch, device);
   const auto prediction = denoiser_->denoise(noised.model_input, noised.timesteps, cond);
-  return data_.reduce_losses(objective_->losses(prediction, noised));
+  return data_.reduce_losses(objective_->losses(prediction, noised, in.loss_mask));
 }
 
 ZImagePipeline ZImageTask::as_pipeline() const {

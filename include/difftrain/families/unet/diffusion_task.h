@@ -54,7 +54,8 @@ class DiffusionTask : public train::TrainingTask {
   /// (mean over every non-batch dimension, weighted as the objective says), float32.
   torch::Tensor denoising_losses(const torch::Tensor& x0, const std::vector<int64_t>& keys,
                                  int64_t epoch, torch::Device device,
-                                 const diffusion::Conditioning& cond);
+                                 const diffusion::Conditioning& cond,
+                                 const torch::Tensor& loss_mask = {});
 
   /// Writes pytorch_lora_weights.safetensors (UNet adapters, plus the text encoders') in `out`;
   /// kohya format for an SDXL UNet uses SGM module names.
