@@ -20,7 +20,10 @@ void apply_script_defaults(TrainConfig& c, const ScriptDefaults& d) {
   if (unset("adam_beta2")) c.adam_beta2 = d.adam_beta2;
   if (unset("adam_weight_decay")) c.adam_weight_decay = d.adam_weight_decay;
   if (unset("adam_epsilon")) c.adam_epsilon = d.adam_epsilon;
-  if (unset("checkpointing_steps")) c.checkpointing_steps = d.checkpointing_steps;
+  // An epoch cadence given alone turned the step one off (parse_train_config).
+  if (unset("checkpointing_steps") && !c.save_every_n_epochs) {
+    c.checkpointing_steps = d.checkpointing_steps;
+  }
   if (unset("num_validation_images")) c.num_validation_images = d.num_validation_images;
   if (unset("use_ema")) c.use_ema = d.use_ema;
   if (!d.lora_target_modules.empty() && unset("lora_target_modules") && c.lora_layers.empty()) {

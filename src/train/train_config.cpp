@@ -177,7 +177,10 @@ const std::vector<Option>& options() {
       DT_OPTION(checkpointing_steps),
       DT_OPTION(checkpoints_total_limit),
       DT_OPTION(resume_from_checkpoint),
+      DT_OPTION(save_every_n_epochs),
+      DT_OPTION(save_last_n_epochs),
       DT_OPTION(validation_steps),
+      DT_OPTION(validation_epochs),
       DT_OPTION(num_validation_images),
       DT_OPTION(final_validation),
       DT_OPTION(guidance_scale),
@@ -543,6 +546,17 @@ void TrainConfig::validate() const {
   require(!checkpoints_total_limit || *checkpoints_total_limit >= 1,
           "--checkpoints_total_limit must be at least 1");
   require(validation_steps >= 0, "--validation_steps must be >= 0 (0: only at the end)");
+  for (const auto& [name, value] : {std::pair{"save_every_n_epochs", save_every_n_epochs},
+                                    std::pair{"save_last_n_epochs", save_last_n_epochs},
+                                    std::pair{"validation_epochs", validation_epochs}}) {
+    require(!value || *value >= 1, fmt::format("--{} must be at least 1, got {} (leave it out, or "
+                                               "null, for none)",
+                                               name, value.value_or(0)));
+  }
+  require(!save_last_n_epochs || save_every_n_epochs,
+          "--save_last_n_epochs keeps the newest epoch saves, and this run makes none: add "
+          "--save_every_n_epochs N (or use --checkpoints_total_limit for checkpoint-<step> "
+          "folders)");
   require(!overwrite_output_dir || resume_from_checkpoint.empty(),
           "--overwrite_output_dir clears the folder that --resume_from_checkpoint would continue; "
           "pass one of them");
@@ -700,6 +714,14 @@ TrainConfig parse_train_config(const std::vector<std::string>& args,
   // default 1200 updates stand only when neither is given (the built-in default job).
   if (given.count("num_train_epochs") && !given.count("max_train_steps")) {
     config.max_train_steps = 0;
+  }
+  // An epoch cadence given alone replaces the step cadence's default (kohya's and Diffusers'
+  // scripts have one or the other); given both, both apply.
+  if (config.save_every_n_epochs && !config.given.count("checkpointing_steps")) {
+    config.checkpointing_steps = 0;
+  }
+  if (config.validation_epochs && !config.given.count("validation_steps")) {
+    config.validation_steps = 0;
   }
   config.family.complete_and_check();
   config.validate();

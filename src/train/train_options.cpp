@@ -60,7 +60,10 @@ TrainerOptions trainer_options(const TrainConfig& c) {
   o.checkpointing_steps = c.checkpointing_steps;
   o.checkpoints_total_limit = c.checkpoints_total_limit;
   o.resume_from_checkpoint = c.resume_from_checkpoint;
+  o.save_every_n_epochs = c.save_every_n_epochs.value_or(0);
+  o.save_last_n_epochs = c.save_last_n_epochs.value_or(0);
   o.validation_steps = c.validation_steps;
+  o.validation_epochs = c.validation_epochs.value_or(0);
   o.num_validation_images = c.num_validation_images;
   o.final_validation = c.final_validation;
   o.config = c.to_json();

@@ -382,8 +382,9 @@ void Trainer::State::write_run_info() {
 
 bool Trainer::State::final_validation_wanted() {
   if (o.final_validation == "never" || o.num_validation_images == 0) return false;
-  if (o.final_validation == "always" || o.validation_steps == 0 || task->validation_requested() ||
-      total_steps >= o.validation_steps) {
+  // An epoch cadence validates from the first epoch on: the run asked for validation.
+  if (o.final_validation == "always" || o.validation_steps == 0 || o.validation_epochs > 0 ||
+      task->validation_requested() || total_steps >= o.validation_steps) {
     return true;
   }
   acc->print(
@@ -496,6 +497,26 @@ void Trainer::State::export_final() {
     write_model_card(out_dir, card, fresh ? card_images : torch::Tensor(), card_labels);
   }
   acc->wait_for_everyone();
+}
+
+void Trainer::State::save_epoch(int64_t epoch, bool owns_checkpoint) {
+  const std::string name = epoch_save_name(epoch);
+  core::PhaseScope phase("saving " + name);
+  const auto started = Clock::now();
+  {
+    auto full = acc->summon_full_params();
+    if (acc->is_main_process()) {
+      auto trainable = task->trainable();
+      if (ema) ema->store(*trainable), ema->copy_to(*trainable);  // the export uses EMA weights
+      write_epoch_save(o.output_dir, epoch, global_step, owns_checkpoint,
+                       [&](const fs::path& dir) { task->export_to(dir); });
+      if (ema) ema->restore(*trainable);
+      trainable->train();
+    }
+  }
+  acc->wait_for_everyone();
+  acc->print("saved {} after epoch {} at step {} ({:.1f} s)", (out_dir / name).string(), epoch,
+             global_step, seconds_since(started));
 }
 
 std::string Trainer::State::resume_command() const {

@@ -4,12 +4,14 @@
 // checkpoint_and_validate -> finish (the last checkpoint, the final validation, the export).
 #include "trainer_state.h"
 
+#include "checkpoint_files.h"
 #include "difftrain/core/log.h"
 #include "difftrain/core/phase.h"
 
 #include <algorithm>
 #include <limits>
 #include <map>
+#include <optional>
 
 namespace difftrain::train {
 
@@ -107,16 +109,32 @@ void Trainer::State::log_update(Loop& l) {
   if (global_step == l.first_step + Loop::kTimingSkip) l.timed_start = Clock::now();
 }
 
-bool Trainer::State::checkpoint_and_validate(Loop& l) {
+bool Trainer::State::checkpoint_and_validate(Loop& l, std::optional<int64_t> ended_epoch) {
   const bool last = global_step >= total_steps;
   if (l.stopped) announce_stop();
+  const bool step_save =
+      o.checkpointing_steps > 0 && global_step % o.checkpointing_steps == 0 && !last;
+  // kohya: epoch e (1-based) saves when e % N == 0, unless it is the last (the run's end saves).
+  const bool epoch_save = ended_epoch && o.save_every_n_epochs > 0 &&
+                          (*ended_epoch + 1) % o.save_every_n_epochs == 0 && !last;
+  // Diffusers: after epoch e (0-based) when e % N == 0, so after the first epoch too; the last
+  // epoch's is the final validation.
+  const bool validation_due =
+      (o.validation_steps > 0 && global_step % o.validation_steps == 0) ||
+      (ended_epoch && o.validation_epochs > 0 && *ended_epoch % o.validation_epochs == 0);
   bool saved = false, paused_here = false;
-  if (l.stopped ||
-      (o.checkpointing_steps > 0 && global_step % o.checkpointing_steps == 0 && !last)) {
+  // The epoch's export before its checkpoint: a checkpoint at an epoch's end then means the
+  // export is there too (a resume from it continues after the epoch-end work), and a stop
+  // signal keeps the epoch save it came on.
+  if (epoch_save) paused(l, [&] { save_epoch(*ended_epoch + 1, /*owns_checkpoint=*/!step_save); });
+  if (l.stopped || step_save || epoch_save) {
     paused(l, [&] { save_checkpoint(); });
     saved = paused_here = true;
   }
-  if (!l.stopped && o.validation_steps > 0 && global_step % o.validation_steps == 0 && !last) {
+  if (epoch_save && o.save_last_n_epochs > 0 && acc->is_main_process()) {
+    prune_epoch_saves(o.output_dir, *ended_epoch + 1, o.save_every_n_epochs, o.save_last_n_epochs);
+  }
+  if (!l.stopped && validation_due && !last) {
     paused(l, [&] {
       if (!validate()) l.stopped = abandoned_validation = true;
     });
@@ -143,7 +161,12 @@ void Trainer::State::run_epoch(Loop& l) {
     if (!micro_step(l, batch, epoch)) continue;
     after_update(l);
     log_update(l);
-    if (checkpoint_and_validate(l)) break;
+    // The epoch ends on the update of its last batch (a partial accumulation window included:
+    // the Accelerator syncs at the end of the data), the same test on every rank.
+    const bool epoch_end = loader->position() >= loader->common_size();
+    if (checkpoint_and_validate(l, epoch_end ? std::optional<int64_t>(epoch) : std::nullopt)) {
+      break;
+    }
   }
 }
 

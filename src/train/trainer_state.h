@@ -140,6 +140,11 @@ struct Trainer::State {
   // ------------------------------------------------------------------ export
   void export_final();
 
+  // --save_every_n_epochs: the task's export (EMA weights when EMA is on, the training weights
+  // put back after) in epoch-<epoch>/ (checkpoint_files.h), then the older saves pruned by
+  // --save_last_n_epochs. The checkpoint of the same step is save_checkpoint()'s.
+  void save_epoch(int64_t epoch, bool owns_checkpoint);
+
   // The command that continues this run: the user's own (DIFFTRAIN_COMMAND; the launcher's when
   // launched) with the run's folder and --resume_from_checkpoint latest added where missing.
   std::string resume_command() const;
@@ -205,7 +210,9 @@ struct Trainer::State {
 
   // The checkpoint and validation of this update (the last step's come after the loop), and a
   // stop: at a signal the run saves and stops here. True when the loop ends (last step or stop).
-  bool checkpoint_and_validate(Loop& l);
+  // `ended_epoch`: the epoch (0-based) this update ended, for the epoch cadences; a step that is
+  // due by both cadences saves (and validates) once.
+  bool checkpoint_and_validate(Loop& l, std::optional<int64_t> ended_epoch);
 
   // One pass over the loader (from where a resumed epoch stood).
   void run_epoch(Loop& l);

@@ -761,6 +761,25 @@ const std::vector<Case>& error_catalogue_cases() {
          return BadRun{{"lora", "convert", "--input", t + "/l.safetensors", "--output",
                         t + "/l.safetensors", "--to", "kohya"}};
        }},
+      // ------------------------------------------------------------------ issue 61: epochs
+      {"SaveEveryNEpochsZero", "`difftrain train ... --save_every_n_epochs 0`",
+       "--save_every_n_epochs must be at least 1, got 0 (leave it out, or null, for none)", 1,
+       [](const std::string& t) {
+         return BadRun{tiny_train(t, {"--save_every_n_epochs", "0"})};
+       }},
+      {"SaveLastNEpochsWithoutEpochSaves",
+       "`difftrain train ... --save_last_n_epochs 3` without --save_every_n_epochs",
+       "--save_last_n_epochs keeps the newest epoch saves, and this run makes none: add "
+       "--save_every_n_epochs N (or use --checkpoints_total_limit for checkpoint-<step> folders)",
+       1,
+       [](const std::string& t) {
+         return BadRun{tiny_train(t, {"--save_last_n_epochs", "3"})};
+       }},
+      {"ValidationEpochsNegative", "`difftrain train ... --validation_epochs -1`",
+       "--validation_epochs must be at least 1, got -1 (leave it out, or null, for none)", 1,
+       [](const std::string& t) {
+         return BadRun{tiny_train(t, {"--validation_epochs", "-1"})};
+       }},
   };
   static const std::vector<Case> kAll = [] {
     std::vector<Case> all = kCases;

@@ -445,4 +445,37 @@ TEST(TrainConfig, ScriptDefaultsFillOnlyWhatWasNotGiven) {
   EXPECT_EQ(ds.train_batch_size, 2);
 }
 
+// kohya's --save_every_n_epochs / --save_last_n_epochs and Diffusers' --validation_epochs are
+// difftrain's own options: given alone, an epoch cadence turns its step cadence's default off
+// (a script's default too); given with it, both apply. Nonsense is one line.
+TEST(TrainConfig, EpochCadencesReplaceTheStepDefaultsOnlyWhenGivenAlone) {
+  const auto alone = parse_train_config({"--save_every_n_epochs", "2", "--validation_epochs", "1"});
+  EXPECT_EQ(alone.save_every_n_epochs.value_or(0), 2);
+  EXPECT_EQ(alone.validation_epochs.value_or(0), 1);
+  EXPECT_EQ(alone.checkpointing_steps, 0);
+  EXPECT_EQ(alone.validation_steps, 0);
+  const auto both = parse_train_config({"--save_every_n_epochs", "2", "--checkpointing_steps", "50",
+                                        "--validation_epochs", "3", "--validation_steps", "40",
+                                        "--save_last_n_epochs", "4"});
+  EXPECT_EQ(both.checkpointing_steps, 50);
+  EXPECT_EQ(both.validation_steps, 40);
+  EXPECT_EQ(both.save_last_n_epochs.value_or(0), 4);
+  const auto none = parse_train_config({});
+  EXPECT_FALSE(none.save_every_n_epochs || none.validation_epochs || none.save_last_n_epochs);
+  EXPECT_EQ(none.checkpointing_steps, 400);
+  auto scripted = parse_train_config({"--save_every_n_epochs", "1"});
+  difftrain::train::apply_script_defaults(scripted, difftrain::train::ScriptDefaults{});
+  EXPECT_EQ(scripted.checkpointing_steps, 0);
+  for (const char* name : {"save_every_n_epochs", "save_last_n_epochs", "validation_epochs"}) {
+    EXPECT_HAS(error_of([&] {
+                 parse_train_config({"--save_every_n_epochs", "1", std::string("--") + name, "0"});
+               }),
+               std::string("--") + name + " must be at least 1, got 0");
+  }
+  EXPECT_HAS(error_of([] {
+               parse_train_config({"--save_last_n_epochs", "2"});
+             }),
+             "--save_last_n_epochs keeps the newest epoch saves, and this run makes none");
+}
+
 }  // namespace

@@ -89,8 +89,16 @@ struct TrainConfig {
   int64_t checkpointing_steps = 400;  ///< 0 = only at the end
   std::optional<int64_t> checkpoints_total_limit;
   std::string resume_from_checkpoint;  ///< a checkpoint folder or "latest"
+  /// kohya's --save_every_n_epochs: after every N-th epoch (1-based, not the last) the export
+  /// in epoch-<epoch:06d>/ and a checkpoint; given alone, checkpointing_steps' default is 0.
+  std::optional<int64_t> save_every_n_epochs;
+  /// kohya's --save_last_n_epochs: keep the newest N epoch saves (needs save_every_n_epochs).
+  std::optional<int64_t> save_last_n_epochs;
   // -- validation and logging
   int64_t validation_steps = 400;  ///< 0 = only at the end
+  /// Diffusers' --validation_epochs: validate after epoch e (0-based) when e % N == 0; given
+  /// alone, validation_steps' default is 0.
+  std::optional<int64_t> validation_epochs;
   int64_t num_validation_images = 20;
   /// Validation after the last update: "auto" renders it when the run trained at least
   /// validation_steps updates, validation_steps is 0, or a validation prompt was given (a short

@@ -62,7 +62,15 @@ struct TrainerOptions {
   int64_t checkpointing_steps = 400;  ///< 0 = only at the end
   std::optional<int64_t> checkpoints_total_limit;
   std::string resume_from_checkpoint;  ///< a checkpoint folder or "latest"
-  int64_t validation_steps = 400;      ///< 0 = only at the end
+  /// After every N-th epoch (1-based; not the last, whose save is the run's end): the task's
+  /// export in `epoch-<epoch:06d>/` plus checkpoint-<step> (kohya's --save_every_n_epochs). 0: off.
+  int64_t save_every_n_epochs = 0;
+  /// Keep the newest N epoch saves (and the checkpoints they made); 0: all (kohya's
+  /// --save_last_n_epochs).
+  int64_t save_last_n_epochs = 0;
+  int64_t validation_steps = 400;  ///< 0 = only at the end
+  /// Validate after epoch e (0-based) when e % N == 0 (Diffusers' --validation_epochs). 0: off.
+  int64_t validation_epochs = 0;
   int64_t num_validation_images = 20;
   std::string final_validation = "auto";  ///< auto | always | never (TrainConfig)
   /// The resolved run configuration: printed first, stored in run_info and every checkpoint.
