@@ -30,6 +30,22 @@ void write_png(const std::string& path) {
 
 const std::string kTinyQwen = kGolden + "/qwen_image/tiny_qwen_image";
 
+// `difftrain train` of `model` on D (<tmp>/d: a.png captioned "a, grey, square") at 32 px, then
+// `flags`.
+std::vector<std::string> options_train(const std::string& t, const std::string& model,
+                                       std::vector<std::string> flags) {
+  write_png(t + "/d/a.png");
+  write_text(t + "/d/a.txt", "a, grey, square");
+  std::vector<std::string> args = {"train",       "--pretrained_model_name_or_path",
+                                   model,         "--dataset",
+                                   "imagefolder", "--train_data_dir",
+                                   t + "/d",      "--resolution",
+                                   "32",          "--output_dir",
+                                   t + "/run"};
+  args.insert(args.end(), flags.begin(), flags.end());
+  return args;
+}
+
 }  // namespace
 
 std::vector<Case> family_error_cases() {
@@ -209,6 +225,69 @@ std::vector<Case> family_error_cases() {
          return BadRun{{"train", "--pretrained_model_name_or_path", kGolden + "/wan/tiny_wan",
                         "--dataset", "imagefolder", "--train_data_dir", t + "/d", "--resolution",
                         "32", "--output_dir", t + "/run"}};
+       }},
+      // ------------------------------------------------------------------ trainer options
+      {"ShuffleCaptionWithCachedText",
+       "`difftrain train --pretrained_model_name_or_path tests/golden/sd/tiny_sd ... "
+       "--shuffle_caption --cache_latents`",
+       "--shuffle_caption changes the captions every epoch, and this run trains on cached text "
+       "embeddings (--cache_latents caches the captions' embeddings too; train without it): "
+       "leave it out",
+       1,
+       [](const std::string& t) {
+         return BadRun{options_train(t, kGolden + "/sd/tiny_sd",
+                                     {"--center_crop", "--shuffle_caption", "--cache_latents"})};
+       }},
+      {"TagDropoutOnAlwaysCachedText",
+       "`difftrain train --pretrained_model_name_or_path tests/golden/z_image/tiny_z_image ... "
+       "--caption_tag_dropout_rate 0.2`",
+       "--caption_tag_dropout_rate changes the captions every epoch, and this run trains on "
+       "cached text embeddings (Z-Image's Qwen3 is released once every caption is encoded): "
+       "leave it out",
+       1,
+       [](const std::string& t) {
+         return BadRun{options_train(t, kGolden + "/z_image/tiny_z_image",
+                                     {"--caption_tag_dropout_rate", "0.2"})};
+       }},
+      {"MaskedLossOnVideo",
+       "`difftrain train --pretrained_model_name_or_path tests/golden/wan/tiny_wan ... "
+       "--masked_loss`",
+       "--masked_loss takes its masks from images (alpha or --conditioning_data_dir); video "
+       "training has none: leave it out",
+       1,
+       [](const std::string& t) {
+         return BadRun{options_train(t, kGolden + "/wan/tiny_wan", {"--masked_loss"})};
+       }},
+      {"HuberSnrUnderFlowMatching",
+       "`difftrain train --pretrained_model_name_or_path tests/golden/flux/tiny_flux ... "
+       "--loss_type huber --huber_schedule snr`",
+       "--huber_schedule snr needs a DDPM scheduler's alphas_cumprod, which flow matching has "
+       "not (kohya refuses it too): use exponential or constant",
+       1,
+       [](const std::string& t) {
+         return BadRun{options_train(t, kGolden + "/flux/tiny_flux",
+                                     {"--loss_type", "huber", "--huber_schedule", "snr"})};
+       }},
+      {"BothCaptionDropouts",
+       "`difftrain train ... --proportion_empty_prompts 0.1 --caption_dropout_rate 0.1`",
+       "--proportion_empty_prompts (Diffusers) and --caption_dropout_rate (kohya) are the same "
+       "caption dropout: give one",
+       1,
+       [](const std::string& t) {
+         return BadRun{
+             options_train(t, kGolden + "/sd/tiny_sd",
+                           {"--proportion_empty_prompts", "0.1", "--caption_dropout_rate", "0.1"})};
+       }},
+      {"MaskedLossWithoutAMask",
+       "`difftrain train ... --masked_loss --conditioning_data_dir C` where C has no mask for "
+       "D/a.png",
+       "<tmp>/d/a.png: no mask in <tmp>/c (looked for a.png, .webp, .jpg, .bmp); --masked_loss "
+       "with --conditioning_data_dir needs one mask image per training image, white = trained",
+       1,
+       [](const std::string& t) {
+         std::filesystem::create_directories(t + "/c");
+         return BadRun{options_train(t, kGolden + "/sd/tiny_sd",
+                                     {"--masked_loss", "--conditioning_data_dir", t + "/c"})};
        }},
   };
 }
