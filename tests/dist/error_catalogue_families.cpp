@@ -289,6 +289,18 @@ std::vector<Case> family_error_cases() {
          return BadRun{options_train(t, kGolden + "/sd/tiny_sd",
                                      {"--masked_loss", "--conditioning_data_dir", t + "/c"})};
        }},
+      {"CaptionOptionsOnAnEditRun",
+       "`difftrain train --pretrained_model_name_or_path tests/golden/qwen_image/tiny_qwen_image "
+       "--pipeline QwenImageEditPipeline ... --caption_dropout_rate 0.1`",
+       "the caption options (dropout, shuffling, prefix, suffix) and --masked_loss are for "
+       "text-to-image runs: a Qwen-Image-Edit run encodes each instruction with its control "
+       "images once; leave them out",
+       1,
+       [](const std::string& t) {
+         return BadRun{options_train(
+             t, kTinyQwen,
+             {"--pipeline", "QwenImageEditPipeline", "--caption_dropout_rate", "0.1"})};
+       }},
   };
 }
 

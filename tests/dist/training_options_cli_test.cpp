@@ -1,7 +1,8 @@
 // The LoRA trainers' options of issue 61 through `difftrain train` on the tiny fixtures: caption
 // dropout with cached text embeddings the same on 1 and 2 ranks, shuffled captions on FLUX.1
-// (its encoders then kept and run per batch) the same on 1 and 2 ranks, masked loss (a black
-// mask trains nothing, a white one is no mask), and Huber losses with multires noise.
+// (its encoders then kept and run per batch) the same on 1 and 2 ranks, masked loss from a mask
+// folder and from alpha under flow matching (a black mask trains nothing, a white one is no mask),
+// and Huber losses with multires noise.
 #include "train_util.h"
 
 #include "difftrain/io/safetensors.h"
@@ -10,12 +11,14 @@
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <nlohmann/json.hpp>
 
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace difftrain::testing {
@@ -207,6 +210,76 @@ TEST(TrainingOptionsCli, MaskedLossBlackTrainsNothingAndWhiteIsNoMask) {
   auto plain = train(base(white, dir + "/plain_run"), 1, 600);
   ASSERT_EQ(plain.exit_code, 0) << plain.log();
   EXPECT_EQ(max_abs_diff(lora_of(dir + "/white_run"), lora_of(dir + "/plain_run")), 0.0);
+  EXPECT_GT(largest(lora_of(dir + "/plain_run")), 0.0);
+}
+
+// Flow matching with masks from the images' alpha: fully transparent images train nothing (a
+// zero loss, LoRA's up projections stay 0); the same images opaque train as without a mask.
+TEST(TrainingOptionsCli, AlphaMasksUnderFlowMatching) {
+  const std::string dir = make_temp_dir("opt_alpha");
+  for (const auto& [name, alpha] :
+       std::vector<std::pair<std::string, int>>{{"clear", 0}, {"opaque", 255}}) {
+    const std::string data = dir + "/" + name;
+    fs::create_directories(data);
+    std::ofstream meta(data + "/metadata.jsonl");
+    for (int i = 0; i < 4; ++i) {
+      auto img = torch::full({32, 32, 4}, 128, torch::kUInt8);
+      img.narrow(0, 4 + 4 * i, 12).narrow(1, 8, 12).select(2, i % 3).fill_(255);
+      img.select(2, 3).fill_(alpha);
+      const std::string file = "img" + std::to_string(i) + ".png";
+      io::save_png(data + "/" + file, img);
+      meta << nlohmann::json({{"file_name", file}, {"text", "a square, grey"}}).dump() << "\n";
+    }
+  }
+  auto cmd = [&](const std::string& data, const std::string& out, bool masked) {
+    std::vector<std::string> c = {"train",
+                                  "--pretrained_model_name_or_path",
+                                  kOptFlux,
+                                  "--dataset",
+                                  "imagefolder",
+                                  "--train_data_dir",
+                                  data,
+                                  "--resolution",
+                                  "32",
+                                  "--center_crop",
+                                  "--lora",
+                                  "--rank",
+                                  "4",
+                                  "--max_sequence_length",
+                                  "16",
+                                  "--learning_rate",
+                                  "1e-2",
+                                  "--train_batch_size",
+                                  "2",
+                                  "--max_train_steps",
+                                  "2",
+                                  "--num_validation_images",
+                                  "0",
+                                  "--logging_steps",
+                                  "1",
+                                  "--weighting_scheme",
+                                  "logit_normal",
+                                  "--output_dir",
+                                  out};
+    if (masked) c.push_back("--masked_loss");
+    return c;
+  };
+  auto clear = train(cmd(dir + "/clear", dir + "/clear_run", true), 1, 600);
+  ASSERT_EQ(clear.exit_code, 0) << clear.log();
+  for (double l : losses(dir + "/clear_run")) EXPECT_EQ(l, 0.0);
+  int ups = 0;
+  for (const auto& [key, t] : lora_of(dir + "/clear_run")) {
+    if (key.find("lora_B") != std::string::npos || key.find("lora.up") != std::string::npos) {
+      ++ups;
+      EXPECT_EQ(t.abs().max().item<double>(), 0.0) << key;
+    }
+  }
+  EXPECT_GT(ups, 0);
+  auto opaque = train(cmd(dir + "/opaque", dir + "/opaque_run", true), 1, 600);
+  ASSERT_EQ(opaque.exit_code, 0) << opaque.log();
+  auto plain = train(cmd(dir + "/opaque", dir + "/plain_run", false), 1, 600);
+  ASSERT_EQ(plain.exit_code, 0) << plain.log();
+  EXPECT_EQ(max_abs_diff(lora_of(dir + "/opaque_run"), lora_of(dir + "/plain_run")), 0.0);
   EXPECT_GT(largest(lora_of(dir + "/plain_run")), 0.0);
 }
 

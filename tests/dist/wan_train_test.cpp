@@ -21,6 +21,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <tuple>
 
 namespace difftrain::testing {
 namespace {
@@ -389,6 +390,45 @@ TEST(WanTrain, BadInputIsRefusedInOneLine) {
   fs::create_directories(nocap);
   fs::copy_file(data + "/red.mp4", nocap + "/red.mp4");
   refused(kWanG + "/tiny_wan", nocap, {}, "red.mp4: no caption");
+}
+
+// Caption dropout on cached UMT5 embeddings: with every caption dropped in every epoch
+// (--caption_dropout_every_n_epochs 1) the captions' text cannot matter, so two folders that
+// differ only in their captions train the same LoRA bit for bit; without it they differ.
+TEST(WanTrain, CaptionDropoutServesTheEmptyCaptionsCachedEmbeddings) {
+  ASSERT_TRUE(io::video_supported()) << "built without FFmpeg: run scripts/setup and rebuild";
+  const std::string dir = make_temp_dir("wan_dropout");
+  const std::string a = make_clip_folder(dir + "/a");
+  const std::string b = make_clip_folder(dir + "/b");
+  for (const auto& f : fs::recursive_directory_iterator(b)) {
+    if (f.path().extension() == ".txt") std::ofstream(f.path()) << "something else entirely";
+  }
+  auto cmd = [&](const std::string& data, const std::string& out, bool drop) {
+    std::vector<std::string> extra = {
+        "--lora", "--rank",      "4",        "--max_train_steps", "3", "--train_batch_size",
+        "2",      "--loss_type", "smooth_l1"};
+    if (drop) {
+      extra.insert(extra.end(),
+                   {"--caption_dropout_every_n_epochs", "1", "--caption_prefix", "a clip:"});
+    }
+    return wan_train_cmd(kWanG + "/tiny_wan", data, out, extra);
+  };
+  for (const auto& [data, out, drop] :
+       std::vector<std::tuple<std::string, std::string, bool>>{{a, dir + "/a_drop", true},
+                                                               {b, dir + "/b_drop", true},
+                                                               {a, dir + "/a_plain", false},
+                                                               {b, dir + "/b_plain", false}}) {
+    auto r = train(cmd(data, out, drop), 1, 600);
+    ASSERT_EQ(r.exit_code, 0) << r.log();
+  }
+  const std::string file = "/pytorch_lora_weights.safetensors";
+  const auto load = [&](const std::string& run) {
+    return io::load_safetensors(dir + "/" + run + file).tensors;
+  };
+  EXPECT_EQ(max_abs_diff(load("a_drop"), load("b_drop")), 0.0);
+  const double captions = max_abs_diff(load("a_plain"), load("b_plain"));
+  std::cout << "Wan: captions change the LoRA by " << captions << " without dropout\n";
+  EXPECT_GT(captions, 1e-5);
 }
 
 }  // namespace
