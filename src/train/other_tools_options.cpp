@@ -34,6 +34,7 @@ const std::map<std::string, std::string>& foreign_options() {
       {"max_data_loader_n_workers", "--dataloader_num_workers"},
       {"log_with", "--report_to"},
       {"sample_every_n_steps", "--validation_steps"},
+      {"alpha_mask", "--masked_loss (without --conditioning_data_dir it reads the images' alpha)"},
       {"lr_scheduler_num_cycles", "--lr_num_cycles"},
       {"lr_scheduler_power", "--lr_power"},
       {"ae", "--pretrained_vae_model_name_or_path"},
