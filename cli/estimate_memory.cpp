@@ -67,6 +67,9 @@ CLI::App* add_estimate_memory_command(CLI::App& app) {
                   "Video families: clip width in pixels (default: the family's)");
   cmd->add_flag("--gradient_checkpointing", g_args.options.gradient_checkpointing,
                 "Measure activations with gradient checkpointing");
+  cmd->add_option("--blocks_to_swap", g_args.options.blocks_to_swap,
+                  "Transformer blocks whose frozen weights stay in host memory (`difftrain "
+                  "train --blocks_to_swap`; LoRA only): the device bytes it saves");
   cmd->add_option("--encoder_sequence_length", g_args.options.encoder_sequence_length,
                   "Tokens of encoder_hidden_states (default: what `difftrain train` feeds the "
                   "family's denoiser, e.g. 77 CLIP tokens or 512 T5 tokens)");
@@ -92,8 +95,9 @@ int run_estimate_memory() {
   const train::MemoryEstimateOptions o = train::memory_estimate_options(g_args);
 
   const auto strategies = train::strategies_to_compare(o);
-  const auto estimates =
-      families::family_of(g_args.model).estimate_memory(g_args.model, o, strategies);
+  const auto& family = families::family_of(g_args.model);
+  const auto estimates = family.estimate_memory(g_args.model, o, strategies);
+  train::check_block_swap_estimated(o, estimates, family.name());
   std::cout << (g_args.json ? train::memory_report_json(g_args.model, o, estimates).dump(2) + "\n"
                             : train::memory_report(g_args.model, o, estimates));
   return 0;

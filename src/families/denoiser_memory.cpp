@@ -1,6 +1,7 @@
 // The state side of estimate-memory for a listed denoiser (denoiser_memory.h).
 #include "denoiser_memory.h"
 #include "difftrain/core/error.h"
+#include "difftrain/models/block_swap.h"
 
 #include <filesystem>
 
@@ -104,6 +105,37 @@ std::vector<DenoiserParam> denoiser_params(
     out.push_back({rename(name), t.numel(), linear ? t.size(1) : 0, linear ? t.size(0) : 0});
   }
   return out;
+}
+
+void add_block_swap(const DenoiserBlocks& blocks, const std::vector<std::string>& swapped,
+                    const train::MemoryEstimateOptions& options,
+                    std::vector<train::MemoryEstimate>& estimates) {
+  if (swapped.empty()) return;
+  const int64_t dense = options.mixed_precision == "bf16" ? 2 : 4;
+  const auto storage =
+      models::parse_weight_storage(options.base_weights_dtype, "--base_weights_dtype");
+  std::vector<int64_t> sizes;
+  int64_t host = 0;
+  for (const auto& path : swapped) {
+    int64_t bytes = 0;
+    bool found = false;
+    for (const auto& [name, params] : blocks) {
+      if (name != path) continue;
+      found = true;
+      for (const auto& param : params) {
+        bytes += param.in > 0 ? models::stored_weight_bytes(param.numel, param.out, storage, dense)
+                              : param.numel * dense;
+      }
+    }
+    if (!found) throw Error("estimate-memory: no block " + path + " to swap");
+    sizes.push_back(bytes);
+    host += bytes;
+  }
+  const int64_t saved = host - models::block_swap_staging_bytes(sizes);
+  for (auto& e : estimates) {
+    e.block_swap_host_bytes = host;
+    e.block_swap_saved_bytes = saved;
+  }
 }
 
 }  // namespace difftrain::families

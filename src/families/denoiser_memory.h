@@ -60,4 +60,12 @@ DenoiserState denoiser_state(const DenoiserBlocks& blocks,
                              const std::vector<std::string>& default_targets,
                              const std::function<std::string(const std::string&)>& block_class);
 
+/// Block swap (--blocks_to_swap, models/block_swap.h) in `estimates`: the frozen bytes of the
+/// blocks `swapped` names (module paths in `blocks`, in forward order), counted as
+/// denoiser_state() counts the base, go to host memory, and the device saves them minus the
+/// staging of the largest two consecutive ones (models::block_swap_staging_bytes).
+void add_block_swap(const DenoiserBlocks& blocks, const std::vector<std::string>& swapped,
+                    const train::MemoryEstimateOptions& options,
+                    std::vector<train::MemoryEstimate>& estimates);
+
 }  // namespace difftrain::families

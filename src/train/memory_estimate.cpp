@@ -90,11 +90,31 @@ void check_memory_estimate_options(const MemoryEstimateOptions& o) {
   if (storage != models::WeightStorage::kDense && !o.lora) {
     throw Error("--base_weights_dtype stores a LoRA run's frozen base in 8 bits; add --lora");
   }
+  if (o.blocks_to_swap < 0) {
+    throw Error("--blocks_to_swap is " + std::to_string(o.blocks_to_swap) +
+                ": it counts blocks, 0 (off) or more");
+  }
+  if (o.blocks_to_swap > 0 && !o.lora) {
+    throw Error(
+        "--blocks_to_swap keeps a LoRA run's frozen blocks in host memory (a full "
+        "fine-tune's weights train and stay on the device); add --lora");
+  }
+}
+
+void check_block_swap_estimated(const MemoryEstimateOptions& o,
+                                const std::vector<MemoryEstimate>& estimates,
+                                const std::string& family) {
+  if (o.blocks_to_swap == 0) return;
+  for (const auto& e : estimates)
+    if (e.block_swap_host_bytes > 0) return;
+  throw Error("--blocks_to_swap " + std::to_string(o.blocks_to_swap) + ": the " + family +
+              " family's model has no block swap (it swaps a transformer family's blocks); "
+              "leave --blocks_to_swap out");
 }
 
 int64_t MemoryEstimate::total_peak_bytes() const {
-  return param_peak_bytes + grad_peak_bytes + optimizer_bytes + frozen_param_bytes +
-         activation_bytes;
+  return param_peak_bytes + grad_peak_bytes + optimizer_bytes + frozen_param_bytes -
+         block_swap_saved_bytes + activation_bytes;
 }
 
 MemoryEstimate estimate_state_memory(const torch::nn::Module& trainable,
@@ -239,6 +259,8 @@ nlohmann::json to_json(const MemoryEstimate& e) {
       {"frozen_param_bytes", e.frozen_param_bytes},
       {"activation_bytes", e.activation_bytes},
       {"host_bytes", e.host_bytes},
+      {"block_swap_host_bytes", e.block_swap_host_bytes},
+      {"block_swap_saved_bytes", e.block_swap_saved_bytes},
       {"offload_optimizer", e.offload_optimizer},
       {"offload_params", e.offload_params},
       {"total_peak_bytes", e.total_peak_bytes()},
@@ -278,6 +300,7 @@ std::string format_memory_table(const MemoryEstimate& e, int64_t batch_size) {
   row("gradient peak", e.grad_peak_bytes);
   row("optimizer state", e.optimizer_bytes);
   row("frozen weights", e.frozen_param_bytes);
+  if (e.block_swap_host_bytes > 0) row("  of which block swap saves", e.block_swap_saved_bytes);
   row(fmt::format("activations (batch {})", batch_size), e.activation_bytes);
   row("total peak", e.total_peak_bytes());
   if (e.offload_optimizer) {

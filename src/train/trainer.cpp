@@ -372,6 +372,16 @@ void Trainer::State::write_run_info() {
       {"sharding", accel::to_string(acc->sharding().strategy)},
       {"offload_optimizer", acc->sharding().offload_optimizer},
       {"offload_params", acc->sharding().offload_params}};
+  if (const models::BlockSwap* swap = task->block_swap()) {
+    // Measured: the bytes the host copies hold and the most ever staged at once on the device
+    // (the first step has run: forward and backward stage every swapped block).
+    const auto b = swap->bytes();
+    const int64_t staged = swap->peak_staged_bytes();
+    info["block_swap"] = {{"blocks", b.blocks},
+                          {"host_bytes", b.host_bytes},
+                          {"staging_bytes", staged},
+                          {"saved_device_bytes", b.host_bytes - staged}};
+  }
   std::error_code ec;
   fs::create_directories(log_dir, ec);
   io::write_file_atomic(

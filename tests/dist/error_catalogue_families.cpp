@@ -301,6 +301,58 @@ std::vector<Case> family_error_cases() {
              t, kTinyQwen,
              {"--pipeline", "QwenImageEditPipeline", "--caption_dropout_rate", "0.1"})};
        }},
+      // ------------------------------------------------------------------ block swap
+      {"BlockSwapTooManyBlocks",
+       "`difftrain train --pretrained_model_name_or_path tests/golden/flux/tiny_flux --lora "
+       "--blocks_to_swap 3 ...` (2 double-stream and 2 single-stream blocks)",
+       "--blocks_to_swap 3 is too many for this transformer: kohya's FLUX.1 split makes it 1 "
+       "double-stream blocks (it has 2) and 4 single-stream blocks (it has 2), and at least one "
+       "block stays on the device; use --blocks_to_swap 2 or fewer",
+       1,
+       [](const std::string& t) {
+         write_png(t + "/d/a.png");
+         write_text(t + "/d/a.txt", "a grey square");
+         return BadRun{{"train", "--pretrained_model_name_or_path", kGolden + "/flux/tiny_flux",
+                        "--dataset", "imagefolder", "--train_data_dir", t + "/d", "--resolution",
+                        "32", "--max_sequence_length", "16", "--lora", "--blocks_to_swap", "3",
+                        "--max_train_steps", "1", "--output_dir", t + "/run"}};
+       }},
+      {"BlockSwapFullFineTune",
+       "`difftrain train --pretrained_model_name_or_path tests/golden/flux/tiny_flux "
+       "--blocks_to_swap 2 ...` without --lora",
+       "--blocks_to_swap 2 keeps a LoRA run's frozen blocks in host memory, and this is a full "
+       "fine-tune (its weights train: their gradients and optimizer updates need them on the "
+       "device); add --lora or leave --blocks_to_swap out",
+       1,
+       [](const std::string& t) {
+         write_png(t + "/d/a.png");
+         write_text(t + "/d/a.txt", "a grey square");
+         return BadRun{{"train", "--pretrained_model_name_or_path", kGolden + "/flux/tiny_flux",
+                        "--dataset", "imagefolder", "--train_data_dir", t + "/d", "--resolution",
+                        "32", "--max_sequence_length", "16", "--blocks_to_swap", "2",
+                        "--max_train_steps", "1", "--output_dir", t + "/run"}};
+       }},
+      {"BlockSwapUNetFamily",
+       "`difftrain train --pretrained_model_name_or_path tests/golden/sd/tiny_sd --lora "
+       "--blocks_to_swap 2 ...`",
+       "--blocks_to_swap: \"blocks_to_swap\" is an option of the flux family; this run trains "
+       "the stable-diffusion family (<golden>/sd/tiny_sd), which does not take it (difftrain "
+       "train --help --family flux lists that family's options)",
+       1,
+       [](const std::string& t) {
+         return BadRun{{"train", "--pretrained_model_name_or_path", kGolden + "/sd/tiny_sd",
+                        "--dataset", "imagefolder", "--train_data_dir", t + "/d", "--lora",
+                        "--blocks_to_swap", "2", "--output_dir", t + "/run"}};
+       }},
+      {"BlockSwapEstimateUNet",
+       "`difftrain estimate-memory --model tests/golden/sd/tiny_sd/unet --lora --blocks_to_swap 2`",
+       "--blocks_to_swap 2: the unet family's model has no block swap (it swaps a transformer "
+       "family's blocks); leave --blocks_to_swap out",
+       1,
+       [](const std::string&) {
+         return BadRun{{"estimate-memory", "--model", kGolden + "/sd/tiny_sd/unet", "--lora",
+                        "--blocks_to_swap", "2"}};
+       }},
   };
 }
 

@@ -160,7 +160,8 @@ TEST(Families, AFamilyDeclaresItsOwnOptionsAndAnotherFamilysAreRefused) {
   const auto parse = [](std::vector<std::string> args) {
     return families::parse_train_config(args);
   };
-  // The flow-matching group and max_sequence_length are FLUX.1's, not the trainer's.
+  // The flow-matching group, max_sequence_length and blocks_to_swap are FLUX.1's, not the
+  // trainer's.
   const auto names = [](const std::vector<std::vector<std::string>>& rows) {
     std::set<std::string> out;
     for (const auto& r : rows) out.insert(r[0]);
@@ -172,7 +173,7 @@ TEST(Families, AFamilyDeclaresItsOwnOptionsAndAnotherFamilysAreRefused) {
   const auto flux_rows = names(train::family_option_table(flux_family->options()));
   for (const char* n :
        {"weighting_scheme", "logit_mean", "logit_std", "mode_scale", "timestep_sampling",
-        "sigmoid_scale", "discrete_flow_shift", "max_sequence_length"}) {
+        "sigmoid_scale", "discrete_flow_shift", "max_sequence_length", "blocks_to_swap"}) {
     EXPECT_EQ(flux_rows.count(n), 1u) << n;
   }
   // Defaults, flags and YAML alike; the values reach the configuration and the task.

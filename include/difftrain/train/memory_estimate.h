@@ -60,6 +60,9 @@ struct MemoryEstimateOptions {
   int64_t resolution = 0;
   /// Recompute resnets and attentions in backward (the trainer's --gradient_checkpointing).
   bool gradient_checkpointing = false;
+  /// --blocks_to_swap: transformer blocks whose frozen weights stay in host memory
+  /// (models/block_swap.h); 0 = none. Only a family with a block swap takes it.
+  int64_t blocks_to_swap = 0;
   /// Tokens of encoder_hidden_states; 0 = the family's training default: 77 for cross-attention
   /// UNets (CLIP's, as Diffusers' text-to-image scripts), 512 T5 tokens for FLUX.1 (`difftrain
   /// train`'s --max_sequence_length).
@@ -113,6 +116,11 @@ struct MemoryEstimate {
   int64_t frozen_param_bytes = 0;
   /// Offload: this rank's state in host memory (the fields above are then the device's).
   int64_t host_bytes = 0;
+  /// Block swap: the swapped blocks' frozen bytes in host memory, and the device bytes that
+  /// saves (those minus the staging of two blocks; already out of frozen_param_bytes' share of
+  /// total_peak_bytes()).
+  int64_t block_swap_host_bytes = 0;
+  int64_t block_swap_saved_bytes = 0;
   bool offload_optimizer = false;  ///< as estimated (false for NO_SHARD rows)
   bool offload_params = false;
   /// Measured for batch_size (see measure_activation_bytes); 0 from estimate_state_memory().
@@ -130,6 +138,12 @@ struct MemoryEstimate {
   /// apart).
   int64_t total_peak_bytes() const;
 };
+
+/// Throws difftrain::Error (one line) when options.blocks_to_swap is set but none of `estimates`
+/// (`family`'s) counted a block swap: its model has none.
+void check_block_swap_estimated(const MemoryEstimateOptions& options,
+                                const std::vector<MemoryEstimate>& estimates,
+                                const std::string& family);
 
 /// The state bytes above for `trainable` (the module that would be prepared: the UNet, or the
 /// LoraLayers holding the adapters) under `options` (num_processes, strategy, auto_wrap,

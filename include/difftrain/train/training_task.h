@@ -13,6 +13,7 @@
 #include "difftrain/accel/accelerator.h"
 #include "difftrain/data/dataset.h"
 #include "difftrain/diffusion/objective.h"
+#include "difftrain/models/block_swap.h"
 #include "difftrain/train/caption_processing.h"
 #include "difftrain/train/model_card.h"
 #include "difftrain/train/option_spec.h"
@@ -194,6 +195,9 @@ class TrainingTask {
   virtual std::string parameter_summary() const = 0;
   /// Bytes held by frozen weights the Accelerator does not prepare (run_info.json).
   virtual int64_t frozen_bytes() const = 0;
+  /// The denoiser's block swap (--blocks_to_swap, models/block_swap.h), or nullptr: its bytes
+  /// go to run_info.json.
+  virtual const models::BlockSwap* block_swap() const { return nullptr; }
 
   /// The loss of one micro-batch (a scalar), under the Accelerator's autocast. `epoch` keys the
   /// per-sample random streams.

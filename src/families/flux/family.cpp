@@ -5,6 +5,7 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/families/flux/lora_layouts.h"
+#include "difftrain/train/block_swap_option.h"
 #include "difftrain/train/ddpm_options.h"
 #include "difftrain/train/flow_matching_options.h"
 #include "difftrain/train/text_image_options.h"
@@ -146,6 +147,7 @@ class FluxFamily : public ModelFamily {
                              }};
     length.structural = true;  // the cached text embeddings and the run's captions
     specs.push_back(std::move(length));
+    specs.push_back(train::block_swap_option_spec());
     return specs;
   }
   std::vector<train::OptionSpec> sample_options() const override {

@@ -183,6 +183,20 @@ std::vector<train::MemoryEstimate> estimate_flux_memory(
         train::estimate_state_memory_from_counts(units, numels, frozen, frozen_bytes, so));
   }
 
+  if (options.blocks_to_swap > 0) {
+    // kohya's split, the last blocks of each kind (models/transformers/flux_transformer.h).
+    const auto which =
+        models::flux_swapped_blocks(options.blocks_to_swap, o.num_layers(), o.num_single_layers());
+    std::vector<std::string> swapped;
+    for (int64_t i = 0; i < o.num_layers() + o.num_single_layers(); ++i) {
+      if (!which[static_cast<size_t>(i)]) continue;
+      swapped.push_back(i < o.num_layers()
+                            ? "transformer_blocks." + std::to_string(i)
+                            : "single_transformer_blocks." + std::to_string(i - o.num_layers()));
+    }
+    add_block_swap(blocks, swapped, options, out);
+  }
+
   // Activations: one training forward of depth-reduced copies at the real width (batch 1, R x R
   // latents packed 2x2, encoder_sequence_length T5 tokens), a = a0 + L (a10 - a0) + S (a01 - a0).
   const int64_t R = options.resolution > 0 ? options.resolution : 128;

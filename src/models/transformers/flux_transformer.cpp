@@ -5,6 +5,7 @@
 #include "../json_fields.h"
 #include "difftrain/core/error.h"
 #include "difftrain/io/atomic_file.h"
+#include "difftrain/models/block_swap.h"
 #include "difftrain/models/checkpointing.h"
 #include "difftrain/models/pretrained.h"
 
@@ -38,7 +39,46 @@ torch::Tensor flux_ids_2d(const torch::Tensor& ids, const char* name, int64_t n,
   return out.to(torch::kFloat32);
 }
 
+std::pair<torch::Tensor, torch::Tensor> block_pair(const std::vector<torch::Tensor>& v) {
+  return {v.at(0), v.at(1)};
+}
+
 }  // namespace
+
+FluxBlockSwapSplit flux_block_swap_split(int64_t n, int64_t num_layers, int64_t num_single_layers) {
+  FluxBlockSwapSplit s;
+  s.double_blocks = n / 2;
+  s.single_blocks = (n - s.double_blocks) * 2;
+  s.fits = n >= 0 && s.double_blocks <= num_layers && s.single_blocks <= num_single_layers &&
+           s.double_blocks + s.single_blocks < num_layers + num_single_layers;
+  return s;
+}
+
+int64_t flux_max_blocks_to_swap(int64_t num_layers, int64_t num_single_layers) {
+  int64_t n = 0;
+  while (flux_block_swap_split(n + 1, num_layers, num_single_layers).fits) ++n;
+  return n;
+}
+
+std::vector<bool> flux_swapped_blocks(int64_t n, int64_t num_layers, int64_t num_single_layers) {
+  const FluxBlockSwapSplit split = flux_block_swap_split(n, num_layers, num_single_layers);
+  if (!split.fits) {
+    throw Error("--blocks_to_swap " + std::to_string(n) +
+                " is too many for this transformer: kohya's FLUX.1 split makes it " +
+                std::to_string(split.double_blocks) + " double-stream blocks (it has " +
+                std::to_string(num_layers) + ") and " + std::to_string(split.single_blocks) +
+                " single-stream blocks (it has " + std::to_string(num_single_layers) +
+                "), and at least one block stays on the device; use --blocks_to_swap " +
+                std::to_string(flux_max_blocks_to_swap(num_layers, num_single_layers)) +
+                " or fewer");
+  }
+  // The last blocks of each kind, as kohya keeps the first ones on the device.
+  std::vector<bool> swapped;
+  for (int64_t i = 0; i < num_layers; ++i) swapped.push_back(i >= num_layers - split.double_blocks);
+  for (int64_t i = 0; i < num_single_layers; ++i)
+    swapped.push_back(i >= num_single_layers - split.single_blocks);
+  return swapped;
+}
 
 // ------------------------------------------------------------------ options
 
@@ -171,6 +211,16 @@ FluxTransformer2DModelImpl::FluxTransformer2DModelImpl(const FluxTransformer2DMo
       register_module("proj_out", Linear(D, o.patch_size() * o.patch_size() * o.output_channels()));
 }
 
+void FluxTransformer2DModelImpl::enable_block_swap(int64_t n) {
+  block_swap_.reset();
+  if (n == 0) return;
+  std::vector<torch::nn::Module*> blocks;
+  for (auto& b : transformer_blocks_) blocks.push_back(b.ptr().get());
+  for (auto& b : single_transformer_blocks_) blocks.push_back(b.ptr().get());
+  block_swap_ = std::make_shared<BlockSwap>(
+      blocks, flux_swapped_blocks(n, options_.num_layers(), options_.num_single_layers()));
+}
+
 torch::Tensor FluxTransformer2DModelImpl::time_text_embed(const torch::Tensor& timestep,
                                                           const torch::Tensor& guidance,
                                                           const torch::Tensor& pooled) {
@@ -256,7 +306,10 @@ torch::Tensor FluxTransformer2DModelImpl::forward_impl(
   }
 
   const bool ckpt = gradient_checkpointing_ && is_training() && torch::GradMode::is_enabled();
+  BlockSwap* swap = block_swap_.get();
+  size_t index = 0;  // the block's place in forward order (double blocks, then single ones)
   for (auto& block : transformer_blocks_) {
+    if (swap) std::tie(img, txt) = block_pair(swap->enter(index, {img, txt}));
     if (ckpt) {
       auto impl = block.ptr();  // captured by value: backward may run after this frame is gone
       torch::Tensor both = checkpoint(
@@ -270,6 +323,8 @@ torch::Tensor FluxTransformer2DModelImpl::forward_impl(
     } else {
       std::tie(img, txt) = block->forward(img, txt, temb, rope);
     }
+    if (swap) std::tie(img, txt) = block_pair(swap->leave(index, {img, txt}));
+    ++index;
     if (intermediates) {
       intermediates->double_img.push_back(img);
       intermediates->double_txt.push_back(txt);
@@ -277,6 +332,7 @@ torch::Tensor FluxTransformer2DModelImpl::forward_impl(
   }
   torch::Tensor h = torch::cat({txt, img}, 1);  // [B, S + L, D], text first
   for (auto& block : single_transformer_blocks_) {
+    if (swap) h = swap->enter(index, {h})[0];
     if (ckpt) {
       auto impl = block.ptr();
       h = checkpoint(
@@ -287,6 +343,8 @@ torch::Tensor FluxTransformer2DModelImpl::forward_impl(
     } else {
       h = block->forward(h, temb, rope);
     }
+    if (swap) h = swap->leave(index, {h})[0];
+    ++index;
     if (intermediates) intermediates->single.push_back(h);
   }
   const std::vector<torch::Tensor> scale_shift = norm_out_(temb);  // scale FIRST

@@ -6,6 +6,7 @@
 #include "difftrain/core/forward_hooks.h"
 #include "difftrain/core/no_split_modules.h"
 #include "difftrain/io/safetensors.h"
+#include "difftrain/models/block_swap.h"
 #include "difftrain/models/layers.h"
 #include "difftrain/models/linear.h"
 #include "difftrain/models/transformers/flux_blocks.h"
@@ -15,6 +16,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -65,6 +67,20 @@ struct FluxTransformer2DModelOptions {
   nlohmann::json to_json() const;
 };
 
+/// kohya's split of `--blocks_to_swap n` over FLUX.1's blocks: n / 2 double-stream blocks and
+/// twice the rest single-stream ones (a single block is about half a double one), the last
+/// ones of each kind.
+struct FluxBlockSwapSplit {
+  int64_t double_blocks = 0, single_blocks = 0;
+  bool fits = false;  ///< within the counts, at least one block left on the device
+};
+FluxBlockSwapSplit flux_block_swap_split(int64_t n, int64_t num_layers, int64_t num_single_layers);
+/// The largest n that fits (37 for FLUX.1's 19 + 38 blocks).
+int64_t flux_max_blocks_to_swap(int64_t num_layers, int64_t num_single_layers);
+/// Which blocks n swaps, double blocks first, in forward order; throws difftrain::Error naming
+/// n, the counts and the largest n that fits when it does not fit.
+std::vector<bool> flux_swapped_blocks(int64_t n, int64_t num_layers, int64_t num_single_layers);
+
 /// What a forward computed on its way, for tests and debugging (the fixture's `A.inter.*`).
 struct FluxTransformerIntermediates {
   torch::Tensor temb;                     ///< [B, D]
@@ -111,6 +127,15 @@ class FluxTransformer2DModelImpl : public torch::nn::Module,
   void set_gradient_checkpointing(bool on) { gradient_checkpointing_ = on; }
   bool gradient_checkpointing() const { return gradient_checkpointing_; }
 
+  /// kohya's `--blocks_to_swap n` (models/block_swap.h): the frozen weights of n blocks in
+  /// host memory, split as kohya splits FLUX.1's (flux_swapped_blocks); 0 turns it off (the
+  /// weights back on the device). Call once the model is on its device, its adapters attached
+  /// and its base stored as it trains. Throws difftrain::Error for too many blocks, or for a
+  /// swapped block whose parameters train.
+  void enable_block_swap(int64_t n);
+  /// The swap, or nullptr.
+  const BlockSwap* block_swap() const { return block_swap_.get(); }
+
  private:
   torch::Tensor forward_impl(const torch::Tensor& hidden_states,
                              const torch::Tensor& encoder_hidden_states,
@@ -125,6 +150,7 @@ class FluxTransformer2DModelImpl : public torch::nn::Module,
 
   FluxTransformer2DModelOptions options_;
   bool gradient_checkpointing_ = false;
+  std::shared_ptr<BlockSwap> block_swap_;
   TimestepEmbedding timestep_embedder_{nullptr}, guidance_embedder_{nullptr};
   TimestepEmbedding text_embedder_{nullptr};
   Linear context_embedder_{nullptr}, x_embedder_{nullptr};
