@@ -138,4 +138,16 @@ void add_block_swap(const DenoiserBlocks& blocks, const std::vector<std::string>
   }
 }
 
+void add_last_blocks_swap(const DenoiserBlocks& blocks, const std::string& prefix, int64_t count,
+                          const train::MemoryEstimateOptions& options,
+                          std::vector<train::MemoryEstimate>& estimates) {
+  if (options.blocks_to_swap <= 0) return;
+  const auto which = models::last_blocks_swapped(options.blocks_to_swap, count);
+  std::vector<std::string> swapped;
+  for (int64_t i = 0; i < count; ++i) {
+    if (which[static_cast<size_t>(i)]) swapped.push_back(prefix + std::to_string(i));
+  }
+  add_block_swap(blocks, swapped, options, estimates);
+}
+
 }  // namespace difftrain::families

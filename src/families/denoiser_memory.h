@@ -68,4 +68,10 @@ void add_block_swap(const DenoiserBlocks& blocks, const std::vector<std::string>
                     const train::MemoryEstimateOptions& options,
                     std::vector<train::MemoryEstimate>& estimates);
 
+/// add_block_swap() of a one-stack transformer: the last options.blocks_to_swap of its `count`
+/// blocks `<prefix><i>` (models::last_blocks_swapped, which refuses too many); nothing when 0.
+void add_last_blocks_swap(const DenoiserBlocks& blocks, const std::string& prefix, int64_t count,
+                          const train::MemoryEstimateOptions& options,
+                          std::vector<train::MemoryEstimate>& estimates);
+
 }  // namespace difftrain::families

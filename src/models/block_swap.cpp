@@ -290,6 +290,18 @@ int64_t block_swap_staging_bytes(const std::vector<int64_t>& block_bytes) {
   return most;
 }
 
+std::vector<bool> last_blocks_swapped(int64_t n, int64_t count) {
+  if (n < 0 || n >= count) {
+    throw Error("--blocks_to_swap " + std::to_string(n) +
+                " is too many for this transformer: it has " + std::to_string(count) +
+                " blocks, and at least one stays on the device; use --blocks_to_swap " +
+                std::to_string(std::max<int64_t>(0, count - 1)) + " or fewer");
+  }
+  std::vector<bool> swapped;
+  for (int64_t i = 0; i < count; ++i) swapped.push_back(i >= count - n);
+  return swapped;
+}
+
 BlockSwap::BlockSwap(std::vector<torch::nn::Module*> blocks, const std::vector<bool>& swapped)
     : state_(c10::make_intrusive<BlockSwapState>()) {
   if (swapped.size() != blocks.size()) {

@@ -335,7 +335,8 @@ std::vector<Case> family_error_cases() {
       {"BlockSwapUNetFamily",
        "`difftrain train --pretrained_model_name_or_path tests/golden/sd/tiny_sd --lora "
        "--blocks_to_swap 2 ...`",
-       "--blocks_to_swap: \"blocks_to_swap\" is an option of the flux family; this run trains "
+       "--blocks_to_swap: \"blocks_to_swap\" is an option of the flux, qwen-image, wan, z-image "
+       "families; this run trains "
        "the stable-diffusion family (<golden>/sd/tiny_sd), which does not take it (difftrain "
        "train --help --family flux lists that family's options)",
        1,

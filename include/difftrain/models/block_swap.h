@@ -44,6 +44,11 @@ struct BlockSwapBytes {
 /// stages at most. estimate-memory's count.
 int64_t block_swap_staging_bytes(const std::vector<int64_t>& block_bytes);
 
+/// musubi-tuner's choice for a transformer of `count` blocks in one stack (Wan, Qwen-Image,
+/// Z-Image's main layers): the last n swapped. Throws difftrain::Error naming n, the count and the
+/// largest n that fits (count - 1: one block stays on the device) when n does not fit.
+std::vector<bool> last_blocks_swapped(int64_t n, int64_t count);
+
 namespace detail {
 struct BlockSwapState;
 }

@@ -128,6 +128,7 @@ std::vector<train::MemoryEstimate> estimate_qwen_image_memory(
     out.push_back(train::estimate_state_memory_from_counts(state.units, state.numels, frozen,
                                                            frozen_bytes, so));
   }
+  add_last_blocks_swap(blocks, "transformer_blocks.", o.num_layers, options, out);
   const int64_t activations = (a0 + o.num_layers * a_block) * options.batch_size;
   log::info(
       "activations: {} per block at {}x{} latents ({} image tokens) and {} text tokens, "

@@ -21,6 +21,7 @@
 #include "difftrain/models/lora/lora_training.h"
 #include "difftrain/models/module_info.h"
 #include "difftrain/models/pretrained.h"
+#include "difftrain/train/block_swap_option.h"
 #include "difftrain/train/flow_matching_options.h"
 #include "difftrain/train/text_image_options.h"
 #include "edit_data.h"
@@ -65,6 +66,8 @@ class QwenImageTask : public families::TextImageTask {
     for (const auto* m : text_.modules()) n += train::frozen_parameter_bytes(*m);
     return n;
   }
+  const models::BlockSwap* block_swap() const override { return transformer_->block_swap(); }
+
   torch::Tensor loss(const data::Batch& batch, int64_t epoch, torch::Device device) override;
   train::ValidationImages render_validation(const std::vector<int64_t>& mine, int64_t /*begin*/,
                                             const SamplerStepCallback& on_step) override;
@@ -259,6 +262,9 @@ void QwenImageTask::build(accel::Accelerator& acc, const std::string& output_dir
               lora_->module_names().size());
     train::quantize_frozen_base(acc, o_.model.base_weights_dtype, {transformer_.ptr().get()});
   }
+  // Once the adapters are attached and the base stored as it trains.
+  transformer_->enable_block_swap(train::blocks_to_swap(o_.family, o_.lora.enabled));
+  train::report_block_swap(acc, transformer_->block_swap());
   denoiser_ = std::make_unique<QwenImageDenoiser>(transformer_);
 }
 

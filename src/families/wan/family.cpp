@@ -10,6 +10,7 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/families/lora_merge.h"
+#include "difftrain/train/block_swap_option.h"
 #include "difftrain/train/flow_matching_options.h"
 #include "difftrain/train/text_image_options.h"
 #include "wan_pipeline.h"
@@ -92,6 +93,7 @@ class WanFamily : public ModelFamily {
     specs.push_back({"validation_num_frames", "int", 0,
                      "frames of each validation clip (0: the longest --target_frames)",
                      train::range_check(0, 100000)});
+    specs.push_back(train::block_swap_option_spec());
     return specs;
   }
   std::optional<train::ScriptDefaults> training_defaults(

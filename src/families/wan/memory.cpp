@@ -155,6 +155,7 @@ std::vector<train::MemoryEstimate> estimate_wan_memory(
     out.push_back(train::estimate_state_memory_from_counts(state.units, state.numels, frozen,
                                                            frozen_bytes, so));
   }
+  add_last_blocks_swap(blocks, "blocks.", o.num_layers, options, out);
   const int64_t activations = (root_bytes + o.num_layers * block_bytes) * options.batch_size;
   log::info(
       "activations: {} per block for {} x {} x {} clips ({} tokens) and {} text tokens, "

@@ -22,6 +22,7 @@
 #include "difftrain/models/lora/lora_training.h"
 #include "difftrain/models/module_info.h"
 #include "difftrain/models/pretrained.h"
+#include "difftrain/train/block_swap_option.h"
 #include "difftrain/train/flow_matching_options.h"
 #include "difftrain/train/model_card.h"
 #include "difftrain/train/text_image_options.h"
@@ -61,6 +62,8 @@ class WanTask : public train::TrainingTask {
     if (image_encoder_) n += train::frozen_parameter_bytes(*image_encoder_);
     return n + train::frozen_parameter_bytes(*vae_);
   }
+  const models::BlockSwap* block_swap() const override { return transformer_->block_swap(); }
+
   torch::Tensor loss(const data::Batch& batch, int64_t epoch, torch::Device device) override;
   std::string validation_unavailable() const override { return prompt_validation_unavailable(o_); }
   std::vector<std::string> validation_labels(int64_t K) const override {
@@ -325,6 +328,16 @@ void WanTask::build(accel::Accelerator& acc, const std::string& output_dir) {
               lora_->module_names().size());
     train::quantize_frozen_base(acc, o_.model.base_weights_dtype, {transformer_.ptr().get()});
   }
+  // Once the adapters are attached and the base stored as it trains.
+  const int64_t swap_blocks = train::blocks_to_swap(o_.family, o_.lora.enabled);
+  if (swap_blocks > 0 && expert_ == "both") {
+    throw Error(
+        "--blocks_to_swap with --train_expert both: the two experts' bases are copied into the "
+        "transformer by timestep, which block swap's host copies would not follow; train one "
+        "expert per run (high or low) to swap blocks");
+  }
+  transformer_->enable_block_swap(swap_blocks);
+  train::report_block_swap(acc, transformer_->block_swap());
   if (expert_ == "both") {
     // The two bases, float, on the device: the high-noise one is loaded; the low-noise one waits.
     const torch::Dtype base_dtype = models::module_dtype(*transformer_);

@@ -6,6 +6,7 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/log.h"
 #include "difftrain/families/lora_merge.h"
+#include "difftrain/train/block_swap_option.h"
 #include "difftrain/train/ddpm_options.h"
 #include "difftrain/train/flow_matching_options.h"
 #include "difftrain/train/text_image_options.h"
@@ -151,6 +152,7 @@ class ZImageFamily : public ModelFamily {
                              train::range_check(1, 1 << 20)};
     length.structural = true;  // the cached text embeddings
     specs.push_back(std::move(length));
+    specs.push_back(train::block_swap_option_spec());
     return specs;
   }
   diffusion::GenerateResult sample(const SampleOptions& a) const override {

@@ -140,6 +140,7 @@ std::vector<train::MemoryEstimate> estimate_z_image_memory(
     out.push_back(
         train::estimate_state_memory_from_counts(units, numels, frozen, frozen_bytes, so));
   }
+  add_last_blocks_swap(blocks, "layers.", o.n_layers, options, out);
   const int64_t activations =
       (a0 + o.n_layers * a_layer + o.n_refiner_layers * a_refiners) * options.batch_size;
   log::info(

@@ -19,6 +19,7 @@
 #include "difftrain/models/lora/lora_training.h"
 #include "difftrain/models/module_info.h"
 #include "difftrain/models/pretrained.h"
+#include "difftrain/train/block_swap_option.h"
 #include "difftrain/train/flow_matching_options.h"
 #include "difftrain/train/text_image_options.h"
 #include "z_image_pipeline.h"
@@ -53,6 +54,8 @@ class ZImageTask : public families::TextImageTask {
     for (const auto* m : text_.modules()) n += train::frozen_parameter_bytes(*m);
     return n;
   }
+
+  const models::BlockSwap* block_swap() const override { return transformer_->block_swap(); }
 
   torch::Tensor loss(const data::Batch& batch, int64_t epoch, torch::Device device) override;
 
@@ -166,6 +169,9 @@ void ZImageTask::build(accel::Accelerator& acc, const std::string& output_dir) {
   acc.print("text encoder released: the captions' Qwen3 embeddings are cached");
   if (o_.model.gradient_checkpointing) transformer_->set_gradient_checkpointing(true);
   build_trainable(acc);
+  // Once the adapters are attached and the base stored as it trains.
+  transformer_->enable_block_swap(train::blocks_to_swap(o_.family, o_.lora.enabled));
+  train::report_block_swap(acc, transformer_->block_swap());
   denoiser_ = std::make_unique<ZImageDenoiser>(transformer_);
 }
 

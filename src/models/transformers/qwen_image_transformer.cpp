@@ -290,7 +290,14 @@ torch::Tensor QwenImageTransformer2DModelImpl::forward(
                           torch::cat({txt_rope.sin, img_rope.sin})};
 
   const bool ckpt = gradient_checkpointing_ && is_training() && torch::GradMode::is_enabled();
+  BlockSwap* swap = block_swap_.get();
+  size_t index = 0;
   for (auto& block : blocks_) {
+    if (swap) {
+      const auto in = swap->enter(index, {img, txt});
+      img = in[0];
+      txt = in[1];
+    }
     if (ckpt) {
       auto impl = block.ptr();  // captured by value: backward may run after this frame is gone
       const torch::Tensor both = checkpoint(
@@ -305,6 +312,12 @@ torch::Tensor QwenImageTransformer2DModelImpl::forward(
     } else {
       std::tie(img, txt) = block->forward(img, txt, temb, rope, key_mask, modulate_index);
     }
+    if (swap) {
+      const auto out = swap->leave(index, {img, txt});
+      img = out[0];
+      txt = out[1];
+    }
+    ++index;
   }
   if (o.zero_cond_t) temb = temb.narrow(0, 0, B);
   const auto ss = norm_out_linear_(torch::silu(temb)).chunk(2, -1);  // scale, shift
@@ -323,6 +336,15 @@ QwenImageTransformer2DModel load_qwen_image_transformer(const std::string& dir, 
   model->to(dtype);
   load_model_folder_weights(*model, dir, dtype, variant);
   return model;
+}
+
+void QwenImageTransformer2DModelImpl::enable_block_swap(int64_t n) {
+  block_swap_.reset();
+  if (n == 0) return;
+  std::vector<torch::nn::Module*> blocks;
+  for (auto& b : blocks_) blocks.push_back(b.ptr().get());
+  block_swap_ = std::make_shared<BlockSwap>(
+      blocks, last_blocks_swapped(n, static_cast<int64_t>(blocks_.size())));
 }
 
 }  // namespace difftrain::models

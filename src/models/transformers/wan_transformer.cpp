@@ -342,7 +342,16 @@ torch::Tensor WanTransformer3DModelImpl::forward(const torch::Tensor& hidden_sta
   }
 
   const bool ckpt = gradient_checkpointing_ && is_training() && torch::GradMode::is_enabled();
+  BlockSwap* swap = block_swap_.get();
+  size_t index = 0;
   for (auto& block : blocks_) {
+    // The text enters every block's cross-attention: its gradient (when it has one) needs the
+    // block's weights too.
+    if (swap) {
+      const auto in = swap->enter(index, {x, context});
+      x = in[0];
+      context = in[1];
+    }
     if (ckpt) {
       auto impl = block.ptr();
       x = checkpoint(
@@ -353,6 +362,8 @@ torch::Tensor WanTransformer3DModelImpl::forward(const torch::Tensor& hidden_sta
     } else {
       x = block->forward(x, context, timestep_proj, rope);
     }
+    if (swap) x = swap->leave(index, {x})[0];
+    ++index;
   }
   torch::Tensor shift, scale;
   const auto table = scale_shift_table_.to(torch::kFloat32);
@@ -389,6 +400,15 @@ WanTransformer3DModel load_wan_transformer(const std::string& dir, torch::Dtype 
   load_weights(*model, io::load_weight_files(files, std::nullopt),
                files.index.empty() ? files.files.at(0) : files.index);
   return model;
+}
+
+void WanTransformer3DModelImpl::enable_block_swap(int64_t n) {
+  block_swap_.reset();
+  if (n == 0) return;
+  std::vector<torch::nn::Module*> blocks;
+  for (auto& b : blocks_) blocks.push_back(b.ptr().get());
+  block_swap_ = std::make_shared<BlockSwap>(
+      blocks, last_blocks_swapped(n, static_cast<int64_t>(blocks_.size())));
 }
 
 }  // namespace difftrain::models

@@ -325,8 +325,9 @@ std::vector<torch::Tensor> ZImageTransformer2DModelImpl::forward(
 
   // Runs `blocks` over per-sample streams padded to the batch's longest, with a key mask when
   // their lengths differ (a sample's result does not depend on the others).
+  // `swap`: the main layers' block swap (the refiners are never swapped).
   auto run = [&](std::vector<ZImageTransformerBlock>& blocks, const std::vector<Stream>& streams,
-                 const torch::Tensor& cond) {
+                 const torch::Tensor& cond, BlockSwap* swap) {
     int64_t S = 0;
     bool equal = true;
     for (const auto& s : streams) {
@@ -347,7 +348,9 @@ std::vector<torch::Tensor> ZImageTransformer2DModelImpl::forward(
     const auto sin = torch::stack(ss);
     const auto mask = equal ? torch::Tensor() : torch::stack(ms);
     const bool ckpt = gradient_checkpointing_ && is_training() && torch::GradMode::is_enabled();
+    size_t index = 0;
     for (auto& block : blocks) {
+      if (swap) h = swap->enter(index, {h})[0];
       if (ckpt) {
         auto impl = block.ptr();  // captured by value: backward may run after this frame is gone
         h = checkpoint(
@@ -358,12 +361,14 @@ std::vector<torch::Tensor> ZImageTransformer2DModelImpl::forward(
       } else {
         h = block->forward(h, cos, sin, mask, cond);
       }
+      if (swap) h = swap->leave(index, {h})[0];
+      ++index;
     }
     return h;
   };
 
-  const auto refined_images = run(noise_refiner_, images, adaln);
-  const auto refined_captions = run(context_refiner_, captions, torch::Tensor());
+  const auto refined_images = run(noise_refiner_, images, adaln, nullptr);
+  const auto refined_captions = run(context_refiner_, captions, torch::Tensor(), nullptr);
   std::vector<Stream> joint;
   for (int64_t i = 0; i < B; ++i) {
     const auto& img = images[static_cast<size_t>(i)];
@@ -372,7 +377,7 @@ std::vector<torch::Tensor> ZImageTransformer2DModelImpl::forward(
                                  refined_captions[i].narrow(0, 0, cap.tokens.size(0))}),
                      torch::cat({img.ids, cap.ids})});
   }
-  const auto h = final_layer.forward(run(layers_, joint, adaln), adaln);
+  const auto h = final_layer.forward(run(layers_, joint, adaln, block_swap_.get()), adaln);
 
   std::vector<torch::Tensor> out;
   for (int64_t i = 0; i < B; ++i) {
@@ -395,6 +400,15 @@ ZImageTransformer2DModel load_z_image_transformer(const std::string& dir, torch:
   model->to(dtype);
   load_model_folder_weights(*model, dir, dtype, variant);
   return model;
+}
+
+void ZImageTransformer2DModelImpl::enable_block_swap(int64_t n) {
+  block_swap_.reset();
+  if (n == 0) return;
+  std::vector<torch::nn::Module*> blocks;
+  for (auto& b : layers_) blocks.push_back(b.ptr().get());
+  block_swap_ = std::make_shared<BlockSwap>(
+      blocks, last_blocks_swapped(n, static_cast<int64_t>(layers_.size())));
 }
 
 }  // namespace difftrain::models

@@ -7,6 +7,7 @@
 
 #include "difftrain/core/forward_hooks.h"
 #include "difftrain/core/no_split_modules.h"
+#include "difftrain/models/block_swap.h"
 #include "difftrain/models/layers.h"
 #include "difftrain/models/linear.h"
 #include "difftrain/models/transformers/dit_blocks.h"
@@ -17,6 +18,7 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -101,11 +103,19 @@ class QwenImageTransformer2DModelImpl : public torch::nn::Module,
   // The RMSNorm weight: never quantized (an 8-bit base stores the Linear weights in int8).
   torch::Dtype dtype() const { return txt_norm_->weight.scalar_type(); }
   void set_gradient_checkpointing(bool on) { gradient_checkpointing_ = on; }
+  /// kohya's / musubi-tuner's `--blocks_to_swap n` (models/block_swap.h): the frozen weights of
+  /// the last n transformer blocks in host memory, staged per block; 0 turns it off. Call once the
+  /// model is on its device, its adapters attached and its base stored as it trains. Throws
+  /// difftrain::Error for n >= the block count or a swapped block whose parameters train.
+  void enable_block_swap(int64_t n);
+  /// The swap, or nullptr.
+  const BlockSwap* block_swap() const { return block_swap_.get(); }
   bool gradient_checkpointing() const { return gradient_checkpointing_; }
 
  private:
   QwenImageTransformerOptions options_;
   bool gradient_checkpointing_ = false;
+  std::shared_ptr<BlockSwap> block_swap_;
   TimestepEmbedding timestep_embedder_{nullptr};
   torch::nn::Embedding addition_t_embedding_{nullptr};
   RMSNorm txt_norm_{nullptr};

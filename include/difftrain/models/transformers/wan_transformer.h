@@ -11,6 +11,7 @@
 
 #include "difftrain/core/forward_hooks.h"
 #include "difftrain/core/no_split_modules.h"
+#include "difftrain/models/block_swap.h"
 #include "difftrain/models/layers.h"
 #include "difftrain/models/linear.h"
 #include "difftrain/models/transformers/dit_blocks.h"
@@ -21,6 +22,7 @@
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -109,11 +111,19 @@ class WanTransformer3DModelImpl : public torch::nn::Module,
   /// Casts the whole model to `dtype`, then returns the `_keep_in_fp32_modules` to float32.
   void to_dtype(torch::Dtype dtype);
   void set_gradient_checkpointing(bool on) { gradient_checkpointing_ = on; }
+  /// kohya's / musubi-tuner's `--blocks_to_swap n` (models/block_swap.h): the frozen weights of
+  /// the last n blocks in host memory, staged per block; 0 turns it off. Call once the model is
+  /// on its device, its adapters attached and its base stored as it trains. Throws
+  /// difftrain::Error for n >= the block count or a swapped block whose parameters train.
+  void enable_block_swap(int64_t n);
+  /// The swap, or nullptr.
+  const BlockSwap* block_swap() const { return block_swap_.get(); }
   bool gradient_checkpointing() const { return gradient_checkpointing_; }
 
  private:
   WanTransformerOptions options_;
   bool gradient_checkpointing_ = false;
+  std::shared_ptr<BlockSwap> block_swap_;
   torch::Tensor patch_weight_, patch_bias_;
   TimestepEmbedding time_embedder_{nullptr};
   Linear time_proj_{nullptr}, text_linear_1_{nullptr}, text_linear_2_{nullptr};

@@ -6,6 +6,7 @@
 // token; then `layers` run over the joint sequence with 3-axis RoPE, and the final layer and
 // unpatchify give the velocity (x0 - noise). Parameter names are Diffusers' keys.
 
+#include "difftrain/models/block_swap.h"
 #include "difftrain/models/linear.h"
 #include "difftrain/models/transformers/dit_blocks.h"
 
@@ -91,11 +92,19 @@ class ZImageTransformer2DModelImpl : public torch::nn::Module {
   /// Diffusers' enable_gradient_checkpointing(): in training with grad enabled, every block
   /// (refiners and layers) keeps only its inputs and runs again in backward.
   void set_gradient_checkpointing(bool on) { gradient_checkpointing_ = on; }
+  /// kohya's / musubi-tuner's `--blocks_to_swap n` (models/block_swap.h): the frozen weights of
+  /// the last n main layers (not the refiners) in host memory, staged per block; 0 turns it off.
+  /// Call once the model is on its device, its adapters attached and its base stored as it trains.
+  /// Throws difftrain::Error for n >= the block count or a swapped block whose parameters train.
+  void enable_block_swap(int64_t n);
+  /// The swap, or nullptr.
+  const BlockSwap* block_swap() const { return block_swap_.get(); }
   bool gradient_checkpointing() const { return gradient_checkpointing_; }
 
  private:
   ZImageTransformerOptions options_;
   bool gradient_checkpointing_ = false;
+  std::shared_ptr<BlockSwap> block_swap_;
   /// all_x_embedder / all_final_layer children by "<patch>-<f_patch>".
   std::map<std::string, Linear> x_embedders_;
   std::map<std::string, std::shared_ptr<torch::nn::Module>> final_layers_;
