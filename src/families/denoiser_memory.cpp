@@ -67,7 +67,7 @@ DenoiserState denoiser_state(const DenoiserBlocks& blocks,
     for (const auto& param : params) {
       s.frozen_bytes += param.in > 0
                             ? models::stored_weight_bytes(param.numel, param.out, storage, dense)
-                            : param.numel * dense;
+                            : param.numel * (param.fp32 ? 4 : dense);
     }
   }
   return s;
@@ -124,7 +124,7 @@ void add_block_swap(const DenoiserBlocks& blocks, const std::vector<std::string>
       found = true;
       for (const auto& param : params) {
         bytes += param.in > 0 ? models::stored_weight_bytes(param.numel, param.out, storage, dense)
-                              : param.numel * dense;
+                              : param.numel * (param.fp32 ? 4 : dense);
       }
     }
     if (!found) throw Error("estimate-memory: no block " + path + " to swap");

@@ -22,6 +22,9 @@ struct DenoiserParam {
   std::string name;
   int64_t numel = 0;
   int64_t in = 0, out = 0;  ///< a Linear weight's fan-in and fan-out (0: not a Linear weight)
+  /// Float32 whatever the run's precision (a model's `_keep_in_fp32_modules`: Wan's norms and
+  /// scale/shift tables).
+  bool fp32 = false;
 };
 
 /// The parameters by unit: each block by its module path, the rest under "" (the root unit).

@@ -110,8 +110,8 @@ TEST(BlockSwapTrain, ShardedLoraIsBitIdenticalAndSavesWhatTheEstimateSays) {
   EXPECT_EQ(plain.log().find("block swap:"), std::string::npos);
 }
 
-// The one-stack transformers (musubi-tuner's choice: the last N blocks): a 1-rank LoRA run with
-// gradient checkpointing on each tiny folder, the same bits with --blocks_to_swap 1 of its 2
+// The one-stack transformers (musubi-tuner's choice: the last N blocks): a 1-rank bf16 LoRA run
+// with gradient checkpointing on each tiny folder, the same bits with --blocks_to_swap 1 of its 2
 // blocks, and run_info.json's bytes equal to estimate-memory's.
 class BlockSwapFamilies : public ::testing::TestWithParam<std::string> {};
 
@@ -147,6 +147,8 @@ TEST_P(BlockSwapFamilies, LoraIsBitIdenticalAndSavesWhatTheEstimateSays) {
                                     "--logging_steps",
                                     "1",
                                     "--gradient_checkpointing",
+                                    "--mixed_precision",
+                                    "bf16",
                                     "--blocks_to_swap",
                                     blocks,
                                     "--cache_dir",
@@ -169,9 +171,10 @@ TEST_P(BlockSwapFamilies, LoraIsBitIdenticalAndSavesWhatTheEstimateSays) {
   ASSERT_EQ(wa.size(), wb.size());
   for (const auto& [key, t] : wa) EXPECT_TRUE(torch::equal(t, wb.at(key))) << key;
 
-  std::vector<std::string> estimate = {kDifftrain, "estimate-memory", "--model", model,
-                                       "--lora",   "--rank",          "4",       "--blocks_to_swap",
-                                       "1",        "--json"};
+  std::vector<std::string> estimate = {
+      kDifftrain, "estimate-memory",  "--model", model,
+      "--lora",   "--rank",           "4",       "--mixed_precision",
+      "bf16",     "--blocks_to_swap", "1",       "--json"};
   if (GetParam().rfind("wan/", 0) == 0) {  // a video family sizes clips
     estimate.insert(estimate.end(), {"--num_frames", "1", "--height", "32", "--width", "32"});
   } else {

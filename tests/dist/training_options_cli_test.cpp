@@ -85,6 +85,36 @@ std::vector<std::string> sd_cmd(const std::string& data, const std::string& out,
   return cmd;
 }
 
+// A FLUX.1 LoRA run of the tiny folder on `data` at 32 px, then `extra`.
+std::vector<std::string> flux_cmd(const std::string& data, const std::string& out,
+                                  const std::vector<std::string>& extra) {
+  std::vector<std::string> c = {"train",
+                                "--pretrained_model_name_or_path",
+                                kOptFlux,
+                                "--dataset",
+                                "imagefolder",
+                                "--train_data_dir",
+                                data,
+                                "--resolution",
+                                "32",
+                                "--center_crop",
+                                "--lora",
+                                "--rank",
+                                "4",
+                                "--max_sequence_length",
+                                "16",
+                                "--learning_rate",
+                                "1e-2",
+                                "--num_validation_images",
+                                "0",
+                                "--logging_steps",
+                                "1",
+                                "--output_dir",
+                                out};
+  c.insert(c.end(), extra.begin(), extra.end());
+  return c;
+}
+
 io::TensorMap lora_of(const std::string& out) {
   return io::load_safetensors(out + "/pytorch_lora_weights.safetensors").tensors;
 }
@@ -127,41 +157,11 @@ TEST(TrainingOptionsCli, ShuffledCaptionsOnFluxKeepTheEncodersAndAreRankInvarian
   const std::string dir = make_temp_dir("opt_shuffle");
   const std::string data = make_tagged_folder(dir);
   auto cmd = [&](const std::string& out, const std::string& batch, bool shuffle) {
-    std::vector<std::string> c = {"train",
-                                  "--pretrained_model_name_or_path",
-                                  kOptFlux,
-                                  "--dataset",
-                                  "imagefolder",
-                                  "--train_data_dir",
-                                  data,
-                                  "--resolution",
-                                  "32",
-                                  "--center_crop",
-                                  "--lora",
-                                  "--rank",
-                                  "4",
-                                  "--max_sequence_length",
-                                  "16",
-                                  "--learning_rate",
-                                  "1e-2",
-                                  "--lr_scheduler",
-                                  "constant",
-                                  "--lr_warmup_steps",
-                                  "0",
-                                  "--train_batch_size",
-                                  batch,
-                                  "--max_train_steps",
-                                  "3",
-                                  "--num_validation_images",
-                                  "0",
-                                  "--logging_steps",
-                                  "1",
-                                  "--loss_type",
-                                  "huber",
-                                  "--output_dir",
-                                  out};
-    if (shuffle) c.insert(c.end(), {"--shuffle_caption", "--keep_tokens", "1"});
-    return c;
+    std::vector<std::string> extra = {"--train_batch_size", batch,      "--max_train_steps", "3",
+                                      "--lr_scheduler",     "constant", "--lr_warmup_steps", "0",
+                                      "--loss_type",        "huber"};
+    if (shuffle) extra.insert(extra.end(), {"--shuffle_caption", "--keep_tokens", "1"});
+    return flux_cmd(data, out, extra);
   };
   auto one = train(cmd(dir + "/one", "2", true), 1, 600);
   ASSERT_EQ(one.exit_code, 0) << one.log();
@@ -232,37 +232,10 @@ TEST(TrainingOptionsCli, AlphaMasksUnderFlowMatching) {
     }
   }
   auto cmd = [&](const std::string& data, const std::string& out, bool masked) {
-    std::vector<std::string> c = {"train",
-                                  "--pretrained_model_name_or_path",
-                                  kOptFlux,
-                                  "--dataset",
-                                  "imagefolder",
-                                  "--train_data_dir",
-                                  data,
-                                  "--resolution",
-                                  "32",
-                                  "--center_crop",
-                                  "--lora",
-                                  "--rank",
-                                  "4",
-                                  "--max_sequence_length",
-                                  "16",
-                                  "--learning_rate",
-                                  "1e-2",
-                                  "--train_batch_size",
-                                  "2",
-                                  "--max_train_steps",
-                                  "2",
-                                  "--num_validation_images",
-                                  "0",
-                                  "--logging_steps",
-                                  "1",
-                                  "--weighting_scheme",
-                                  "logit_normal",
-                                  "--output_dir",
-                                  out};
-    if (masked) c.push_back("--masked_loss");
-    return c;
+    std::vector<std::string> extra = {"--train_batch_size", "2",           "--max_train_steps", "2",
+                                      "--weighting_scheme", "logit_normal"};
+    if (masked) extra.push_back("--masked_loss");
+    return flux_cmd(data, out, extra);
   };
   auto clear = train(cmd(dir + "/clear", dir + "/clear_run", true), 1, 600);
   ASSERT_EQ(clear.exit_code, 0) << clear.log();

@@ -394,7 +394,7 @@ TEST(WanTrain, BadInputIsRefusedInOneLine) {
 
 // Caption dropout on cached UMT5 embeddings: with every caption dropped in every epoch
 // (--caption_dropout_every_n_epochs 1) the captions' text cannot matter, so two folders that
-// differ only in their captions train the same LoRA bit for bit; without it they differ.
+// differ only in their captions train the same LoRA; without it they differ.
 TEST(WanTrain, CaptionDropoutServesTheEmptyCaptionsCachedEmbeddings) {
   ASSERT_TRUE(io::video_supported()) << "built without FFmpeg: run scripts/setup and rebuild";
   const std::string dir = make_temp_dir("wan_dropout");
@@ -425,10 +425,14 @@ TEST(WanTrain, CaptionDropoutServesTheEmptyCaptionsCachedEmbeddings) {
   const auto load = [&](const std::string& run) {
     return io::load_safetensors(dir + "/" + run + file).tensors;
   };
-  EXPECT_EQ(max_abs_diff(load("a_drop"), load("b_drop")), 0.0);
+  // Not bit for bit: the empty caption is encoded in a batch with the folder's other captions,
+  // and UMT5's padded batch shapes move its embedding in the last float bits.
+  const double dropped = max_abs_diff(load("a_drop"), load("b_drop"));
   const double captions = max_abs_diff(load("a_plain"), load("b_plain"));
-  std::cout << "Wan: captions change the LoRA by " << captions << " without dropout\n";
-  EXPECT_GT(captions, 1e-5);
+  std::cout << "Wan: captions change the LoRA by " << captions << " without dropout, by " << dropped
+            << " with every caption dropped\n";
+  EXPECT_LE(dropped, 1e-4);
+  EXPECT_GT(captions, 1e-2);
 }
 
 }  // namespace

@@ -26,6 +26,7 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace difftrain::models {
@@ -48,6 +49,14 @@ int64_t block_swap_staging_bytes(const std::vector<int64_t>& block_bytes);
 /// Z-Image's main layers): the last n swapped. Throws difftrain::Error naming n, the count and the
 /// largest n that fits (count - 1: one block stays on the device) when n does not fit.
 std::vector<bool> last_blocks_swapped(int64_t n, int64_t count);
+
+class BlockSwap;
+
+/// The swap of the last n of `blocks` (a transformer's std::vector of module holders, in forward
+/// order; last_blocks_swapped()), or nullptr for n = 0: what a one-stack transformer's
+/// enable_block_swap() holds.
+template <typename Blocks>
+std::shared_ptr<BlockSwap> swap_last_blocks(Blocks& blocks, int64_t n);
 
 namespace detail {
 struct BlockSwapState;
@@ -91,5 +100,14 @@ class BlockSwap {
  private:
   c10::intrusive_ptr<detail::BlockSwapState> state_;
 };
+
+template <typename Blocks>
+std::shared_ptr<BlockSwap> swap_last_blocks(Blocks& blocks, int64_t n) {
+  if (n == 0) return nullptr;
+  std::vector<torch::nn::Module*> modules;
+  for (auto& b : blocks) modules.push_back(b.ptr().get());
+  return std::make_shared<BlockSwap>(modules,
+                                     last_blocks_swapped(n, static_cast<int64_t>(modules.size())));
+}
 
 }  // namespace difftrain::models

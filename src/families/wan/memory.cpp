@@ -122,6 +122,10 @@ std::vector<train::MemoryEstimate> estimate_wan_memory(
     }
   }
   blocks.emplace_back("", std::move(root_params));
+  // Diffusers' _keep_in_fp32_modules stay float32 in a bf16 base (WanTransformer3DModel::to_dtype).
+  for (auto& unit : blocks) {
+    for (auto& p : unit.second) p.fp32 = models::wan_keeps_in_fp32(p.name);
+  }
 
   const int64_t frozen_size = bf16 ? 2 : 4;
   const DenoiserState state =

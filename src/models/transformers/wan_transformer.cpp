@@ -253,16 +253,19 @@ void WanTransformer3DModelImpl::to_dtype(torch::Dtype dtype) {
   // _keep_in_fp32_modules: "rope", "time_embedder", "scale_shift_table", "norm1", "norm2",
   // "norm3" (matched as substrings of the parameter names, as from_pretrained does).
   for (auto& p : named_parameters()) {
-    const std::string& n = p.key();
-    for (const char* keep :
-         {"time_embedder", "scale_shift_table", "norm1", "norm2", "norm3", "rope"}) {
-      if (n.find(keep) != std::string::npos) {
-        torch::NoGradGuard no_grad;
-        p.value().set_data(p.value().to(torch::kFloat32));
-        break;
-      }
+    if (wan_keeps_in_fp32(p.key())) {
+      torch::NoGradGuard no_grad;
+      p.value().set_data(p.value().to(torch::kFloat32));
     }
   }
+}
+
+bool wan_keeps_in_fp32(const std::string& name) {
+  for (const char* keep :
+       {"time_embedder", "scale_shift_table", "norm1", "norm2", "norm3", "rope"}) {
+    if (name.find(keep) != std::string::npos) return true;
+  }
+  return false;
 }
 
 torch::Tensor WanTransformer3DModelImpl::forward(const torch::Tensor& hidden_states,
@@ -403,12 +406,8 @@ WanTransformer3DModel load_wan_transformer(const std::string& dir, torch::Dtype 
 }
 
 void WanTransformer3DModelImpl::enable_block_swap(int64_t n) {
-  block_swap_.reset();
-  if (n == 0) return;
-  std::vector<torch::nn::Module*> blocks;
-  for (auto& b : blocks_) blocks.push_back(b.ptr().get());
-  block_swap_ = std::make_shared<BlockSwap>(
-      blocks, last_blocks_swapped(n, static_cast<int64_t>(blocks_.size())));
+  block_swap_.reset();  // every weight back before another swap takes them
+  block_swap_ = swap_last_blocks(blocks_, n);
 }
 
 }  // namespace difftrain::models

@@ -403,12 +403,8 @@ ZImageTransformer2DModel load_z_image_transformer(const std::string& dir, torch:
 }
 
 void ZImageTransformer2DModelImpl::enable_block_swap(int64_t n) {
-  block_swap_.reset();
-  if (n == 0) return;
-  std::vector<torch::nn::Module*> blocks;
-  for (auto& b : layers_) blocks.push_back(b.ptr().get());
-  block_swap_ = std::make_shared<BlockSwap>(
-      blocks, last_blocks_swapped(n, static_cast<int64_t>(layers_.size())));
+  block_swap_.reset();  // every weight back before another swap takes them
+  block_swap_ = swap_last_blocks(layers_, n);
 }
 
 }  // namespace difftrain::models

@@ -137,6 +137,11 @@ class WanTransformer3DModelImpl : public torch::nn::Module,
 };
 TORCH_MODULE(WanTransformer3DModel);
 
+/// Whether WanTransformer3DModel keeps parameter `name` in float32 under a lower precision
+/// (Diffusers' `_keep_in_fp32_modules`: rope, time_embedder, scale_shift_table, norm1-3, matched
+/// as substrings as from_pretrained matches them).
+bool wan_keeps_in_fp32(const std::string& name);
+
 /// A Diffusers WanTransformer3DModel folder (config.json + diffusion_pytorch_model*.safetensors)
 /// in `dtype` (the _keep_in_fp32_modules in float32), on the CPU.
 WanTransformer3DModel load_wan_transformer(const std::string& dir,
