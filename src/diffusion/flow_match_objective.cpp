@@ -5,6 +5,7 @@
 #include "difftrain/core/error.h"
 #include "difftrain/core/sample_rng.h"
 #include "difftrain/diffusion/sampler.h"
+#include "huber_thresholds.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -195,15 +196,10 @@ NoisedBatch FlowMatchObjective::from_draws(const torch::Tensor& x0, const torch:
                                        : d.sigmas * static_cast<float>(num_train_timesteps_))
                       .to(x0.device());
   const auto s = d.sigmas.to(torch::kFloat32);
-  if (loss_.huber()) {
-    const auto t = s.to(torch::kFloat64) * static_cast<double>(num_train_timesteps_);
-    if (loss_.huber_schedule == "constant") {
-      out.huber_c = torch::full({t.size(0)}, loss_.huber_c * loss_.huber_scale, torch::kFloat64);
-    } else {  // exponential (set_loss_options() refuses snr)
-      const double alpha = -std::log(loss_.huber_c) / static_cast<double>(num_train_timesteps_);
-      out.huber_c = torch::exp(-alpha * t) * loss_.huber_scale;
-    }
-    out.huber_c = out.huber_c.to(x0.device(), torch::kFloat32);
+  if (loss_.huber()) {  // t = 1000 sigma; set_loss_options() refuses snr
+    out.huber_c =
+        huber_thresholds(loss_, s.to(torch::kFloat64) * static_cast<double>(num_train_timesteps_),
+                         num_train_timesteps_, {}, x0.device());
   }
   if (options_.weighting_scheme == "cosmap") {
     out.weights = (2 / (kPi * (1 - 2 * s + 2 * s.pow(2)))).to(x0.device());

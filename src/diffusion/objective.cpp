@@ -3,6 +3,7 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/core/sample_rng.h"
+#include "huber_thresholds.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -74,6 +75,21 @@ void TrainingObjective::set_loss_options(LossOptions options) {
         fmt::format("--huber_c {} must be in (0, 1] (kohya's default is 0.1)", options.huber_c));
   }
   loss_ = std::move(options);
+}
+
+torch::Tensor huber_thresholds(const LossOptions& o, const torch::Tensor& t_in, int64_t T,
+                               const torch::Tensor& snr_sigmas, torch::Device device) {
+  const auto t = t_in.to(torch::kCPU, torch::kFloat64);
+  torch::Tensor c;
+  if (o.huber_schedule == "constant") {
+    c = torch::full({t.size(0)}, o.huber_c * o.huber_scale, torch::kFloat64);
+  } else if (o.huber_schedule == "exponential") {
+    const double alpha = -std::log(o.huber_c) / static_cast<double>(T);
+    c = torch::exp(-alpha * t) * o.huber_scale;
+  } else {
+    c = (1 - o.huber_c) / (1 + snr_sigmas).pow(2) + o.huber_c;
+  }
+  return c.to(device, torch::kFloat32);
 }
 
 torch::Tensor TrainingObjective::losses(const torch::Tensor& prediction, const NoisedBatch& batch,
@@ -174,17 +190,12 @@ NoisedBatch DdpmObjective::noise(const torch::Tensor& x0, const std::vector<int6
       out.timesteps);
   out.target = scheduler_->training_target(x0, noise, out.timesteps).to(torch::kFloat32);
   if (loss_.huber()) {
-    const auto t = out.timesteps.to(torch::kCPU, torch::kFloat64);
-    if (loss_.huber_schedule == "constant") {
-      out.huber_c = torch::full({t.size(0)}, loss_.huber_c * loss_.huber_scale, torch::kFloat64);
-    } else if (loss_.huber_schedule == "exponential") {
-      const double alpha = -std::log(loss_.huber_c) / static_cast<double>(T);
-      out.huber_c = torch::exp(-alpha * t) * loss_.huber_scale;
-    } else {  // snr: sigma = sqrt((1 - alpha_bar) / alpha_bar) = 1 / sqrt(SNR)
-      const auto sigma = scheduler_->snr(out.timesteps).to(torch::kCPU, torch::kFloat64).rsqrt();
-      out.huber_c = (1 - loss_.huber_c) / (1 + sigma).pow(2) + loss_.huber_c;
-    }
-    out.huber_c = out.huber_c.to(device, torch::kFloat32);
+    // snr: sigma = sqrt((1 - alpha_bar) / alpha_bar) = 1 / sqrt(SNR)
+    const auto sigmas =
+        loss_.huber_schedule == "snr"
+            ? scheduler_->snr(out.timesteps).to(torch::kCPU, torch::kFloat64).rsqrt()
+            : torch::Tensor();
+    out.huber_c = huber_thresholds(loss_, out.timesteps, T, sigmas, device);
   }
   if (n.snr_gamma) {
     out.weights = min_snr_weights(scheduler_->snr(out.timesteps), *n.snr_gamma,

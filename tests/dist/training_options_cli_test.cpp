@@ -54,65 +54,25 @@ std::string make_tagged_folder(const std::string& dir, int mask_value = -1) {
 
 std::vector<std::string> sd_cmd(const std::string& data, const std::string& out,
                                 std::vector<std::string> extra) {
-  std::vector<std::string> cmd = {"train",
-                                  "--pretrained_model_name_or_path",
-                                  kOptSd,
-                                  "--dataset",
-                                  "imagefolder",
-                                  "--train_data_dir",
-                                  data,
-                                  "--resolution",
-                                  "32",
-                                  "--center_crop",
-                                  "--lora",
-                                  "--rank",
-                                  "4",
-                                  "--learning_rate",
-                                  "1e-2",
-                                  "--lr_scheduler",
-                                  "constant",
-                                  "--lr_warmup_steps",
-                                  "0",
-                                  "--use_ema",
-                                  "false",
-                                  "--num_validation_images",
-                                  "0",
-                                  "--logging_steps",
-                                  "1",
-                                  "--output_dir",
-                                  out};
-  cmd.insert(cmd.end(), extra.begin(), extra.end());
-  return cmd;
+  std::vector<std::string> flags = {
+      "--resolution",    "32",       "--center_crop",           "--lora",
+      "--rank",          "4",        "--learning_rate",         "1e-2",
+      "--lr_scheduler",  "constant", "--lr_warmup_steps",       "0",
+      "--use_ema",       "false",    "--num_validation_images", "0",
+      "--logging_steps", "1"};
+  flags.insert(flags.end(), extra.begin(), extra.end());
+  return folder_train_cmd(kOptSd, data, out, flags);
 }
 
 // A FLUX.1 LoRA run of the tiny folder on `data` at 32 px, then `extra`.
 std::vector<std::string> flux_cmd(const std::string& data, const std::string& out,
                                   const std::vector<std::string>& extra) {
-  std::vector<std::string> c = {"train",
-                                "--pretrained_model_name_or_path",
-                                kOptFlux,
-                                "--dataset",
-                                "imagefolder",
-                                "--train_data_dir",
-                                data,
-                                "--resolution",
-                                "32",
-                                "--center_crop",
-                                "--lora",
-                                "--rank",
-                                "4",
-                                "--max_sequence_length",
-                                "16",
-                                "--learning_rate",
-                                "1e-2",
-                                "--num_validation_images",
-                                "0",
-                                "--logging_steps",
-                                "1",
-                                "--output_dir",
-                                out};
-  c.insert(c.end(), extra.begin(), extra.end());
-  return c;
+  std::vector<std::string> flags = {"--resolution",    "32",   "--center_crop",           "--lora",
+                                    "--rank",          "4",    "--max_sequence_length",   "16",
+                                    "--learning_rate", "1e-2", "--num_validation_images", "0",
+                                    "--logging_steps", "1"};
+  flags.insert(flags.end(), extra.begin(), extra.end());
+  return folder_train_cmd(kOptFlux, data, out, flags);
 }
 
 io::TensorMap lora_of(const std::string& out) {
