@@ -9,16 +9,19 @@
 //                   [--text_tokens 512] [--num_layers 2] [--num_single_layers 4] [--heads 24]
 //                   [--batch 1] [--mixed_precision bf16] [--gradient_checkpointing 1]
 //                   [--steps 5] [--warmup 2] [--device auto|cpu|cuda] [--threads 0]
+//                   [--profile FILE]
 //
 // lora: the frozen base in the training dtype (bf16 under bf16, as Diffusers' FLUX LoRA script
 // keeps it), or 8-bit (--base_weights_dtype, models/quantized_weight.h), adapters on Diffusers'
 // 12 default FLUX targets in fp32. full: every weight trains in fp32 (master weights); with
 // --offload 1 the optimizer side lives in host memory (SHARD_GRAD_OP over a world of one with
 // offload_optimizer, as `difftrain train --offload_optimizer_device cpu` runs on one device).
-// Prints one JSON line: ms per step and its parts (forward+backward, optimizer step), the peak
-// memory (CUDA: the caching allocator's peak allocated bytes; CPU: peak RSS, so run one
-// configuration per process, and the live heap after the steps), the frozen base's bytes, the
-// trainable count and host bytes.
+// Prints one JSON line: ms per step (the median of the timed steps) and its parts
+// (forward+backward, optimizer step), the peak memory during the timed steps (CUDA: the caching
+// allocator's peak allocated bytes; CPU: the peak RSS, reset after the warm-up, and the RSS before
+// them, as the Python peer bench/py/diffusers_flux_step.py measures them; the live heap after the
+// steps), the frozen base's bytes, the trainable count and host bytes. bench/flux_vs_diffusers.sh
+// runs both.
 
 #include "bench_util.h"
 #include "difftrain/accel/accelerator.h"
@@ -36,7 +39,6 @@
 
 #include <malloc.h>
 
-#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -51,10 +53,6 @@ using namespace difftrain;
 double live_heap_gib() {
   const struct mallinfo2 m = mallinfo2();
   return static_cast<double>(m.uordblks + m.hblkhd) / (1 << 30);
-}
-
-double seconds_since(std::chrono::steady_clock::time_point t) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
 }
 
 int run(int argc, char** argv) {
@@ -145,9 +143,13 @@ int run(int argc, char** argv) {
   auto img_ids = torch::stack({torch::zeros_like(rows), rows, cols}, 1);
   auto txt_ids = torch::zeros({text_tokens, 3}, on);
 
-  double fb_s = 0, step_s = 0;
-  auto step = [&]() {
-    auto t0 = std::chrono::steady_clock::now();
+  // With bench/alloc_peak.c preloaded: the heap in use before the step and after its forward (what
+  // the graph keeps for the backward, with the prediction and the loss).
+  const bench::HeapCounter heap;
+  double heap_step_start = 0, heap_after_forward = 0;
+  auto step = [&](bench::StepTimer& timer) {
+    if (heap.present()) heap_step_start = static_cast<double>(heap.live());
+    timer.start();
     auto sigma = torch::rand({batch}, on);
     auto noise = torch::randn_like(x0);
     auto s = sigma.view({batch, 1, 1});
@@ -158,33 +160,24 @@ int run(int argc, char** argv) {
       auto pred = model->forward(noisy, text, pooled, sigma, guidance, img_ids, txt_ids);
       loss = torch::mse_loss(pred.to(torch::kFloat), noise - x0);
     }
+    if (heap.present()) heap_after_forward = static_cast<double>(heap.live());
     acc.backward(loss);
     acc.clip_grad_norm_(params, 1.0);
     bench::synchronize(device);
-    auto t1 = std::chrono::steady_clock::now();
-    fb_s += std::chrono::duration<double>(t1 - t0).count();
+    timer.backward_done();
     opt->step();
-    opt->zero_grad();
+    opt->zero_grad(/*set_to_none=*/true);  // as torch 2's optimizer.zero_grad(), the peer's
     bench::synchronize(device);
-    step_s += seconds_since(t1);
+    timer.optimizer_done();
     return loss;
   };
-  for (int64_t i = 0; i < warmup; ++i) step();
-  bench::synchronize(device);
-  bench::reset_peak_memory(device);
-  fb_s = step_s = 0;
-  const auto start = std::chrono::steady_clock::now();
-  torch::Tensor loss;
-  for (int64_t i = 0; i < steps; ++i) loss = step();
-  bench::synchronize(device);
-  const double seconds = seconds_since(start);
-
   nlohmann::json out;
+  bench::run_timed_steps(step, warmup, steps, get("profile", ""), device, out);
+
   out["impl"] = "difftrain";
   out["mode"] = mode;
   out["device"] = device.str();
   out["threads"] = at::get_num_threads();
-  const auto peak = bench::peak_memory(device);
   const auto mem = acc.memory();
   out["blocks"] = {fo.num_layers(), fo.num_single_layers()};
   out["width"] = fo.inner_dim();
@@ -194,20 +187,14 @@ int run(int argc, char** argv) {
   out["lora_rank"] = mode == "lora" ? lora_rank : 0;
   out["base_weights_dtype"] = models::to_string(storage);
   out["offload"] = offload;
+  out["gradient_checkpointing"] = num("gradient_checkpointing", 1) != 0;
   out["optimizer"] = get("optimizer", "adamw");
   out["trainable"] = trainable_count;
   out["frozen_bytes"] = frozen_bytes;
   out["host_bytes"] = mem.host_bytes;
-  out["steps"] = steps;
-  out["ms_per_step"] = 1000.0 * seconds / static_cast<double>(steps);
-  out["ms_forward_backward"] = 1000.0 * fb_s / static_cast<double>(steps);
-  out["ms_optimizer"] = 1000.0 * step_s / static_cast<double>(steps);
-  out["peak_mem_gib"] = peak.gib;
-  out["peak_mem_kind"] = peak.kind;
-  // CPU: what the heap holds after the timed steps (weights, adapters, optimizer state; the
-  // peak RSS above includes building the model in fp32 before it is cast or quantized).
+  // CPU: what the heap holds after the timed steps (weights, adapters, optimizer state).
   out["live_heap_gib"] = live_heap_gib();
-  out["final_loss"] = loss.item<double>();
+  if (heap.present()) out["forward_keeps_gib"] = (heap_after_forward - heap_step_start) / (1 << 30);
   std::cout << out.dump() << std::endl;
   return 0;
 }

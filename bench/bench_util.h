@@ -1,8 +1,9 @@
 #pragma once
 // What the training-step benchmarks share: the peak memory they report (CUDA: the caching
 // allocator's peak allocated bytes since reset_peak_memory(), torch.cuda.max_memory_allocated;
-// CPU: the process's peak RSS), a device synchronisation, main()'s one-line error, and the timed
-// step loop of the transformer families' LoRA benches (Z-Image, Qwen-Image, Wan).
+// CPU: the process's peak RSS since reset_peak_memory()), a device synchronisation, main()'s
+// one-line error, and the timed step loop of the transformer families' LoRA benches (Z-Image,
+// Qwen-Image, Wan).
 
 #include <torch/csrc/autograd/profiler.h>
 #include <torch/cuda.h>
@@ -14,13 +15,17 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #endif
 
+#include <dlfcn.h>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+
+#include <algorithm>
 #include <exception>
 #include <fstream>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace difftrain::bench {
 
@@ -28,13 +33,43 @@ inline void synchronize(const torch::Device& device) {
   if (device.is_cuda()) torch::cuda::synchronize(device.index());
 }
 
-/// Starts the peak count over (CUDA only: a process's peak RSS cannot be reset).
+/// The resident set now, in GiB (CPU; /proc/self/status VmRSS).
+inline double resident_gib() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stod(line.substr(6)) / (1024.0 * 1024.0);
+  }
+  return 0;
+}
+
+/// bench/alloc_peak.c's counters when it is LD_PRELOADed (null functions otherwise).
+struct HeapCounter {
+  void (*reset)() = nullptr;
+  long long (*peak)() = nullptr;
+  long long (*live)() = nullptr;
+  HeapCounter() {
+    reset = reinterpret_cast<void (*)()>(dlsym(RTLD_DEFAULT, "alloc_peak_reset"));
+    peak = reinterpret_cast<long long (*)()>(dlsym(RTLD_DEFAULT, "alloc_peak_bytes"));
+    live = reinterpret_cast<long long (*)()>(dlsym(RTLD_DEFAULT, "alloc_live_bytes"));
+    if (!reset || !peak || !live) reset = nullptr;
+  }
+  bool present() const { return reset != nullptr; }
+};
+
+/// Starts the peak count over: CUDA, the caching allocator's peak; CPU, the process's peak RSS
+/// (VmHWM), reset to the current RSS by writing 5 to /proc/self/clear_refs, as the Python peers
+/// do, so both sides' "peak during the timed steps" is the same measure.
 inline void reset_peak_memory(const torch::Device& device) {
 #ifdef DIFFTRAIN_WITH_CUDA
-  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
-#else
-  (void)device;
+  if (device.is_cuda()) {
+    c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+    return;
+  }
 #endif
+  if (!device.is_cuda()) {
+    std::ofstream("/proc/self/clear_refs") << "5";
+    if (const HeapCounter heap; heap.present()) heap.reset();
+  }
 }
 
 struct PeakMemory {
@@ -83,34 +118,60 @@ struct StepTimer {
   }
 };
 
-/// A LoRA bench's loop: `warmup` untimed calls of step(timer), then `steps` timed ones (under
+/// A training bench's loop: `warmup` untimed calls of step(timer), then `steps` timed ones (under
 /// LibTorch's autograd profiler writing `profile` when it is not empty, for
-/// bench/py/op_profile.py); step returns its loss. Adds the fields every bench prints to `out`:
-/// steps, ms_per_step, ms_forward_backward, ms_optimizer, peak_mem_gib, final_loss.
+/// bench/py/op_profile.py); step returns its loss. The peak memory is reset after the warm-up.
+/// Adds the fields every bench prints to `out`: steps, ms_per_step (the median of the timed
+/// steps, as the Python peers report it), ms_forward_backward, ms_optimizer (means),
+/// rss_before_steps_gib (CPU), peak_mem_gib (during the timed steps), peak_mem_kind, final_loss;
+/// with bench/alloc_peak.c preloaded also heap_before_steps_gib and peak_heap_gib (CPU).
 template <typename Step>
 void run_timed_steps(Step&& step, int64_t warmup, int64_t steps, const std::string& profile,
                      const torch::Device& device, nlohmann::json& out) {
   StepTimer timer;
   for (int64_t i = 0; i < warmup; ++i) step(timer);
+  synchronize(device);
+  reset_peak_memory(device);
+  const double rss_before = device.is_cuda() ? 0.0 : resident_gib();
+  const HeapCounter heap;
+  const double heap_before = heap.present() ? static_cast<double>(heap.live()) / (1 << 30) : 0.0;
   timer = StepTimer{};
-  const auto start = std::chrono::steady_clock::now();
+  std::vector<double> step_seconds;
   torch::Tensor loss;
   {
     std::unique_ptr<torch::autograd::profiler::RecordProfile> recording;
     if (!profile.empty()) {
       recording = std::make_unique<torch::autograd::profiler::RecordProfile>(profile);
     }
-    for (int64_t i = 0; i < steps; ++i) loss = step(timer);
+    for (int64_t i = 0; i < steps; ++i) {
+      const auto start = std::chrono::steady_clock::now();
+      loss = step(timer);
+      synchronize(device);
+      step_seconds.push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
   }
-  synchronize(device);
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::sort(step_seconds.begin(), step_seconds.end());
+  const size_t n_steps = step_seconds.size();
+  const double median = n_steps == 0 ? 0.0
+                        : n_steps % 2 == 1
+                            ? step_seconds[n_steps / 2]
+                            : 0.5 * (step_seconds[n_steps / 2 - 1] + step_seconds[n_steps / 2]);
   const auto n = static_cast<double>(steps);
+  const auto peak = peak_memory(device);
   out["steps"] = steps;
-  out["ms_per_step"] = 1000.0 * seconds / n;
+  out["ms_per_step"] = 1000.0 * median;
   out["ms_forward_backward"] = 1000.0 * timer.forward_backward / n;
   out["ms_optimizer"] = 1000.0 * timer.optimizer / n;
-  out["peak_mem_gib"] = peak_memory(device).gib;
+  if (!device.is_cuda()) out["rss_before_steps_gib"] = rss_before;
+  if (!device.is_cuda() && heap.present()) {
+    // bench/alloc_peak.c: the bytes malloc has handed out and not taken back.
+    out["heap_before_steps_gib"] = heap_before;
+    out["peak_heap_gib"] = static_cast<double>(heap.peak()) / (1 << 30);
+  }
+  out["peak_mem_gib"] = peak.gib;
+  out["peak_mem_kind"] = device.is_cuda() ? peak.kind : "peak RSS during the timed steps";
+  if (!peak.device_name.empty()) out["gpu"] = peak.device_name;
   out["final_loss"] = loss.item<double>();
 }
 

@@ -9,8 +9,10 @@
 #   sdxl      configs/sdxl-base-1.0/unet/config.json (random weights), 128x128 latents, 77x2048
 #             text states + SDXL's added conditioning (text_embeds, time_ids), batch 2, bf16,
 #             LoRA rank 16
-#   flux      FLUX.1-sized transformer blocks (bench_flux_step, difftrain only): LoRA r16 on a
-#             bf16 / int8 / fp8 base, full fine-tune without and with optimizer offload
+#   flux      FLUX.1-sized transformer blocks (bench_flux_step): LoRA r16 on a bf16 / int8 / fp8
+#             base, full fine-tune without and with optimizer offload; and the LoRA r16 step on
+#             the bf16 base against Diffusers' FluxTransformer2DModel + PEFT
+#             (bench/py/diffusers_flux_step.py on this machine's PyTorch)
 # then `difftrain train` on the built-in default for $TRAIN_STEPS steps on the GPU (samples/s of
 # its last logged window). Each pair runs interleaved for $ROUNDS rounds (fewer when
 # BENCH_DEADLINE comes first); medians are reported,
@@ -134,7 +136,24 @@ for ((round = 1; round <= ${FLUX_ROUNDS:-1}; round++)); do
       echo "gpu_train: bench_flux_step --mode $mode --base_weights_dtype $base --offload $off failed" >&2
   done
 done
-flux_note=$("$python" - "$flux_results" <<'PY'
+# The FLUX.1 LoRA step against Diffusers + PEFT on this machine's PyTorch (issue 62):
+# bench/py/diffusers_flux_step.py with the same blocks, tokens, bf16 base, rank, checkpointing
+# and step as the first case ("lora none 0"), interleaved with difftrain's over FLUX_ROUNDS.
+flux_peer_results=$out_dir/flux_peer.jsonl
+: >"$flux_peer_results"
+for ((round = 1; round <= ${FLUX_ROUNDS:-1}; round++)); do
+  if ((deadline > 0 && $(date +%s) > deadline)); then
+    echo "gpu_train: the flux peer skipped: past BENCH_DEADLINE" >&2
+    break
+  fi
+  "$build/bench/bench_flux_step" "${flux_common[@]}" --mode lora --base_weights_dtype none |
+    sed "s/^{/{\"round\": $round, /" | tee -a "$flux_peer_results" ||
+    echo "gpu_train: bench_flux_step (the peer comparison) failed" >&2
+  "$python" "$root/bench/py/diffusers_flux_step.py" "${flux_common[@]}" --mode lora |
+    sed "s/^{/{\"round\": $round, /" | tee -a "$flux_peer_results" ||
+    echo "gpu_train: bench/py/diffusers_flux_step.py failed" >&2
+done
+flux_note=$("$python" - "$flux_results" "$flux_peer_results" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 if not rows:
@@ -154,6 +173,16 @@ for (mode, base, off), g in groups.items():
     print(f"| {mode} | {base if mode == 'lora' else 'fp32 (trains)'} | {'cpu' if off else 'no'} | {g[0]['trainable']} "
           f"| {g[0]['frozen_bytes'] / 2**30:.2f} | {med(g, 'ms_per_step'):.1f} | {med(g, 'ms_forward_backward'):.1f} "
           f"| {med(g, 'ms_optimizer'):.1f} | {med(g, 'peak_mem_gib'):.2f} | {g[0]['host_bytes'] / 2**30:.2f} |")
+peer = [json.loads(l) for l in open(sys.argv[2]) if l.strip()]
+ours = [r for r in peer if r.get("impl") == "difftrain"]
+theirs = [r for r in peer if r.get("impl") == "diffusers+peft"]
+if ours and theirs:
+    a, b = med(ours, "ms_per_step"), med(theirs, "ms_per_step")
+    print(f"flux: LoRA r{ours[0]['lora_rank']} step vs Diffusers + PEFT (torch {theirs[0]['torch']}, "
+          f"{len(theirs)} rounds): difftrain {a:.1f} ms, peer {b:.1f} ms, ratio peer/difftrain {b / a:.2f}x; "
+          f"peak allocated difftrain {med(ours, 'peak_mem_gib'):.2f} GiB, peer {med(theirs, 'peak_mem_gib'):.2f} GiB")
+else:
+    print("flux: the Diffusers + PEFT comparison has no rows (see above)")
 PY
 )
 

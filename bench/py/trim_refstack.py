@@ -1,5 +1,6 @@
 """Trims the refstack's Diffusers 0.31.0 and PEFT 0.14.0 sources to the files that the GPU
-benchmark's Python peer (bench/py/diffusers_unet_step.py, run by bench/gpu_train.sh) loads, so a
+benchmark's Python peers (bench/py/diffusers_unet_step.py and diffusers_flux_step.py, run by
+bench/gpu_train.sh) load, so a
 device machine is sent a few MB instead of the whole trees.
 
     python3 bench/py/trim_refstack.py DIFFUSERS_SRC PEFT_SRC OUT [--refstack DIR]
@@ -247,6 +248,12 @@ def main():
             print(f"probe: the real sd15 and sdxl configs (empty weights) + add_adapter, {mode}",
                   flush=True)
             run_probe("build", [str(p) for p in REAL_CONFIGS], e)
+        for mode, e in (("as here", env), ("as with transformers", env_gpu)):
+            # diffusers_flux_step.py (gpu_train.sh's FLUX.1 comparison) needs torch 2's SDPA to
+            # run, which the refstack's torch 1.13 lacks: its modules are imported instead.
+            print(f"probe: import FluxTransformer2DModel's module, {mode}", flush=True)
+            run_probe("import", ["diffusers.models.transformers.transformer_flux",
+                                 "peft.tuners.lora"], e)
         n_run = len(files)
         root_of = lambda f: Path(next(s for s in srcs if str(f).startswith(s + os.sep)))
         extra = set()

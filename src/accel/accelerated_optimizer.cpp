@@ -1,5 +1,7 @@
 #include "difftrain/accel/accelerated_optimizer.h"
 
+#include "difftrain/optim/flat_optimizer.h"
+
 #include <torch/torch.h>
 
 namespace difftrain::accel {
@@ -37,12 +39,22 @@ void AcceleratedOptimizer::step() {
   state_->step_skipped = skipped_;
 }
 
-void AcceleratedOptimizer::zero_grad() {
+void AcceleratedOptimizer::zero_grad(bool set_to_none) {
   if (!state_->sync_gradients) return;
   state_->finish_reduction();
   torch::NoGradGuard no_grad;
+  const bool drop = set_to_none && state_->grad_syncs.empty();
   for (auto& p : parameters()) {
-    if (p.grad().defined()) p.mutable_grad().zero_();
+    if (!p.grad().defined()) continue;
+    if (drop) {
+      p.mutable_grad() = torch::Tensor();
+    } else {
+      p.mutable_grad().zero_();
+    }
+  }
+  if (!drop) return;
+  if (auto* flat = dynamic_cast<optim::FlatOptimizer*>(optimizer_.get())) {
+    flat->drop_unused_grad_storage();
   }
 }
 

@@ -1,6 +1,7 @@
 #include "difftrain/models/attention.h"
 
 #include "difftrain/core/error.h"
+#include "difftrain/core/torch_compat.h"
 #include "difftrain/models/kernels/fused_ops.h"
 #include "difftrain/models/layers.h"
 
@@ -8,8 +9,12 @@
 #include <torch/nn/functional/dropout.h>
 #include <torch/nn/modules/dropout.h>
 
+#include <torch/autograd.h>
+
 #include <algorithm>
 #include <cmath>
+#include <limits>
+#include <vector>
 
 namespace difftrain::models {
 
@@ -26,16 +31,183 @@ torch::Tensor maybe_dropout(const torch::Tensor& x, double p, bool training) {
 
 // ------------------------------------------------------------------ Attention
 
+namespace {
+
+// Query rows per chunk so a [B*h, chunk, S] score matrix stays near 16 MiB (4 bytes each): the
+// forward holds four such matrices at once (bf16 / float32 scores, probabilities), the backward
+// six; smaller chunks cost nothing measurable at FLUX.1's sizes and keep those transients under
+// the graph's saved tensors.
+int64_t attention_chunk(int64_t batch_heads, int64_t queries, int64_t keys) {
+  const int64_t budget = int64_t{4} << 20;
+  return std::max<int64_t>(
+      1, std::min<int64_t>(queries, budget / std::max<int64_t>(1, batch_heads * keys)));
+}
+
+// The scaled scores bmm(q, k^T) · scale made ready for the softmax: the optional upcast to float32,
+// the key mask (-inf where masked).
+torch::Tensor softmax_input(const torch::Tensor& scaled, const torch::Tensor& masked,
+                            const AttentionCore& c) {
+  torch::Tensor scores = scaled;
+  if (c.upcast_softmax) scores = scores.to(torch::kFloat32);
+  if (masked.defined()) {
+    scores = scores.masked_fill(masked, -std::numeric_limits<double>::infinity());
+  }
+  return scores;
+}
+
+// One chunk's scores, the way the forward forms them: bmm (in q's dtype, or autocast's), then the
+// scale: LibTorch 1.13's CPU baddbmm with beta = 0 reads its uninitialised input on some small
+// bf16 / float64 shapes.
+torch::Tensor chunk_scores(const torch::Tensor& q, const torch::Tensor& kt,
+                           const torch::Tensor& masked, const AttentionCore& c) {
+  return softmax_input(torch::bmm(q, kt) * c.scale, masked, c);
+}
+
+// attention_core's loop over query chunks (masked: undefined or [BH, 1, S], true where masked).
+torch::Tensor attention_chunks(const torch::Tensor& qh, const torch::Tensor& kh,
+                               const torch::Tensor& vh, const torch::Tensor& masked,
+                               const AttentionCore& c) {
+  const int64_t N = qh.size(1);
+  const int64_t chunk = attention_chunk(qh.size(0), N, kh.size(1));
+  const torch::Tensor kt = kh.transpose(1, 2);
+  std::vector<torch::Tensor> outs;
+  for (int64_t start = 0; start < N; start += chunk) {
+    const int64_t len = std::min(chunk, N - start);
+    const torch::Tensor probs =
+        chunk_scores(qh.narrow(1, start, len), kt, masked, c).softmax(-1).to(c.out_dtype);
+    outs.push_back(torch::bmm(probs, vh));
+  }
+  return outs.size() == 1 ? outs[0] : torch::cat(outs, 1);
+}
+
+// The same maths with a backward that recomputes each chunk's probabilities from q and k instead
+// of keeping them: autograd would save the float32 softmax output and its cast for every chunk
+// ([B*h, N, S] twice, about 190 MiB per FLUX.1 block at 1,152 tokens). The gradients are the ones
+// autograd forms for the ops of attention_chunks (the same op sequence, chunk by chunk), with
+// dK and dV summed over the chunks in float32.
+struct MaskArg {
+  torch::Tensor masked;
+};
+
+struct RecomputedAttention : public torch::autograd::Function<RecomputedAttention> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& qh,
+                               const torch::Tensor& kh, const torch::Tensor& vh,
+                               const MaskArg& mask, double scale, bool upcast_softmax,
+                               int64_t out_dtype) {
+    // The mask needs no gradient, and may be undefined (which apply() would not take as an input).
+    const torch::Tensor& masked = mask.masked;
+    const AttentionCore c{scale, upcast_softmax, static_cast<torch::ScalarType>(out_dtype)};
+    ctx->save_for_backward({qh, kh, vh});
+    ctx->saved_data["has_mask"] = masked.defined();
+    if (masked.defined()) ctx->saved_data["masked"] = masked;
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["upcast"] = upcast_softmax;
+    ctx->saved_data["dtype"] = out_dtype;
+    // The products ran under the caller's autocast, if any (a float32 q with a bf16 v in a full
+    // fine-tune): the backward's run under the same.
+    const c10::DeviceType device = qh.device().type();
+    const compat::AutocastState autocast = compat::autocast_state(device);
+    ctx->saved_data["autocast"] = autocast.enabled;
+    ctx->saved_data["autocast_dtype"] = static_cast<int64_t>(autocast.dtype);
+    torch::NoGradGuard no_grad;
+    return attention_chunks(qh, kh, vh, masked, c);
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const torch::Tensor &qh = saved[0], &kh = saved[1], &vh = saved[2];
+    const torch::Tensor masked = ctx->saved_data["has_mask"].toBool()
+                                     ? ctx->saved_data["masked"].toTensor()
+                                     : torch::Tensor();
+    const AttentionCore c{ctx->saved_data["scale"].toDouble(), ctx->saved_data["upcast"].toBool(),
+                          static_cast<torch::ScalarType>(ctx->saved_data["dtype"].toInt())};
+    const compat::AutocastRestore autocast(
+        qh.device().type(),
+        {ctx->saved_data["autocast"].toBool(),
+         static_cast<torch::ScalarType>(ctx->saved_data["autocast_dtype"].toInt())});
+    const torch::Tensor dout = grads[0];
+    const int64_t N = qh.size(1);
+    const int64_t chunk = attention_chunk(qh.size(0), N, kh.size(1));
+    const torch::Tensor kt = kh.transpose(1, 2);
+    const bool one = chunk >= N;
+    const auto acc = [&](const torch::Tensor& like) {
+      return one ? torch::Tensor()
+                 : torch::zeros(like.sizes(), like.options().dtype(torch::kFloat));
+    };
+    torch::Tensor dk = acc(kh), dv = acc(vh), dk_one, dv_one;
+    std::vector<torch::Tensor> dqs;
+    for (int64_t start = 0; start < N; start += chunk) {
+      const int64_t len = std::min(chunk, N - start);
+      const torch::Tensor q = qh.narrow(1, start, len);
+      const torch::Tensor g = dout.narrow(1, start, len);
+      // scaled: bmm's dtype (bf16 under autocast even for float32 q and k).
+      const torch::Tensor scaled = torch::bmm(q, kt) * c.scale;
+      const auto scaled_dtype = scaled.scalar_type();
+      const torch::Tensor p = softmax_input(scaled, masked, c).softmax(-1);
+      // out = bmm(probs, v), probs = p.to(out_dtype)
+      const torch::Tensor dv_c = torch::bmm(p.to(c.out_dtype).transpose(1, 2), g);
+      // p = softmax(scores); scores = [masked] [upcast] (bmm(q, k^T) * scale), in p's dtype
+      torch::Tensor ds = torch::_softmax_backward_data(
+          torch::bmm(g, vh.transpose(1, 2)).to(p.scalar_type()), p, -1, p.scalar_type());
+      if (masked.defined()) ds = ds.masked_fill(masked, 0);
+      ds = ds.to(scaled_dtype) * c.scale;
+      dqs.push_back(torch::bmm(ds, kh));
+      const torch::Tensor dk_c = torch::bmm(ds.transpose(1, 2), q);
+      if (one) {
+        dk_one = dk_c, dv_one = dv_c;
+      } else {
+        dk.add_(dk_c);
+        dv.add_(dv_c);
+      }
+    }
+    if (!one) dk_one = dk.to(kh.scalar_type()), dv_one = dv.to(vh.scalar_type());
+    torch::Tensor dq = dqs.size() == 1 ? dqs[0] : torch::cat(dqs, 1);
+    return {dq, dk_one, dv_one, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor attention_core(const torch::Tensor& qh, const torch::Tensor& kh,
+                             const torch::Tensor& vh, const torch::Tensor& key_mask,
+                             const AttentionCore& c) {
+  TORCH_CHECK(qh.dim() == 3 && kh.dim() == 3 && vh.dim() == 3 && qh.size(0) == kh.size(0) &&
+                  kh.sizes() == vh.sizes() && qh.size(2) == kh.size(2),
+              "attention_core: q must be [BH, N, d] and k, v [BH, S, d], got ", qh.sizes(), ", ",
+              kh.sizes(), ", ", vh.sizes());
+  torch::Tensor masked;  // [BH or 1, 1, S], true where a key is masked out
+  if (key_mask.defined()) {
+    const int64_t BH = qh.size(0), S = kh.size(1);
+    TORCH_CHECK(key_mask.dim() == 2 && key_mask.size(1) == S && BH % key_mask.size(0) == 0,
+                "attention_core: key_mask must be [B, ", S, "] with B dividing ", BH, ", got ",
+                key_mask.sizes());
+    const int64_t B = key_mask.size(0);
+    masked = key_mask.to(torch::kBool)
+                 .logical_not()
+                 .view({B, 1, 1, S})
+                 .expand({B, BH / B, 1, S})
+                 .reshape({BH, 1, S});
+  }
+  const bool grad = torch::GradMode::is_enabled() &&
+                    (qh.requires_grad() || kh.requires_grad() || vh.requires_grad());
+  if (!grad) return attention_chunks(qh, kh, vh, masked, c);
+  return RecomputedAttention::apply(qh, kh, vh, MaskArg{masked}, c.scale, c.upcast_softmax,
+                                    static_cast<int64_t>(c.out_dtype));
+}
+
 torch::Tensor multi_head_attention(const torch::Tensor& q, const torch::Tensor& k,
                                    const torch::Tensor& v, int64_t heads, bool upcast_attention,
-                                   bool upcast_softmax) {
+                                   bool upcast_softmax, const torch::Tensor& key_mask) {
   const int64_t B = q.size(0), N = q.size(1), S = k.size(1), inner = q.size(2);
   TORCH_CHECK(inner % heads == 0, "attention width ", inner, " is not a multiple of ", heads,
               " heads");
   const int64_t d = inner / heads;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   // float32 on the CPU: one fused kernel on the projected layout (upcasting is a no-op there).
-  if (torch::Tensor fused = fused_attention(q, k, v, heads, scale); fused.defined()) return fused;
+  if (!key_mask.defined()) {
+    if (torch::Tensor fused = fused_attention(q, k, v, heads, scale); fused.defined()) return fused;
+  }
   // [B, N, h*d] -> [B*h, N, d], as Diffusers' head_to_batch_dim.
   auto split = [&](const torch::Tensor& t, int64_t len) {
     return t.reshape({B, len, heads, d}).permute({0, 2, 1, 3}).reshape({B * heads, len, d});
@@ -46,22 +218,7 @@ torch::Tensor multi_head_attention(const torch::Tensor& q, const torch::Tensor& 
     qh = qh.to(torch::kFloat32);
     kh = kh.to(torch::kFloat32);
   }
-  torch::Tensor kt = kh.transpose(1, 2);
-  // Chunk the queries so the [B*h, chunk, S] score matrix stays near 64 MiB (4 bytes each).
-  const int64_t budget = int64_t{16} << 20;
-  const int64_t chunk =
-      std::max<int64_t>(1, std::min<int64_t>(N, budget / std::max<int64_t>(1, B * heads * S)));
-  std::vector<torch::Tensor> outs;
-  for (int64_t start = 0; start < N; start += chunk) {
-    const int64_t len = std::min(chunk, N - start);
-    // bmm then the scale: LibTorch 1.13's CPU baddbmm with beta = 0 reads its uninitialised
-    // input on some small bf16 / float64 shapes (NaN scores).
-    torch::Tensor scores = torch::bmm(qh.narrow(1, start, len), kt) * scale;
-    if (upcast_softmax) scores = scores.to(torch::kFloat32);
-    torch::Tensor probs = scores.softmax(-1).to(out_dtype);
-    outs.push_back(torch::bmm(probs, vh));
-  }
-  torch::Tensor out = outs.size() == 1 ? outs[0] : torch::cat(outs, 1);
+  torch::Tensor out = attention_core(qh, kh, vh, key_mask, {scale, upcast_softmax, out_dtype});
   // [B*h, N, d] -> [B, N, h*d], Diffusers' batch_to_head_dim.
   return out.reshape({B, heads, N, d}).permute({0, 2, 1, 3}).reshape({B, N, inner});
 }

@@ -13,44 +13,13 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The autocast switches of one device type at forward time, restored for the recomputation (as
-// torch.utils.checkpoint does): backward runs outside the caller's autocast region.
-struct AutocastState {
-  bool enabled = false;
-  c10::ScalarType dtype = c10::ScalarType::BFloat16;
-};
-
 // What backward needs besides the saved tensors: the function, which inputs were undefined, and
 // the random and autocast state at forward time.
 struct CheckpointState : torch::CustomClassHolder {
   CheckpointedFn fn;
   std::vector<bool> defined;  // per original input
   at::Tensor rng_state;
-  AutocastState cpu_autocast, cuda_autocast;
-};
-
-AutocastState autocast_state(c10::DeviceType device) {
-  return {compat::autocast_enabled(device), compat::autocast_dtype(device)};
-}
-
-// Sets one device type's autocast to `state` for its lifetime, then back.
-class AutocastRestore {
- public:
-  AutocastRestore(c10::DeviceType device, AutocastState state)
-      : device_(device), outer_(autocast_state(device)) {
-    compat::set_autocast_enabled(device_, state.enabled);
-    compat::set_autocast_dtype(device_, state.dtype);
-  }
-  ~AutocastRestore() {
-    compat::set_autocast_enabled(device_, outer_.enabled);
-    compat::set_autocast_dtype(device_, outer_.dtype);
-  }
-  AutocastRestore(const AutocastRestore&) = delete;
-  AutocastRestore& operator=(const AutocastRestore&) = delete;
-
- private:
-  c10::DeviceType device_;
-  AutocastState outer_;
+  compat::AutocastState cpu_autocast, cuda_autocast;
 };
 
 thread_local int t_checkpoint_depth = 0;
@@ -101,8 +70,8 @@ class CheckpointFunction : public torch::autograd::Function<CheckpointFunction> 
     }
     {
       torch::AutoGradMode enable(true);
-      AutocastRestore cpu(c10::DeviceType::CPU, state->cpu_autocast);
-      AutocastRestore cuda(c10::DeviceType::CUDA, state->cuda_autocast);
+      compat::AutocastRestore cpu(c10::DeviceType::CPU, state->cpu_autocast);
+      compat::AutocastRestore cuda(c10::DeviceType::CUDA, state->cuda_autocast);
       CheckpointedScope scope;
       out = state->fn(expand(*state, detached));
     }
@@ -130,8 +99,8 @@ torch::Tensor checkpoint(const CheckpointedFn& fn, const std::vector<torch::Tens
   if (!torch::GradMode::is_enabled()) return fn(inputs);
   auto state = c10::make_intrusive<CheckpointState>();
   state->fn = fn;
-  state->cpu_autocast = autocast_state(c10::DeviceType::CPU);
-  state->cuda_autocast = autocast_state(c10::DeviceType::CUDA);
+  state->cpu_autocast = compat::autocast_state(c10::DeviceType::CPU);
+  state->cuda_autocast = compat::autocast_state(c10::DeviceType::CUDA);
   variable_list compact;
   for (const auto& t : inputs) {
     state->defined.push_back(t.defined());

@@ -233,6 +233,23 @@ void FlatOptimizer::refresh_layout() {
   }
 }
 
+void FlatOptimizer::drop_unused_grad_storage() {
+  for (auto& bucket : buckets_) {
+    if (!bucket.grads.defined()) continue;
+    const char* base = static_cast<const char*>(bucket.grads.data_ptr());
+    const size_t bytes = bucket.grads.nbytes();
+    bool used = false;
+    const auto& params = param_groups_[bucket.group].params();
+    for (size_t j = 0; j < bucket.members.size() && !used; ++j) {
+      const auto& g = params[bucket.members[j]].grad();
+      if (!g.defined()) continue;
+      const char* gp = static_cast<const char*>(g.data_ptr());
+      used = gp >= base && gp < base + bytes;
+    }
+    if (!used) bucket.grads = torch::Tensor();
+  }
+}
+
 torch::Tensor FlatOptimizer::begin_step(const LossClosure& closure) {
   torch::Tensor loss;
   if (closure) {

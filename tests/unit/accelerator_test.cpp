@@ -3,6 +3,7 @@
 
 #include "difftrain/accel/accelerator.h"
 #include "difftrain/core/error.h"
+#include "difftrain/optim/adamw.h"
 #include "thread_ranks.h"
 
 #include <torch/torch.h>
@@ -99,6 +100,50 @@ TEST(AccelAccelerator, AccumulationSyncsEveryKAndAtTheEndOfTheEpoch) {
     EXPECT_EQ(sched->steps, 3);
     // The last window had one micro-step, so its loss was divided by 1, not 3.
     EXPECT_EQ(acc.state_dict()["window"].get<int64_t>(), 1);
+  });
+}
+
+// Three AdamW steps on one batch, zero_grad(set_to_none) after each; the parameters after them.
+std::vector<torch::Tensor> steps_with_zero_grad(distributed::ProcessGroup& g, bool set_to_none,
+                                                std::vector<bool>* grads_dropped,
+                                                std::vector<bool>* buffer_dropped) {
+  Accelerator acc(quiet_options(), g);
+  torch::manual_seed(5);
+  LinearNet net;
+  auto flat = std::make_shared<optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(0.1));
+  acc.prepare_module(*net);
+  auto o = acc.prepare_optimizer(flat);
+  auto gen = at::detail::createCPUGenerator(7);
+  const auto x = torch::randn({4, 3}, gen), y = torch::randn({4, 2}, gen);
+  for (int i = 0; i < 3; ++i) {
+    acc.backward(torch::mse_loss(net->forward(x), y));
+    o->step();
+    o->zero_grad(set_to_none);
+    if (grads_dropped) grads_dropped->push_back(!net->fc->weight.grad().defined());
+    if (buffer_dropped) buffer_dropped->push_back(!flat->buckets().at(0).grads.defined());
+  }
+  std::vector<torch::Tensor> out;
+  for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+TEST(AccelAccelerator, ZeroGradSetToNoneFreesTheGradientsAndKeepsTheUpdates) {
+  // One process: the gradients and the flat optimizer's gradient buffer are dropped, and the
+  // next backward allocates new ones; the updates are those of zeroing in place, bit for bit.
+  distributed::on_ranks(1, [&](distributed::ProcessGroup& g) {
+    std::vector<bool> grads_dropped, buffer_dropped;
+    const auto dropped = steps_with_zero_grad(g, true, &grads_dropped, &buffer_dropped);
+    const auto zeroed = steps_with_zero_grad(g, false, nullptr, nullptr);
+    EXPECT_EQ(grads_dropped, (std::vector<bool>{true, true, true}));
+    EXPECT_EQ(buffer_dropped, (std::vector<bool>{true, true, true}));
+    ASSERT_EQ(dropped.size(), zeroed.size());
+    for (size_t i = 0; i < dropped.size(); ++i) EXPECT_TRUE(torch::equal(dropped[i], zeroed[i]));
+  });
+  // Two ranks: DDP's buckets own the gradients' storage, so they are zeroed in place.
+  distributed::on_ranks(2, [&](distributed::ProcessGroup& g) {
+    std::vector<bool> grads_dropped;
+    steps_with_zero_grad(g, true, &grads_dropped, nullptr);
+    EXPECT_EQ(grads_dropped, (std::vector<bool>{false, false, false}));
   });
 }
 

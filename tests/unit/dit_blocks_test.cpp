@@ -3,6 +3,8 @@
 // (flux_transformer_test.cpp) checks them in place.
 
 #include "difftrain/models/transformers/dit_blocks.h"
+#include "difftrain/core/torch_compat.h"
+#include "difftrain/models/kernels/fused_ops.h"
 #include "difftrain/models/transformers/patchify.h"
 #include "test_util.h"
 
@@ -86,6 +88,95 @@ TEST(DiTBlocks, RotaryEmbeddingRotatesInterleavedPairs) {
   EXPECT_EQ(m::apply_rotary_emb(x.to(torch::kBFloat16), rope).scalar_type(), torch::kBFloat16);
 }
 
+TEST(DiTBlocks, FusedRotaryEmbeddingMatchesTheTensorExpression) {
+  // The one-pass kernel (on by default on the CPU) against the tensor expression it replaces
+  // (DIFFTRAIN_FUSED_KERNELS=0): float32 bit for bit, forward and backward; bf16 rounds once
+  // where the expression rounds its parts, so within one bf16 step of it.
+  torch::manual_seed(3);
+  const int64_t B = 2, N = 7, H = 3, D = 16;
+  const auto ids = torch::randint(0, 50, {N, 3}).to(torch::kFloat32);
+  const auto rope = m::rotary_tables(ids, {4, 6, 6});
+  for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    // A non-contiguous x (a narrowed view), as the joint attention's halves can be.
+    const auto base = torch::randn({B, N, H, D + 4}).to(dtype);
+    const auto g = torch::randn({B, N, H, D}).to(dtype);
+    std::vector<torch::Tensor> outs, grads;
+    for (const bool fused : {true, false}) {
+      m::set_fused_kernels_enabled(fused);
+      auto x = base.narrow(3, 2, D).detach().requires_grad_();
+      auto y = m::apply_rotary_emb(x, rope);
+      outs.push_back(y.detach());
+      grads.push_back(torch::autograd::grad({y}, {x}, {g})[0]);
+    }
+    m::set_fused_kernels_enabled(true);
+    EXPECT_EQ(outs[0].scalar_type(), dtype);
+    EXPECT_EQ(grads[0].scalar_type(), dtype);
+    if (dtype == torch::kFloat32) {
+      EXPECT_TRUE(torch::equal(outs[0], outs[1]));
+      EXPECT_TRUE(torch::equal(grads[0], grads[1]));
+    } else {
+      const double step = 1.0 / 128;  // bf16's relative spacing
+      EXPECT_LE(max_abs(outs[0], outs[1]), step * f64(outs[1]).abs().max().item<double>());
+      EXPECT_LE(max_abs(grads[0], grads[1]), 2 * step * f64(grads[1]).abs().max().item<double>());
+    }
+  }
+}
+
+TEST(DiTBlocks, FusedRMSNormMatchesTheTensorExpression) {
+  // The one-pass RMSNorm (on by default on the CPU) against the tensor expression
+  // (DIFFTRAIN_FUSED_KERNELS=0), for every pairing of float32 / bf16 input and weight, with the
+  // weight frozen (LoRA) and trained (a full fine-tune): the same output dtype, and values within
+  // float32 rounding, or a bf16 step or two (the fused op rounds once where the expression
+  // rounds each part).
+  torch::manual_seed(4);
+  const int64_t dim = 96;
+  for (const auto xt : {torch::kFloat32, torch::kBFloat16}) {
+    for (const auto wt : {torch::kFloat32, torch::kBFloat16}) {
+      for (const bool train_weight : {false, true}) {
+        SCOPED_TRACE(std::string(c10::toString(xt)) + " x, " + c10::toString(wt) + " weight" +
+                     (train_weight ? ", trained" : ""));
+        const auto x0 = (torch::randn({3, 5, dim}) * 3).to(xt);
+        const auto w0 = (1 + 0.5 * torch::randn({dim})).to(wt);
+        std::vector<torch::Tensor> ys, dxs, dws;
+        for (const bool fused : {true, false}) {
+          m::set_fused_kernels_enabled(fused);
+          m::RMSNorm norm(dim, 1e-6);
+          {
+            torch::NoGradGuard no_grad;
+            norm->weight.set_data(w0.clone());
+          }
+          norm->weight.requires_grad_(train_weight);
+          auto x = x0.clone().requires_grad_();
+          auto y = norm(x);
+          torch::manual_seed(9);  // the same incoming gradient for both
+          const auto g = torch::randn(y.sizes()).to(y.scalar_type());
+          std::vector<torch::Tensor> inputs{x};
+          if (train_weight) inputs.push_back(norm->weight);
+          const auto grads = torch::autograd::grad({y}, inputs, {g});
+          ys.push_back(y.detach());
+          dxs.push_back(grads[0]);
+          if (train_weight) dws.push_back(grads[1]);
+        }
+        m::set_fused_kernels_enabled(true);
+        EXPECT_EQ(ys[0].scalar_type(), ys[1].scalar_type());
+        EXPECT_EQ(dxs[0].scalar_type(), xt);
+        const bool any_bf16 = xt == torch::kBFloat16 || wt == torch::kBFloat16;
+        const double tol = any_bf16 ? 2.0 / 128 : 1e-5;
+        const auto rel = [](const torch::Tensor& a, const torch::Tensor& b) {
+          return max_abs(a, b) / f64(b).abs().max().item<double>();
+        };
+        EXPECT_LT(rel(ys[0], ys[1]), tol);
+        EXPECT_LT(rel(dxs[0], dxs[1]), 2 * tol);
+        if (train_weight) {
+          EXPECT_EQ(dws[0].scalar_type(), wt);
+          EXPECT_LT(rel(dws[0], dws[1]), 2 * tol);
+        }
+      }
+    }
+  }
+}
+
 TEST(DiTBlocks, NormsAndModulationFollowTheirFormulas) {
   torch::manual_seed(2);
   m::RMSNorm norm(6, 1e-5);
@@ -158,6 +249,123 @@ TEST(DiTBlocks, SingleStreamAttentionIsSoftmaxOverNormedRotatedHeads) {
   m::DiTAttention joint(D, H, hd, /*joint=*/true);
   EXPECT_TRUE(joint->named_parameters().contains("to_out.0.weight"));
   EXPECT_TRUE(joint->named_parameters().contains("norm_added_k.weight"));
+}
+
+// softmax(scale q k^T, masked keys -inf) v and its gradients in float64, by autograd over the
+// plain ops: the reference for attention_core.
+std::vector<torch::Tensor> reference_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                               const torch::Tensor& v, const torch::Tensor& mask,
+                                               double scale, const torch::Tensor& dout) {
+  auto q64 = f64(q).requires_grad_(), k64 = f64(k).requires_grad_(), v64 = f64(v).requires_grad_();
+  auto scores = torch::bmm(q64, k64.transpose(1, 2)) * scale;
+  if (mask.defined()) {
+    const int64_t B = mask.size(0), BH = q.size(0), S = k.size(1);
+    scores = scores.masked_fill(
+        mask.logical_not().view({B, 1, 1, S}).expand({B, BH / B, 1, S}).reshape({BH, 1, S}),
+        -INFINITY);
+  }
+  auto out = torch::bmm(scores.softmax(-1), v64);
+  auto grads = torch::autograd::grad({out}, {q64, k64, v64}, {f64(dout)});
+  return {out.detach(), grads[0], grads[1], grads[2]};
+}
+
+TEST(DiTBlocks, AttentionCoreBackwardRunsUnderTheForwardsAutocast) {
+  // A full fine-tune under bf16 autocast: float32 q and k (RMSNorm with float32 weights) with a
+  // bf16 v. The forward's products ran under autocast; the backward (outside the caller's
+  // autocast region) must run its products under the same, as autograd's own graph would.
+  torch::manual_seed(6);
+  const int64_t BH = 4, N = 40, S = 40, d = 16;
+  const auto q0 = torch::randn({BH, N, d}), k0 = torch::randn({BH, S, d});
+  const auto v0 = torch::randn({BH, S, d}).to(torch::kBFloat16);
+  const auto dout = torch::randn({BH, N, d});
+  std::vector<torch::Tensor> ours, ref;
+  for (const bool core : {true, false}) {
+    auto q = q0.clone().requires_grad_(), k = k0.clone().requires_grad_(),
+         v = v0.clone().requires_grad_();
+    torch::Tensor out;
+    {
+      const compat::AutocastRestore autocast(c10::DeviceType::CPU, {true, torch::kBFloat16});
+      if (core) {
+        out = m::attention_core(q, k, v, {}, {1.0 / std::sqrt(double(d)), true, torch::kFloat32});
+      } else {
+        auto scores =
+            (torch::bmm(q, k.transpose(1, 2)) * (1.0 / std::sqrt(double(d)))).to(torch::kFloat32);
+        out = torch::bmm(scores.softmax(-1).to(torch::kFloat32), v);
+      }
+    }
+    auto grads = torch::autograd::grad({out}, {q, k, v}, {dout.to(out.scalar_type())});
+    (core ? ours : ref) = {out.detach(), grads[0], grads[1], grads[2]};
+  }
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(ours[i].scalar_type(), ref[i].scalar_type()) << i;
+    EXPECT_LE(max_abs(ours[i], ref[i]), f64(ref[i]).abs().max().item<double>() / 128) << i;
+  }
+}
+
+// The forward's ops in q's dtype (bf16 scores, a float32 softmax), unchunked, and their gradients
+// by autograd: what attention_core computed before its backward recomputed the probabilities.
+std::vector<torch::Tensor> same_dtype_attention(const torch::Tensor& q, const torch::Tensor& k,
+                                                const torch::Tensor& v, const torch::Tensor& mask,
+                                                double scale, const torch::Tensor& dout) {
+  auto q1 = q.detach().requires_grad_(), k1 = k.detach().requires_grad_(),
+       v1 = v.detach().requires_grad_();
+  auto scores = (torch::bmm(q1, k1.transpose(1, 2)) * scale).to(torch::kFloat32);
+  if (mask.defined()) {
+    const int64_t B = mask.size(0), BH = q.size(0), S = k.size(1);
+    scores = scores.masked_fill(
+        mask.logical_not().view({B, 1, 1, S}).expand({B, BH / B, 1, S}).reshape({BH, 1, S}),
+        -INFINITY);
+  }
+  auto out = torch::bmm(scores.softmax(-1).to(q.scalar_type()), v1);
+  auto grads = torch::autograd::grad({out}, {q1, k1, v1}, {dout});
+  return {out.detach(), grads[0], grads[1], grads[2]};
+}
+
+TEST(DiTBlocks, AttentionCoreRecomputesItsProbabilitiesInTheBackward) {
+  // Enough keys x heads that the queries run in several chunks (16M scores per chunk): the
+  // backward's per-chunk recomputation and its float32 sums of dK and dV over the chunks.
+  torch::manual_seed(0);
+  for (const bool masked : {false, true}) {
+    for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+      const int64_t B = 2, heads = 16, N = 300, S = 2100, d = 8;
+      const double scale = 1.0 / std::sqrt(double(d));
+      auto q = torch::randn({B * heads, N, d}).to(dtype).requires_grad_();
+      auto k = torch::randn({B * heads, S, d}).to(dtype).requires_grad_();
+      auto v = torch::randn({B * heads, S, d}).to(dtype).requires_grad_();
+      torch::Tensor mask;
+      if (masked) {
+        mask = torch::ones({B, S}, torch::kBool);
+        mask.index_put_({1, torch::indexing::Slice(1500)}, false);
+      }
+      const auto dout = torch::randn({B * heads, N, d}).to(dtype);
+      const auto out = m::attention_core(q, k, v, mask, {scale, /*upcast_softmax=*/true, dtype});
+      const auto grads = torch::autograd::grad({out}, {q, k, v}, {dout});
+      const auto ref = reference_attention(q, k, v, mask, scale, dout);
+      const auto same_ops = same_dtype_attention(q, k, v, mask, scale, dout);
+      const auto rel = [](const torch::Tensor& a, const torch::Tensor& r) {
+        return max_abs(f64(a), f64(r)) / f64(r).abs().max().item<double>();
+      };
+      SCOPED_TRACE(std::string(masked ? "masked " : "") + c10::toString(dtype));
+      EXPECT_EQ(out.scalar_type(), dtype);
+      // Against the same ops in the same dtype under autograd (what the recomputation replaces):
+      // float32 to its rounding; bf16 within a bf16 step (dK and dV are summed over the chunks in
+      // float32, autograd sums them in bf16). Against float64: float32 to its rounding; bf16 to
+      // what bf16 scores allow (their rounding moves the probabilities by about 1%).
+      const double tol_same = dtype == torch::kFloat32 ? 1e-5 : 1.0 / 128;
+      const double tol_f64 = dtype == torch::kFloat32 ? 1e-5 : 5e-2;
+      EXPECT_LT(rel(out, same_ops[0]), tol_same);
+      EXPECT_LT(rel(out, ref[0]), tol_f64);
+      for (int i = 0; i < 3; ++i) {
+        EXPECT_EQ(grads[i].scalar_type(), dtype);
+        EXPECT_LT(rel(grads[i], same_ops[i + 1]), tol_same) << "gradient " << i;
+        EXPECT_LT(rel(grads[i], ref[i + 1]), tol_f64) << "gradient " << i;
+      }
+      // The forward with grad mode off is the same computation, bit for bit.
+      torch::NoGradGuard no_grad;
+      EXPECT_TRUE(
+          torch::equal(m::attention_core(q, k, v, mask, {scale, true, dtype}), out.detach()));
+    }
+  }
 }
 
 TEST(DiTBlocks, PatchifyOrdersTokensAndChannelsEitherWay) {

@@ -26,7 +26,13 @@ class AcceleratedOptimizer {
   void step();
   /// Zeroes gradients in place on a synchronising step (keeps DDP bucket views).
   /// torch: `optimizer.zero_grad(set_to_none=False)`.
-  void zero_grad();
+  void zero_grad() { zero_grad(/*set_to_none=*/false); }
+  /// set_to_none: drops the gradients instead (torch 2's default `optimizer.zero_grad()`), so
+  /// the next backward allocates them as it frees the forward's tensors, and a flat optimizer's
+  /// gradient buffer is freed (optim::FlatOptimizer::drop_unused_grad_storage); the peak of a
+  /// full fine-tune falls by the gradients' size. Where a gradient-sync engine (DDP buckets, a
+  /// sharding strategy) owns the gradients' storage they are zeroed in place, whatever the flag.
+  void zero_grad(bool set_to_none);
   /// True when the last synchronising step() skipped the update (fp16 inf/NaN).
   /// Accelerate: `accelerator.optimizer_step_was_skipped`.
   bool step_was_skipped() const { return skipped_; }

@@ -105,6 +105,38 @@ inline void set_autocast_dtype(c10::DeviceType device, c10::ScalarType dtype) {
 #endif
 }
 
+/// The autocast switches of one device type, as a backward that recomputes part of its forward
+/// needs them (backward runs outside the caller's autocast region; torch.utils.checkpoint does
+/// the same).
+struct AutocastState {
+  bool enabled = false;
+  c10::ScalarType dtype = c10::ScalarType::BFloat16;
+};
+
+inline AutocastState autocast_state(c10::DeviceType device) {
+  return {autocast_enabled(device), autocast_dtype(device)};
+}
+
+/// Sets one device type's autocast to `state` for its lifetime, then back.
+class AutocastRestore {
+ public:
+  AutocastRestore(c10::DeviceType device, AutocastState state)
+      : device_(device), outer_(autocast_state(device)) {
+    set_autocast_enabled(device_, state.enabled);
+    set_autocast_dtype(device_, state.dtype);
+  }
+  ~AutocastRestore() {
+    set_autocast_enabled(device_, outer_.enabled);
+    set_autocast_dtype(device_, outer_.dtype);
+  }
+  AutocastRestore(const AutocastRestore&) = delete;
+  AutocastRestore& operator=(const AutocastRestore&) = delete;
+
+ private:
+  c10::DeviceType device_;
+  AutocastState outer_;
+};
+
 // ------------------------------------------------------------------ variants
 // c10::variant (Conv2dOptions::padding_t, ...) became std::variant in LibTorch 2.1, and
 // c10::get_if went with it.

@@ -70,11 +70,30 @@ class AttentionImpl : public SpatialLayer, public core::HookableModule {
 };
 TORCH_MODULE(Attention);
 
-/// The attention core on projected tensors: softmax(q k^T * scale) v per head, computed in query
-/// chunks so the score matrix stays under ~64 MiB. q: [B, N, h*d], k/v: [B, S, h*d] -> [B, N, h*d].
+/// How attention_core forms its probabilities: scores = bmm(q, k^T) · scale in q's dtype, cast to
+/// float32 when upcast_softmax, softmax, then cast to out_dtype before the product with v.
+struct AttentionCore {
+  double scale;
+  bool upcast_softmax;
+  torch::ScalarType out_dtype;
+};
+
+/// softmax(scale q k^T) v over heads folded into the batch, in query chunks so a score matrix stays
+/// near 16 MiB: qh [BH, N, d], kh / vh [BH, S, d] -> [BH, N, d]. key_mask: undefined, or [B, S]
+/// (true / nonzero: attend; BH a multiple of B, heads of one sample adjacent), masked scores -inf
+/// before the softmax as SDPA's boolean attn_mask. With grad mode on and an input that requires
+/// grad, the backward recomputes each chunk's probabilities instead of keeping them (flash
+/// attention's trade: about a third more attention matmuls, no [BH, N, S] tensors saved).
+torch::Tensor attention_core(const torch::Tensor& qh, const torch::Tensor& kh,
+                             const torch::Tensor& vh, const torch::Tensor& key_mask,
+                             const AttentionCore& core);
+
+/// The attention core on projected tensors: softmax(q k^T * scale) v per head (attention_core, or
+/// the fused float32 kernel of fused_ops.h where no key mask is given and it applies).
+/// q: [B, N, h*d], k/v: [B, S, h*d] -> [B, N, h*d]; key_mask as attention_core's ([B, S]).
 torch::Tensor multi_head_attention(const torch::Tensor& q, const torch::Tensor& k,
                                    const torch::Tensor& v, int64_t heads, bool upcast_attention,
-                                   bool upcast_softmax);
+                                   bool upcast_softmax, const torch::Tensor& key_mask = {});
 
 /// Diffusers' `FeedForward` with activation_fn "geglu" (net.0 = GEGLU proj to 2*inner), "gelu",
 /// "gelu-approximate" or "geglu-approximate"; net.2 projects back to dim. x: [B, N, dim].

@@ -73,6 +73,10 @@ class FlatOptimizer : public torch::optim::Optimizer {
   /// (prepared for sharded training). The parameters must no longer point into them; step()
   /// then throws, naming the optimizer to use instead.
   void release_storage();
+  /// Frees each bucket's gradient storage that no parameter's gradient points into any more (after
+  /// `zero_grad(set_to_none)` dropped them: the next backward allocates gradients as it goes,
+  /// as torch's optimizers see them after `zero_grad()`; the step takes them as they come).
+  void drop_unused_grad_storage();
   /// Whether release_storage() was called.
   bool released() const { return released_; }
   /// For an update that needs sums over every parameter (Prodigy's step-size estimate): under

@@ -1,14 +1,21 @@
 // The shared DiT blocks (dit_blocks.h).
 #include "difftrain/models/transformers/dit_blocks.h"
 
+#include "difftrain/models/kernels/fused_ops.h"
 #include "difftrain/models/layers.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/autograd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
 
 #include <torch/nn/functional/normalization.h>
 #include <torch/nn/modules/container/modulelist.h>
 #include <torch/nn/modules/dropout.h>
-
-#include <cmath>
-#include <limits>
 
 namespace difftrain::models {
 
@@ -36,6 +43,79 @@ RotaryTables rotary_tables(const torch::Tensor& ids, const std::vector<int64_t>&
   return {torch::cat(cos_parts, -1), torch::cat(sin_parts, -1)};
 }
 
+namespace {
+
+// The rotation of apply_rotary_emb in one pass over x: per pair (x0, x1) = (x[2m], x[2m+1]) with
+// the tables' (c0, s0) at 2m and (c1, s1) at 2m+1, forward (x0 c0 - x1 s0, x1 c1 + x0 s1) and its
+// transpose, the backward, (g0 c0 + g1 s1, g1 c1 - g0 s0): float32 arithmetic in the op order of
+// the tensor expression (two products, then their sum), rounded once to the tensor's dtype.
+template <typename T>
+void rotate_pairs(const T* x, const float* cos, const float* sin, T* out, int64_t rows,
+                  int64_t tokens, int64_t heads, int64_t dim, bool transpose) {
+  at::parallel_for(0, rows * tokens, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* c = cos + (r % tokens) * dim;
+      const float* s = sin + (r % tokens) * dim;
+      const T* xr = x + r * heads * dim;
+      T* yr = out + r * heads * dim;
+      for (int64_t h = 0; h < heads; ++h, xr += dim, yr += dim) {
+        for (int64_t i = 0; i < dim; i += 2) {
+          const float x0 = static_cast<float>(xr[i]), x1 = static_cast<float>(xr[i + 1]);
+          float a, b, p, q;
+          if (!transpose) {
+            a = x0 * c[i], b = x1 * s[i], p = x1 * c[i + 1], q = x0 * s[i + 1];
+            yr[i] = static_cast<T>(a - b);
+            yr[i + 1] = static_cast<T>(p + q);
+          } else {
+            a = x0 * c[i], b = x1 * s[i + 1], p = x1 * c[i + 1], q = x0 * s[i];
+            yr[i] = static_cast<T>(a + b);
+            yr[i + 1] = static_cast<T>(p - q);
+          }
+        }
+      }
+    }
+  });
+}
+
+torch::Tensor rotate(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                     bool transpose) {
+  const torch::Tensor xc = x.contiguous();
+  torch::Tensor out = torch::empty_like(xc);
+  const int64_t B = x.size(0), N = x.size(1), H = x.size(2), D = x.size(3);
+  AT_DISPATCH_FLOATING_TYPES_AND2(torch::kBFloat16, torch::kHalf, x.scalar_type(), "rotate", [&] {
+    rotate_pairs<scalar_t>(xc.data_ptr<scalar_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                           out.data_ptr<scalar_t>(), B, N, H, D, transpose);
+  });
+  return out;
+}
+
+// apply_rotary_emb as one op with its own backward (the tensor expression makes eight tensors of
+// x's size forward and more backward: the pairs' stack, the float32 copies, the products).
+struct RotaryFn : public torch::autograd::Function<RotaryFn> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& cos, const torch::Tensor& sin) {
+    ctx->saved_data["cos"] = cos;
+    ctx->saved_data["sin"] = sin;
+    return rotate(x, cos, sin, /*transpose=*/false);
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    return {rotate(grads[0], ctx->saved_data["cos"].toTensor(), ctx->saved_data["sin"].toTensor(),
+                   /*transpose=*/true),
+            torch::Tensor(), torch::Tensor()};
+  }
+};
+
+bool fused_rotary_applies(const torch::Tensor& x, const RotaryTables& rope) {
+  const auto t = x.scalar_type();
+  return fused_kernels_enabled() && x.device().is_cpu() && !rope.cos.requires_grad() &&
+         !rope.sin.requires_grad() && rope.cos.scalar_type() == torch::kFloat32 &&
+         rope.sin.scalar_type() == torch::kFloat32 && rope.cos.device().is_cpu() &&
+         (t == torch::kFloat32 || t == torch::kBFloat16 || t == torch::kHalf) && x.size(3) % 2 == 0;
+}
+
+}  // namespace
+
 torch::Tensor apply_rotary_emb(const torch::Tensor& x, const RotaryTables& rope) {
   TORCH_CHECK(
       x.dim() == 4 && rope.cos.dim() == 2 && x.size(1) == rope.cos.size(0) &&
@@ -43,6 +123,9 @@ torch::Tensor apply_rotary_emb(const torch::Tensor& x, const RotaryTables& rope)
       "apply_rotary_emb: x must be [B, N, heads, head_dim] with tables [N, head_dim], got x ",
       x.sizes(), " and tables ", rope.cos.sizes());
   const int64_t N = x.size(1), d = x.size(3);
+  if (fused_rotary_applies(x, rope)) {
+    return RotaryFn::apply(x, rope.cos.contiguous(), rope.sin.contiguous());
+  }
   torch::Tensor cos = rope.cos.view({1, N, 1, d});
   torch::Tensor sin = rope.sin.view({1, N, 1, d});
   // (x_real, x_imag) pairs -> (-x_imag, x_real), interleaved again.
@@ -57,7 +140,139 @@ RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
   weight = register_parameter("weight", torch::ones({dim}));
 }
 
+namespace {
+
+bool reduced(torch::ScalarType t) { return t == torch::kBFloat16 || t == torch::kHalf; }
+
+// RMSNormImpl::forward's maths over rows of `dim`, in one pass forward and one backward: per row
+// r = rsqrt(mean(x²) + eps) in float32; h = x r; y = h w, with h first rounded to w's dtype when w
+// is bf16 / fp16 (the output is then in w's dtype, else float32), as the tensor expression. The
+// backward: dh = g w, dx = r dh - x r³ mean(dh x) in float32, rounded once to x's dtype; dw = sum
+// over rows of g h (tensor ops, in float32), only when w requires grad.
+template <typename X, typename W, typename Y>
+void rms_norm_forward(const X* x, const W* w, Y* y, float* rstd, int64_t rows, int64_t dim,
+                      float eps) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const X* xr = x + r * dim;
+      float ss = 0;
+      for (int64_t i = 0; i < dim; ++i) ss += static_cast<float>(xr[i]) * static_cast<float>(xr[i]);
+      const float rs = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+      rstd[r] = rs;
+      Y* yr = y + r * dim;
+      for (int64_t i = 0; i < dim; ++i) {
+        const float h = static_cast<float>(xr[i]) * rs;
+        // W reduced: h rounds to W first; float W: h stays float32.
+        yr[i] = static_cast<Y>(static_cast<float>(static_cast<W>(h)) * static_cast<float>(w[i]));
+      }
+    }
+  });
+}
+
+template <typename X, typename W, typename Y>
+void rms_norm_backward(const Y* g, const X* x, const W* w, const float* rstd, X* dx, int64_t rows,
+                       int64_t dim) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const Y* gr = g + r * dim;
+      const X* xr = x + r * dim;
+      const float rs = rstd[r];
+      float dot = 0;
+      for (int64_t i = 0; i < dim; ++i) {
+        dot += static_cast<float>(gr[i]) * static_cast<float>(w[i]) * static_cast<float>(xr[i]);
+      }
+      const float k = rs * rs * rs * dot / static_cast<float>(dim);
+      X* dr = dx + r * dim;
+      for (int64_t i = 0; i < dim; ++i) {
+        const float xi = static_cast<float>(xr[i]);
+        dr[i] =
+            static_cast<X>(rs * (static_cast<float>(gr[i]) * static_cast<float>(w[i])) - xi * k);
+      }
+    }
+  });
+}
+
+// Calls f with null pointers typed as x's and w's element types (float, bf16, fp16 each).
+template <typename F>
+void dispatch_rms(torch::ScalarType xt, torch::ScalarType wt, F&& f) {
+  auto with_w = [&](auto xp) {
+    if (wt == torch::kBFloat16) return f(xp, static_cast<const c10::BFloat16*>(nullptr));
+    if (wt == torch::kHalf) return f(xp, static_cast<const c10::Half*>(nullptr));
+    return f(xp, static_cast<const float*>(nullptr));
+  };
+  if (xt == torch::kBFloat16) return with_w(static_cast<const c10::BFloat16*>(nullptr));
+  if (xt == torch::kHalf) return with_w(static_cast<const c10::Half*>(nullptr));
+  return with_w(static_cast<const float*>(nullptr));
+}
+
+struct RmsNormFn : public torch::autograd::Function<RmsNormFn> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, double eps) {
+    const torch::Tensor xc = x.contiguous(), wc = weight.contiguous();
+    const int64_t dim = x.size(-1), rows = x.numel() / std::max<int64_t>(1, dim);
+    const auto out_type = reduced(weight.scalar_type()) ? weight.scalar_type() : torch::kFloat32;
+    torch::Tensor y = torch::empty(x.sizes(), x.options().dtype(out_type));
+    torch::Tensor rstd = torch::empty({rows}, x.options().dtype(torch::kFloat32));
+    dispatch_rms(x.scalar_type(), weight.scalar_type(), [&](auto xp, auto wp) {
+      using X = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
+      using W = std::remove_const_t<std::remove_pointer_t<decltype(wp)>>;
+      auto run = [&](auto yp) {
+        using Y = std::remove_pointer_t<decltype(yp)>;
+        rms_norm_forward<X, W, Y>(static_cast<const X*>(xc.data_ptr()),
+                                  static_cast<const W*>(wc.data_ptr()),
+                                  static_cast<Y*>(y.data_ptr()), rstd.data_ptr<float>(), rows, dim,
+                                  static_cast<float>(eps));
+      };
+      if constexpr (std::is_same_v<W, float>) {
+        run(static_cast<float*>(nullptr));
+      } else {
+        run(static_cast<W*>(nullptr));
+      }
+    });
+    ctx->save_for_backward({xc, wc, rstd});
+    return y;
+  }
+
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const torch::Tensor &x = saved[0], &w = saved[1], &rstd = saved[2];
+    const int64_t dim = x.size(-1), rows = x.numel() / std::max<int64_t>(1, dim);
+    const bool want_dw = ctx->needs_input_grad(1);
+    const torch::Tensor g = grads[0].contiguous();
+    torch::Tensor dx = torch::empty_like(x);
+    dispatch_rms(x.scalar_type(), w.scalar_type(), [&](auto xp, auto wp) {
+      using X = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
+      using W = std::remove_const_t<std::remove_pointer_t<decltype(wp)>>;
+      using Y = std::conditional_t<std::is_same_v<W, float>, float, W>;
+      rms_norm_backward<X, W, Y>(static_cast<const Y*>(g.data_ptr()),
+                                 static_cast<const X*>(x.data_ptr()),
+                                 static_cast<const W*>(w.data_ptr()), rstd.data_ptr<float>(),
+                                 static_cast<X*>(dx.data_ptr()), rows, dim);
+    });
+    torch::Tensor dw;
+    if (want_dw) {  // a trained norm (full fine-tune): sum over rows of g h, h as the forward's
+      torch::Tensor h = x.reshape({rows, dim}).to(torch::kFloat32) * rstd.view({rows, 1});
+      if (reduced(w.scalar_type())) h = h.to(w.scalar_type()).to(torch::kFloat32);
+      dw = (g.reshape({rows, dim}).to(torch::kFloat32) * h).sum(0).to(w.scalar_type());
+    }
+    return {dx, dw, torch::Tensor()};
+  }
+};
+
+bool fused_rms_norm_applies(const torch::Tensor& x, const torch::Tensor& w) {
+  const auto ok = [](torch::ScalarType t) { return t == torch::kFloat32 || reduced(t); };
+  return fused_kernels_enabled() && x.device().is_cpu() && w.device().is_cpu() &&
+         ok(x.scalar_type()) && ok(w.scalar_type()) && x.dim() >= 1 && w.dim() == 1 &&
+         x.size(-1) == w.size(0) && x.numel() > 0;
+}
+
+}  // namespace
+
 torch::Tensor RMSNormImpl::forward(const torch::Tensor& x) {
+  // Under LibTorch's CPU autocast the expression's ops keep their dtypes (none is on its lists),
+  // so the fused op computes the same thing inside and outside an autocast region.
+  if (fused_rms_norm_applies(x, weight)) return RmsNormFn::apply(x, weight, eps_);
   torch::Tensor variance = x.to(torch::kFloat32).pow(2).mean(-1, /*keepdim=*/true);
   torch::Tensor h = x * torch::rsqrt(variance + eps_);
   if (weight.scalar_type() == torch::kBFloat16 || weight.scalar_type() == torch::kFloat16) {
@@ -132,25 +347,16 @@ std::pair<torch::Tensor, torch::Tensor> DiTAttentionImpl::forward(const torch::T
   q = apply_rotary_emb(q, rope);
   k = apply_rotary_emb(k, rope);
   const int64_t N = S + L, inner = heads_ * head_dim_;
-  torch::Tensor o;
   if (key_mask.defined()) {
     // A padding mask on the keys ([B, N], true: attend), as SDPA's boolean attn_mask: masked
     // scores are -inf before a float32 softmax. Some key of every row is real (the image).
     TORCH_CHECK(key_mask.dim() == 2 && key_mask.size(0) == B && key_mask.size(1) == N,
                 "DiTAttention: key_mask must be [", B, ", ", N, "], got ", key_mask.sizes());
-    const torch::Tensor qh = q.transpose(1, 2), kh = k.transpose(1, 2), vh = v.transpose(1, 2);
-    torch::Tensor scores =
-        torch::matmul(qh, kh.transpose(2, 3)).to(torch::kFloat32) / std::sqrt(double(head_dim_));
-    scores = scores.masked_fill(key_mask.to(torch::kBool).logical_not().view({B, 1, 1, N}),
-                                -std::numeric_limits<float>::infinity());
-    o = torch::matmul(scores.softmax(-1).to(vh.scalar_type()), vh)
-            .transpose(1, 2)
-            .reshape({B, N, inner});
-  } else {
-    o = multi_head_attention(q.reshape({B, N, inner}), k.reshape({B, N, inner}),
-                             v.reshape({B, N, inner}), heads_,
-                             /*upcast_attention=*/false, /*upcast_softmax=*/true);
   }
+  const torch::Tensor o =
+      multi_head_attention(q.reshape({B, N, inner}), k.reshape({B, N, inner}),
+                           v.reshape({B, N, inner}), heads_, /*upcast_attention=*/false,
+                           /*upcast_softmax=*/true, key_mask);
   if (!joint) return {o, torch::Tensor()};
   torch::Tensor o_txt = o.narrow(1, 0, S).contiguous();
   torch::Tensor o_img = o.narrow(1, S, L).contiguous();
