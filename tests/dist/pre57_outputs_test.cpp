@@ -1,11 +1,12 @@
 // Sampling and training outputs of SD, SDXL and FLUX.1 against files saved from the program
 // before issue 57's family seam (main at 81f9702; tests/golden/pre57/make_outputs.py made them):
 // every command of tests/golden/pre57/commands.json is run again, and its output must be the
-// same bits on the machine kind (CPU features, LibTorch) the files were made on. Elsewhere
-// another kernel path rounds differently (said in the log): a sample within 2e-4 of its largest
-// value; a trained tensor's mean difference within 1e-3 of its mean magnitude, since Adam's first
-// steps move a weight by about the learning rate whatever its gradient's size, and a gradient
-// near zero may change sign with the rounding; losses within 2e-4 (relative).
+// same within tolerances (bits were required on the machine kind the files were made on until
+// issue 62: see the test), as another kernel path rounds differently: a sample within 2e-4 of
+// its largest value; a trained tensor's mean difference within 1e-3 of its mean magnitude or a
+// tenth of learning rate x updates, since Adam's first steps move a weight by about the learning
+// rate whatever its gradient's size, and a gradient near zero may change sign with the rounding;
+// losses within 2e-4 (relative).
 
 #include "subprocess.h"
 
@@ -90,6 +91,16 @@ std::vector<double> losses(const std::string& metrics) {
   return v;
 }
 
+// The number after `flag` in a command's arguments.
+double arg_value(const nlohmann::json& command, const std::string& flag) {
+  const auto& args = command.at("args");
+  for (size_t i = 0; i + 1 < args.size(); ++i) {
+    if (args[i] == flag) return std::stod(args[i + 1].get<std::string>());
+  }
+  ADD_FAILURE() << "no " << flag << " in the command";
+  return 0;
+}
+
 class Pre57Output : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(Pre57Output, AreTheOldProgramsBits) {
@@ -113,13 +124,19 @@ TEST_P(Pre57Output, AreTheOldProgramsBits) {
   const auto r = run(argv, env, 170);
   ASSERT_EQ(r.exit_code, 0) << r.log();
 
+  // Bits were compared on the machine kind the files were made on (outputs/machine.txt) until
+  // issue 62, which retired that for two findings: a VM of that kind by name and features (AMD
+  // EPYC, family 25 model 17, 2026-12-07) computes other bits with the unchanged old program (its
+  // BLAS and oneDNN take other kernel paths there), and issue 62's one-pass RoPE and RMSNorm and
+  // its recomputing attention round the DiT blocks differently by design. Every machine now
+  // compares within the tolerances of the header; whether the bits are the same is printed.
   const bool same_machine = machine(env) == read_text(kHere + "/outputs/machine.txt");
   const bool trained = command.at("args").at(0) == "train";
   std::cout << GetParam() << ": "
-            << (same_machine ? "the machine kind the files were made on: bits compared"
-                             : "another machine kind than the files' (outputs/machine.txt): "
-                               "compared within tolerances")
-            << "\n";
+            << (same_machine ? "the machine kind the files were made on"
+                             : "another machine kind than the files' (outputs/machine.txt)")
+            << "; compared within tolerances\n";
+  int64_t identical = 0;
   const auto output = command.at("output").get<std::string>();
   const auto now = io::load_safetensors(work + "/" + output).tensors;
   const auto before =
@@ -130,13 +147,16 @@ TEST_P(Pre57Output, AreTheOldProgramsBits) {
     const auto& t = now.at(key);
     ASSERT_EQ(t.sizes(), old.sizes()) << key;
     ASSERT_EQ(t.scalar_type(), old.scalar_type()) << key;
-    if (same_machine) {
-      EXPECT_TRUE(torch::equal(t, old))
-          << key << " differs from the old program's by "
-          << (t.to(torch::kFloat64) - old.to(torch::kFloat64)).abs().max().item<double>();
-    } else if (trained) {
+    identical += torch::equal(t, old) ? 1 : 0;
+    if (trained) {
       const auto a = t.to(torch::kFloat64), b = old.to(torch::kFloat64);
-      EXPECT_LE((a - b).abs().mean().item<double>(), 1e-3 * b.abs().mean().item<double>() + 1e-9)
+      // Adam moves a weight by about the learning rate per update whatever its gradient's size,
+      // so a weight whose near-zero gradient changes sign with the rounding ends up to
+      // 2 lr x updates away: on average a tenth of lr x updates (one weight in twenty) is allowed.
+      const double adam =
+          0.1 * arg_value(command, "--learning_rate") * arg_value(command, "--max_train_steps");
+      EXPECT_LE((a - b).abs().mean().item<double>(),
+                std::max(1e-3 * b.abs().mean().item<double>(), adam) + 1e-9)
           << key;
     } else {
       const double scale = std::max(1.0, old.to(torch::kFloat64).abs().max().item<double>());
@@ -145,6 +165,8 @@ TEST_P(Pre57Output, AreTheOldProgramsBits) {
       EXPECT_LE(diff, 2e-4 * scale) << key;
     }
   }
+  std::cout << GetParam() << ": " << identical << " of " << before.size()
+            << " tensors bit-identical to the old program's\n";
   if (trained) {
     const auto run_dir = output.substr(0, output.find('/'));
     const auto now_losses = losses(work + "/" + run_dir + "/metrics.jsonl");
@@ -153,11 +175,8 @@ TEST_P(Pre57Output, AreTheOldProgramsBits) {
             .get<std::vector<double>>();
     ASSERT_EQ(now_losses.size(), old_losses.size());
     for (size_t i = 0; i < old_losses.size(); ++i) {
-      if (same_machine) {
-        EXPECT_EQ(now_losses[i], old_losses[i]) << "loss of update " << i + 1;
-      } else {
-        EXPECT_NEAR(now_losses[i], old_losses[i], 2e-4 * std::max(1.0, old_losses[i])) << i;
-      }
+      EXPECT_NEAR(now_losses[i], old_losses[i], 2e-4 * std::max(1.0, old_losses[i]))
+          << "loss of update " << i + 1;
     }
   }
   fs::remove_all(work);

@@ -6,7 +6,8 @@
 // (tests/unit/fused_ops_test.cpp checks them against a float64 recomputation).
 //
 // On by default; DIFFTRAIN_FUSED_KERNELS=0 in the environment (or set_fused_kernels_enabled(false))
-// turns them off, for an A/B comparison or to rule them out.
+// turns them off, for an A/B comparison or to rule them out; the same switch governs the DiT
+// blocks' one-pass RoPE and RMSNorm (transformers/dit_blocks.h: float32, bf16 and fp16 there).
 #include <torch/nn/modules/normalization.h>
 #include <torch/types.h>
 

@@ -37,12 +37,16 @@ RotaryTables rotary_tables(const torch::Tensor& ids, const std::vector<int64_t>&
 
 /// Diffusers' `apply_rotary_emb(x, (cos, sin), use_real=True, use_real_unbind_dim=-1)`: every
 /// pair (x[2m], x[2m+1]) -> (x[2m]·cos − x[2m+1]·sin, x[2m+1]·cos + x[2m]·sin), computed in
-/// float32 and cast back to x's dtype. x: [B, N, heads, head_dim], tables [N, head_dim].
+/// float32 and cast back to x's dtype. x: [B, N, heads, head_dim], tables [N, head_dim]. On the
+/// CPU (float32 / bf16 / fp16 x, fused kernels on: kernels/fused_ops.h) one pass with its own
+/// backward: float32 bit for bit as the tensor expression, reduced precision rounded once.
 torch::Tensor apply_rotary_emb(const torch::Tensor& x, const RotaryTables& rope);
 
 /// Diffusers' `RMSNorm(dim, eps, elementwise_affine=True)`: x * rsqrt(mean(x², -1) + eps) * weight
 /// with the variance in float32; for bf16/fp16 weights the normalised value is cast to the
 /// weight's dtype before the product. x: [..., dim]. Over one head's features it is the q/k norm.
+/// On the CPU (float32 / bf16 / fp16 x and weight, fused kernels on) one pass per row with its own
+/// backward, which keeps x and one float per row (the expression keeps float32 copies of x).
 class RMSNormImpl : public torch::nn::Module {
  public:
   RMSNormImpl(int64_t dim, double eps);
