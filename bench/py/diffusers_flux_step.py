@@ -170,6 +170,10 @@ def main():
         from torch.nn.attention import SDPBackend, sdpa_kernel
         return sdpa_kernel(SDPBackend.MATH)
 
+    # For the whole run, backward included: gradient checkpointing recomputes the forward there,
+    # and must take the same attention kernel as the forward did.
+    kernel = contextlib.ExitStack()  # held until main() returns
+    kernel.enter_context(sdpa())
     prof = None
     times, fb, op = [], [], []
     rss_before = heap_before = 0.0
@@ -196,7 +200,7 @@ def main():
         noise = torch.randn_like(x0)
         sv = sigma.view(b, 1, 1)
         noisy = (1 - sv) * x0 + sv * noise
-        with torch.autocast(dev.type, dtype=torch.bfloat16), sdpa():
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
             pred = m(hidden_states=noisy, encoder_hidden_states=text, pooled_projections=pooled,
                      timestep=sigma, guidance=g, img_ids=img_ids, txt_ids=txt_ids,
                      return_dict=False)[0]
