@@ -294,7 +294,7 @@ TEST(DiTBlocks, AttentionCoreBackwardRunsUnderTheForwardsAutocast) {
       }
     }
     auto grads = torch::autograd::grad({out}, {q, k, v}, {dout.to(out.scalar_type())});
-    (core ? ours : ref) = {out.detach(), grads[0], grads[1], grads[2]};
+    (core ? ours : ref) = std::vector<torch::Tensor>{out.detach(), grads[0], grads[1], grads[2]};
   }
   for (size_t i = 0; i < 4; ++i) {
     EXPECT_EQ(ours[i].scalar_type(), ref[i].scalar_type()) << i;
