@@ -19,6 +19,7 @@
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <limits>
 
 namespace difftrain {
 namespace {
@@ -89,6 +90,47 @@ TEST(QuantizedWeight, OnePassDequantizationEqualsTheTensorOpsBitForBit) {
       EXPECT_EQ(fused.scalar_type(), dtype);
       EXPECT_TRUE(torch::equal(fused, ops)) << c10::toString(dtype) << " " << shape.size();
     }
+  }
+}
+
+TEST(QuantizedWeight, OnePassBf16RoundingMatchesTorchAtTiesTinyHugeAndNaNScales) {
+  // The bf16 loop rounds the float32 product with integer operations on its bits; it must round
+  // as torch does at ties (scale 1 + 2^-8 makes odd multiples land halfway), for subnormal and
+  // huge products, for infinities and NaN (as a NaN: torch's own casts give NaN different bits),
+  // over every int8 value and lengths that leave tails.
+  const std::vector<float> scales{1.0F + 1.0F / 256.0F,
+                                  1.0F + 3.0F / 256.0F,
+                                  1e-40F,
+                                  3e36F,
+                                  std::numeric_limits<float>::infinity(),
+                                  std::numeric_limits<float>::quiet_NaN(),
+                                  0.0F,
+                                  -2.5F};
+  for (const int64_t cols : {int64_t{255}, int64_t{17}, int64_t{1}}) {
+    auto q = (torch::arange(static_cast<int64_t>(scales.size()) * cols) % 255 - 127)
+                 .to(torch::kInt8)
+                 .view({static_cast<int64_t>(scales.size()), cols});
+    models::QuantizedWeight w;
+    w.q = q;
+    w.scale = torch::tensor(scales);
+    w.dtype = torch::kBFloat16;
+    const auto ops = (q.to(torch::kFloat32) * w.scale.view({-1, 1})).to(torch::kBFloat16);
+    const auto fused = w.dequantize();
+    // Bits where the value is a number; NaN where torch's is (its vectorised and scalar casts
+    // give NaN different bits themselves).
+    const auto nan = torch::isnan(ops);
+    EXPECT_TRUE(torch::equal(torch::isnan(fused), nan)) << cols;
+    EXPECT_TRUE(torch::equal(fused.view(torch::kInt16).masked_fill(nan, 0),
+                             ops.view(torch::kInt16).masked_fill(nan, 0)))
+        << cols;
+    w.dtype = torch::kFloat32;
+    const auto f32 = w.dequantize();
+    const auto f32_ops = q.to(torch::kFloat32) * w.scale.view({-1, 1});
+    const auto nan32 = torch::isnan(f32_ops);
+    EXPECT_TRUE(torch::equal(torch::isnan(f32), nan32)) << cols;
+    EXPECT_TRUE(torch::equal(f32.view(torch::kInt32).masked_fill(nan32, 0),
+                             f32_ops.view(torch::kInt32).masked_fill(nan32, 0)))
+        << cols;
   }
 }
 
