@@ -33,14 +33,32 @@ torch::Tensor maybe_dropout(const torch::Tensor& x, double p, bool training) {
 
 namespace {
 
-// Query rows per chunk so a [B*h, chunk, S] score matrix stays near 16 MiB (4 bytes each): the
-// forward holds four such matrices at once (bf16 / float32 scores, probabilities), the backward
-// six; smaller chunks cost nothing measurable at FLUX.1's sizes and keep those transients under
-// the graph's saved tensors.
-int64_t attention_chunk(int64_t batch_heads, int64_t queries, int64_t keys) {
+// How attention_core splits its work so a chunk's score matrix stays near 16 MiB (4M elements of
+// 4 bytes): the forward holds four such matrices at once (bf16 / float32 scores, probabilities),
+// the backward six, which keeps those transients under the graph's saved tensors. Whole heads
+// first, as many as fit: a range of heads of a contiguous [B*h, N, d] is itself dense, which
+// LibTorch's CPU bmm needs (oneDNN takes only dense or transposed-dense batches: a range of query
+// rows across all heads was copied before every product, 8% of a FLUX.1 LoRA step at 1,152
+// tokens), and a head's dK and dV come out whole. A head whose [N, S] scores alone exceed the
+// budget (4,096 tokens and more) runs in query chunks, one head at a time.
+struct AttentionChunks {
+  int64_t heads;    // heads per chunk
+  int64_t queries;  // query rows per chunk: all N unless heads == 1
+};
+
+AttentionChunks attention_chunks_of(int64_t batch_heads, int64_t queries, int64_t keys) {
   const int64_t budget = int64_t{4} << 20;
-  return std::max<int64_t>(
-      1, std::min<int64_t>(queries, budget / std::max<int64_t>(1, batch_heads * keys)));
+  const int64_t per_head = std::max<int64_t>(1, queries * keys);
+  if (per_head <= budget) {
+    return {std::clamp<int64_t>(budget / per_head, 1, std::max<int64_t>(batch_heads, 1)), queries};
+  }
+  return {1, std::max<int64_t>(1, std::min<int64_t>(queries, budget / std::max<int64_t>(1, keys)))};
+}
+
+// The key mask's rows for heads [h, h + n): masked is [B*h, 1, S] or [1, 1, S] (broadcast).
+torch::Tensor mask_rows(const torch::Tensor& masked, int64_t h, int64_t n) {
+  if (!masked.defined() || masked.size(0) == 1) return masked;
+  return masked.narrow(0, h, n);
 }
 
 // The scaled scores bmm(q, k^T) · scale made ready for the softmax: the optional upcast to float32,
@@ -63,21 +81,28 @@ torch::Tensor chunk_scores(const torch::Tensor& q, const torch::Tensor& kt,
   return softmax_input(torch::bmm(q, kt) * c.scale, masked, c);
 }
 
-// attention_core's loop over query chunks (masked: undefined or [BH, 1, S], true where masked).
+// attention_core's loop over its chunks (masked: undefined or [BH, 1, S], true where masked).
 torch::Tensor attention_chunks(const torch::Tensor& qh, const torch::Tensor& kh,
                                const torch::Tensor& vh, const torch::Tensor& masked,
                                const AttentionCore& c) {
-  const int64_t N = qh.size(1);
-  const int64_t chunk = attention_chunk(qh.size(0), N, kh.size(1));
+  const int64_t BH = qh.size(0), N = qh.size(1);
+  const AttentionChunks chunks = attention_chunks_of(BH, N, kh.size(1));
   const torch::Tensor kt = kh.transpose(1, 2);
-  std::vector<torch::Tensor> outs;
-  for (int64_t start = 0; start < N; start += chunk) {
-    const int64_t len = std::min(chunk, N - start);
-    const torch::Tensor probs =
-        chunk_scores(qh.narrow(1, start, len), kt, masked, c).softmax(-1).to(c.out_dtype);
-    outs.push_back(torch::bmm(probs, vh));
+  std::vector<torch::Tensor> heads;
+  for (int64_t h = 0; h < BH; h += chunks.heads) {
+    const int64_t nh = std::min(chunks.heads, BH - h);
+    const torch::Tensor q = qh.narrow(0, h, nh), k = kt.narrow(0, h, nh), v = vh.narrow(0, h, nh);
+    const torch::Tensor m = mask_rows(masked, h, nh);
+    std::vector<torch::Tensor> rows;
+    for (int64_t start = 0; start < N; start += chunks.queries) {
+      const int64_t len = std::min(chunks.queries, N - start);
+      const torch::Tensor probs =
+          chunk_scores(q.narrow(1, start, len), k, m, c).softmax(-1).to(c.out_dtype);
+      rows.push_back(torch::bmm(probs, v));
+    }
+    heads.push_back(rows.size() == 1 ? rows[0] : torch::cat(rows, 1));
   }
-  return outs.size() == 1 ? outs[0] : torch::cat(outs, 1);
+  return heads.size() == 1 ? heads[0] : torch::cat(heads, 0);
 }
 
 // The same maths with a backward that recomputes each chunk's probabilities from q and k instead
@@ -126,43 +151,54 @@ struct RecomputedAttention : public torch::autograd::Function<RecomputedAttentio
         qh.device().type(),
         {ctx->saved_data["autocast"].toBool(),
          static_cast<torch::ScalarType>(ctx->saved_data["autocast_dtype"].toInt())});
-    const torch::Tensor dout = grads[0];
-    const int64_t N = qh.size(1);
-    const int64_t chunk = attention_chunk(qh.size(0), N, kh.size(1));
-    const torch::Tensor kt = kh.transpose(1, 2);
-    const bool one = chunk >= N;
-    const auto acc = [&](const torch::Tensor& like) {
-      return one ? torch::Tensor()
-                 : torch::zeros(like.sizes(), like.options().dtype(torch::kFloat));
-    };
-    torch::Tensor dk = acc(kh), dv = acc(vh), dk_one, dv_one;
-    std::vector<torch::Tensor> dqs;
-    for (int64_t start = 0; start < N; start += chunk) {
-      const int64_t len = std::min(chunk, N - start);
-      const torch::Tensor q = qh.narrow(1, start, len);
-      const torch::Tensor g = dout.narrow(1, start, len);
-      // scaled: bmm's dtype (bf16 under autocast even for float32 q and k).
-      const torch::Tensor scaled = torch::bmm(q, kt) * c.scale;
-      const auto scaled_dtype = scaled.scalar_type();
-      const torch::Tensor p = softmax_input(scaled, masked, c).softmax(-1);
-      // out = bmm(probs, v), probs = p.to(out_dtype)
-      const torch::Tensor dv_c = torch::bmm(p.to(c.out_dtype).transpose(1, 2), g);
-      // p = softmax(scores); scores = [masked] [upcast] (bmm(q, k^T) * scale), in p's dtype
-      torch::Tensor ds = torch::_softmax_backward_data(
-          torch::bmm(g, vh.transpose(1, 2)).to(p.scalar_type()), p, -1, p.scalar_type());
-      if (masked.defined()) ds = ds.masked_fill(masked, 0);
-      ds = ds.to(scaled_dtype) * c.scale;
-      dqs.push_back(torch::bmm(ds, kh));
-      const torch::Tensor dk_c = torch::bmm(ds.transpose(1, 2), q);
-      if (one) {
-        dk_one = dk_c, dv_one = dv_c;
-      } else {
-        dk.add_(dk_c);
-        dv.add_(dv_c);
+    const torch::Tensor dout = grads[0].contiguous();
+    const int64_t BH = qh.size(0), N = qh.size(1);
+    const AttentionChunks chunks = attention_chunks_of(BH, N, kh.size(1));
+    std::vector<torch::Tensor> dqs, dks, dvs;
+    for (int64_t h = 0; h < BH; h += chunks.heads) {
+      const int64_t nh = std::min(chunks.heads, BH - h);
+      const torch::Tensor qs = qh.narrow(0, h, nh), ks = kh.narrow(0, h, nh);
+      const torch::Tensor vs = vh.narrow(0, h, nh), gs = dout.narrow(0, h, nh);
+      const torch::Tensor kt = ks.transpose(1, 2), vt = vs.transpose(1, 2);
+      const torch::Tensor m = mask_rows(masked, h, nh);
+      // One head in query chunks sums its dK and dV over the chunks, in float32.
+      const bool one = chunks.queries >= N;
+      torch::Tensor dk, dv;
+      std::vector<torch::Tensor> dq_rows;
+      for (int64_t start = 0; start < N; start += chunks.queries) {
+        const int64_t len = std::min(chunks.queries, N - start);
+        const torch::Tensor q = qs.narrow(1, start, len);
+        const torch::Tensor g = gs.narrow(1, start, len);
+        // scaled: bmm's dtype (bf16 under autocast even for float32 q and k).
+        const torch::Tensor scaled = torch::bmm(q, kt) * c.scale;
+        const auto scaled_dtype = scaled.scalar_type();
+        const torch::Tensor p = softmax_input(scaled, m, c).softmax(-1);
+        // out = bmm(probs, v), probs = p.to(out_dtype)
+        const torch::Tensor dv_c = torch::bmm(p.to(c.out_dtype).transpose(1, 2), g);
+        // p = softmax(scores); scores = [masked] [upcast] (bmm(q, k^T) * scale), in p's dtype
+        torch::Tensor ds = torch::_softmax_backward_data(torch::bmm(g, vt).to(p.scalar_type()), p,
+                                                         -1, p.scalar_type());
+        if (m.defined()) ds = ds.masked_fill(m, 0);
+        ds = ds.to(scaled_dtype) * c.scale;
+        dq_rows.push_back(torch::bmm(ds, ks));
+        const torch::Tensor dk_c = torch::bmm(ds.transpose(1, 2), q);
+        if (one) {
+          dk = dk_c, dv = dv_c;
+        } else if (!dk.defined()) {
+          dk = dk_c.to(torch::kFloat), dv = dv_c.to(torch::kFloat);
+        } else {
+          dk.add_(dk_c);
+          dv.add_(dv_c);
+        }
       }
+      dqs.push_back(dq_rows.size() == 1 ? dq_rows[0] : torch::cat(dq_rows, 1));
+      dks.push_back(one ? dk : dk.to(kh.scalar_type()));
+      dvs.push_back(one ? dv : dv.to(vh.scalar_type()));
     }
-    if (!one) dk_one = dk.to(kh.scalar_type()), dv_one = dv.to(vh.scalar_type());
-    torch::Tensor dq = dqs.size() == 1 ? dqs[0] : torch::cat(dqs, 1);
+    const auto join = [](const std::vector<torch::Tensor>& t) {
+      return t.size() == 1 ? t[0] : torch::cat(t, 0);
+    };
+    const torch::Tensor dq = join(dqs), dk_one = join(dks), dv_one = join(dvs);
     return {dq, dk_one, dv_one, torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
@@ -208,9 +244,13 @@ torch::Tensor multi_head_attention(const torch::Tensor& q, const torch::Tensor& 
   if (!key_mask.defined()) {
     if (torch::Tensor fused = fused_attention(q, k, v, heads, scale); fused.defined()) return fused;
   }
-  // [B, N, h*d] -> [B*h, N, d], as Diffusers' head_to_batch_dim.
+  // [B, N, h*d] -> [B*h, N, d], as Diffusers' head_to_batch_dim; dense (for B = 1 the reshape is a
+  // strided view, which every product of attention_core would copy again, forward and backward).
   auto split = [&](const torch::Tensor& t, int64_t len) {
-    return t.reshape({B, len, heads, d}).permute({0, 2, 1, 3}).reshape({B * heads, len, d});
+    return t.reshape({B, len, heads, d})
+        .permute({0, 2, 1, 3})
+        .reshape({B * heads, len, d})
+        .contiguous();
   };
   torch::Tensor qh = split(q, N), kh = split(k, S), vh = split(v, S);
   const auto out_dtype = qh.scalar_type();

@@ -322,48 +322,56 @@ std::vector<torch::Tensor> same_dtype_attention(const torch::Tensor& q, const to
 }
 
 TEST(DiTBlocks, AttentionCoreRecomputesItsProbabilitiesInTheBackward) {
-  // Enough keys x heads that the queries run in several chunks (16M scores per chunk): the
-  // backward's per-chunk recomputation and its float32 sums of dK and dV over the chunks.
+  // Enough scores that the work runs in several chunks (4M scores per chunk): 32 heads of 300 x
+  // 2,100 in chunks of 6 heads (the last one short); 2 heads of 2,100 x 2,100 (more than a chunk
+  // each) one head at a time in query chunks, with the backward's float32 sums of dK and dV over
+  // them. The backward's per-chunk recomputation in both.
   torch::manual_seed(0);
-  for (const bool masked : {false, true}) {
-    for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
-      const int64_t B = 2, heads = 16, N = 300, S = 2100, d = 8;
-      const double scale = 1.0 / std::sqrt(double(d));
-      auto q = torch::randn({B * heads, N, d}).to(dtype).requires_grad_();
-      auto k = torch::randn({B * heads, S, d}).to(dtype).requires_grad_();
-      auto v = torch::randn({B * heads, S, d}).to(dtype).requires_grad_();
-      torch::Tensor mask;
-      if (masked) {
-        mask = torch::ones({B, S}, torch::kBool);
-        mask.index_put_({1, torch::indexing::Slice(1500)}, false);
+  struct Shape {
+    int64_t B, heads, N, S;
+  };
+  for (const Shape& shape : {Shape{2, 16, 300, 2100}, Shape{1, 2, 2100, 2100}}) {
+    for (const bool masked : {false, true}) {
+      for (const auto dtype : {torch::kFloat32, torch::kBFloat16}) {
+        const int64_t B = shape.B, heads = shape.heads, N = shape.N, S = shape.S, d = 8;
+        const double scale = 1.0 / std::sqrt(double(d));
+        auto q = torch::randn({B * heads, N, d}).to(dtype).requires_grad_();
+        auto k = torch::randn({B * heads, S, d}).to(dtype).requires_grad_();
+        auto v = torch::randn({B * heads, S, d}).to(dtype).requires_grad_();
+        torch::Tensor mask;
+        if (masked) {
+          mask = torch::ones({B, S}, torch::kBool);
+          mask.index_put_({B - 1, torch::indexing::Slice(1500)}, false);
+        }
+        const auto dout = torch::randn({B * heads, N, d}).to(dtype);
+        const auto out = m::attention_core(q, k, v, mask, {scale, /*upcast_softmax=*/true, dtype});
+        const auto grads = torch::autograd::grad({out}, {q, k, v}, {dout});
+        const auto ref = reference_attention(q, k, v, mask, scale, dout);
+        const auto same_ops = same_dtype_attention(q, k, v, mask, scale, dout);
+        const auto rel = [](const torch::Tensor& a, const torch::Tensor& r) {
+          return max_abs(f64(a), f64(r)) / f64(r).abs().max().item<double>();
+        };
+        SCOPED_TRACE(std::string(masked ? "masked " : "") + c10::toString(dtype) + " heads " +
+                     std::to_string(heads) + " queries " + std::to_string(N));
+        EXPECT_EQ(out.scalar_type(), dtype);
+        // Against the same ops in the same dtype under autograd (what the recomputation replaces):
+        // float32 to its rounding; bf16 within a bf16 step (dK and dV are summed over the chunks in
+        // float32, autograd sums them in bf16). Against float64: float32 to its rounding; bf16 to
+        // what bf16 scores allow (their rounding moves the probabilities by about 1%).
+        const double tol_same = dtype == torch::kFloat32 ? 1e-5 : 1.0 / 128;
+        const double tol_f64 = dtype == torch::kFloat32 ? 1e-5 : 5e-2;
+        EXPECT_LT(rel(out, same_ops[0]), tol_same);
+        EXPECT_LT(rel(out, ref[0]), tol_f64);
+        for (int i = 0; i < 3; ++i) {
+          EXPECT_EQ(grads[i].scalar_type(), dtype);
+          EXPECT_LT(rel(grads[i], same_ops[i + 1]), tol_same) << "gradient " << i;
+          EXPECT_LT(rel(grads[i], ref[i + 1]), tol_f64) << "gradient " << i;
+        }
+        // The forward with grad mode off is the same computation, bit for bit.
+        torch::NoGradGuard no_grad;
+        EXPECT_TRUE(
+            torch::equal(m::attention_core(q, k, v, mask, {scale, true, dtype}), out.detach()));
       }
-      const auto dout = torch::randn({B * heads, N, d}).to(dtype);
-      const auto out = m::attention_core(q, k, v, mask, {scale, /*upcast_softmax=*/true, dtype});
-      const auto grads = torch::autograd::grad({out}, {q, k, v}, {dout});
-      const auto ref = reference_attention(q, k, v, mask, scale, dout);
-      const auto same_ops = same_dtype_attention(q, k, v, mask, scale, dout);
-      const auto rel = [](const torch::Tensor& a, const torch::Tensor& r) {
-        return max_abs(f64(a), f64(r)) / f64(r).abs().max().item<double>();
-      };
-      SCOPED_TRACE(std::string(masked ? "masked " : "") + c10::toString(dtype));
-      EXPECT_EQ(out.scalar_type(), dtype);
-      // Against the same ops in the same dtype under autograd (what the recomputation replaces):
-      // float32 to its rounding; bf16 within a bf16 step (dK and dV are summed over the chunks in
-      // float32, autograd sums them in bf16). Against float64: float32 to its rounding; bf16 to
-      // what bf16 scores allow (their rounding moves the probabilities by about 1%).
-      const double tol_same = dtype == torch::kFloat32 ? 1e-5 : 1.0 / 128;
-      const double tol_f64 = dtype == torch::kFloat32 ? 1e-5 : 5e-2;
-      EXPECT_LT(rel(out, same_ops[0]), tol_same);
-      EXPECT_LT(rel(out, ref[0]), tol_f64);
-      for (int i = 0; i < 3; ++i) {
-        EXPECT_EQ(grads[i].scalar_type(), dtype);
-        EXPECT_LT(rel(grads[i], same_ops[i + 1]), tol_same) << "gradient " << i;
-        EXPECT_LT(rel(grads[i], ref[i + 1]), tol_f64) << "gradient " << i;
-      }
-      // The forward with grad mode off is the same computation, bit for bit.
-      torch::NoGradGuard no_grad;
-      EXPECT_TRUE(
-          torch::equal(m::attention_core(q, k, v, mask, {scale, true, dtype}), out.detach()));
     }
   }
 }

@@ -5,6 +5,7 @@
 #include "difftrain/models/kernels/fused_ops.h"
 
 #include "difftrain/models/attention.h"
+#include "difftrain/models/layers.h"
 #include "difftrain/models/linear.h"
 #include "difftrain/models/unets/unet.h"
 #include "difftrain/models/unets/unet_config.h"
@@ -354,6 +355,53 @@ TEST(FusedOps, SiluSurvivesHugeInputsAndKeepsNaN) {
   y = models::group_norm_silu(x, 4, gamma, torch::Tensor(), 1e-5, true);
   EXPECT_TRUE(torch::isnan(y[1][3]).all().item<bool>()) << "NaN must propagate through the group";
   EXPECT_TRUE(torch::isfinite(y[0]).all().item<bool>());
+}
+
+TEST(FusedOps, Bf16GeluAndItsGradientMatchFloat64WithinOneRounding) {
+  // bf16 values, both forms, lengths with tails and several blocks; through models::gelu and
+  // autograd: each output within one bf16 rounding of float64's value of the same maths, plus a
+  // float32-sized absolute term (1 + tanh(...) cancels to 0 below x = -6 in float32, as in torch;
+  // the derivative crosses zero near x = -0.75).
+  FusedSwitch restore;
+  models::set_fused_kernels_enabled(true);
+  torch::manual_seed(7);
+  for (const bool tanh_form : {true, false}) {
+    for (const int64_t n : {int64_t{1}, int64_t{17}, int64_t{5000}, int64_t{70001}}) {
+      SCOPED_TRACE(std::string(tanh_form ? "tanh " : "erf ") + std::to_string(n));
+      auto x = (torch::randn({n}) * 3).to(torch::kBFloat16);
+      if (n > 8) {
+        x[0] = 30.f, x[1] = -30.f, x[2] = 0.f, x[3] = -0.75f, x[4] = 1e-30f;
+      }
+      const auto dy = torch::randn({n}).to(torch::kBFloat16);
+      ASSERT_TRUE(models::fused_gelu(x, tanh_form).defined());
+      const auto xg = x.clone().requires_grad_();
+      const auto y = models::gelu(xg, tanh_form);
+      const auto dx = torch::autograd::grad({y}, {xg}, {dy})[0];
+      EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+      EXPECT_EQ(dx.scalar_type(), torch::kBFloat16);
+      const auto x64 = x.to(torch::kFloat64).requires_grad_();
+      const auto y64 = torch::gelu(x64, tanh_form ? "tanh" : "none");
+      const auto dx64 = torch::autograd::grad({y64}, {x64}, {dy.to(torch::kFloat64)})[0];
+      const auto within = [](const torch::Tensor& a, const torch::Tensor& r, double abs) {
+        const auto err = (a.to(torch::kFloat64) - r).abs();
+        return (err <= r.abs() / 256 + abs).all().item<bool>();
+      };
+      EXPECT_TRUE(within(y, y64.detach(), 1e-6));
+      EXPECT_TRUE(within(dx, dx64, 1e-5));
+      // The fused form is what the flag switches: off, torch's own gelu runs.
+      models::set_fused_kernels_enabled(false);
+      EXPECT_FALSE(models::fused_gelu(x, tanh_form).defined());
+      const auto y_torch = models::gelu(x, tanh_form);
+      models::set_fused_kernels_enabled(true);
+      // The same function as torch's, whose LibTorch 1.13 bf16 form rounds each intermediate to
+      // bf16 (1 + tanh(...) loses everything below x = -2 or so there: absolute errors of 0.004).
+      EXPECT_LT(max_abs_diff(y_torch, y), 0.02);
+    }
+  }
+  // float32 and other devices' tensors are not its business; NaN stays NaN.
+  EXPECT_FALSE(models::fused_gelu(torch::randn({4}), true).defined());
+  auto nan = torch::full({3}, std::numeric_limits<float>::quiet_NaN()).to(torch::kBFloat16);
+  EXPECT_TRUE(torch::isnan(models::fused_gelu(nan, true)).all().item<bool>());
 }
 
 TEST(FusedOps, GroupNormFallsBackOutsideFloat32Cpu) {

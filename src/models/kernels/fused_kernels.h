@@ -2,7 +2,8 @@
 // The CPU float32 kernels behind models/fused_ops.h, compiled twice from fused_kernels_impl.h:
 // once for the build's baseline CPU (namespace generic) and, where the compiler and Sleef allow,
 // with AVX2 + FMA (namespace avx2, fused_kernels_avx2.cpp). fused_ops.cpp picks one at run time
-// from the CPU's features. Every pointer is a dense float32 buffer; shapes are stated per function.
+// from the CPU's features. Every pointer is a dense float32 buffer (GELU: float32 or bf16);
+// shapes are stated per function.
 #include <cstdint>
 
 namespace difftrain::models::kernels {
@@ -59,7 +60,13 @@ struct SmallConvShape {
                                 float* gx);                                                        \
   /* gw: [O, C, 3, 3], gb: [O] or null, overwritten */                                             \
   void small_conv_backward_weights(const SmallConvShape& s, const float* gy, const float* x,       \
-                                   float* gw, float* gb);
+                                   float* gw, float* gb);                                          \
+  /* y = gelu(x) over n values: float32, or bf16 (their bits) when bf16; computed in float32,  */  \
+  /* rounded once; the tanh approximation or the exact (erf) form                              */  \
+  void gelu_forward(const void* x, void* y, int64_t n, bool bf16, bool tanh_approximation);        \
+  /* dx = dy * gelu'(x), the same dtypes                                                       */  \
+  void gelu_backward(const void* dy, const void* x, void* dx, int64_t n, bool bf16,                \
+                     bool tanh_approximation);
 
 namespace generic {
 DIFFTRAIN_FUSED_KERNEL_DECLS

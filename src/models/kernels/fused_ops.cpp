@@ -24,22 +24,36 @@ struct KernelTable {
   decltype(&kernels::generic::small_conv_forward) small_conv_forward;
   decltype(&kernels::generic::small_conv_backward_data) small_conv_backward_data;
   decltype(&kernels::generic::small_conv_backward_weights) small_conv_backward_weights;
+  decltype(&kernels::generic::gelu_forward) gelu_forward;
+  decltype(&kernels::generic::gelu_backward) gelu_backward;
   const char* isa;
 };
 
 KernelTable pick_kernels() {
 #if defined(DIFFTRAIN_HAVE_AVX2_KERNELS) && (defined(__x86_64__) || defined(__i386__))
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    return {kernels::avx2::attention_forward,           kernels::avx2::attention_backward,
-            kernels::avx2::group_norm_forward,          kernels::avx2::group_norm_backward,
-            kernels::avx2::small_conv_forward,          kernels::avx2::small_conv_backward_data,
-            kernels::avx2::small_conv_backward_weights, "avx2"};
+    return {kernels::avx2::attention_forward,
+            kernels::avx2::attention_backward,
+            kernels::avx2::group_norm_forward,
+            kernels::avx2::group_norm_backward,
+            kernels::avx2::small_conv_forward,
+            kernels::avx2::small_conv_backward_data,
+            kernels::avx2::small_conv_backward_weights,
+            kernels::avx2::gelu_forward,
+            kernels::avx2::gelu_backward,
+            "avx2"};
   }
 #endif
-  return {kernels::generic::attention_forward,           kernels::generic::attention_backward,
-          kernels::generic::group_norm_forward,          kernels::generic::group_norm_backward,
-          kernels::generic::small_conv_forward,          kernels::generic::small_conv_backward_data,
-          kernels::generic::small_conv_backward_weights, "generic"};
+  return {kernels::generic::attention_forward,
+          kernels::generic::attention_backward,
+          kernels::generic::group_norm_forward,
+          kernels::generic::group_norm_backward,
+          kernels::generic::small_conv_forward,
+          kernels::generic::small_conv_backward_data,
+          kernels::generic::small_conv_backward_weights,
+          kernels::generic::gelu_forward,
+          kernels::generic::gelu_backward,
+          "generic"};
 }
 
 const KernelTable& kernel_table() {
@@ -98,6 +112,32 @@ class FusedAttention : public torch::autograd::Function<FusedAttention> {
         lse.data_ptr<float>(), dout.data_ptr<float>(), dq.data_ptr<float>(), dk.data_ptr<float>(),
         dv.data_ptr<float>());
     return {dq, dk, dv, torch::Tensor(), torch::Tensor()};
+  }
+};
+
+// GELU in one pass each way over a dense float32 or bf16 tensor (computed in float32, rounded
+// once); the backward reads x and the incoming gradient only.
+class FusedGelu : public torch::autograd::Function<FusedGelu> {
+ public:
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x,
+                               bool tanh_approximation) {
+    const auto xc = x.contiguous();
+    auto y = torch::empty_like(xc);
+    kernel_table().gelu_forward(xc.data_ptr(), y.data_ptr(), xc.numel(),
+                                xc.scalar_type() == torch::kBFloat16, tanh_approximation);
+    ctx->save_for_backward({xc});
+    ctx->saved_data["tanh"] = tanh_approximation;
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto x = ctx->get_saved_variables()[0];
+    const auto dy = grads[0].to(x.scalar_type()).contiguous();
+    auto dx = torch::empty_like(x);
+    kernel_table().gelu_backward(dy.data_ptr(), x.data_ptr(), dx.data_ptr(), x.numel(),
+                                 x.scalar_type() == torch::kBFloat16,
+                                 ctx->saved_data["tanh"].toBool());
+    return {dx, torch::Tensor()};
   }
 };
 
@@ -288,6 +328,14 @@ torch::Tensor fused_attention(const torch::Tensor& q, const torch::Tensor& k,
   // head's keys stay in cache; wide heads (the VAE's single 512-wide head) go to the GEMMs.
   if (q.size(2) / heads > kMaxFusedHeadDim) return {};
   return FusedAttention::apply(q.contiguous(), k.contiguous(), v.contiguous(), heads, scale);
+}
+
+torch::Tensor fused_gelu(const torch::Tensor& x, bool tanh_approximation) {
+  if (!fused_kernels_enabled() || !x.defined() || !x.device().is_cpu() ||
+      x.layout() != torch::kStrided || x.scalar_type() != torch::kBFloat16 || x.numel() == 0) {
+    return {};
+  }
+  return FusedGelu::apply(x, tanh_approximation);
 }
 
 torch::Tensor group_norm_silu(const torch::Tensor& x, int64_t groups, const torch::Tensor& weight,

@@ -1,13 +1,15 @@
 #pragma once
 // Fused CPU kernels for the UNet's hot spots, with their own backward: multi-head attention that
 // never stores the [B*heads, N, S] probability matrix, and GroupNorm followed by SiLU in one pass.
-// They run for float32 CPU tensors only; anything else (CUDA, bf16, fp16, float64) takes LibTorch's
-// ops, so callers may call them unconditionally. The results equal LibTorch's to float rounding
-// (tests/unit/fused_ops_test.cpp checks them against a float64 recomputation).
+// They run for float32 CPU tensors only (the GELU for bf16 ones); anything else (CUDA, bf16, fp16,
+// float64) takes LibTorch's ops, so callers may call them unconditionally. The results equal
+// LibTorch's to float rounding (tests/unit/fused_ops_test.cpp checks them against a float64
+// recomputation).
 //
 // On by default; DIFFTRAIN_FUSED_KERNELS=0 in the environment (or set_fused_kernels_enabled(false))
 // turns them off, for an A/B comparison or to rule them out; the same switch governs the DiT
-// blocks' one-pass RoPE and RMSNorm (transformers/dit_blocks.h: float32, bf16 and fp16 there).
+// blocks' one-pass RoPE and RMSNorm (transformers/dit_blocks.h: float32, bf16 and fp16 there)
+// and the bf16 GELU (fused_gelu, behind models::gelu).
 #include <torch/nn/modules/normalization.h>
 #include <torch/types.h>
 
@@ -29,6 +31,12 @@ std::string fused_kernels_isa();
 /// is returned and the caller uses its own path.
 torch::Tensor fused_attention(const torch::Tensor& q, const torch::Tensor& k,
                               const torch::Tensor& v, int64_t heads, double scale);
+
+/// gelu(x) (tanh approximation or exact) for a bf16 CPU tensor: one pass each way, computed in
+/// float32 and rounded once (LibTorch 1.13's bf16 GELU is scalar and rounds every intermediate to
+/// bf16; 2.x computes as this does). Differentiable in x. Undefined where it does not apply
+/// (kernels off, another dtype or device): models::gelu then takes torch's.
+torch::Tensor fused_gelu(const torch::Tensor& x, bool tanh_approximation);
 
 /// group_norm(x, groups, weight, bias, eps), then silu when `silu`. x: [N, C, *] in contiguous or
 /// channels-last memory (the output keeps x's layout); weight, bias: [C] or undefined.
