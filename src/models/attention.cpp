@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace difftrain::models {
@@ -73,12 +74,23 @@ torch::Tensor softmax_input(const torch::Tensor& scaled, const torch::Tensor& ma
   return scores;
 }
 
-// One chunk's scores, the way the forward forms them: bmm (in q's dtype, or autocast's), then the
-// scale: LibTorch 1.13's CPU baddbmm with beta = 0 reads its uninitialised input on some small
-// bf16 / float64 shapes.
-torch::Tensor chunk_scores(const torch::Tensor& q, const torch::Tensor& kt,
-                           const torch::Tensor& masked, const AttentionCore& c) {
-  return softmax_input(torch::bmm(q, kt) * c.scale, masked, c);
+// Whether a chunk's softmax runs as the one-pass bf16 kernel (fused_ops.h): bf16 scores with the
+// float32 softmax and bf16 probabilities, on the CPU.
+bool bf16_softmax(const torch::Tensor& raw, const AttentionCore& c) {
+  return c.upcast_softmax && c.out_dtype == torch::kBFloat16 &&
+         raw.scalar_type() == torch::kBFloat16 && raw.device().is_cpu();
+}
+
+// One chunk's probabilities in out_dtype from its raw scores bmm(q, k^T) (in q's dtype, or
+// autocast's): the one-pass kernel where it applies; else the scale (not folded into a baddbmm:
+// LibTorch 1.13's CPU baddbmm with beta = 0 reads its uninitialised input on some small bf16 /
+// float64 shapes), the optional upcast, the mask, the softmax and the cast as tensor ops.
+torch::Tensor chunk_probs(const torch::Tensor& raw, const torch::Tensor& masked,
+                          const AttentionCore& c) {
+  if (bf16_softmax(raw, c)) {
+    if (torch::Tensor p = attention_softmax_bf16(raw, c.scale, masked); p.defined()) return p;
+  }
+  return softmax_input(raw * c.scale, masked, c).softmax(-1).to(c.out_dtype);
 }
 
 // attention_core's loop over its chunks (masked: undefined or [BH, 1, S], true where masked).
@@ -96,8 +108,7 @@ torch::Tensor attention_chunks(const torch::Tensor& qh, const torch::Tensor& kh,
     std::vector<torch::Tensor> rows;
     for (int64_t start = 0; start < N; start += chunks.queries) {
       const int64_t len = std::min(chunks.queries, N - start);
-      const torch::Tensor probs =
-          chunk_scores(q.narrow(1, start, len), k, m, c).softmax(-1).to(c.out_dtype);
+      const torch::Tensor probs = chunk_probs(torch::bmm(q.narrow(1, start, len), k), m, c);
       rows.push_back(torch::bmm(probs, v));
     }
     heads.push_back(rows.size() == 1 ? rows[0] : torch::cat(rows, 1));
@@ -169,17 +180,23 @@ struct RecomputedAttention : public torch::autograd::Function<RecomputedAttentio
         const int64_t len = std::min(chunks.queries, N - start);
         const torch::Tensor q = qs.narrow(1, start, len);
         const torch::Tensor g = gs.narrow(1, start, len);
-        // scaled: bmm's dtype (bf16 under autocast even for float32 q and k).
-        const torch::Tensor scaled = torch::bmm(q, kt) * c.scale;
-        const auto scaled_dtype = scaled.scalar_type();
-        const torch::Tensor p = softmax_input(scaled, m, c).softmax(-1);
-        // out = bmm(probs, v), probs = p.to(out_dtype)
-        const torch::Tensor dv_c = torch::bmm(p.to(c.out_dtype).transpose(1, 2), g);
-        // p = softmax(scores); scores = [masked] [upcast] (bmm(q, k^T) * scale), in p's dtype
-        torch::Tensor ds = torch::_softmax_backward_data(torch::bmm(g, vt).to(p.scalar_type()), p,
-                                                         -1, p.scalar_type());
-        if (m.defined()) ds = ds.masked_fill(m, 0);
-        ds = ds.to(scaled_dtype) * c.scale;
+        // raw: bmm's dtype (bf16 under autocast even for float32 q and k); dp: the gradient of
+        // the probabilities, out = bmm(probs, v).
+        const torch::Tensor raw = torch::bmm(q, kt);
+        const torch::Tensor dp = torch::bmm(g, vt);
+        torch::Tensor probs, ds;
+        if (bf16_softmax(raw, c))
+          std::tie(probs, ds) = attention_softmax_backward_bf16(raw, dp, c.scale, m);
+        if (!probs.defined()) {
+          const auto raw_dtype = raw.scalar_type();
+          const torch::Tensor p = softmax_input(raw * c.scale, m, c).softmax(-1);
+          probs = p.to(c.out_dtype);
+          // p = softmax(scores); scores = [masked] [upcast] (raw * scale), in p's dtype
+          ds = torch::_softmax_backward_data(dp.to(p.scalar_type()), p, -1, p.scalar_type());
+          if (m.defined()) ds = ds.masked_fill(m, 0);
+          ds = ds.to(raw_dtype) * c.scale;
+        }
+        const torch::Tensor dv_c = torch::bmm(probs.transpose(1, 2), g);
         dq_rows.push_back(torch::bmm(ds, ks));
         const torch::Tensor dk_c = torch::bmm(ds.transpose(1, 2), q);
         if (one) {

@@ -36,6 +36,16 @@ struct SmallConvShape {
   int64_t batch, in_channels, out_channels, height, width, pad;
 };
 
+/// Attention's softmax over bf16 scores (a bmm's output, [heads, rows, cols] dense, as bits):
+/// p = softmax(scale * scores) per row in float32, keys where mask[h * mask_head_stride + c] is
+/// nonzero at exactly 0 (mask null: none; stride 0: one mask for every head).
+struct AttentionSoftmaxShape {
+  int64_t heads, rows, cols;
+  float scale;
+  const uint8_t* mask;
+  int64_t mask_head_stride;
+};
+
 #define DIFFTRAIN_FUSED_KERNEL_DECLS                                                               \
   void attention_forward(const AttentionShape& s, const float* q, const float* k, const float* v,  \
                          float* o, float* lse);                                                    \
@@ -66,7 +76,13 @@ struct SmallConvShape {
   void gelu_forward(const void* x, void* y, int64_t n, bool bf16, bool tanh_approximation);        \
   /* dx = dy * gelu'(x), the same dtypes                                                       */  \
   void gelu_backward(const void* dy, const void* x, void* dx, int64_t n, bool bf16,                \
-                     bool tanh_approximation);
+                     bool tanh_approximation);                                                     \
+  /* probs: p rounded to bf16 */                                                                   \
+  void attention_softmax_bf16(const AttentionSoftmaxShape& s, const uint16_t* raw,                 \
+                              uint16_t* probs);                                                    \
+  /* recomputes p from raw; probs as above, ds = scale * p (dp - sum(p dp)) per row, in bf16 */    \
+  void attention_softmax_backward_bf16(const AttentionSoftmaxShape& s, const uint16_t* raw,        \
+                                       const uint16_t* dp, uint16_t* probs, uint16_t* ds);
 
 namespace generic {
 DIFFTRAIN_FUSED_KERNEL_DECLS

@@ -859,3 +859,65 @@ void gelu_backward(const void* dy, const void* x, void* dx, int64_t n, bool bf16
     gelu_store(gs, bf16, offset, len, dx);
   });
 }
+
+// ------------------------------------------------------------------ attention's bf16 softmax
+
+namespace {
+
+// One row's probabilities in float32: p = softmax(scale * raw) with masked keys at exactly 0;
+// NaN throughout when every key is masked (as softmax over -inf gives).
+void softmax_row_bf16(const uint16_t* raw, const uint8_t* mask, int64_t n, float scale, float* p) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < n; ++i) p[i] = bf16_bits_to_float(raw[i]) * scale;
+  if (mask != nullptr) {
+    for (int64_t i = 0; i < n; ++i) p[i] = mask[i] != 0 ? -kInf : p[i];
+  }
+  const float m = row_max(p, n);
+  if (m == -kInf) {
+    std::fill(p, p + n, std::numeric_limits<float>::quiet_NaN());
+    return;
+  }
+  const float inv = 1.f / exp_shifted(p, n, m);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) (Vec::loadu(p + i) * Vec(inv)).store(p + i);
+  for (; i < n; ++i) p[i] *= inv;
+  // fast_exp gives 2^-126, not 0, for a masked key's -inf: its share is cleared.
+  if (mask != nullptr) {
+    for (int64_t j = 0; j < n; ++j) p[j] = mask[j] != 0 ? 0.f : p[j];
+  }
+}
+
+// f(offset, mask, p, scratch) for every row of s, p and scratch of s.cols floats.
+template <typename F>
+void for_attention_rows(const AttentionSoftmaxShape& s, const F& f) {
+  at::parallel_for(0, s.heads * s.rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffers(static_cast<size_t>(2 * s.cols));
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* mask =
+          s.mask == nullptr ? nullptr : s.mask + (r / s.rows) * s.mask_head_stride;
+      f(r * s.cols, mask, buffers.data(), buffers.data() + s.cols);
+    }
+  });
+}
+
+}  // namespace
+
+void attention_softmax_bf16(const AttentionSoftmaxShape& s, const uint16_t* raw, uint16_t* probs) {
+  for_attention_rows(s, [&](int64_t offset, const uint8_t* mask, float* p, float*) {
+    softmax_row_bf16(raw + offset, mask, s.cols, s.scale, p);
+    gelu_store(p, true, offset, s.cols, probs);
+  });
+}
+
+void attention_softmax_backward_bf16(const AttentionSoftmaxShape& s, const uint16_t* raw,
+                                     const uint16_t* dp, uint16_t* probs, uint16_t* ds) {
+  // ds = p (dp - sum(p dp)) (softmax's backward), times the scale, rounded once.
+  for_attention_rows(s, [&](int64_t offset, const uint8_t* mask, float* p, float* g) {
+    softmax_row_bf16(raw + offset, mask, s.cols, s.scale, p);
+    gelu_store(p, true, offset, s.cols, probs);
+    gelu_load(dp, true, offset, s.cols, g);
+    const float total = dot(p, g, s.cols);
+    for (int64_t i = 0; i < s.cols; ++i) g[i] = p[i] * (g[i] - total) * s.scale;
+    gelu_store(g, true, offset, s.cols, ds);
+  });
+}

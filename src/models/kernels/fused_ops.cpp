@@ -26,6 +26,8 @@ struct KernelTable {
   decltype(&kernels::generic::small_conv_backward_weights) small_conv_backward_weights;
   decltype(&kernels::generic::gelu_forward) gelu_forward;
   decltype(&kernels::generic::gelu_backward) gelu_backward;
+  decltype(&kernels::generic::attention_softmax_bf16) attention_softmax_bf16;
+  decltype(&kernels::generic::attention_softmax_backward_bf16) attention_softmax_backward_bf16;
   const char* isa;
 };
 
@@ -41,6 +43,8 @@ KernelTable pick_kernels() {
             kernels::avx2::small_conv_backward_weights,
             kernels::avx2::gelu_forward,
             kernels::avx2::gelu_backward,
+            kernels::avx2::attention_softmax_bf16,
+            kernels::avx2::attention_softmax_backward_bf16,
             "avx2"};
   }
 #endif
@@ -53,6 +57,8 @@ KernelTable pick_kernels() {
           kernels::generic::small_conv_backward_weights,
           kernels::generic::gelu_forward,
           kernels::generic::gelu_backward,
+          kernels::generic::attention_softmax_bf16,
+          kernels::generic::attention_softmax_backward_bf16,
           "generic"};
 }
 
@@ -336,6 +342,61 @@ torch::Tensor fused_gelu(const torch::Tensor& x, bool tanh_approximation) {
     return {};
   }
   return FusedGelu::apply(x, tanh_approximation);
+}
+
+namespace {
+
+// The kernels' shape for bf16 scores [n, rows, S] and a mask [n or 1, 1, S] (bool) or undefined;
+// `mask_bytes` keeps the mask's uint8 copy alive.
+kernels::AttentionSoftmaxShape attention_softmax_shape(const torch::Tensor& scores, double scale,
+                                                       const torch::Tensor& masked,
+                                                       torch::Tensor& mask_bytes) {
+  kernels::AttentionSoftmaxShape s{
+      scores.size(0), scores.size(1), scores.size(2), static_cast<float>(scale), nullptr, 0};
+  if (masked.defined()) {
+    mask_bytes = masked.to(torch::kUInt8).contiguous();
+    s.mask = mask_bytes.data_ptr<uint8_t>();
+    s.mask_head_stride = mask_bytes.size(0) == 1 ? 0 : s.cols;
+  }
+  return s;
+}
+
+bool attention_softmax_applies(const torch::Tensor& scores, const torch::Tensor& masked) {
+  return fused_kernels_enabled() && scores.device().is_cpu() && scores.dim() == 3 &&
+         scores.scalar_type() == torch::kBFloat16 && scores.is_contiguous() && scores.numel() > 0 &&
+         (!masked.defined() ||
+          (masked.dim() == 3 && masked.size(1) == 1 && masked.size(2) == scores.size(2) &&
+           (masked.size(0) == 1 || masked.size(0) == scores.size(0))));
+}
+
+uint16_t* bits(const torch::Tensor& t) { return static_cast<uint16_t*>(t.data_ptr()); }
+
+}  // namespace
+
+torch::Tensor attention_softmax_bf16(const torch::Tensor& scores, double scale,
+                                     const torch::Tensor& masked) {
+  if (!attention_softmax_applies(scores, masked)) return {};
+  torch::Tensor mask_bytes;
+  const auto s = attention_softmax_shape(scores, scale, masked, mask_bytes);
+  auto probs = torch::empty_like(scores);
+  kernel_table().attention_softmax_bf16(s, bits(scores), bits(probs));
+  return probs;
+}
+
+std::pair<torch::Tensor, torch::Tensor> attention_softmax_backward_bf16(
+    const torch::Tensor& scores, const torch::Tensor& dprobs, double scale,
+    const torch::Tensor& masked) {
+  if (!attention_softmax_applies(scores, masked) || !dprobs.defined() ||
+      dprobs.sizes() != scores.sizes() || dprobs.scalar_type() != torch::kBFloat16 ||
+      !dprobs.device().is_cpu()) {
+    return {};
+  }
+  torch::Tensor mask_bytes;
+  const auto s = attention_softmax_shape(scores, scale, masked, mask_bytes);
+  const auto dp = dprobs.contiguous();
+  auto probs = torch::empty_like(scores), ds = torch::empty_like(scores);
+  kernel_table().attention_softmax_backward_bf16(s, bits(scores), bits(dp), bits(probs), bits(ds));
+  return {probs, ds};
 }
 
 torch::Tensor group_norm_silu(const torch::Tensor& x, int64_t groups, const torch::Tensor& weight,

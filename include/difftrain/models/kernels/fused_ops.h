@@ -38,6 +38,23 @@ torch::Tensor fused_attention(const torch::Tensor& q, const torch::Tensor& k,
 /// (kernels off, another dtype or device): models::gelu then takes torch's.
 torch::Tensor fused_gelu(const torch::Tensor& x, bool tanh_approximation);
 
+/// Attention's softmax for bf16 scores on the CPU (attention_core's bf16 path): scores [n, rows, S]
+/// contiguous (bmm(q, k^T), unscaled), masked [n or 1, 1, S] bool (true: masked) or undefined;
+/// returns softmax(scale * scores) over S in bf16, computed in float32 and rounded once, masked
+/// keys at 0. One pass where the tensor ops make six ([rows, S] each: the scaling, the float32
+/// copy, the softmax, the bf16 copy). Not differentiable (attention_core's Function calls it).
+/// Undefined where it does not apply (kernels off, another dtype, device or shape).
+torch::Tensor attention_softmax_bf16(const torch::Tensor& scores, double scale,
+                                     const torch::Tensor& masked);
+
+/// Its backward with the probabilities recomputed from the same scores: {probs, dscores} where
+/// probs is as above and dscores = scale * p (dprobs - sum(p dprobs)) per row (the gradient of
+/// the unscaled scores), in bf16. dprobs: bf16 [n, rows, S]. Both undefined where it does not
+/// apply.
+std::pair<torch::Tensor, torch::Tensor> attention_softmax_backward_bf16(
+    const torch::Tensor& scores, const torch::Tensor& dprobs, double scale,
+    const torch::Tensor& masked);
+
 /// group_norm(x, groups, weight, bias, eps), then silu when `silu`. x: [N, C, *] in contiguous or
 /// channels-last memory (the output keeps x's layout); weight, bias: [C] or undefined.
 /// Differentiable in x, weight and bias. Fused for float32 CPU tensors when enabled; otherwise
