@@ -134,6 +134,50 @@ TEST(QuantizedWeight, OnePassBf16RoundingMatchesTorchAtTiesTinyHugeAndNaNScales)
   }
 }
 
+TEST(QuantizedWeight, ChainedLayersShareTheDequantizationBufferSafely) {
+  // Three int8 layers of different sizes (the buffer grows, then is reused smaller) in a chain,
+  // forward and backward, in float32 and under bf16 autocast: the values of the same chain on
+  // the dequantized weights. Then a second-order gradient (create_graph), where the weight must
+  // not be the reused buffer.
+  torch::manual_seed(5);
+  std::vector<models::Linear> layers;
+  for (const auto& [in, out] :
+       std::vector<std::pair<int64_t, int64_t>>{{32, 96}, {96, 64}, {64, 24}}) {
+    layers.emplace_back(torch::nn::LinearOptions(in, out));
+    for (auto& p : layers.back()->parameters()) p.set_requires_grad(false);
+    layers.back()->quantize_weight(WeightStorage::kInt8);
+  }
+  const auto chain = [&](torch::Tensor h, bool dense) {
+    for (auto& l : layers) {
+      h = dense ? torch::linear(h, l->quantized_weight().dequantize(), l->bias) : l->forward(h);
+      h = torch::tanh(h);
+    }
+    return h;
+  };
+  for (const bool autocast : {false, true}) {
+    SCOPED_TRACE(autocast ? "bf16 autocast" : "float32");
+    const compat::AutocastRestore guard(c10::DeviceType::CPU, {autocast, torch::kBFloat16});
+    const auto x = torch::randn({4, 7, 32});
+    auto a = x.clone().requires_grad_(), b = x.clone().requires_grad_();
+    const auto ya = chain(a, false), yb = chain(b, true);
+    EXPECT_EQ(qw_max_abs(ya, yb), 0.0);
+    const auto g = torch::randn_like(ya);
+    ya.backward(g);
+    yb.backward(g);
+    EXPECT_LE(qw_max_abs(a.grad(), b.grad()), autocast ? 1e-2 : 1e-6);
+  }
+  auto x = torch::randn({3, 32}, torch::requires_grad());
+  auto xd = x.detach().clone().requires_grad_();
+  const auto gx = torch::autograd::grad({chain(x, false).pow(2).sum()}, {x}, {}, true, true)[0];
+  const auto gxd = torch::autograd::grad({chain(xd, true).pow(2).sum()}, {xd}, {}, true, true)[0];
+  EXPECT_LE(qw_max_abs(gx, gxd), 1e-5);
+  ASSERT_TRUE(gx.requires_grad());
+  // The second-order pass reads the weights the first-order backward's graph kept.
+  const auto ggx = torch::autograd::grad({gx.pow(2).sum()}, {x})[0];
+  const auto ggxd = torch::autograd::grad({gxd.pow(2).sum()}, {xd})[0];
+  EXPECT_LE(qw_max_abs(ggx, ggxd), 1e-4 * (1 + ggxd.abs().max().item<double>()));
+}
+
 TEST(QuantizedWeight, LinearComputesAndBackpropagatesAsItsDequantizedWeight) {
   torch::manual_seed(2);
   models::Linear layer(torch::nn::LinearOptions(48, 40));

@@ -80,10 +80,29 @@ void dequantize_rows(const int8_t* q, const float* scale, T* out, int64_t cols, 
 // (q.to(float32) * scale).to(to), in one pass over the 8 bits for a contiguous int8 weight on the
 // CPU into float32 or bf16 (no float32 temporaries: the per-call dequantization of a LoRA step's
 // frozen base costs about a third of the three-pass form here), else by those tensor ops.
-torch::Tensor dequantize_to(const torch::Tensor& q, const torch::Tensor& scale, torch::Dtype to) {
+//
+// With `scratch` the result is a view of a per-thread buffer that the next such call on the thread
+// overwrites, for a weight used once and dropped (the Functions below, with grad mode off): a fresh
+// tensor per call is, for FLUX.1's 3072 x 12288 MLP weights (72 MiB in bf16), above glibc's 32 MiB
+// mmap threshold, so every call mapped new pages and paid a page fault and the kernel's zeroing
+// per 4 KiB: a third of an int8 LoRA step at 256 tokens here. The buffer keeps the largest weight
+// dequantized so far per thread and dtype (the size one call needed anyway).
+torch::Tensor dequantize_to(const torch::Tensor& q, const torch::Tensor& scale, torch::Dtype to,
+                            bool scratch = false) {
   if (q.device().is_cpu() && q.scalar_type() == torch::kInt8 && q.is_contiguous() &&
       q.numel() > 0 && (to == torch::kFloat32 || to == torch::kBFloat16)) {
-    auto out = torch::empty(q.sizes(), q.options().dtype(to));
+    torch::Tensor out;
+    if (scratch) {
+      thread_local torch::Tensor buffers[2];  // float32, bf16
+      torch::Tensor& buffer = buffers[to == torch::kFloat32 ? 0 : 1];
+      if (!buffer.defined() || buffer.numel() < q.numel()) {
+        buffer = torch::Tensor();  // the old one goes first: the peak is one buffer
+        buffer = torch::empty({q.numel()}, q.options().dtype(to));
+      }
+      out = buffer.narrow(0, 0, q.numel()).view(q.sizes());
+    } else {
+      out = torch::empty(q.sizes(), q.options().dtype(to));
+    }
     const auto s = scale.to(torch::kFloat32).contiguous();
     const int64_t rows = q.size(0), cols = q.numel() / rows;
     const int8_t* in = q.data_ptr<int8_t>();
@@ -110,7 +129,10 @@ torch::Tensor dequantize_to(const torch::Tensor& q, const torch::Tensor& scale, 
 torch::Tensor weight_for(const torch::Tensor& q, const torch::Tensor& scale, torch::Dtype dtype,
                          const torch::Tensor& x) {
   const bool autocast = compat::autocast_enabled(x.device().type());
-  return dequantize_to(q, scale, autocast ? dtype : x.scalar_type());
+  // The scratch buffer only where nothing can keep the weight (a graph recorded in a backward
+  // with create_graph would).
+  return dequantize_to(q, scale, autocast ? dtype : x.scalar_type(),
+                       /*scratch=*/!torch::GradMode::is_enabled());
 }
 
 // y = x W^T + b; backward gives x's gradient only (the weight and bias are frozen).
@@ -128,7 +150,8 @@ class QuantizedLinearFn : public torch::autograd::Function<QuantizedLinearFn> {
   static tensor_list backward(AutogradContext* ctx, tensor_list grads) {
     const auto saved = ctx->get_saved_variables();
     const auto& g = grads[0];
-    const auto w = dequantize_to(saved[0], saved[1], g.scalar_type());
+    const auto w = dequantize_to(saved[0], saved[1], g.scalar_type(),
+                                 /*scratch=*/!torch::GradMode::is_enabled());
     const auto x_dtype = static_cast<torch::Dtype>(ctx->saved_data["x_dtype"].toInt());
     return {g.matmul(w).to(x_dtype), {}, {}, {}, {}};
   }
@@ -161,7 +184,8 @@ class QuantizedConv2dFn : public torch::autograd::Function<QuantizedConv2dFn> {
     const bool cpu_half = g_in.device().is_cpu() && g_in.scalar_type() != torch::kFloat32 &&
                           g_in.scalar_type() != torch::kFloat64;
     const auto g = cpu_half ? g_in.to(torch::kFloat32) : g_in;
-    const auto w = dequantize_to(saved[0], saved[1], g.scalar_type());
+    const auto w = dequantize_to(saved[0], saved[1], g.scalar_type(),
+                                 /*scratch=*/!torch::GradMode::is_enabled());
     // The transposed convolution's output_padding restores the input's size where the stride
     // dropped rows or columns.
     std::vector<int64_t> out_pad(2);
