@@ -5,6 +5,8 @@
 // one-line error, and the timed step loop of the transformer families' LoRA benches (Z-Image,
 // Qwen-Image, Wan).
 
+#include "op_shapes.h"
+
 #include <torch/csrc/autograd/profiler.h>
 #include <torch/cuda.h>
 #include <torch/types.h>
@@ -120,11 +122,12 @@ struct StepTimer {
 
 /// A training bench's loop: `warmup` untimed calls of step(timer), then `steps` timed ones (under
 /// LibTorch's autograd profiler writing `profile` when it is not empty, for
-/// bench/py/op_profile.py); step returns its loss. The peak memory is reset after the warm-up.
-/// Adds the fields every bench prints to `out`: steps, ms_per_step (the median of the timed
-/// steps, as the Python peers report it), ms_forward_backward, ms_optimizer (means),
-/// rss_before_steps_gib (CPU), peak_mem_gib (during the timed steps), peak_mem_kind, final_loss;
-/// with bench/alloc_peak.c preloaded also heap_before_steps_gib and peak_heap_gib (CPU).
+/// bench/py/op_profile.py; a name ending in .shapes: bench/op_shapes.h's table instead); step
+/// returns its loss. The peak memory is reset after the warm-up. Adds the fields every bench prints
+/// to `out`: steps, ms_per_step (the median of the timed steps, as the Python peers report it),
+/// ms_forward_backward, ms_optimizer (means), rss_before_steps_gib (CPU), peak_mem_gib (during the
+/// timed steps), peak_mem_kind, final_loss; with bench/alloc_peak.c preloaded also
+/// heap_before_steps_gib and peak_heap_gib (CPU).
 template <typename Step>
 void run_timed_steps(Step&& step, int64_t warmup, int64_t steps, const std::string& profile,
                      const torch::Device& device, nlohmann::json& out) {
@@ -140,7 +143,12 @@ void run_timed_steps(Step&& step, int64_t warmup, int64_t steps, const std::stri
   torch::Tensor loss;
   {
     std::unique_ptr<torch::autograd::profiler::RecordProfile> recording;
-    if (!profile.empty()) {
+    std::unique_ptr<OpShapeProfile> shapes;
+    const std::string kShapes = ".shapes";
+    if (profile.size() > kShapes.size() &&
+        profile.compare(profile.size() - kShapes.size(), kShapes.size(), kShapes) == 0) {
+      shapes = std::make_unique<OpShapeProfile>(profile);
+    } else if (!profile.empty()) {
       recording = std::make_unique<torch::autograd::profiler::RecordProfile>(profile);
     }
     for (int64_t i = 0; i < steps; ++i) {

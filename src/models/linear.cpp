@@ -67,14 +67,18 @@ torch::Tensor LoraAdapterImpl::forward(const torch::Tensor& x) {
   if (options_.dropout() > 0 && is_training()) {
     h = torch::dropout(h, options_.dropout(), /*train=*/true);
   }
+  // up(down(h)) · scale, the scale applied to the rank-r values in between (the same map; rank
+  // numbers a value instead of out_features), and not at all when it is 1 (alpha = rank).
+  const double s = scale();
   if (!conv_) {
-    return torch::linear(torch::linear(h, down_weight_), up_weight_).mul(scale());
+    torch::Tensor low = torch::linear(h, down_weight_);
+    return torch::linear(s == 1.0 ? low : low.mul(s), up_weight_);
   }
   const auto& o = conv_options_;
   const auto* padding = compat::variant_get_if<torch::ExpandingArray<2>>(&o.padding());
   if (padding == nullptr) throw Error("LoRA on a convolution with string padding is not supported");
   h = torch::conv2d(h, down_weight_, {}, *o.stride(), **padding, *o.dilation());
-  return torch::conv2d(h, up_weight_).mul(scale());
+  return torch::conv2d(s == 1.0 ? h : h.mul(s), up_weight_);
 }
 
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {

@@ -48,10 +48,12 @@ const float kGeluKappa = 0.044715f;
 const float kGeluAlpha = static_cast<float>(M_2_SQRTPI * M_SQRT1_2 * 0.5);
 const float kSqrtHalf = static_cast<float>(M_SQRT1_2);
 
+// The tanh form through 0.5 (1 + tanh(u)) = sigmoid(2u) = 1 / (1 + e^(-2u)): one inline exp
+// (fast_exp) where Sleef's tanh was an out-of-line call and two thirds of the backward's time.
 Vec gelu_value(const Vec& x, bool tanh_approximation) {
   if (tanh_approximation) {
     const Vec inner = Vec(kGeluBeta) * (x + Vec(kGeluKappa) * (x * x * x));
-    return Vec(0.5f) * x * (Vec(1.f) + inner.tanh());
+    return x / (Vec(1.f) + fast_exp(Vec(-2.f) * inner));
   }
   return x * Vec(0.5f) * (Vec(1.f) + (x * Vec(kSqrtHalf)).erf());
 }
@@ -59,14 +61,16 @@ Vec gelu_value(const Vec& x, bool tanh_approximation) {
 // dy * d gelu(x) / dx
 Vec gelu_grad(const Vec& dy, const Vec& x, bool tanh_approximation) {
   if (tanh_approximation) {
+    // d/dx x·s with s = sigmoid(2u): s + 2x·s(1 − s)·u', and s(1 − s) = e·s² for e = e^(-2u)
+    // (no cancellation where s is near 1); it is the tanh form's 0.5(1 + t) + 0.5x(1 − t²)u'.
     const Vec x_sq = x * x;
     const Vec inner = Vec(kGeluBeta) * (x + Vec(kGeluKappa) * (x_sq * x));
-    const Vec t = inner.tanh();
-    const Vec left = Vec(0.5f) * x;
-    const Vec right = Vec(1.f) + t;
+    // e capped at e^80 (fast_exp's e^88.7 is inf, and inf · 0 NaN): where it binds, s is 0 in
+    // bf16 terms either way.
+    const Vec e = fast_exp(at::vec::minimum(Vec(-2.f) * inner, Vec(80.f)));
+    const Vec sig = Vec(1.f) / (Vec(1.f) + e);
     const Vec inner_derivative = Vec(kGeluBeta) * (Vec(1.f) + Vec(3.f * kGeluKappa) * x_sq);
-    const Vec right_derivative = left * (Vec(1.f) - t * t) * inner_derivative;
-    return dy * (Vec(0.5f) * right + right_derivative);
+    return dy * (sig + Vec(2.f) * x * (e * sig * sig) * inner_derivative);
   }
   const Vec cdf = Vec(0.5f) * (Vec(1.f) + (x * Vec(kSqrtHalf)).erf());
   const Vec pdf = Vec(kGeluAlpha) * (Vec(-0.5f) * x * x).exp();

@@ -328,12 +328,35 @@ torch::Tensor DiTAttentionImpl::heads_of(Linear& proj, RMSNorm* norm,
 std::pair<torch::Tensor, torch::Tensor> DiTAttentionImpl::forward(const torch::Tensor& x,
                                                                   const torch::Tensor& context,
                                                                   const RotaryTables& rope,
-                                                                  const torch::Tensor& key_mask) {
+                                                                  const torch::Tensor& key_mask,
+                                                                  int64_t queries_from) {
   const bool joint = !to_add_out_.is_empty();
   TORCH_CHECK(joint == context.defined(), joint ? "the joint attention needs the text stream"
                                                 : "the single-stream attention takes no "
                                                   "text stream");
   const int64_t B = x.size(0), L = x.size(1);
+  TORCH_CHECK(queries_from == 0 || (!joint && queries_from > 0 && queries_from < L),
+              "DiTAttention: queries_from must be 0, or in (0, ", L,
+              ") for the single-stream attention; got ", queries_from);
+  if (queries_from > 0) {
+    // Only the rows from queries_from on are wanted: their queries against every key.
+    const int64_t rows = L - queries_from;
+    torch::Tensor q = heads_of(to_q_, &norm_q_, x.narrow(1, queries_from, rows));
+    torch::Tensor k = heads_of(to_k_, &norm_k_, x);
+    torch::Tensor v = heads_of(to_v_, nullptr, x);
+    q = apply_rotary_emb(q, RotaryTables{rope.cos.narrow(0, queries_from, rows),
+                                         rope.sin.narrow(0, queries_from, rows)});
+    k = apply_rotary_emb(k, rope);
+    if (key_mask.defined()) {
+      TORCH_CHECK(key_mask.dim() == 2 && key_mask.size(0) == B && key_mask.size(1) == L,
+                  "DiTAttention: key_mask must be [", B, ", ", L, "], got ", key_mask.sizes());
+    }
+    const int64_t inner = heads_ * head_dim_;
+    return {multi_head_attention(q.reshape({B, rows, inner}), k.reshape({B, L, inner}),
+                                 v.reshape({B, L, inner}), heads_, /*upcast_attention=*/false,
+                                 /*upcast_softmax=*/true, key_mask),
+            torch::Tensor()};
+  }
   torch::Tensor q = heads_of(to_q_, &norm_q_, x);
   torch::Tensor k = heads_of(to_k_, &norm_k_, x);
   torch::Tensor v = heads_of(to_v_, nullptr, x);

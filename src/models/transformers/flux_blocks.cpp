@@ -46,13 +46,17 @@ FluxSingleTransformerBlockImpl::FluxSingleTransformerBlockImpl(int64_t dim, int6
 
 torch::Tensor FluxSingleTransformerBlockImpl::forward(const torch::Tensor& h,
                                                       const torch::Tensor& temb,
-                                                      const RotaryTables& rope) {
+                                                      const RotaryTables& rope, int64_t keep_from) {
   core::ForwardScope scope(*this);
   const std::vector<torch::Tensor> m = norm_(temb);  // shift, scale, gate
   torch::Tensor n = modulate(h, m[0], m[1]);
-  torch::Tensor mlp = gelu(proj_mlp_(n), /*tanh_approximation=*/true);
-  torch::Tensor a = attn_(n, torch::Tensor(), rope).first;
-  torch::Tensor out = h + m[2].unsqueeze(1) * proj_out_(torch::cat({a, mlp}, 2));
+  const int64_t rows = h.size(1) - keep_from;
+  torch::Tensor kept = keep_from > 0 ? n.narrow(1, keep_from, rows) : n;
+  torch::Tensor mlp = gelu(proj_mlp_(kept), /*tanh_approximation=*/true);
+  // Every row's keys and values; queries only for the kept rows.
+  torch::Tensor a = attn_(n, torch::Tensor(), rope, torch::Tensor(), keep_from).first;
+  torch::Tensor residual = keep_from > 0 ? h.narrow(1, keep_from, rows) : h;
+  torch::Tensor out = residual + m[2].unsqueeze(1) * proj_out_(torch::cat({a, mlp}, 2));
   if (out.scalar_type() == torch::kFloat16) out = out.clamp(-65504, 65504);
   return scope.output(out);
 }

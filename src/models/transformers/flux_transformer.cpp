@@ -331,24 +331,30 @@ torch::Tensor FluxTransformer2DModelImpl::forward_impl(
     }
   }
   torch::Tensor h = torch::cat({txt, img}, 1);  // [B, S + L, D], text first
+  // The model's output drops the text rows: the last single block computes only the image rows
+  // (exactly those rows of its whole output) unless the caller asked for every block's output.
+  bool text_dropped = false;
   for (auto& block : single_transformer_blocks_) {
+    const bool last = &block == &single_transformer_blocks_.back();
+    const int64_t keep_from = last && intermediates == nullptr ? S : 0;
     if (swap) h = swap->enter(index, {h})[0];
     if (ckpt) {
       auto impl = block.ptr();
       h = checkpoint(
-          [impl](const std::vector<torch::Tensor>& in) {
-            return impl->forward(in[0], in[1], RotaryTables{in[2], in[3]});
+          [impl, keep_from](const std::vector<torch::Tensor>& in) {
+            return impl->forward(in[0], in[1], RotaryTables{in[2], in[3]}, keep_from);
           },
           {h, temb, rope.cos, rope.sin});
     } else {
-      h = block->forward(h, temb, rope);
+      h = block->forward(h, temb, rope, keep_from);
     }
+    text_dropped = keep_from > 0;
     if (swap) h = swap->leave(index, {h})[0];
     ++index;
     if (intermediates) intermediates->single.push_back(h);
   }
   const std::vector<torch::Tensor> scale_shift = norm_out_(temb);  // scale FIRST
-  torch::Tensor n = modulate(h.narrow(1, S, L), scale_shift[1], scale_shift[0]);
+  torch::Tensor n = modulate(text_dropped ? h : h.narrow(1, S, L), scale_shift[1], scale_shift[0]);
   if (intermediates) intermediates->norm_out = n;
   return proj_out_(n);
 }

@@ -89,10 +89,14 @@ class DiTAttentionImpl : public torch::nn::Module {
   /// Joint: x [B, L, D] (image), context [B, S, D] (text), rope over the S + L tokens, text
   /// FIRST -> {to_out.0(o_img) [B, L, D], to_add_out(o_txt) [B, S, D]}.
   /// Not joint: x [B, N, D], context undefined -> {o [B, N, heads·head_dim], undefined}.
+  /// queries_from > 0 (not joint only): only the output rows from that token on, [B, N −
+  /// queries_from, heads·head_dim] — their queries against all N keys, the same values as those
+  /// rows of the whole output — for a last block whose other rows are discarded.
   std::pair<torch::Tensor, torch::Tensor> forward(const torch::Tensor& x,
                                                   const torch::Tensor& context,
                                                   const RotaryTables& rope,
-                                                  const torch::Tensor& key_mask = {});
+                                                  const torch::Tensor& key_mask = {},
+                                                  int64_t queries_from = 0);
 
  private:
   // x: [B, N, D] through a projection and its per-head RMSNorm -> [B, N, heads, head_dim].

@@ -43,9 +43,11 @@ TORCH_MODULE(FluxTransformerBlock);
 class FluxSingleTransformerBlockImpl : public torch::nn::Module, public core::HookableModule {
  public:
   FluxSingleTransformerBlockImpl(int64_t dim, int64_t heads, int64_t head_dim);
-  /// h: [B, S + L, D], temb: [B, D] -> [B, S + L, D].
-  torch::Tensor forward(const torch::Tensor& h, const torch::Tensor& temb,
-                        const RotaryTables& rope);
+  /// h: [B, S + L, D], temb: [B, D] -> [B, S + L, D]; with keep_from > 0 only the rows from
+  /// keep_from on, [B, S + L − keep_from, D] (the last block, whose text rows the model drops:
+  /// their queries, MLP and output projection are never computed; the kept rows are the same).
+  torch::Tensor forward(const torch::Tensor& h, const torch::Tensor& temb, const RotaryTables& rope,
+                        int64_t keep_from = 0);
   std::string hook_class_name() const override { return "FluxSingleTransformerBlock"; }
 
  private:
