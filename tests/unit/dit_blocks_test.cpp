@@ -396,6 +396,26 @@ TEST(DiTBlocks, AttentionCoreRecomputesItsProbabilitiesInTheBackward) {
   m::set_fused_kernels_enabled(true);
 }
 
+// token_rows: the rows of x[:, start : start + length], for one sample with the batch stride a
+// matmul folds (LibTorch 2.x copies the weight on every call otherwise), for a batch a copy.
+TEST(DiTBlocks, TokenRowsKeepOneSamplesMemoryWithAFoldableStride) {
+  const auto x = torch::randn({1, 10, 4});
+  const auto r = difftrain::models::token_rows(x, 3, 5);
+  EXPECT_TRUE(torch::equal(r, x.narrow(1, 3, 5)));
+  EXPECT_EQ(r.data_ptr(), x.narrow(1, 3, 5).data_ptr());  // no copy
+  EXPECT_EQ(r.stride(0), 5 * 4);                          // narrow's view keeps 10 * 4
+  EXPECT_EQ(x.narrow(1, 3, 5).stride(0), 10 * 4);
+  const auto xb = torch::randn({2, 10, 4});
+  const auto rb = difftrain::models::token_rows(xb, 3, 5);
+  EXPECT_TRUE(torch::equal(rb, xb.narrow(1, 3, 5)));
+  EXPECT_EQ(rb.stride(0), 5 * 4);
+  // Gradients flow to the rows taken.
+  const auto xg = torch::randn({1, 6, 2}).requires_grad_();
+  difftrain::models::token_rows(xg, 2, 3).sum().backward();
+  EXPECT_TRUE(
+      torch::equal(xg.grad().sum(2).squeeze(0), torch::tensor({0.f, 0.f, 2.f, 2.f, 2.f, 0.f})));
+}
+
 TEST(DiTBlocks, PatchifyOrdersTokensAndChannelsEitherWay) {
   // An image, channels first: FLUX.1's _pack_latents formula.
   const auto z = torch::arange(2 * 3 * 4 * 6).to(torch::kFloat32).reshape({2, 3, 4, 6});

@@ -134,6 +134,13 @@ torch::Tensor apply_rotary_emb(const torch::Tensor& x, const RotaryTables& rope)
   return (x.to(torch::kFloat32) * cos + rotated.to(torch::kFloat32) * sin).to(x.scalar_type());
 }
 
+torch::Tensor token_rows(const torch::Tensor& x, int64_t start, int64_t length) {
+  torch::Tensor rows = x.narrow(1, start, length);
+  // One sample: the same memory with its batch stride re-derived (squeeze, unsqueeze), which
+  // LibTorch 2.x's matmul folds into one mm; a batch's row ranges are really apart: a copy.
+  return x.size(0) == 1 ? rows.squeeze(0).unsqueeze(0) : rows.contiguous();
+}
+
 // ------------------------------------------------------------------ norms
 
 RMSNormImpl::RMSNormImpl(int64_t dim, double eps) : eps_(eps) {
@@ -341,7 +348,7 @@ std::pair<torch::Tensor, torch::Tensor> DiTAttentionImpl::forward(const torch::T
   if (queries_from > 0) {
     // Only the rows from queries_from on are wanted: their queries against every key.
     const int64_t rows = L - queries_from;
-    torch::Tensor q = heads_of(to_q_, &norm_q_, x.narrow(1, queries_from, rows));
+    torch::Tensor q = heads_of(to_q_, &norm_q_, token_rows(x, queries_from, rows));
     torch::Tensor k = heads_of(to_k_, &norm_k_, x);
     torch::Tensor v = heads_of(to_v_, nullptr, x);
     q = apply_rotary_emb(q, RotaryTables{rope.cos.narrow(0, queries_from, rows),
@@ -381,8 +388,8 @@ std::pair<torch::Tensor, torch::Tensor> DiTAttentionImpl::forward(const torch::T
                            v.reshape({B, N, inner}), heads_, /*upcast_attention=*/false,
                            /*upcast_softmax=*/true, key_mask);
   if (!joint) return {o, torch::Tensor()};
-  torch::Tensor o_txt = o.narrow(1, 0, S).contiguous();
-  torch::Tensor o_img = o.narrow(1, S, L).contiguous();
+  torch::Tensor o_txt = token_rows(o, 0, S);
+  torch::Tensor o_img = token_rows(o, S, L);
   return {to_out_0_(o_img), to_add_out_(o_txt)};
 }
 

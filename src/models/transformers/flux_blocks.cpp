@@ -51,7 +51,7 @@ torch::Tensor FluxSingleTransformerBlockImpl::forward(const torch::Tensor& h,
   const std::vector<torch::Tensor> m = norm_(temb);  // shift, scale, gate
   torch::Tensor n = modulate(h, m[0], m[1]);
   const int64_t rows = h.size(1) - keep_from;
-  torch::Tensor kept = keep_from > 0 ? n.narrow(1, keep_from, rows) : n;
+  torch::Tensor kept = keep_from > 0 ? token_rows(n, keep_from, rows) : n;
   torch::Tensor mlp = gelu(proj_mlp_(kept), /*tanh_approximation=*/true);
   // Every row's keys and values; queries only for the kept rows.
   torch::Tensor a = attn_(n, torch::Tensor(), rope, torch::Tensor(), keep_from).first;

@@ -137,8 +137,8 @@ torch::Tensor WanAttentionImpl::forward(const torch::Tensor& x, const torch::Ten
     const int64_t n_img = context.size(1) - 512;
     TORCH_CHECK(n_img >= 0, "WanAttention: the I2V context must end with 512 text tokens, got ",
                 context.size(1), " tokens");
-    image = context.narrow(1, 0, n_img);
-    context = context.narrow(1, n_img, 512);
+    image = token_rows(context, 0, n_img);
+    context = token_rows(context, n_img, 512);
   }
   const int64_t B = x.size(0), D = x.size(2), hd = D / heads_;
   auto heads = [&](const torch::Tensor& t) { return t.view({B, t.size(1), heads_, hd}); };

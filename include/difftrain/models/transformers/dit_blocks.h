@@ -42,6 +42,13 @@ RotaryTables rotary_tables(const torch::Tensor& ids, const std::vector<int64_t>&
 /// backward: float32 bit for bit as the tensor expression, reduced precision rounded once.
 torch::Tensor apply_rotary_emb(const torch::Tensor& x, const RotaryTables& rope);
 
+/// x[:, start : start + length] of x [B, N, ...] in a form every matmul takes without copying a
+/// weight: LibTorch 2.x's matmul (linear's path for a strided 3-D input) folds [B, n, D] into one
+/// mm only when the batch stride is n·D; a narrowed one-sample view (stride N·D, though
+/// is_contiguous() says true) goes to bmm with the weight expanded and copied on every call.
+/// One sample: the same memory, its batch stride re-derived; B > 1: a contiguous copy.
+torch::Tensor token_rows(const torch::Tensor& x, int64_t start, int64_t length);
+
 /// Diffusers' `RMSNorm(dim, eps, elementwise_affine=True)`: x * rsqrt(mean(x², -1) + eps) * weight
 /// with the variance in float32; for bf16/fp16 weights the normalised value is cast to the
 /// weight's dtype before the product. x: [..., dim]. Over one head's features it is the q/k norm.
