@@ -345,26 +345,10 @@ std::pair<torch::Tensor, torch::Tensor> DiTAttentionImpl::forward(const torch::T
   TORCH_CHECK(queries_from == 0 || (!joint && queries_from > 0 && queries_from < L),
               "DiTAttention: queries_from must be 0, or in (0, ", L,
               ") for the single-stream attention; got ", queries_from);
-  if (queries_from > 0) {
-    // Only the rows from queries_from on are wanted: their queries against every key.
-    const int64_t rows = L - queries_from;
-    torch::Tensor q = heads_of(to_q_, &norm_q_, token_rows(x, queries_from, rows));
-    torch::Tensor k = heads_of(to_k_, &norm_k_, x);
-    torch::Tensor v = heads_of(to_v_, nullptr, x);
-    q = apply_rotary_emb(q, RotaryTables{rope.cos.narrow(0, queries_from, rows),
-                                         rope.sin.narrow(0, queries_from, rows)});
-    k = apply_rotary_emb(k, rope);
-    if (key_mask.defined()) {
-      TORCH_CHECK(key_mask.dim() == 2 && key_mask.size(0) == B && key_mask.size(1) == L,
-                  "DiTAttention: key_mask must be [", B, ", ", L, "], got ", key_mask.sizes());
-    }
-    const int64_t inner = heads_ * head_dim_;
-    return {multi_head_attention(q.reshape({B, rows, inner}), k.reshape({B, L, inner}),
-                                 v.reshape({B, L, inner}), heads_, /*upcast_attention=*/false,
-                                 /*upcast_softmax=*/true, key_mask),
-            torch::Tensor()};
-  }
-  torch::Tensor q = heads_of(to_q_, &norm_q_, x);
+  // With queries_from > 0 only the rows from there on are wanted: their queries, every key.
+  const int64_t rows = L - queries_from;
+  torch::Tensor q =
+      heads_of(to_q_, &norm_q_, queries_from > 0 ? token_rows(x, queries_from, rows) : x);
   torch::Tensor k = heads_of(to_k_, &norm_k_, x);
   torch::Tensor v = heads_of(to_v_, nullptr, x);
   const int64_t S = joint ? context.size(1) : 0;
@@ -374,7 +358,9 @@ std::pair<torch::Tensor, torch::Tensor> DiTAttentionImpl::forward(const torch::T
     k = torch::cat({heads_of(add_k_proj_, &norm_added_k_, context), k}, 1);
     v = torch::cat({heads_of(add_v_proj_, nullptr, context), v}, 1);
   }
-  q = apply_rotary_emb(q, rope);
+  q = apply_rotary_emb(q, queries_from > 0 ? RotaryTables{rope.cos.narrow(0, queries_from, rows),
+                                                          rope.sin.narrow(0, queries_from, rows)}
+                                           : rope);
   k = apply_rotary_emb(k, rope);
   const int64_t N = S + L, inner = heads_ * head_dim_;
   if (key_mask.defined()) {
@@ -384,7 +370,7 @@ std::pair<torch::Tensor, torch::Tensor> DiTAttentionImpl::forward(const torch::T
                 "DiTAttention: key_mask must be [", B, ", ", N, "], got ", key_mask.sizes());
   }
   const torch::Tensor o =
-      multi_head_attention(q.reshape({B, N, inner}), k.reshape({B, N, inner}),
+      multi_head_attention(q.reshape({B, S + rows, inner}), k.reshape({B, N, inner}),
                            v.reshape({B, N, inner}), heads_, /*upcast_attention=*/false,
                            /*upcast_softmax=*/true, key_mask);
   if (!joint) return {o, torch::Tensor()};
