@@ -27,6 +27,7 @@
 #include "difftrain/accel/accelerator.h"
 #include "difftrain/core/error.h"
 #include "difftrain/families/flux/lora_layouts.h"
+#include "difftrain/models/kernels/packed_matmul.h"
 #include "difftrain/models/kernels/quantized_weight.h"
 #include "difftrain/models/lora/lora_training.h"
 #include "difftrain/models/transformers/flux_transformer.h"
@@ -178,6 +179,8 @@ int run(int argc, char** argv) {
   out["mode"] = mode;
   out["device"] = device.str();
   out["threads"] = at::get_num_threads();
+  // Frozen layers' input gradients through the packed weight (models/kernels/packed_matmul.h).
+  out["packed_grad_products"] = models::packed_linear_grad_calls();
   const auto mem = acc.memory();
   out["blocks"] = {fo.num_layers(), fo.num_single_layers()};
   out["width"] = fo.inner_dim();

@@ -7,7 +7,7 @@
 #
 #   bash bench/flux_vs_diffusers.sh [--rounds 2] [--threads 2] [--steps 2] [--warmup 1]
 #        [--rows lora,int8,checkpointing,full] [--tokens 256,1024] [--text_tokens 128]
-#        [--blocks 1,2] [--peers default,math] [--libtorch26 0|1] [--unfused 0|1]
+#        [--blocks 1,2] [--peers default,math] [--libtorch26 0|1] [--unfused 0|1] [--unpacked 0|1]
 #
 # Rows: lora (LoRA r16 on Diffusers' 12 FLUX targets, bf16 base), int8 (the same on an int8 base),
 # checkpointing (lora with gradient checkpointing), full (every weight trains, float32 master
@@ -19,7 +19,9 @@
 # LibTorch 2.6 (build-cuda/bench/bench_flux_step in the Debian 13 cuda root, on the CPU; make it
 # with `bash scripts/debian13 run cuda ninja -C build-cuda bench_flux_step` after the root's cmake).
 # --unfused 1 also runs difftrain with DIFFTRAIN_FUSED_KERNELS=0 (the DiT blocks' RoPE and RMSNorm
-# as tensor expressions): what the one-pass kernels buy.
+# as tensor expressions): what the one-pass kernels buy. --unpacked 1 also runs difftrain with
+# DIFFTRAIN_PACKED_GRAD=0 (frozen layers' input gradients through LibTorch's matmul instead of
+# oneDNN's with the weight packed for the call, models/kernels/packed_matmul.h).
 #
 # Memory: bench/alloc_peak.c (built here into build/alloc_peak.so) is LD_PRELOADed into every
 # process and counts the bytes malloc has handed out; each side reports the peak during its timed
@@ -28,7 +30,7 @@ set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 me=flux_vs_diffusers
-rounds=2 threads=2 steps=2 warmup=1 text_tokens=128 blocks=1,2 libtorch26=0 unfused=0
+rounds=2 threads=2 steps=2 warmup=1 text_tokens=128 blocks=1,2 libtorch26=0 unfused=0 unpacked=0
 rows=lora,int8,checkpointing,full tokens=256,1024 peers=default,math
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -43,6 +45,7 @@ while [[ $# -gt 0 ]]; do
     --peers) peers="$2" ;;
     --libtorch26) libtorch26="$2" ;;
     --unfused) unfused="$2" ;;
+    --unpacked) unpacked="$2" ;;
     *) echo "$me: unknown option $1 (see the header of bench/flux_vs_diffusers.sh)" >&2; exit 2 ;;
   esac
   shift 2
@@ -93,12 +96,15 @@ for ((r = 1; r <= rounds; r++)); do
       a=$(LD_PRELOAD="$shim" OMP_NUM_THREADS="$threads" "$bench" $common --lora_rank 16 \
         --mixed_precision bf16 --device cpu 2>/dev/null | tail -1)
       echo "$row $tok difftrain $a" | tee -a "$results"
-      if [[ "$unfused" == 1 ]]; then
+      variants=()
+      [[ "$unfused" == 1 ]] && variants+=(unfused:DIFFTRAIN_FUSED_KERNELS=0)
+      [[ "$unpacked" == 1 ]] && variants+=(unpacked:DIFFTRAIN_PACKED_GRAD=0)
+      for variant in "${variants[@]}"; do
         # shellcheck disable=SC2086
-        a=$(DIFFTRAIN_FUSED_KERNELS=0 LD_PRELOAD="$shim" OMP_NUM_THREADS="$threads" "$bench" \
+        a=$(env "${variant#*:}" LD_PRELOAD="$shim" OMP_NUM_THREADS="$threads" "$bench" \
           $common --lora_rank 16 --mixed_precision bf16 --device cpu 2>/dev/null | tail -1)
-        echo "$row $tok difftrain-unfused $a" | tee -a "$results"
-      fi
+        echo "$row $tok difftrain-${variant%%:*} $a" | tee -a "$results"
+      done
       if [[ "$libtorch26" == 1 ]]; then
         # shellcheck disable=SC2086
         a=$(bash scripts/debian13 run cuda env LD_PRELOAD="$shim" OMP_NUM_THREADS="$threads" \

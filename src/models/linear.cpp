@@ -4,6 +4,7 @@
 #include "difftrain/core/torch_compat.h"
 #include "difftrain/models/checkpointing.h"
 #include "difftrain/models/kernels/fused_ops.h"
+#include "difftrain/models/kernels/packed_matmul.h"
 #include "difftrain/models/kernels/winograd_conv.h"
 
 #include <torch/nn/functional/conv.h>
@@ -81,9 +82,53 @@ torch::Tensor LoraAdapterImpl::forward(const torch::Tensor& x) {
   return torch::conv2d(s == 1.0 ? h : h.mul(s), up_weight_);
 }
 
+namespace {
+
+// linear(x, weight, bias) for a weight (and bias) that does not train: the backward computes the
+// input gradient alone, through linear_input_grad (kernels/packed_matmul.h).
+class FrozenLinearFn : public torch::autograd::Function<FrozenLinearFn> {
+ public:
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x,
+                               const torch::Tensor& weight, const torch::Tensor& bias) {
+    ctx->save_for_backward({weight});
+    // torch::nn::functional::linear, as LinearImpl computes otherwise (for 3-D inputs a bf16
+    // product, then the bias added: not at::linear's one rounding), so the forward's numbers do
+    // not depend on which path a layer takes.
+    return torch::nn::functional::linear(x, weight, bias.numel() > 0 ? bias : torch::Tensor());
+  }
+  static torch::autograd::tensor_list backward(torch::autograd::AutogradContext* ctx,
+                                               torch::autograd::tensor_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    return {linear_input_grad(grads[0], saved[0]), {}, {}};
+  }
+};
+
+// The dtype x is multiplied in: bf16 under CPU autocast to bf16 (autocast casts it), else its own.
+torch::Dtype compute_dtype(const torch::Tensor& x) {
+  if (x.device().is_cpu() && x.scalar_type() == torch::kFloat32 &&
+      compat::autocast_enabled(c10::DeviceType::CPU) &&
+      compat::autocast_dtype(c10::DeviceType::CPU) == torch::kBFloat16) {
+    return torch::kBFloat16;
+  }
+  return x.scalar_type();
+}
+
+}  // namespace
+
 torch::Tensor LinearImpl::forward(const torch::Tensor& x) {
-  torch::Tensor y =
-      qweight_.defined() ? quantized_linear(x, qweight_, bias) : torch::nn::LinearImpl::forward(x);
+  torch::Tensor y;
+  if (qweight_.defined()) {
+    y = quantized_linear(x, qweight_, bias);
+  } else if (torch::GradMode::is_enabled() && x.requires_grad() && x.dim() > 0 &&
+             !weight.requires_grad() && (!bias.defined() || !bias.requires_grad()) &&
+             packed_linear_grad_applies(x.numel() / std::max<int64_t>(x.size(-1), 1), weight,
+                                        compute_dtype(x))) {
+    // A frozen layer (a LoRA step's base) in a step with enough rows for the packed path.
+    y = FrozenLinearFn::apply(x.to(torch::kBFloat16), weight,
+                              bias.defined() ? bias : torch::empty({0}, weight.options()));
+  } else {
+    y = torch::nn::LinearImpl::forward(x);
+  }
   if (lora_.is_empty()) return y;
   return y + lora_->forward(x);
 }

@@ -4,6 +4,7 @@
 
 #include "difftrain/core/error.h"
 #include "difftrain/core/torch_compat.h"
+#include "difftrain/models/kernels/packed_matmul.h"
 #include "difftrain/models/linear.h"
 
 #include <ATen/Parallel.h>
@@ -153,7 +154,7 @@ class QuantizedLinearFn : public torch::autograd::Function<QuantizedLinearFn> {
     const auto w = dequantize_to(saved[0], saved[1], g.scalar_type(),
                                  /*scratch=*/!torch::GradMode::is_enabled());
     const auto x_dtype = static_cast<torch::Dtype>(ctx->saved_data["x_dtype"].toInt());
-    return {g.matmul(w).to(x_dtype), {}, {}, {}, {}};
+    return {linear_input_grad(g, w).to(x_dtype), {}, {}, {}, {}};
   }
 };
 
