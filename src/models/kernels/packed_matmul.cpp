@@ -119,30 +119,42 @@ std::shared_ptr<const Prims> prims_for(int64_t m, int64_t n, int64_t k) {
   return cache.emplace(key, std::move(p)).first->second;
 }
 
-torch::Tensor bytes(size_t n) {
-  return torch::empty({static_cast<int64_t>(std::max<size_t>(n, 1))}, torch::kUInt8);
+// n bytes of this thread's buffer `which` (0: the packed weight, 1: the scratchpad), kept from
+// call to call and grown as needed: a FLUX.1 MLP weight packs into 72-90 MiB, above glibc's mmap
+// threshold, and a fresh allocation each call paid a page fault and the kernel's zeroing per
+// 4 KiB page (the reorder took 35-47 ms in a training step against ~10 ms into reused memory).
+void* thread_buffer(int which, size_t n) {
+  thread_local torch::Tensor buffers[2];
+  torch::Tensor& buffer = buffers[which];
+  const auto want = static_cast<int64_t>(std::max<size_t>(n, 1));
+  if (!buffer.defined() || buffer.numel() < want) {
+    buffer = torch::Tensor();  // the old one goes first: the peak is one buffer
+    buffer = torch::empty({want}, torch::kUInt8);
+  }
+  return buffer.data_ptr();
 }
 
 // The product through `p`: g2 [m, n] and w [n, k] contiguous bf16.
 torch::Tensor run(const Prims& p, const torch::Tensor& g2, const torch::Tensor& w) {
   auto& eng = cpu_engine();
   auto out = torch::empty({g2.size(0), w.size(1)}, g2.options());
-  const auto packed = bytes(p.w_packed.get_size());
-  const auto scratch = bytes(std::max(p.matmul_scratch.get_size(), p.pack_scratch.get_size()));
+  void* packed = thread_buffer(0, p.w_packed.get_size());
+  void* scratch =
+      thread_buffer(1, std::max(p.matmul_scratch.get_size(), p.pack_scratch.get_size()));
   memory w_src(p.w_plain, eng, w.data_ptr());
-  memory w_dst(p.w_packed, eng, packed.data_ptr());
+  memory w_dst(p.w_packed, eng, packed);
   memory g_mem(p.g_md, eng, g2.data_ptr());
   memory out_mem(p.out_md, eng, out.data_ptr());
   dnnl::stream stream(eng);
   std::unordered_map<int, memory> pack_args{{DNNL_ARG_FROM, w_src}, {DNNL_ARG_TO, w_dst}};
   if (p.pack_scratch.get_size() > 0) {
-    pack_args.insert({DNNL_ARG_SCRATCHPAD, memory(p.pack_scratch, eng, scratch.data_ptr())});
+    pack_args.insert({DNNL_ARG_SCRATCHPAD, memory(p.pack_scratch, eng, scratch)});
   }
   p.pack.execute(stream, pack_args);
   std::unordered_map<int, memory> args{
       {DNNL_ARG_SRC, g_mem}, {DNNL_ARG_WEIGHTS, w_dst}, {DNNL_ARG_DST, out_mem}};
   if (p.matmul_scratch.get_size() > 0) {
-    args.insert({DNNL_ARG_SCRATCHPAD, memory(p.matmul_scratch, eng, scratch.data_ptr())});
+    args.insert({DNNL_ARG_SCRATCHPAD, memory(p.matmul_scratch, eng, scratch)});
   }
   p.matmul.execute(stream, args);
   stream.wait();
