@@ -2,6 +2,7 @@
 #include "difftrain/distributed/process_group.h"
 #include "difftrain/launch/env_report.h"
 #include "difftrain/models/kernels/fused_ops.h"
+#include "difftrain/models/kernels/packed_matmul.h"
 #include "difftrain/models/kernels/winograd_conv.h"
 
 #include <iostream>
@@ -31,7 +32,7 @@ int run_env() {
   const std::string kernels = "- CPU kernels: fused attention and GroupNorm+SiLU " +
                               std::string(models::fused_kernels_enabled() ? "on" : "off") + " (" +
                               models::fused_kernels_isa() + "); " + models::winograd_conv_status() +
-                              "\n";
+                              "; " + models::packed_linear_grad_status() + "\n";
   const auto cpu = report.find("- CPU: ");
   const auto eol = cpu == std::string::npos ? std::string::npos : report.find('\n', cpu);
   if (eol == std::string::npos) {
