@@ -83,10 +83,12 @@ TEST(PackedMatmul, DeclinesWhereItDoesNotApply) {
   const auto few = torch::randn({models::kPackedGradMinRows - 1, 64}).to(torch::kBFloat16);
   const auto many = torch::randn({models::kPackedGradMinRows, 64}).to(torch::kBFloat16);
   // Below the row threshold, float32, or a non-contiguous weight: LibTorch's product, bit for bit.
-  for (const auto& [g, wt] : std::vector<std::pair<torch::Tensor, torch::Tensor>>{
+  for (const auto& operands : std::vector<std::pair<torch::Tensor, torch::Tensor>>{
            {few, w},
            {many.to(torch::kFloat32), w.to(torch::kFloat32)},
            {many, w.t().contiguous().t()}}) {
+    // Named copies: a lambda may not capture a structured binding in C++17 (clang refuses).
+    const torch::Tensor g = operands.first, wt = operands.second;
     torch::Tensor y;
     EXPECT_FALSE(took_packed_path([&] { y = models::linear_input_grad(g, wt); }));
     EXPECT_TRUE(torch::equal(y, g.matmul(wt)));
